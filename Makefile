@@ -1,0 +1,53 @@
+# The two commands a fresh machine needs: `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU-only hosts get this build; a host whose python already imports torch (GPU hosts with
+# their own CUDA build) keeps it: the venv then sees system site-packages.
+TORCH_SPEC ?= torch==2.13.0
+RUN_ARGS ?= --prefill 2 --decode 4
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+PACKAGES := pdserve engine transport prefill decode router detokenizer frontend launcher benchmarks
+
+.PHONY: run test lint typecheck pytest setup setup-test fixtures clean
+
+$(BIN)/python:
+	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+		echo "keeping the torch installed for $(PYTHON)"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV) && $(BIN)/pip install -q --upgrade pip && \
+		$(BIN)/pip install -q "$(TORCH_SPEC)"; \
+	fi
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e .
+	@touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[test]"
+	@touch $@
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
+
+fixtures: setup
+	$(PY) -m pdserve.tiny_models
+
+run: setup
+	$(BIN)/launch $(RUN_ARGS)
+
+lint: setup-test
+	$(BIN)/ruff check $(PACKAGES) tests
+	$(BIN)/ruff format --check $(PACKAGES) tests
+
+typecheck: setup-test
+	$(BIN)/mypy
+
+pytest: setup-test
+	$(PY) -m pytest
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

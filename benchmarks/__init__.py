@@ -1,0 +1,1 @@
+"""Benchmarks: each compares against a baseline in the same run; see README.md."""

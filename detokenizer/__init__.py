@@ -1,0 +1,1 @@
+"""The sharded detokenizer pool: exact incremental detokenization and stop strings."""

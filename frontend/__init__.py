@@ -1,0 +1,1 @@
+"""The HTTP frontend: OpenAI-compatible API, native /generate, request state, metrics."""

@@ -1,0 +1,1 @@
+"""The `launch` command: spawning, GPU assignment, health, restart, shutdown."""

@@ -1,0 +1,1 @@
+"""The prefill worker: batched, chunked prefill, first-token sampling and KV export."""

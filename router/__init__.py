@@ -1,0 +1,1 @@
+"""Request placement: the shared-memory load table and the routing policies."""

@@ -1,0 +1,1 @@
+"""Everything that moves between processes on one host: message rings and KV handoff."""

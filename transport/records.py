@@ -1,0 +1,260 @@
+"""Every record that crosses a process boundary, and its binary codec.
+
+No record is ever pickled: a record is data, never code. Two encodings:
+
+* ``TokenBatch`` (engine -> detokenizer, the hot path: one record per engine step) is
+  columnar: a fixed header followed by numpy columns, decoded with ``np.frombuffer``
+  on a private copy of the ring bytes. Cost is flat in batch size per column, not per
+  request.
+* Everything else is a msgspec struct in a tagged union, msgpack-encoded with
+  ``array_like`` (positional fields, small and fast). Control messages are rare.
+
+A ring record is ``kind byte`` + body; ``encode``/``decode`` are the only entry points.
+
+Who sends what (see DESIGN.md §1):
+    frontend  -> prefill i   GenerateRequest, AbortRequest
+    frontend  -> decode j    AbortRequest
+    frontend  -> detok k     DetokRegister, AbortRequest
+    prefill i -> decode j    KVTransfer          (KV is ready in prefill's pool)
+    decode j  -> prefill i   KVRelease           (copied or refused: prefill frees blocks)
+    prefill i -> detok k     TokenBatch          (first tokens)
+    decode j  -> detok k     TokenBatch          (the rest)
+    detok k   -> decode j    AbortRequest        (a stop string matched: stop and free)
+    detok k   -> frontend    TextBatch
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from engine.sampling_params import SamplingParams
+
+
+class Finish(enum.IntEnum):
+    """Why a request ended; NONE while it is still running."""
+
+    NONE = 0
+    STOP = 1  # EOS, a stop token id, or a stop string
+    LENGTH = 2  # max_tokens or max_model_len
+    ABORT = 3  # the client went away, or the frontend cancelled it
+    ERROR = 4  # an unrecoverable failure; the record carries a message
+
+
+class DetokParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The detokenizer's half of a request's options."""
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+
+class _Msg(msgspec.Struct, array_like=True, tag_field="k", frozen=True):
+    pass
+
+
+class GenerateRequest(_Msg, tag="gen"):
+    """A request admitted by the frontend, sent to the prefill worker it was routed to.
+
+    ``output_ids`` is non-empty only when a request is resumed after its decode worker
+    died: prefill then recomputes KV for prompt + output_ids and samples output
+    position ``len(output_ids)``.
+    """
+
+    rid: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    decode_worker: int
+    detok_shard: int
+    output_ids: list[int] = []
+
+
+class AbortRequest(_Msg, tag="abort"):
+    rid: int
+
+
+class DetokRegister(_Msg, tag="reg"):
+    """Opens a request's state in its detokenizer shard, before any token can arrive.
+
+    ``output_ids`` are tokens already streamed to the client (a request re-registered
+    after a shard restart): the shard rebuilds its state from them and emits no text for
+    them.
+    """
+
+    rid: int
+    params: DetokParams
+    prompt_len: int
+    num_logprobs: int | None = None
+    output_ids: list[int] = []
+
+
+class KVTransfer(_Msg, tag="kv"):
+    """KV for ``num_tokens`` positions of ``rid`` is pinned in prefill's blocks ``src_blocks``.
+
+    Carries everything the decode worker needs to continue the request: the tokens the
+    KV covers are ``(prompt_ids + output_ids)[:num_tokens]``; the last output token has
+    been sampled but not yet run through the model.
+    """
+
+    rid: int
+    prefill_worker: int
+    src_blocks: list[int]
+    num_tokens: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    sampling: SamplingParams
+    detok_shard: int
+
+
+class KVRelease(_Msg, tag="kvrel"):
+    """Decode no longer needs prefill's blocks for ``rid`` (copied, refused or aborted)."""
+
+    rid: int
+    accepted: bool
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = []
+
+
+class TextDelta(msgspec.Struct, array_like=True, frozen=True):
+    """New text of one request since its previous delta.
+
+    ``token_ids`` are the output tokens this delta covers; ``text`` may lag them while a
+    partial UTF-8 sequence or a possible stop-string prefix is held back.
+    ``stop_reason`` is the matched stop string or stop token id when finish is STOP.
+    """
+
+    rid: int
+    text: str
+    token_ids: list[int]
+    finish: int = 0
+    stop_reason: str | int | None = None
+    num_output_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+class TextBatch(_Msg, tag="text"):
+    items: list[TextDelta]
+
+
+Control = GenerateRequest | AbortRequest | DetokRegister | KVTransfer | KVRelease | TextBatch
+
+
+@dataclass(slots=True)
+class TokenBatch:
+    """One engine step's new tokens for many requests, as columns.
+
+    Shapes, B = number of requests, K = top logprobs per token (0 if none requested
+    by any request in the batch; requests asking fewer than K ignore the tail):
+        rids         (B,)   int64
+        positions    (B,)   int32   index of the token in the request's output
+        token_ids    (B,)   int32
+        logprobs     (B,)   float32 NaN when the request asked for no logprobs
+        finish       (B,)   int8    Finish value; non-zero ends the request
+        top_ids      (B, K) int32
+        top_logprobs (B, K) float32
+    """
+
+    rids: np.ndarray
+    positions: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    finish: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.rids.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        rids: list[int],
+        positions: list[int],
+        token_ids: list[int],
+        logprobs: list[float] | None = None,
+        finish: list[int] | None = None,
+        top_ids: np.ndarray | None = None,
+        top_logprobs: np.ndarray | None = None,
+    ) -> TokenBatch:
+        b = len(rids)
+        return cls(
+            rids=np.asarray(rids, dtype=np.int64),
+            positions=np.asarray(positions, dtype=np.int32),
+            token_ids=np.asarray(token_ids, dtype=np.int32),
+            logprobs=np.asarray(logprobs if logprobs is not None else [np.nan] * b, np.float32),
+            finish=np.asarray(finish if finish is not None else [0] * b, dtype=np.int8),
+            top_ids=(top_ids if top_ids is not None else np.zeros((b, 0), np.int32)).astype(
+                np.int32, copy=False
+            ),
+            top_logprobs=(
+                top_logprobs if top_logprobs is not None else np.zeros((b, 0), np.float32)
+            ).astype(np.float32, copy=False),
+        )
+
+
+_KIND_TOKENS = 1
+_KIND_CONTROL = 2
+_TB_HEADER = struct.Struct("<BxxxII")  # kind, pad, B, K
+_TB_COLUMNS = (
+    ("rids", np.int64),
+    ("positions", np.int32),
+    ("token_ids", np.int32),
+    ("logprobs", np.float32),
+    ("finish", np.int8),
+)
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Control)
+
+
+class RecordError(ValueError):
+    """A record's bytes do not decode: a bug or memory corruption, never user input."""
+
+
+def encode(msg: Control | TokenBatch) -> bytes:
+    if isinstance(msg, TokenBatch):
+        b, k = msg.size, int(msg.top_ids.shape[1]) if msg.top_ids.ndim == 2 else 0
+        parts = [_TB_HEADER.pack(_KIND_TOKENS, b, k)]
+        for name, dtype in _TB_COLUMNS:
+            parts.append(np.ascontiguousarray(getattr(msg, name), dtype=dtype).tobytes())
+        parts.append(np.ascontiguousarray(msg.top_ids, dtype=np.int32).tobytes())
+        parts.append(np.ascontiguousarray(msg.top_logprobs, dtype=np.float32).tobytes())
+        return b"".join(parts)
+    return bytes([_KIND_CONTROL]) + _encoder.encode(msg)
+
+
+def decode(buf: bytes | bytearray | memoryview) -> Control | TokenBatch:
+    """Decode a record. ``buf`` must be a private copy: arrays returned are views of it."""
+    if len(buf) == 0:
+        raise RecordError("empty record")
+    kind = buf[0]
+    if kind == _KIND_CONTROL:
+        try:
+            return _decoder.decode(memoryview(buf)[1:])
+        except msgspec.DecodeError as e:
+            raise RecordError(f"bad control record: {e}") from e
+    if kind != _KIND_TOKENS:
+        raise RecordError(f"unknown record kind {kind}")
+    _, b, k = _TB_HEADER.unpack_from(buf, 0)
+    offset = _TB_HEADER.size
+    cols: dict[str, np.ndarray] = {}
+    for name, dtype in _TB_COLUMNS:
+        cols[name] = np.frombuffer(buf, dtype=dtype, count=b, offset=offset)
+        offset += b * np.dtype(dtype).itemsize
+    cols["top_ids"] = np.frombuffer(buf, np.int32, b * k, offset).reshape(b, k)
+    offset += b * k * 4
+    cols["top_logprobs"] = np.frombuffer(buf, np.float32, b * k, offset).reshape(b, k)
+    offset += b * k * 4
+    if offset != len(buf):
+        raise RecordError(f"token batch of {len(buf)} bytes, expected {offset}")
+    return TokenBatch(**cols)
