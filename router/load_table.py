@@ -1,0 +1,327 @@
+"""The load table: one shared-memory row per worker, written by it, read by the router.
+
+Who does what:
+    launcher   creates the segment and constructs ``LoadTable(buf, n)`` first (that
+               writes the header); may mark a slot DEAD after it has reaped the worker.
+    worker     ``w = table.writer(slot)``; ``w.claim(role, index)`` once at start (bumps the
+               slot's generation); then ``w.publish(...)`` every engine step and at least
+               every ~250 ms while idle, and ``w.set_state(...)`` on transitions.
+    frontend   ``table.snapshot()`` before each placement (router) and for /health.
+
+Layout: a 64-byte header, then ``num_workers`` rows of 128 bytes (two cache lines, so a
+worker's stores never share a line with its neighbours'). Every row is guarded by its own
+seqlock: the writer makes ``seq`` odd, writes the payload, makes ``seq`` even; a reader
+accepts a copy only if ``seq`` was even and unchanged around it, so it never sees a torn row.
+
+Memory ordering. A seqlock needs the writer's stores ordered (seq-odd before payload before
+seq-even) and the reader's loads ordered (seq before payload before seq). x86-64 is TSO:
+stores reach other cores in program order and loads are not reordered with loads, and every
+access here happens inside a separate opaque C call, which the C compiler cannot reorder
+across. So on x86-64 plain accesses suffice. aarch64 may reorder both; there we need real
+barriers, taken from ``transport._atomics`` (C ``__atomic`` builtins): the writer does
+store(seq odd); fence; payload; store_release(seq even), the reader load_acquire(seq);
+payload; fence; load_acquire(seq). When that extension is not built, the table falls back
+to plain accesses and logs a warning on non-x86 machines: rows are then advisory, and a
+reordered read could be torn. The helper is used on x86-64 too when present (it costs two
+C calls per publish), so both architectures run the same code path.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import platform
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+try:
+    from transport import _atomics
+except ImportError:  # pragma: no cover - depends on whether the C helper was built
+    _atomics = None  # type: ignore[assignment]
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        logger.warning(
+            "transport._atomics is not built: load-table reads are unfenced on %s and may "
+            "be torn; build it (pip install -e .) for correct ordering",
+            platform.machine(),
+        )
+
+
+class Role(enum.IntEnum):
+    NONE = 0  # a slot no worker has claimed yet
+    PREFILL = 1
+    DECODE = 2
+    COLOCATED = 3  # prefills and decodes its own requests; no KV transfer
+
+
+class WorkerState(enum.IntEnum):
+    EMPTY = 0  # never claimed (a zero-filled row reads as this)
+    STARTING = 1  # loading the model; not routable yet
+    READY = 2
+    DRAINING = 3  # finishing what it has; takes nothing new
+    DEAD = 4  # reaped by the launcher, or the row could not be read consistently
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One consistent copy of a row.
+
+    ``requests_received`` and ``prompt_tokens_received`` are cumulative over the current
+    generation: what the worker has taken off its request channel. The router compares them
+    with what it has sent to know what is still in flight.
+    """
+
+    slot: int
+    role: Role
+    index: int
+    pid: int
+    state: WorkerState
+    generation: int
+    heartbeat_ns: int  # time.monotonic_ns() of the last publish (CLOCK_MONOTONIC, host-wide)
+    queued_prefill_tokens: int
+    waiting_requests: int
+    running_requests: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    block_size: int
+    requests_received: int
+    prompt_tokens_received: int
+
+
+HEADER_NBYTES = 64
+ROW_NBYTES = 128
+_MAGIC = 0x7064_6C6F_6164_7462  # "pdloadtb"
+_VERSION = 1
+_HEADER = struct.Struct("<QII")  # magic, version, num_workers
+# Row payload after the 8-byte seq, packed in one call by the writer. The numpy dtype below
+# names the same bytes for the reader; test_load_table pins that the two agree.
+_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBB")
+_PAYLOAD_FIELDS = (
+    "heartbeat_ns",
+    "queued_prefill_tokens",
+    "prompt_tokens_received",
+    "requests_received",
+    "generation",
+    "pid",
+    "index",
+    "waiting_requests",
+    "running_requests",
+    "free_kv_blocks",
+    "total_kv_blocks",
+    "block_size",
+    "role",
+    "state",
+)
+ROW_DTYPE = np.dtype(
+    {
+        "names": ["seq", *_PAYLOAD_FIELDS],
+        "formats": ["<u8", "<i8", "<i8", "<i8", "<i8", "<u4"] + ["<i4"] * 7 + ["u1", "u1"],
+        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73],
+        "itemsize": ROW_NBYTES,
+    }
+)
+_SPIN_READS = 64  # retries before yielding the CPU to a (possibly preempted) writer
+_MAX_READ_NS = 2_000_000  # a row still torn after this is reported DEAD (writer died mid-write)
+
+
+class LoadTableError(ValueError):
+    """The buffer does not hold a load table of the expected shape."""
+
+
+class LoadTable:
+    """A view of the table over ``buf`` (any writable buffer: mmap, memoryview, bytearray).
+
+    The first constructor over a zero-filled buffer writes the header; later ones (in other
+    processes) check it. ``buf`` must stay alive and mapped as long as the table is used.
+    """
+
+    @staticmethod
+    def layout_nbytes(num_workers: int) -> int:
+        if num_workers < 1:
+            raise LoadTableError(f"a load table needs at least one row, got {num_workers}")
+        return HEADER_NBYTES + num_workers * ROW_NBYTES
+
+    def __init__(self, buf: Any, num_workers: int) -> None:
+        view = memoryview(buf).cast("B")
+        if view.readonly:
+            raise LoadTableError("the load table needs a writable buffer")
+        need = self.layout_nbytes(num_workers)
+        if view.nbytes < need:
+            raise LoadTableError(f"buffer of {view.nbytes} bytes, {need} needed")
+        self._view = view
+        self.num_workers = num_workers
+        self._init_or_check_header()
+        self._rows = np.frombuffer(view, ROW_DTYPE, num_workers, HEADER_NBYTES)
+        # NOTE: the array keeps the buffer exported, so these addresses stay valid.
+        base = self._rows.__array_interface__["data"][0]
+        assert base % 8 == 0, "seq words must be 8-byte aligned for atomic access"
+        self._seq_addrs = [base + i * ROW_NBYTES for i in range(num_workers)]
+
+    def _init_or_check_header(self) -> None:
+        magic, version, n = _HEADER.unpack_from(self._view, 0)
+        if magic == 0:
+            _HEADER.pack_into(self._view, 0, _MAGIC, _VERSION, self.num_workers)
+            return
+        if magic != _MAGIC or version != _VERSION:
+            raise LoadTableError(f"not a v{_VERSION} load table (magic {magic:#x}, v{version})")
+        if n != self.num_workers:
+            raise LoadTableError(f"table has {n} rows, caller expects {self.num_workers}")
+
+    def writer(self, slot: int) -> RowWriter:
+        if not 0 <= slot < self.num_workers:
+            raise IndexError(f"slot {slot} outside 0..{self.num_workers - 1}")
+        return RowWriter(self._view, HEADER_NBYTES + slot * ROW_NBYTES, self._seq_addrs[slot])
+
+    def snapshot(self) -> list[WorkerLoad]:
+        """A consistent copy of every row, indexed by slot."""
+        out: list[WorkerLoad | None] = [None] * self.num_workers
+        pending = list(range(self.num_workers))
+        deadline = time.monotonic_ns() + _MAX_READ_NS
+        attempt = 0
+        while pending:
+            pending = self._read_pass(pending, out)
+            attempt += 1
+            if pending and attempt >= _SPIN_READS:
+                if time.monotonic_ns() > deadline:
+                    for s in pending:
+                        logger.warning("load-table row %d stayed mid-write; reporting it DEAD", s)
+                        out[s] = _unreadable(s)
+                    break
+                os.sched_yield()
+        return [load for load in out if load is not None]
+
+    def _read_pass(self, slots: list[int], out: list[WorkerLoad | None]) -> list[int]:
+        """Read ``slots`` under their seqlocks; fill ``out``; return the slots to retry."""
+        before = [_load_acquire(self._seq_addrs[s], self._rows, s) for s in slots]
+        rows = self._rows.copy().tolist()  # one memcpy of the table, then plain tuples
+        _fence()
+        retry = []
+        for s, s1 in zip(slots, before, strict=True):
+            if s1 & 1 or _load_acquire(self._seq_addrs[s], self._rows, s) != s1:
+                retry.append(s)
+            else:
+                out[s] = _to_load(s, rows[s])
+        return retry
+
+
+class RowWriter:
+    """The only writer of one row. Keeps the row's values locally and republishes them whole."""
+
+    def __init__(self, view: memoryview, offset: int, seq_addr: int) -> None:
+        self._view = view
+        self._offset = offset
+        self._seq_addr = seq_addr
+        self._seq_view = np.frombuffer(view, np.uint64, 1, offset)
+        old = dict(zip(_PAYLOAD_FIELDS, _PAYLOAD.unpack_from(view, offset + 8), strict=True))
+        self._values: dict[str, int] = old
+
+    @property
+    def generation(self) -> int:
+        return self._values["generation"]
+
+    def claim(self, role: Role, index: int, pid: int | None = None, block_size: int = 0) -> int:
+        """Take the slot for a (re)started worker: a new generation, state STARTING, no load.
+
+        Returns the new generation. A writer that died mid-write left ``seq`` odd; the next
+        write makes it even again, so a reclaimed slot becomes readable.
+        """
+        gen = (self._values["generation"] + 1) & 0xFFFF_FFFF
+        self._values = dict.fromkeys(_PAYLOAD_FIELDS, 0)
+        self._values.update(
+            generation=gen,
+            role=int(role),
+            index=index,
+            pid=os.getpid() if pid is None else pid,
+            block_size=block_size,
+            state=int(WorkerState.STARTING),
+        )
+        self._write()
+        return gen
+
+    def publish(
+        self,
+        *,
+        queued_prefill_tokens: int | None = None,
+        waiting_requests: int | None = None,
+        running_requests: int | None = None,
+        free_kv_blocks: int | None = None,
+        total_kv_blocks: int | None = None,
+        requests_received: int | None = None,
+        prompt_tokens_received: int | None = None,
+    ) -> None:
+        """Refresh the heartbeat and any load fields given; others keep their last value."""
+        given = {
+            "queued_prefill_tokens": queued_prefill_tokens,
+            "waiting_requests": waiting_requests,
+            "running_requests": running_requests,
+            "free_kv_blocks": free_kv_blocks,
+            "total_kv_blocks": total_kv_blocks,
+            "requests_received": requests_received,
+            "prompt_tokens_received": prompt_tokens_received,
+        }
+        for name, value in given.items():
+            if value is not None:
+                self._values[name] = value
+        self._write()
+
+    def set_state(self, state: WorkerState) -> None:
+        self._values["state"] = int(state)
+        self._write()
+
+    def _write(self) -> None:
+        self._values["heartbeat_ns"] = time.monotonic_ns()
+        # Odd (even -> odd, or a dead writer's odd -> next odd): readers back off.
+        seq = (int(self._seq_view[0]) + 1) | 1
+        self._seq_view[0] = seq
+        _fence()
+        _PAYLOAD.pack_into(self._view, self._offset + 8, *self._values.values())
+        _store_release(self._seq_addr, self._seq_view, seq + 1)
+
+
+_ROLES = {int(r): r for r in Role}
+_STATES = {int(st): st for st in WorkerState}
+# Positions in a row tuple (seq first, then the payload) of WorkerLoad's fields, in order.
+_LOAD_NAMES = list(WorkerLoad.__dataclass_fields__)[1:]  # all but slot
+_LOAD_COLUMNS = [1 + _PAYLOAD_FIELDS.index(f) for f in _LOAD_NAMES]
+_ROLE_AT, _STATE_AT = _LOAD_NAMES.index("role"), _LOAD_NAMES.index("state")
+
+
+def _to_load(slot: int, row: tuple[int, ...]) -> WorkerLoad:
+    role, state = _ROLES.get(row[-2]), _STATES.get(row[-1])
+    if role is None or state is None:
+        # Corrupt enum bytes mean a foreign or broken writer: never route to it.
+        logger.warning("load-table row %d holds an unknown role/state; reporting it DEAD", slot)
+        return _unreadable(slot)
+    values: list[Any] = [row[c] for c in _LOAD_COLUMNS]
+    values[_ROLE_AT], values[_STATE_AT] = role, state
+    return WorkerLoad(slot, *values)
+
+
+def _unreadable(slot: int) -> WorkerLoad:
+    zeros = dict.fromkeys(_PAYLOAD_FIELDS, 0)
+    del zeros["role"], zeros["state"]
+    return WorkerLoad(slot=slot, role=Role.NONE, state=WorkerState.DEAD, **zeros)
+
+
+def _fence() -> None:
+    if _atomics is not None:
+        _atomics.fence()
+
+
+def _load_acquire(addr: int, rows: np.ndarray, slot: int) -> int:
+    if _atomics is not None:
+        return _atomics.load_acquire(addr)
+    return int(rows["seq"][slot])
+
+
+def _store_release(addr: int, seq_view: np.ndarray, value: int) -> None:
+    if _atomics is not None:
+        _atomics.store_release(addr, value)
+    else:
+        seq_view[0] = value

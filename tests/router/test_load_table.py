@@ -1,0 +1,156 @@
+"""The shared-memory load table: layout, claims, generations, and untorn reads across processes."""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from router import load_table as lt
+from router.load_table import LoadTable, LoadTableError, Role, WorkerState
+
+
+def _table(n: int) -> tuple[mmap.mmap, LoadTable]:
+    buf = mmap.mmap(-1, LoadTable.layout_nbytes(n))
+    return buf, LoadTable(buf, n)
+
+
+def test_numpy_row_layout_matches_the_packed_payload() -> None:
+    assert lt.ROW_DTYPE.itemsize == lt.ROW_NBYTES
+    assert 8 + lt._PAYLOAD.size <= lt.ROW_NBYTES
+    raw = bytearray(lt.ROW_NBYTES)
+    values = list(range(1, len(lt._PAYLOAD_FIELDS) + 1))
+    lt._PAYLOAD.pack_into(raw, 8, *values)
+    row = np.frombuffer(raw, lt.ROW_DTYPE)[0]
+    assert [int(row[f]) for f in lt._PAYLOAD_FIELDS] == values
+
+
+def test_fresh_slots_read_as_empty_and_are_never_ready() -> None:
+    _, table = _table(3)
+    snap = table.snapshot()
+    assert [r.slot for r in snap] == [0, 1, 2]
+    assert all(r.state is WorkerState.EMPTY and r.role is Role.NONE for r in snap)
+
+
+def test_publish_is_visible_to_a_second_view_of_the_same_buffer() -> None:
+    buf, table = _table(2)
+    w = table.writer(1)
+    w.claim(Role.DECODE, 3, pid=1234, block_size=16)
+    w.publish(free_kv_blocks=90, total_kv_blocks=100, running_requests=4)
+    w.set_state(WorkerState.READY)
+    row = LoadTable(buf, 2).snapshot()[1]
+    assert (row.role, row.index, row.pid, row.state) == (Role.DECODE, 3, 1234, WorkerState.READY)
+    assert (row.free_kv_blocks, row.total_kv_blocks, row.running_requests) == (90, 100, 4)
+    assert row.block_size == 16 and row.heartbeat_ns > 0
+
+
+def test_publish_keeps_fields_it_was_not_given() -> None:
+    _, table = _table(1)
+    w = table.writer(0)
+    w.claim(Role.PREFILL, 0)
+    w.publish(queued_prefill_tokens=500, waiting_requests=3)
+    first = table.snapshot()[0]
+    w.publish(waiting_requests=2)
+    second = table.snapshot()[0]
+    assert second.queued_prefill_tokens == 500 and second.waiting_requests == 2
+    assert second.heartbeat_ns >= first.heartbeat_ns
+
+
+def test_reclaiming_a_slot_bumps_its_generation_and_clears_load() -> None:
+    buf, table = _table(1)
+    w = table.writer(0)
+    assert w.claim(Role.PREFILL, 0, pid=10) == 1
+    w.publish(queued_prefill_tokens=777, requests_received=9)
+    w.set_state(WorkerState.READY)
+    # A restarted worker attaches afresh, as a new process would.
+    again = LoadTable(buf, 1).writer(0)
+    assert again.claim(Role.PREFILL, 0, pid=11) == 2
+    row = table.snapshot()[0]
+    assert (row.generation, row.pid, row.state) == (2, 11, WorkerState.STARTING)
+    assert row.queued_prefill_tokens == 0 and row.requests_received == 0
+
+
+def test_a_writer_killed_mid_write_makes_its_row_dead_until_reclaimed() -> None:
+    buf, table = _table(2)
+    table.writer(0).claim(Role.PREFILL, 0)
+    table.writer(0).set_state(WorkerState.READY)
+    seq_offset = lt.HEADER_NBYTES  # slot 0's seq word
+    (seq,) = struct.unpack_from("<Q", buf, seq_offset)
+    struct.pack_into("<Q", buf, seq_offset, seq + 1)  # odd: what a SIGKILL mid-write leaves
+    assert table.snapshot()[0].state is WorkerState.DEAD
+    LoadTable(buf, 2).writer(0).claim(Role.PREFILL, 0)
+    assert table.snapshot()[0].state is WorkerState.STARTING
+
+
+def test_header_mismatches_are_typed_errors() -> None:
+    buf, _ = _table(2)
+    with pytest.raises(LoadTableError, match="2 rows"):
+        LoadTable(buf, 1)
+    with pytest.raises(LoadTableError, match="needed"):
+        LoadTable(bytearray(10), 1)
+    with pytest.raises(LoadTableError, match="writable"):
+        LoadTable(bytes(LoadTable.layout_nbytes(1)), 1)
+    with pytest.raises(LoadTableError, match="at least one"):
+        LoadTable.layout_nbytes(0)
+
+
+# -- across processes ------------------------------------------------------------------
+
+_ROWS = 2
+_WRITES = 20_000
+
+
+def _hammer(path: str, slot: int) -> None:
+    """Child process: publish rows whose load fields all equal the same counter."""
+    with open(path, "r+b") as f:
+        buf = mmap.mmap(f.fileno(), 0)
+    w = LoadTable(buf, _ROWS).writer(slot)
+    w.claim(Role.PREFILL, slot)
+    for k in range(1, _WRITES + 1):
+        w.publish(
+            queued_prefill_tokens=k,
+            waiting_requests=k,
+            running_requests=k,
+            free_kv_blocks=k,
+            total_kv_blocks=k,
+            requests_received=k,
+            prompt_tokens_received=k,
+        )
+
+
+def test_readers_never_see_a_torn_row_while_other_processes_write(tmp_path: Path) -> None:
+    path = tmp_path / "table"
+    path.write_bytes(bytes(LoadTable.layout_nbytes(_ROWS)))
+    with open(path, "r+b") as f:
+        buf = mmap.mmap(f.fileno(), 0)
+    table = LoadTable(buf, _ROWS)
+    ctx = mp.get_context("spawn")
+    writers = [ctx.Process(target=_hammer, args=(str(path), s)) for s in range(_ROWS)]
+    for p in writers:
+        p.start()
+    reads, seen = 0, set()
+    while any(p.is_alive() for p in writers) or reads == 0:
+        for row in table.snapshot():
+            fields = {
+                row.queued_prefill_tokens,
+                row.waiting_requests,
+                row.running_requests,
+                row.free_kv_blocks,
+                row.total_kv_blocks,
+                row.requests_received,
+                row.prompt_tokens_received,
+            }
+            assert len(fields) == 1, f"torn row {row}"
+            seen.add(row.queued_prefill_tokens)
+            reads += 1
+    for p in writers:
+        p.join(10)
+        assert p.exitcode == 0
+    final = table.snapshot()
+    assert all(r.queued_prefill_tokens == _WRITES for r in final)
+    # The check raced real writes, not only the finished rows.
+    assert len(seen) > 2
