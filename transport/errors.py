@@ -1,0 +1,36 @@
+"""Typed errors raised at the transport boundary."""
+
+from __future__ import annotations
+
+
+class TransportError(RuntimeError):
+    """Base class of every error the transport raises."""
+
+
+class ShmTooSmall(TransportError):
+    """/dev/shm cannot hold a segment: a deployment error, caught at startup."""
+
+    def __init__(self, tag: str, needed: int, free: int) -> None:
+        super().__init__(
+            f"/dev/shm has {free / 2**20:.1f} MiB free but segment {tag!r} needs "
+            f"{needed / 2**20:.1f} MiB. Give the container more shared memory "
+            "(docker run --shm-size=<size>, e.g. --shm-size=8g, or --ipc=host)."
+        )
+        self.needed = needed
+        self.free = free
+
+
+class RingFull(TransportError):
+    """put() timed out: the consumer did not free space in time. Nothing was written."""
+
+
+class RecordTooLarge(TransportError):
+    """A record can never fit the ring, whatever the consumer does."""
+
+
+class PeerDead(TransportError):
+    """The process on the other side of a ring has exited."""
+
+
+class KVTransferError(TransportError):
+    """A KV block copy cannot be done as asked (bad block ids, unknown source, layout)."""

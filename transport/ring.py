@@ -1,0 +1,265 @@
+"""Single-producer/single-consumer byte rings in shared memory.
+
+Layout of a ring segment (all u64, little-endian; each cursor and flag on its own 128-byte
+line so the two sides never write the same cache line; 128 covers aarch64 parts with
+128-byte lines and x86's adjacent-line prefetcher):
+
+    0      magic, capacity           written once by the creator
+    128    tail      producer-owned  total bytes ever published
+    256    head      consumer-owned  total bytes ever released
+    384    sleeping  consumer sets 1 before it sleeps; the producer clears it and rings
+    512    waiting   producer sets 1 before it sleeps on a full ring; the consumer clears it
+    640    producer pid, 768 consumer pid   written on attach (see liveness.py)
+    4096   data[capacity]                   capacity a power of two
+
+A record is a u32 length, 4 pad bytes, then the payload padded to 8 bytes; it may wrap
+around the end of the data area (copied in two pieces). Cursors grow monotonically and are
+masked on use, so ``tail - head`` is the number of bytes in flight and never overflows.
+
+Ordering argument (why this holds on aarch64 as on x86-64). Payload bytes are plain
+stores/loads through the mmap; only the cursors use the ordered accesses of ``_atomics``:
+  * producer: write payload, then ``store_release(tail)``; consumer: ``load_acquire(tail)``,
+    then read payload. Release/acquire on the same word means every payload byte written
+    before the release is visible to loads after the acquire.
+  * consumer: copy the payload out, then ``store_release(head)``; producer:
+    ``load_acquire(head)`` before overwriting. The release also orders the consumer's
+    earlier *loads*, so the producer never overwrites bytes that are still being read.
+    That is also why ``get`` copies out before releasing: no view of ring memory escapes.
+  * sleep/wake needs a full fence on both sides (store-load order); see doorbell.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from transport import _atomics
+from transport.doorbell import Doorbell, block_on, drain_eventfd, new_eventfd
+from transport.errors import PeerDead, RecordTooLarge, RingFull
+from transport.liveness import PeerWatch
+from transport.segment import Segment
+
+Role = Literal["producer", "consumer"]
+
+_MAGIC = 0x70647365_72696E67  # "pdsering"
+_OFF_MAGIC, _OFF_CAP = 0, 8
+_OFF_TAIL, _OFF_HEAD, _OFF_SLEEPING, _OFF_WAITING = 128, 256, 384, 512
+_OFF_PID = {"producer": 640, "consumer": 768}
+_DATA = 4096
+_LEN = struct.Struct("<Ixxxx")
+_SLICE_S = 0.5  # longest kernel sleep between liveness checks of a full ring
+
+
+@dataclass(frozen=True, slots=True)
+class RingSpec:
+    """Everything a child needs to attach: inherited fds (segment, doorbell, space) + size."""
+
+    tag: str
+    fd: int
+    capacity: int
+    doorbell_fd: int
+    space_fd: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RingSpec:
+        return cls(**json.loads(text))
+
+
+def footprint(nbytes: int) -> int:
+    """Ring bytes a record of ``nbytes`` occupies: header + payload padded to 8."""
+    return _LEN.size + ((nbytes + 7) & ~7)
+
+
+class Ring:
+    """One side of an SPSC ring. Create in the launcher, attach in each peer."""
+
+    def __init__(self, spec: RingSpec, role: Role | None, doorbell_fd: int) -> None:
+        self.spec = spec
+        self.role = role
+        self._seg = Segment.attach_fd(spec.fd, _DATA + spec.capacity, spec.tag)
+        self._mm = self._seg.buf
+        self._anchor = ctypes.c_char.from_buffer(self._mm)  # pins the mapping while we live
+        base = ctypes.addressof(self._anchor)
+        self._tail_addr, self._head_addr = base + _OFF_TAIL, base + _OFF_HEAD
+        self._sleeping_addr, self._waiting_addr = base + _OFF_SLEEPING, base + _OFF_WAITING
+        self._cap, self._mask = spec.capacity, spec.capacity - 1
+        self._doorbell_fd = doorbell_fd
+        self._head = _atomics.load_acquire(self._head_addr)
+        self._tail = _atomics.load_acquire(self._tail_addr)
+        self._peer: PeerWatch | None = None
+        if role is not None:
+            _atomics.store_release(base + _OFF_PID[role], os.getpid())
+            peer = "consumer" if role == "producer" else "producer"
+            self._peer = PeerWatch(base + _OFF_PID[peer], f"ring {spec.tag} {peer}")
+
+    @classmethod
+    def create(cls, tag: str, capacity: int, doorbell: Doorbell | None = None) -> Ring:
+        """Create a ring (launcher side). ``doorbell``: the consumer's, else a private one."""
+        if capacity < 64 or capacity & (capacity - 1):
+            raise ValueError(f"ring capacity must be a power of two >= 64, got {capacity}")
+        seg = Segment.create(f"ring.{tag}", _DATA + capacity)
+        struct.pack_into("<QQ", seg.buf, _OFF_MAGIC, _MAGIC, capacity)
+        seg.close()
+        bell_fd = doorbell.fd if doorbell is not None else new_eventfd()
+        spec = RingSpec(tag, seg.spec.fd, capacity, bell_fd, new_eventfd())
+        return cls(spec, None, bell_fd)
+
+    @classmethod
+    def attach(cls, spec: RingSpec, role: Role, doorbell: Doorbell | None = None) -> Ring:
+        """Attach as ``role``; ``doorbell`` overrides the consumer doorbell in the spec."""
+        return cls(spec, role, doorbell.fd if doorbell is not None else spec.doorbell_fd)
+
+    # ---- producer -------------------------------------------------------------------
+
+    def try_put(self, record: bytes) -> bool:
+        """Publish ``record`` if it fits now; False if the ring is full. Never blocks."""
+        need = self._check_size(record)
+        if not self._has_space(need):
+            return False
+        self._write(record, need)
+        return True
+
+    def put(self, record: bytes, timeout: float | None = None) -> None:
+        """Publish ``record``, waiting for space up to ``timeout`` seconds (None: forever).
+
+        Raises RecordTooLarge, RingFull on timeout, PeerDead if the consumer has exited
+        while the ring is full. Nothing is written when it raises.
+        """
+        need = self._check_size(record)
+        if not self._has_space(need):
+            self._wait_space(need, timeout)
+        self._write(record, need)
+
+    def _check_size(self, record: bytes) -> int:
+        assert self.role == "producer", f"put on a {self.role} side of ring {self.spec.tag}"
+        need = footprint(len(record))
+        if need > self._cap:
+            raise RecordTooLarge(
+                f"record of {len(record)} bytes needs {need} ring bytes; ring "
+                f"{self.spec.tag} holds {self._cap}"
+            )
+        return need
+
+    def _has_space(self, need: int) -> bool:
+        if self._tail + need - self._head <= self._cap:
+            return True
+        self._head = _atomics.load_acquire(self._head_addr)
+        return self._tail + need - self._head <= self._cap
+
+    def _write(self, record: bytes, need: int) -> None:
+        pos = self._tail & self._mask
+        _LEN.pack_into(self._mm, _DATA + pos, len(record))
+        start = (pos + _LEN.size) & self._mask
+        first = min(len(record), self._cap - start)
+        view = memoryview(record)
+        self._mm[_DATA + start : _DATA + start + first] = view[:first]
+        if first < len(record):
+            self._mm[_DATA : _DATA + len(record) - first] = view[first:]
+        self._tail += need
+        _atomics.store_release(self._tail_addr, self._tail)
+        _atomics.fence()
+        if _atomics.load_acquire(self._sleeping_addr) and _atomics.exchange(self._sleeping_addr, 0):
+            os.eventfd_write(self._doorbell_fd, 1)
+
+    def _wait_space(self, need: int, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        assert self._peer is not None
+        while True:
+            _atomics.store_release(self._waiting_addr, 1)
+            _atomics.fence()
+            if self._has_space(need):
+                return
+            if not self._peer.alive():
+                raise PeerDead(f"consumer of ring {self.spec.tag} (pid {self._peer.pid}) died")
+            remaining = _SLICE_S if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                raise RingFull(f"ring {self.spec.tag} full for {timeout}s")
+            pidfd = self._peer.pidfd()
+            fds = [self.spec.space_fd] if pidfd is None else [self.spec.space_fd, pidfd]
+            block_on(fds, min(remaining, _SLICE_S))
+            drain_eventfd(self.spec.space_fd)
+
+    # ---- consumer -------------------------------------------------------------------
+
+    def readable(self) -> bool:
+        """True if a record is waiting (consumer side; cheap, no syscall)."""
+        if self._head != self._tail:
+            return True
+        self._tail = _atomics.load_acquire(self._tail_addr)
+        return self._head != self._tail
+
+    def _read_one(self) -> bytes:
+        pos = self._head & self._mask
+        (n,) = _LEN.unpack_from(self._mm, _DATA + pos)
+        start = (pos + _LEN.size) & self._mask
+        first = min(n, self._cap - start)
+        record = self._mm[_DATA + start : _DATA + start + first].tobytes()
+        if first < n:
+            record += self._mm[_DATA : _DATA + n - first].tobytes()
+        self._head += footprint(n)
+        return record
+
+    def get_nowait(self) -> bytes | None:
+        """Copy out and release the oldest record, or None if the ring is empty."""
+        if not self.readable():
+            return None
+        record = self._read_one()
+        self._release()
+        return record
+
+    def drain(self, max_records: int) -> list[bytes]:
+        """Copy out and release up to ``max_records`` records (one release for all)."""
+        out: list[bytes] = []
+        while len(out) < max_records and self.readable():
+            out.append(self._read_one())
+        if out:
+            self._release()
+        return out
+
+    def reset(self) -> None:
+        """Discard everything queued (a restarted consumer drops its predecessor's records)."""
+        assert self.role == "consumer"
+        self._head = self._tail = _atomics.load_acquire(self._tail_addr)
+        self._release()
+
+    def _release(self) -> None:
+        _atomics.store_release(self._head_addr, self._head)
+        _atomics.fence()
+        if _atomics.load_acquire(self._waiting_addr) and _atomics.exchange(self._waiting_addr, 0):
+            os.eventfd_write(self.spec.space_fd, 1)
+
+    # ---- both -----------------------------------------------------------------------
+
+    def announce_sleep(self) -> None:
+        _atomics.store_release(self._sleeping_addr, 1)
+
+    def peer_alive(self) -> bool:
+        """False once the other side has exited (known within one poll of its pidfd)."""
+        assert self._peer is not None, "the creator's handle has no peer"
+        return self._peer.alive()
+
+    def peer_pidfd(self) -> int | None:
+        return None if self._peer is None else self._peer.pidfd()
+
+    def on_peer_pidfd_ready(self) -> None:
+        assert self._peer is not None
+        self._peer.on_pidfd_ready()
+
+    def used_bytes(self) -> int:
+        return _atomics.load_acquire(self._tail_addr) - _atomics.load_acquire(self._head_addr)
+
+    def close(self) -> None:
+        """Unmap this side. fds stay open (the launcher re-hands them to restarted peers)."""
+        if self._peer is not None:
+            self._peer.close()
+        del self._anchor
+        self._mm = memoryview(b"")
+        self._seg.close()

@@ -1,0 +1,138 @@
+"""Shared-memory segments that never outlive their processes.
+
+Lifecycle (DESIGN.md §2): the launcher creates every segment before it spawns workers:
+``shm_open(O_CREAT|O_EXCL, 0600)`` under a unique name ``pdserve.<creator pid>.<tag>``,
+``posix_fallocate`` of the full size (so a small /dev/shm fails here with a message, not
+with SIGBUS in a worker later), then the name is unlinked at once. Workers inherit the fd
+(``subprocess.Popen(pass_fds=...)``) and map it; the memory lives exactly as long as some
+process holds the fd or a mapping, so SIGKILL of every process leaves nothing in /dev/shm.
+The only window in which a name exists is between ``shm_open`` and ``unlink`` in the
+creator; ``sweep_stale`` removes what a creator killed inside that window left behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import mmap
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import posix_ipc
+
+from transport.errors import ShmTooSmall
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+_PREFIX = "pdserve."
+_STALE = re.compile(r"^pdserve\.(\d+)\.")
+_TAG = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSpec:
+    """How a child finds a segment: the inherited fd number and the mapped size."""
+
+    tag: str
+    fd: int
+    nbytes: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> SegmentSpec:
+        return cls(**json.loads(text))
+
+
+def shm_free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+class Segment:
+    """A mapped shared-memory segment. ``buf`` is writable; ``close()`` unmaps it."""
+
+    def __init__(self, spec: SegmentSpec, owner: bool) -> None:
+        self.spec = spec
+        self.owner = owner
+        self._mmap = mmap.mmap(spec.fd, spec.nbytes, mmap.MAP_SHARED)
+        self.buf = memoryview(self._mmap)
+
+    @classmethod
+    def create(cls, tag: str, nbytes: int) -> Segment:
+        """Create, reserve and unlink a segment; the caller passes ``spec.fd`` to children.
+
+        Raises ShmTooSmall when /dev/shm cannot hold ``nbytes``.
+        """
+        if not _TAG.match(tag):
+            raise ValueError(f"segment tag {tag!r} must match {_TAG.pattern}")
+        if nbytes <= 0:
+            raise ValueError(f"segment {tag!r}: nbytes must be positive, got {nbytes}")
+        free = shm_free_bytes()
+        if nbytes > free:
+            raise ShmTooSmall(tag, nbytes, free)
+        name = f"/{_PREFIX}{os.getpid()}.{tag}"
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+        try:
+            _reserve(shm.fd, nbytes, tag)
+        finally:
+            shm.unlink()
+        return cls(SegmentSpec(tag=tag, fd=shm.fd, nbytes=nbytes), owner=True)
+
+    @classmethod
+    def attach(cls, spec: SegmentSpec) -> Segment:
+        """Map a segment whose fd this process inherited (or created)."""
+        return cls(spec, owner=False)
+
+    @classmethod
+    def attach_fd(cls, fd: int, nbytes: int, tag: str) -> Segment:
+        return cls(SegmentSpec(tag=tag, fd=fd, nbytes=nbytes), owner=False)
+
+    def close(self) -> None:
+        """Unmap. The fd stays open: the launcher keeps it to hand to restarted workers."""
+        self.buf.release()
+        self._mmap.close()
+
+    def close_fd(self) -> None:
+        os.close(self.spec.fd)
+
+
+def _reserve(fd: int, nbytes: int, tag: str) -> None:
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.ENOSPC, errno.EFBIG):
+            raise ShmTooSmall(tag, nbytes, shm_free_bytes()) from e
+        raise
+
+
+def sweep_stale(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink ``pdserve.<pid>.*`` names whose creator is dead; returns the names removed."""
+    removed = []
+    for path in shm_dir.glob(f"{_PREFIX}*"):
+        m = _STALE.match(path.name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path.name)
+        logger.warning("removed stale shared memory %s left by dead pid %s", path, m.group(1))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
