@@ -1,0 +1,258 @@
+"""One detokenizer shard's state machine: tokens in, text deltas out. No I/O.
+
+Who calls what (the shard process, ``detokenizer/worker.py``, is the only caller):
+    register(msg)            a request is admitted (always before its tokens, in practice)
+    on_tokens(batch, j)      an engine step's tokens; j = decode worker, None = prefill
+    abort(rid)               the frontend cancelled the request
+    take_outputs()           once per loop iteration: the TextBatch for the frontend and
+                             the stop notifications for decode workers
+
+Tokens are applied strictly in output position order. A token that arrives early (out of
+order, or before its request is registered) waits until the gap fills; a token for a
+request that already finished is dropped. A finished request's state is dropped at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from detokenizer.incremental import Detokenizer, TokenTable
+from detokenizer.stop_strings import StopMatcher
+from transport.records import (
+    AbortRequest,
+    DetokRegister,
+    Finish,
+    TextBatch,
+    TextDelta,
+    TokenBatch,
+    TokenLogprob,
+)
+
+logger = logging.getLogger(__name__)
+
+# Bounds on bookkeeping for requests this shard holds no state for.
+_MAX_FINISHED_REMEMBERED = 1 << 16
+_MAX_EARLY_REQUESTS = 4096
+
+# The sampled token's logprob and the top-N (ids, logprobs); None when none were sent.
+_RawLogprobs = tuple[float, list[int], list[float]] | None
+
+
+@dataclass(slots=True)
+class _Token:
+    token_id: int
+    finish: int
+    source: int | None  # decode worker index, None for the prefill worker
+    logprobs: _RawLogprobs
+
+
+@dataclass(slots=True)
+class _Request:
+    rid: int
+    detok: Detokenizer
+    feed: Callable[[int], str]  # detok.feed, bound once: it is called per token
+    stop: StopMatcher | None
+    num_logprobs: int | None
+    next_pos: int = 0
+    pending: dict[int, _Token] = field(default_factory=dict)  # position -> early token
+    # Output since the last take_outputs():
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish: Finish = Finish.NONE
+    stop_reason: str | int | None = None
+
+
+class _FifoSet:
+    """A set that forgets its oldest members past ``cap`` (bounded memory)."""
+
+    def __init__(self, cap: int) -> None:
+        self._items: dict[int, None] = {}
+        self._cap = cap
+
+    def add(self, key: int) -> None:
+        self._items[key] = None
+        if len(self._items) > self._cap:
+            del self._items[next(iter(self._items))]
+
+    def discard(self, key: int) -> bool:
+        return self._items.pop(key, 0) is None
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._items
+
+
+class DetokShard:
+    def __init__(self, tokenizer: Any) -> None:
+        self.table = TokenTable(tokenizer)
+        self._reqs: dict[int, _Request] = {}
+        self._early: dict[int, dict[int, _Token]] = {}  # rid -> position -> token
+        self._finished = _FifoSet(_MAX_FINISHED_REMEMBERED)
+        # Stopped by a string on a prefill token: the decode worker is not known yet.
+        self._unnotified = _FifoSet(_MAX_FINISHED_REMEMBERED)
+        self._dirty: dict[int, _Request] = {}
+        self._notify: list[tuple[int, AbortRequest]] = []
+
+    @property
+    def num_active(self) -> int:
+        return len(self._reqs)
+
+    def register(self, msg: DetokRegister) -> None:
+        if msg.rid in self._reqs:
+            logger.warning("rid %d registered twice; keeping the first registration", msg.rid)
+            return
+        self._finished.discard(msg.rid)
+        params = msg.params
+        detok = self.table.new_stream(params.skip_special_tokens)
+        stop = StopMatcher(params.stop, params.include_stop_str_in_output)
+        req = _Request(msg.rid, detok, detok.feed, stop if stop.active else None, msg.num_logprobs)
+        self._reqs[msg.rid] = req
+        self._replay(req, msg.output_ids)
+        for pos, tok in sorted(self._early.pop(msg.rid, {}).items()):
+            if msg.rid in self._reqs:
+                self._place(req, pos, tok)
+
+    def _replay(self, req: _Request, output_ids: list[int]) -> None:
+        """Rebuild state from tokens the client already has: their released text is not
+        sent again, but text still held back (partial UTF-8, partial stop) stays held."""
+        ids = self.table.clamp(np.asarray(output_ids, dtype=np.int64)).tolist()
+        for token_id in ids:
+            self._consume(req, _Token(token_id, 0, None, None))
+            if req.finish != Finish.NONE:
+                return
+        req.text.clear()
+        req.ids.clear()
+        self._dirty.pop(req.rid, None)
+
+    def abort(self, rid: int) -> None:
+        self._early.pop(rid, None)
+        req = self._reqs.get(rid)
+        if req is None:
+            self._finished.add(rid)
+            return
+        self._finish(req, Finish.ABORT, None)
+
+    def on_tokens(self, batch: TokenBatch, source_decode: int | None) -> None:
+        rids = batch.rids.tolist()
+        positions = batch.positions.tolist()
+        token_ids = self.table.clamp(batch.token_ids).tolist()
+        finish = batch.finish.tolist()
+        with_logprobs = batch.top_ids.shape[1] > 0 or not bool(np.isnan(batch.logprobs).all())
+        reqs = self._reqs
+        for i, rid in enumerate(rids):
+            raw = _raw_logprobs(batch, i) if with_logprobs else None
+            tok = _Token(token_ids[i], finish[i], source_decode, raw)
+            req = reqs.get(rid)
+            if req is None:
+                self._orphan(rid, positions[i], tok)
+            elif positions[i] == req.next_pos and not req.pending:
+                self._consume(req, tok)
+            else:
+                self._place(req, positions[i], tok)
+
+    def take_outputs(self) -> tuple[TextBatch | None, list[tuple[int, AbortRequest]]]:
+        items = [self._delta(req) for req in self._dirty.values()]
+        self._dirty = {}
+        notify, self._notify = self._notify, []
+        return (TextBatch(items=items) if items else None), notify
+
+    def _orphan(self, rid: int, pos: int, tok: _Token) -> None:
+        """A token for a request this shard holds no state for."""
+        if tok.source is not None and self._unnotified.discard(rid):
+            self._notify.append((tok.source, AbortRequest(rid=rid)))
+        if rid in self._finished:
+            return
+        early = self._early.setdefault(rid, {})
+        early[pos] = tok
+        if len(self._early) > _MAX_EARLY_REQUESTS:
+            dropped = next(iter(self._early))
+            logger.warning("rid %d: tokens never registered, dropping them", dropped)
+            del self._early[dropped]
+
+    def _place(self, req: _Request, pos: int, tok: _Token) -> None:
+        """Apply an out-of-order token, or park it until the gap before it fills."""
+        if pos < req.next_pos:
+            logger.debug("rid %d: duplicate token at position %d ignored", req.rid, pos)
+            return
+        req.pending[pos] = tok
+        while req.finish == Finish.NONE and req.next_pos in req.pending:
+            self._consume(req, req.pending.pop(req.next_pos))
+
+    def _consume(self, req: _Request, tok: _Token) -> None:
+        """Apply the token at ``req.next_pos``."""
+        req.next_pos += 1
+        req.ids.append(tok.token_id)
+        if req.num_logprobs is not None and tok.logprobs is not None:
+            req.logprobs.append(self._logprob(tok.token_id, tok.logprobs, req.num_logprobs))
+        text = req.feed(tok.token_id)
+        if tok.finish:
+            text += req.detok.flush()
+        if req.stop is not None:
+            text, match = req.stop.feed(text)
+            if match is not None:
+                req.text.append(match.text)
+                self._stop_decode(req, tok)
+                self._finish(req, Finish.STOP, match.stop)
+                return
+            if tok.finish:
+                text += req.stop.flush()
+        if text:
+            req.text.append(text)
+        self._dirty[req.rid] = req
+        if tok.finish:
+            self._finish(req, Finish(tok.finish), tok.token_id)
+
+    def _stop_decode(self, req: _Request, tok: _Token) -> None:
+        """A stop string matched: tell the decode worker to stop and free the KV."""
+        source = tok.source
+        if source is None:  # matched on the prefill token; a parked decode token knows j
+            source = next((t.source for t in req.pending.values() if t.source is not None), None)
+        if source is None:
+            self._unnotified.add(req.rid)
+        else:
+            self._notify.append((source, AbortRequest(rid=req.rid)))
+
+    def _finish(self, req: _Request, reason: Finish, stop_reason: str | int | None) -> None:
+        req.finish = reason
+        req.stop_reason = stop_reason if reason == Finish.STOP else None
+        req.pending.clear()
+        del self._reqs[req.rid]
+        self._finished.add(req.rid)
+        self._dirty[req.rid] = req
+
+    def _logprob(
+        self, token_id: int, raw: tuple[float, list[int], list[float]], n: int
+    ) -> TokenLogprob:
+        text = self.table.token_text
+        top = [(text(t), lp) for t, lp in zip(raw[1][:n], raw[2][:n])]
+        return TokenLogprob(token=text(token_id), logprob=raw[0], top=top)
+
+    def _delta(self, req: _Request) -> TextDelta:
+        text = "".join(req.text)
+        ids, req.ids, req.text = req.ids, [], []
+        logprobs: list[TokenLogprob] | None = None
+        if req.num_logprobs is not None:
+            logprobs, req.logprobs = req.logprobs, []
+        return TextDelta(
+            rid=req.rid,
+            text=text,
+            token_ids=ids,
+            finish=int(req.finish),
+            stop_reason=req.stop_reason,
+            num_output_tokens=req.next_pos,
+            logprobs=logprobs,
+            error="the engine failed this request" if req.finish == Finish.ERROR else None,
+        )
+
+
+def _raw_logprobs(batch: TokenBatch, i: int) -> _RawLogprobs:
+    logprob = float(batch.logprobs[i])
+    if math.isnan(logprob):
+        return None
+    return logprob, batch.top_ids[i].tolist(), batch.top_logprobs[i].tolist()
