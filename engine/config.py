@@ -1,0 +1,162 @@
+"""Model and engine configuration: what a checkpoint is, and how the engine runs it.
+
+``ModelConfig`` is read from a Hugging Face checkpoint directory (config.json and
+generation_config.json). It accepts both the transformers<5 spelling of rope options
+(``rope_theta`` + ``rope_scaling``) and the transformers>=5 one (``rope_parameters``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.errors import UnsupportedModelError
+
+# HF architecture name -> (qkv projections carry a bias, per-head RMSNorm on q and k).
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def parse_dtype(name: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    """``auto`` keeps the checkpoint's dtype; otherwise one of float32/bfloat16/float16."""
+    if name == "auto":
+        return checkpoint_dtype
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, not {name!r}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only Llama-family model, as the engine needs it."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # without "rope_theta"; has "rope_type"
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        root = Path(path)
+        cfg = json.loads((root / "config.json").read_text())
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"{root}: architecture {archs or cfg.get('model_type')!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        if cfg.get("attention_bias"):
+            qkv_bias = True
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r}: only silu")
+        rope_theta, rope_scaling = _rope_options(cfg)
+        num_heads = int(cfg["num_attention_heads"])
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            eos_token_ids=_eos_token_ids(root, cfg),
+            dtype=_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype")), torch.float32),
+            sliding_window=_sliding_window(cfg),
+        )
+
+
+def _rope_options(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    return theta, params
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    # Qwen2 configs carry a window but disable it with use_sliding_window=false.
+    if cfg.get("use_sliding_window") is False:
+        return None
+    window = cfg.get("sliding_window")
+    return int(window) if window else None
+
+
+def _eos_token_ids(root: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
+    gen_path = root / "generation_config.json"
+    eos: Any = None
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine instance runs a model; the fields are the CLI defaults."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_tokens: int = 65536  # CPU pool size when num_kv_blocks is None
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int | None = None  # None -> min(max_position_embeddings, 8192)
+    max_num_seqs: int = 256
+    chunked_prefill_size: int = 2048
+    seed: int = 0
+
+    def resolve_max_model_len(self, model: ModelConfig) -> int:
+        limit = model.max_position_embeddings
+        if model.sliding_window is not None:
+            # NOTE: attention here is always full; within the window it equals sliding.
+            limit = min(limit, model.sliding_window)
+        if self.max_model_len is None:
+            return min(limit, DEFAULT_MAX_MODEL_LEN)
+        if not 1 < self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [2, {limit}], not {self.max_model_len}")
+        return self.max_model_len

@@ -1,0 +1,39 @@
+"""Stateless building blocks of a Llama-family decoder: norm, MLP, weight helpers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def weight(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """An uninitialised inference parameter; the loader fills it."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = weight(dim, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the model dtype, as the reference does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up are one (2 * inter, hidden) matrix."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up = weight(2 * inter, hidden, dtype=dtype, device=device)
+        self.down = weight(hidden, inter, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up)  # (T, 2 * inter)
+        return F.linear(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], self.down)

@@ -1,0 +1,124 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV pool.
+
+The model knows tokens, positions and attention metadata, nothing about requests. The
+per-architecture differences are two flags of ``ModelConfig``: ``qkv_bias`` (Qwen2) and
+``qk_norm`` (Qwen3: RMSNorm over each head of q and k, before rotary).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.config import ModelConfig
+from engine.layers import GatedMLP, RMSNorm, weight
+from engine.rope import RotaryEmbedding, apply_rotary
+
+
+class SelfAttention(nn.Module):
+    def __init__(
+        self, m: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = m.num_heads, m.num_kv_heads, m.head_dim
+        self.q_size = m.num_heads * m.head_dim
+        self.kv_size = m.num_kv_heads * m.head_dim
+        out_features = self.q_size + 2 * self.kv_size
+        self.qkv = weight(out_features, m.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias: nn.Parameter | None = (
+            weight(out_features, dtype=dtype, device=device) if m.qkv_bias else None
+        )
+        self.o = weight(m.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.q_norm: RMSNorm | None = (
+            RMSNorm(m.head_dim, m.rms_norm_eps, dtype, device) if m.qk_norm else None
+        )
+        self.k_norm: RMSNorm | None = (
+            RMSNorm(m.head_dim, m.rms_norm_eps, dtype, device) if m.qk_norm else None
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        pool: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv, self.qkv_bias)  # (T, q_size + 2 * kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        out = paged_attention(pool, self.layer, meta, q, k, v)  # (T, heads, D)
+        return F.linear(out.reshape(t, self.q_size), self.o)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, m: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(m.hidden_size, m.rms_norm_eps, dtype, device)
+        self.attn: SelfAttention = SelfAttention(m, layer, dtype, device)
+        self.post_attn_norm = RMSNorm(m.hidden_size, m.rms_norm_eps, dtype, device)
+        self.mlp: GatedMLP = GatedMLP(m.hidden_size, m.intermediate_size, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        pool: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos_sin, pool, meta)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(
+        self, m: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.config = m
+        self.embed = weight(m.vocab_size, m.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(m, i, dtype, device) for i in range(m.num_layers))
+        self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps, dtype, device)
+        self.lm_head: torch.Tensor
+        # Tied checkpoints share the embedding matrix as the output projection.
+        self.lm_head = (
+            self.embed
+            if m.tie_word_embeddings
+            else weight(m.vocab_size, m.hidden_size, dtype=dtype, device=device)
+        )
+        self.rotary = RotaryEmbedding(
+            m.head_dim, max_positions, m.rope_theta, m.rope_scaling, device, dtype
+        )
+
+    def layer(self, i: int) -> DecoderLayer:
+        layer = self.layers[i]
+        assert isinstance(layer, DecoderLayer)
+        return layer
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        pool: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,); logits_indices: (N,) -> float32 logits (N, vocab)."""
+        x = F.embedding(input_ids, self.embed)  # (T, hidden)
+        cos_sin = self.rotary.lookup(positions)
+        for layer in self.layers:
+            x = layer(x, cos_sin, pool, meta)
+        # Only the rows that will be sampled go through the (large) vocabulary projection.
+        x = self.norm(x[logits_indices])
+        return F.linear(x, self.lm_head).float()

@@ -1,0 +1,179 @@
+"""The model runner both worker pools share: weights, KV pool, batched forward, sampling.
+
+Who calls what:
+- a scheduler (prefill worker, decode worker, or ``engine.llm.LLM``) owns ``Sequence``
+  objects and decides each step's batch;
+- ``ensure_blocks`` grows a sequence's block table (``NoFreeBlocks`` leaves it as it was);
+  ``prefill`` / ``decode`` call it too, so a caller that pre-allocated pays nothing;
+- ``prefill`` / ``decode`` run one batched forward, write KV into the pool and advance
+  ``num_computed_tokens``; ``sample`` picks next tokens; the caller appends them and
+  asks ``check_stop``; ``free_blocks`` returns a finished sequence's blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.block_manager import BlockAllocator
+from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.kv_cache import allocate_kv_pool, block_nbytes, check_kv_pool
+from engine.loader import load_weights
+from engine.model import CausalLM
+from engine.sampler import SampleOutput, SampleRequest, sample
+from engine.sequence import Sequence
+from transport.records import Finish
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, kv_pool: torch.Tensor | None = None) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.device = torch.device(config.device)
+        self.dtype = parse_dtype(config.dtype, self.model_config.dtype)
+        self.block_size = config.block_size
+        self.max_model_len = config.resolve_max_model_len(self.model_config)
+        self.eos_token_ids = self.model_config.eos_token_ids
+        self.model = CausalLM(self.model_config, self.max_model_len, self.dtype, self.device)
+        load_weights(self.model, Path(config.model))
+        self.kv_pool = self._make_pool(kv_pool)
+        self.allocator = BlockAllocator(int(self.kv_pool.shape[0]))
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+        logger.info(
+            "%s: %d KV blocks of %d tokens, max_model_len %d, %s on %s",
+            self.model_config.architecture, self.allocator.num_blocks, self.block_size,
+            self.max_model_len, self.dtype, self.device,
+        )  # fmt: skip
+
+    def _make_pool(self, kv_pool: torch.Tensor | None) -> torch.Tensor:
+        if kv_pool is not None:
+            check_kv_pool(kv_pool, self.model_config, self.block_size)
+            if kv_pool.dtype != self.dtype or kv_pool.device.type != self.device.type:
+                raise ValueError(f"kv_pool must be {self.dtype} on {self.device}")
+            return kv_pool
+        return allocate_kv_pool(
+            self.model_config, self.num_blocks_to_allocate(), self.block_size, self.dtype,
+            self.device,
+        )  # fmt: skip
+
+    def num_blocks_to_allocate(self) -> int:
+        """Pool size when the caller passes no pool: explicit, CPU tokens, or GPU memory."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type != "cuda":
+            return -(-self.config.kv_cache_tokens // self.block_size)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = free - total * (1.0 - self.config.gpu_memory_utilization)
+        blocks = int(budget // block_nbytes(self.model_config, self.block_size, self.dtype))
+        if blocks < 1:
+            raise MemoryError("no GPU memory left for a KV cache; raise gpu_memory_utilization")
+        return blocks
+
+    def ensure_blocks(self, seq: Sequence, n: int) -> None:
+        """Grow ``seq.block_table`` to hold ``n`` more computed tokens (all or nothing)."""
+        assert seq.block_size == self.block_size, "sequence built for another block size"
+        need = seq.blocks_needed(n)
+        if need:
+            seq.block_table.extend(self.allocator.allocate(need))
+
+    def free_blocks(self, seq: Sequence) -> None:
+        """Return a sequence's blocks to the pool; its KV is gone (num_computed_tokens = 0)."""
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def prefill(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Run the next ``n`` uncomputed tokens of each sequence in one forward.
+
+        Returns float32 logits (len(chunks), vocab) at each chunk's last position.
+        NOTE: blocks are ensured chunk by chunk; if a later one raises ``NoFreeBlocks``
+        the earlier ones keep the blocks they got (they are valid, merely early).
+        """
+        for seq, n in chunks:
+            if not 0 < n <= seq.num_uncomputed_tokens:
+                raise ValueError(f"rid {seq.rid}: cannot prefill {n} of "
+                                 f"{seq.num_uncomputed_tokens} uncomputed tokens")  # fmt: skip
+            self.ensure_blocks(seq, n)
+        spans = [(seq, seq.num_computed_tokens, n) for seq, n in chunks]
+        tokens = [t for seq, start, n in spans for t in seq.all_ids[start : start + n]]
+        logits = self._forward(spans, tokens, is_decode=False)
+        for seq, n in chunks:
+            seq.num_computed_tokens += n
+        return logits
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Run each sequence's newest (only uncomputed) token -> float32 logits (B, vocab)."""
+        for seq in seqs:
+            if seq.num_uncomputed_tokens != 1:
+                raise ValueError(f"rid {seq.rid}: decode needs exactly one uncomputed token, "
+                                 f"has {seq.num_uncomputed_tokens}")  # fmt: skip
+            self.ensure_blocks(seq, 1)
+        spans = [(seq, seq.num_computed_tokens, 1) for seq in seqs]
+        logits = self._forward(spans, [seq.all_ids[-1] for seq in seqs], is_decode=True)
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+        return logits
+
+    def _forward(
+        self, spans: list[tuple[Sequence, int, int]], tokens: list[int], is_decode: bool
+    ) -> torch.Tensor:
+        for seq, start, n in spans:
+            if start + n > self.max_model_len:
+                raise ValueError(f"rid {seq.rid}: {start + n} tokens exceed max_model_len "
+                                 f"{self.max_model_len}")  # fmt: skip
+        meta, positions, last = self._metadata(spans, is_decode)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.model(ids, positions, self.kv_pool, meta, last)
+
+    def _metadata(
+        self, spans: list[tuple[Sequence, int, int]], is_decode: bool
+    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        bs, dev = self.block_size, self.device
+        positions = [p for _, start, n in spans for p in range(start, start + n)]
+        slot_blocks = [
+            seq.block_table[p // bs] for seq, start, n in spans for p in range(start, start + n)
+        ]
+        width = max(len(seq.block_table) for seq, _, _ in spans)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _, _ in spans]
+        ctx_lens = [start + n for _, start, n in spans]
+        q_lens = [n for _, _, n in spans]
+        mask = None
+        if is_decode:
+            slots = torch.arange(width * bs, device=dev)
+            ctx = torch.tensor(ctx_lens, device=dev)
+            mask = (slots.unsqueeze(0) < ctx.unsqueeze(1))[:, None, None, :]  # (B, 1, 1, S)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=pos % bs,
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            ctx_lens=ctx_lens,
+            q_lens=q_lens,
+            is_decode=is_decode,
+            context_mask=mask,
+        )
+        last = torch.tensor(q_lens, device=dev).cumsum(0) - 1  # each chunk's last token
+        return meta, pos, last
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
+        """Pick each sequence's next token (output position ``len(seq.output_ids)``)."""
+        rows = [SampleRequest(s.sampling, s.prompt_ids, s.output_ids) for s in seqs]
+        return sample(logits, rows, self.generator)
+
+    def check_stop(self, seq: Sequence) -> Finish:
+        """Why ``seq`` must stop after its newest token, or ``Finish.NONE``."""
+        last = seq.output_ids[-1]
+        params = seq.sampling
+        if last in params.stop_token_ids:
+            return Finish.STOP
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return Finish.STOP
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return Finish.LENGTH
+        return Finish.NONE

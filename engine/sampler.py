@@ -1,0 +1,148 @@
+"""Next-token selection: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+Semantics (OpenAI / vLLM):
+- Penalties act on the logits first and apply to greedy requests too. Repetition is
+  multiplicative over prompt and output tokens (positive logits divided, negative
+  multiplied); presence and frequency are additive over output tokens only.
+- Then, for sampled requests: temperature, top-k, top-p (on the top-k survivors,
+  renormalised), min-p (relative to the most likely survivor).
+- Drawing is the exponential race ``argmax(p_i / E_i)``, ``E_i ~ Exp(1)``, which picks
+  ``i`` with probability ``p_i``. For a seeded request the noise comes from a generator
+  seeded with ``mix(seed, p)`` where ``p`` is the output position, so the token depends
+  only on (seed, p, logits): not on the batch, the worker, or an earlier resume.
+- Logprobs are of the raw model distribution (log_softmax of the logits before
+  penalties, temperature and filters), as vLLM reports by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position) -> a 63-bit generator seed."""
+    z = ((seed & _MASK64) + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """What the sampler needs of one row besides its logits."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]  # tokens sampled so far; the new one is output position len()
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """B rows, K = the most top logprobs any row asked for (0 if none)."""
+
+    token_ids: torch.Tensor  # (B,) int64
+    logprobs: torch.Tensor  # (B,) float32, NaN where the row asked for no logprobs
+    top_ids: torch.Tensor  # (B, K) int64
+    top_logprobs: torch.Tensor  # (B, K) float32
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+    """(B, V) -> penalised copy (or ``logits`` itself when no row has a penalty)."""
+    if not any(_has_penalty(r.params) for r in rows):
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if not _has_penalty(p):
+            continue
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.long, device=row.device)
+            vals = row[seen]
+            row[seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
+        if r.output_ids and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+            out = torch.tensor(r.output_ids, dtype=torch.long, device=row.device)
+            counts = torch.bincount(out, minlength=vocab).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """(S, V) penalised logits of sampled rows -> (S, V) probabilities after all filters."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temps.unsqueeze(1)
+    vocab = logits.shape[1]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= ks.unsqueeze(1), float("-inf"))
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of higher-ranked tokens
+        top_ps = torch.tensor([p.top_p for p in params], device=logits.device).unsqueeze(1)
+        # The top token always survives: its preceding mass is 0 < top_p.
+        sorted_logits = sorted_logits.masked_fill(before >= top_ps, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_ps = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
+        floor = min_ps * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def draw(
+    probs: torch.Tensor, rows: list[SampleRequest], generator: torch.Generator
+) -> torch.Tensor:
+    """(S, V) probabilities -> (S,) token ids via the exponential race."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(
+            len(unseeded), probs.shape[1], device=probs.device, dtype=probs.dtype
+        ).exponential_(generator=generator)
+    for i, r in enumerate(rows):
+        if r.params.seed is not None:
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed(mix_seed(r.params.seed, len(r.output_ids)))
+            noise[i].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor, rows: list[SampleRequest], generator: torch.Generator
+) -> SampleOutput:
+    """logits: (B, V) float32 -> one token per row, with logprobs where asked."""
+    b = logits.shape[0]
+    penalised = apply_penalties(logits, rows)
+    token_ids = penalised.argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        probs = filtered_probs(penalised[sampled], [rows[i].params for i in sampled])
+        token_ids[sampled] = draw(probs, [rows[i] for i in sampled], generator)
+    k = max((r.params.logprobs or 0 for r in rows), default=0)
+    logprobs = torch.full((b,), float("nan"), device=logits.device)
+    top_ids = torch.zeros((b, k), dtype=torch.long, device=logits.device)
+    top_logprobs = torch.zeros((b, k), device=logits.device)
+    if any(r.params.logprobs is not None for r in rows):
+        raw = logits.float().log_softmax(dim=-1)
+        wanted = torch.tensor([r.params.logprobs is not None for r in rows], device=logits.device)
+        chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        logprobs = torch.where(wanted, chosen, logprobs)
+        if k:
+            top_logprobs, top_ids = raw.topk(k, dim=-1)
+    return SampleOutput(token_ids, logprobs, top_ids, top_logprobs)
