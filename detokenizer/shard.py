@@ -89,8 +89,9 @@ class _FifoSet:
 
 
 class DetokShard:
-    def __init__(self, tokenizer: Any) -> None:
-        self.table = TokenTable(tokenizer)
+    def __init__(self, tokenizer: Any, table: TokenTable | None = None) -> None:
+        # ``table`` lets shards in one process share the (read-only) vocabulary tables.
+        self.table = table if table is not None else TokenTable(tokenizer)
         self._reqs: dict[int, _Request] = {}
         self._early: dict[int, dict[int, _Token]] = {}  # rid -> position -> token
         self._finished = _FifoSet(_MAX_FINISHED_REMEMBERED)

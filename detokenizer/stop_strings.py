@@ -58,19 +58,19 @@ class StopMatcher:
         return held
 
     def _first_match(self, window: str) -> StopMatch | None:
-        # (end, -start) orders matches by completion, then longest first.
+        # (end, start) orders matches by completion, then longest (earliest start) first.
         best: tuple[int, int, str] | None = None
         for stop in self._stops:
             start = window.find(stop)
             if start < 0:
                 continue
-            key = (start + len(stop), -start, stop)
+            key = (start + len(stop), start, stop)
             if best is None or key[:2] < best[:2]:
                 best = key
         if best is None:
             return None
-        end, neg_start, stop = best
-        cut = end if self._include else -neg_start
+        end, start, stop = best
+        cut = end if self._include else start
         return StopMatch(stop=stop, text=window[:cut])
 
     def _partial_len(self, window: str) -> int:

@@ -39,11 +39,11 @@ def stop_oracle(text: str, stops: tuple[str, ...], include: bool) -> tuple[str, 
     best: tuple[int, int, str] | None = None
     for stop in stops:
         start = text.find(stop) if stop else -1
-        if start >= 0 and (best is None or (start + len(stop), -start) < best[:2]):
-            best = (start + len(stop), -start, stop)
+        if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+            best = (start + len(stop), start, stop)
     if best is None:
         return text, None
-    return text[: best[0] if include else -best[1]], best[2]
+    return text[: best[0] if include else best[1]], best[2]
 
 
 def register(rid: int, params: DetokParams, **kw: Any) -> DetokRegister:

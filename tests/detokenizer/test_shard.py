@@ -1,0 +1,190 @@
+"""DetokShard: ordering, registration races, finishes, stops, logprob strings, usage."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from detokenizer.shard import DetokShard
+from tests.detokenizer.helpers import (
+    collect,
+    id_lists,
+    one_batch,
+    oracle,
+    register,
+    stop_oracle,
+    stream_batches,
+)
+from transport.records import AbortRequest, DetokParams, Finish, TokenBatch
+
+
+@pytest.fixture(scope="module")
+def shard_factory(qwen_tokenizer: Any) -> Any:
+    template = DetokShard(qwen_tokenizer)  # the vocabulary table is built once
+
+    def make() -> DetokShard:
+        return DetokShard(qwen_tokenizer, table=template.table)
+
+    return make
+
+
+def _text(deltas: list[Any]) -> str:
+    return "".join(d.text for d in deltas)
+
+
+def test_out_of_order_tokens_are_applied_in_position_order(
+    shard_factory: Any, qwen_tokenizer: Any
+) -> None:
+    ids = qwen_tokenizer.encode("Hello world, 你好 😀!")
+    shard, out = shard_factory(), {}
+    shard.register(register(7, DetokParams()))
+    batches = stream_batches(7, ids)
+    for b in [batches[0], *reversed(batches[1:])]:
+        shard.on_tokens(b, 0)
+        collect(shard, out)
+    assert _text(out[7]) == oracle(qwen_tokenizer, ids, True)
+    assert [t for d in out[7] for t in d.token_ids] == ids
+    assert out[7][-1].finish == Finish.LENGTH
+    assert out[7][-1].num_output_tokens == len(ids)
+
+
+def test_tokens_before_registration_wait_for_it(shard_factory: Any, qwen_tokenizer: Any) -> None:
+    ids = qwen_tokenizer.encode("early bird")
+    shard, out = shard_factory(), {}
+    for b in stream_batches(3, ids)[::-1]:
+        shard.on_tokens(b, None)
+    collect(shard, out)
+    assert out == {}
+    shard.register(register(3, DetokParams()))
+    collect(shard, out)
+    assert _text(out[3]) == "early bird"
+
+
+def test_late_tokens_for_a_finished_request_are_ignored(shard_factory: Any) -> None:
+    shard, out = shard_factory(), {}
+    shard.register(register(1, DetokParams()))
+    shard.on_tokens(one_batch(1, 0, 9707, int(Finish.STOP)), 0)
+    shard.on_tokens(one_batch(1, 1, 9707), 0)
+    collect(shard, out)
+    assert [(d.text, d.finish, d.stop_reason) for d in out[1]] == [("Hello", 1, 9707)]
+    assert shard.num_active == 0
+
+
+def test_abort_ends_the_request_and_drops_held_text(shard_factory: Any) -> None:
+    shard, out = shard_factory(), {}
+    shard.register(register(2, DetokParams(stop=("Hello!",))))
+    shard.on_tokens(one_batch(2, 0, 9707), None)  # "Hello": held, may start the stop
+    shard.abort(2)
+    collect(shard, out)
+    assert [(d.text, d.finish) for d in out[2]] == [("", Finish.ABORT)]
+    assert shard.num_active == 0
+
+
+def test_stop_string_spanning_tokens_notifies_the_decode_worker(
+    shard_factory: Any, qwen_tokenizer: Any
+) -> None:
+    ids = qwen_tokenizer.encode("The answer is 42. Done, more text")
+    shard, out = shard_factory(), {}
+    shard.register(register(5, DetokParams(stop=("Done", "swer is 4"))))
+    shard.on_tokens(stream_batches(5, ids)[0], None)
+    notified = []
+    for b in stream_batches(5, ids)[1:]:
+        shard.on_tokens(b, 2)
+        notified += shard.take_outputs()[1]
+        if notified:
+            break
+    assert notified == [(2, AbortRequest(rid=5))]
+    assert shard.num_active == 0
+
+
+def test_stop_on_the_prefill_token_notifies_when_decode_tokens_appear(
+    shard_factory: Any, qwen_tokenizer: Any
+) -> None:
+    shard = shard_factory()
+    shard.register(register(6, DetokParams(stop=("Hello",))))
+    shard.on_tokens(one_batch(6, 0, 9707), None)
+    batch, notified = shard.take_outputs()
+    assert batch is not None and batch.items[0].stop_reason == "Hello"
+    assert notified == []
+    shard.on_tokens(one_batch(6, 1, 1879), 3)
+    assert shard.take_outputs()[1] == [(3, AbortRequest(rid=6))]
+
+
+def test_logprob_strings_for_sampled_and_top_tokens(
+    shard_factory: Any, qwen_tokenizer: Any
+) -> None:
+    shard, out = shard_factory(), {}
+    shard.register(register(8, DetokParams(), num_logprobs=1))
+    top_ids = np.array([[9707, 151645]], dtype=np.int32)
+    top_lps = np.array([[-0.1, -2.5]], dtype=np.float32)
+    shard.on_tokens(TokenBatch.build([8], [0], [9707], [-0.1], None, top_ids, top_lps), 0)
+    collect(shard, out)
+    (lp,) = out[8][0].logprobs
+    assert lp.token == qwen_tokenizer.decode([9707]) == "Hello"
+    assert lp.logprob == pytest.approx(-0.1)
+    assert [t for t, _ in lp.top] == ["Hello"]  # trimmed to the request's N=1
+
+
+def test_reregistration_resumes_without_repeating_text(
+    shard_factory: Any, qwen_tokenizer: Any
+) -> None:
+    ids = qwen_tokenizer.encode("resume me 中")
+    shard, out = shard_factory(), {}
+    shard.register(register(9, DetokParams(), output_ids=ids[:2]))
+    for b in stream_batches(9, ids)[2:]:
+        shard.on_tokens(b, 1)
+    collect(shard, out)
+    assert oracle(qwen_tokenizer, ids[:2], True) + _text(out[9]) == "resume me 中"
+    assert out[9][-1].num_output_tokens == len(ids)
+
+
+_stop_pool = ["a", "the", " ", "中", "😀", "<|im_end|>", "\ufffd", "he", "e t", ",", "!!"]
+_params = st.builds(
+    DetokParams,
+    stop=st.lists(st.sampled_from(_stop_pool), max_size=3).map(tuple),
+    include_stop_str_in_output=st.booleans(),
+    skip_special_tokens=st.booleans(),
+    spaces_between_special_tokens=st.booleans(),
+)
+_text_ids = st.text(alphabet=st.sampled_from(list("the cat, 中文 😀!<|im_end|>")), min_size=1)
+
+
+@settings(
+    max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    ids=st.one_of(id_lists, _text_ids),
+    params=_params,
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_streamed_text_equals_decode_with_stops_under_any_arrival_order(
+    shard_factory: Any, qwen_tokenizer: Any, ids: Any, params: DetokParams, seed: int
+) -> None:
+    if isinstance(ids, str):
+        ids = qwen_tokenizer.encode(ids)
+    rng = random.Random(seed)
+    batches = stream_batches(4, ids)
+    late = batches[1:]
+    rng.shuffle(late)
+    shard, out = shard_factory(), {}
+    shard.register(register(4, params))
+    for b in [batches[0], *late]:
+        shard.on_tokens(b, 0)
+        collect(shard, out)
+        assert shard.take_outputs()[0] is None
+    final = oracle(qwen_tokenizer, ids, params.skip_special_tokens)
+    expected, stop = stop_oracle(final, params.stop, params.include_stop_str_in_output)
+    deltas = out[4]
+    assert _text(deltas) == expected
+    assert deltas[-1].finish == (Finish.STOP if stop is not None else Finish.LENGTH)
+    assert deltas[-1].stop_reason == stop
+    assert all(d.finish == 0 for d in deltas[:-1])
+    streamed = ""
+    for d in deltas:
+        streamed += d.text
+        assert expected.startswith(streamed)
