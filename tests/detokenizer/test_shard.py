@@ -89,7 +89,7 @@ def test_stop_string_spanning_tokens_notifies_the_decode_worker(
     shard_factory: Any, qwen_tokenizer: Any
 ) -> None:
     ids = qwen_tokenizer.encode("The answer is 42. Done, more text")
-    shard, out = shard_factory(), {}
+    shard = shard_factory()
     shard.register(register(5, DetokParams(stop=("Done", "swer is 4"))))
     shard.on_tokens(stream_batches(5, ids)[0], None)
     notified = []
