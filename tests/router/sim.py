@@ -109,7 +109,8 @@ def start_cluster(
 ) -> Cluster:
     """Claim one row per worker (all owned by this live process) and mark them READY."""
     table = LoadTable(buf, n_prefill + n_decode)
-    prefills, decodes = [], []
+    prefills: list[SimPrefill] = []
+    decodes: list[SimDecode] = []
     for i in range(n_prefill):
         w = table.writer(i)
         w.claim(Role.PREFILL, i, pid=os.getpid())
@@ -118,10 +119,8 @@ def start_cluster(
         w = table.writer(n_prefill + j)
         w.claim(Role.DECODE, j, pid=os.getpid(), block_size=16)
         decodes.append(SimDecode(w, total_blocks))
-    for sim in [*prefills, *decodes]:
-        sim.writer.publish()
-        sim.writer.set_state(WorkerState.READY)
-    cluster = Cluster(table, prefills, decodes)
     for d in decodes:
         d.writer.publish(free_kv_blocks=total_blocks, total_kv_blocks=total_blocks)
-    return cluster
+    for writer in [p.writer for p in prefills] + [d.writer for d in decodes]:
+        writer.set_state(WorkerState.READY)
+    return Cluster(table, prefills, decodes)
