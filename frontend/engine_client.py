@@ -1,0 +1,113 @@
+"""The frontend's one view of the serving engine: submit, stream, abort, observe.
+
+Who calls what, when:
+
+* The HTTP handlers (``frontend/serving_*.py``) build an ``EngineRequest`` after
+  tokenizing and validating, then iterate ``generate(req)``. The first ``__anext__``
+  admits the request: it raises ``Overloaded`` (answered with 503 + Retry-After) or
+  ``EngineError`` before any delta is yielded, never after.
+* Deltas arrive in order; the last one has ``finish != Finish.NONE`` and the iterator
+  then ends. A delta with ``finish == Finish.ERROR`` carries ``error``.
+* If the handler stops iterating before the last delta (client disconnect, cancellation),
+  it calls ``abort(rid)``. ``abort`` is idempotent and a no-op for unknown or finished
+  rids, so the handler may call it whenever it is unsure.
+* ``health()`` and ``metrics_snapshot()`` are called from ``/health`` and ``/metrics``
+  scrapes on the event loop: they must be cheap and must not block (read a load table,
+  not a round trip to every worker).
+
+Implementations: ``frontend/client_rings.py`` (workers over shared-memory rings) and
+``frontend/local_client.py`` (one in-process engine, for tests and single-process runs).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+from transport.records import DetokParams, TextDelta
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One admitted request, tokenized and validated by the frontend.
+
+    ``rid`` is unique for the life of the server; the engine uses it in every record.
+    """
+
+    rid: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    detok: DetokParams
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per token the detokenizer must render (None = no logprobs)."""
+        return self.sampling.logprobs
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    """One worker process as ``/health`` reports it; ``load`` is role-specific."""
+
+    role: str
+    index: int
+    pid: int
+    alive: bool
+    load: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """Scheduler state of one worker for ``/metrics``; kv_usage in [0, 1]."""
+
+    role: str
+    index: int
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+class EngineClientError(Exception):
+    """Base of the errors an engine client raises to the frontend."""
+
+
+class Overloaded(EngineClientError):
+    """Admission refused: no worker can take the request now; retry after a while."""
+
+    def __init__(self, retry_after_s: float, message: str = "server overloaded") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineError(EngineClientError):
+    """The request cannot be served (workers dead, engine crashed); not the user's fault."""
+
+
+class EngineClient(ABC):
+    """Abstract engine connection shared by every HTTP handler of one frontend process."""
+
+    @abstractmethod
+    def generate(self, req: EngineRequest) -> AsyncIterator[TextDelta]:
+        """Admit ``req`` and yield its ``TextDelta``s until one with ``finish != 0``.
+
+        Raises ``Overloaded`` or ``EngineError`` on the first ``__anext__`` only.
+        Concatenated ``text`` of the deltas is the request's output text; the
+        concatenated ``token_ids`` are its output token ids.
+        """
+
+    @abstractmethod
+    async def abort(self, rid: int) -> None:
+        """Stop ``rid`` everywhere and free its KV; idempotent, returns promptly."""
+
+    @abstractmethod
+    def health(self) -> list[WorkerHealth]:
+        """Every worker's role, index, pid, liveness and load; non-blocking."""
+
+    @abstractmethod
+    def metrics_snapshot(self) -> list[WorkerLoad]:
+        """Per-worker running/waiting requests and KV usage; non-blocking."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, default does nothing
+        """Release the client's resources at server shutdown."""

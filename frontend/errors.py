@@ -1,0 +1,117 @@
+"""HTTP errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Handlers raise ``APIError`` (or a subclass); ``frontend.app`` turns it into a JSON
+response. Anything else that escapes a handler becomes a 500 with a generic message and
+a logged traceback, never a crashed server.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    """A request the server answers with an error status and an OpenAI error body."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        if status is not None:
+            self.status = status
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str] | None:
+        return None
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
+
+
+class InvalidRequest(APIError):
+    """Malformed JSON, wrong types, out-of-range values, too-long prompts: 400."""
+
+
+class NotImplementedField(APIError):
+    """A known OpenAI field whose feature this server does not implement: 400."""
+
+    def __init__(self, param: str, what: str) -> None:
+        super().__init__(
+            f"'{param}' is not supported by this server: {what}",
+            param=param,
+            code="unsupported_parameter",
+        )
+
+
+class ModelNotFound(APIError):
+    status = 404
+
+    def __init__(self, requested: str, served: str) -> None:
+        super().__init__(
+            f"The model '{requested}' does not exist; this server serves '{served}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+class Unauthorized(APIError):
+    status = 401
+    error_type = "authentication_error"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
+
+
+class PayloadTooLarge(APIError):
+    status = 413
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"Request body exceeds the {limit} byte limit", code="request_too_large")
+
+
+class ServiceUnavailable(APIError):
+    """Overload: 503 with Retry-After in whole seconds (at least 1)."""
+
+    status = 503
+    error_type = "server_error"
+
+    def __init__(self, retry_after_s: float, message: str = "Server overloaded") -> None:
+        super().__init__(message + "; retry later", code="overloaded")
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class InternalError(APIError):
+    status = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str = "Internal server error") -> None:
+        super().__init__(message, code="internal_error")

@@ -1,0 +1,281 @@
+"""Request bodies of the HTTP API and their translation into engine parameters.
+
+Pydantic models in strict mode: ``"1"`` is not an int and ``1`` is not a bool. Every
+OpenAI field we know of is either implemented or rejected with a 400 that names it
+(``reject_unsupported``); fields nobody knows are ignored and logged by the handler.
+``to_engine_params`` is the single place where a body becomes ``SamplingParams`` +
+``DetokParams``; its range checks are ``SamplingParams.validate``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from engine.sampling_params import SamplingParams
+from frontend.errors import InvalidRequest, NotImplementedField
+from transport.records import DetokParams
+
+MAX_STOP_STRINGS = 16
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(_Body):
+    """Options shared by /v1/completions, /v1/chat/completions and /generate."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(s == "" for s in stops):
+            raise InvalidRequest("stop strings must not be empty", param="stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+        return tuple(stops)
+
+
+class OpenAIFields(SamplingFields):
+    """Fields common to both OpenAI endpoints, including the ones we reject."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_token_ids: bool = False
+
+    def reject_common(self) -> None:
+        if self.n not in (None, 1):
+            raise NotImplementedField("n", "only one choice per request (n=1)")
+        if self.logit_bias:
+            raise NotImplementedField("logit_bias", "logit biasing is not implemented")
+        if self.stream_options is not None:
+            if not self.stream:
+                raise InvalidRequest("stream_options requires stream=true", param="stream_options")
+            if self.stream_options.continuous_usage_stats:
+                raise NotImplementedField(
+                    "stream_options.continuous_usage_stats", "usage is sent once, at the end"
+                )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(OpenAIFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def reject_unsupported(self) -> None:
+        self.reject_common()
+        if self.echo:
+            raise NotImplementedField("echo", "the prompt is not echoed back")
+        if self.best_of not in (None, 1):
+            raise NotImplementedField("best_of", "only best_of=1")
+        if self.suffix:
+            raise NotImplementedField("suffix", "insertion (suffix) is not implemented")
+        nested = isinstance(self.prompt, list) and not isinstance(next(iter(self.prompt), 0), int)
+        if nested and len(self.prompt) != 1:
+            raise NotImplementedField("prompt", "one prompt per request, not a batch")
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts: list[str] = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise NotImplementedField(
+                    f"messages.{index}.content", f"content part type '{part.type}'"
+                )
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(OpenAIFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def reject_unsupported(self) -> None:
+        self.reject_common()
+        if self.tools or self.functions:
+            raise NotImplementedField("tools", "tool and function calling are not implemented")
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            raise NotImplementedField("tool_choice", "tool calling is not implemented")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise NotImplementedField("response_format", "structured output is not implemented")
+        if not self.messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs=true", param="top_logprobs")
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+class NativeSampling(SamplingFields):
+    max_new_tokens: int | None = None
+    max_tokens: int | None = None
+    logprobs: int | None = None
+
+
+class NativeGenerateRequest(_Body):
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: NativeSampling = NativeSampling()
+    stream: bool = False
+
+    def reject_unsupported(self) -> None:
+        if (self.text is None) == (self.input_ids is None):
+            raise InvalidRequest("give exactly one of 'text' and 'input_ids'", param="text")
+
+
+def parse_body(model: type[_Body], obj: object) -> Any:
+    """Validate a decoded JSON body; a ``ValidationError`` becomes a 400 naming the field."""
+    if not isinstance(obj, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        # Union members appear in ``loc`` as type names ("list[int]"); they are noise.
+        loc = [str(p) for p in err["loc"] if isinstance(p, int) or _is_field_name(p)]
+        param = ".".join(loc) or None
+        raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}", param=param) from e
+
+
+def _is_field_name(part: object) -> bool:
+    return isinstance(part, str) and "[" not in part and part not in _TYPE_NAMES
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    if not ids:
+        raise InvalidRequest("the prompt is empty", param=param)
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", param=param)
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
+    """The output budget: ``requested`` if it fits the context window, else a 400."""
+    if prompt_len >= max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt "
+            f"has {prompt_len}. Shorten the prompt.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return max_model_len - prompt_len
+    if requested < 1:
+        raise InvalidRequest("max_tokens must be >= 1", param="max_tokens")
+    if prompt_len + requested > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens; you requested "
+            f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} to generate). "
+            "Reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def to_engine_params(
+    body: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
+    max_logprobs: int,
+) -> tuple[SamplingParams, DetokParams]:
+    """Translate validated fields into the engine's and the detokenizer's parameters."""
+    defaults = SamplingParams()
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_pick(body.temperature, defaults.temperature),
+        top_p=_pick(body.top_p, defaults.top_p),
+        top_k=_pick(body.top_k, defaults.top_k),
+        min_p=_pick(body.min_p, defaults.min_p),
+        repetition_penalty=_pick(body.repetition_penalty, defaults.repetition_penalty),
+        presence_penalty=_pick(body.presence_penalty, defaults.presence_penalty),
+        frequency_penalty=_pick(body.frequency_penalty, defaults.frequency_penalty),
+        seed=body.seed,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+    try:
+        sampling.validate(vocab_size, max_logprobs)
+    except ValueError as e:
+        message = str(e)
+        raise InvalidRequest(message, param=message.split(" ", 1)[0]) from e
+    detok = DetokParams(
+        stop=body.stop_strings(),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+    )
+    return sampling, detok
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def to_json(obj: object) -> bytes:
+    return msgspec.json.encode(obj)
