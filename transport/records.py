@@ -17,6 +17,7 @@ Who sends what (see DESIGN.md §1):
     frontend  -> detok k     DetokRegister, AbortRequest
     prefill i -> decode j    KVTransfer          (KV is ready in prefill's pool)
     decode j  -> prefill i   KVRelease           (copied or refused: prefill frees blocks)
+    prefill i -> decode j    KVPoolHandle        (cuda_ipc only, once at startup)
     prefill i -> detok k     TokenBatch          (first tokens)
     decode j  -> detok k     TokenBatch          (the rest)
     detok k   -> decode j    AbortRequest        (a stop string matched: stop and free)
@@ -58,7 +59,7 @@ class _Msg(msgspec.Struct, array_like=True, tag_field="k", frozen=True):
     pass
 
 
-class GenerateRequest(_Msg, tag="gen"):
+class GenerateRequest(_Msg, tag="gen", frozen=True):
     """A request admitted by the frontend, sent to the prefill worker it was routed to.
 
     ``output_ids`` is non-empty only when a request is resumed after its decode worker
@@ -74,11 +75,11 @@ class GenerateRequest(_Msg, tag="gen"):
     output_ids: list[int] = []
 
 
-class AbortRequest(_Msg, tag="abort"):
+class AbortRequest(_Msg, tag="abort", frozen=True):
     rid: int
 
 
-class DetokRegister(_Msg, tag="reg"):
+class DetokRegister(_Msg, tag="reg", frozen=True):
     """Opens a request's state in its detokenizer shard, before any token can arrive.
 
     ``output_ids`` are tokens already streamed to the client (a request re-registered
@@ -93,7 +94,7 @@ class DetokRegister(_Msg, tag="reg"):
     output_ids: list[int] = []
 
 
-class KVTransfer(_Msg, tag="kv"):
+class KVTransfer(_Msg, tag="kv", frozen=True):
     """KV for ``num_tokens`` positions of ``rid`` is pinned in prefill's blocks ``src_blocks``.
 
     Carries everything the decode worker needs to continue the request: the tokens the
@@ -111,11 +112,21 @@ class KVTransfer(_Msg, tag="kv"):
     detok_shard: int
 
 
-class KVRelease(_Msg, tag="kvrel"):
+class KVRelease(_Msg, tag="kvrel", frozen=True):
     """Decode no longer needs prefill's blocks for ``rid`` (copied, refused or aborted)."""
 
     rid: int
     accepted: bool
+
+
+class KVPoolHandle(_Msg, tag="kvpool", frozen=True):
+    """Prefill -> decode, once at startup for the ``cuda_ipc`` backend: how to map the pool.
+
+    ``handle`` is the opaque output of ``transport.kv_backends.CudaIpcExporter.handle()``.
+    """
+
+    prefill_worker: int
+    handle: bytes
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
@@ -142,11 +153,19 @@ class TextDelta(msgspec.Struct, array_like=True, frozen=True):
     error: str | None = None
 
 
-class TextBatch(_Msg, tag="text"):
+class TextBatch(_Msg, tag="text", frozen=True):
     items: list[TextDelta]
 
 
-Control = GenerateRequest | AbortRequest | DetokRegister | KVTransfer | KVRelease | TextBatch
+Control = (
+    GenerateRequest
+    | AbortRequest
+    | DetokRegister
+    | KVTransfer
+    | KVRelease
+    | KVPoolHandle
+    | TextBatch
+)
 
 
 @dataclass(slots=True)
