@@ -1,0 +1,267 @@
+"""The ``launch`` command line: one frozen ``ServerConfig`` whose field defaults are the CLI's."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+API_KEY_ENV = "PDSERVE_API_KEY"
+
+
+class Device(enum.StrEnum):
+    AUTO = "auto"  # CUDA when NVML finds an NVIDIA GPU, else CPU
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class DType(enum.StrEnum):
+    AUTO = "auto"  # the checkpoint's dtype on GPU, float32 on CPU
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class LogLevel(enum.StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+ROUTER_POLICIES = ("least-load", "power-of-two", "round-robin")
+
+
+class ConfigError(ValueError):
+    """The command line asks for something inconsistent; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``launch`` needs. ``model=None`` means the embedded tiny model."""
+
+    model: Path | None = None
+    prefill: int = 1
+    decode: int = 1
+    detokenizers: int = 1
+    colocated: int = 0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: Device = Device.AUTO
+    prefill_gpus: tuple[int, ...] | None = None
+    decode_gpus: tuple[int, ...] | None = None
+    gpu_memory_utilization: float = 0.85
+    kv_cache_tokens: int = 65_536
+    block_size: int = 16
+    dtype: DType = DType.AUTO
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    chunked_prefill_size: int = 2048
+    router_policy: str = "least-load"
+    served_model_name: str | None = None
+    api_key: str | None = None
+    chat_template: str | None = None
+    max_waiting_requests: int = 1024
+    log_level: LogLevel = LogLevel.INFO
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.colocated == 0
+
+
+_DEFAULTS = ServerConfig()
+
+
+def _gpu_list(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of GPU indices, e.g. 0,1"
+        ) from None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: give GPU indices >= 0, e.g. 0,1")
+    return ids
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ones: their help line already says what None means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = _DEFAULTS
+    p = argparse.ArgumentParser(
+        prog="launch",
+        description="Serve a model with separate prefill and decode workers on this host.",
+        formatter_class=_HelpFormatter,
+    )
+    add = p.add_argument
+    add(
+        "--model",
+        type=Path,
+        default=d.model,
+        help="local Hugging Face checkpoint directory (default: the embedded tiny test model)",
+    )
+    add("--prefill", type=int, default=d.prefill, help="number of prefill workers")
+    add("--decode", type=int, default=d.decode, help="number of decode workers")
+    add("--detokenizers", type=int, default=d.detokenizers, help="number of detokenizer processes")
+    add(
+        "--colocated",
+        type=int,
+        default=d.colocated,
+        help="run this many workers that each prefill and decode their own requests "
+        "(no KV transfer; the benchmark baseline) instead of separate pools",
+    )
+    add("--host", default=d.host, help="address the HTTP server listens on")
+    add("--port", type=int, default=d.port, help="port the HTTP server listens on")
+    add(
+        "--device",
+        type=Device,
+        choices=list(Device),
+        default=d.device,
+        help="where the model runs; auto picks CUDA when an NVIDIA GPU is present",
+    )
+    add(
+        "--prefill-gpus",
+        type=_gpu_list,
+        default=d.prefill_gpus,
+        help="GPU index for each prefill worker, e.g. 0,1 (default: the first GPUs)",
+    )
+    add(
+        "--decode-gpus",
+        type=_gpu_list,
+        default=d.decode_gpus,
+        help="GPU index for each decode worker, e.g. 2,3 (default: the GPUs after prefill's)",
+    )
+    add(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="fraction of each GPU's memory a worker may use for weights and KV cache",
+    )
+    add(
+        "--kv-cache-tokens",
+        type=int,
+        default=d.kv_cache_tokens,
+        help="KV cache size per worker in tokens when running on CPU",
+    )
+    add("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+    add(
+        "--dtype",
+        type=DType,
+        choices=list(DType),
+        default=d.dtype,
+        help="weight and activation precision; auto uses the checkpoint's (float32 on CPU)",
+    )
+    add(
+        "--max-model-len",
+        type=int,
+        default=d.max_model_len,
+        help="longest prompt + output in tokens (default: the model's context length)",
+    )
+    add(
+        "--max-num-seqs",
+        type=int,
+        default=d.max_num_seqs,
+        help="most requests a worker runs in one batch",
+    )
+    add(
+        "--chunked-prefill-size",
+        type=int,
+        default=d.chunked_prefill_size,
+        help="most prompt tokens a prefill step processes; longer prompts are split",
+    )
+    add(
+        "--router-policy",
+        choices=ROUTER_POLICIES,
+        default=d.router_policy,
+        help="how requests are spread over workers",
+    )
+    add(
+        "--served-model-name",
+        default=d.served_model_name,
+        help="model name clients send and see (default: the model directory's name)",
+    )
+    add(
+        "--api-key",
+        default=d.api_key,
+        help=f"require this bearer token from clients (or set {API_KEY_ENV})",
+    )
+    add(
+        "--chat-template",
+        default=d.chat_template,
+        help="Jinja chat template file or text overriding the tokenizer's",
+    )
+    add(
+        "--max-waiting-requests",
+        type=int,
+        default=d.max_waiting_requests,
+        help="queued requests per worker beyond which new ones get HTTP 503 + Retry-After",
+    )
+    add(
+        "--log-level",
+        type=LogLevel,
+        choices=list(LogLevel),
+        default=d.log_level,
+        help="how much the server logs",
+    )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ServerConfig:
+    """Parse and validate; raises ``ConfigError`` naming the flag to change."""
+    ns = build_parser().parse_args(argv)
+    values = {f.name: getattr(ns, f.name) for f in fields(ServerConfig)}
+    if values["api_key"] is None:
+        values["api_key"] = os.environ.get(API_KEY_ENV) or None
+    config = ServerConfig(**values)
+    validate(config)
+    return config
+
+
+def validate(config: ServerConfig) -> None:
+    c = config
+    _positive(("--detokenizers", c.detokenizers), ("--block-size", c.block_size),
+              ("--kv-cache-tokens", c.kv_cache_tokens), ("--max-num-seqs", c.max_num_seqs),
+              ("--chunked-prefill-size", c.chunked_prefill_size),
+              ("--max-waiting-requests", c.max_waiting_requests))  # fmt: skip
+    if c.colocated < 0:
+        raise ConfigError("--colocated must be >= 0")
+    if c.colocated > 0:
+        if (c.prefill, c.decode) != (_DEFAULTS.prefill, _DEFAULTS.decode):
+            raise ConfigError(
+                "--colocated replaces the prefill/decode pools: drop --prefill/--decode"
+            )
+        if c.prefill_gpus is not None or c.decode_gpus is not None:
+            raise ConfigError("--prefill-gpus/--decode-gpus do not apply with --colocated")
+    else:
+        _positive(("--prefill", c.prefill), ("--decode", c.decode))
+    if c.max_model_len is not None and c.max_model_len < 2:
+        raise ConfigError("--max-model-len must be >= 2 (one prompt and one output token)")
+    if c.kv_cache_tokens < c.block_size:
+        raise ConfigError("--kv-cache-tokens must hold at least one block (--block-size tokens)")
+    if not 0.0 < c.gpu_memory_utilization <= 1.0:
+        raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+    if not 0 <= c.port <= 65535:
+        raise ConfigError(f"--port {c.port} is not a TCP port (0..65535)")
+    if c.model is not None and not (c.model / "config.json").is_file():
+        raise ConfigError(f"--model {c.model}: no config.json there; give a checkpoint directory")
+    for flag, gpus, count in (("--prefill-gpus", c.prefill_gpus, c.prefill),
+                              ("--decode-gpus", c.decode_gpus, c.decode)):  # fmt: skip
+        if gpus is not None and len(gpus) != count:
+            raise ConfigError(f"{flag} lists {len(gpus)} GPUs for {count} workers; give one each")
+    if c.device is Device.CPU and (c.prefill_gpus or c.decode_gpus):
+        raise ConfigError("--device cpu contradicts --prefill-gpus/--decode-gpus")
+
+
+def _positive(*pairs: tuple[str, int]) -> None:
+    for flag, value in pairs:
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")

@@ -1,0 +1,79 @@
+"""The launch command line: defaults, validation messages, help text."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from launcher.args import ConfigError, Device, DType, ServerConfig, build_parser, parse_args
+
+
+def test_defaults_of_the_cli_are_the_config_defaults() -> None:
+    assert parse_args([]) == ServerConfig(api_key=parse_args([]).api_key)
+    ns = build_parser().parse_args([])
+    for f in fields(ServerConfig):
+        assert getattr(ns, f.name) == f.default, f.name
+
+
+def test_flags_land_in_typed_fields(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    argv = ["--model", str(tmp_path), "--prefill", "2", "--decode", "4", "--device", "cuda"]
+    argv += ["--prefill-gpus", "0,1", "--decode-gpus", "2, 3,4,5", "--dtype", "bfloat16"]
+    argv += ["--router-policy", "round-robin", "--max-model-len", "4096"]
+    c = parse_args(argv)
+    assert c.model == tmp_path and (c.prefill, c.decode) == (2, 4)
+    assert c.device is Device.CUDA and c.dtype is DType.BFLOAT16
+    assert c.prefill_gpus == (0, 1) and c.decode_gpus == (2, 3, 4, 5)
+    assert c.router_policy == "round-robin" and c.max_model_len == 4096
+
+
+def test_api_key_comes_from_the_environment_when_not_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
+    assert parse_args([]).api_key == "from-env"
+    assert parse_args(["--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("PDSERVE_API_KEY")
+    assert parse_args([]).api_key is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefill", "0"], "--prefill must be >= 1"),
+        (["--decode", "-1"], "--decode must be >= 1"),
+        (["--colocated", "2", "--prefill", "3"], "drop --prefill/--decode"),
+        (["--colocated", "2", "--prefill-gpus", "0"], "do not apply with --colocated"),
+        (["--prefill", "2", "--prefill-gpus", "0"], "lists 1 GPUs for 2 workers"),
+        (["--device", "cpu", "--decode-gpus", "1"], "--device cpu contradicts"),
+        (["--gpu-memory-utilization", "1.5"], "in (0, 1]"),
+        (["--kv-cache-tokens", "8"], "at least one block"),
+        (["--max-model-len", "1"], "--max-model-len must be >= 2"),
+        (["--port", "70000"], "not a TCP port"),
+        (["--max-waiting-requests", "0"], "--max-waiting-requests must be >= 1"),
+        (["--model", "/nonexistent/model"], "no config.json"),
+    ],
+)
+def test_inconsistent_flags_are_config_errors_naming_the_flag(
+    argv: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("]", r"\]")):
+        parse_args(argv)
+
+
+def test_malformed_values_are_rejected_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--prefill-gpus", "a,b"], ["--device", "tpu"], ["--router-policy", "x"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+    assert "comma-separated list of GPU indices" in capsys.readouterr().err
+
+
+def test_help_explains_every_flag() -> None:
+    parser = build_parser()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 10, action.dest
+    text = parser.format_help()
+    assert "--prefill-gpus" in text and "503" in text
