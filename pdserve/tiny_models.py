@@ -47,6 +47,7 @@ CHATML_TEMPLATE = (
 )
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
 DEFAULT_ARCH = "qwen2"
 
 
@@ -137,9 +138,9 @@ def _tiny_config(arch: str) -> Any:
         return LlamaConfig(
             **common,
             tie_word_embeddings=False,
-            rope_theta=500000.0,
-            rope_scaling={
+            rope_parameters={
                 "rope_type": "llama3",
+                "rope_theta": 500000.0,
                 "factor": 8.0,
                 "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0,
@@ -147,9 +148,11 @@ def _tiny_config(arch: str) -> Any:
             },
         )
     if arch == "qwen2":
-        return Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
+        return Qwen2Config(**common, tie_word_embeddings=True, rope_parameters=_DEFAULT_ROPE)
     if arch == "qwen3":
-        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0)
+        return Qwen3Config(
+            **common, head_dim=32, tie_word_embeddings=True, rope_parameters=_DEFAULT_ROPE
+        )
     raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
 
 
