@@ -30,7 +30,8 @@ class GpuInfo:
 
     def describe(self) -> str:
         gib = 1 << 30
-        return f"GPU{self.index} {self.name} ({self.free_bytes / gib:.1f}/{self.total_bytes / gib:.1f} GiB free)"
+        free, total = self.free_bytes / gib, self.total_bytes / gib
+        return f"GPU{self.index} {self.name} ({free:.1f}/{total:.1f} GiB free)"
 
 
 @dataclass(frozen=True)

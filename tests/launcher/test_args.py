@@ -10,8 +10,9 @@ import pytest
 from launcher.args import ConfigError, Device, DType, ServerConfig, build_parser, parse_args
 
 
-def test_defaults_of_the_cli_are_the_config_defaults() -> None:
-    assert parse_args([]) == ServerConfig(api_key=parse_args([]).api_key)
+def test_defaults_of_the_cli_are_the_config_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    assert parse_args([]) == ServerConfig()
     ns = build_parser().parse_args([])
     for f in fields(ServerConfig):
         assert getattr(ns, f.name) == f.default, f.name
