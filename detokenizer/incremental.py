@@ -101,6 +101,8 @@ class TokenTable:
         table.append(b"")
         self._with_special = table
         self._skip_special = [b"" if i in self.special_ids else t for i, t in enumerate(table)]
+        self._whole_with = [_whole_text(b) for b in self._with_special]
+        self._whole_skip = [_whole_text(b) for b in self._skip_special]
 
     def clamp(self, token_ids: np.ndarray) -> np.ndarray:
         """Map ids outside the vocabulary to the sentinel index (they decode to nothing)."""
@@ -110,6 +112,11 @@ class TokenTable:
     def bytes_for(self, skip_special: bool) -> list[bytes]:
         assert self.byte_level
         return self._skip_special if skip_special else self._with_special
+
+    def whole_texts_for(self, skip_special: bool) -> list[str | None]:
+        """Per id: the token's text if its bytes are complete UTF-8 on their own, else None."""
+        assert self.byte_level
+        return self._whole_skip if skip_special else self._whole_with
 
     def token_text(self, token_id: int) -> str:
         """One token's own text for logprobs: ``decode([id])`` with specials kept."""
@@ -125,24 +132,47 @@ class TokenTable:
 
     def new_stream(self, skip_special_tokens: bool) -> Detokenizer:
         if self.byte_level:
-            return ByteLevelDetokenizer(self.bytes_for(skip_special_tokens))
+            return ByteLevelDetokenizer(
+                self.bytes_for(skip_special_tokens), self.whole_texts_for(skip_special_tokens)
+            )
         return WindowedDetokenizer(self._tokenizer, skip_special_tokens)
 
 
+def _whole_text(raw: bytes) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class ByteLevelDetokenizer:
-    """Exact for byte-level BPE (see the module docstring)."""
+    """Exact for byte-level BPE (see the module docstring).
 
-    __slots__ = ("_decode", "_table")
+    Fast path: while the UTF-8 decoder holds no partial sequence, a token whose bytes are
+    complete UTF-8 on their own (most tokens) decodes to its precomputed text, which is
+    exactly what the decoder would return. Other tokens go through the decoder.
+    """
 
-    def __init__(self, table: list[bytes]) -> None:
+    __slots__ = ("_decoder", "_partial", "_table", "_whole")
+
+    def __init__(self, table: list[bytes], whole: list[str | None]) -> None:
         self._table = table
-        self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+        self._whole = whole
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._partial = False  # the decoder holds bytes of an unfinished character
 
     def feed(self, token_id: int) -> str:
-        return self._decode(self._table[token_id])
+        if not self._partial:
+            text = self._whole[token_id]
+            if text is not None:
+                return text
+        text = self._decoder.decode(self._table[token_id])
+        self._partial = bool(self._decoder.getstate()[0])
+        return text
 
     def flush(self) -> str:
-        return self._decode(b"", True)
+        self._partial = False
+        return self._decoder.decode(b"", True)
 
 
 class WindowedDetokenizer:

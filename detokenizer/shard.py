@@ -59,10 +59,11 @@ class _Request:
     feed: Callable[[int], str]  # detok.feed, bound once: it is called per token
     stop: StopMatcher | None
     num_logprobs: int | None
+    plain: bool  # no stop strings, no logprobs: the on_tokens fast path applies
     next_pos: int = 0
     pending: dict[int, _Token] = field(default_factory=dict)  # position -> early token
     # Output since the last take_outputs():
-    text: list[str] = field(default_factory=list)
+    text: str = ""
     ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: Finish = Finish.NONE
@@ -112,7 +113,10 @@ class DetokShard:
         params = msg.params
         detok = self.table.new_stream(params.skip_special_tokens)
         stop = StopMatcher(params.stop, params.include_stop_str_in_output)
-        req = _Request(msg.rid, detok, detok.feed, stop if stop.active else None, msg.num_logprobs)
+        plain = not stop.active and msg.num_logprobs is None
+        req = _Request(
+            msg.rid, detok, detok.feed, stop if stop.active else None, msg.num_logprobs, plain
+        )
         self._reqs[msg.rid] = req
         self._replay(req, msg.output_ids)
         for pos, tok in sorted(self._early.pop(msg.rid, {}).items()):
@@ -127,7 +131,7 @@ class DetokShard:
             self._consume(req, _Token(token_id, 0, None, None))
             if req.finish != Finish.NONE:
                 return
-        req.text.clear()
+        req.text = ""
         req.ids.clear()
         self._dirty.pop(req.rid, None)
 
@@ -145,11 +149,24 @@ class DetokShard:
         token_ids = self.table.clamp(batch.token_ids).tolist()
         finish = batch.finish.tolist()
         with_logprobs = batch.top_ids.shape[1] > 0 or not bool(np.isnan(batch.logprobs).all())
-        reqs = self._reqs
+        reqs, dirty = self._reqs, self._dirty
         for i, rid in enumerate(rids):
+            req = reqs.get(rid)
+            # Fast path (most tokens): in order, mid-stream, no stops or logprobs to handle.
+            if (
+                req is not None
+                and req.plain
+                and not finish[i]
+                and not req.pending
+                and positions[i] == req.next_pos
+            ):
+                req.next_pos += 1
+                req.ids.append(token_ids[i])
+                req.text += req.feed(token_ids[i])
+                dirty[rid] = req
+                continue
             raw = _raw_logprobs(batch, i) if with_logprobs else None
             tok = _Token(token_ids[i], finish[i], source_decode, raw)
-            req = reqs.get(rid)
             if req is None:
                 self._orphan(rid, positions[i], tok)
             elif positions[i] == req.next_pos and not req.pending:
@@ -197,14 +214,13 @@ class DetokShard:
         if req.stop is not None:
             text, match = req.stop.feed(text)
             if match is not None:
-                req.text.append(match.text)
+                req.text += match.text
                 self._stop_decode(req, tok)
                 self._finish(req, Finish.STOP, match.stop)
                 return
             if tok.finish:
                 text += req.stop.flush()
-        if text:
-            req.text.append(text)
+        req.text += text
         self._dirty[req.rid] = req
         if tok.finish:
             self._finish(req, Finish(tok.finish), tok.token_id)
@@ -235,8 +251,7 @@ class DetokShard:
         return TokenLogprob(token=text(token_id), logprob=raw[0], top=top)
 
     def _delta(self, req: _Request) -> TextDelta:
-        text = "".join(req.text)
-        ids, req.ids, req.text = req.ids, [], []
+        text, ids, req.text, req.ids = req.text, req.ids, "", []
         logprobs: list[TokenLogprob] | None = None
         if req.num_logprobs is not None:
             logprobs, req.logprobs = req.logprobs, []
