@@ -1,0 +1,177 @@
+"""The decode scheduler: KV import, continuous batching, engine stop checks.
+
+One ``DecodeScheduler`` lives in each decode worker and, like the prefill scheduler, does
+no I/O: the worker feeds it ``KVTransfer`` offers and aborts, calls ``admit()`` and
+``step()``, and ships what they return.
+
+Request life on a decode worker:
+    offer(KVTransfer) -> pending -> admit(): blocks allocated, KV copied, KVRelease
+      -> running: one token per step, every running request in every step
+      -> finished (EOS, stop token, length) or aborted: blocks freed the same step
+A request whose next block cannot be had is preempted: its blocks are freed and it is
+recomputed here (one prefill over prompt + output) when room returns — it never goes back
+to a prefill worker, and its output so far is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import NoFreeBlocks
+from engine.runner import ModelRunner
+from engine.sequence import Sequence
+from pdserve.step_output import TokenBatcher
+from transport.kv import KVReceiver
+from transport.records import Finish, KVRelease, KVTransfer, TokenBatch
+
+logger = logging.getLogger(__name__)
+
+_ABORT_MEMORY = 4096  # aborted rids remembered for transfers still on their way
+
+
+@dataclass
+class _Running:
+    seq: Sequence
+    detok_shard: int
+
+
+@dataclass
+class DecodeStep:
+    tokens: dict[int, TokenBatch] = field(default_factory=dict)
+    finished: list[int] = field(default_factory=list)
+
+
+class DecodeScheduler:
+    def __init__(self, runner: ModelRunner, receiver: KVReceiver, max_num_seqs: int) -> None:
+        self.runner = runner
+        self.receiver = receiver
+        self.max_num_seqs = max_num_seqs
+        self.pending: deque[KVTransfer] = deque()
+        self.running: dict[int, _Running] = {}
+        self.preempted: deque[_Running] = deque()
+        self._aborted: OrderedDict[int, None] = OrderedDict()
+
+    # ---- inputs ------------------------------------------------------------------------
+
+    def offer(self, t: KVTransfer) -> list[tuple[int, KVRelease]]:
+        """A prefill worker has KV ready for ``t.rid``; refused at once if already aborted."""
+        if t.rid in self._aborted:
+            return [(t.prefill_worker, KVRelease(rid=t.rid, accepted=False))]
+        self.pending.append(t)
+        return []
+
+    def abort(self, rid: int) -> list[tuple[int, KVRelease]]:
+        """Stop ``rid`` wherever it is here; its blocks are free when this returns."""
+        self._aborted[rid] = None
+        while len(self._aborted) > _ABORT_MEMORY:
+            self._aborted.popitem(last=False)
+        releases = [(t.prefill_worker, KVRelease(rid=rid, accepted=False))
+                    for t in self.pending if t.rid == rid]  # fmt: skip
+        self.pending = deque(t for t in self.pending if t.rid != rid)
+        self.preempted = deque(r for r in self.preempted if r.seq.rid != rid)
+        r = self.running.pop(rid, None)
+        if r is not None:
+            self.runner.free_blocks(r.seq)
+        return releases
+
+    def admit(self) -> list[tuple[int, KVRelease]]:
+        """Import pending handoffs while there is room; returns releases for prefill."""
+        releases = []
+        while self.pending and self._has_room():
+            t = self.pending[0]
+            seq = Sequence(
+                rid=t.rid, prompt_ids=list(t.prompt_ids), sampling=t.sampling,
+                output_ids=list(t.output_ids), block_size=self.runner.block_size,
+            )  # fmt: skip
+            try:
+                # Blocks for the imported KV plus the one uncomputed token decode runs next.
+                self.runner.ensure_blocks(seq, t.num_tokens + 1)
+            except NoFreeBlocks:
+                break
+            self.pending.popleft()
+            n_src = -(-t.num_tokens // self.runner.block_size)
+            self.receiver.fetch(t.prefill_worker, t.src_blocks[:n_src], seq.block_table[:n_src])
+            seq.num_computed_tokens = t.num_tokens
+            self.running[t.rid] = _Running(seq, t.detok_shard)
+            releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=True)))
+        return releases
+
+    def _has_room(self) -> bool:
+        # Keep one free block per running request so the batch can grow a step.
+        return (
+            len(self.running) < self.max_num_seqs
+            and not self.preempted
+            and self.runner.allocator.num_free > len(self.running)
+        )
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def step(self) -> DecodeStep:
+        """One decode token for every running request (after recomputing preempted ones)."""
+        out = DecodeStep()
+        batcher = TokenBatcher()
+        self._resume_preempted()
+        batch = self._reserve_blocks()
+        if not batch:
+            return out
+        logits = self.runner.decode([r.seq for r in batch])
+        sample = self.runner.sample(logits, [r.seq for r in batch])
+        for i, r in enumerate(batch):
+            self._emit(r, int(sample.token_ids[i]), i, float(sample.logprobs[i]), batcher, out)
+        out.tokens = batcher.batches(sample)
+        return out
+
+    def _emit(
+        self, r: _Running, token: int, row: int, logprob: float, batcher: TokenBatcher,
+        out: DecodeStep,
+    ) -> None:  # fmt: skip
+        r.seq.append_token(token)
+        finish = self.runner.check_stop(r.seq)
+        pos = len(r.seq.output_ids) - 1
+        batcher.add(r.detok_shard, r.seq.rid, pos, token, row, logprob, finish)
+        if finish != Finish.NONE:
+            self.runner.free_blocks(r.seq)
+            del self.running[r.seq.rid]
+            out.finished.append(r.seq.rid)
+
+    def _reserve_blocks(self) -> list[_Running]:
+        """Every running request gets room for one more token; preempt newest on shortage."""
+        batch = list(self.running.values())
+        i = 0
+        while i < len(batch):
+            try:
+                self.runner.ensure_blocks(batch[i].seq, 1)
+                i += 1
+            except NoFreeBlocks:
+                victim = batch.pop()  # newest admitted
+                self._preempt(victim)
+        return batch
+
+    def _preempt(self, r: _Running) -> None:
+        logger.info("rid %d: preempted for lack of KV blocks; will recompute", r.seq.rid)
+        self.runner.free_blocks(r.seq)
+        del self.running[r.seq.rid]
+        self.preempted.append(r)
+
+    def _resume_preempted(self) -> None:
+        """Recompute KV of preempted requests (all tokens but the newest) when room allows."""
+        while self.preempted:
+            r = self.preempted[0]
+            n = r.seq.num_tokens - 1
+            if self.runner.allocator.num_free < r.seq.blocks_needed(n + 1) + len(self.running):
+                return
+            self.preempted.popleft()
+            self.runner.prefill([(r.seq, n)])
+            self.running[r.seq.rid] = r
+
+    # ---- load --------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.pending) + len(self.preempted)

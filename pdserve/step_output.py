@@ -1,0 +1,63 @@
+"""Collecting one engine step's sampled tokens into per-shard ``TokenBatch`` records.
+
+Both worker pools emit tokens the same way: each token goes to the detokenizer shard
+that owns its request, one ``TokenBatch`` per shard per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.sampler import SampleOutput
+from transport.records import Finish, TokenBatch
+
+
+@dataclass
+class _Columns:
+    rids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # row of each token in the SampleOutput
+
+
+class TokenBatcher:
+    """Groups one step's tokens by detokenizer shard.
+
+    Usage per step: ``add(...)`` for each sampled row, then ``batches(sample)`` once.
+    """
+
+    def __init__(self) -> None:
+        self._by_shard: dict[int, _Columns] = {}
+
+    def add(
+        self, shard: int, rid: int, position: int, token: int, row: int, logprob: float,
+        finish: Finish,
+    ) -> None:  # fmt: skip
+        cols = self._by_shard.setdefault(shard, _Columns())
+        cols.rids.append(rid)
+        cols.positions.append(position)
+        cols.token_ids.append(token)
+        cols.logprobs.append(logprob)
+        cols.finish.append(int(finish))
+        cols.rows.append(row)
+
+    def batches(self, sample: SampleOutput | None) -> dict[int, TokenBatch]:
+        """One TokenBatch per shard; top logprobs are gathered from ``sample`` rows."""
+        out: dict[int, TokenBatch] = {}
+        top_ids = top_lps = None
+        if sample is not None and sample.top_ids.shape[1] > 0:
+            top_ids = sample.top_ids.numpy().astype(np.int32)
+            top_lps = sample.top_logprobs.numpy()
+        for shard, c in self._by_shard.items():
+            rows = np.asarray(c.rows, dtype=np.int64)
+            out[shard] = TokenBatch.build(
+                c.rids, c.positions, c.token_ids, c.logprobs, c.finish,
+                top_ids[rows] if top_ids is not None else None,
+                top_lps[rows] if top_lps is not None else None,
+            )  # fmt: skip
+        self._by_shard.clear()
+        return out

@@ -1,0 +1,152 @@
+"""The prefill scheduler: batched, chunked prefill; first-token sampling; KV export.
+
+One ``PrefillScheduler`` lives in each prefill worker. It knows nothing of rings: the
+worker feeds it requests, aborts and KV releases, calls ``step()`` and ships what the
+step returns. That keeps it testable in one process.
+
+Request life on a prefill worker:
+    add() -> waiting -> chunks over one or more steps -> first token sampled ->
+      finished at once (EOS / max_tokens 1): blocks freed, token sent with its finish
+      otherwise: blocks pinned, KVTransfer to the decode worker -> release() frees them
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import NoFreeBlocks
+from engine.runner import ModelRunner
+from engine.sequence import Sequence
+from pdserve.step_output import TokenBatcher
+from transport.kv import PinnedBlocks
+from transport.records import Finish, GenerateRequest, KVTransfer, TokenBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    seq: Sequence
+    decode_worker: int
+    detok_shard: int
+
+
+@dataclass
+class PrefillStep:
+    """What one step produced: tokens per detokenizer shard, KV handoffs per decode worker."""
+
+    tokens: dict[int, TokenBatch] = field(default_factory=dict)
+    transfers: list[tuple[int, KVTransfer]] = field(default_factory=list)
+    ran_tokens: int = 0
+
+
+class PrefillScheduler:
+    def __init__(self, runner: ModelRunner, worker_index: int, chunk_budget: int) -> None:
+        self.runner = runner
+        self.index = worker_index
+        self.chunk_budget = chunk_budget
+        self.waiting: deque[_Pending] = deque()
+        self.pinned = PinnedBlocks()
+        self.requests_received = 0
+        self.prompt_tokens_received = 0
+
+    # ---- inputs ------------------------------------------------------------------------
+
+    def add(self, req: GenerateRequest) -> Finish:
+        """Queue a request; returns ``Finish.ERROR`` (not queued) if it can never run."""
+        self.requests_received += 1
+        self.prompt_tokens_received += len(req.prompt_ids)
+        total = len(req.prompt_ids) + len(req.output_ids)
+        blocks = -(-(total + 1) // self.runner.block_size)
+        if total + 1 > self.runner.max_model_len or blocks > self.runner.allocator.num_blocks:
+            logger.error("rid %d: %d tokens can never fit; rejected", req.rid, total)
+            return Finish.ERROR
+        seq = Sequence(
+            rid=req.rid, prompt_ids=list(req.prompt_ids), sampling=req.sampling,
+            output_ids=list(req.output_ids), block_size=self.runner.block_size,
+        )  # fmt: skip
+        self.waiting.append(_Pending(seq, req.decode_worker, req.detok_shard))
+        return Finish.NONE
+
+    def abort(self, rid: int) -> None:
+        """Drop ``rid`` if it is still waiting or mid-prefill; pinned KV waits for release."""
+        for p in list(self.waiting):
+            if p.seq.rid == rid:
+                self.waiting.remove(p)
+                self.runner.free_blocks(p.seq)
+
+    def release(self, rid: int) -> None:
+        """Decode no longer needs ``rid``'s pinned blocks."""
+        self.runner.allocator.unpin_and_free(self.pinned.on_release(rid))
+
+    def decode_worker_died(self, decode_worker: int) -> None:
+        self.runner.allocator.unpin_and_free(self.pinned.on_peer_dead(decode_worker))
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def step(self) -> PrefillStep:
+        """Run one batched prefill over as many waiting chunks as the budget and KV allow."""
+        chunks = self._plan()
+        out = PrefillStep()
+        if not chunks:
+            return out
+        logits = self.runner.prefill([(p.seq, n) for p, n in chunks])
+        out.ran_tokens = sum(n for _, n in chunks)
+        done = [(row, p) for row, (p, _) in enumerate(chunks) if p.seq.num_uncomputed_tokens == 0]
+        if not done:
+            return out
+        rows = [row for row, _ in done]
+        sample = self.runner.sample(logits[rows], [p.seq for _, p in done])
+        batcher = TokenBatcher()
+        for i, (_, p) in enumerate(done):
+            self.waiting.remove(p)
+            token = int(sample.token_ids[i])
+            p.seq.append_token(token)
+            finish = self.runner.check_stop(p.seq)
+            pos = len(p.seq.output_ids) - 1
+            batcher.add(p.detok_shard, p.seq.rid, pos, token, i, float(sample.logprobs[i]), finish)
+            if finish != Finish.NONE:
+                self.runner.free_blocks(p.seq)
+            else:
+                out.transfers.append((p.decode_worker, self._export(p)))
+        out.tokens = batcher.batches(sample)
+        return out
+
+    def _plan(self) -> list[tuple[_Pending, int]]:
+        """FCFS chunks within the token budget; stops at the first request KV cannot hold."""
+        budget, chunks = self.chunk_budget, []
+        for p in self.waiting:
+            if budget <= 0:
+                break
+            n = min(p.seq.num_uncomputed_tokens, budget)
+            try:
+                self.runner.ensure_blocks(p.seq, n)
+            except NoFreeBlocks:
+                break  # back-pressure: the load table shows free blocks at zero
+            chunks.append((p, n))
+            budget -= n
+        return chunks
+
+    def _export(self, p: _Pending) -> KVTransfer:
+        seq = p.seq
+        # NOTE: the newest token has no KV yet; decode computes it in its first step.
+        blocks = list(seq.block_table)
+        self.runner.allocator.pin(blocks)
+        self.pinned.pin(seq.rid, p.decode_worker, blocks)
+        return KVTransfer(
+            rid=seq.rid, prefill_worker=self.index, src_blocks=blocks,
+            num_tokens=seq.num_computed_tokens, prompt_ids=seq.prompt_ids,
+            output_ids=seq.output_ids, sampling=seq.sampling, detok_shard=p.detok_shard,
+        )  # fmt: skip
+
+    # ---- load --------------------------------------------------------------------------
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(p.seq.num_uncomputed_tokens for p in self.waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
