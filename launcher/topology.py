@@ -105,7 +105,7 @@ class Topology:
                 "nbytes": self.load_segment.spec.nbytes,
                 "num_workers": self.num_workers,
                 "slot": slot,
-            },  # fmt: skip
+            },
             kv_pools=kv_pools,
             settings=settings,
         )

@@ -1,4 +1,5 @@
-/* Real memory barriers for the shared-memory rings (see transport/ring.py).
+/* Real memory barriers for the shared-memory rings (see transport/ring.py), and the
+ * CPU block copier of the KV handoff (transport/kv_backends.py).
  *
  * CPython gives no atomic or ordered access to shared memory: a store through an mmap
  * slice is a plain memcpy, and on aarch64 plain stores may become visible to another core
@@ -9,6 +10,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 static inline uint64_t *as_ptr(PyObject *addr) {
     return (uint64_t *)PyLong_AsVoidPtr(addr);
@@ -54,7 +56,66 @@ static PyObject *fence(PyObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+/* Large copies with streaming (non-temporal) stores, as glibc does for one big memcpy:
+ * a KV run is written once and read much later, so pulling the destination into cache
+ * (read-for-ownership) only halves bandwidth. Small or unaligned runs use memcpy. */
+#define STREAM_MIN (256 * 1024)
+static void copy_bytes(char *dst, const char *src, size_t n) {
+    if (n < STREAM_MIN || ((uintptr_t)dst & 15)) {
+        memcpy(dst, src, n);
+        return;
+    }
+    size_t body = n & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + body, src + body, n - body);
+}
+#define COPY_DONE() _mm_sfence() /* streaming stores are weakly ordered: fence them */
+#else
+static void copy_bytes(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
+#define COPY_DONE() ((void)0)
+#endif
+
+/* copy_runs(dst_addr, src_addr, block_nbytes, runs): for each (src, dst, n) int64 triple
+ * in the buffer ``runs``, memcpy n blocks. Block ids are range-checked by the caller
+ * (transport/kv.py); one call per request keeps per-run Python overhead off small blocks.
+ */
+static PyObject *copy_runs(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 4) {
+        PyErr_SetString(PyExc_TypeError, "copy_runs(dst_addr, src_addr, block_nbytes, runs)");
+        return NULL;
+    }
+    char *dst = (char *)PyLong_AsVoidPtr(args[0]);
+    char *src = (char *)PyLong_AsVoidPtr(args[1]);
+    Py_ssize_t block = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[3], &view, PyBUF_SIMPLE) < 0) return NULL;
+    const int64_t *r = (const int64_t *)view.buf;
+    Py_ssize_t count = view.len / (Py_ssize_t)(3 * sizeof(int64_t));
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        copy_bytes(dst + r[3 * i + 1] * block, src + r[3 * i] * block, (size_t)(r[3 * i + 2] * block));
+    }
+    COPY_DONE();
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"copy_runs", (PyCFunction)(void (*)(void))copy_runs, METH_FASTCALL,
+     "memcpy block runs between two block-major pools"},
     {"load_acquire", (PyCFunction)load_acquire, METH_O, "acquire-load a u64"},
     {"store_release", (PyCFunction)(void (*)(void))store_release, METH_FASTCALL,
      "release-store a u64"},

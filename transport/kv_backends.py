@@ -11,11 +11,13 @@ cuda_ipc: the decode worker opens the prefill GPU pool once from its CUDA IPC ha
 
 from __future__ import annotations
 
+import array
 from collections.abc import Mapping, Sequence
 
 import msgspec
 import torch
 
+from transport import _atomics
 from transport.errors import KVTransferError
 from transport.kv import KVExporter, KVReceiver, block_runs, check_ids
 
@@ -35,6 +37,12 @@ def _copy_runs(
 ) -> None:
     check_ids(src_blocks, src.shape[0], "source")
     check_ids(dst_blocks, dst.shape[0], "destination")
+    if not (dst.is_cuda or src.is_cuda):
+        assert dst.is_contiguous() and src.is_contiguous()
+        runs = array.array("q", [x for run in block_runs(src_blocks, dst_blocks) for x in run])
+        block_nbytes = src[0].numel() * src.element_size()
+        _atomics.copy_runs(dst.data_ptr(), src.data_ptr(), block_nbytes, runs.tobytes())
+        return
     async_ok = dst.is_cuda or src.is_cuda  # host side is pinned: DMA, synchronised below
     for s, d, n in block_runs(src_blocks, dst_blocks):
         dst[d : d + n].copy_(src[s : s + n], non_blocking=async_ok)

@@ -10,7 +10,19 @@ import torch
 # qwen.tiktoken plus NFC normalisation and Qwen2's pre-tokenizer regex).
 QWEN2_IDS = {
     "Hello": [9707],
-    "Hello world, 你好世界 🎉🚀 café": [9707, 1879, 11, 220, 108386, 99489, 11162, 236, 231, 145836, 51950],
+    "Hello world, 你好世界 🎉🚀 café": [
+        9707,
+        1879,
+        11,
+        220,
+        108386,
+        99489,
+        11162,
+        236,
+        231,
+        145836,
+        51950,
+    ],
 }
 
 
@@ -36,7 +48,9 @@ def test_ids_match_tiktoken_reference(qwen_tokenizer) -> None:  # type: ignore[n
 
 
 def test_special_tokens_and_chat_template(qwen_tokenizer) -> None:  # type: ignore[no-untyped-def]
-    assert qwen_tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [
+    assert qwen_tokenizer.convert_tokens_to_ids(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    ) == [
         151643,
         151644,
         151645,
