@@ -1,0 +1,152 @@
+"""The FastAPI app: routing, auth, body limits, JSON parsing and error shaping.
+
+Handlers live in ``serving_*.py``; this module only gets a request to them and turns
+every failure into an OpenAI-shaped error. No input reaches a handler unparsed, and no
+exception escapes as anything but a JSON error (500 for our bugs, logged with traceback).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from frontend.engine_client import EngineClient
+from frontend.errors import APIError, InternalError, InvalidRequest, PayloadTooLarge, Unauthorized
+from frontend.metrics import FrontendMetrics
+from frontend.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NativeGenerateRequest,
+    parse_body,
+)
+from frontend.serving_chat import create_chat_completion
+from frontend.serving_common import ClientGone, ServingContext
+from frontend.serving_completions import create_completion
+from frontend.serving_generate import generate
+from frontend.settings import FrontendSettings
+
+logger = logging.getLogger(__name__)
+B = TypeVar("B", CompletionRequest, ChatCompletionRequest, NativeGenerateRequest)
+Handler = Callable[[ServingContext, Request, B, float], Awaitable[Response]]
+
+
+async def read_json(request: Request, limit: int) -> object:
+    """The body as JSON, refusing more than ``limit`` bytes before reading them all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(limit)
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"malformed JSON body: {e}") from e
+
+
+def check_api_key(request: Request, key: str | None) -> None:
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+        raise Unauthorized()
+
+
+async def _serve(
+    ctx: ServingContext, request: Request, model: type[B], handler: Handler[B]
+) -> Response:
+    arrival = time.monotonic()
+    try:
+        check_api_key(request, ctx.settings.api_key)
+        body = parse_body(model, await read_json(request, ctx.settings.max_body_bytes))
+        if unknown := body.unknown_fields():
+            logger.info("%s: ignoring unknown fields %s", request.url.path, unknown)
+        return await handler(ctx, request, body, arrival)
+    except APIError as e:
+        if e.status >= 500:
+            logger.warning("%s: %d %s", request.url.path, e.status, e.message)
+        return e.response()
+    except ClientGone:
+        return Response(status_code=499)  # nobody is listening; nginx's code for it
+    except Exception:
+        logger.exception("%s: unhandled error", request.url.path)
+        return InternalError().response()
+
+
+def _warn_if_exposed(settings: FrontendSettings) -> None:
+    try:
+        loopback = settings.host == "localhost" or ipaddress.ip_address(settings.host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and settings.api_key is None:
+        logger.warning("binding %s without an API key: anyone who can reach it can use it",
+                       settings.host)  # fmt: skip
+
+
+def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) -> FastAPI:
+    """The HTTP app over ``client``; the app closes the client when it shuts down."""
+    _warn_if_exposed(settings)
+    ctx = ServingContext(client, tokenizer, settings, FrontendMetrics(client))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.close()
+
+    app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return APIError(str(exc.detail), status=exc.status_code).response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(ctx, request, CompletionRequest, create_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _serve(ctx, request, ChatCompletionRequest, create_chat_completion)
+
+    @app.post("/generate")
+    async def native_generate(request: Request) -> Response:
+        return await _serve(ctx, request, NativeGenerateRequest, generate)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            check_api_key(request, settings.api_key)
+        except APIError as e:
+            return e.response()
+        card = {"id": settings.model_name, "object": "model", "created": 0,
+                "owned_by": "pdserve", "max_model_len": settings.max_model_len}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        workers = client.health()
+        ok = all(w.alive for w in workers)
+        body = {"status": "ok" if ok else "degraded", "workers": [asdict(w) for w in workers]}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        payload, content_type = ctx.metrics.render()
+        return Response(payload, media_type=content_type)
+
+    return app

@@ -1,0 +1,226 @@
+"""What every endpoint shares: context, tokenization, one engine call, SSE framing.
+
+``EngineCall`` is the only code that iterates ``EngineClient.generate``. It owns three
+promises of the HTTP layer: admission errors become 503/500 before any byte is sent; a
+client that disconnects has its request aborted (watched while waiting for the first
+token, and by Starlette's disconnect listener while streaming); and every finished
+request is recorded in the metrics exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+from starlette.requests import Request
+
+from frontend.engine_client import EngineClient, EngineError, EngineRequest, Overloaded
+from frontend.errors import APIError, InternalError, ServiceUnavailable
+from frontend.metrics import FrontendMetrics
+from frontend.settings import FrontendSettings
+from transport.records import Finish, TextDelta, TokenLogprob
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FINISH_REASONS = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort",
+                  Finish.ERROR: "error"}  # fmt: skip
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; its request has been aborted."""
+
+
+@dataclass
+class ServingContext:
+    """Per-app state every handler needs."""
+
+    client: EngineClient
+    tokenizer: Any
+    settings: FrontendSettings
+    metrics: FrontendMetrics
+    # NOTE: random start so rids of a restarted frontend do not collide with stale
+    # records of the previous one still sitting in worker rings.
+    _rids: Iterator[int] = field(default_factory=lambda: itertools.count(secrets.randbits(40)))
+
+    def next_rid(self) -> int:
+        return next(self._rids)
+
+    async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        # Tokenizing megabytes of text takes a while; keep the event loop serving.
+        ids = await asyncio.to_thread(
+            self.tokenizer.encode, text, add_special_tokens=add_special_tokens
+        )
+        return list(ids)
+
+
+@dataclass
+class Generation:
+    """Everything a non-streaming response needs, accumulated from the deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish: Finish = Finish.NONE
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    def add(self, d: TextDelta) -> None:
+        self.text += d.text
+        self.token_ids.extend(d.token_ids)
+        self.logprobs.extend(d.logprobs or ())
+        if d.finish:
+            self.finish, self.stop_reason, self.error = Finish(d.finish), d.stop_reason, d.error
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.finish)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first (then raise ``ClientGone``)."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise ClientGone()
+
+
+class EngineCall:
+    """One request's trip through the engine, with metrics and abort-on-exit."""
+
+    def __init__(self, ctx: ServingContext, req: EngineRequest, arrival: float) -> None:
+        self.ctx, self.req, self.arrival = ctx, req, arrival
+        self._agen = ctx.client.generate(req)
+        self._first: TextDelta | None = None
+        self._last_token_at: float | None = None
+        self._num_tokens = 0
+        self.finished = False
+
+    async def start(self, request: Request) -> None:
+        """Admit the request and wait for its first delta (aborted if the client leaves)."""
+        try:
+            self._first = await until_disconnect(request, self._agen.__anext__())
+        except Overloaded as e:
+            raise ServiceUnavailable(e.retry_after_s, str(e)) from e
+        except EngineError as e:
+            logger.error("rid=%d engine error at admission: %s", self.req.rid, e)
+            raise InternalError(f"engine failure: {e}") from e
+        except StopAsyncIteration as e:
+            raise InternalError("the engine ended the request without a final delta") from e
+        except BaseException:
+            await self._abort()
+            raise
+        self.ctx.metrics.prompt_tokens.inc(len(self.req.prompt_ids))
+        self._observe(self._first)
+
+    async def deltas(self) -> AsyncIterator[TextDelta]:
+        """The deltas after ``start``: the first one, then the rest; aborts on early exit."""
+        assert self._first is not None, "start() must succeed first"
+        try:
+            yield self._first
+            while not self.finished:
+                delta = await self._agen.__anext__()
+                self._observe(delta)
+                yield delta
+        except StopAsyncIteration:
+            logger.error("rid=%d stream ended without a final delta", self.req.rid)
+            raise EngineError("the engine ended the request without a final delta") from None
+        finally:
+            if not self.finished:
+                await self._abort()
+            else:  # let the client's generator run its cleanup now, not at GC time
+                await self._agen.aclose()  # type: ignore[attr-defined]
+
+    async def collect(self, request: Request) -> Generation:
+        """Run to completion for a non-streaming response."""
+
+        async def run() -> Generation:
+            gen = Generation()
+            async for d in self.deltas():
+                gen.add(d)
+            return gen
+
+        try:
+            return await until_disconnect(request, run())
+        finally:
+            if not self.finished:
+                await self._abort()
+
+    def _observe(self, d: TextDelta) -> None:
+        now = time.monotonic()
+        if d.token_ids:
+            if self._last_token_at is None:
+                self.ctx.metrics.ttft.observe(now - self.arrival)
+            else:
+                self.ctx.metrics.itl.observe(now - self._last_token_at)
+            self._last_token_at = now
+            self._num_tokens += len(d.token_ids)
+        if d.finish:
+            self.finished = True
+            reason = FINISH_REASONS.get(Finish(d.finish), "unknown")
+            self.ctx.metrics.e2e.observe(now - self.arrival)
+            self.ctx.metrics.generation_tokens.inc(self._num_tokens)
+            self.ctx.metrics.requests.labels(finish_reason=reason).inc()
+            logger.debug("rid=%d finished: %s, %d tokens", self.req.rid, reason, self._num_tokens)
+
+    async def _abort(self) -> None:
+        self.finished = True
+        # Shielded: we are often here because our task was cancelled (client gone).
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.ctx.client.abort(self.req.rid)
+                await self._agen.aclose()  # type: ignore[attr-defined]
+            except Exception:
+                logger.exception("rid=%d abort failed", self.req.rid)
+        logger.info("rid=%d aborted", self.req.rid)
+
+
+def sse(payload: object) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def sse_stream(chunks: AsyncIterator[object], rid: int) -> AsyncIterator[bytes]:
+    """Frame ``chunks`` as SSE; an engine failure mid-stream becomes an error event."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except (EngineError, APIError) as e:
+        logger.error("rid=%d failed mid-stream: %s", rid, e)
+        err = e if isinstance(e, APIError) else InternalError(f"engine failure: {e}")
+        yield sse(err.body())
+    yield SSE_DONE
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def now_s() -> int:
+    return int(time.time())

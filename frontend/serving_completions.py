@@ -1,0 +1,134 @@
+"""POST /v1/completions: prompt (text or token ids) in, text out, streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from frontend.engine_client import EngineRequest
+from frontend.errors import ModelNotFound
+from frontend.protocol import (
+    CompletionRequest,
+    check_prompt_ids,
+    resolve_max_tokens,
+    to_engine_params,
+)
+from frontend.serving_common import (
+    FINISH_REASONS,
+    EngineCall,
+    ServingContext,
+    now_s,
+    sse_stream,
+    usage,
+)
+from transport.records import Finish, TokenLogprob
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+
+
+def check_model(ctx: ServingContext, requested: str | None) -> None:
+    if requested is not None and requested != ctx.settings.model_name:
+        raise ModelNotFound(requested, ctx.settings.model_name)
+
+
+class CompletionLogprobs:
+    """Renders OpenAI completions logprobs; ``text_offset`` runs across stream chunks."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def render(self, lps: list[TokenLogprob]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {
+            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": [],
+        }  # fmt: skip
+        for t in lps:
+            out["tokens"].append(t.token)
+            out["token_logprobs"].append(t.logprob)
+            out["top_logprobs"].append({t.token: t.logprob, **dict(t.top)})
+            out["text_offset"].append(self.offset)
+            self.offset += len(t.token)
+        return out
+
+
+async def _prompt_ids(ctx: ServingContext, prompt: str | list[Any]) -> list[int]:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch of one (larger batches were rejected)
+    if isinstance(prompt, str):
+        if not prompt:
+            check_prompt_ids([], ctx.settings.vocab_size, "prompt")
+        return await ctx.encode(prompt, add_special_tokens=True)
+    check_prompt_ids(prompt, ctx.settings.vocab_size, "prompt")
+    return list(prompt)
+
+
+async def create_completion(
+    ctx: ServingContext, request: Request, body: CompletionRequest, arrival: float
+) -> Response:
+    body.reject_unsupported()
+    check_model(ctx, body.model)
+    prompt_ids = await _prompt_ids(ctx, body.prompt)
+    requested = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    max_tokens = resolve_max_tokens(requested, len(prompt_ids), ctx.settings.max_model_len)
+    s = ctx.settings
+    sampling, detok = to_engine_params(
+        body, max_tokens, body.logprobs, s.vocab_size, s.max_logprobs
+    )
+    req = EngineRequest(rid=ctx.next_rid(), prompt_ids=prompt_ids, sampling=sampling, detok=detok)
+    call = EngineCall(ctx, req, arrival)
+    await call.start(request)
+    head = {"id": f"cmpl-{req.rid:x}", "created": now_s(), "model": s.model_name}
+    if body.stream:
+        chunks = _stream_chunks(call, body, head)
+        return StreamingResponse(sse_stream(chunks, req.rid), media_type="text/event-stream")
+    gen = await call.collect(request)
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": gen.text,
+        "logprobs": CompletionLogprobs().render(gen.logprobs)
+        if body.logprobs is not None
+        else None,
+        "finish_reason": gen.finish_reason,
+        "stop_reason": gen.stop_reason,
+    }
+    if body.return_token_ids:
+        choice.update(prompt_token_ids=prompt_ids, token_ids=gen.token_ids)
+    if gen.finish == Finish.ERROR:
+        choice["error"] = gen.error
+    return JSONResponse(
+        {
+            **head,
+            "object": "text_completion",
+            "choices": [choice],
+            "usage": usage(len(prompt_ids), len(gen.token_ids)),
+        }
+    )
+
+
+async def _stream_chunks(
+    call: EngineCall, body: CompletionRequest, head: dict[str, Any]
+) -> AsyncIterator[dict[str, Any]]:
+    logprobs = CompletionLogprobs() if body.logprobs is not None else None
+    num_tokens, first = 0, True
+    async for d in call.deltas():
+        num_tokens += len(d.token_ids)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": d.text,
+            "logprobs": logprobs.render(d.logprobs or []) if logprobs else None,
+            "finish_reason": FINISH_REASONS.get(Finish(d.finish)),
+            "stop_reason": d.stop_reason,
+        }
+        if body.return_token_ids:
+            choice["token_ids"] = list(d.token_ids)
+            if first:
+                choice["prompt_token_ids"] = call.req.prompt_ids
+        if d.error:
+            choice["error"] = d.error
+        first = False
+        yield {**head, "object": "text_completion", "choices": [choice], "usage": None}
+    if body.include_usage:
+        final = usage(len(call.req.prompt_ids), num_tokens)
+        yield {**head, "object": "text_completion", "choices": [], "usage": final}
