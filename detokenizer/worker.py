@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from detokenizer.shard import DetokShard
+from pdserve.process import ProcessSpec, bootstrap
 from transport.doorbell import Doorbell, DoorbellSpec
 from transport.records import AbortRequest, DetokRegister, TokenBatch, decode, encode
 from transport.ring import Ring, RingSpec
@@ -90,13 +91,45 @@ class DetokWorker:
 
 def main(cfg: DetokWorkerConfig, should_stop: Callable[[], bool]) -> None:
     """Process entry point (the launcher passes the config and its shutdown flag)."""
-    import setproctitle
     from transformers import AutoTokenizer
 
-    setproctitle.setproctitle(f"pdserve:detok-{cfg.index}")
     worker = DetokWorker(cfg, AutoTokenizer.from_pretrained(cfg.tokenizer_path))
     logger.info("detokenizer shard %d ready", cfg.index)
     try:
         worker.run(should_stop)
     finally:
         worker.close()
+
+
+def config_from_spec(spec: ProcessSpec) -> DetokWorkerConfig:
+    """The shard's rings as the launcher's topology names them (see launcher/topology.py)."""
+    k = spec.index
+
+    def ring(name: str, table: dict[str, dict[str, Any]]) -> RingSpec:
+        return RingSpec(**table[name])
+
+    def indexed(prefix: str, table: dict[str, dict[str, Any]]) -> tuple[RingSpec, ...]:
+        names = sorted((n for n in table if n.startswith(prefix)), key=_peer_index)
+        return tuple(RingSpec(**table[n]) for n in names)
+
+    return DetokWorkerConfig(
+        index=k,
+        tokenizer_path=spec.settings["model"],
+        doorbell=DoorbellSpec(spec.doorbell_fd),
+        control=ring(f"ctl.k{k}", spec.rings_in),
+        prefill_rings=indexed("tok.p", spec.rings_in),
+        decode_rings=indexed("tok.d", spec.rings_in),
+        stop_rings=indexed("stop.", spec.rings_out),
+        frontend=ring(f"text.k{k}", spec.rings_out),
+    )
+
+
+def _peer_index(name: str) -> int:
+    """``tok.d3.k0`` -> 3, ``stop.k0.d3`` -> 3: the worker index in a ring name."""
+    part = name.split(".")[1] if name.startswith("tok.") else name.split(".")[2]
+    return int(part[1:])
+
+
+if __name__ == "__main__":
+    _spec, _stopping = bootstrap()
+    main(config_from_spec(_spec), lambda: bool(_stopping))

@@ -1,17 +1,162 @@
-"""``launch``: the one command operators type."""
+"""``launch``: the one command operators type.
+
+    launch --prefill 2 --decode 4        # N prefill + M decode workers, one per GPU (or CPU)
+
+Order of work: parse and validate flags -> sweep leftovers of dead servers -> assign GPUs
+-> create every shared resource (rings, load table, KV pools) -> spawn frontend, workers
+and detokenizer shards -> wait until all are ready -> print the URL -> watch, restart,
+and on SIGINT/SIGTERM stop everything within 10 s.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig, ModelConfig, parse_dtype
+from launcher.args import ConfigError, ServerConfig, parse_args
+from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
+from launcher.supervisor import Child, ChildFailed, Supervisor
+from launcher.topology import Topology
+from transport.errors import TransportError
+from transport.kv import KVLayout
+from transport.segment import sweep_stale
+
+logger = logging.getLogger("launch")
+
+_DTYPE_NAMES = {
+    "torch.float32": "float32",
+    "torch.bfloat16": "bfloat16",
+    "torch.float16": "float16",
+}
+STARTUP_TIMEOUT_S = 600.0
+
+
+def _model_path(config: ServerConfig) -> Path:
+    if config.model is not None:
+        return config.model
+    from pdserve.tiny_models import tiny_model_dir
+
+    logger.info("no --model given: serving the embedded tiny random-weight Qwen2 model")
+    return tiny_model_dir()
+
+
+def _engine_settings(config: ServerConfig, model: Path, device: str) -> dict[str, Any]:
+    return {
+        "model": str(model), "dtype": config.dtype.value, "device": device,
+        "block_size": config.block_size, "kv_cache_tokens": config.kv_cache_tokens,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
+        "chunked_prefill_size": config.chunked_prefill_size,
+        "log_level": config.log_level.value,
+    }  # fmt: skip
+
+
+def _children(
+    config: ServerConfig, topo: Topology, gpus: GpuAssignment, model: Path
+) -> list[Child]:
+    mcfg = ModelConfig.from_pretrained(model)
+    engine = EngineConfig(model=str(model), max_model_len=config.max_model_len)
+    cores = os.cpu_count() or 1
+    threads = str(max(1, cores // max(1, config.prefill + config.decode)))
+    out: list[Child] = []
+    for role, gpu_list in (("prefill", gpus.prefill), ("decode", gpus.decode)):
+        for index, gpu in enumerate(gpu_list):
+            device = "cpu" if gpu is None else "cuda"
+            settings = _engine_settings(config, model, device)
+            env = {"OMP_NUM_THREADS": threads, **cuda_env(gpu)}
+            out.append(Child(topo.spec(role, index, settings), env))
+    common = {"model": str(model), "log_level": config.log_level.value}
+    for k in range(config.detokenizers):
+        out.append(Child(topo.spec("detok", k, common), {"OMP_NUM_THREADS": "1"}))
+    frontend = {
+        **common,
+        "served_model_name": config.served_model_name or model.name,
+        "max_model_len": engine.resolve_max_model_len(mcfg),
+        "vocab_size": mcfg.vocab_size, "api_key": config.api_key,
+        "chat_template": config.chat_template, "host": config.host, "port": config.port,
+        "router_policy": config.router_policy,
+        "max_waiting_requests": config.max_waiting_requests,
+    }  # fmt: skip
+    out.insert(0, Child(topo.spec("frontend", 0, frontend), {"OMP_NUM_THREADS": "1"}))
+    return out
+
+
+def _build_topology(config: ServerConfig, model: Path) -> Topology:
+    mcfg = ModelConfig.from_pretrained(model)
+    topo = Topology(config.prefill, config.decode, config.detokenizers)
+    dtype = _DTYPE_NAMES[str(parse_dtype(config.dtype.value, mcfg.dtype))]
+    layout = KVLayout(
+        num_blocks=-(-config.kv_cache_tokens // config.block_size),
+        num_layers=mcfg.num_layers, block_size=config.block_size,
+        num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim, dtype=dtype,
+    )  # fmt: skip
+    for i in range(config.prefill):
+        topo.add_kv_pool(i, layout)
+    return topo
+
+
+def _http_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+def serve(config: ServerConfig) -> int:
+    if config.colocated:
+        raise ConfigError("--colocated is not implemented yet; run --prefill/--decode")
+    swept = sweep_stale()
+    if swept:
+        logger.info("removed %d shared-memory leftovers of dead servers", len(swept))
+    gpus = assign_gpus(config)
+    if not gpus.on_cpu:
+        raise ConfigError("CUDA workers are not wired into launch yet; use --device cpu")
+    model = _model_path(config)
+    topo = _build_topology(config, model)
+    sup = Supervisor(_children(config, topo, gpus, model), topo.load_table(), config.prefill)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        sup.stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    url = f"http://{config.host}:{config.port}"
+    try:
+        sup.start_all()
+        sup.wait_ready(STARTUP_TIMEOUT_S, lambda: _http_ready(url + "/health"))
+        if not sup.stopping:
+            print(f"pdserve is serving {model} at {url}  (Ctrl-C stops)", flush=True)
+        code = sup.monitor()
+    except ChildFailed as e:
+        logger.error("%s", e)
+        code = 1
+    finally:
+        sup.shutdown()
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
-    # NOTE: the serving pipeline is not wired yet; failing loudly beats pretending.
-    print(
-        "launch: the serving pipeline is not implemented yet (see the open issues)",
-        file=sys.stderr,
+    try:
+        config = parse_args(argv)
+    except ConfigError as e:
+        print(f"launch: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.value.upper(),
+        format="%(asctime)s pdserve:launch %(levelname)s %(name)s: %(message)s",
     )
-    return 2
+    try:
+        return serve(config)
+    except (ConfigError, TransportError) as e:
+        print(f"launch: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -67,10 +67,10 @@ class Stopping:
         return self.event.is_set()
 
 
-def bootstrap(title: str) -> tuple[ProcessSpec, Stopping]:
+def bootstrap() -> tuple[ProcessSpec, Stopping]:
     """Parse the spec, set the process title and logging, and die with the parent."""
     spec = ProcessSpec.from_json(os.environ[SPEC_ENV])
-    name = f"pdserve:{title}"
+    name = f"pdserve:{spec.role}" + (f"-{spec.index}" if spec.role != "frontend" else "")
     try:
         import setproctitle
 

@@ -120,7 +120,10 @@ class Ring:
     # ---- producer -------------------------------------------------------------------
 
     def try_put(self, record: bytes) -> bool:
-        """Publish ``record`` if it fits now; False if the ring is full. Never blocks."""
+        """Publish ``record`` if it fits now; False if the ring is full. Never blocks.
+
+        Raises RecordTooLarge, or PeerDead once the consumer is known to have exited.
+        """
         need = self._check_size(record)
         if not self._has_space(need):
             return False
@@ -130,8 +133,9 @@ class Ring:
     def put(self, record: bytes, timeout: float | None = None) -> None:
         """Publish ``record``, waiting for space up to ``timeout`` seconds (None: forever).
 
-        Raises RecordTooLarge, RingFull on timeout, PeerDead if the consumer has exited
-        while the ring is full. Nothing is written when it raises.
+        Raises RecordTooLarge, RingFull on timeout, PeerDead if the consumer is known to
+        have exited (checked on every wait for space, remembered after). Nothing is
+        written when it raises.
         """
         need = self._check_size(record)
         if not self._has_space(need):
@@ -139,7 +143,9 @@ class Ring:
         self._write(record, need)
 
     def _check_size(self, record: bytes) -> int:
-        assert self.role == "producer", f"put on a {self.role} side of ring {self.spec.tag}"
+        assert self._peer is not None and self.role == "producer", f"put on {self.role} side"
+        if self._peer.known_dead():
+            raise PeerDead(f"consumer of ring {self.spec.tag} (pid {self._peer.pid}) died")
         need = footprint(len(record))
         if need > self._cap:
             raise RecordTooLarge(
@@ -245,6 +251,11 @@ class Ring:
         """False once the other side has exited (known within one poll of its pidfd)."""
         assert self._peer is not None, "the creator's handle has no peer"
         return self._peer.alive()
+
+    @property
+    def peer_pid(self) -> int:
+        """The attached peer's pid (0 before it attached)."""
+        return 0 if self._peer is None else self._peer.pid
 
     def peer_pidfd(self) -> int | None:
         return None if self._peer is None else self._peer.pidfd()

@@ -1,0 +1,52 @@
+"""Ring plumbing shared by the prefill and decode worker loops."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+
+from engine.config import EngineConfig
+from router.load_table import RowWriter
+from transport.errors import PeerDead, RingFull
+from transport.records import Control, TokenBatch, decode, encode
+from transport.ring import Ring
+
+logger = logging.getLogger(__name__)
+
+MAX_RECORDS_PER_DRAIN = 256
+PUT_TIMEOUT_S = 5.0  # a consumer that has not made room in this long is stuck or dead
+IDLE_WAIT_S = 0.2  # idle workers still publish a heartbeat at least this often
+
+
+def engine_config(settings: Mapping[str, object]) -> EngineConfig:
+    """The EngineConfig fields present in a spec's settings."""
+    fields = EngineConfig.__dataclass_fields__
+    return EngineConfig(**{k: v for k, v in settings.items() if k in fields})  # type: ignore[arg-type]
+
+
+def drain(ring: Ring) -> Iterator[Control | TokenBatch]:
+    """Decode every record queued on ``ring`` now (bounded, so one ring cannot starve)."""
+    for raw in ring.drain(MAX_RECORDS_PER_DRAIN):
+        yield decode(raw)
+
+
+def send(ring: Ring, msg: Control | TokenBatch) -> bool:
+    """Put a record, blocking while the consumer catches up; False if the peer is gone.
+
+    NOTE: a record is never dropped while its consumer lives: a full ring blocks this
+    worker (back-pressure) rather than losing tokens.
+    """
+    data = encode(msg)
+    try:
+        ring.put(data, timeout=PUT_TIMEOUT_S)
+        return True
+    except PeerDead:
+        logger.warning("ring %s: consumer is dead; record dropped", ring.spec.tag)
+        return False
+    except RingFull:
+        logger.error("ring %s: full for %.0f s; consumer stuck", ring.spec.tag, PUT_TIMEOUT_S)
+        raise
+
+
+def heartbeat(row: RowWriter, **load: int) -> None:
+    row.publish(**load)

@@ -1,0 +1,109 @@
+"""The prefill worker process: ``python -m prefill.worker`` (started by the launcher).
+
+Loop: take requests, aborts and KV releases off the rings -> run one prefill step ->
+ship first tokens to detokenizer shards and KV handoffs to decode workers -> publish
+load. With nothing to do it sleeps on its doorbell (no CPU while idle).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.runner import ModelRunner
+from pdserve.process import attach_rings, bootstrap, load_row
+from pdserve.worker_io import IDLE_WAIT_S, drain, engine_config, send
+from prefill.scheduler import PrefillScheduler, PrefillStep
+from router.load_table import Role, WorkerState
+from transport.kv import KVLayout, pool_view
+from transport.kv_backends import ShmExporter
+from transport.records import AbortRequest, Finish, GenerateRequest, KVRelease, TokenBatch
+from transport.ring import Ring
+from transport.segment import Segment, SegmentSpec
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    def __init__(self) -> None:
+        self.spec, self.stopping = bootstrap()
+        i = self.index = self.spec.index
+        self.rings_in, self.rings_out, self.doorbell = attach_rings(self.spec)
+        self.row, self._load_seg = load_row(self.spec)
+        pool = self.spec.kv_pools[f"p{i}"]
+        layout = KVLayout(**pool["layout"])
+        self._pool_seg = Segment.attach(SegmentSpec(f"kv.p{i}", pool["fd"], pool["nbytes"]))
+        config = engine_config(self.spec.settings)
+        self.row.claim(Role.PREFILL, i, block_size=config.block_size)
+        runner = ModelRunner(config, kv_pool=pool_view(self._pool_seg, layout))
+        self.exporter = ShmExporter(runner.kv_pool)
+        self.sched = PrefillScheduler(runner, i, config.chunked_prefill_size)
+        self.req_ring = self.rings_in[f"req.p{i}"]
+        self.rel_rings = {int(n.split(".")[1][1:]): r for n, r in self.rings_in.items()
+                          if n.startswith("rel.")}  # fmt: skip
+        self.kv_out = self._by_peer("kv.", 2)
+        self.tok_out = self._by_peer("tok.", 2)
+
+    def _by_peer(self, prefix: str, part: int) -> dict[int, Ring]:
+        return {int(n.split(".")[part][1:]): r for n, r in self.rings_out.items()
+                if n.startswith(prefix)}  # fmt: skip
+
+    def run(self) -> None:
+        self.row.set_state(WorkerState.READY)
+        logger.info("ready")
+        while not self.stopping:
+            self._take_inputs()
+            for j, ring in self.rel_rings.items():
+                if not ring.peer_alive() and self.sched.pinned.rids_for(j):
+                    self.sched.decode_worker_died(j)
+            out = self.sched.step()
+            self._ship(out)
+            self._publish()
+            if not self.sched.waiting:
+                self.doorbell.wait(list(self.rings_in.values()), IDLE_WAIT_S)
+        self.row.set_state(WorkerState.DRAINING)
+
+    def _take_inputs(self) -> None:
+        for msg in drain(self.req_ring):
+            if isinstance(msg, GenerateRequest):
+                if self.sched.add(msg) == Finish.ERROR:
+                    self._fail(msg)
+            elif isinstance(msg, AbortRequest):
+                self.sched.abort(msg.rid)
+        for ring in self.rel_rings.values():
+            for msg in drain(ring):
+                if isinstance(msg, KVRelease):
+                    self.sched.release(msg.rid)
+
+    def _fail(self, req: GenerateRequest) -> None:
+        """Tell the detokenizer (hence the client) that this request cannot run here."""
+        batch = TokenBatch.build([req.rid], [len(req.output_ids)], [-1], finish=[Finish.ERROR])
+        send(self.tok_out[req.detok_shard], batch)
+
+    def _ship(self, out: PrefillStep) -> None:
+        # Tokens first: TTFT never waits for the KV handoff.
+        for shard, batch in out.tokens.items():
+            send(self.tok_out[shard], batch)
+        for j, transfer in out.transfers:
+            self.exporter.export(transfer.src_blocks)
+            if not send(self.kv_out[j], transfer):
+                self.sched.release(transfer.rid)
+
+    def _publish(self) -> None:
+        a = self.sched.runner.allocator
+        self.row.publish(
+            queued_prefill_tokens=self.sched.queued_tokens,
+            waiting_requests=self.sched.num_waiting,
+            running_requests=0,
+            free_kv_blocks=a.num_free,
+            total_kv_blocks=a.num_blocks,
+            requests_received=self.sched.requests_received,
+            prompt_tokens_received=self.sched.prompt_tokens_received,
+        )
+
+
+def main() -> None:
+    PrefillWorker().run()
+
+
+if __name__ == "__main__":
+    main()
