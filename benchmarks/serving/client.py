@@ -1,0 +1,113 @@
+"""One streamed request to an OpenAI-compatible server, timed per SSE chunk."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from benchmarks.serving.datasets import SampleRequest
+from benchmarks.serving.metrics import RequestRecord
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class RequestConfig:
+    base_url: str
+    endpoint: str
+    model: str
+    ignore_eos: bool
+    api_key: str | None = None
+    timeout_s: float = 600.0
+
+
+def build_body(cfg: RequestConfig, req: SampleRequest) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": cfg.model,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    if cfg.endpoint == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    return body
+
+
+def _content(payload: dict[str, Any]) -> str:
+    choices = payload.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if "delta" in choice:
+        delta = choice["delta"] or {}
+        return str(delta.get("content") or delta.get("reasoning_content") or "")
+    return str(choice.get("text") or "")
+
+
+class _Timing:
+    """Chunk arrival times of one request."""
+
+    def __init__(self, record: RequestRecord, start: float) -> None:
+        self.record, self.start, self.last = record, start, start
+        self.text: list[str] = []
+
+    def on_payload(self, payload: dict[str, Any]) -> None:
+        if "error" in payload:
+            raise RuntimeError(f"server error event: {payload['error']}")
+        usage = payload.get("usage")
+        if usage:
+            self.record.output_tokens = int(usage.get("completion_tokens") or 0)
+            self.record.prompt_len = int(usage.get("prompt_tokens") or self.record.prompt_len)
+        content = _content(payload)
+        if not content:
+            return
+        now = time.perf_counter()
+        if not self.text:
+            self.record.ttft = now - self.start
+        else:
+            self.record.itl.append(now - self.last)
+        self.last = now
+        self.text.append(content)
+
+
+async def send_request(
+    http: httpx.AsyncClient, cfg: RequestConfig, req: SampleRequest, tokenizer: Any
+) -> RequestRecord:
+    """Send ``req``; never raises: failures are recorded with their error."""
+    record = RequestRecord(prompt_len=req.prompt_len)
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    start = time.perf_counter()
+    timing = _Timing(record, start)
+    try:
+        async with http.stream("POST", cfg.base_url.rstrip("/") + cfg.endpoint,
+                               json=build_body(cfg, req), headers=headers) as resp:  # fmt: skip
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")[:200]
+                raise RuntimeError(f"HTTP {resp.status_code}: {body}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                timing.on_payload(json.loads(data))
+        if not timing.text:
+            raise RuntimeError("the response carried no content")
+        record.latency = time.perf_counter() - start
+        record.generated_text = "".join(timing.text)
+        if record.output_tokens == 0:  # the server sent no usage: count ourselves
+            ids = tokenizer.encode(record.generated_text, add_special_tokens=False)
+            record.output_tokens = len(ids)
+        record.success = True
+    except Exception as e:  # every failure is data for the report, not a crash
+        record.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return record

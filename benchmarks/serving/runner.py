@@ -1,0 +1,84 @@
+"""Drive a set of requests at a target arrival process and collect the records."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks.serving.client import RequestConfig, send_request
+from benchmarks.serving.datasets import SampleRequest
+from benchmarks.serving.metrics import RequestRecord
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How requests arrive: rate in req/s (inf = all at once), gamma burstiness
+    (1 = Poisson; lower = burstier), and an optional cap on requests in flight."""
+
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+
+
+async def arrivals(requests: list[SampleRequest], load: LoadConfig) -> AsyncIterator[SampleRequest]:
+    """Yield requests at gamma-distributed intervals with mean 1 / rate."""
+    if load.burstiness <= 0:
+        raise ValueError("--burstiness must be positive")
+    rng = np.random.default_rng(load.seed)
+    theta = 1.0 / (load.request_rate * load.burstiness)
+    for req in requests:
+        yield req
+        if math.isfinite(load.request_rate):
+            await asyncio.sleep(float(rng.gamma(shape=load.burstiness, scale=theta)))
+
+
+async def run_load(
+    requests: list[SampleRequest],
+    cfg: RequestConfig,
+    load: LoadConfig,
+    tokenizer: Any,
+    disable_tqdm: bool = False,
+) -> tuple[list[RequestRecord], float]:
+    """Send every request; returns the records (in request order) and the duration."""
+    limit = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+    bar = tqdm(total=len(requests), disable=disable_tqdm, desc="requests")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0))
+
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+
+        async def one(req: SampleRequest) -> RequestRecord:
+            try:
+                if limit is None:
+                    return await _bounded(http, cfg, req, tokenizer)
+                async with limit:
+                    return await _bounded(http, cfg, req, tokenizer)
+            finally:
+                bar.update(1)
+
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(one(req)) async for req in arrivals(requests, load)]
+        records = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(records), duration
+
+
+async def _bounded(
+    http: httpx.AsyncClient, cfg: RequestConfig, req: SampleRequest, tokenizer: Any
+) -> RequestRecord:
+    # httpx's timeout bounds each read; this bounds the whole request, so a server that
+    # trickles bytes forever cannot hang the benchmark either.
+    try:
+        return await asyncio.wait_for(send_request(http, cfg, req, tokenizer), cfg.timeout_s)
+    except TimeoutError:
+        return RequestRecord(prompt_len=req.prompt_len, error=f"timed out after {cfg.timeout_s}s")

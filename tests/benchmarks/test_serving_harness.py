@@ -1,0 +1,85 @@
+"""``python -m benchmarks.serving`` end to end against the app on a live uvicorn server."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.serving.__main__ import main
+from frontend.app import build_app
+from tests.frontend.conftest import MODEL, LiveServer, make_settings
+from tests.frontend.reference_client import ReferenceEngineClient
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_path: Path) -> tuple[Any, Any]:
+    return ReferenceEngineClient.load(default_model_path)
+
+
+def serve(reference: tuple[Any, Any], **kw: Any) -> LiveServer:
+    engine = ReferenceEngineClient(*reference, **kw)
+    return LiveServer(build_app(engine, engine.tokenizer, make_settings()))
+
+
+def bench_args(base_url: str, tokenizer_path: Path, *extra: str) -> list[str]:
+    return ["--base-url", base_url, "--model", MODEL, "--tokenizer", str(tokenizer_path),
+            "--num-prompts", "4", "--random-input-len", "12", "--random-output-len", "6",
+            "--disable-tqdm", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_run_reports_exact_output_lengths(
+    reference: tuple[Any, Any], tokenizer_path: Path, tmp_path: Path, endpoint: str
+) -> None:
+    with serve(reference) as srv:
+        rc = main(bench_args(srv.base_url, tokenizer_path, "--endpoint", endpoint,
+                             "--result-file", str(tmp_path / "r.json"), "--goodput", "e2el:60000",
+                             "--plot", str(tmp_path / "r.png"), "--request-rate", "20"))  # fmt: skip
+    assert rc == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert (result["completed"], result["failed"]) == (4, 0)
+    assert result["output_lens"] == [6, 6, 6, 6]  # ignore_eos + usage from the server
+    assert result["total_output_tokens"] == 24 and result["request_goodput"] > 0
+    assert result["median_ttft_ms"] > 0 and len(result["itls"][0]) >= 1
+    assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_sweep_writes_one_result_per_point(
+    reference: tuple[Any, Any], tokenizer_path: Path, tmp_path: Path
+) -> None:
+    with serve(reference) as srv:
+        rc = main(bench_args(srv.base_url, tokenizer_path, "--sweep", "max-concurrency=1,2",
+                             "--result-file", str(tmp_path / "s.json"),
+                             "--plot", str(tmp_path / "s.png")))  # fmt: skip
+    results = json.loads((tmp_path / "s.json").read_text())
+    assert rc == 0 and [r["max_concurrency"] for r in results] == [1, 2]
+    assert all(r["completed"] == 4 for r in results)
+    assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_unreachable_server_fails_every_request_without_hanging(
+    tokenizer_path: Path, tmp_path: Path
+) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc = main(bench_args(f"http://127.0.0.1:{port}", tokenizer_path,
+                         "--result-file", str(tmp_path / "f.json")))  # fmt: skip
+    result = json.loads((tmp_path / "f.json").read_text())
+    assert rc == 1 and result["failed"] == 4 and result["completed"] == 0
+    assert any("ConnectError" in e for e in result["errors_summary"])
+
+
+def test_stalled_requests_time_out_and_are_counted(
+    reference: tuple[Any, Any], tokenizer_path: Path, tmp_path: Path
+) -> None:
+    with serve(reference, step_delay_s=0.3) as srv:
+        rc = main(bench_args(srv.base_url, tokenizer_path, "--request-timeout", "0.5",
+                             "--random-output-len", "40",
+                             "--result-file", str(tmp_path / "t.json")))  # fmt: skip
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert rc == 1 and result["failed"] == 4
