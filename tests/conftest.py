@@ -34,3 +34,72 @@ def tiny_model_path(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     return tiny_models.tiny_model_dir(tiny_models.DEFAULT_ARCH)
+
+
+class LaunchedServer:
+    """A real ``launch`` process tree on a free loopback port."""
+
+    def __init__(self, args: list[str]) -> None:
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "launcher.cli", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.log: list[str] = []
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        import threading
+        import time
+
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.log.append(line)
+                if "pdserve is serving" in line:
+                    ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not ready.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("launch did not become ready:\n" + "".join(self.log[-40:]))
+
+    def health(self) -> dict:  # type: ignore[type-arg]
+        import httpx
+
+        return httpx.get(self.url + "/health", timeout=5).json()  # type: ignore[no-any-return]
+
+    def stop(self) -> int:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def server(default_model_path: Path):  # type: ignore[no-untyped-def]
+    """One shared disaggregated server: 2 prefill, 2 decode, 2 detokenizer shards, CPU."""
+    srv = LaunchedServer(
+        ["--prefill", "2", "--decode", "2", "--detokenizers", "2", "--device", "cpu",
+         "--kv-cache-tokens", "16384", "--max-model-len", "1024"]
+    )  # fmt: skip
+    srv.wait_ready()
+    yield srv
+    srv.stop()
