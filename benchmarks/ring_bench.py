@@ -219,7 +219,11 @@ def child_main(args: list[str]) -> None:
 
 def machine() -> str:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return "\n".join(lscpu.splitlines()[:10]) + f"\nos.cpu_count() = {os.cpu_count()}"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())  # other jobs share these cores
+    return (
+        "\n".join(lscpu.splitlines()[:10])
+        + f"\nos.cpu_count() = {os.cpu_count()}, load average {load}"
+    )
 
 
 def report(rows: list[tuple[Case, dict, dict]], idle: dict, cmd: str) -> str:

@@ -56,6 +56,11 @@ class PeerWatch:
             self._mark_dead()
         return not self._dead
 
+    def known_dead(self) -> bool:
+        """True if death was already observed (no syscall; follows a restarted peer)."""
+        self._refresh()
+        return self._dead
+
     def pidfd(self) -> int | None:
         """An fd to poll for the peer's death; None if not attached or already known dead."""
         self._refresh()

@@ -63,6 +63,22 @@ def test_fetch_with_bad_block_ids_raises_and_copies_nothing() -> None:
     assert not dst.any()
 
 
+@pytest.mark.parametrize("head_dim", [128, 101])  # 256 KiB blocks; odd-sized blocks
+def test_large_block_runs_copy_byte_identical(head_dim: int) -> None:
+    layout = KVLayout(24, 4, 16, 8, head_dim, "float16")  # runs take the streaming path
+    seg = create_pool_segment(f"large-{head_dim}", layout)
+    src = pool_view(seg, layout)
+    src.copy_(torch.randn(layout.shape).to(torch.float16))
+    dst = torch.zeros(layout.shape, dtype=torch.float16)
+    rng = random.Random(head_dim)
+    for _ in range(5):
+        n = rng.randint(1, 10)
+        src_blocks = sorted(rng.sample(range(24), n))  # sorted: long contiguous runs too
+        dst_blocks = sorted(rng.sample(range(24), n))
+        ShmReceiver({0: src}, dst).fetch(0, src_blocks, dst_blocks)
+        assert torch.equal(dst[dst_blocks].view(torch.uint8), src[src_blocks].view(torch.uint8))
+
+
 def _run_decode_side(backend: str, n: int, device: str) -> None:
     """Be decode worker 0 for a real prefill child; check every fetched block's bytes."""
     seg = create_pool_segment(f"test-{backend}", LAYOUT)

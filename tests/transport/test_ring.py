@@ -84,6 +84,16 @@ def test_reset_discards_records_queued_for_a_dead_consumer(bell: Doorbell) -> No
     check_record(restarted.get_nowait() or b"", 10)
 
 
+def test_closed_ring_sides_unmap_and_others_keep_working(bell: Doorbell) -> None:
+    owner, producer, consumer = _pair(bell)
+    producer.put(b"kept")
+    owner.close()
+    again = Ring.attach(owner.spec, "producer")  # a restarted producer re-attaches by fd
+    producer.close()
+    again.put(b"more")
+    assert consumer.drain(10) == [b"kept", b"more"]
+
+
 def test_specs_roundtrip_through_json(bell: Doorbell) -> None:
     owner, _, _ = _pair(bell)
     assert RingSpec.from_json(owner.spec.to_json()) == owner.spec
@@ -142,6 +152,8 @@ def test_producer_blocked_on_full_ring_learns_of_consumer_death(bell: Doorbell) 
     with pytest.raises(PeerDead):
         producer.put(b"more", timeout=1.0)  # PeerDead, not RingFull: known within 1 s
     assert not producer.peer_alive()
+    with pytest.raises(PeerDead):  # remembered: later puts fail at once, even with space
+        producer.try_put(b"x")
     child.wait()
 
 
