@@ -204,6 +204,11 @@ class DetokShard:
 
     def _consume(self, req: _Request, tok: _Token) -> None:
         """Apply the token at ``req.next_pos``."""
+        if tok.finish == Finish.ERROR:  # the engine failed the request: the row has no token
+            req.text += req.detok.flush()
+            self._dirty[req.rid] = req
+            self._finish(req, Finish.ERROR, None)
+            return
         req.next_pos += 1
         req.ids.append(tok.token_id)
         if req.num_logprobs is not None and tok.logprobs is not None:

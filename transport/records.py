@@ -178,7 +178,9 @@ class TokenBatch:
         positions    (B,)   int32   index of the token in the request's output
         token_ids    (B,)   int32
         logprobs     (B,)   float32 NaN when the request asked for no logprobs
-        finish       (B,)   int8    Finish value; non-zero ends the request
+        finish       (B,)   int8    Finish value; non-zero ends the request. A row with
+                                    ERROR carries no token (token_id -1): the engine
+                                    failed the request before sampling one
         top_ids      (B, K) int32
         top_logprobs (B, K) float32
     """

@@ -188,3 +188,17 @@ def test_streamed_text_equals_decode_with_stops_under_any_arrival_order(
     for d in deltas:
         streamed += d.text
         assert expected.startswith(streamed)
+
+
+def test_engine_error_row_ends_the_request_without_a_token(qwen_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from detokenizer.shard import DetokShard
+    from transport.records import DetokParams, DetokRegister, Finish, TokenBatch
+
+    shard = DetokShard(qwen_tokenizer)
+    shard.register(DetokRegister(rid=9, params=DetokParams(), prompt_len=3))
+    shard.on_tokens(TokenBatch.build([9], [0], [-1], finish=[int(Finish.ERROR)]), None)
+    text, _ = shard.take_outputs()
+    assert text is not None
+    (delta,) = text.items
+    assert delta.finish == Finish.ERROR and delta.token_ids == [] and delta.text == ""
+    assert delta.error
