@@ -227,12 +227,14 @@ class TokenBatch:
 _KIND_TOKENS = 1
 _KIND_CONTROL = 2
 _TB_HEADER = struct.Struct("<BxxxII")  # kind, pad, B, K
+# np.dtype objects, and positional np.frombuffer arguments in decode(): on the per-step hot
+# path this halves decode time for a small batch (keyword parsing and dtype lookups dominate).
 _TB_COLUMNS = (
-    ("rids", np.int64),
-    ("positions", np.int32),
-    ("token_ids", np.int32),
-    ("logprobs", np.float32),
-    ("finish", np.int8),
+    ("rids", np.dtype(np.int64)),
+    ("positions", np.dtype(np.int32)),
+    ("token_ids", np.dtype(np.int32)),
+    ("logprobs", np.dtype(np.float32)),
+    ("finish", np.dtype(np.int8)),
 )
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Control)
@@ -270,8 +272,8 @@ def decode(buf: bytes | bytearray | memoryview) -> Control | TokenBatch:
     offset = _TB_HEADER.size
     cols: dict[str, np.ndarray] = {}
     for name, dtype in _TB_COLUMNS:
-        cols[name] = np.frombuffer(buf, dtype=dtype, count=b, offset=offset)
-        offset += b * np.dtype(dtype).itemsize
+        cols[name] = np.frombuffer(buf, dtype, b, offset)
+        offset += b * dtype.itemsize
     cols["top_ids"] = np.frombuffer(buf, np.int32, b * k, offset).reshape(b, k)
     offset += b * k * 4
     cols["top_logprobs"] = np.frombuffer(buf, np.float32, b * k, offset).reshape(b, k)
