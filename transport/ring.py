@@ -26,6 +26,9 @@ stores/loads through the mmap; only the cursors use the ordered accesses of ``_a
     earlier *loads*, so the producer never overwrites bytes that are still being read.
     That is also why ``get`` copies out before releasing: no view of ring memory escapes.
   * sleep/wake needs a full fence on both sides (store-load order); see doorbell.py.
+
+The per-record path (``ring_put``, ``ring_drain``) runs in the C helper ``_atomics.c``,
+which follows exactly this protocol; Python keeps sizing, waiting and liveness.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ _OFF_MAGIC, _OFF_CAP = 0, 8
 _OFF_TAIL, _OFF_HEAD, _OFF_SLEEPING, _OFF_WAITING = 128, 256, 384, 512
 _OFF_PID = {"producer": 640, "consumer": 768}
 _DATA = 4096
-_LEN = struct.Struct("<Ixxxx")
+_LEN = struct.Struct("<Ixxxx")  # record header; the C fast path writes the same bytes
 _SLICE_S = 0.5  # longest kernel sleep between liveness checks of a full ring
 
 
@@ -90,10 +93,8 @@ class Ring:
         base = ctypes.addressof(self._anchor)
         self._tail_addr, self._head_addr = base + _OFF_TAIL, base + _OFF_HEAD
         self._sleeping_addr, self._waiting_addr = base + _OFF_SLEEPING, base + _OFF_WAITING
-        self._cap, self._mask = spec.capacity, spec.capacity - 1
+        self._base, self._cap = base, spec.capacity
         self._doorbell_fd = doorbell_fd
-        self._head = _atomics.load_acquire(self._head_addr)
-        self._tail = _atomics.load_acquire(self._tail_addr)
         self._peer: PeerWatch | None = None
         if role is not None:
             _atomics.store_release(base + _OFF_PID[role], os.getpid())
@@ -124,11 +125,8 @@ class Ring:
 
         Raises RecordTooLarge, or PeerDead once the consumer is known to have exited.
         """
-        need = self._check_size(record)
-        if not self._has_space(need):
-            return False
-        self._write(record, need)
-        return True
+        self._check_size(record)
+        return self._put_now(record)
 
     def put(self, record: bytes, timeout: float | None = None) -> None:
         """Publish ``record``, waiting for space up to ``timeout`` seconds (None: forever).
@@ -137,51 +135,33 @@ class Ring:
         have exited (checked on every wait for space, remembered after). Nothing is
         written when it raises.
         """
-        need = self._check_size(record)
-        if not self._has_space(need):
-            self._wait_space(need, timeout)
-        self._write(record, need)
+        self._check_size(record)
+        if not self._put_now(record):
+            self._wait_and_put(record, timeout)
 
-    def _check_size(self, record: bytes) -> int:
+    def _check_size(self, record: bytes) -> None:
         assert self._peer is not None and self.role == "producer", f"put on {self.role} side"
         if self._peer.known_dead():
             raise PeerDead(f"consumer of ring {self.spec.tag} (pid {self._peer.pid}) died")
-        need = footprint(len(record))
-        if need > self._cap:
+        if footprint(len(record)) > self._cap:
             raise RecordTooLarge(
-                f"record of {len(record)} bytes needs {need} ring bytes; ring "
-                f"{self.spec.tag} holds {self._cap}"
+                f"record of {len(record)} bytes needs {footprint(len(record))} ring bytes; "
+                f"ring {self.spec.tag} holds {self._cap}"
             )
-        return need
 
-    def _has_space(self, need: int) -> bool:
-        if self._tail + need - self._head <= self._cap:
-            return True
-        self._head = _atomics.load_acquire(self._head_addr)
-        return self._tail + need - self._head <= self._cap
-
-    def _write(self, record: bytes, need: int) -> None:
-        pos = self._tail & self._mask
-        _LEN.pack_into(self._mm, _DATA + pos, len(record))
-        start = (pos + _LEN.size) & self._mask
-        first = min(len(record), self._cap - start)
-        view = memoryview(record)
-        self._mm[_DATA + start : _DATA + start + first] = view[:first]
-        if first < len(record):
-            self._mm[_DATA : _DATA + len(record) - first] = view[first:]
-        self._tail += need
-        _atomics.store_release(self._tail_addr, self._tail)
-        _atomics.fence()
-        if _atomics.load_acquire(self._sleeping_addr) and _atomics.exchange(self._sleeping_addr, 0):
+    def _put_now(self, record: bytes) -> bool:
+        status = _atomics.ring_put(self._base, self._cap, record)
+        if status == 2:  # the consumer had announced sleep: wake it
             os.eventfd_write(self._doorbell_fd, 1)
+        return status != 0
 
-    def _wait_space(self, need: int, timeout: float | None) -> None:
+    def _wait_and_put(self, record: bytes, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         assert self._peer is not None
         while True:
             _atomics.store_release(self._waiting_addr, 1)
-            _atomics.fence()
-            if self._has_space(need):
+            _atomics.fence()  # announce before re-checking, as the consumer does (doorbell.py)
+            if self._put_now(record):
                 return
             if not self._peer.alive():
                 raise PeerDead(f"consumer of ring {self.spec.tag} (pid {self._peer.pid}) died")
@@ -196,48 +176,25 @@ class Ring:
     # ---- consumer -------------------------------------------------------------------
 
     def readable(self) -> bool:
-        """True if a record is waiting (consumer side; cheap, no syscall)."""
-        if self._head != self._tail:
-            return True
-        self._tail = _atomics.load_acquire(self._tail_addr)
-        return self._head != self._tail
-
-    def _read_one(self) -> bytes:
-        pos = self._head & self._mask
-        (n,) = _LEN.unpack_from(self._mm, _DATA + pos)
-        start = (pos + _LEN.size) & self._mask
-        first = min(n, self._cap - start)
-        record = self._mm[_DATA + start : _DATA + start + first].tobytes()
-        if first < n:
-            record += self._mm[_DATA : _DATA + n - first].tobytes()
-        self._head += footprint(n)
-        return record
+        """True if a record is waiting (consumer side; no syscall)."""
+        return _atomics.load_acquire(self._tail_addr) != _atomics.load_acquire(self._head_addr)
 
     def get_nowait(self) -> bytes | None:
         """Copy out and release the oldest record, or None if the ring is empty."""
-        if not self.readable():
-            return None
-        record = self._read_one()
-        self._release()
-        return record
+        got = self.drain(1)
+        return got[0] if got else None
 
     def drain(self, max_records: int) -> list[bytes]:
         """Copy out and release up to ``max_records`` records (one release for all)."""
-        out: list[bytes] = []
-        while len(out) < max_records and self.readable():
-            out.append(self._read_one())
-        if out:
-            self._release()
-        return out
+        records, producer_waiting = _atomics.ring_drain(self._base, self._cap, max_records)
+        if producer_waiting:
+            os.eventfd_write(self.spec.space_fd, 1)
+        return records
 
     def reset(self) -> None:
         """Discard everything queued (a restarted consumer drops its predecessor's records)."""
         assert self.role == "consumer"
-        self._head = self._tail = _atomics.load_acquire(self._tail_addr)
-        self._release()
-
-    def _release(self) -> None:
-        _atomics.store_release(self._head_addr, self._head)
+        _atomics.store_release(self._head_addr, _atomics.load_acquire(self._tail_addr))
         _atomics.fence()
         if _atomics.load_acquire(self._waiting_addr) and _atomics.exchange(self._waiting_addr, 0):
             os.eventfd_write(self.spec.space_fd, 1)
