@@ -14,7 +14,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI
@@ -98,9 +99,20 @@ def _warn_if_exposed(settings: FrontendSettings) -> None:
                        settings.host)  # fmt: skip
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template`` is a file path or the template text itself."""
+    if value is None or "{" in value:
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return path.read_text()
+
+
 def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) -> FastAPI:
     """The HTTP app over ``client``; the app closes the client when it shuts down."""
     _warn_if_exposed(settings)
+    settings = replace(settings, chat_template=load_chat_template(settings.chat_template))
     ctx = ServingContext(client, tokenizer, settings, FrontendMetrics(client))
 
     @asynccontextmanager

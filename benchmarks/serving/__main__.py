@@ -102,6 +102,7 @@ def print_summary(result: dict[str, Any], metrics: list[str], percentiles: list[
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
     args = parse_args(argv)
     from transformers import AutoTokenizer
 

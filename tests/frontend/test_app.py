@@ -136,6 +136,22 @@ async def test_chat_template_override_is_used(make_client: Any) -> None:
     assert r.json()["prompt_token_ids"] == client.tokenizer.encode("[user]Hi[bot]")
 
 
+async def test_chat_template_file_is_loaded(make_client: Any, tmp_path: Any) -> None:
+    from frontend.app import build_app
+
+    client = make_client()
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    settings = make_settings(chat_template=str(tmp_path / "t.jinja"))
+    app = build_app(client, client.tokenizer, settings)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+        r = await h.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+            "return_token_ids": True})  # fmt: skip
+    assert r.json()["prompt_token_ids"] == client.tokenizer.encode("<Hi>")
+    with pytest.raises(ValueError, match="neither a file"):
+        build_app(client, client.tokenizer, make_settings(chat_template="/no/such/file"))
+
+
 async def test_native_generate(http: httpx.AsyncClient) -> None:
     sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
     r = await http.post("/generate", json={"text": "Hello", "sampling_params": sp})
