@@ -5,7 +5,9 @@ positions ``[ctx_lens[i] - q_lens[i], ctx_lens[i])``. Each layer first writes th
 into the pool (slots from the block tables), then attends:
 
 * a decode batch (every ``q_len == 1``) gathers all sequences' blocks at once into a
-  padded (B, S) context and runs one masked SDPA call;
+  padded (B, S) context; on CUDA one masked SDPA call attends, on CPU two grouped
+  matmuls do (each KV head serves its query group without repeating K/V, several
+  times faster than CPU SDPA with a mask at one query per sequence);
 * a prefill batch runs one causal SDPA call per sequence; a sequence with earlier
   chunks already in the pool reads its whole context back from the pool.
 
@@ -79,26 +81,38 @@ def _gather_context(
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q: (n, H, D) are the last n positions of a context k, v: (c, KVH, D)."""
     n, c = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, len, D)
+    # NOTE: 4-D inputs: CPU SDPA takes its fused kernel only with a batch dimension.
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, heads, len, D)
     if n == c:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
         # Query j sits at position c - n + j and sees keys 0..c - n + j.
         mask = torch.ones(n, c, dtype=torch.bool, device=q.device).tril(diagonal=c - n)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _decode_attention(
     pool: torch.Tensor, layer: int, meta: AttentionMetadata, q: torch.Tensor
 ) -> torch.Tensor:
-    b = q.shape[0]
-    kv = pool[meta.block_tables, layer]  # (B, max_blocks, 2, block_size, KVH, D)
-    kv = kv.transpose(1, 2).flatten(2, 3)  # (B, 2, S, KVH, D)
-    keys = kv[:, 0].transpose(1, 2)  # (B, KVH, S, D)
-    values = kv[:, 1].transpose(1, 2)
-    qh = q.view(b, 1, q.shape[1], q.shape[2]).transpose(1, 2)  # (B, H, 1, D)
-    out = F.scaled_dot_product_attention(
-        qh, keys, values, attn_mask=meta.context_mask, enable_gqa=True
-    )
-    return out.transpose(1, 2).reshape(b, q.shape[1], q.shape[2])
+    b, heads, d = q.shape
+    n_blocks = meta.block_tables.shape[1]
+    # One contiguous copy of every sequence's blocks for this layer.
+    kv = pool[:, layer].index_select(0, meta.block_tables.flatten())
+    kv = kv.view(b, n_blocks, *kv.shape[1:])  # (B, nb, 2, block_size, KVH, D)
+    keys, values = kv[:, :, 0], kv[:, :, 1]  # (B, nb, block_size, KVH, D)
+    kv_heads, block_size = keys.shape[3], keys.shape[2]
+    assert meta.context_mask is not None
+    if q.is_cuda:
+        keys = keys.flatten(1, 2).transpose(1, 2)  # (B, KVH, S, D)
+        values = values.flatten(1, 2).transpose(1, 2)
+        qh = q.view(b, heads, 1, d)
+        out = F.scaled_dot_product_attention(
+            qh, keys, values, attn_mask=meta.context_mask, enable_gqa=True
+        )
+        return out.view(b, heads, d)
+    qg = q.view(b, kv_heads, heads // kv_heads, d)  # query heads grouped by their KV head
+    scores = torch.einsum("bkgd,bnskd->bkgns", qg, keys).flatten(3) * d**-0.5  # (B,KVH,G,S)
+    scores = scores.float().masked_fill(~meta.context_mask, float("-inf"))
+    probs = scores.softmax(dim=-1).to(values.dtype).view(b, kv_heads, -1, n_blocks, block_size)
+    return torch.einsum("bkgns,bnskd->bkgd", probs, values).reshape(b, heads, d)

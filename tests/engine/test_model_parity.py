@@ -17,11 +17,6 @@ PROMPT_LENS = [1, 2, 15, 16, 17, 31, 33, 48, 64, 77, 99, 100]
 DECODE_STEPS = 6
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> None:
-    torch.set_num_threads(2)
-
-
 def _hf_model(path: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 

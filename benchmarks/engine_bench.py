@@ -1,0 +1,241 @@
+"""Engine vs transformers on CPU: decode step time at batch 1/8/32 and prefill tokens/s.
+
+Both sides run the same weights in float32 on the same threads, forward only (no
+sampling). transformers runs its own forward with its ``DynamicCache`` (and
+``logits_to_keep=1`` in prefill, so it too skips the vocabulary projection of
+non-final positions). Measurements interleave the two engines and keep the median, so
+background load hits both alike.
+
+    python -m benchmarks.engine_bench [--quick]
+
+Writes benchmarks/results/engine_cpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from pdserve import tiny_models
+
+RESULTS = Path(__file__).parent / "results" / "engine_cpu.md"
+BATCHES = (1, 8, 32)
+CONTEXT = 128  # prompt tokens before the timed decode steps
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    what: str
+    ours: float
+    theirs: float
+    unit: str
+    lower_is_better: bool
+
+    @property
+    def ratio(self) -> float:
+        """ours / transformers for times, transformers / ours for rates: <= 1 is not slower."""
+        return self.ours / self.theirs if self.lower_is_better else self.theirs / self.ours
+
+
+def build_bench_model(root: Path) -> Path:
+    """A random Qwen2 of hidden 512, 8 layers (GQA 8/4), on Qwen2's vocabulary."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=tiny_models.QWEN2_PADDED_VOCAB,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(root / "qwen2-h512-l8")
+    return root / "qwen2-h512-l8"
+
+
+def median_interleaved(fns: list[Callable[[], float]], repeats: int) -> list[float]:
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            samples[i].append(fn())
+    return [statistics.median(s) for s in samples]
+
+
+def _prompts(batch: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch * 1000 + length)
+    return torch.randint(0, 150_000, (batch, length), generator=g).tolist()
+
+
+def ours_decode(runner: ModelRunner, batch: int, steps: int) -> Callable[[], float]:
+    def run() -> float:
+        seqs = [
+            Sequence(i, p, SamplingParams(), block_size=16)
+            for i, p in enumerate(_prompts(batch, CONTEXT))
+        ]
+        runner.prefill([(s, s.num_tokens) for s in seqs])
+        for s in seqs:
+            s.output_ids.append(11)
+        t0 = time.perf_counter()
+        for step in range(steps):
+            runner.decode(seqs)
+            for s in seqs:
+                s.output_ids.append(12 + step)
+        elapsed = (time.perf_counter() - t0) / steps
+        for s in seqs:
+            runner.free_blocks(s)
+        return elapsed
+
+    return run
+
+
+def hf_decode(model: torch.nn.Module, batch: int, steps: int) -> Callable[[], float]:
+    from transformers import DynamicCache
+
+    def run() -> float:
+        ids = torch.tensor(_prompts(batch, CONTEXT))
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            t0 = time.perf_counter()
+            for step in range(steps):
+                nxt = torch.full((batch, 1), 12 + step)
+                model(nxt, past_key_values=cache, use_cache=True)
+            return (time.perf_counter() - t0) / steps
+
+    return run
+
+
+def ours_prefill(runner: ModelRunner, batch: int, length: int) -> Callable[[], float]:
+    def run() -> float:
+        seqs = [
+            Sequence(i, p, SamplingParams(), block_size=16)
+            for i, p in enumerate(_prompts(batch, length))
+        ]
+        t0 = time.perf_counter()
+        runner.prefill([(s, s.num_tokens) for s in seqs])
+        rate = batch * length / (time.perf_counter() - t0)
+        for s in seqs:
+            runner.free_blocks(s)
+        return rate
+
+    return run
+
+
+def hf_prefill(model: torch.nn.Module, batch: int, length: int) -> Callable[[], float]:
+    from transformers import DynamicCache
+
+    def run() -> float:
+        ids = torch.tensor(_prompts(batch, length))
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            model(
+                ids,
+                past_key_values=DynamicCache(config=model.config),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            return batch * length / (time.perf_counter() - t0)
+
+    return run
+
+
+def bench_model(name: str, path: Path, quick: bool) -> list[Row]:
+    from transformers import AutoModelForCausalLM
+
+    runner = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=1024))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    repeats, steps = (2, 4) if quick else (5, 16)
+    rows = []
+    for batch in BATCHES:
+        ours, theirs = median_interleaved(
+            [ours_decode(runner, batch, steps), hf_decode(hf, batch, steps)], repeats
+        )
+        rows.append(
+            Row(
+                name,
+                f"decode step, batch {batch}, context {CONTEXT}",
+                ours * 1e3,
+                theirs * 1e3,
+                "ms",
+                True,
+            )
+        )
+    pb, pl = (4, 128) if quick else (8, 256)
+    ours, theirs = median_interleaved(
+        [ours_prefill(runner, pb, pl), hf_prefill(hf, pb, pl)], repeats
+    )
+    rows.append(Row(name, f"prefill {pb} x {pl} tokens", ours, theirs, "tok/s", False))
+    return rows
+
+
+def machine() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        head = "\n".join(lscpu.splitlines()[:10])
+    except (OSError, subprocess.CalledProcessError):
+        head = platform.processor()
+    import os
+
+    return f"{head}\ncores visible: {os.cpu_count()}, torch threads: {torch.get_num_threads()}, torch {torch.__version__}"
+
+
+def report(rows: list[Row], command: str) -> str:
+    lines = [
+        "# Engine vs transformers, CPU forward (float32)",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Ratio = ours/transformers for step times, transformers/ours for rates: <= 1.0 means",
+        "the engine is not slower. Medians of interleaved runs.",
+        "",
+        "| model | measurement | engine | transformers | unit | ratio |",
+        "| --- | --- | ---: | ---: | --- | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.model} | {r.what} | {r.ours:.2f} | {r.theirs:.2f} | {r.unit} | {r.ratio:.2f} |"
+        )
+    lines += ["", "Machine:", "", "```", machine(), "```", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and steps")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        models = [("tiny qwen2 (h64, 2 layers)", tiny_models.tiny_model_dir("qwen2"))]
+        models.append(("random qwen2 (h512, 8 layers)", build_bench_model(Path(tmp))))
+        for name, path in models:
+            rows.extend(bench_model(name, path, args.quick))
+    command = "python -m benchmarks.engine_bench" + (" --quick" if args.quick else "")
+    text = report(rows, command)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
