@@ -74,7 +74,7 @@ class LLM:
         if math.ceil(longest / runner.block_size) > runner.allocator.num_blocks:
             raise NoFreeBlocks(math.ceil(longest / runner.block_size), runner.allocator.num_blocks)
         self._next_rid += 1
-        return Sequence(self._next_rid, list(prompt), params, block_size=runner.block_size)
+        return Sequence(self._next_rid, list(prompt), sampling=params, block_size=runner.block_size)
 
     def _step(self, waiting: deque[Sequence], running: list[Sequence]) -> None:
         decoding = [s for s in running if s.output_ids and s.num_uncomputed_tokens == 1]

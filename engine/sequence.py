@@ -19,8 +19,8 @@ class Sequence:
 
     rid: int
     prompt_ids: list[int]
-    sampling: SamplingParams
     output_ids: list[int] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_size: int = 16

@@ -85,7 +85,7 @@ def test_llama3_rope_frequencies_match_transformers() -> None:
 
 
 def _prefill_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
-    seq = Sequence(0, prompt, SamplingParams(), block_size=runner.block_size)
+    seq = Sequence(0, prompt, sampling=SamplingParams(), block_size=runner.block_size)
     return runner.prefill([(seq, len(prompt))])[0]
 
 

@@ -38,7 +38,8 @@ def test_prefill_and_decode_logits_match_transformers(
     with torch.no_grad():
         ref = [hf(torch.tensor([ids])).logits[0] for ids in full]  # (len, vocab) each
     seqs = [
-        Sequence(i, ids[:n], SamplingParams()) for i, (ids, n) in enumerate(zip(full, PROMPT_LENS))
+        Sequence(i, ids[:n], sampling=SamplingParams())
+        for i, (ids, n) in enumerate(zip(full, PROMPT_LENS))
     ]
     last: dict[int, torch.Tensor] = {}
     # Chunked: every call batches the next <= chunk tokens of every unfinished prompt.

@@ -25,7 +25,9 @@ def _runner(path: Path, **kw: object) -> ModelRunner:
 
 
 def _seq(runner: ModelRunner, prompt: list[int], **params: object) -> Sequence:
-    return Sequence(0, list(prompt), SamplingParams(**params), block_size=runner.block_size)  # type: ignore[arg-type]
+    return Sequence(
+        0, list(prompt), sampling=SamplingParams(**params), block_size=runner.block_size
+    )  # type: ignore[arg-type]
 
 
 def test_kv_written_to_an_external_shared_pool_and_copied_blocks_decode_elsewhere(
@@ -45,7 +47,7 @@ def test_kv_written_to_an_external_shared_pool_and_copied_blocks_decode_elsewher
     # A second runner receives whole blocks into different block ids, as the transport does.
     decode = _runner(default_model_path, num_kv_blocks=8)
     decode.allocator.allocate(2)  # make the destination ids differ from the source ids
-    moved = Sequence(0, list(PROMPT), seq.sampling, num_computed_tokens=len(PROMPT))
+    moved = Sequence(0, list(PROMPT), sampling=seq.sampling, num_computed_tokens=len(PROMPT))
     decode.ensure_blocks(moved, 0)
     decode.kv_pool[moved.block_table] = prefill.kv_pool[seq.block_table]
     for s in (seq, moved):
