@@ -168,6 +168,7 @@ class ModelRunner:
 
     def check_stop(self, seq: Sequence) -> Finish:
         """Why ``seq`` must stop after its newest token, or ``Finish.NONE``."""
+        assert seq.output_ids, "check_stop runs after a token is appended"
         last = seq.output_ids[-1]
         params = seq.sampling
         if last in params.stop_token_ids:

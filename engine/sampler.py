@@ -120,6 +120,9 @@ def draw(
             gen = torch.Generator(device=probs.device)
             gen.manual_seed(mix_seed(r.params.seed, len(r.output_ids)))
             noise[i].exponential_(generator=gen)
+    # NOTE: Exp(1) draws can be exactly 0; 0 / 0 would be NaN, which argmax would pick
+    # even for a filtered-out token. A tiny floor keeps filtered tokens at 0.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
 
 

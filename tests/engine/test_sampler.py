@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from engine.sampler import SampleRequest, apply_penalties, filtered_probs, mix_seed, sample
+from engine.sampler import (
+    SampleRequest,
+    apply_penalties,
+    draw,
+    filtered_probs,
+    mix_seed,
+    sample,
+)
 from engine.sampling_params import SamplingParams
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -135,3 +142,13 @@ def test_logprobs_are_of_the_raw_distribution_with_top_n() -> None:
     assert out.top_ids[0].tolist() == [0, 1]
     torch.testing.assert_close(out.top_logprobs[0], PROBS[:2].log(), atol=1e-6, rtol=0)
     assert tuple(out.top_ids.shape) == (2, 2)
+
+
+def test_zero_noise_never_selects_a_filtered_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worst case: every Exp(1) draw comes out as exactly 0 (0 / 0 would be NaN).
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: self.zero_())
+    probs = torch.tensor([[0.0, 1.0, 0.0]])
+    unseeded = _rows(SamplingParams(temperature=1.0), 1)
+    seeded = _rows(SamplingParams(temperature=1.0, seed=5), 1)
+    assert draw(probs, unseeded, torch.Generator()).tolist() == [1]
+    assert draw(probs, seeded, torch.Generator()).tolist() == [1]
