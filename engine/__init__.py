@@ -1,1 +1,18 @@
-"""The model engine both worker pools share: model code, paged KV cache, sampling."""
+"""The model engine both worker pools share: model code, paged KV cache, sampling.
+
+Model code (knows tokens, positions and block tables, never requests):
+    config.py     ModelConfig (from a HF checkpoint dir), EngineConfig (CLI defaults)
+    loader.py     safetensors (single or sharded) -> CausalLM parameters
+    model.py      Llama / Mistral / Qwen2 (qkv bias) / Qwen3 (q/k norm) decoder
+    layers.py     RMSNorm, gated MLP
+    rope.py       rotary tables, incl. linear and Llama 3 scaling
+    attention.py  attention over the paged pool (CPU: SDPA + grouped einsum; CUDA: SDPA)
+KV memory and requests:
+    kv_cache.py       the block-major pool tensor and its byte size per block
+    block_manager.py  BlockAllocator: free / used / pinned-for-transfer
+    sequence.py       Sequence: tokens, block table, num_computed_tokens
+Running:
+    runner.py   ModelRunner: prefill / decode / sample / check_stop (what workers call)
+    sampler.py  penalties, temperature, top-k/p, min-p, seeded draws, logprobs
+    llm.py      LLM: in-process continuous batching, the co-located baseline
+"""
