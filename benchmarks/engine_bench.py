@@ -166,7 +166,7 @@ def bench_model(name: str, path: Path, quick: bool) -> list[Row]:
 
     runner = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=1024))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    repeats, steps = (2, 4) if quick else (4, 12)
+    repeats, steps = (2, 4) if quick else (6, 12)
     rows = []
     for batch in BATCHES:
         ours, theirs = best_interleaved(
