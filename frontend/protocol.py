@@ -249,7 +249,8 @@ def to_engine_params(
         max_tokens=max_tokens,
         temperature=_pick(body.temperature, defaults.temperature),
         top_p=_pick(body.top_p, defaults.top_p),
-        top_k=_pick(body.top_k, defaults.top_k),
+        # Any k beyond the vocabulary keeps every token; clamping keeps it in int64 too.
+        top_k=min(_pick(body.top_k, defaults.top_k), vocab_size),
         min_p=_pick(body.min_p, defaults.min_p),
         repetition_penalty=_pick(body.repetition_penalty, defaults.repetition_penalty),
         presence_penalty=_pick(body.presence_penalty, defaults.presence_penalty),

@@ -175,6 +175,10 @@ async def test_native_generate(http: httpx.AsyncClient) -> None:
         (b'{"prompt": "x", "max_tokens": 300}', 400, "max_tokens"),
         (b'{"prompt": [151936]}', 400, "prompt"),
         (b'{"prompt": ""}', 400, "prompt"),
+        (b"[" * 100_000, 400, None),  # deep nesting must not blow the stack
+        (b'{"prompt": "x", "stop": ["\\ud800"]}', 400, None),  # lone surrogate
+        (b'{"prompt": "x", "temperature": NaN}', 400, None),
+        (b"\xff\xfe{}", 400, None),
     ],
 )
 async def test_bad_requests_get_openai_errors(

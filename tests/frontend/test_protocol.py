@@ -191,6 +191,11 @@ def test_omitted_fields_take_engine_defaults() -> None:
     assert detok.stop == () and detok.skip_special_tokens
 
 
+def test_top_k_beyond_the_vocabulary_means_all_tokens() -> None:
+    sampling, _ = engine_params(completion(top_k=10**30))
+    assert sampling.top_k == VOCAB
+
+
 def test_max_tokens_must_fit_the_context_window() -> None:
     assert resolve_max_tokens(None, 10, 100) == 90
     assert resolve_max_tokens(90, 10, 100) == 90
