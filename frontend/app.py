@@ -155,7 +155,11 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
 
     @app.get("/health")
     async def health() -> Response:
-        workers = client.health()
+        try:
+            workers = client.health()
+        except Exception:
+            logger.exception("engine health check failed")
+            return InternalError("engine health check failed").response()
         ok = all(w.alive for w in workers)
         body = {"status": "ok" if ok else "degraded", "workers": [asdict(w) for w in workers]}
         return JSONResponse(body, status_code=200 if ok else 503)

@@ -259,3 +259,17 @@ async def test_models_health_and_metrics(http: httpx.AsyncClient) -> None:
     assert "pdserve_generation_tokens_total 3.0" in text
     assert "pdserve_prompt_tokens_total 1.0" in text
     assert 'pdserve_num_requests_running{index="0",role="reference"} 0.0' in text
+
+
+def test_binding_beyond_loopback_without_a_key_warns(
+    make_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from frontend.app import build_app
+
+    client = make_client()
+    with caplog.at_level(logging.WARNING, logger="frontend.app"):
+        build_app(client, client.tokenizer, make_settings(host="127.0.0.1"))
+        build_app(client, client.tokenizer, make_settings(host="0.0.0.0", api_key="k"))
+        assert "without an API key" not in caplog.text
+        build_app(client, client.tokenizer, make_settings(host="0.0.0.0"))
+    assert "without an API key" in caplog.text
