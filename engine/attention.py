@@ -96,23 +96,20 @@ def _decode_attention(
     pool: torch.Tensor, layer: int, meta: AttentionMetadata, q: torch.Tensor
 ) -> torch.Tensor:
     b, heads, d = q.shape
+    num_layers, block_size, kv_heads = pool.shape[1], pool.shape[3], pool.shape[4]
     n_blocks = meta.block_tables.shape[1]
-    # One contiguous copy of every sequence's blocks for this layer.
-    kv = pool[:, layer].index_select(0, meta.block_tables.flatten())
-    kv = kv.view(b, n_blocks, *kv.shape[1:])  # (B, nb, 2, block_size, KVH, D)
-    keys, values = kv[:, :, 0], kv[:, :, 1]  # (B, nb, block_size, KVH, D)
-    kv_heads, block_size = keys.shape[3], keys.shape[2]
+    # (block, layer) rows are contiguous in the block-major pool: gather whole rows.
+    rows = (meta.block_tables * num_layers + layer).flatten()
+    kv = pool.view(pool.shape[0] * num_layers, -1).index_select(0, rows)
+    kv = kv.view(b, n_blocks, 2, block_size, kv_heads, d).permute(2, 0, 4, 1, 3, 5)
+    keys, values = kv.reshape(2, b, kv_heads, n_blocks * block_size, d)  # (B, KVH, S, D)
     assert meta.context_mask is not None
     if q.is_cuda:
-        keys = keys.flatten(1, 2).transpose(1, 2)  # (B, KVH, S, D)
-        values = values.flatten(1, 2).transpose(1, 2)
-        qh = q.view(b, heads, 1, d)
         out = F.scaled_dot_product_attention(
-            qh, keys, values, attn_mask=meta.context_mask, enable_gqa=True
+            q.view(b, heads, 1, d), keys, values, attn_mask=meta.context_mask, enable_gqa=True
         )
         return out.view(b, heads, d)
     qg = q.view(b, kv_heads, heads // kv_heads, d)  # query heads grouped by their KV head
-    scores = torch.einsum("bkgd,bnskd->bkgns", qg, keys).flatten(3) * d**-0.5  # (B,KVH,G,S)
-    scores = scores.float().masked_fill(~meta.context_mask, float("-inf"))
-    probs = scores.softmax(dim=-1).to(values.dtype).view(b, kv_heads, -1, n_blocks, block_size)
-    return torch.einsum("bkgns,bnskd->bkgd", probs, values).reshape(b, heads, d)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * d**-0.5  # (B, KVH, G, S)
+    probs = scores.masked_fill(~meta.context_mask, float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs.to(values.dtype), values).view(b, heads, d)
