@@ -206,7 +206,7 @@ class RingEngineClient(EngineClient):
         for r in self.table.snapshot():
             if r.role == Role.NONE:
                 continue
-            alive = r.state in (WorkerState.READY, WorkerState.STARTING, WorkerState.DRAINING)
+            alive = r.state == WorkerState.READY  # a (re)starting worker is not serving yet
             load = {
                 "queued_prefill_tokens": float(r.queued_prefill_tokens),
                 "waiting_requests": float(r.waiting_requests),
@@ -217,8 +217,10 @@ class RingEngineClient(EngineClient):
             out.append(WorkerHealth(r.role.name.lower(), r.index, r.pid, alive, load))
         for k, ring in enumerate(self.text_rings):
             active = sum(1 for s in self.streams.values() if s.shard == k)
-            out.append(WorkerHealth("detokenizer", k, ring.peer_pid, ring.peer_alive(),
-                                    {"active_requests": float(active)}))  # fmt: skip
+            # A shard attaches its rings only once its tokenizer is loaded: pid 0 = starting.
+            alive = ring.peer_alive() and ring.peer_pid != 0  # alive() refreshes the pid
+            load = {"active_requests": float(active)}
+            out.append(WorkerHealth("detokenizer", k, ring.peer_pid, alive, load))
         return out
 
     def metrics_snapshot(self) -> list[WorkerLoad]:

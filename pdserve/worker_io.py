@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 MAX_RECORDS_PER_DRAIN = 256
 PUT_TIMEOUT_S = 5.0  # a consumer that has not made room in this long is stuck or dead
-IDLE_WAIT_S = 0.2  # idle workers still publish a heartbeat at least this often
+IDLE_WAIT_S = 0.4  # idle workers still publish a heartbeat this often (router: stale > 1 s)
 
 
 def engine_config(settings: Mapping[str, object]) -> EngineConfig:
