@@ -98,6 +98,17 @@ class DecodeScheduler:
             releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=True)))
         return releases
 
+    def adopt(self, seq: Sequence, detok_shard: int) -> None:
+        """Run ``seq`` from its next step on, its KV already in this runner's blocks.
+
+        For a prefill scheduler on the same runner (co-located): ``seq`` holds blocks for
+        every computed token and its newest token is uncomputed, as after ``admit``.
+        Capacity (``max_num_seqs``) is the caller's to respect: the KV is already here.
+        """
+        assert seq.rid not in self.running, seq.rid
+        assert seq.num_uncomputed_tokens == 1, seq.num_uncomputed_tokens
+        self.running[seq.rid] = _Running(seq, detok_shard)
+
     def _has_room(self) -> bool:
         # Keep one free block per running request so the batch can grow a step.
         return (

@@ -40,11 +40,17 @@ class PrefillStep:
     tokens: dict[int, TokenBatch] = field(default_factory=dict)
     transfers: list[tuple[int, KVTransfer]] = field(default_factory=list)
     ran_tokens: int = 0
+    # keep_kv only: (sequence, detok shard) whose KV stays where it is, unpinned, for a
+    # decode scheduler on the same runner to adopt (co-located workers).
+    handovers: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 class PrefillScheduler:
-    def __init__(self, runner: ModelRunner, worker_index: int, chunk_budget: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, worker_index: int, chunk_budget: int, keep_kv: bool = False
+    ) -> None:
         self.runner = runner
+        self.keep_kv = keep_kv
         self.index = worker_index
         self.chunk_budget = chunk_budget
         self.waiting: deque[_Pending] = deque()
@@ -109,6 +115,8 @@ class PrefillScheduler:
             batcher.add(p.detok_shard, p.seq.rid, pos, token, i, float(sample.logprobs[i]), finish)
             if finish != Finish.NONE:
                 self.runner.free_blocks(p.seq)
+            elif self.keep_kv:
+                out.handovers.append((p.seq, p.detok_shard))
             else:
                 out.transfers.append((p.decode_worker, self._export(p)))
         out.tokens = batcher.batches(sample)

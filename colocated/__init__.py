@@ -1,0 +1,1 @@
+"""Co-located workers: each prefills and decodes its own requests (the baseline)."""

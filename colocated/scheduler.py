@@ -1,0 +1,128 @@
+"""The co-located scheduler: one runner, prefill and decode of the same requests.
+
+The baseline that disaggregation is measured against. It composes the two existing
+schedulers over one ``ModelRunner`` (one model, one KV pool) instead of re-implementing
+them: a request's prefill ends with its blocks handed straight to the decode scheduler
+(``PrefillScheduler(keep_kv=True)`` -> ``DecodeScheduler.adopt``), so there is no pin, no
+copy and no release.
+
+Each ``step()`` is a simple mixed schedule, as a co-located engine runs it:
+    admit queued requests while running + prefilling < max_num_seqs
+    -> one prefill forward (chunk budget) -> adopt finished prefills
+    -> one decode forward over every running request (adopted ones included)
+The two forwards are separate calls (the runner has no fused mixed batch), so a long
+prefill chunk delays that step's decode tokens: the interference disaggregation removes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from decode.scheduler import DecodeScheduler
+from engine.runner import ModelRunner
+from prefill.scheduler import PrefillScheduler
+from transport.errors import KVTransferError
+from transport.kv import KVReceiver
+from transport.records import Finish, GenerateRequest, TokenBatch
+
+logger = logging.getLogger(__name__)
+
+
+class NoKVTransfers(KVReceiver):
+    """The decode half of a co-located worker never imports KV: every fetch is refused."""
+
+    def fetch(self, src_worker: int, src_blocks: Seq[int], dst_blocks: Seq[int]) -> None:
+        raise KVTransferError("a co-located worker takes no KV transfers")
+
+
+@dataclass
+class ColocatedStep:
+    """Token batches per detokenizer shard, prefill's first (they are lower positions)."""
+
+    tokens: list[tuple[int, TokenBatch]] = field(default_factory=list)
+    ran_prefill_tokens: int = 0
+    decoded: int = 0  # requests that got a decode token this step
+
+
+class ColocatedScheduler:
+    def __init__(
+        self, runner: ModelRunner, worker_index: int, chunk_budget: int, max_num_seqs: int
+    ) -> None:
+        self.runner = runner
+        self.max_num_seqs = max_num_seqs
+        self.prefill = PrefillScheduler(runner, worker_index, chunk_budget, keep_kv=True)
+        self.decode = DecodeScheduler(runner, NoKVTransfers(), max_num_seqs)
+        # Accepted requests not yet given to prefill: holding them here bounds the batch,
+        # because an adopted request cannot be refused (its KV is already in place).
+        self.queued: deque[GenerateRequest] = deque()
+        self.requests_received = 0
+        self.prompt_tokens_received = 0
+
+    # ---- inputs ------------------------------------------------------------------------
+
+    def add(self, req: GenerateRequest) -> Finish:
+        """Queue a request; ``Finish.ERROR`` (not queued) if it can never fit this worker."""
+        self.requests_received += 1
+        self.prompt_tokens_received += len(req.prompt_ids)
+        total = len(req.prompt_ids) + len(req.output_ids)
+        blocks = -(-(total + 1) // self.runner.block_size)
+        if total + 1 > self.runner.max_model_len or blocks > self.runner.allocator.num_blocks:
+            logger.error("rid %d: %d tokens can never fit; rejected", req.rid, total)
+            return Finish.ERROR
+        self.queued.append(req)
+        return Finish.NONE
+
+    def abort(self, rid: int) -> None:
+        """Stop ``rid`` wherever it is; its blocks are free when this returns."""
+        self.queued = deque(r for r in self.queued if r.rid != rid)
+        self.prefill.abort(rid)
+        self.decode.abort(rid)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def step(self) -> ColocatedStep:
+        self._feed_prefill()
+        out = ColocatedStep()
+        pre = self.prefill.step()
+        out.ran_prefill_tokens = pre.ran_tokens
+        out.tokens += pre.tokens.items()
+        for seq, shard in pre.handovers:
+            self.decode.adopt(seq, shard)
+        out.decoded = len(self.decode.running)
+        dec = self.decode.step()
+        out.tokens += dec.tokens.items()
+        return out
+
+    def _feed_prefill(self) -> None:
+        # NOTE: nothing new starts while decode has preempted requests, so freed blocks go
+        # to resuming them first (as DecodeScheduler's own admission does).
+        while (
+            self.queued
+            and not self.decode.preempted
+            and self.num_running + self.prefill.num_waiting < self.max_num_seqs
+        ):
+            verdict = self.prefill.add(self.queued.popleft())
+            assert verdict == Finish.NONE, "add() already checked that it fits"
+
+    # ---- load --------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.queued or self.prefill.waiting or self.decode.running
+                    or self.decode.preempted)  # fmt: skip
+
+    @property
+    def queued_tokens(self) -> int:
+        queued = sum(len(r.prompt_ids) + len(r.output_ids) for r in self.queued)
+        return queued + self.prefill.queued_tokens
+
+    @property
+    def num_running(self) -> int:
+        return self.decode.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.queued) + self.prefill.num_waiting + len(self.decode.preempted)

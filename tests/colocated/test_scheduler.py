@@ -1,0 +1,145 @@
+"""The co-located scheduler: one runner prefills and decodes, KV adopted in place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from colocated.scheduler import ColocatedScheduler, NoKVTransfers
+from decode.scheduler import DecodeScheduler
+from engine.config import EngineConfig
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from prefill.scheduler import PrefillScheduler
+from transport.errors import KVTransferError
+from transport.records import Finish, GenerateRequest
+
+torch.set_num_threads(1)
+
+
+def _sched(model: Path, blocks: int = 256, max_num_seqs: int = 64) -> ColocatedScheduler:
+    runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=blocks))
+    return ColocatedScheduler(runner, worker_index=0, chunk_budget=48, max_num_seqs=max_num_seqs)
+
+
+def _req(rid: int, prompt: list[int], params: SamplingParams) -> GenerateRequest:
+    return GenerateRequest(rid=rid, prompt_ids=prompt, sampling=params, decode_worker=0,
+                           detok_shard=rid % 2)  # fmt: skip
+
+
+def _run(sched: ColocatedScheduler) -> dict[int, list[int]]:
+    """Step until idle; rid -> output ids by position (each position exactly once)."""
+    outputs: dict[int, dict[int, int]] = {}
+    finished: set[int] = set()
+    for _ in range(10_000):
+        for shard, batch in sched.step().tokens:
+            for rid, pos, tok, fin in zip(
+                batch.rids.tolist(), batch.positions.tolist(), batch.token_ids.tolist(),
+                batch.finish.tolist(),
+            ):  # fmt: skip
+                assert shard == rid % 2 and pos not in outputs.get(rid, {})
+                outputs.setdefault(rid, {})[pos] = tok
+                if fin != Finish.NONE:
+                    finished.add(rid)
+        # Adopted requests cannot be refused, so admission must keep the batch bounded.
+        assert sched.num_running + sched.prefill.num_waiting <= sched.max_num_seqs
+        if not sched.has_work:
+            break
+    assert set(outputs) == finished
+    return {rid: [toks[i] for i in range(len(toks))] for rid, toks in outputs.items()}
+
+
+def _assert_all_free(sched: ColocatedScheduler) -> None:
+    a = sched.runner.allocator
+    a.check_invariants()
+    assert a.num_used == 0 and a.num_pinned == 0 and a.num_free == a.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_colocated_greedy_matches_transformers_and_frees_blocks(arch: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.tiny_models import tiny_model_dir
+
+    model = tiny_model_dir(arch)
+    sched = _sched(model)
+    g = torch.Generator().manual_seed(11)
+    # 95 tokens span two 48-token prefill chunks while the others already decode.
+    prompts = [torch.randint(0, 150_000, (n,), generator=g).tolist() for n in (1, 17, 40, 95)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for rid, prompt in enumerate(prompts):
+        assert sched.add(_req(rid, prompt, params)) == Finish.NONE
+    got = _run(sched)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    for rid, prompt in enumerate(prompts):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                           eos_token_id=None)  # fmt: skip
+        assert got[rid] == want[0, len(prompt) :].tolist(), f"rid {rid}"
+    _assert_all_free(sched)
+
+
+def test_batch_bounded_by_max_num_seqs_and_preemption_keeps_output(
+    default_model_path: Path,
+) -> None:
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompts = [[200 + i] * 25 for i in range(6)]
+
+    def run(blocks: int, max_num_seqs: int) -> dict[int, list[int]]:
+        sched = _sched(default_model_path, blocks, max_num_seqs)
+        for rid, prompt in enumerate(prompts):
+            sched.add(_req(rid, prompt, params))
+        out = _run(sched)
+        _assert_all_free(sched)
+        return out
+
+    reference = run(blocks=256, max_num_seqs=64)
+    assert run(blocks=256, max_num_seqs=2) == reference
+    assert run(blocks=12, max_num_seqs=64) == reference  # too few blocks: preempts
+
+
+def test_abort_frees_blocks_wherever_the_request_is(default_model_path: Path) -> None:
+    sched = _sched(default_model_path, max_num_seqs=2)
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    sched.add(_req(0, [5] * 20, params))  # decoding after one step
+    sched.add(_req(1, [6] * 100, params))  # mid-prefill (48-token chunks)
+    sched.add(_req(2, [7] * 20, params))  # still queued: max_num_seqs is 2
+    sched.step()
+    assert set(sched.decode.running) == {0} and sched.prefill.num_waiting == 1
+    assert len(sched.queued) == 1
+    for rid in range(3):
+        sched.abort(rid)
+    assert not sched.has_work
+    _assert_all_free(sched)
+
+
+def test_request_that_can_never_fit_is_rejected(default_model_path: Path) -> None:
+    sched = _sched(default_model_path, blocks=4)
+    params = SamplingParams(max_tokens=8)
+    assert sched.add(_req(0, [1] * 200, params)) == Finish.ERROR
+    assert not sched.has_work
+
+
+def test_colocated_decode_half_refuses_kv_imports() -> None:
+    with pytest.raises(KVTransferError):
+        NoKVTransfers().fetch(0, [1], [2])
+
+
+def test_prefill_keep_kv_hands_over_unpinned_and_decode_adopts(default_model_path: Path) -> None:
+    runner = ModelRunner(
+        EngineConfig(model=str(default_model_path), dtype="float32", num_kv_blocks=64)
+    )
+    prefill = PrefillScheduler(runner, worker_index=0, chunk_budget=64, keep_kv=True)
+    decode = DecodeScheduler(runner, NoKVTransfers(), max_num_seqs=8)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefill.add(_req(0, [9] * 33, params))
+    out = prefill.step()
+    assert out.transfers == [] and runner.allocator.num_pinned == 0
+    [(seq, shard)] = out.handovers
+    assert shard == 0 and seq.num_computed_tokens == 33 and len(seq.output_ids) == 1
+    decode.adopt(seq, shard)
+    while decode.running:
+        decode.step()
+    assert len(seq.output_ids) == 4
+    assert runner.allocator.num_used == 0
