@@ -118,14 +118,16 @@ def config_from_spec(spec: ProcessSpec) -> DetokWorkerConfig:
         doorbell=DoorbellSpec(spec.doorbell_fd),
         control=ring(f"ctl.k{k}", spec.rings_in),
         prefill_rings=indexed("tok.p", spec.rings_in),
-        decode_rings=indexed("tok.d", spec.rings_in),
+        # A server has decode workers or co-located ones, never both: either way ring j
+        # here pairs with stop ring j (co-located workers send first tokens on it too).
+        decode_rings=indexed("tok.d", spec.rings_in) + indexed("tok.c", spec.rings_in),
         stop_rings=indexed("stop.", spec.rings_out),
         frontend=ring(f"text.k{k}", spec.rings_out),
     )
 
 
 def _peer_index(name: str) -> int:
-    """``tok.d3.k0`` -> 3, ``stop.k0.d3`` -> 3: the worker index in a ring name."""
+    """``tok.d3.k0`` -> 3, ``stop.k0.c3`` -> 3: the worker index in a ring name."""
     part = name.split(".")[1] if name.startswith("tok.") else name.split(".")[2]
     return int(part[1:])
 

@@ -1,6 +1,7 @@
 """``launch``: the one command operators type.
 
     launch --prefill 2 --decode 4        # N prefill + M decode workers, one per GPU (or CPU)
+    launch --colocated 2                 # baseline: N workers that prefill and decode
 
 Order of work: parse and validate flags -> sweep leftovers of dead servers -> assign GPUs
 -> create every shared resource (rings, load table, KV pools) -> spawn frontend, workers
@@ -63,9 +64,11 @@ def _children(
     mcfg = ModelConfig.from_pretrained(model)
     engine = EngineConfig(model=str(model), max_model_len=config.max_model_len)
     cores = os.cpu_count() or 1
-    threads = str(max(1, cores // max(1, config.prefill + config.decode)))
+    num_workers = config.colocated or config.prefill + config.decode
+    threads = str(max(1, cores // max(1, num_workers)))
     out: list[Child] = []
-    for role, gpu_list in (("prefill", gpus.prefill), ("decode", gpus.decode)):
+    pools = (("prefill", gpus.prefill), ("decode", gpus.decode), ("colocated", gpus.colocated))
+    for role, gpu_list in pools:
         for index, gpu in enumerate(gpu_list):
             device = "cpu" if gpu is None else "cuda"
             settings = _engine_settings(config, model, device)
@@ -89,6 +92,8 @@ def _children(
 
 def _build_topology(config: ServerConfig, model: Path) -> Topology:
     mcfg = ModelConfig.from_pretrained(model)
+    if config.colocated:  # no prefill/decode pools, no KV handoff: nothing more to share
+        return Topology(0, 0, config.detokenizers, num_colocated=config.colocated)
     topo = Topology(config.prefill, config.decode, config.detokenizers)
     dtype = _DTYPE_NAMES[str(parse_dtype(config.dtype.value, mcfg.dtype))]
     layout = KVLayout(
@@ -110,8 +115,6 @@ def _http_ready(url: str) -> bool:
 
 
 def serve(config: ServerConfig) -> int:
-    if config.colocated:
-        raise ConfigError("--colocated is not implemented yet; run --prefill/--decode")
     swept = sweep_stale()
     if swept:
         logger.info("removed %d shared-memory leftovers of dead servers", len(swept))
@@ -120,7 +123,7 @@ def serve(config: ServerConfig) -> int:
         raise ConfigError("CUDA workers are not wired into launch yet; use --device cpu")
     model = _model_path(config)
     topo = _build_topology(config, model)
-    sup = Supervisor(_children(config, topo, gpus, model), topo.load_table(), config.prefill)
+    sup = Supervisor(_children(config, topo, gpus, model), topo.load_table(), topo.p)
 
     def on_signal(signum: int, _frame: object) -> None:
         sup.stopping = True

@@ -27,6 +27,7 @@ MODULES = {
     "frontend": "frontend.server",
     "prefill": "prefill.worker",
     "decode": "decode.worker",
+    "colocated": "colocated.worker",
     "detok": "detokenizer.worker",
 }
 SHUTDOWN_GRACE_S = 8.0  # SIGTERM, then SIGKILL: everything is gone within 10 s
@@ -89,7 +90,7 @@ class Supervisor:
     def wait_ready(self, timeout_s: float, frontend_ready: object) -> None:
         """Until every worker row is READY and ``frontend_ready()`` is true."""
         deadline = time.monotonic() + timeout_s
-        workers = sum(1 for c in self.children if c.spec.role in ("prefill", "decode"))
+        workers = sum(1 for c in self.children if c.spec.role in ("prefill", "decode", "colocated"))
         while time.monotonic() < deadline and not self.stopping:
             for child in self.children:
                 if child.reap() is not None:

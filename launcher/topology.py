@@ -6,7 +6,7 @@ hands each child the fds it needs (``subprocess.Popen(pass_fds=...)``) and a JSO
 nothing of ours is ever visible in /dev/shm, and a restarted child attaches to the very
 same memory through the same inherited fds.
 
-Ring names (i = prefill, j = decode, k = detokenizer shard):
+Ring names (i = prefill, j = decode, c = co-located worker, k = detokenizer shard):
     req.p{i}      frontend -> prefill i     GenerateRequest, AbortRequest
     ctl.d{j}      frontend -> decode j      AbortRequest
     ctl.k{k}      frontend -> detok k       DetokRegister, AbortRequest
@@ -16,6 +16,10 @@ Ring names (i = prefill, j = decode, k = detokenizer shard):
     tok.d{j}.k{k} decode j -> detok k       TokenBatch
     stop.k{k}.d{j} detok k -> decode j      AbortRequest (a stop string matched)
     text.k{k}     detok k -> frontend       TextBatch
+With ``--colocated N`` there are no prefill/decode pools and no KV rings; instead:
+    req.c{c}       frontend -> colocated c   GenerateRequest, AbortRequest
+    tok.c{c}.k{k}  colocated c -> detok k    TokenBatch (first and later tokens)
+    stop.k{k}.c{c} detok k -> colocated c    AbortRequest (a stop string matched)
 """
 
 from __future__ import annotations
@@ -44,16 +48,19 @@ def _ring_capacity(name: str) -> int:
 class Topology:
     """Creates and owns (keeps open) every ring, doorbell and segment of a server."""
 
-    def __init__(self, num_prefill: int, num_decode: int, num_detok: int) -> None:
-        self.p, self.d, self.k = num_prefill, num_decode, num_detok
+    def __init__(
+        self, num_prefill: int, num_decode: int, num_detok: int, num_colocated: int = 0
+    ) -> None:
+        self.p, self.d, self.k, self.c = num_prefill, num_decode, num_detok, num_colocated
         names = ["frontend"] + [f"p{i}" for i in range(self.p)]
         names += [f"d{j}" for j in range(self.d)] + [f"k{k}" for k in range(self.k)]
+        names += [f"c{c}" for c in range(self.c)]
         self.doorbells = {name: Doorbell.create() for name in names}
         self.rings: dict[str, Ring] = {}
         self._consumer: dict[str, str] = {}
         self._producer: dict[str, str] = {}
         self._build_rings()
-        self.num_workers = self.p + self.d
+        self.num_workers = self.p + self.d + self.c
         nbytes = LoadTable.layout_nbytes(self.num_workers)
         self.load_segment = Segment.create("load", nbytes)
         LoadTable(self.load_segment.buf, self.num_workers)  # writes the header
@@ -76,6 +83,11 @@ class Topology:
             for k in range(self.k):
                 self._add(f"tok.d{j}.k{k}", f"d{j}", f"k{k}")
                 self._add(f"stop.k{k}.d{j}", f"k{k}", f"d{j}")
+        for c in range(self.c):
+            self._add(f"req.c{c}", "frontend", f"c{c}")
+            for k in range(self.k):
+                self._add(f"tok.c{c}.k{k}", f"c{c}", f"k{k}")
+                self._add(f"stop.k{k}.c{c}", f"k{k}", f"c{c}")
         for k in range(self.k):
             self._add(f"ctl.k{k}", "frontend", f"k{k}")
             self._add(f"text.k{k}", f"k{k}", "frontend")
@@ -85,10 +97,11 @@ class Topology:
         self.kv_segments[f"p{prefill}"] = (create_pool_segment(f"p{prefill}", layout), layout)
 
     def spec(self, role: str, index: int, settings: dict[str, Any]) -> ProcessSpec:
-        me = {"prefill": "p", "decode": "d", "detok": "k"}.get(role, "") + (
+        me = {"prefill": "p", "decode": "d", "detok": "k", "colocated": "c"}.get(role, "") + (
             str(index) if role != "frontend" else "frontend"
         )
-        slot = {"prefill": index, "decode": self.p + index}.get(role, -1)
+        # Slots: prefill workers, then decode workers; a colocated server has only c rows.
+        slot = {"prefill": index, "decode": self.p + index, "colocated": index}.get(role, -1)
         kv_pools = {
             name: {"fd": seg.spec.fd, "nbytes": seg.spec.nbytes, "layout": asdict(layout)}
             for name, (seg, layout) in self.kv_segments.items()

@@ -1,0 +1,113 @@
+"""``launch --colocated 2``: the co-located baseline server, end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.conftest import LaunchedServer
+
+
+@pytest.fixture(scope="module")
+def colocated_server() -> Iterator[LaunchedServer]:
+    srv = LaunchedServer(
+        ["--colocated", "2", "--detokenizers", "1", "--device", "cpu",
+         "--kv-cache-tokens", "8192", "--max-model-len", "1024"]
+    )  # fmt: skip
+    srv.wait_ready()
+    yield srv
+    srv.stop()
+
+
+async def _concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:  # type: ignore[type-arg]
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+
+        async def one(ids: list[int]) -> dict:  # type: ignore[type-arg]
+            body = {"input_ids": ids, "sampling_params": {
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+            r = await client.post("/generate", json=body)
+            r.raise_for_status()
+            return r.json()  # type: ignore[no-any-return]
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def test_workers_are_colocated_processes(colocated_server: LaunchedServer) -> None:
+    workers = colocated_server.health()["workers"]
+    colocated = sorted(w["index"] for w in workers if w["role"] == "colocated")
+    assert colocated == [0, 1]
+    assert not [w for w in workers if w["role"] in ("prefill", "decode")]
+    assert all(w["alive"] for w in workers)
+    for w in workers:
+        if w["role"] == "colocated":
+            title = subprocess.run(["ps", "-o", "args=", "-p", str(w["pid"])],
+                                   capture_output=True, text=True).stdout.strip()  # fmt: skip
+            assert title == f"pdserve:colocated-{w['index']}"
+
+
+def test_concurrent_greedy_requests_match_transformers(
+    colocated_server: LaunchedServer, default_model_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 150_000, (1 + 11 * i,), generator=g).tolist() for i in range(12)]
+    results = asyncio.run(_concurrent(colocated_server.url, prompts, max_tokens=12))
+    hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
+    for prompt, result in zip(prompts, results, strict=True):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                           eos_token_id=None)  # fmt: skip
+        assert result["output_ids"] == want[0, len(prompt) :].tolist()
+
+
+def _kv_in_use(server: LaunchedServer) -> int:
+    used = 0
+    for w in server.health()["workers"]:
+        load = w["load"]
+        if "total_kv_blocks" in load:
+            used += int(load["total_kv_blocks"] - load["free_kv_blocks"])
+    return used
+
+
+def test_abort_mid_stream_frees_kv(colocated_server: LaunchedServer) -> None:
+    body = {"input_ids": [5] * 40, "stream": True,
+            "sampling_params": {"max_tokens": 800, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    with httpx.Client(base_url=colocated_server.url) as client:
+        with client.stream("POST", "/generate", json=body, timeout=60) as r:
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                if seen >= 5:
+                    assert _kv_in_use(colocated_server) > 0
+                    break  # closing the stream disconnects the client
+        deadline = time.monotonic() + 5
+        while _kv_in_use(colocated_server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _kv_in_use(colocated_server) == 0
+
+
+def test_stop_string_ends_the_request_early(colocated_server: LaunchedServer) -> None:
+    """The shard's stop notice reaches the co-located worker (stop.k0.c{c}) and frees KV."""
+    ids = [1000 + i for i in range(8)]
+    params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=colocated_server.url, timeout=120) as client:
+        full = client.post("/generate", json={"input_ids": ids, "sampling_params": params})
+        text = full.json()["text"]
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        assert stop.strip()
+        r = client.post("/generate", json={"input_ids": ids,
+                                          "sampling_params": {**params, "stop": [stop]}})  # fmt: skip
+    out = r.json()
+    assert out["finish_reason"] == "stop" and out["text"] == text[: text.index(stop)]
+    deadline = time.monotonic() + 5
+    while _kv_in_use(colocated_server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _kv_in_use(colocated_server) == 0
