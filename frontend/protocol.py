@@ -18,7 +18,12 @@ from engine.sampling_params import SamplingParams
 from frontend.errors import InvalidRequest, NotImplementedField
 from transport.records import DetokParams
 
+# NOTE: these caps keep every record a request becomes within the smallest ring it
+# crosses (a detokenizer control ring holds 256 KiB; see launcher/topology.py). Without
+# them one request could make a record no ring can carry and fail or kill a worker.
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class _Body(BaseModel):
@@ -57,7 +62,19 @@ class SamplingFields(_Body):
             raise InvalidRequest("stop strings must not be empty", param="stop")
         if len(stops) > MAX_STOP_STRINGS:
             raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise InvalidRequest(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters", param="stop"
+            )
         return tuple(stops)
+
+    def checked_stop_token_ids(self) -> tuple[int, ...]:
+        ids = tuple(self.stop_token_ids or ())
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", param="stop_token_ids"
+            )
+        return ids
 
 
 class OpenAIFields(SamplingFields):
@@ -256,7 +273,7 @@ def to_engine_params(
         presence_penalty=_pick(body.presence_penalty, defaults.presence_penalty),
         frequency_penalty=_pick(body.frequency_penalty, defaults.frequency_penalty),
         seed=body.seed,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
+        stop_token_ids=body.checked_stop_token_ids(),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
     )
