@@ -2,15 +2,17 @@
 
 The batch is ``T`` tokens: sequence ``i`` contributes ``q_lens[i]`` consecutive tokens at
 positions ``[ctx_lens[i] - q_lens[i], ctx_lens[i])``. Each layer first writes the new K/V
-into the pool (slots from the block tables), then attends:
+into the pool, then attends:
 
-* a decode batch (every ``q_len == 1``) gathers all sequences' blocks at once into a
-  padded (B, S) context; on CUDA one masked SDPA call attends, on CPU two grouped
-  matmuls do (each KV head serves its query group without repeating K/V, several
-  times faster than CPU SDPA with a mask at one query per sequence);
-* a prefill batch runs one causal SDPA call per sequence; a sequence with earlier
-  chunks already in the pool reads its whole context back from the pool.
+* a decode batch (every ``q_len == 1``) gathers every sequence's K and V blocks with one
+  ``index_select`` into a padded (B, S) context laid out (2, B, S, KVH, D), and one SDPA
+  call attends over strided (B, KVH, S, D) views of it, padding hidden by an additive
+  bias. No rearranging copy: the gather output is the layout SDPA reads;
+* a prefill batch runs one causal SDPA call per run of consecutive fresh sequences of
+  equal length (a pure view of the flat batch), and one per sequence otherwise; a
+  sequence with earlier chunks already in the pool reads its whole context back.
 
+The runner computes every index once per step (``AttentionMetadata``), not per layer.
 SDPA is PyTorch's fused kernel on every device (flash / memory-efficient on CUDA).
 """
 
@@ -24,23 +26,30 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Where a flat token batch reads and writes KV. Shapes: B sequences, T tokens."""
+    """Where a flat token batch reads and writes KV. Shapes: B sequences, T tokens, L layers.
 
-    slot_blocks: torch.Tensor  # (T,) int64 block id each token's KV is written to
-    slot_offsets: torch.Tensor  # (T,) int64 slot within that block
+    Row indices address the pool ``(num_blocks, L, 2, block_size, KVH, D)`` flattened two
+    ways: ``write_rows`` index token rows ``(num_blocks * L * 2 * block_size, KVH * D)``,
+    ``gather_rows`` index block rows ``(num_blocks * L * 2, block_size * KVH * D)``.
+    """
+
+    write_rows: tuple[torch.Tensor, ...]  # L x (2, T) int64: K row, V row of each new token
     block_tables: torch.Tensor  # (B, max_blocks) int64, padded with block 0
     ctx_lens: list[int]  # (B,) KV length after this step, new tokens included
     q_lens: list[int]  # (B,) new tokens per sequence; sum == T
     is_decode: bool
-    context_mask: torch.Tensor | None = None  # (B, 1, 1, S) bool, decode only
+    gather_rows: tuple[torch.Tensor, ...] = ()  # decode only: L x (2 * B * max_blocks,)
+    attn_bias: torch.Tensor | None = None  # decode only: (B, 1, 1, S) 0 or -inf, model dtype
 
 
 def write_kv(
     pool: torch.Tensor, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """k, v: (T, kv_heads, head_dim) into pool[block, layer, 0|1, slot]."""
-    pool[meta.slot_blocks, layer, 0, meta.slot_offsets] = k
-    pool[meta.slot_blocks, layer, 1, meta.slot_offsets] = v
+    """k, v: (T, kv_heads, head_dim) into their slots of ``layer``."""
+    rows = pool.view(-1, pool.shape[4] * pool.shape[5])  # (NB * L * 2 * bs, KVH * D)
+    t = k.shape[0]
+    rows.index_copy_(0, meta.write_rows[layer][0], k.reshape(t, -1))
+    rows.index_copy_(0, meta.write_rows[layer][1], v.reshape(t, -1))
 
 
 def paged_attention(
@@ -55,18 +64,35 @@ def paged_attention(
     write_kv(pool, layer, meta, k, v)
     if meta.is_decode:
         return _decode_attention(pool, layer, meta, q)
+    return _prefill_attention(pool, layer, meta, q, k, v)
+
+
+def _prefill_attention(
+    pool: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
     outputs = []
-    start = 0
-    for i, (q_len, ctx_len) in enumerate(zip(meta.q_lens, meta.ctx_lens)):
-        qi = q[start : start + q_len]
-        if q_len == ctx_len:
-            # No earlier chunk: the fresh K/V are the whole context.
-            ki, vi = k[start : start + q_len], v[start : start + q_len]
-        else:
-            ki, vi = _gather_context(pool, layer, meta.block_tables[i], ctx_len)
-        outputs.append(_causal_sdpa(qi, ki, vi))
-        start += q_len
-    return torch.cat(outputs, dim=0)
+    start, i, b = 0, 0, len(meta.q_lens)
+    while i < b:
+        n = meta.q_lens[i]
+        if n != meta.ctx_lens[i]:
+            ki, vi = _gather_context(pool, layer, meta.block_tables[i], meta.ctx_lens[i])
+            outputs.append(_causal_sdpa(q[start : start + n], ki, vi))
+            start, i = start + n, i + 1
+            continue
+        # No earlier chunk: the fresh K/V are the whole context. Consecutive fresh
+        # sequences of one length are a (g, n) view of the flat batch: one SDPA call.
+        g = 1
+        while i + g < b and meta.q_lens[i + g] == n == meta.ctx_lens[i + g]:
+            g += 1
+        end = start + g * n
+        outputs.append(_fresh_sdpa(q[start:end], k[start:end], v[start:end], g))
+        start, i = end, i + g
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
 def _gather_context(
@@ -78,17 +104,22 @@ def _gather_context(
     return kv[0], kv[1]
 
 
+def _fresh_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: int) -> torch.Tensor:
+    """q: (g * n, H, D), k, v: (g * n, KVH, D): g whole sequences of n tokens each."""
+    t, heads, d = q.shape
+    qh, kh, vh = (x.view(g, t // g, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2).reshape(t, heads, d)  # (g, H, n, D) -> (g * n, H, D)
+
+
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q: (n, H, D) are the last n positions of a context k, v: (c, KVH, D)."""
     n, c = q.shape[0], k.shape[0]
     # NOTE: 4-D inputs: CPU SDPA takes its fused kernel only with a batch dimension.
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, heads, len, D)
-    if n == c:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-    else:
-        # Query j sits at position c - n + j and sees keys 0..c - n + j.
-        mask = torch.ones(n, c, dtype=torch.bool, device=q.device).tril(diagonal=c - n)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    # Query j sits at position c - n + j and sees keys 0..c - n + j.
+    mask = torch.ones(n, c, dtype=torch.bool, device=q.device).tril(diagonal=c - n)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
@@ -96,20 +127,13 @@ def _decode_attention(
     pool: torch.Tensor, layer: int, meta: AttentionMetadata, q: torch.Tensor
 ) -> torch.Tensor:
     b, heads, d = q.shape
-    num_layers, block_size, kv_heads = pool.shape[1], pool.shape[3], pool.shape[4]
-    n_blocks = meta.block_tables.shape[1]
-    # (block, layer) rows are contiguous in the block-major pool: gather whole rows.
-    rows = (meta.block_tables * num_layers + layer).flatten()
-    kv = pool.view(pool.shape[0] * num_layers, -1).index_select(0, rows)
-    kv = kv.view(b, n_blocks, 2, block_size, kv_heads, d).permute(2, 0, 4, 1, 3, 5)
-    keys, values = kv.reshape(2, b, kv_heads, n_blocks * block_size, d)  # (B, KVH, S, D)
-    assert meta.context_mask is not None
-    if q.is_cuda:
-        out = F.scaled_dot_product_attention(
-            q.view(b, heads, 1, d), keys, values, attn_mask=meta.context_mask, enable_gqa=True
-        )
-        return out.view(b, heads, d)
-    qg = q.view(b, kv_heads, heads // kv_heads, d)  # query heads grouped by their KV head
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * d**-0.5  # (B, KVH, G, S)
-    probs = scores.masked_fill(~meta.context_mask, float("-inf")).softmax(dim=-1)
-    return torch.matmul(probs.to(values.dtype), values).view(b, heads, d)
+    block_size, kv_heads = pool.shape[3], pool.shape[4]
+    s = meta.block_tables.shape[1] * block_size
+    blocks = pool.view(-1, block_size * kv_heads * d)  # (NB * L * 2, bs * KVH * D)
+    kv = blocks.index_select(0, meta.gather_rows[layer]).view(2, b, s, kv_heads, d)
+    keys, values = kv.transpose(2, 3)  # each (B, KVH, S, D), strided views
+    assert meta.attn_bias is not None
+    out = F.scaled_dot_product_attention(
+        q.view(b, heads, 1, d), keys, values, attn_mask=meta.attn_bias, enable_gqa=True
+    )
+    return out.view(b, heads, d)

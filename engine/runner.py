@@ -101,7 +101,7 @@ class ModelRunner:
                                  f"{seq.num_uncomputed_tokens} uncomputed tokens")  # fmt: skip
             self.ensure_blocks(seq, n)
         spans = [(seq, seq.num_computed_tokens, n) for seq, n in chunks]
-        tokens = [t for seq, start, n in spans for t in seq.all_ids[start : start + n]]
+        tokens = [t for seq, start, n in spans for t in _token_span(seq, start, n)]
         logits = self._forward(spans, tokens, is_decode=False)
         for seq, n in chunks:
             seq.num_computed_tokens += n
@@ -115,7 +115,8 @@ class ModelRunner:
                                  f"has {seq.num_uncomputed_tokens}")  # fmt: skip
             self.ensure_blocks(seq, 1)
         spans = [(seq, seq.num_computed_tokens, 1) for seq in seqs]
-        logits = self._forward(spans, [seq.all_ids[-1] for seq in seqs], is_decode=True)
+        newest = [seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1] for seq in seqs]
+        logits = self._forward(spans, newest, is_decode=True)
         for seq in seqs:
             seq.num_computed_tokens += 1
         return logits
@@ -143,23 +144,50 @@ class ModelRunner:
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _, _ in spans]
         ctx_lens = [start + n for _, start, n in spans]
         q_lens = [n for _, _, n in spans]
-        mask = None
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
+        layers = self.model_config.num_layers
+        blocks = torch.tensor(slot_blocks, dtype=torch.long, device=dev)
+        slot_rows = blocks * (layers * 2 * bs) + pos % bs  # layer 0's K row of each token
+        gather_rows: tuple[torch.Tensor, ...] = ()
+        bias = None
         if is_decode:
+            gather_rows = self._gather_rows(block_tables)
             slots = torch.arange(width * bs, device=dev)
             ctx = torch.tensor(ctx_lens, device=dev)
-            mask = (slots.unsqueeze(0) < ctx.unsqueeze(1))[:, None, None, :]  # (B, 1, 1, S)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+            bias = torch.zeros(len(spans), 1, 1, width * bs, dtype=self.dtype, device=dev)
+            bias.masked_fill_(
+                (slots.unsqueeze(0) >= ctx.unsqueeze(1))[:, None, None, :], float("-inf")
+            )
         meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
-            slot_offsets=pos % bs,
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            write_rows=self._per_layer(slot_rows, 2 * bs, bs),
+            block_tables=block_tables,
             ctx_lens=ctx_lens,
             q_lens=q_lens,
             is_decode=is_decode,
-            context_mask=mask,
+            gather_rows=gather_rows,
+            attn_bias=bias,
         )
         last = torch.tensor(q_lens, device=dev).cumsum(0) - 1  # each chunk's last token
         return meta, pos, last
+
+    def _gather_rows(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per layer, the (block, layer, K|V) rows of every table entry, K first: (2 * B * W,)."""
+        base = block_tables.flatten() * (2 * self.model_config.num_layers)
+        return tuple(rows.view(-1) for rows in self._per_layer(base, 2, 1))
+
+    def _per_layer(
+        self, base: torch.Tensor, layer_stride: int, v_stride: int
+    ) -> tuple[torch.Tensor, ...]:
+        """``base`` (N,) rows of layer 0's K -> L x (2, N) rows of layer l's K, then V.
+
+        A block's rows run (layer, K|V, slot): a layer is ``layer_stride`` rows further on,
+        and V ``v_stride`` rows after K.
+        """
+        num_layers = self.model_config.num_layers
+        layers = torch.arange(num_layers, device=self.device).view(-1, 1, 1) * layer_stride
+        kv = torch.tensor([0, v_stride], device=self.device).view(1, 2, 1)
+        return (base.view(1, 1, -1) + layers + kv).unbind(0)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         """Pick each sequence's next token (output position ``len(seq.output_ids)``)."""
@@ -178,3 +206,13 @@ class ModelRunner:
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return Finish.LENGTH
         return Finish.NONE
+
+
+def _token_span(seq: Sequence, start: int, n: int) -> list[int]:
+    """``seq.all_ids[start : start + n]`` without concatenating prompt and output."""
+    p = len(seq.prompt_ids)
+    if start + n <= p:
+        return seq.prompt_ids[start : start + n]
+    if start >= p:
+        return seq.output_ids[start - p : start - p + n]
+    return seq.prompt_ids[start:] + seq.output_ids[: start + n - p]
