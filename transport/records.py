@@ -258,7 +258,10 @@ def _encode_tokens(msg: TokenBatch) -> bytes:
     b, k = msg.size, int(msg.top_ids.shape[1]) if msg.top_ids.ndim == 2 else 0
     rows = _shared_rows(msg)
     if rows is None:
-        rows = np.empty(b, _TB_ROW)
+        # A per-size scratch array: tobytes() copies it out before anyone can reuse it.
+        rows = _SCRATCH.get(b)
+        if rows is None:
+            rows = _SCRATCH[b] = np.empty(b, _TB_ROW)
         for name in _TB_FIELDS:
             rows[name] = getattr(msg, name)  # casts, as the build() dtypes do
     head = _TB_HEADER.pack(_KIND_TOKENS, b, k)
@@ -315,6 +318,7 @@ def _shared_rows(msg: TokenBatch) -> np.ndarray | None:
 
 
 _NO_TOP: dict[tuple[int, np.dtype], np.ndarray] = {}
+_SCRATCH: dict[int, np.ndarray] = {}
 
 
 def _no_top(b: int, dtype: np.dtype) -> np.ndarray:
