@@ -46,7 +46,8 @@ _RawLogprobs = tuple[float, list[int], list[float]] | None
 
 @dataclass(slots=True)
 class _Token:
-    token_id: int
+    token_id: int  # as sampled: reported to the client and used to resume elsewhere
+    text_id: int  # token_id clamped into the vocabulary: what the text tables index
     finish: int
     source: int | None  # decode worker index, None for the prefill worker
     logprobs: _RawLogprobs
@@ -126,9 +127,9 @@ class DetokShard:
     def _replay(self, req: _Request, output_ids: list[int]) -> None:
         """Rebuild state from tokens the client already has: their released text is not
         sent again, but text still held back (partial UTF-8, partial stop) stays held."""
-        ids = self.table.clamp(np.asarray(output_ids, dtype=np.int64)).tolist()
-        for token_id in ids:
-            self._consume(req, _Token(token_id, 0, None, None))
+        text_ids = self.table.clamp(np.asarray(output_ids, dtype=np.int64)).tolist()
+        for token_id, text_id in zip(output_ids, text_ids, strict=True):
+            self._consume(req, _Token(token_id, text_id, 0, None, None))
             if req.finish != Finish.NONE:
                 return
         req.text = ""
@@ -146,7 +147,10 @@ class DetokShard:
     def on_tokens(self, batch: TokenBatch, source_decode: int | None) -> None:
         rids = batch.rids.tolist()
         positions = batch.positions.tolist()
-        token_ids = self.table.clamp(batch.token_ids).tolist()
+        # NOTE: padded embedding rows make ids past the tokenizer's vocabulary samplable;
+        # they are reported as sampled and decode to no text (as decode() renders them).
+        token_ids = batch.token_ids.tolist()
+        text_ids = self.table.clamp(batch.token_ids).tolist()
         finish = batch.finish.tolist()
         with_logprobs = batch.top_ids.shape[1] > 0 or not bool(np.isnan(batch.logprobs).all())
         reqs, dirty = self._reqs, self._dirty
@@ -162,11 +166,11 @@ class DetokShard:
             ):
                 req.next_pos += 1
                 req.ids.append(token_ids[i])
-                req.text += req.feed(token_ids[i])
+                req.text += req.feed(text_ids[i])
                 dirty[rid] = req
                 continue
             raw = _raw_logprobs(batch, i) if with_logprobs else None
-            tok = _Token(token_ids[i], finish[i], source_decode, raw)
+            tok = _Token(token_ids[i], text_ids[i], finish[i], source_decode, raw)
             if req is None:
                 self._orphan(rid, positions[i], tok)
             elif positions[i] == req.next_pos and not req.pending:
@@ -213,7 +217,7 @@ class DetokShard:
         req.ids.append(tok.token_id)
         if req.num_logprobs is not None and tok.logprobs is not None:
             req.logprobs.append(self._logprob(tok.token_id, tok.logprobs, req.num_logprobs))
-        text = req.feed(tok.token_id)
+        text = req.feed(tok.text_id)
         if tok.finish:
             text += req.detok.flush()
         if req.stop is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import urllib.request
 from pathlib import Path
@@ -106,6 +107,17 @@ def _build_topology(config: ServerConfig, model: Path) -> Topology:
     return topo
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before spawning anything if another process already listens there."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); "
+                              "pick another --port") from e  # fmt: skip
+
+
 def _http_ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1.0) as resp:
@@ -115,6 +127,7 @@ def _http_ready(url: str) -> bool:
 
 
 def serve(config: ServerConfig) -> int:
+    _check_port_free(config.host, config.port)
     swept = sweep_stale()
     if swept:
         logger.info("removed %d shared-memory leftovers of dead servers", len(swept))

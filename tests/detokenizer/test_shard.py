@@ -202,3 +202,18 @@ def test_engine_error_row_ends_the_request_without_a_token(qwen_tokenizer) -> No
     (delta,) = text.items
     assert delta.finish == Finish.ERROR and delta.token_ids == [] and delta.text == ""
     assert delta.error
+
+
+def test_ids_past_the_vocabulary_are_reported_as_sampled(qwen_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Padded embedding rows (151646..151935) can be sampled: ids stay exact, text is empty."""
+    from detokenizer.shard import DetokShard
+    from transport.records import DetokParams, DetokRegister, TokenBatch
+
+    shard = DetokShard(qwen_tokenizer)
+    shard.register(DetokRegister(rid=4, params=DetokParams(), prompt_len=3))
+    ids = [9707, 151753, 1879]
+    shard.on_tokens(TokenBatch.build([4, 4, 4], [0, 1, 2], ids), 0)
+    text, _ = shard.take_outputs()
+    assert text is not None
+    assert text.items[0].token_ids == ids
+    assert text.items[0].text == qwen_tokenizer.decode(ids)
