@@ -14,10 +14,11 @@ from typing import Any
 import openai
 import pytest
 import torch
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.conftest import LaunchedServer
 
-CHAT = [{"role": "user", "content": "Tell me a story."}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story."}]
 GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
@@ -49,7 +50,9 @@ def test_greedy_completion_equals_transformers_generate(
     ids = qwen_tokenizer.encode(prompt)
     assert choice["prompt_token_ids"] == ids
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
-    want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    want = hf.generate(  # type: ignore[misc]  # transformers' stubs mistype generate
+        torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None
+    )
     assert choice["token_ids"] == want[0, len(ids) :].tolist()
     assert choice["text"] == qwen_tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
 
@@ -190,9 +193,9 @@ def test_return_token_ids_in_completion_and_chat(
     assert chat["prompt_token_ids"] == qwen_tokenizer.encode(prompt, add_special_tokens=False)
     assert chat["usage"]["prompt_tokens"] == len(chat["prompt_token_ids"])
     assert len(chat["choices"][0]["token_ids"]) == 5
-    stream = sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=5,
-                                         temperature=0, stream=True,
-                                         **_extra(return_token_ids=True))  # fmt: skip
+    stream = sdk.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=5, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
     chunks = [ch.model_dump() for ch in stream]
     assert chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
     streamed_ids = [t for ch in chunks for t in ch["choices"][0].get("token_ids") or []]
