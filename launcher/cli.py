@@ -11,6 +11,7 @@ and on SIGINT/SIGTERM stop everything within 10 s.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig, ModelConfig, parse_dtype
-from launcher.args import ConfigError, ServerConfig, parse_args
+from launcher.args import ConfigError, Device, ServerConfig, parse_args
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
@@ -133,7 +134,12 @@ def serve(config: ServerConfig) -> int:
         logger.info("removed %d shared-memory leftovers of dead servers", len(swept))
     gpus = assign_gpus(config)
     if not gpus.on_cpu:
-        raise ConfigError("CUDA workers are not wired into launch yet; use --device cpu")
+        # NOTE: the engine and the KV backends have CUDA paths, but launch does not yet
+        # size GPU pools and staging memory for them; say so rather than pretend.
+        if config.device is Device.CUDA:
+            raise ConfigError("serving on CUDA is not wired into launch yet; use --device cpu")
+        logger.warning("NVIDIA GPUs found, but launch does not serve on CUDA yet: using CPU")
+        gpus = assign_gpus(dataclasses.replace(config, device=Device.CPU))
     model = _model_path(config)
     topo = _build_topology(config, model)
     sup = Supervisor(_children(config, topo, gpus, model), topo.load_table(), topo.p)
