@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from decode.scheduler import DecodeScheduler
 from engine.runner import ModelRunner
-from prefill.scheduler import PrefillScheduler
+from prefill.scheduler import PrefillScheduler, fits
 from transport.errors import KVTransferError
 from transport.kv import KVReceiver
 from transport.records import Finish, GenerateRequest, TokenBatch
@@ -67,10 +67,7 @@ class ColocatedScheduler:
         """Queue a request; ``Finish.ERROR`` (not queued) if it can never fit this worker."""
         self.requests_received += 1
         self.prompt_tokens_received += len(req.prompt_ids)
-        total = len(req.prompt_ids) + len(req.output_ids)
-        blocks = -(-(total + 1) // self.runner.block_size)
-        if total + 1 > self.runner.max_model_len or blocks > self.runner.allocator.num_blocks:
-            logger.error("rid %d: %d tokens can never fit; rejected", req.rid, total)
+        if not fits(self.runner, req):
             return Finish.ERROR
         self.queued.append(req)
         return Finish.NONE

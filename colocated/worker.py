@@ -17,10 +17,16 @@ import logging
 from colocated.scheduler import ColocatedScheduler
 from engine.runner import ModelRunner
 from pdserve.process import attach_rings, bootstrap, load_row
-from pdserve.worker_io import IDLE_WAIT_S, drain, engine_config, send
+from pdserve.worker_io import (
+    IDLE_WAIT_S,
+    drain,
+    engine_config,
+    fail_request,
+    rings_by_peer,
+    send,
+)
 from router.load_table import Role, WorkerState
-from transport.records import AbortRequest, Finish, GenerateRequest, TokenBatch
-from transport.ring import Ring
+from transport.records import AbortRequest, Finish, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +43,7 @@ class ColocatedWorker:
         self.sched = ColocatedScheduler(runner, c, config.chunked_prefill_size, config.max_num_seqs)
         self.req_ring = self.rings_in[f"req.c{c}"]
         self.stop_in = [r for n, r in self.rings_in.items() if n.startswith("stop.")]
-        # tok.c{c}.k{k} -> k
-        self.tok_out: dict[int, Ring] = {
-            int(n.split(".")[2][1:]): r for n, r in self.rings_out.items() if n.startswith("tok.")
-        }
+        self.tok_out = rings_by_peer(self.rings_out, "tok.")
 
     def run(self) -> None:
         self.row.set_state(WorkerState.READY)
@@ -59,18 +62,13 @@ class ColocatedWorker:
         for msg in drain(self.req_ring):
             if isinstance(msg, GenerateRequest):
                 if self.sched.add(msg) == Finish.ERROR:
-                    self._fail(msg)
+                    fail_request(self.tok_out, msg)
             elif isinstance(msg, AbortRequest):
                 self.sched.abort(msg.rid)
         for ring in self.stop_in:
             for msg in drain(ring):
                 if isinstance(msg, AbortRequest):
                     self.sched.abort(msg.rid)
-
-    def _fail(self, req: GenerateRequest) -> None:
-        """Tell the detokenizer (hence the client) that this request cannot run here."""
-        batch = TokenBatch.build([req.rid], [len(req.output_ids)], [-1], finish=[Finish.ERROR])
-        send(self.tok_out[req.detok_shard], batch)
 
     def _publish(self) -> None:
         a = self.sched.runner.allocator

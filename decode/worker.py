@@ -15,12 +15,11 @@ import torch
 from decode.scheduler import DecodeScheduler
 from engine.runner import ModelRunner
 from pdserve.process import attach_rings, bootstrap, load_row
-from pdserve.worker_io import IDLE_WAIT_S, drain, engine_config, send
+from pdserve.worker_io import IDLE_WAIT_S, drain, engine_config, rings_by_peer, send
 from router.load_table import Role, WorkerState
 from transport.kv import KVLayout, pool_view
 from transport.kv_backends import ShmReceiver
 from transport.records import AbortRequest, KVRelease, KVTransfer
-from transport.ring import Ring
 from transport.segment import Segment, SegmentSpec
 
 logger = logging.getLogger(__name__)
@@ -38,8 +37,8 @@ class DecodeWorker:
         self.sched = DecodeScheduler(runner, self._receiver(runner), config.max_num_seqs)
         self.kv_in = [r for n, r in self.rings_in.items() if n.startswith("kv.")]
         self.ctl_in = [r for n, r in self.rings_in.items() if not n.startswith("kv.")]
-        self.rel_out = self._by_peer("rel.", 2)
-        self.tok_out = self._by_peer("tok.", 2)
+        self.rel_out = rings_by_peer(self.rings_out, "rel.")
+        self.tok_out = rings_by_peer(self.rings_out, "tok.")
 
     def _receiver(self, runner: ModelRunner) -> ShmReceiver:
         """Map every prefill worker's shared pool; copies read straight from it."""
@@ -50,10 +49,6 @@ class DecodeWorker:
             self._pool_segs.append(seg)
             sources[int(name[1:])] = pool_view(seg, KVLayout(**pool["layout"]))
         return ShmReceiver(sources, runner.kv_pool)
-
-    def _by_peer(self, prefix: str, part: int) -> dict[int, Ring]:
-        return {int(n.split(".")[part][1:]): r for n, r in self.rings_out.items()
-                if n.startswith(prefix)}  # fmt: skip
 
     def run(self) -> None:
         self.row.set_state(WorkerState.READY)

@@ -6,9 +6,8 @@ import logging
 from collections.abc import Iterator, Mapping
 
 from engine.config import EngineConfig
-from router.load_table import RowWriter
 from transport.errors import PeerDead, RingFull
-from transport.records import Control, TokenBatch, decode, encode
+from transport.records import Control, Finish, GenerateRequest, TokenBatch, decode, encode
 from transport.ring import Ring
 
 logger = logging.getLogger(__name__)
@@ -48,5 +47,15 @@ def send(ring: Ring, msg: Control | TokenBatch) -> bool:
         raise
 
 
-def heartbeat(row: RowWriter, **load: int) -> None:
-    row.publish(**load)
+def rings_by_peer(rings: Mapping[str, Ring], prefix: str) -> dict[int, Ring]:
+    """``{"tok.p0.k1": r}`` with prefix ``"tok."`` -> ``{1: r}``: rings by the peer's index.
+
+    Ring names are ``kind.<from>.<to>`` (launcher/topology.py); the peer is the last part.
+    """
+    return {int(n.split(".")[2][1:]): r for n, r in rings.items() if n.startswith(prefix)}
+
+
+def fail_request(tok_rings: Mapping[int, Ring], req: GenerateRequest) -> None:
+    """Tell the request's detokenizer shard (hence the client) that it cannot run here."""
+    row = TokenBatch.build([req.rid], [len(req.output_ids)], [-1], finish=[Finish.ERROR])
+    send(tok_rings[req.detok_shard], row)

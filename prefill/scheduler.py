@@ -26,6 +26,16 @@ from transport.records import Finish, GenerateRequest, KVTransfer, TokenBatch
 logger = logging.getLogger(__name__)
 
 
+def fits(runner: ModelRunner, req: GenerateRequest) -> bool:
+    """Could ``req`` ever run here (max_model_len, the whole KV pool)? Logs when not."""
+    total = len(req.prompt_ids) + len(req.output_ids) + 1  # + the token it will sample
+    blocks = -(-total // runner.block_size)
+    if total > runner.max_model_len or blocks > runner.allocator.num_blocks:
+        logger.error("rid %d: %d tokens can never fit; rejected", req.rid, total)
+        return False
+    return True
+
+
 @dataclass
 class _Pending:
     seq: Sequence
@@ -64,10 +74,7 @@ class PrefillScheduler:
         """Queue a request; returns ``Finish.ERROR`` (not queued) if it can never run."""
         self.requests_received += 1
         self.prompt_tokens_received += len(req.prompt_ids)
-        total = len(req.prompt_ids) + len(req.output_ids)
-        blocks = -(-(total + 1) // self.runner.block_size)
-        if total + 1 > self.runner.max_model_len or blocks > self.runner.allocator.num_blocks:
-            logger.error("rid %d: %d tokens can never fit; rejected", req.rid, total)
+        if not fits(self.runner, req):
             return Finish.ERROR
         seq = Sequence(
             rid=req.rid, prompt_ids=list(req.prompt_ids), sampling=req.sampling,

@@ -11,13 +11,12 @@ import logging
 
 from engine.runner import ModelRunner
 from pdserve.process import attach_rings, bootstrap, load_row
-from pdserve.worker_io import IDLE_WAIT_S, drain, engine_config, send
+from pdserve.worker_io import IDLE_WAIT_S, drain, engine_config, fail_request, rings_by_peer, send
 from prefill.scheduler import PrefillScheduler, PrefillStep
 from router.load_table import Role, WorkerState
 from transport.kv import KVLayout, pool_view
 from transport.kv_backends import ShmExporter
-from transport.records import AbortRequest, Finish, GenerateRequest, KVRelease, TokenBatch
-from transport.ring import Ring
+from transport.records import AbortRequest, Finish, GenerateRequest, KVRelease
 from transport.segment import Segment, SegmentSpec
 
 logger = logging.getLogger(__name__)
@@ -40,12 +39,8 @@ class PrefillWorker:
         self.req_ring = self.rings_in[f"req.p{i}"]
         self.rel_rings = {int(n.split(".")[1][1:]): r for n, r in self.rings_in.items()
                           if n.startswith("rel.")}  # fmt: skip
-        self.kv_out = self._by_peer("kv.", 2)
-        self.tok_out = self._by_peer("tok.", 2)
-
-    def _by_peer(self, prefix: str, part: int) -> dict[int, Ring]:
-        return {int(n.split(".")[part][1:]): r for n, r in self.rings_out.items()
-                if n.startswith(prefix)}  # fmt: skip
+        self.kv_out = rings_by_peer(self.rings_out, "kv.")
+        self.tok_out = rings_by_peer(self.rings_out, "tok.")
 
     def run(self) -> None:
         self.row.set_state(WorkerState.READY)
@@ -66,18 +61,13 @@ class PrefillWorker:
         for msg in drain(self.req_ring):
             if isinstance(msg, GenerateRequest):
                 if self.sched.add(msg) == Finish.ERROR:
-                    self._fail(msg)
+                    fail_request(self.tok_out, msg)
             elif isinstance(msg, AbortRequest):
                 self.sched.abort(msg.rid)
         for ring in self.rel_rings.values():
             for msg in drain(ring):
                 if isinstance(msg, KVRelease):
                     self.sched.release(msg.rid)
-
-    def _fail(self, req: GenerateRequest) -> None:
-        """Tell the detokenizer (hence the client) that this request cannot run here."""
-        batch = TokenBatch.build([req.rid], [len(req.output_ids)], [-1], finish=[Finish.ERROR])
-        send(self.tok_out[req.detok_shard], batch)
 
     def _ship(self, out: PrefillStep) -> None:
         # Tokens first: TTFT never waits for the KV handoff.
