@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -67,8 +68,10 @@ async def create_chat_completion(
 ) -> Response:
     body.reject_unsupported()
     check_model(ctx, body.model)
+    # Jinja over a long conversation takes seconds: off the loop, or every stream stalls.
+    text = await asyncio.to_thread(apply_chat_template, ctx, body)
     # The template writes BOS and role markers itself: no special tokens added again.
-    prompt_ids = await ctx.encode(apply_chat_template(ctx, body), add_special_tokens=False)
+    prompt_ids = await ctx.encode(text, add_special_tokens=False)
     s = ctx.settings
     check_prompt_ids(prompt_ids, s.vocab_size, "messages")
     max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(prompt_ids), s.max_model_len)
