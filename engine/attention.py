@@ -40,6 +40,10 @@ class AttentionMetadata:
     is_decode: bool
     gather_rows: tuple[torch.Tensor, ...] = ()  # decode only: L x (2 * B * max_blocks,)
     attn_bias: torch.Tensor | None = None  # decode only: (B, 1, 1, S) 0 or -inf, model dtype
+    # CPU decode only: the batch's K/V kept dense between steps (see DenseDecodeKV), and
+    # the rows of (2 * B * cap, KVH * D) each layer's new K, V go to: (2, B).
+    dense_kv: torch.Tensor | None = None  # (L, 2, B, cap, KVH, D)
+    dense_rows: torch.Tensor | None = None
 
 
 def write_kv(
@@ -50,6 +54,10 @@ def write_kv(
     t = k.shape[0]
     rows.index_copy_(0, meta.write_rows[layer][0], k.reshape(t, -1))
     rows.index_copy_(0, meta.write_rows[layer][1], v.reshape(t, -1))
+    if meta.dense_kv is not None and meta.dense_rows is not None:
+        dense = meta.dense_kv[layer].view(-1, rows.shape[1])  # (2 * B * cap, KVH * D)
+        dense.index_copy_(0, meta.dense_rows[0], k.reshape(t, -1))
+        dense.index_copy_(0, meta.dense_rows[1], v.reshape(t, -1))
 
 
 def paged_attention(
@@ -127,13 +135,73 @@ def _decode_attention(
     pool: torch.Tensor, layer: int, meta: AttentionMetadata, q: torch.Tensor
 ) -> torch.Tensor:
     b, heads, d = q.shape
-    block_size, kv_heads = pool.shape[3], pool.shape[4]
-    s = meta.block_tables.shape[1] * block_size
-    blocks = pool.view(-1, block_size * kv_heads * d)  # (NB * L * 2, bs * KVH * D)
-    kv = blocks.index_select(0, meta.gather_rows[layer]).view(2, b, s, kv_heads, d)
-    keys, values = kv.transpose(2, 3)  # each (B, KVH, S, D), strided views
     assert meta.attn_bias is not None
+    s = meta.attn_bias.shape[-1]
+    if meta.dense_kv is not None:
+        kv = meta.dense_kv[layer, :, :, :s]  # (2, B, S, KVH, D), strided
+    else:
+        block_size, kv_heads = pool.shape[3], pool.shape[4]
+        blocks = pool.view(-1, block_size * kv_heads * d)  # (NB * L * 2, bs * KVH * D)
+        kv = blocks.index_select(0, meta.gather_rows[layer]).view(2, b, s, kv_heads, d)
+    keys, values = kv.transpose(2, 3)  # each (B, KVH, S, D), strided views
     out = F.scaled_dot_product_attention(
         q.view(b, heads, 1, d), keys, values, attn_mask=meta.attn_bias, enable_gqa=True
     )
     return out.view(b, heads, d)
+
+
+class DenseDecodeKV:
+    """CPU decode: the running batch's K/V kept dense between steps, (L, 2, B, cap, KVH, D).
+
+    Gathering every sequence's blocks out of the paged pool costs a copy of the batch's
+    whole KV per layer per step. While the batch is the same, a step only adds one token
+    per sequence, so the dense copy is kept and extended in place (the pool is written
+    too: it stays the source of truth). Any other change rebuilds it from the pool: a
+    sequence joins or leaves, a context that did not grow by exactly one, a sequence the
+    runner prefilled or freed (``forget``), a forward that failed.
+    """
+
+    def __init__(self) -> None:
+        self.seqs: tuple[object, ...] = ()  # the batch rows' Sequence objects (held: no id reuse)
+        self.ctx_lens: list[int] = []
+        self.kv: torch.Tensor | None = None
+
+    def forget(self, seqs: list[object]) -> None:
+        if any(s is t for s in seqs for t in self.seqs):
+            self.invalidate()
+
+    def invalidate(self) -> None:
+        self.seqs, self.ctx_lens, self.kv = (), [], None
+
+    def prepare(
+        self, pool: torch.Tensor, seqs: list[object], ctx_lens: list[int], rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense K/V for this step, and where each layer writes its new K, V: (2, B).
+
+        ``rows``: (L, 2 * B * W) block rows of the batch (as ``gather_rows``), used on a
+        rebuild. Positions < ctx_len - 1 are filled; the new token's layer writes the last.
+        """
+        same = len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs))
+        grown = same and all(c == p + 1 for c, p in zip(ctx_lens, self.ctx_lens))
+        if not grown or self.kv is None or max(ctx_lens) > self.kv.shape[3]:
+            self.kv = self._rebuild(pool, len(seqs), max(ctx_lens), rows)
+        self.seqs, self.ctx_lens = tuple(seqs), list(ctx_lens)
+        b, cap = len(seqs), self.kv.shape[3]
+        pos = torch.tensor(ctx_lens) - 1 + torch.arange(b) * cap
+        return self.kv, torch.stack((pos, pos + b * cap))
+
+    @staticmethod
+    def _rebuild(pool: torch.Tensor, b: int, max_ctx: int, rows: torch.Tensor) -> torch.Tensor:
+        num_layers, block_size, kv_heads, d = (
+            pool.shape[1],
+            pool.shape[3],
+            pool.shape[4],
+            pool.shape[5],
+        )
+        cap = -(-(max_ctx + 64) // 64) * 64  # headroom: ~64 steps before the next rebuild
+        width = rows.shape[1] // (2 * b) * block_size
+        # Zeros: slots past a context are masked, and a masked NaN would still poison SDPA.
+        kv = torch.zeros(num_layers, 2, b, cap, kv_heads, d, dtype=pool.dtype)
+        blocks = pool.view(-1, block_size * kv_heads * d)
+        kv[:, :, :, :width] = blocks[rows.flatten()].view(num_layers, 2, b, width, kv_heads, d)
+        return kv

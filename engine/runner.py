@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, DenseDecodeKV
 from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.kv_cache import allocate_kv_pool, block_nbytes, check_kv_pool
@@ -45,6 +46,8 @@ class ModelRunner:
         self.allocator = BlockAllocator(int(self.kv_pool.shape[0]))
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
+        # CPU only: on CUDA gathering is cheap and a second copy of the KV would cost memory.
+        self._dense = DenseDecodeKV() if self.device.type == "cpu" else None
         logger.info(
             "%s: %d KV blocks of %d tokens, max_model_len %d, %s on %s",
             self.model_config.architecture, self.allocator.num_blocks, self.block_size,
@@ -84,6 +87,8 @@ class ModelRunner:
 
     def free_blocks(self, seq: Sequence) -> None:
         """Return a sequence's blocks to the pool; its KV is gone (num_computed_tokens = 0)."""
+        if self._dense is not None:
+            self._dense.forget([seq])
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
@@ -95,6 +100,8 @@ class ModelRunner:
         NOTE: blocks are ensured chunk by chunk; if a later one raises ``NoFreeBlocks``
         the earlier ones keep the blocks they got (they are valid, merely early).
         """
+        if self._dense is not None:
+            self._dense.forget([seq for seq, _ in chunks])
         for seq, n in chunks:
             if not 0 < n <= seq.num_uncomputed_tokens:
                 raise ValueError(f"rid {seq.rid}: cannot prefill {n} of "
@@ -130,7 +137,12 @@ class ModelRunner:
                                  f"{self.max_model_len}")  # fmt: skip
         meta, positions, last = self._metadata(spans, is_decode)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.model(ids, positions, self.kv_pool, meta, last)
+        try:
+            return self.model(ids, positions, self.kv_pool, meta, last)
+        except BaseException:
+            if self._dense is not None:  # some layers may have extended it, others not
+                self._dense.invalidate()
+            raise
 
     def _metadata(
         self, spans: list[tuple[Sequence, int, int]], is_decode: bool
@@ -149,37 +161,44 @@ class ModelRunner:
         layers = self.model_config.num_layers
         blocks = torch.tensor(slot_blocks, dtype=torch.long, device=dev)
         slot_rows = blocks * (layers * 2 * bs) + pos % bs  # layer 0's K row of each token
-        gather_rows: tuple[torch.Tensor, ...] = ()
-        bias = None
-        if is_decode:
-            gather_rows = self._gather_rows(block_tables)
-            slots = torch.arange(width * bs, device=dev)
-            ctx = torch.tensor(ctx_lens, device=dev)
-            bias = torch.zeros(len(spans), 1, 1, width * bs, dtype=self.dtype, device=dev)
-            bias.masked_fill_(
-                (slots.unsqueeze(0) >= ctx.unsqueeze(1))[:, None, None, :], float("-inf")
-            )
+        decode_fields = self._decode_fields(spans, block_tables, ctx_lens) if is_decode else {}
         meta = AttentionMetadata(
-            write_rows=self._per_layer(slot_rows, 2 * bs, bs),
+            write_rows=self._per_layer(slot_rows, 2 * bs, bs).unbind(0),
             block_tables=block_tables,
             ctx_lens=ctx_lens,
             q_lens=q_lens,
             is_decode=is_decode,
-            gather_rows=gather_rows,
-            attn_bias=bias,
+            **decode_fields,
         )
         last = torch.tensor(q_lens, device=dev).cumsum(0) - 1  # each chunk's last token
         return meta, pos, last
 
-    def _gather_rows(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Per layer, the (block, layer, K|V) rows of every table entry, K first: (2 * B * W,)."""
+    def _decode_fields(
+        self, spans: list[tuple[Sequence, int, int]], block_tables: torch.Tensor,
+        ctx_lens: list[int],
+    ) -> dict[str, Any]:  # fmt: skip
+        """Where decode attention reads: the kept dense K/V (CPU) or the pool's blocks."""
+        dev = self.device
         base = block_tables.flatten() * (2 * self.model_config.num_layers)
-        return tuple(rows.view(-1) for rows in self._per_layer(base, 2, 1))
+        rows = self._per_layer(base, 2, 1).flatten(1)  # (L, 2 * B * W) (block, layer, K|V)
+        fields: dict[str, Any] = {}
+        if self._dense is not None:
+            seqs: list[object] = [seq for seq, _, _ in spans]
+            kv, dense_rows = self._dense.prepare(self.kv_pool, seqs, ctx_lens, rows)
+            fields.update(dense_kv=kv, dense_rows=dense_rows)
+            width = max(ctx_lens)
+        else:
+            fields["gather_rows"] = rows.unbind(0)
+            width = block_tables.shape[1] * self.block_size
+        slots = torch.arange(width, device=dev)
+        ctx = torch.tensor(ctx_lens, device=dev)
+        bias = torch.zeros(len(spans), 1, 1, width, dtype=self.dtype, device=dev)
+        bias.masked_fill_((slots.unsqueeze(0) >= ctx.unsqueeze(1))[:, None, None, :], float("-inf"))
+        fields["attn_bias"] = bias  # (B, 1, 1, S)
+        return fields
 
-    def _per_layer(
-        self, base: torch.Tensor, layer_stride: int, v_stride: int
-    ) -> tuple[torch.Tensor, ...]:
-        """``base`` (N,) rows of layer 0's K -> L x (2, N) rows of layer l's K, then V.
+    def _per_layer(self, base: torch.Tensor, layer_stride: int, v_stride: int) -> torch.Tensor:
+        """``base`` (N,) rows of layer 0's K -> (L, 2, N) rows of layer l's K, then V.
 
         A block's rows run (layer, K|V, slot): a layer is ``layer_stride`` rows further on,
         and V ``v_stride`` rows after K.
@@ -187,7 +206,7 @@ class ModelRunner:
         num_layers = self.model_config.num_layers
         layers = torch.arange(num_layers, device=self.device).view(-1, 1, 1) * layer_stride
         kv = torch.tensor([0, v_stride], device=self.device).view(1, 2, 1)
-        return (base.view(1, 1, -1) + layers + kv).unbind(0)
+        return base.view(1, 1, -1) + layers + kv
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         """Pick each sequence's next token (output position ``len(seq.output_ids)``)."""

@@ -258,12 +258,9 @@ def _encode_tokens(msg: TokenBatch) -> bytes:
     b, k = msg.size, int(msg.top_ids.shape[1]) if msg.top_ids.ndim == 2 else 0
     rows = _shared_rows(msg)
     if rows is None:
-        # A per-size scratch array: tobytes() copies it out before anyone can reuse it.
-        rows = _SCRATCH.get(b)
-        if rows is None:
-            rows = _SCRATCH[b] = np.empty(b, _TB_ROW)
-        for name in _TB_FIELDS:
-            rows[name] = getattr(msg, name)  # casts, as the build() dtypes do
+        rows, fields = _scratch(b)
+        for name, field in zip(_TB_FIELDS, fields, strict=True):
+            field[...] = getattr(msg, name)  # casts, as the build() dtypes do
     head = _TB_HEADER.pack(_KIND_TOKENS, b, k)
     if k == 0:
         return head + rows.tobytes()
@@ -318,7 +315,16 @@ def _shared_rows(msg: TokenBatch) -> np.ndarray | None:
 
 
 _NO_TOP: dict[tuple[int, np.dtype], np.ndarray] = {}
-_SCRATCH: dict[int, np.ndarray] = {}
+_SCRATCH: dict[int, tuple[np.ndarray, tuple[np.ndarray, ...]]] = {}
+
+
+def _scratch(b: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """A per-size record array and its field views, reused: tobytes() copies it out."""
+    entry = _SCRATCH.get(b)
+    if entry is None:
+        rows = np.empty(b, _TB_ROW)
+        entry = _SCRATCH[b] = (rows, tuple(rows[name] for name in _TB_FIELDS))
+    return entry
 
 
 def _no_top(b: int, dtype: np.dtype) -> np.ndarray:
