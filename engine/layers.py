@@ -35,5 +35,9 @@ class GatedMLP(nn.Module):
         self.down = weight(hidden, inter, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up)  # (T, 2 * inter)
-        return F.linear(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], self.down)
+        # Two GEMMs on row views of the fused weight, not one: each output is contiguous
+        # and half the size, which CPU GEMM and the in-place silu/mul both handle faster
+        # for long prefills (and no slower for decode).
+        gate = F.linear(x, self.gate_up[: self.inter])  # (T, inter)
+        up = F.linear(x, self.gate_up[self.inter :])  # (T, inter)
+        return F.linear(F.silu(gate, inplace=True).mul_(up), self.down)
