@@ -62,7 +62,7 @@ class ColocatedWorker:
         for msg in drain(self.req_ring):
             if isinstance(msg, GenerateRequest):
                 if self.sched.add(msg) == Finish.ERROR:
-                    fail_request(self.tok_out, msg)
+                    fail_request(self.tok_out, msg.rid, msg.detok_shard, len(msg.output_ids))
             elif isinstance(msg, AbortRequest):
                 self.sched.abort(msg.rid)
         for ring in self.stop_in:

@@ -36,7 +36,7 @@ from frontend.engine_client import (
 from pdserve.process import ProcessSpec, attach_rings, load_table
 from router.load_table import Role, WorkerState
 from router.policy import NoCapacity, Placement, Router, RouterConfig
-from transport.errors import PeerDead
+from transport.errors import PeerDead, RecordTooLarge
 from transport.records import (
     AbortRequest,
     Control,
@@ -132,9 +132,10 @@ class RingEngineClient(EngineClient):
             req, asyncio.Queue(), req.rid, placement, shard_for(req.rid, self.num_shards)
         )
         self.streams[req.rid] = self.by_origin[req.rid] = stream
-        finished = False
+        finished = submitted = False
         try:
             await self._submit(stream)
+            submitted = True
             while True:
                 delta = await stream.queue.get()
                 finished = delta.finish != Finish.NONE
@@ -146,7 +147,8 @@ class RingEngineClient(EngineClient):
             self.by_origin.pop(req.rid, None)
             if not finished:
                 await self._abort(stream)
-            self.router.release(stream.placement)
+            # A request that never reached prefill must not count as sent to it.
+            self.router.release(stream.placement, delivered=submitted)
 
     async def _submit(self, s: _Stream) -> None:
         """Register with the shard, then send to prefill (continuing after ``token_ids``)."""
@@ -176,6 +178,8 @@ class RingEngineClient(EngineClient):
                     return
             except PeerDead as e:
                 raise EngineError(f"worker behind {ring.spec.tag} is gone") from e
+            except RecordTooLarge as e:
+                raise EngineError(f"request too large for {ring.spec.tag}: {e}") from e
             if not ring.peer_alive() or asyncio.get_running_loop().time() > deadline:
                 raise EngineError(f"worker behind {ring.spec.tag} is not taking requests")
             await asyncio.sleep(0.001)

@@ -6,8 +6,8 @@ import logging
 from collections.abc import Iterator, Mapping
 
 from engine.config import EngineConfig
-from transport.errors import PeerDead, RingFull
-from transport.records import Control, Finish, GenerateRequest, TokenBatch, decode, encode
+from transport.errors import PeerDead, RecordTooLarge, RingFull
+from transport.records import Control, Finish, TokenBatch, decode, encode
 from transport.ring import Ring
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,8 @@ def drain(ring: Ring) -> Iterator[Control | TokenBatch]:
 
 
 def send(ring: Ring, msg: Control | TokenBatch) -> bool:
-    """Put a record, blocking while the consumer catches up; False if the peer is gone.
+    """Put a record, blocking while the consumer catches up; False if it cannot be sent
+    (the consumer is gone, or the record can never fit its ring).
 
     NOTE: a record is never dropped while its consumer lives: a full ring blocks this
     worker (back-pressure) rather than losing tokens.
@@ -39,6 +40,9 @@ def send(ring: Ring, msg: Control | TokenBatch) -> bool:
     try:
         ring.put(data, timeout=PUT_TIMEOUT_S)
         return True
+    except RecordTooLarge as e:  # one request's record; the worker serves on
+        logger.error("ring %s: %s", ring.spec.tag, e)
+        return False
     except PeerDead:
         logger.warning("ring %s: consumer is dead; record dropped", ring.spec.tag)
         return False
@@ -55,7 +59,10 @@ def rings_by_peer(rings: Mapping[str, Ring], prefix: str) -> dict[int, Ring]:
     return {int(n.split(".")[2][1:]): r for n, r in rings.items() if n.startswith(prefix)}
 
 
-def fail_request(tok_rings: Mapping[int, Ring], req: GenerateRequest) -> None:
-    """Tell the request's detokenizer shard (hence the client) that it cannot run here."""
-    row = TokenBatch.build([req.rid], [len(req.output_ids)], [-1], finish=[Finish.ERROR])
-    send(tok_rings[req.detok_shard], row)
+def fail_request(tok_rings: Mapping[int, Ring], rid: int, shard: int, position: int) -> None:
+    """Tell the request's detokenizer shard (hence the client) that it ends in an error.
+
+    ``position`` is the output position the request would have produced next.
+    """
+    row = TokenBatch.build([rid], [position], [-1], finish=[Finish.ERROR])
+    send(tok_rings[shard], row)

@@ -61,7 +61,7 @@ class PrefillWorker:
         for msg in drain(self.req_ring):
             if isinstance(msg, GenerateRequest):
                 if self.sched.add(msg) == Finish.ERROR:
-                    fail_request(self.tok_out, msg)
+                    fail_request(self.tok_out, msg.rid, msg.detok_shard, len(msg.output_ids))
             elif isinstance(msg, AbortRequest):
                 self.sched.abort(msg.rid)
         for ring in self.rel_rings.values():
@@ -77,6 +77,8 @@ class PrefillWorker:
             self.exporter.export(transfer.src_blocks)
             if not send(self.kv_out[j], transfer):
                 self.sched.release(transfer.rid)
+                position = len(transfer.output_ids)  # the first token has gone out
+                fail_request(self.tok_out, transfer.rid, transfer.detok_shard, position)
 
     def _publish(self) -> None:
         a = self.sched.runner.allocator
