@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 RUN_ARGS ?= --prefill 2 --decode 4
 BIN := $(VENV)/bin
 PY := $(BIN)/python
-PACKAGES := pdserve engine transport prefill decode router detokenizer frontend launcher benchmarks
+PACKAGES := pdserve engine transport prefill decode colocated router detokenizer frontend launcher benchmarks
 
 .PHONY: run test lint typecheck pytest setup setup-test fixtures clean
 
