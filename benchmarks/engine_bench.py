@@ -193,12 +193,16 @@ def bench_model(name: str, path: Path, quick: bool) -> list[Row]:
 def machine() -> str:
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        head = "\n".join(lscpu.splitlines()[:10])
+        head = "\n".join(lscpu.splitlines()[:20])
     except (OSError, subprocess.CalledProcessError):
         head = platform.processor()
     import os
 
-    return f"{head}\ncores visible: {os.cpu_count()}, torch threads: {torch.get_num_threads()}, torch {torch.__version__}"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())  # the cores are shared
+    return (
+        f"{head}\ncores visible: {os.cpu_count()}, torch threads: {torch.get_num_threads()}, "
+        f"torch {torch.__version__}, load average at the end {load}"
+    )
 
 
 def report(rows: list[Row], command: str) -> str:

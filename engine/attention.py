@@ -4,10 +4,11 @@ The batch is ``T`` tokens: sequence ``i`` contributes ``q_lens[i]`` consecutive 
 positions ``[ctx_lens[i] - q_lens[i], ctx_lens[i])``. Each layer first writes the new K/V
 into the pool, then attends:
 
-* a decode batch (every ``q_len == 1``) gathers every sequence's K and V blocks with one
-  ``index_select`` into a padded (B, S) context laid out (2, B, S, KVH, D), and one SDPA
-  call attends over strided (B, KVH, S, D) views of it, padding hidden by an additive
-  bias. No rearranging copy: the gather output is the layout SDPA reads;
+* a decode batch (every ``q_len == 1``) attends with one SDPA call over a padded (B, S)
+  context laid out (2, B, S, KVH, D), through strided (B, KVH, S, D) views, padding
+  hidden by an additive bias. On CPU that context is ``DenseDecodeKV``, kept between
+  steps and extended by one token per step; on CUDA one ``index_select`` per layer
+  gathers it from the pool. Either way no rearranging copy: it is the layout SDPA reads;
 * a prefill batch runs one causal SDPA call per run of consecutive fresh sequences of
   equal length (a pure view of the flat batch), and one per sequence otherwise; a
   sequence with earlier chunks already in the pool reads its whole context back.
@@ -18,6 +19,7 @@ SDPA is PyTorch's fused kernel on every device (flash / memory-efficient on CUDA
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -165,6 +167,8 @@ class DenseDecodeKV:
         self.seqs: tuple[object, ...] = ()  # the batch rows' Sequence objects (held: no id reuse)
         self.ctx_lens: list[int] = []
         self.kv: torch.Tensor | None = None
+        self._buf: torch.Tensor | None = None  # storage of kv, kept across rebuilds
+        self._scratch: torch.Tensor | None = None  # gather output, kept across rebuilds
 
     def forget(self, seqs: list[object]) -> None:
         if any(s is t for s in seqs for t in self.seqs):
@@ -190,18 +194,24 @@ class DenseDecodeKV:
         pos = torch.tensor(ctx_lens) - 1 + torch.arange(b) * cap
         return self.kv, torch.stack((pos, pos + b * cap))
 
-    @staticmethod
-    def _rebuild(pool: torch.Tensor, b: int, max_ctx: int, rows: torch.Tensor) -> torch.Tensor:
-        num_layers, block_size, kv_heads, d = (
-            pool.shape[1],
-            pool.shape[3],
-            pool.shape[4],
-            pool.shape[5],
-        )
-        cap = -(-(max_ctx + 64) // 64) * 64  # headroom: ~64 steps before the next rebuild
-        width = rows.shape[1] // (2 * b) * block_size
-        # Zeros: slots past a context are masked, and a masked NaN would still poison SDPA.
-        kv = torch.zeros(num_layers, 2, b, cap, kv_heads, d, dtype=pool.dtype)
+    def _rebuild(
+        self, pool: torch.Tensor, b: int, max_ctx: int, rows: torch.Tensor
+    ) -> torch.Tensor:
+        num_layers, block_size, kv_heads, d = pool.shape[1], pool.shape[3], *pool.shape[4:]
+        width = rows.shape[1] // (2 * b) * block_size  # slots the block tables cover
+        cap = -(-(max_ctx + 64) // block_size) * block_size  # ~64 steps until a regrow
+        shape = (num_layers, 2, b, cap, kv_heads, d)
+        # NOTE: buffers are reused while big enough: fresh ones of this size cost page
+        # faults comparable to the copy itself.
+        if self._buf is None or self._buf.numel() < math.prod(shape):
+            self._buf = torch.empty(shape, dtype=pool.dtype)
+        kv = self._buf.view(-1)[: math.prod(shape)].view(shape)
         blocks = pool.view(-1, block_size * kv_heads * d)
-        kv[:, :, :, :width] = blocks[rows.flatten()].view(num_layers, 2, b, width, kv_heads, d)
+        if self._scratch is None or self._scratch.shape[0] < rows.numel():
+            self._scratch = torch.empty(rows.numel(), blocks.shape[1], dtype=pool.dtype)
+        gathered = torch.index_select(blocks, 0, rows.flatten(), out=self._scratch[: rows.numel()])
+        kv[:, :, :, :width] = gathered.view(num_layers, 2, b, width, kv_heads, d)
+        # NOTE: slots past a context are masked, but a masked NaN would still poison SDPA:
+        # the tail no block covers yet starts as zeros, not as uninitialised memory.
+        kv[:, :, :, width:].zero_()
         return kv
