@@ -101,7 +101,10 @@ class Snapshot:
 
 @dataclass
 class Tally:
-    """Outcomes by kind: ``ok``, ``disconnected``, ``aborted``, ``503``, or an error name."""
+    """Outcomes by kind: ``ok``, ``disconnected``, ``aborted``, ``503``, or an error name.
+
+    ``tokens`` adds completion tokens of whole responses and chunks of streamed ones.
+    """
 
     outcomes: Counter[str] = field(default_factory=Counter)
     by_endpoint: Counter[str] = field(default_factory=Counter)
@@ -249,7 +252,9 @@ def _finish(doc: dict[str, object]) -> object:
     return doc.get("finish_reason")
 
 
-async def _one(client: httpx.AsyncClient, path: str, body: dict[str, object], drop_after: int | None) -> tuple[str, int]:  # fmt: skip
+async def _one(
+    client: httpx.AsyncClient, path: str, body: dict[str, object], drop_after: int | None
+) -> tuple[str, int]:
     """Run one request; ``drop_after`` chunks then hang up (streams only)."""
     if not body["stream"]:
         r = await client.post(path, json=body)
@@ -275,19 +280,20 @@ async def _one(client: httpx.AsyncClient, path: str, body: dict[str, object], dr
     return "ok", chunks
 
 
-async def _client_loop(client: httpx.AsyncClient, cfg: SoakConfig, rng: random.Random, deadline: float, tally: Tally) -> None:  # fmt: skip
+async def _client_loop(
+    client: httpx.AsyncClient, cfg: SoakConfig, rng: random.Random, deadline: float, tally: Tally
+) -> None:
     while time.monotonic() < deadline:
         path, body = _request(rng, cfg)
         drop = rng.randint(1, 6) if body["stream"] and rng.random() < cfg.disconnect_p else None
         abort_at = rng.uniform(0.0, 1.5) if rng.random() < cfg.abort_p else None
         tally.by_endpoint[f"{path} stream={body['stream']}"] += 1
-        task = asyncio.ensure_future(_one(client, path, body, drop))
+        limit = cfg.request_timeout_s if abort_at is None else abort_at
         try:
-            outcome, n = await asyncio.wait_for(
-                asyncio.shield(task), abort_at or cfg.request_timeout_s
-            )
+            # On timeout wait_for cancels the request, which closes its connection: the
+            # server sees the client go, mid-prefill, mid-stream or while it is queued.
+            outcome, n = await asyncio.wait_for(_one(client, path, body, drop), limit)
         except TimeoutError:
-            task.cancel()  # closes the connection: the server sees the client go
             outcome, n = ("aborted", 0) if abort_at is not None else ("timeout", 0)
         except httpx.HTTPError as e:
             outcome, n = type(e).__name__, 0
@@ -373,38 +379,44 @@ def _machine() -> str:
     return "\n".join(lscpu) + f"\nos.cpu_count() = {os.cpu_count()}"
 
 
-def _row(name: str, a: object, b: object) -> str:
-    return f"| {name} | {a} | {b} |"
+def _resource_rows(b: Snapshot, a: Snapshot) -> list[str]:
+    def mib(x: int) -> str:
+        return f"{x / 2**20:.1f}"
+
+    rows = [
+        ("KV blocks held, total over workers", sum(b.kv_used.values()), sum(a.kv_used.values())),
+        ("/dev/shm pdserve.* entries", b.shm_entries, a.shm_entries),
+        ("shm segments held by the tree", b.shm_segments, a.shm_segments),
+        ("shm segment MiB held by the tree", mib(b.shm_segment_bytes), mib(a.shm_segment_bytes)),
+        ("df /dev/shm used MiB (machine-wide)", mib(b.shm_used_bytes), mib(a.shm_used_bytes)),
+        ("open fds, process tree", b.fds, a.fds),
+        ("RSS MiB, process tree", mib(b.rss_bytes), mib(a.rss_bytes)),
+        ("processes in tree", b.processes, a.processes),
+    ]
+    head = ["| resource (quiet server) | after warm-up | after soak |", "| --- | --- | --- |"]
+    return head + [f"| {name} | {x} | {y} |" for name, x, y in rows]
 
 
 def write_report(res: SoakResult, out: Path, command: str) -> None:
+    """``out``.json with every figure, ``out``.md with the tables."""
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = asdict(res)
     doc["command"], doc["machine"] = command, _machine()
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
-    b, a = res.before, res.after
     total = sum(res.outcomes.values())
     lines = [
         "# Soak: mixed load with disconnects and aborts", "",
         f"Command: `{command}`", "", "Machine:", "", "```", _machine(), "```", "",
         f"Main run: {res.wall_s:.0f} s, {total} requests ({total / res.wall_s:.1f}/s), "
-        f"{res.tokens} tokens received, concurrency {res.config.concurrency}; "
+        f"{res.tokens} tokens (whole responses) + chunks (streams) received, "
+        f"concurrency {res.config.concurrency}; "
         f"warm-up {res.config.warmup_s:.0f} s: {res.warmup['outcomes']}.", "",
         "| outcome | count |", "| --- | --- |",
         *(f"| {k} | {v} |" for k, v in sorted(res.outcomes.items())), "",
         "| endpoint | requests |", "| --- | --- |",
         *(f"| {k} | {v} |" for k, v in sorted(res.by_endpoint.items())), "",
-        "| resource (quiet server) | after warm-up | after soak |", "| --- | --- | --- |",
-        _row("KV blocks held, total over workers", sum(b.kv_used.values()), sum(a.kv_used.values())),
-        _row("/dev/shm pdserve.* entries", b.shm_entries, a.shm_entries),
-        _row("shm segments held by the tree", b.shm_segments, a.shm_segments),
-        _row("shm segment MiB held by the tree", f"{b.shm_segment_bytes / 2**20:.1f}",
-             f"{a.shm_segment_bytes / 2**20:.1f}"),
-        _row("df /dev/shm used MiB (machine-wide)", f"{b.shm_used_bytes / 2**20:.1f}", f"{a.shm_used_bytes / 2**20:.1f}"),
-        _row("open fds, process tree", b.fds, a.fds),
-        _row("RSS MiB, process tree", f"{b.rss_bytes / 2**20:.1f}", f"{a.rss_bytes / 2**20:.1f}"),
-        _row("processes in tree", b.processes, a.processes), "",
-        f"Per worker KV held after: {a.kv_used}", "",
+        *_resource_rows(res.before, res.after), "",
+        f"Per worker KV held after: {res.after.kv_used}", "",
         "Leaks (KV held, new shm entries, > 10 % growth): " + ("; ".join(res.leaks) or "none"),
     ]  # fmt: skip
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
