@@ -118,6 +118,12 @@ class TokenTable:
         assert self.byte_level
         return self._whole_skip if skip_special else self._whole_with
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's raw bytes (specials kept); its text's UTF-8 for non-byte-level BPE."""
+        if self.byte_level:
+            return self._with_special[min(max(token_id, 0), self.num_ids)]
+        return self.token_text(token_id).encode()
+
     def token_text(self, token_id: int) -> str:
         """One token's own text for logprobs: ``decode([id])`` with specials kept."""
         text = self._texts.get(token_id)

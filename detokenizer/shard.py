@@ -255,9 +255,15 @@ class DetokShard:
     def _logprob(
         self, token_id: int, raw: tuple[float, list[int], list[float]], n: int
     ) -> TokenLogprob:
-        text = self.table.token_text
-        top = [(text(t), lp) for t, lp in zip(raw[1][:n], raw[2][:n])]
-        return TokenLogprob(token=text(token_id), logprob=raw[0], top=top)
+        text, raw_bytes = self.table.token_text, self.table.token_bytes
+        top_ids = raw[1][:n]
+        return TokenLogprob(
+            token=text(token_id),
+            logprob=raw[0],
+            top=[(text(t), lp) for t, lp in zip(top_ids, raw[2][:n])],
+            token_bytes=raw_bytes(token_id),
+            top_bytes=[raw_bytes(t) for t in top_ids],
+        )
 
     def _delta(self, req: _Request) -> TextDelta:
         text, ids, req.text, req.ids = req.text, req.ids, "", []

@@ -30,13 +30,16 @@ from transport.records import Finish, TokenLogprob
 
 
 def render_chat_logprobs(lps: list[TokenLogprob]) -> list[dict[str, Any]]:
-    def entry(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    def entry(token: str, logprob: float, raw: bytes) -> dict[str, Any]:
+        # Raw bytes when the engine sent them: a token holding part of a character has
+        # U+FFFD in its text but its true bytes here, so clients can reassemble it.
+        return {"token": token, "logprob": logprob, "bytes": list(raw or token.encode())}
 
-    return [
-        {**entry(t.token, t.logprob), "top_logprobs": [entry(s, lp) for s, lp in t.top]}
-        for t in lps
-    ]
+    def top(t: TokenLogprob) -> list[dict[str, Any]]:
+        raws = t.top_bytes or [b""] * len(t.top)
+        return [entry(s, lp, raw) for (s, lp), raw in zip(t.top, raws, strict=True)]
+
+    return [{**entry(t.token, t.logprob, t.token_bytes), "top_logprobs": top(t)} for t in lps]
 
 
 def apply_chat_template(ctx: ServingContext, body: ChatCompletionRequest) -> str:

@@ -130,9 +130,17 @@ class KVPoolHandle(_Msg, tag="kvpool", frozen=True):
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """A sampled token's text and logprob, and its top-N alternatives.
+
+    ``token_bytes``/``top_bytes`` are the tokens' raw UTF-8 bytes: a token that holds part
+    of a character has text with U+FFFD but exact bytes (OpenAI's chat ``bytes`` field).
+    """
+
     token: str
     logprob: float
     top: list[tuple[str, float]] = []
+    token_bytes: bytes = b""
+    top_bytes: list[bytes] = []
 
 
 class TextDelta(msgspec.Struct, array_like=True, frozen=True):

@@ -217,3 +217,26 @@ def test_ids_past_the_vocabulary_are_reported_as_sampled(qwen_tokenizer) -> None
     assert text is not None
     assert text.items[0].token_ids == ids
     assert text.items[0].text == qwen_tokenizer.decode(ids)
+
+
+def test_logprob_entries_carry_raw_token_bytes(qwen_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """A token holding half a character: its text has U+FFFD, its bytes are exact."""
+    import numpy as np
+
+    from detokenizer.shard import DetokShard
+    from transport.records import DetokParams, DetokRegister, TokenBatch
+
+    ids = qwen_tokenizer("🫠").input_ids  # three tokens, each a piece of the emoji's bytes
+    assert len(ids) == 3
+    shard = DetokShard(qwen_tokenizer)
+    shard.register(DetokRegister(rid=1, params=DetokParams(), prompt_len=1, num_logprobs=1))
+    top_ids = np.asarray([[i] for i in ids], np.int32)
+    lps = [-0.1, -0.2, -0.3]
+    top_lps = np.asarray([[lp] for lp in lps], np.float32)
+    shard.on_tokens(TokenBatch.build([1] * 3, [0, 1, 2], ids, lps, None, top_ids, top_lps), 0)
+    text, _ = shard.take_outputs()
+    assert text is not None
+    entries = text.items[0].logprobs
+    assert entries is not None
+    assert b"".join(e.token_bytes for e in entries) == "🫠".encode()
+    assert [e.top_bytes[0] for e in entries] == [e.token_bytes for e in entries]
