@@ -72,6 +72,32 @@ def check_api_key(request: Request, key: str | None) -> None:
         raise Unauthorized()
 
 
+class _Throttled:
+    """At most one log line per interval; the next line counts the ones it swallowed.
+
+    Under overload every refused request would otherwise log a line, and the logging
+    itself would slow the event loop that has to refuse them.
+    """
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self.next_at = 0.0
+        self.swallowed = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.swallowed += 1
+            return
+        if self.swallowed:
+            msg, args = msg + " (and %d more since the last report)", (*args, self.swallowed)
+        logger.warning(msg, *args)
+        self.swallowed, self.next_at = 0, now + self.interval_s
+
+
+_server_errors = _Throttled()
+
+
 async def _serve(
     ctx: ServingContext, request: Request, model: type[B], handler: Handler[B]
 ) -> Response:
@@ -84,7 +110,7 @@ async def _serve(
         return await handler(ctx, request, body, arrival)
     except APIError as e:
         if e.status >= 500:
-            logger.warning("%s: %d %s", request.url.path, e.status, e.message)
+            _server_errors.warning("%s: %d %s", request.url.path, e.status, e.message)
         return e.response()
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; nginx's code for it

@@ -176,7 +176,7 @@ Control = (
 )
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class TokenBatch:
     """One engine step's new tokens for many requests, as columns.
 
@@ -311,8 +311,8 @@ def _decode_tokens(buf: bytes | bytearray | memoryview) -> TokenBatch:
 
 def _shared_rows(msg: TokenBatch) -> np.ndarray | None:
     """The record array all five columns view (from build() or decode()), else None."""
-    # NOTE: a column swapped for another field of the same record array would pass this
-    # test; columns are only ever built, decoded, or replaced by fresh arrays.
+    # NOTE: TokenBatch is frozen, so columns that share one record array came from
+    # build() or decode() together.
     rows = msg.rids.base
     if not isinstance(rows, np.ndarray) or rows.dtype is not _TB_ROW:
         return None
