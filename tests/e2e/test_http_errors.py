@@ -4,9 +4,8 @@ Raw HTTP (httpx), so the bytes on the wire are exactly the ones a broken client 
 The last tests pin what must hold after all of that: the server still serves, every
 worker is alive, and a client that walks away mid-stream has its KV freed at once.
 
-Overload (503 + Retry-After) needs a server of its own: the shared one admits 1024
-waiting requests per worker, which takes minutes of CPU load to fill; a 1P/1D server with
-one batch slot and one queue place fills with two requests.
+Overload (503 + Retry-After, OpenAI error shape) is pinned by tests/e2e/test_overload.py,
+on a server of its own with a small admission bound.
 """
 
 from __future__ import annotations
@@ -268,46 +267,3 @@ def test_server_still_serves_after_the_error_suite(
     workers = health.json()["workers"]
     assert {w["role"] for w in workers} == {"prefill", "decode", "detokenizer"}
     assert len(workers) == 6 and all(w["alive"] for w in workers)
-
-
-@pytest.fixture(scope="module")
-def one_slot_server() -> Iterator[LaunchedServer]:
-    """1 prefill, 1 decode running one request at a time, room for one more in queue."""
-    srv = LaunchedServer(
-        ["--prefill", "1", "--decode", "1", "--detokenizers", "1", "--device", "cpu",
-         "--kv-cache-tokens", "4096", "--max-model-len", "1024", "--max-num-seqs", "1",
-         "--max-waiting-requests", "1"]
-    )  # fmt: skip
-    srv.wait_ready()
-    yield srv
-    srv.stop()
-
-
-def read_events(r: httpx.Response, n: int) -> None:
-    """Consume ``n`` SSE events of a streaming response."""
-    seen = 0
-    for line in r.iter_lines():
-        seen += line.startswith("data: ")
-        if seen == n:
-            return
-
-
-def test_overload_is_a_503_with_retry_after(one_slot_server: LaunchedServer) -> None:
-    body = body_for(COMPLETIONS, max_tokens=1000, ignore_eos=True, stream=True, temperature=0)
-    http = httpx.Client(base_url=one_slot_server.url, timeout=60)
-    with http, http.stream("POST", COMPLETIONS, json=body) as running:
-        assert running.status_code == 200
-        read_events(running, 3)  # decoding now: it holds the decode worker's only slot
-        with http.stream("POST", COMPLETIONS, json=body) as queued:
-            assert queued.status_code == 200  # first token from prefill, then it waits
-            r = http.post(COMPLETIONS, json=body_for(COMPLETIONS))
-            assert_openai_error(r, 503)
-            assert r.json()["error"]["code"] == "overloaded"
-            assert int(r.headers["retry-after"]) >= 1
-    # Both clients left: their requests are aborted and the server admits again.
-    with httpx.Client(base_url=one_slot_server.url, timeout=60) as c:
-        deadline = time.monotonic() + 10
-        while (r := c.post(COMPLETIONS, json=body_for(COMPLETIONS))).status_code == 503:
-            assert time.monotonic() < deadline, "capacity never came back"
-            time.sleep(0.1)
-        assert r.status_code == 200, r.text
