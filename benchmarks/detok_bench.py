@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import platform
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.machine import describe as describe_machine
 from detokenizer.shard import DetokShard
 from transport.records import (
     DetokParams,
@@ -180,11 +178,6 @@ def texts_of(outs: list[bytes]) -> dict[int, str]:
     return {rid: "".join(parts) for rid, parts in acc.items()}
 
 
-def machine() -> str:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()[:10]
-    return "\n".join([*lscpu, f"cores: {os.cpu_count()}", f"python: {platform.python_version()}"])
-
-
 def throughput(
     tokenizer: Any,
     shard_of: Callable[[], DetokShard],
@@ -276,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
             "",
             "Machine:",
             "```",
-            machine(),
+            describe_machine(),
             "```",
             "",
         ]

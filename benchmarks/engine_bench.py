@@ -15,8 +15,6 @@ Writes benchmarks/results/engine_cpu.md.
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,6 +24,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.machine import describe as describe_machine
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -190,21 +189,6 @@ def bench_model(name: str, path: Path, quick: bool) -> list[Row]:
     return rows
 
 
-def machine() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        head = "\n".join(lscpu.splitlines()[:20])
-    except (OSError, subprocess.CalledProcessError):
-        head = platform.processor()
-    import os
-
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())  # the cores are shared
-    return (
-        f"{head}\ncores visible: {os.cpu_count()}, torch threads: {torch.get_num_threads()}, "
-        f"torch {torch.__version__}, load average at the end {load}"
-    )
-
-
 def report(rows: list[Row], command: str) -> str:
     lines = [
         "# Engine vs transformers, CPU forward (float32)",
@@ -221,7 +205,7 @@ def report(rows: list[Row], command: str) -> str:
         lines.append(
             f"| {r.model} | {r.what} | {r.ours:.2f} | {r.theirs:.2f} | {r.unit} | {r.ratio:.2f} |"
         )
-    lines += ["", "Machine:", "", "```", machine(), "```", ""]
+    lines += ["", "Machine:", "", "```", describe_machine(), "```", ""]
     return "\n".join(lines)
 
 

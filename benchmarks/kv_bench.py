@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -25,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.machine import describe as describe_machine
 from transport.kv import KVLayout, create_pool_segment, pool_view
 from transport.kv_backends import ShmReceiver, register_host_memory
 from transport.segment import Segment
@@ -101,16 +100,6 @@ def bench_layout(layout: KVLayout, blocks_per_req: int, reqs: int, repeats: int,
     }
 
 
-def machine() -> str:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())  # other jobs share these cores
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return (
-        "\n".join(lscpu.splitlines()[:10])
-        + f"\nos.cpu_count() = {os.cpu_count()}, load average {load}\nGPU: {gpu}"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
@@ -152,7 +141,7 @@ def main() -> None:
         "",
         "Machine:",
         "```",
-        machine(),
+        describe_machine(),
         "```",
     ]
     text = "\n".join(lines) + "\n"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import pickle
 import struct
 import subprocess
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from benchmarks.machine import describe as describe_machine
 from transport import records
 from transport.doorbell import Doorbell
 from transport.ring import Ring
@@ -217,15 +217,6 @@ def child_main(args: list[str]) -> None:
         print(json.dumps(result), flush=True)
 
 
-def machine() -> str:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())  # other jobs share these cores
-    return (
-        "\n".join(lscpu.splitlines()[:10])
-        + f"\nos.cpu_count() = {os.cpu_count()}, load average {load}"
-    )
-
-
 def report(rows: list[tuple[Case, dict, dict]], idle: dict, cmd: str) -> str:
     lines = [
         "# Message rings vs ZeroMQ PUSH/PULL + pickle (ipc://)",
@@ -257,7 +248,7 @@ def report(rows: list[tuple[Case, dict, dict]], idle: dict, cmd: str) -> str:
         "",
         "Machine:",
         "```",
-        machine(),
+        describe_machine(),
         "```",
     ]
     return "\n".join(lines) + "\n"

@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from benchmarks.machine import describe as describe_machine
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -167,15 +168,6 @@ def in_process(model: Path, prompt_tokens: int, repeats: int) -> tuple[list[floa
     return decode, prefill
 
 
-def machine() -> str:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return "\n".join(lscpu.splitlines()[:20]) + (
-        f"\nos.cpu_count() = {os.cpu_count()}, in-process torch threads {torch.get_num_threads()}, "
-        f"load average {load} (2 cores shared with other engineers' jobs)"
-    )
-
-
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
 
@@ -204,7 +196,7 @@ def report(served: Served, decode: list[float], prefill: list[float], cmd: str) 
         "",
         "Machine:",
         "```",
-        machine(),
+        describe_machine(),
         "```",
         "",
     ]

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.machine import describe as describe_machine
+
 logger = logging.getLogger(__name__)
 
 LAUNCH_ARGS = ("--prefill", "2", "--decode", "2", "--detokenizers", "2", "--device", "cpu",
@@ -374,11 +376,6 @@ def launch(args: list[str]) -> tuple[subprocess.Popen[str], str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _machine() -> str:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()[:10]
-    return "\n".join(lscpu) + f"\nos.cpu_count() = {os.cpu_count()}"
-
-
 def _resource_rows(b: Snapshot, a: Snapshot) -> list[str]:
     def mib(x: int) -> str:
         return f"{x / 2**20:.1f}"
@@ -401,12 +398,12 @@ def write_report(res: SoakResult, out: Path, command: str) -> None:
     """``out``.json with every figure, ``out``.md with the tables."""
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = asdict(res)
-    doc["command"], doc["machine"] = command, _machine()
+    doc["command"], doc["machine"] = command, describe_machine()
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     total = sum(res.outcomes.values())
     lines = [
         "# Soak: mixed load with disconnects and aborts", "",
-        f"Command: `{command}`", "", "Machine:", "", "```", _machine(), "```", "",
+        f"Command: `{command}`", "", "Machine:", "", "```", describe_machine(), "```", "",
         f"Main run: {res.wall_s:.0f} s, {total} requests ({total / res.wall_s:.1f}/s), "
         f"{res.tokens} tokens (whole responses) + chunks (streams) received, "
         f"concurrency {res.config.concurrency}; "
