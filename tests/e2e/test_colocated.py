@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import LaunchedServer
+from tests.e2e.helpers import check_abort_mid_stream_frees_kv, concurrent_greedy, kv_in_use
 
 
 @pytest.fixture(scope="module")
@@ -24,19 +25,6 @@ def colocated_server() -> Iterator[LaunchedServer]:
     srv.wait_ready()
     yield srv
     srv.stop()
-
-
-async def _concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:  # type: ignore[type-arg]
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-
-        async def one(ids: list[int]) -> dict:  # type: ignore[type-arg]
-            body = {"input_ids": ids, "sampling_params": {
-                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
-            r = await client.post("/generate", json=body)
-            r.raise_for_status()
-            return r.json()  # type: ignore[no-any-return]
-
-        return await asyncio.gather(*(one(p) for p in prompts))
 
 
 def test_workers_are_colocated_processes(colocated_server: LaunchedServer) -> None:
@@ -59,7 +47,7 @@ def test_concurrent_greedy_requests_match_transformers(
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 150_000, (1 + 11 * i,), generator=g).tolist() for i in range(12)]
-    results = asyncio.run(_concurrent(colocated_server.url, prompts, max_tokens=12))
+    results = asyncio.run(concurrent_greedy(colocated_server.url, prompts, max_tokens=12))
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
     for prompt, result in zip(prompts, results, strict=True):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
@@ -67,31 +55,8 @@ def test_concurrent_greedy_requests_match_transformers(
         assert result["output_ids"] == want[0, len(prompt) :].tolist()
 
 
-def _kv_in_use(server: LaunchedServer) -> int:
-    used = 0
-    for w in server.health()["workers"]:
-        load = w["load"]
-        if "total_kv_blocks" in load:
-            used += int(load["total_kv_blocks"] - load["free_kv_blocks"])
-    return used
-
-
 def test_abort_mid_stream_frees_kv(colocated_server: LaunchedServer) -> None:
-    body = {"input_ids": [5] * 40, "stream": True,
-            "sampling_params": {"max_tokens": 800, "temperature": 0, "ignore_eos": True}}  # fmt: skip
-    with httpx.Client(base_url=colocated_server.url) as client:
-        with client.stream("POST", "/generate", json=body, timeout=60) as r:
-            seen = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                if seen >= 5:
-                    assert _kv_in_use(colocated_server) > 0
-                    break  # closing the stream disconnects the client
-        deadline = time.monotonic() + 5
-        while _kv_in_use(colocated_server) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _kv_in_use(colocated_server) == 0
+    check_abort_mid_stream_frees_kv(colocated_server)
 
 
 def test_stop_string_ends_the_request_early(colocated_server: LaunchedServer) -> None:
@@ -108,6 +73,6 @@ def test_stop_string_ends_the_request_early(colocated_server: LaunchedServer) ->
     out = r.json()
     assert out["finish_reason"] == "stop" and out["text"] == text[: text.index(stop)]
     deadline = time.monotonic() + 5
-    while _kv_in_use(colocated_server) and time.monotonic() < deadline:
+    while kv_in_use(colocated_server) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _kv_in_use(colocated_server) == 0
+    assert kv_in_use(colocated_server) == 0

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import LaunchedServer
-from tests.e2e.test_idle import _children, _title
+from tests.e2e.helpers import children, title
 
 MAX_TOKENS = 120
 
@@ -53,11 +53,11 @@ def _want(reference: dict[tuple[int, ...], list[int]], model: Path, prompt: list
     return reference[key]
 
 
-def _pid_of(server: LaunchedServer, title: str) -> int:
-    for pid in _children(server.proc.pid):
-        if _title(pid) == title:
+def _pid_of(server: LaunchedServer, name: str) -> int:
+    for pid in children(server.proc.pid):
+        if title(pid) == name:
             return pid
-    raise AssertionError(f"no process titled {title}")
+    raise AssertionError(f"no process titled {name}")
 
 
 async def _stream(client: httpx.AsyncClient, prompt: list[int], started: asyncio.Event) -> dict:  # type: ignore[type-arg]
@@ -150,10 +150,10 @@ def test_frontend_death_stops_everything(default_model_path: Path) -> None:
     srv = LaunchedServer(["--prefill", "1", "--decode", "1", "--device", "cpu",
                           "--kv-cache-tokens", "4096"])  # fmt: skip
     srv.wait_ready()
-    children = _children(srv.proc.pid)
+    kids = children(srv.proc.pid)
     os.kill(_pid_of(srv, "pdserve:frontend"), signal.SIGKILL)
     code = srv.proc.wait(30)
     assert code != 0
     time.sleep(0.5)
-    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
+    assert not [pid for pid in kids if Path(f"/proc/{pid}").exists()]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("pdserve.")]

@@ -7,19 +7,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import LaunchedServer
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
+from tests.e2e.helpers import children, title
 
 
 def _cpu_seconds(pids: list[int]) -> float:
@@ -30,12 +18,8 @@ def _cpu_seconds(pids: list[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _title(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode().strip()
-
-
 def test_idle_server_uses_under_2_percent_cpu(server: LaunchedServer) -> None:
-    pids = [server.proc.pid, *_children(server.proc.pid)]
+    pids = [server.proc.pid, *children(server.proc.pid)]
     assert len(pids) == 1 + 1 + 2 + 2 + 2  # launcher, frontend, 2 prefill, 2 decode, 2 detok
     time.sleep(3.0)  # let any request of an earlier test finish
     before = {pid: _cpu_seconds([pid]) for pid in pids}
@@ -44,14 +28,14 @@ def test_idle_server_uses_under_2_percent_cpu(server: LaunchedServer) -> None:
     used = {pid: _cpu_seconds([pid]) - before[pid] for pid in pids}
     elapsed = time.monotonic() - t0
     share = sum(used.values()) / elapsed
-    detail = {_title(pid): round(100 * u / elapsed, 2) for pid, u in used.items()}
+    detail = {title(pid): round(100 * u / elapsed, 2) for pid, u in used.items()}
     assert share < 0.02, f"idle server used {100 * share:.1f}% of one core: {detail}"
 
 
 def test_process_titles_name_each_role(server: LaunchedServer) -> None:
     titles = set()
-    for pid in _children(server.proc.pid):
-        titles.add(_title(pid))
+    for pid in children(server.proc.pid):
+        titles.add(title(pid))
     want = {"pdserve:frontend", "pdserve:prefill-0", "pdserve:prefill-1", "pdserve:decode-0",
             "pdserve:decode-1", "pdserve:detok-0", "pdserve:detok-1"}  # fmt: skip
     assert {t.strip() for t in titles} == want

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 
 import httpx
 import torch
 
 from tests.conftest import LaunchedServer
+from tests.e2e.helpers import check_abort_mid_stream_frees_kv, concurrent_greedy
 
 
 def _generate(client: httpx.Client, ids: list[int], max_tokens: int, stream: bool) -> dict:  # type: ignore[type-arg]
@@ -35,19 +35,6 @@ def _generate(client: httpx.Client, ids: list[int], max_tokens: int, stream: boo
     return {"text": text, "output_ids": ids_out}
 
 
-async def _concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:  # type: ignore[type-arg]
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-
-        async def one(ids: list[int]) -> dict:  # type: ignore[type-arg]
-            body = {"input_ids": ids, "sampling_params": {
-                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
-            r = await client.post("/generate", json=body)
-            r.raise_for_status()
-            return r.json()  # type: ignore[no-any-return]
-
-        return await asyncio.gather(*(one(p) for p in prompts))
-
-
 def test_32_concurrent_greedy_requests_match_transformers(
     server: LaunchedServer, default_model_path: Path
 ) -> None:
@@ -55,7 +42,7 @@ def test_32_concurrent_greedy_requests_match_transformers(
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 150_000, (1 + 7 * i,), generator=g).tolist() for i in range(32)]
-    results = asyncio.run(_concurrent(server.url, prompts, max_tokens=16))
+    results = asyncio.run(concurrent_greedy(server.url, prompts, max_tokens=16))
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
     for prompt, result in zip(prompts, results, strict=True):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
@@ -75,28 +62,5 @@ def test_streamed_text_equals_non_streamed(server: LaunchedServer) -> None:
             assert streamed["output_ids"] == whole["output_ids"]
 
 
-def _kv_in_use(server: LaunchedServer) -> int:
-    used = 0
-    for w in server.health()["workers"]:
-        load = w["load"]
-        if "total_kv_blocks" in load:
-            used += int(load["total_kv_blocks"] - load["free_kv_blocks"])
-    return used
-
-
 def test_abort_mid_stream_frees_kv(server: LaunchedServer) -> None:
-    body = {"input_ids": [5] * 40, "stream": True,
-            "sampling_params": {"max_tokens": 800, "temperature": 0, "ignore_eos": True}}  # fmt: skip
-    with httpx.Client(base_url=server.url) as client:
-        with client.stream("POST", "/generate", json=body, timeout=60) as r:
-            seen = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                if seen >= 5:
-                    assert _kv_in_use(server) > 0
-                    break  # closing the stream disconnects the client
-        deadline = time.monotonic() + 5
-        while _kv_in_use(server) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _kv_in_use(server) == 0
+    check_abort_mid_stream_frees_kv(server)
