@@ -145,6 +145,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_tokens: int = 65536  # CPU pool size when num_kv_blocks is None
     gpu_memory_utilization: float = 0.85
+    # This engine's fraction of its GPU's total memory; None: gpu_memory_utilization (the
+    # engine alone on its GPU). The launcher sets it when workers share a GPU.
+    gpu_memory_share: float | None = None
     max_model_len: int | None = None  # None -> min(max_position_embeddings, 8192)
     max_num_seqs: int = 256
     chunked_prefill_size: int = 2048

@@ -48,3 +48,49 @@ def check_kv_pool(pool: torch.Tensor, model_config: ModelConfig, block_size: int
     if not pool.is_contiguous():
         raise ValueError("kv_pool must be contiguous (blocks are copied as byte ranges)")
     return int(pool.shape[0])
+
+
+class GpuMemoryError(MemoryError):
+    """A worker's share of its GPU cannot hold the model, its activations and a KV cache."""
+
+
+def kv_blocks_for_budget(
+    total_bytes: int,
+    share: float,
+    used_bytes: int,
+    peak_activation_bytes: int,
+    block_nbytes: int,
+) -> int:
+    """KV blocks that fit in one worker's share of a GPU.
+
+    ``share`` is this worker's fraction of the GPU's *total* memory (the launcher splits
+    ``--gpu-memory-utilization`` evenly between the workers on one GPU), so the answer is
+    the same whenever and in whatever order the workers on a GPU start. From that budget
+    come first what the worker holds (``used_bytes``: weights), then the most its largest
+    forward allocates beyond that (``peak_activation_bytes``, measured); the rest is KV.
+    ``block_nbytes`` is what one block costs, including any per-block transient.
+    """
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"GPU memory share must be in (0, 1], not {share}")
+    if block_nbytes < 1 or used_bytes < 0 or peak_activation_bytes < 0:
+        raise ValueError("block_nbytes must be >= 1 and memory sizes >= 0")
+    budget = int(total_bytes * share)
+    need = used_bytes + peak_activation_bytes
+    where = f"this worker's {_gib(budget)} ({share:.1%} of the GPU's {_gib(total_bytes)})"
+    if need >= budget:
+        raise GpuMemoryError(
+            f"the model needs {_gib(used_bytes)} for weights and {_gib(peak_activation_bytes)} "
+            f"for activations, more than {where}: raise --gpu-memory-utilization, give the "
+            f"worker a GPU of its own, or lower --chunked-prefill-size/--max-num-seqs"
+        )
+    blocks = (budget - need) // block_nbytes
+    if blocks < 1:
+        raise GpuMemoryError(
+            f"{_gib(budget - need)} left for the KV cache in {where}, less than one block "
+            f"({block_nbytes} bytes): raise --gpu-memory-utilization or lower --block-size"
+        )
+    return blocks
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"

@@ -21,7 +21,7 @@ import torch
 from engine.attention import AttentionMetadata, DenseDecodeKV
 from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
-from engine.kv_cache import allocate_kv_pool, block_nbytes, check_kv_pool
+from engine.kv_cache import GpuMemoryError, allocate_kv_pool, block_nbytes, check_kv_pool
 from engine.loader import load_weights
 from engine.model import CausalLM
 from engine.sampler import SampleOutput, SampleRequest, sample
@@ -40,14 +40,18 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         self.eos_token_ids = self.model_config.eos_token_ids
+        # What this process held on the GPU before this engine: not part of its share.
+        self.cuda_baseline_bytes = (
+            torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        )
         self.model = CausalLM(self.model_config, self.max_model_len, self.dtype, self.device)
         load_weights(self.model, Path(config.model))
-        self.kv_pool = self._make_pool(kv_pool)
-        self.allocator = BlockAllocator(int(self.kv_pool.shape[0]))
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         # CPU only: on CUDA gathering is cheap and a second copy of the KV would cost memory.
         self._dense = DenseDecodeKV() if self.device.type == "cpu" else None
+        self.kv_pool = self._make_pool(kv_pool)
+        self.allocator = BlockAllocator(int(self.kv_pool.shape[0]))
         logger.info(
             "%s: %d KV blocks of %d tokens, max_model_len %d, %s on %s",
             self.model_config.architecture, self.allocator.num_blocks, self.block_size,
@@ -60,10 +64,18 @@ class ModelRunner:
             if kv_pool.dtype != self.dtype or kv_pool.device.type != self.device.type:
                 raise ValueError(f"kv_pool must be {self.dtype} on {self.device}")
             return kv_pool
-        return allocate_kv_pool(
-            self.model_config, self.num_blocks_to_allocate(), self.block_size, self.dtype,
-            self.device,
-        )  # fmt: skip
+        num_blocks = self.num_blocks_to_allocate()
+        try:
+            return allocate_kv_pool(
+                self.model_config, num_blocks, self.block_size, self.dtype, self.device
+            )
+        except torch.cuda.OutOfMemoryError as e:
+            nbytes = num_blocks * block_nbytes(self.model_config, self.block_size, self.dtype)
+            raise GpuMemoryError(
+                f"a KV cache of {num_blocks} blocks ({nbytes / (1 << 30):.2f} GiB) does not "
+                f"fit on {self.device}: another process may hold its memory; lower "
+                "--gpu-memory-utilization (or --kv-cache-tokens with --kv-transfer shm)"
+            ) from e
 
     def num_blocks_to_allocate(self) -> int:
         """Pool size when the caller passes no pool: explicit, CPU tokens, or GPU memory."""
@@ -71,12 +83,9 @@ class ModelRunner:
             return self.config.num_kv_blocks
         if self.device.type != "cuda":
             return -(-self.config.kv_cache_tokens // self.block_size)
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = free - total * (1.0 - self.config.gpu_memory_utilization)
-        blocks = int(budget // block_nbytes(self.model_config, self.block_size, self.dtype))
-        if blocks < 1:
-            raise MemoryError("no GPU memory left for a KV cache; raise gpu_memory_utilization")
-        return blocks
+        from engine.gpu_memory import gpu_kv_blocks
+
+        return gpu_kv_blocks(self)
 
     def ensure_blocks(self, seq: Sequence, n: int) -> None:
         """Grow ``seq.block_table`` to hold ``n`` more computed tokens (all or nothing)."""
