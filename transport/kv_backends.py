@@ -128,31 +128,47 @@ class CudaIpcExporter(KVExporter):
         torch.cuda.current_stream(self.pool.device).synchronize()
 
 
-def open_cuda_pool(handle: bytes) -> torch.Tensor:
-    """Map a prefill pool from its ``CudaIpcExporter.handle()`` bytes (once per worker)."""
+def open_cuda_pool(handle: bytes, device: torch.device | None = None) -> torch.Tensor:
+    """Map a prefill pool from its ``CudaIpcExporter.handle()`` bytes (once per worker).
+
+    ``device``: this process's GPU, the one the mapping is opened from and its copies run
+    on (default: the handle's device index, for processes that number GPUs alike). Each
+    worker sees only its own GPU (CUDA_VISIBLE_DEVICES), so the prefill's device index
+    means nothing here; CUDA opens IPC handles of GPUs the caller cannot see, reading them
+    over peer access.
+    NOTE: the handle's event is not waited on: the prefill synchronises its stream in
+    ``export`` before every KVTransfer, and nothing is read from the pool before one.
+    """
     h = msgspec.msgpack.decode(handle, type=_CudaHandle)
     torch.cuda._lazy_init()
+    index = h.device if device is None else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
     storage = torch.UntypedStorage._new_shared_cuda(
-        h.device,
+        index,
         h.handle,
         h.size_bytes,
         h.offset_bytes,
         h.ref_counter_handle,
         h.ref_counter_offset,
         h.event_handle,
-        h.event_sync_required,
+        False,
     )
     strides: list[int] = []
     step = 1
     for dim in reversed(h.shape):  # contiguous strides of the prefill pool
         strides.insert(0, step)
         step *= dim
-    out = torch.empty(0, dtype=getattr(torch, h.dtype), device=f"cuda:{h.device}")
+    out = torch.empty(0, dtype=getattr(torch, h.dtype), device=f"cuda:{index}")
     return out.set_(storage, 0, h.shape, strides)
 
 
 class CudaIpcReceiver(KVReceiver):
-    """Decode side of ``cuda_ipc``: ``sources[i]`` is prefill i's mapped GPU pool."""
+    """Decode side of ``cuda_ipc``: ``sources[i]`` is prefill i's mapped GPU pool.
+
+    Pools arrive one by one (``open``, on each ``KVPoolHandle``) and go when their prefill
+    process does (``drop``): a dead process's pool memory is no longer valid to read.
+    """
 
     def __init__(self, sources: Mapping[int, torch.Tensor], pool: torch.Tensor) -> None:
         self.sources, self.pool = dict(sources), pool
@@ -160,6 +176,21 @@ class CudaIpcReceiver(KVReceiver):
     @classmethod
     def from_handles(cls, handles: Mapping[int, bytes], pool: torch.Tensor) -> CudaIpcReceiver:
         return cls({i: open_cuda_pool(h) for i, h in handles.items()}, pool)
+
+    def open(self, src_worker: int, handle: bytes) -> None:
+        """Map prefill ``src_worker``'s pool, replacing an earlier mapping of it."""
+        self.sources.pop(src_worker, None)
+        src = open_cuda_pool(handle, self.pool.device)
+        if src.shape[1:] != self.pool.shape[1:] or src.dtype != self.pool.dtype:
+            raise KVTransferError(
+                f"prefill {src_worker}'s pool {tuple(src.shape)} {src.dtype} does not match "
+                f"the local pool {tuple(self.pool.shape)} {self.pool.dtype}"
+            )
+        self.sources[src_worker] = src
+
+    def drop(self, src_worker: int) -> None:
+        """Unmap prefill ``src_worker``'s pool (no-op if it is not mapped)."""
+        self.sources.pop(src_worker, None)
 
     def fetch(self, src_worker: int, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
         src = self.sources.get(src_worker)

@@ -105,8 +105,9 @@ def _run_decode_side(backend: str, n: int, device: str) -> None:
         assert inbound.peer_alive() or inbound.readable()
         for raw in inbound.drain(16):
             msg = records.decode(raw)
-            if isinstance(msg, records.KVPoolHandle):
-                receiver = CudaIpcReceiver.from_handles({0: msg.handle}, dst)
+            if isinstance(msg, records.KVPoolHandle):  # mapped from this process's GPU
+                receiver = CudaIpcReceiver({}, dst)
+                receiver.open(0, msg.handle)
                 continue
             assert isinstance(msg, records.KVTransfer) and receiver is not None
             dst_blocks = rng.sample(range(LAYOUT.num_blocks), len(msg.src_blocks))
