@@ -33,7 +33,10 @@ def main() -> None:
         host=s["host"],
         port=s["port"],
     )
-    router_config = RouterConfig(max_waiting_requests=s["max_waiting_requests"])
+    router_config = RouterConfig(
+        max_waiting_requests=s["max_waiting_requests"],
+        max_queued_prefill_tokens=s["max_queued_prefill_tokens"],
+    )
     client = RingEngineClient(spec, s["router_policy"], router_config)
     app = build_app(client, tokenizer, settings)
     config = uvicorn.Config(

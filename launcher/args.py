@@ -24,6 +24,14 @@ class DType(enum.StrEnum):
     FLOAT16 = "float16"
 
 
+class KVTransfer(enum.StrEnum):
+    """How a prefill worker's KV reaches a decode worker (transport/kv_backends.py)."""
+
+    AUTO = "auto"  # cuda_ipc when the workers run on CUDA, shm on CPU
+    SHM = "shm"  # through shared host memory (on GPU: a pinned staging mirror per prefill)
+    CUDA_IPC = "cuda_ipc"  # decode maps each prefill GPU pool and copies GPU to GPU
+
+
 class LogLevel(enum.StrEnum):
     DEBUG = "debug"
     INFO = "info"
@@ -54,6 +62,7 @@ class ServerConfig:
     decode_gpus: tuple[int, ...] | None = None
     gpu_memory_utilization: float = 0.85
     kv_cache_tokens: int = 65_536
+    kv_transfer: KVTransfer = KVTransfer.AUTO
     block_size: int = 16
     dtype: DType = DType.AUTO
     max_model_len: int | None = None
@@ -64,6 +73,7 @@ class ServerConfig:
     api_key: str | None = None
     chat_template: str | None = None
     max_waiting_requests: int = 1024
+    max_queued_prefill_tokens: int = 262_144
     log_level: LogLevel = LogLevel.INFO
 
     @property
@@ -144,13 +154,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory-utilization",
         type=float,
         default=d.gpu_memory_utilization,
-        help="fraction of each GPU's memory a worker may use for weights and KV cache",
+        help="fraction of each GPU's total memory that the pdserve workers on it may use "
+        "together (weights, activations, KV cache); workers sharing a GPU split it evenly",
     )
     add(
         "--kv-cache-tokens",
         type=int,
         default=d.kv_cache_tokens,
-        help="KV cache size per worker in tokens when running on CPU",
+        help="KV cache size per worker in tokens on CPU; on GPU with --kv-transfer shm, the "
+        "size of each prefill worker's pool and its pinned host staging mirror (GPU pools "
+        "are otherwise sized from GPU memory)",
+    )
+    add(
+        "--kv-transfer",
+        type=KVTransfer,
+        choices=list(KVTransfer),
+        default=d.kv_transfer,
+        help="how KV moves from prefill to decode workers: shm (shared host memory), "
+        "cuda_ipc (GPU to GPU, GPUs only); auto picks cuda_ipc on GPUs and shm on CPU",
     )
     add("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
     add(
@@ -206,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="queued requests per worker beyond which new ones get HTTP 503 + Retry-After",
     )
     add(
+        "--max-queued-prefill-tokens",
+        type=int,
+        default=d.max_queued_prefill_tokens,
+        help="admission bound: prompt tokens queued on a prefill worker beyond which new "
+        "requests get HTTP 503 + Retry-After (an idle worker still takes any prompt)",
+    )
+    add(
         "--log-level",
         type=LogLevel,
         choices=list(LogLevel),
@@ -231,7 +259,8 @@ def validate(config: ServerConfig) -> None:
     _positive(("--detokenizers", c.detokenizers), ("--block-size", c.block_size),
               ("--kv-cache-tokens", c.kv_cache_tokens), ("--max-num-seqs", c.max_num_seqs),
               ("--chunked-prefill-size", c.chunked_prefill_size),
-              ("--max-waiting-requests", c.max_waiting_requests))  # fmt: skip
+              ("--max-waiting-requests", c.max_waiting_requests),
+              ("--max-queued-prefill-tokens", c.max_queued_prefill_tokens))  # fmt: skip
     if c.colocated < 0:
         raise ConfigError("--colocated must be >= 0")
     if c.colocated > 0:
@@ -241,6 +270,8 @@ def validate(config: ServerConfig) -> None:
             )
         if c.prefill_gpus is not None or c.decode_gpus is not None:
             raise ConfigError("--prefill-gpus/--decode-gpus do not apply with --colocated")
+        if c.kv_transfer is not KVTransfer.AUTO:
+            raise ConfigError("--kv-transfer does not apply with --colocated (no KV handoff)")
     else:
         _positive(("--prefill", c.prefill), ("--decode", c.decode))
     if c.max_model_len is not None and c.max_model_len < 2:
@@ -259,6 +290,8 @@ def validate(config: ServerConfig) -> None:
             raise ConfigError(f"{flag} lists {len(gpus)} GPUs for {count} workers; give one each")
     if c.device is Device.CPU and (c.prefill_gpus or c.decode_gpus):
         raise ConfigError("--device cpu contradicts --prefill-gpus/--decode-gpus")
+    if c.device is Device.CPU and c.kv_transfer is KVTransfer.CUDA_IPC:
+        raise ConfigError("--kv-transfer cuda_ipc needs GPUs; with --device cpu use shm or auto")
 
 
 def _positive(*pairs: tuple[str, int]) -> None:

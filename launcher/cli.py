@@ -1,6 +1,7 @@
 """``launch``: the one command operators type.
 
     launch --prefill 2 --decode 4        # N prefill + M decode workers, one per GPU (or CPU)
+    launch --prefill-gpus 0 --decode-gpus 0   # both roles share GPU 0
     launch --colocated 2                 # baseline: N workers that prefill and decode
 
 Order of work: parse and validate flags -> sweep leftovers of dead servers -> assign GPUs
@@ -11,7 +12,6 @@ and on SIGINT/SIGTERM stop everything within 10 s.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig, ModelConfig, parse_dtype
-from launcher.args import ConfigError, Device, ServerConfig, parse_args
+from launcher.args import ConfigError, KVTransfer, ServerConfig, parse_args
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
+from launcher.placement import WorkerPlace, describe, kv_transfer_backend, placements
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
 from transport.errors import TransportError
@@ -49,19 +50,26 @@ def _model_path(config: ServerConfig) -> Path:
     return tiny_model_dir()
 
 
-def _engine_settings(config: ServerConfig, model: Path, device: str) -> dict[str, Any]:
-    return {
-        "model": str(model), "dtype": config.dtype.value, "device": device,
+def _engine_settings(
+    config: ServerConfig, model: Path, place: WorkerPlace, backend: KVTransfer | None
+) -> dict[str, Any]:
+    settings: dict[str, Any] = {
+        "model": str(model), "dtype": config.dtype.value, "device": place.device,
         "block_size": config.block_size, "kv_cache_tokens": config.kv_cache_tokens,
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
         "chunked_prefill_size": config.chunked_prefill_size,
         "log_level": config.log_level.value,
     }  # fmt: skip
+    if place.gpu is not None:
+        settings["gpu_memory_share"] = place.gpu_memory_share
+    if backend is not None:  # prefill and decode workers: how KV moves between them
+        settings["kv_transfer"] = backend.value
+    return settings
 
 
 def _children(
-    config: ServerConfig, topo: Topology, gpus: GpuAssignment, model: Path
+    config: ServerConfig, topo: Topology, gpus: GpuAssignment, model: Path, backend: KVTransfer
 ) -> list[Child]:
     mcfg = ModelConfig.from_pretrained(model)
     engine = EngineConfig(model=str(model), max_model_len=config.max_model_len)
@@ -69,16 +77,15 @@ def _children(
     num_workers = config.colocated or config.prefill + config.decode
     threads = str(max(1, cores // max(1, num_workers)))
     out: list[Child] = []
-    pools = (("prefill", gpus.prefill), ("decode", gpus.decode), ("colocated", gpus.colocated))
-    for role, gpu_list in pools:
-        for index, gpu in enumerate(gpu_list):
-            device = "cpu" if gpu is None else "cuda"
-            settings = _engine_settings(config, model, device)
-            env = {"OMP_NUM_THREADS": threads, **cuda_env(gpu)}
-            out.append(Child(topo.spec(role, index, settings), env))
+    for place in placements(gpus, config.gpu_memory_utilization):
+        handoff = None if place.role == "colocated" else backend
+        settings = _engine_settings(config, model, place, handoff)
+        env = {"OMP_NUM_THREADS": threads, **place.env()}
+        out.append(Child(topo.spec(place.role, place.index, settings), env))
     common = {"model": str(model), "log_level": config.log_level.value}
+    cpu_only = {"OMP_NUM_THREADS": "1", **cuda_env(None)}  # frontend and shards: no GPU
     for k in range(config.detokenizers):
-        out.append(Child(topo.spec("detok", k, common), {"OMP_NUM_THREADS": "1"}))
+        out.append(Child(topo.spec("detok", k, common), dict(cpu_only)))
     frontend = {
         **common,
         "served_model_name": config.served_model_name or model.name,
@@ -87,16 +94,21 @@ def _children(
         "chat_template": config.chat_template, "host": config.host, "port": config.port,
         "router_policy": config.router_policy,
         "max_waiting_requests": config.max_waiting_requests,
+        "max_queued_prefill_tokens": config.max_queued_prefill_tokens,
     }  # fmt: skip
-    out.insert(0, Child(topo.spec("frontend", 0, frontend), {"OMP_NUM_THREADS": "1"}))
+    out.insert(0, Child(topo.spec("frontend", 0, frontend), dict(cpu_only)))
     return out
 
 
-def _build_topology(config: ServerConfig, model: Path) -> Topology:
+def _build_topology(config: ServerConfig, model: Path, backend: KVTransfer) -> Topology:
     mcfg = ModelConfig.from_pretrained(model)
     if config.colocated:  # no prefill/decode pools, no KV handoff: nothing more to share
         return Topology(0, 0, config.detokenizers, num_colocated=config.colocated)
     topo = Topology(config.prefill, config.decode, config.detokenizers)
+    if backend is KVTransfer.CUDA_IPC:  # decode workers map the prefill GPU pools
+        return topo
+    # shm: per prefill worker, the segment decode workers copy from: its pool on CPU, the
+    # pinned staging mirror of its GPU pool (same layout, same block ids) on GPU.
     dtype = _DTYPE_NAMES[str(parse_dtype(config.dtype.value, mcfg.dtype))]
     layout = KVLayout(
         num_blocks=-(-config.kv_cache_tokens // config.block_size),
@@ -133,16 +145,13 @@ def serve(config: ServerConfig) -> int:
     if swept:
         logger.info("removed %d shared-memory leftovers of dead servers", len(swept))
     gpus = assign_gpus(config)
+    backend = kv_transfer_backend(config, gpus)
+    places = placements(gpus, config.gpu_memory_utilization)
     if not gpus.on_cpu:
-        # NOTE: the engine and the KV backends have CUDA paths, but launch does not yet
-        # size GPU pools and staging memory for them; say so rather than pretend.
-        if config.device is Device.CUDA:
-            raise ConfigError("serving on CUDA is not wired into launch yet; use --device cpu")
-        logger.warning("NVIDIA GPUs found, but launch does not serve on CUDA yet: using CPU")
-        gpus = assign_gpus(dataclasses.replace(config, device=Device.CPU))
+        logger.info("on GPUs: %s; KV transfer: %s", describe(places), backend.value)
     model = _model_path(config)
-    topo = _build_topology(config, model)
-    sup = Supervisor(_children(config, topo, gpus, model), topo.load_table(), topo.p)
+    topo = _build_topology(config, model, backend)
+    sup = Supervisor(_children(config, topo, gpus, model, backend), topo.load_table(), topo.p)
 
     def on_signal(signum: int, _frame: object) -> None:
         sup.stopping = True

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from launcher.args import ConfigError, Device, DType, ServerConfig, build_parser, parse_args
+from launcher.args import (
+    ConfigError,
+    Device,
+    DType,
+    KVTransfer,
+    ServerConfig,
+    build_parser,
+    parse_args,
+)
 
 
 def test_defaults_of_the_cli_are_the_config_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -23,7 +31,9 @@ def test_flags_land_in_typed_fields(tmp_path: Path) -> None:
     argv = ["--model", str(tmp_path), "--prefill", "2", "--decode", "4", "--device", "cuda"]
     argv += ["--prefill-gpus", "0,1", "--decode-gpus", "2, 3,4,5", "--dtype", "bfloat16"]
     argv += ["--router-policy", "round-robin", "--max-model-len", "4096"]
+    argv += ["--kv-transfer", "shm", "--max-queued-prefill-tokens", "4096"]
     c = parse_args(argv)
+    assert c.kv_transfer is KVTransfer.SHM and c.max_queued_prefill_tokens == 4096
     assert c.model == tmp_path and (c.prefill, c.decode) == (2, 4)
     assert c.device is Device.CUDA and c.dtype is DType.BFLOAT16
     assert c.prefill_gpus == (0, 1) and c.decode_gpus == (2, 3, 4, 5)
@@ -54,6 +64,9 @@ def test_api_key_comes_from_the_environment_when_not_given(
         (["--max-model-len", "1"], "--max-model-len must be >= 2"),
         (["--port", "70000"], "not a TCP port"),
         (["--max-waiting-requests", "0"], "--max-waiting-requests must be >= 1"),
+        (["--max-queued-prefill-tokens", "0"], "--max-queued-prefill-tokens must be >= 1"),
+        (["--device", "cpu", "--kv-transfer", "cuda_ipc"], "cuda_ipc needs GPUs"),
+        (["--colocated", "2", "--kv-transfer", "shm"], "--kv-transfer does not apply"),
         (["--model", "/nonexistent/model"], "no config.json"),
     ],
 )
@@ -65,7 +78,9 @@ def test_inconsistent_flags_are_config_errors_naming_the_flag(
 
 
 def test_malformed_values_are_rejected_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["--prefill-gpus", "a,b"], ["--device", "tpu"], ["--router-policy", "x"]):
+    bad = (["--prefill-gpus", "a,b"], ["--device", "tpu"], ["--router-policy", "x"],
+           ["--kv-transfer", "nccl"], ["--max-queued-prefill-tokens", "lots"])  # fmt: skip
+    for argv in bad:
         with pytest.raises(SystemExit):
             parse_args(argv)
     assert "comma-separated list of GPU indices" in capsys.readouterr().err
@@ -78,3 +93,4 @@ def test_help_explains_every_flag() -> None:
             assert action.help and len(action.help) > 10, action.dest
     text = parser.format_help()
     assert "--prefill-gpus" in text and "503" in text
+    assert "--kv-transfer" in text and "--max-queued-prefill-tokens" in text

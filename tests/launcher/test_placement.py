@@ -1,0 +1,84 @@
+"""Where workers run and what they are told, from explicit GPU inventories (no NVML)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.args import ConfigError, KVTransfer, parse_args
+from launcher.cli import _build_topology, _children
+from launcher.gpus import GpuInfo, assign_gpus
+from launcher.placement import kv_transfer_backend, placements
+
+GIB = 1 << 30
+GPUS = [GpuInfo(i, "NVIDIA H100 80GB HBM3", 80 * GIB, 80 * GIB) for i in range(4)]
+
+
+def test_auto_backend_is_cuda_ipc_on_gpus_and_shm_on_cpu() -> None:
+    on_gpu = parse_args(["--prefill", "1", "--decode", "1"])
+    assert kv_transfer_backend(on_gpu, assign_gpus(on_gpu, GPUS)) is KVTransfer.CUDA_IPC
+    assert kv_transfer_backend(on_gpu, assign_gpus(on_gpu, [])) is KVTransfer.SHM
+    shm = parse_args(["--kv-transfer", "shm"])
+    assert kv_transfer_backend(shm, assign_gpus(shm, GPUS)) is KVTransfer.SHM
+
+
+def test_cuda_ipc_without_gpus_is_refused() -> None:
+    cfg = parse_args(["--kv-transfer", "cuda_ipc"])  # --device auto on a host with no GPU
+    with pytest.raises(ConfigError, match="cuda_ipc needs GPUs"):
+        kv_transfer_backend(cfg, assign_gpus(cfg, []))
+
+
+def test_workers_sharing_a_gpu_split_its_utilization() -> None:
+    argv = ["--prefill", "1", "--decode", "2", "--prefill-gpus", "0", "--decode-gpus", "0,1"]
+    cfg = parse_args([*argv, "--gpu-memory-utilization", "0.8"])
+    places = {(p.role, p.index): p for p in placements(assign_gpus(cfg, GPUS), 0.8)}
+    assert places["prefill", 0].gpu_memory_share == pytest.approx(0.4)
+    assert places["decode", 0].gpu_memory_share == pytest.approx(0.4)
+    assert places["decode", 1].gpu_memory_share == pytest.approx(0.8)  # GPU 1 alone
+    assert places["decode", 1].env() == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                                         "CUDA_VISIBLE_DEVICES": "1"}  # fmt: skip
+
+
+def _children_for(argv: list[str], model: Path) -> dict[str, tuple[dict, dict, dict]]:  # type: ignore[type-arg]
+    cfg = parse_args([*argv, "--model", str(model), "--kv-cache-tokens", "256"])
+    gpus = assign_gpus(cfg, GPUS)
+    backend = kv_transfer_backend(cfg, gpus)
+    kids = _children(cfg, _build_topology(cfg, model, backend), gpus, model, backend)
+    return {c.name: (c.spec.settings, c.env, c.spec.kv_pools) for c in kids}
+
+
+def test_children_on_one_shared_gpu_with_cuda_ipc(default_model_path: Path) -> None:
+    kids = _children_for(["--prefill-gpus", "0", "--decode-gpus", "0",
+                          "--max-queued-prefill-tokens", "5000"], default_model_path)  # fmt: skip
+    for name in ("prefill-0", "decode-0"):
+        settings, env, kv_pools = kids[name]
+        assert settings["device"] == "cuda" and settings["kv_transfer"] == "cuda_ipc"
+        assert settings["gpu_memory_share"] == pytest.approx(0.85 / 2)
+        assert env["CUDA_VISIBLE_DEVICES"] == "0" and kv_pools == {}  # no shared KV segment
+    for name in ("frontend", "detok-0"):
+        assert kids[name][1]["CUDA_VISIBLE_DEVICES"] == ""  # CPU-only processes
+    assert kids["frontend"][0]["max_queued_prefill_tokens"] == 5000
+
+
+def test_children_with_shm_on_gpus_get_a_staging_mirror(default_model_path: Path) -> None:
+    kids = _children_for(["--kv-transfer", "shm"], default_model_path)
+    p_settings, p_env, p_pools = kids["prefill-0"]
+    d_settings, d_env, d_pools = kids["decode-0"]
+    assert (p_env["CUDA_VISIBLE_DEVICES"], d_env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
+    assert p_settings["kv_transfer"] == d_settings["kv_transfer"] == "shm"
+    assert p_settings["gpu_memory_share"] == d_settings["gpu_memory_share"] == 0.85
+    assert p_pools["p0"]["layout"]["num_blocks"] == 256 // 16 and d_pools.keys() == {"p0"}
+
+
+def test_children_on_cpu_are_told_what_they_always_were(default_model_path: Path) -> None:
+    cfg = parse_args(["--device", "cpu", "--model", str(default_model_path)])
+    gpus = assign_gpus(cfg, GPUS)
+    kids = _children(cfg, _build_topology(cfg, default_model_path, KVTransfer.SHM), gpus,
+                     default_model_path, KVTransfer.SHM)  # fmt: skip
+    prefill = next(c for c in kids if c.name == "prefill-0")
+    assert (
+        prefill.spec.settings["device"] == "cpu" and prefill.spec.settings["kv_transfer"] == "shm"
+    )
+    assert "gpu_memory_share" not in prefill.spec.settings
+    assert prefill.env["CUDA_VISIBLE_DEVICES"] == "" and "p0" in prefill.spec.kv_pools
