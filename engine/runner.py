@@ -21,6 +21,7 @@ import torch
 from engine.attention import AttentionMetadata, DenseDecodeKV
 from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.gpu_memory import gpu_kv_blocks
 from engine.kv_cache import GpuMemoryError, allocate_kv_pool, block_nbytes, check_kv_pool
 from engine.loader import load_weights
 from engine.model import CausalLM
@@ -79,13 +80,22 @@ class ModelRunner:
 
     def num_blocks_to_allocate(self) -> int:
         """Pool size when the caller passes no pool: explicit, CPU tokens, or GPU memory."""
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if self.device.type != "cuda":
-            return -(-self.config.kv_cache_tokens // self.block_size)
-        from engine.gpu_memory import gpu_kv_blocks
-
-        return gpu_kv_blocks(self)
+        wanted = self.config.num_kv_blocks
+        if wanted is None:
+            if self.device.type != "cuda":
+                return -(-self.config.kv_cache_tokens // self.block_size)
+            return gpu_kv_blocks(self)
+        if self.device.type == "cuda" and self.config.gpu_memory_share is not None:
+            # A launched worker with a fixed pool (shm staging): it must fit its share too,
+            # or it would take memory from the workers it shares the GPU with.
+            fits = gpu_kv_blocks(self)
+            if wanted > fits:
+                raise GpuMemoryError(
+                    f"a KV pool of {wanted} blocks does not fit this worker's GPU share "
+                    f"({fits} blocks): lower --kv-cache-tokens or raise "
+                    "--gpu-memory-utilization"
+                )
+        return wanted
 
     def ensure_blocks(self, seq: Sequence, n: int) -> None:
         """Grow ``seq.block_table`` to hold ``n`` more computed tokens (all or nothing)."""
