@@ -23,8 +23,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.engine_client import EngineClient
-from frontend.errors import APIError, InternalError, InvalidRequest, PayloadTooLarge, Unauthorized
+from frontend.engine_client import EngineClient, Overloaded
+from frontend.errors import (
+    APIError,
+    InternalError,
+    InvalidRequest,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    Unauthorized,
+)
 from frontend.metrics import FrontendMetrics
 from frontend.protocol import (
     ChatCompletionRequest,
@@ -104,6 +111,13 @@ async def _serve(
     arrival = time.monotonic()
     try:
         check_api_key(request, ctx.settings.api_key)
+        # Before the body is read: under a burst beyond the admission bound, refusing
+        # costs no parsing and no tokenizing, and the event loop stays free for the
+        # requests it admits and for /health probes.
+        try:
+            ctx.client.check_admission()
+        except Overloaded as e:
+            raise ServiceUnavailable(e.retry_after_s, str(e)) from e
         body = parse_body(model, await read_json(request, ctx.settings.max_body_bytes))
         if unknown := body.unknown_fields():
             logger.info("%s: ignoring unknown fields %s", request.url.path, unknown)

@@ -122,6 +122,12 @@ class RingEngineClient(EngineClient):
 
     # ---- requests ----------------------------------------------------------------------
 
+    def check_admission(self) -> None:
+        try:
+            self.router.check_capacity()
+        except NoCapacity as e:
+            raise Overloaded(e.retry_after_s, f"server overloaded: {e}") from e
+
     async def generate(self, req: EngineRequest) -> AsyncIterator[TextDelta]:
         self._start()
         try:

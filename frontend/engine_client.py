@@ -11,6 +11,8 @@ Who calls what, when:
 * If the handler stops iterating before the last delta (client disconnect, cancellation),
   it calls ``abort(rid)``. ``abort`` is idempotent and a no-op for unknown or finished
   rids, so the handler may call it whenever it is unsure.
+* ``check_admission()`` may run first, before the body is even parsed: it raises
+  ``Overloaded`` when no request could be admitted now.
 * ``health()`` and ``metrics_snapshot()`` are called from ``/health`` and ``/metrics``
   scrapes on the event loop: they must be cheap and must not block (read a load table,
   not a round trip to every worker).
@@ -95,6 +97,15 @@ class EngineClient(ABC):
         Raises ``Overloaded`` or ``EngineError`` on the first ``__anext__`` only.
         Concatenated ``text`` of the deltas is the request's output text; the
         concatenated ``token_ids`` are its output token ids.
+        """
+
+    @abstractmethod
+    def check_admission(self) -> None:
+        """Raise ``Overloaded`` if ``generate`` would now refuse any request, however small.
+
+        Called before a body is parsed and tokenized, so overload is refused cheaply; it
+        commits nothing, and ``generate`` still decides for the requests it lets by.
+        Must be cheap and must not block.
         """
 
     @abstractmethod

@@ -65,11 +65,14 @@ class LocalEngineClient(EngineClient):
 
     # -- event loop side -------------------------------------------------------------
 
+    def check_admission(self) -> None:
+        if len(self._streams) >= self.max_active:
+            raise Overloaded(retry_after_s=1.0)
+
     async def generate(self, req: EngineRequest) -> AsyncIterator[TextDelta]:
         if not self._thread.is_alive():
             raise EngineError("the local engine thread has stopped")
-        if len(self._streams) >= self.max_active:
-            raise Overloaded(retry_after_s=1.0)
+        self.check_admission()
         self._loop = asyncio.get_running_loop()
         stream: asyncio.Queue[TextDelta] = asyncio.Queue()
         admitted: asyncio.Future[None] = self._loop.create_future()

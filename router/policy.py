@@ -177,6 +177,20 @@ class Router:
         d_pick, d_worker = self._choose(d_rows, Role.DECODE, prompt_len, now)
         return self._commit(p_worker, d_worker, p_pick, d_pick, prompt_len, max_tokens)
 
+    def check_capacity(self) -> None:
+        """Raise ``NoCapacity`` when ``place`` would refuse every request, however small.
+
+        Cheap and commits nothing: the frontend asks before it parses and tokenizes a
+        body, so a request burst beyond the admission bound is refused at a fraction of
+        the cost of a full placement. ``place`` still decides for the requests it lets by.
+        (Admission only gets harder as the prompt grows, so a 1-token prompt is the test.)
+        """
+        rows = self._sync(self._table.snapshot())
+        now = time.monotonic_ns()
+        roles = {r.role for r in rows}
+        for role in (Role.COLOCATED,) if Role.COLOCATED in roles else (Role.PREFILL, Role.DECODE):
+            self._choose([r for r in rows if r.role is role], role, 1, now)
+
     def release(self, placement: Placement, delivered: bool = True) -> None:
         """The request ended (any reason). ``delivered=False``: it was never sent to prefill.
 

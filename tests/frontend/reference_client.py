@@ -53,13 +53,16 @@ class ReferenceEngineClient(EngineClient):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         return tokenizer, model
 
+    def check_admission(self) -> None:
+        if len(self.running) >= self.max_running:
+            raise Overloaded(retry_after_s=2.0)
+
     async def generate(self, req: EngineRequest) -> AsyncIterator[TextDelta]:
         defaults = type(req.sampling)()
         for name in _UNSUPPORTED:
             if getattr(req.sampling, name) != getattr(defaults, name):
                 raise EngineError(f"the reference client does not implement {name}")
-        if len(self.running) >= self.max_running:
-            raise Overloaded(retry_after_s=2.0)
+        self.check_admission()
         self.running.add(req.rid)
         try:
             async for delta in self._run(req):

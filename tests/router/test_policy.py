@@ -145,6 +145,29 @@ def test_waiting_request_bound_turns_overload_into_no_capacity_until_workers_dra
     router.place(32, 4)
 
 
+def test_check_capacity_refuses_exactly_when_place_would_refuse_a_one_token_prompt() -> None:
+    cluster = _cluster(2, 2)
+    router = Router(cluster.table, config=RouterConfig(max_waiting_requests=3, retry_after_s=2.0))
+    for _ in range(6):
+        router.check_capacity()  # commits nothing: may be asked any number of times
+        router.place(32, 4)
+    with pytest.raises(NoCapacity) as err:
+        router.check_capacity()
+    assert err.value.retry_after_s == 2.0
+    with pytest.raises(NoCapacity):
+        router.place(1, 1)
+    assert router.in_flight() == 6
+
+
+def test_check_capacity_reports_a_role_with_no_live_worker() -> None:
+    cluster = _cluster(1, 1)
+    cluster.prefills[0].writer.set_state(WorkerState.DEAD)
+    router = Router(cluster.table, config=RouterConfig(retry_after_dead_s=7.0))
+    with pytest.raises(NoCapacity) as err:
+        router.check_capacity()
+    assert err.value.retry_after_s == 7.0 and "prefill" in err.value.reason
+
+
 def test_queued_token_bound_rejects_more_work_but_an_idle_worker_takes_a_huge_prompt() -> None:
     cluster = _cluster(1, 1)
     router = Router(cluster.table, config=RouterConfig(max_queued_prefill_tokens=1000))
