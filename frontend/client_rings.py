@@ -320,13 +320,15 @@ class RingEngineClient(EngineClient):
 
     def metrics_snapshot(self) -> list[WorkerLoad]:
         out = []
+        assigned = self.router.assigned()
         for r in self.table.snapshot():
             if r.role == Role.NONE:
                 continue
             total = max(r.total_kv_blocks, 1)
             used = (r.total_kv_blocks - r.free_kv_blocks) / total
+            n, tokens = assigned.get((r.role, r.index), (0, 0))
             out.append(WorkerLoad(r.role.name.lower(), r.index, r.running_requests,
-                                  r.waiting_requests, used))  # fmt: skip
+                                  r.waiting_requests, used, n, tokens))  # fmt: skip
         return out
 
     async def close(self) -> None:

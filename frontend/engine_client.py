@@ -62,13 +62,19 @@ class WorkerHealth:
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    """Scheduler state of one worker for ``/metrics``; kv_usage in [0, 1]."""
+    """Scheduler state of one worker for ``/metrics``; kv_usage in [0, 1].
+
+    ``assigned_*`` count what the router has placed on the worker since the frontend
+    started (tokens: the prompt for prefill, prompt + max_tokens for decode).
+    """
 
     role: str
     index: int
     running: int
     waiting: int
     kv_usage: float
+    assigned_requests: int = 0
+    assigned_tokens: int = 0
 
 
 class EngineClientError(Exception):

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
@@ -42,6 +42,14 @@ class _EngineCollector(Collector):
         kv = GaugeMetricFamily(
             "pdserve_kv_cache_usage_perc", "KV blocks in use, 0-1", labels=labels
         )
+        assigned = CounterMetricFamily(
+            "pdserve_router_assigned_requests", "Requests the router placed", labels=labels
+        )
+        assigned_tokens = CounterMetricFamily(
+            "pdserve_router_assigned_tokens",
+            "Tokens the router placed: prompts on prefill, prompt + max_tokens on decode",
+            labels=labels,
+        )
         try:
             loads = self._client.metrics_snapshot()
         except Exception:  # a scrape must never take the server down
@@ -52,7 +60,9 @@ class _EngineCollector(Collector):
             running.add_metric(key, w.running)
             waiting.add_metric(key, w.waiting)
             kv.add_metric(key, w.kv_usage)
-        yield from (running, waiting, kv)
+            assigned.add_metric(key, w.assigned_requests)
+            assigned_tokens.add_metric(key, w.assigned_tokens)
+        yield from (running, waiting, kv, assigned, assigned_tokens)
 
 
 class _NvmlCollector(Collector):

@@ -27,6 +27,7 @@ import itertools
 import os
 import random
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -78,6 +79,13 @@ class Placement:
 class Candidate:
     index: int
     cost: int
+    # Tokens assigned to this worker so far: breaks ties between equally loaded workers,
+    # so that at low load (every queue empty, every cost 0) work still alternates.
+    assigned: int = 0
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.cost, self.assigned, self.index
 
 
 class Policy(Protocol):
@@ -88,7 +96,7 @@ class Policy(Protocol):
 
 class LeastLoad:
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        return min(candidates, key=lambda c: (c.cost, c.index))
+        return min(candidates, key=_key)
 
 
 class PowerOfTwo:
@@ -101,7 +109,7 @@ class PowerOfTwo:
         if len(candidates) == 1:
             return candidates[0]
         a, b = self._rng.sample(list(candidates), 2)
-        return min((a, b), key=lambda c: (c.cost, c.index))
+        return min((a, b), key=_key)
 
 
 class RoundRobin:
@@ -154,6 +162,10 @@ class Router:
         self._decode_policy = make_policy(policy, seeds[1])
         self._tracked: dict[tuple[Role, int], _Tracked] = {}
         self._tickets = itertools.count(1)
+        # Per (role, index), across restarts: [requests, tokens] assigned. Tokens are prompt
+        # tokens for a prefill worker, prompt + max_tokens (the KV it reserves) for a decode
+        # worker, both for a colocated one.
+        self._assigned: defaultdict[tuple[Role, int], list[int]] = defaultdict(lambda: [0, 0])
 
     def place(self, prompt_len: int, max_tokens: int) -> Placement:
         """Choose the workers for a request, or raise ``NoCapacity``.
@@ -209,6 +221,17 @@ class Router:
         ):
             prefill.sent_requests -= 1
             prefill.sent_tokens -= placement.prompt_len
+        if not delivered:  # nobody worked on it: it was never assigned after all
+            kv = placement.prompt_len + placement.max_tokens
+            if p_role is Role.COLOCATED:
+                self._count((p_role, placement.prefill), -kv, -1)
+            else:
+                self._count((p_role, placement.prefill), -placement.prompt_len, -1)
+                self._count((d_role, placement.decode), -kv, -1)
+
+    def assigned(self) -> dict[tuple[Role, int], tuple[int, int]]:
+        """(requests, tokens) assigned per (role, index) since the router started."""
+        return {key: (n, tokens) for key, (n, tokens) in self._assigned.items()}
 
     def in_flight(self) -> int:
         """Requests placed and not yet released (for /metrics)."""
@@ -246,7 +269,10 @@ class Router:
                 self._config.retry_after_s, f"every {role.name.lower()} worker is full"
             )
         by_index = {r.index: r for r in admitted}
-        candidates = [Candidate(r.index, self._cost(r)) for r in sorted(admitted, key=_index)]
+        candidates = [
+            Candidate(r.index, self._cost(r), self._assigned[(r.role, r.index)][1])
+            for r in sorted(admitted, key=_index)
+        ]
         policy = self._decode_policy if role is Role.DECODE else self._prefill_policy
         pick = policy.choose(candidates).index
         return pick, by_index[pick]
@@ -300,6 +326,12 @@ class Router:
         p.sent_requests += 1
         p.sent_tokens += prompt_len
         self._tracked[(d_worker.role, d_pick)].active[ticket] = prompt_len + max_tokens
+        p_key, d_key = (p_worker.role, p_pick), (d_worker.role, d_pick)
+        if p_key == d_key:  # colocated: one worker does both halves
+            self._count(p_key, prompt_len + max_tokens)
+        else:
+            self._count(p_key, prompt_len)
+            self._count(d_key, prompt_len + max_tokens)
         return Placement(
             prefill=p_pick,
             decode=d_pick,
@@ -310,9 +342,17 @@ class Router:
             decode_generation=d_worker.generation,
         )
 
+    def _count(self, key: tuple[Role, int], tokens: int, requests: int = 1) -> None:
+        self._assigned[key][0] += requests
+        self._assigned[key][1] += tokens
+
 
 def _index(r: WorkerLoad) -> int:
     return r.index
+
+
+def _key(c: Candidate) -> tuple[int, int, int]:
+    return c.key
 
 
 def _pid_alive(pid: int) -> bool:

@@ -215,6 +215,37 @@ def test_colocated_workers_get_both_halves_of_a_request() -> None:
     assert sorted(p.prefill for p in placements) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
 
 
+def test_at_low_load_work_alternates_between_idle_workers() -> None:
+    # Every request finishes before the next arrives, so every cost reads 0: the tokens
+    # assigned so far break the tie, not the worker index.
+    cluster = _cluster(2, 4)
+    router = Router(cluster.table)
+    prefill_load: dict[int, int] = defaultdict(int)
+    decode_load: dict[int, int] = defaultdict(int)
+    for _ in range(24):
+        p = router.place(100, 8)
+        cluster.prefills[p.prefill].ring.append(p)
+        prefill_load[p.prefill] += 100
+        decode_load[p.decode] += 108
+        for _ in range(12):  # prefill, hand over, decode 8 tokens, finish, release
+            cluster.step(router)
+        assert router.in_flight() == 0
+    assert dict(prefill_load) == {0: 1200, 1: 1200}
+    assert dict(decode_load) == {0: 648, 1: 648, 2: 648, 3: 648}
+    assigned = router.assigned()
+    assert assigned[(Role.PREFILL, 0)] == (12, 1200) and assigned[(Role.DECODE, 3)] == (6, 648)
+
+
+def test_an_undelivered_placement_is_not_counted_as_assigned() -> None:
+    cluster = _cluster(1, 1)
+    router = Router(cluster.table)
+    kept = router.place(30, 5)
+    router.release(router.place(1000, 10), delivered=False)
+    assert router.assigned() == {(Role.PREFILL, 0): (1, 30), (Role.DECODE, 0): (1, 35)}
+    router.release(kept)  # a delivered request stays assigned after it ends
+    assert router.assigned()[(Role.DECODE, 0)] == (1, 35)
+
+
 def test_round_robin_cycles_over_routable_workers_in_index_order() -> None:
     rr = RoundRobin()
     cands = [Candidate(0, 9), Candidate(2, 0), Candidate(3, 5)]
