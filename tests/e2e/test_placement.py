@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import LaunchedServer
+from tests.router.sim import mixed_request
 
 N_PREFILL, N_DECODE, N_REQUESTS = 2, 4, 64
 _SAMPLE = re.compile(r'^pdserve_router_assigned_tokens_total\{index="(\d+)",role="(\w+)"\} (\S+)$')
@@ -30,18 +31,6 @@ def wide() -> Iterator[LaunchedServer]:
     srv.wait_ready()
     yield srv
     srv.stop()
-
-
-def _mixed(rng: random.Random) -> tuple[int, int]:
-    """Chat-like: mostly short prompts, some long documents; outputs 8..96 tokens."""
-    kind = rng.random()
-    if kind < 0.5:
-        prompt = rng.randint(16, 256)
-    elif kind < 0.85:
-        prompt = rng.randint(256, 768)
-    else:
-        prompt = rng.randint(768, 1536)
-    return prompt, rng.randint(8, 96)
 
 
 async def _bursts(url: str, requests: list[tuple[list[int], int]], rng: random.Random) -> None:
@@ -81,7 +70,7 @@ def test_64_mixed_requests_spread_within_25_percent_of_the_mean(wide: LaunchedSe
     rng = random.Random(11)
     requests = []
     for _ in range(N_REQUESTS):
-        prompt_len, max_tokens = _mixed(rng)
+        prompt_len, max_tokens = mixed_request(rng, long=(1024, 1536), output=(8, 96))
         requests.append(([rng.randrange(1000, 150_000) for _ in range(prompt_len)], max_tokens))
     before = _assigned_tokens(wide.url)
     asyncio.run(_bursts(wide.url, requests, rng))

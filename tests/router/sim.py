@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -124,3 +125,18 @@ def start_cluster(
     for writer in [p.writer for p in prefills] + [d.writer for d in decodes]:
         writer.set_state(WorkerState.READY)
     return Cluster(table, prefills, decodes)
+
+
+def mixed_request(
+    rng: random.Random, long: tuple[int, int] = (1024, 4096), output: tuple[int, int] = (16, 512)
+) -> tuple[int, int]:
+    """(prompt, max_tokens), chat-like: half short prompts, a third medium, some long
+    documents in ``long``; outputs uniform in ``output``."""
+    kind = rng.random()
+    if kind < 0.5:
+        prompt = rng.randint(16, 256)
+    elif kind < 0.85:
+        prompt = rng.randint(256, 1024)
+    else:
+        prompt = rng.randint(*long)
+    return prompt, rng.randint(*output)

@@ -22,24 +22,12 @@ from router.policy import (
     Router,
     RouterConfig,
 )
-from tests.router.sim import Cluster, start_cluster
+from tests.router.sim import Cluster, mixed_request, start_cluster
 
 
 def _cluster(n_prefill: int = 2, n_decode: int = 4, total_blocks: int = 8192) -> Cluster:
     buf = bytearray(LoadTable.layout_nbytes(n_prefill + n_decode))
     return start_cluster(buf, n_prefill, n_decode, total_blocks)
-
-
-def _mixed_request(rng: random.Random) -> tuple[int, int]:
-    """Chat-like mix: mostly short prompts, some long documents; outputs 16..512 tokens."""
-    kind = rng.random()
-    if kind < 0.5:
-        prompt = rng.randint(16, 256)
-    elif kind < 0.85:
-        prompt = rng.randint(256, 1024)
-    else:
-        prompt = rng.randint(1024, 4096)
-    return prompt, rng.randint(16, 512)
 
 
 def _spread(loads: dict[int, int], n: int) -> float:
@@ -62,7 +50,7 @@ def test_64_mixed_requests_put_every_worker_within_25_percent_of_mean_token_load
     while placed < 64:
         # Requests arrive in bursts between two engine steps (two table updates).
         for _ in range(min(rng.randint(1, 12), 64 - placed)):
-            prompt, max_tokens = _mixed_request(rng)
+            prompt, max_tokens = mixed_request(rng)
             p = router.place(prompt, max_tokens)
             cluster.prefills[p.prefill].ring.append(p)
             prefill_load[p.prefill] += prompt
@@ -80,7 +68,7 @@ def test_a_burst_between_two_table_updates_still_spreads_evenly() -> None:
     prefill_load: dict[int, int] = defaultdict(int)
     decode_count: dict[int, int] = defaultdict(int)
     for _ in range(64):
-        prompt, max_tokens = _mixed_request(rng)
+        prompt, max_tokens = mixed_request(rng)
         p = router.place(prompt, max_tokens)
         prefill_load[p.prefill] += prompt
         decode_count[p.decode] += 1
