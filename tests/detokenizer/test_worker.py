@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 from detokenizer.worker import DetokWorker, DetokWorkerConfig
-from tests.detokenizer.helpers import register, stream_batches
+from tests.detokenizer.helpers import one_batch, register, stream_batches
 from transport.doorbell import Doorbell
 from transport.records import AbortRequest, DetokParams, TextBatch, decode, encode
 from transport.ring import Ring
 
 
-def test_worker_moves_tokens_to_text_and_stops_to_the_decode_ring(qwen_tokenizer: Any) -> None:
+@pytest.fixture
+def shard(qwen_tokenizer: Any) -> Iterator[tuple[DetokWorker, dict[str, Ring]]]:
+    """A shard worker and the other end of each of its rings: control (c), prefill (p),
+    decode (d) in; stop (s), frontend (f) out."""
     bell = Doorbell.create()
     made = {
         n: Ring.create(f"test-detok-{n}", 1 << 16, bell if n in "cpd" else None) for n in "cpdsf"
@@ -30,6 +36,16 @@ def test_worker_moves_tokens_to_text_and_stops_to_the_decode_ring(qwen_tokenizer
     peers = {
         n: Ring.attach(made[n].spec, "producer" if n in "cpd" else "consumer") for n in "cpdsf"
     }
+    yield worker, peers
+    worker.close()
+    for ring in [*peers.values(), *made.values()]:
+        ring.close()
+
+
+def test_worker_moves_tokens_to_text_and_stops_to_the_decode_ring(
+    shard: tuple[DetokWorker, dict[str, Ring]], qwen_tokenizer: Any
+) -> None:
+    worker, peers = shard
     ids = qwen_tokenizer.encode("Hello world. END of it")
     peers["c"].put(encode(register(11, DetokParams(stop=("END",)))))
     batches = stream_batches(11, ids)
@@ -43,6 +59,26 @@ def test_worker_moves_tokens_to_text_and_stops_to_the_decode_ring(qwen_tokenizer
     assert isinstance(text, TextBatch)
     assert text.items[0].text == "Hello world. " and text.items[0].stop_reason == "END"
     assert [decode(r) for r in peers["s"].drain(16)] == [AbortRequest(rid=11)]
-    worker.close()
-    for ring in [*peers.values(), *made.values()]:
-        ring.close()
+
+
+def test_prefill_token_text_goes_out_in_its_own_step(
+    shard: tuple[DetokWorker, dict[str, Ring]], qwen_tokenizer: Any
+) -> None:
+    """Time to first token: the first token's text never waits for decode's second token,
+    unless it could still begin a stop string."""
+    worker, peers = shard
+    first = qwen_tokenizer.encode("Hello world")[0]
+    assert qwen_tokenizer.decode([first]) == "Hello"
+    stops = {1: (), 2: ("zzz",), 3: ("Hello!",)}
+    for rid, stop in stops.items():
+        peers["c"].put(encode(register(rid, DetokParams(stop=stop))))
+        peers["p"].put(encode(one_batch(rid, 0, first)))  # mid-stream: no finish
+    assert worker.step()
+    (raw,) = peers["f"].drain(16)
+    batch = decode(raw)
+    assert isinstance(batch, TextBatch)
+    assert {d.rid: (d.text, d.token_ids) for d in batch.items} == {
+        1: ("Hello", [first]),
+        2: ("Hello", [first]),
+        3: ("", [first]),  # "Hello" may be the start of "Hello!": held, correctly
+    }
