@@ -240,6 +240,23 @@ async def test_overload_is_503_with_retry_after(make_client: Any) -> None:
     assert r.json()["error"]["code"] == "overloaded"
 
 
+async def test_under_overload_a_request_without_the_key_is_still_401(make_client: Any) -> None:
+    from frontend.app import build_app
+
+    client = make_client(max_running=0)
+    app = build_app(client, client.tokenizer, make_settings(api_key="s3cret"))
+    body = {"prompt": "Hi", "max_tokens": 1}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+        for auth in (None, "Bearer wrong", "Basic s3cret"):
+            headers = {} if auth is None else {"authorization": auth}
+            r = await h.post("/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 401, auth
+        for auth in ("Bearer s3cret", "bearer s3cret"):
+            r = await h.post("/generate", json={"text": "Hi"}, headers={"authorization": auth})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", auth
+        assert (await h.get("/health")).status_code == 200
+
+
 async def test_engine_failure_is_a_500_not_a_crash(http: httpx.AsyncClient) -> None:
     # The reference client refuses top_k, which it does not implement, with EngineError.
     r = await complete(http, prompt="Hi", max_tokens=2, top_k=5)
