@@ -1,4 +1,5 @@
-"""Builds transport's one C helper (ordered loads/stores for the shm rings).
+"""Builds the two C helpers: transport's ordered loads/stores for the shm rings, and the
+frontend's accept thread (health probes answered off the event loop).
 
 Everything else about the package lives in pyproject.toml.
 """
@@ -7,6 +8,7 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("transport._atomics", ["transport/_atomics.c"], extra_compile_args=["-O2"])
+        Extension("transport._atomics", ["transport/_atomics.c"], extra_compile_args=["-O2"]),
+        Extension("frontend._acceptor", ["frontend/_acceptor.c"], extra_compile_args=["-O2"]),
     ]
 )

@@ -127,15 +127,22 @@ async def _serve(
         return InternalError().response()
 
 
-def health_response(client: EngineClient) -> Response:
+def health_report(client: EngineClient) -> tuple[int, bytes]:
+    """(status, JSON body) of /health: 200 when every worker is alive, else 503."""
     try:
         workers = client.health()
     except Exception:
         logger.exception("engine health check failed")
-        return InternalError("engine health check failed").response()
+        err = InternalError("engine health check failed")
+        return err.status, msgspec.json.encode(err.body())
     ok = all(w.alive for w in workers)
     body = {"status": "ok" if ok else "degraded", "workers": [asdict(w) for w in workers]}
-    return JSONResponse(body, status_code=200 if ok else 503)
+    return 200 if ok else 503, msgspec.json.encode(body)
+
+
+def health_response(client: EngineClient) -> Response:
+    status, body = health_report(client)
+    return Response(body, status_code=status, media_type="application/json")
 
 
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})

@@ -1,23 +1,58 @@
 """The frontend process: ``python -m frontend.server`` (started by the launcher).
 
 Builds the tokenizer, the ring engine client and the FastAPI app, then serves HTTP with
-uvicorn on the configured host and port.
+uvicorn on the configured host and port. The listening socket itself belongs to the C
+accept thread of ``frontend.acceptor``: it answers health probes off the event loop and
+hands every other connection to uvicorn.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 
 import uvicorn
 from transformers import AutoTokenizer
 
-from frontend.app import build_app
+from frontend.acceptor import HealthAcceptor
+from frontend.app import build_app, health_report
 from frontend.client_rings import RingEngineClient
+from frontend.engine_client import EngineClient
 from frontend.settings import FrontendSettings
 from pdserve.process import bootstrap
 from router.policy import RouterConfig
 
 logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, minus its own listener: connections arrive from the accept thread."""
+
+    def __init__(self, config: uvicorn.Config, sock: socket.socket, client: EngineClient) -> None:
+        super().__init__(config)
+        self.sock, self.client = sock, client
+        self.acceptor: HealthAcceptor | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=[])  # lifespan and state; no listener
+        if self.should_exit:
+            return
+
+        def protocol() -> asyncio.Protocol:
+            return self.config.http_protocol_class(  # type: ignore[call-arg]
+                config=self.config, server_state=self.server_state, app_state=self.lifespan.state
+            )
+
+        self.acceptor = HealthAcceptor(self.sock, protocol, lambda: health_report(self.client))
+        self.acceptor.start()
+        host, port = self.sock.getsockname()[:2]
+        logger.info("serving HTTP on %s:%d", host, port)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.acceptor is not None:
+            self.acceptor.close()  # first stop taking new connections
+        await super().shutdown(sockets)
 
 
 def main() -> None:
@@ -47,7 +82,10 @@ def main() -> None:
         access_log=False,
         timeout_graceful_shutdown=3,
     )
-    uvicorn.Server(config).run()
+    # Bound here, before the model-sized work is done, so a taken port fails fast; backlog
+    # as uvicorn's default, enough for a burst of thousands of clients.
+    sock = socket.create_server((settings.host, settings.port), backlog=2048)
+    _Server(config, sock, client).run()
 
 
 if __name__ == "__main__":

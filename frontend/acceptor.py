@@ -1,0 +1,137 @@
+"""The frontend's listening socket, served by a C accept thread (``frontend/_acceptor.c``).
+
+The thread answers ``GET /health`` itself and hands every other connection to the loop,
+where uvicorn serves it as if it had accepted it. For each probe the thread asks the loop
+for a fresh report and waits up to ``WAIT_S``; a loop busier than that (a burst of
+hundreds of arrivals queued ahead) has its probe answered from the last report, which the
+loop also renews every ``REFRESH_S``. So a probe never waits behind the loop's queue, and
+a loop stalled for longer than ``STALE_S`` turns the answer into 503 rather than a hang.
+
+Who calls what: ``frontend.server`` binds the socket, starts uvicorn without a listener of
+its own, then ``HealthAcceptor.start`` on the loop; at shutdown ``close`` stops accepting
+before uvicorn closes the connections it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable
+
+from frontend import _acceptor
+
+logger = logging.getLogger(__name__)
+
+PEEK_S = 0.05  # a connection silent this long goes to the loop undecided
+WAIT_S = 0.02  # a probe waits this long for a fresh report, then takes the last one
+REFRESH_S = 0.25  # the loop renews the report this often even when nobody asks
+STALE_S = 2.0  # a report older than this: the loop has stopped turning; probes get 503
+
+
+class HealthAcceptor:
+    def __init__(
+        self,
+        sock: socket.socket,
+        protocol_factory: Callable[[], asyncio.Protocol],
+        health: Callable[[], tuple[int, bytes]],
+        *,
+        refresh_s: float = REFRESH_S,
+        stale_s: float = STALE_S,
+    ) -> None:
+        self.sock, self._factory, self._health = sock, protocol_factory, health
+        self.refresh_s, self.stale_s = refresh_s, stale_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handle: _acceptor.Handle | None = None
+        self._refresh: asyncio.TimerHandle | None = None
+        self._read_fd, self._write_fd = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(self._read_fd, False)
+        self._want_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+
+    def start(self) -> None:
+        """On the event loop: publish a first report, then start accepting."""
+        self._loop = asyncio.get_running_loop()
+        self.sock.setblocking(False)
+        self._loop.add_reader(self._read_fd, self._adopt)
+        self._loop.add_reader(self._want_fd, self._on_want)
+        ms = [int(x * 1000) for x in (PEEK_S, WAIT_S, self.stale_s)]
+        self._handle = _acceptor.start(self.sock.fileno(), self._write_fd, self._want_fd, *ms)
+        self._renew()
+
+    def _report(self) -> None:
+        assert self._handle is not None
+        try:
+            status, body = self._health()
+            _acceptor.set_health(self._handle, status, body)
+        except Exception:  # a report that fails goes stale: probes then get 503
+            logger.exception("health report failed")
+
+    def _on_want(self) -> None:
+        try:
+            os.eventfd_read(self._want_fd)
+        except BlockingIOError:
+            return
+        self._report()
+
+    def _renew(self) -> None:
+        assert self._loop is not None
+        self._report()
+        self._refresh = self._loop.call_later(self.refresh_s, self._renew)
+
+    def _adopt(self) -> None:
+        """Connections the thread handed over: each becomes one uvicorn connection."""
+        assert self._loop is not None
+        try:
+            data = os.read(self._read_fd, 4 * 1024)  # whole 4-byte fd numbers: writes are atomic
+        except BlockingIOError:
+            return
+        for i in range(0, len(data), 4):
+            fd = int.from_bytes(data[i : i + 4], sys.byteorder, signed=True)
+            conn = socket.socket(fileno=fd)
+            self._loop.create_task(self._connect(conn))
+
+    async def _connect(self, conn: socket.socket) -> None:
+        assert self._loop is not None
+        try:
+            await self._loop.connect_accepted_socket(self._factory, conn)
+        except OSError as e:  # the client left between accept and now
+            logger.debug("dropping a connection that went away: %s", e)
+            conn.close()
+
+    def stats(self) -> tuple[int, int, int]:
+        """(connections accepted, health probes answered, handed to the loop)."""
+        assert self._handle is not None
+        return _acceptor.stats(self._handle)
+
+    def close(self) -> None:
+        """Stop accepting (joins the thread); connections already adopted live on.
+
+        Idempotent."""
+        if self.sock.fileno() < 0:
+            return
+        if self._refresh is not None:
+            self._refresh.cancel()
+        if self._handle is not None:
+            _acceptor.stop(self._handle)
+            self._handle = None
+        if self._loop is not None:
+            self._loop.remove_reader(self._read_fd)
+            self._loop.remove_reader(self._want_fd)
+            self._adopt_leftovers()
+        for fd in (self._read_fd, self._write_fd, self._want_fd):
+            os.close(fd)
+        self.sock.close()
+
+    def _adopt_leftovers(self) -> None:
+        """Fds handed over but not yet adopted are closed: we are shutting down."""
+        while True:
+            try:
+                data = os.read(self._read_fd, 4 * 1024)
+            except BlockingIOError:
+                return
+            if not data:
+                return
+            for i in range(0, len(data), 4):
+                os.close(int.from_bytes(data[i : i + 4], sys.byteorder, signed=True))
