@@ -93,12 +93,28 @@ async def _stream(client: httpx.AsyncClient, i: int) -> dict[str, object]:
         return {"status": 200, "finish": finish, "done": done}
 
 
-async def storm(url: str, clients: int = CLIENTS) -> list[dict[str, object]]:
-    """``clients`` streaming requests at once; one result dict per request."""
+async def storm(
+    url: str, clients: int = CLIENTS, sustain_s: float = 0.0
+) -> list[dict[str, object]]:
+    """``clients`` streaming requests at once; one result dict per request.
+
+    ``sustain_s`` > 0: each client asks again as soon as it has an answer (503 or a
+    finished stream, ignoring Retry-After, as a hostile client would) until that long has
+    passed.
+    """
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    end = time.monotonic() + sustain_s
+
+    async def client_loop(client: httpx.AsyncClient, i: int) -> list[dict[str, object]]:
+        out = [await _stream(client, i)]
+        while time.monotonic() < end:
+            out.append(await _stream(client, i))
+        return out
+
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
-        tasks = [_stream(client, i) for i in range(clients)]
-        return await asyncio.wait_for(asyncio.gather(*tasks), STORM_TIMEOUT_S)
+        tasks = [client_loop(client, i) for i in range(clients)]
+        per_client = await asyncio.wait_for(asyncio.gather(*tasks), STORM_TIMEOUT_S + sustain_s)
+    return [r for results in per_client for r in results]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -139,7 +155,7 @@ class Run:
     rss_after: int = 0
 
 
-def one_run(url: str, frontend: int | None, clients: int) -> Run:
+def one_run(url: str, frontend: int | None, clients: int, sustain_s: float = 0.0) -> Run:
     port = int(url.rsplit(":", 1)[1])
     run = Run()
     probe = Probe(port)
@@ -149,7 +165,7 @@ def one_run(url: str, frontend: int | None, clients: int) -> Run:
     run.rss_before = rss_bytes(frontend) if frontend else 0
     probe = Probe(port)
     t0 = time.monotonic()
-    results = asyncio.run(storm(url, clients))
+    results = asyncio.run(storm(url, clients, sustain_s))
     run.storm_s = time.monotonic() - t0
     lat, codes = probe.stop()
     run.storm_ms = [1000 * x for x in lat]
@@ -178,10 +194,12 @@ def _row(i: int, r: Run) -> str:
             f"| {r.rss_before / mib:.1f} → {r.rss_after / mib:.1f} |")  # fmt: skip
 
 
-def write_report(runs: list[Run], out: Path, command: str, clients: int) -> None:
+def write_report(runs: list[Run], out: Path, command: str, clients: int, sustain_s: float) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"command": command, "machine": describe_machine(), "clients": clients,
-           "runs": [asdict(r) for r in runs]}  # fmt: skip
+           "sustain_s": sustain_s, "runs": [asdict(r) for r in runs]}  # fmt: skip
+    how = (f"each client re-asking as soon as it is answered (503s included) for {sustain_s:g} s"
+           if sustain_s else "once each")  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     p99s = [percentile(r.storm_ms, 0.99) for r in runs if r.storm_ms]
     lines = [
@@ -190,8 +208,8 @@ def write_report(runs: list[Run], out: Path, command: str, clients: int) -> None
         f"Server: `launch {' '.join(LAUNCH_ARGS)}` unless the command says `--url`. Each run: "
         "/health probed for 3 s on the idle server (baseline), then "
         f"{clients} `/v1/completions` streams (max_tokens {MAX_TOKENS}) at once from one "
-        "httpx.AsyncClient while a separate process probes `GET /health` every 50 ms over a "
-        "fresh TCP connection. Target: /health p99 < 100 ms.", "",
+        f"httpx.AsyncClient, {how}, while a separate process probes `GET /health` every 50 ms "
+        "over a fresh TCP connection. Target: /health p99 < 100 ms.", "",
         "| run | 503 + Retry-After | 200, finished | other | storm | idle /health p50 / p99 ms "
         "| probes | storm /health p50 ms | p99 ms | max ms | non-200 probes "
         "| frontend RSS MiB |",
@@ -208,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--clients", type=int, default=CLIENTS)
+    p.add_argument("--sustain", type=float, default=0.0,
+                   help="seconds each client keeps re-asking (0: one request each)")  # fmt: skip
     p.add_argument("--url", help="measure this server instead of launching one")
     p.add_argument("--out", type=Path, help="write <out>.md and <out>.json")
     args = p.parse_args(argv)
@@ -220,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     try:
         for i in range(args.runs):
-            runs.append(one_run(url, frontend, args.clients))
+            runs.append(one_run(url, frontend, args.clients, args.sustain))
             r = runs[-1]
             logger.info("run %d: %d refused, %d finished, %s other; /health p50 %.0f p99 %.0f "
                         "max %.0f ms (idle p99 %.0f ms)", i + 1, r.refused, r.finished, r.other,
@@ -232,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(30)
     if args.out is not None:
         argv_text = " ".join(argv if argv is not None else sys.argv[1:])
-        write_report(runs, args.out, f"python -m benchmarks.overload {argv_text}", args.clients)
+        command = f"python -m benchmarks.overload {argv_text}"
+        write_report(runs, args.out, command, args.clients, args.sustain)
     bad = any(r.other or r.non_200_probes for r in runs)
     return 1 if bad else 0
 
