@@ -179,7 +179,13 @@ static void accept_all(acceptor_t *a) {
         int fd = accept4(a->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             if (errno == EINTR || errno == ECONNABORTED) continue;
-            return; /* EAGAIN; or EMFILE/ENFILE/ENOBUFS: retried on the next readiness */
+            if (errno != EAGAIN && errno != EWOULDBLOCK) {
+                /* EMFILE, ENFILE, ENOBUFS, ENOMEM: the listening socket stays readable, so
+                 * retrying at once would spin. Pause; the backlog holds the clients. */
+                struct timespec pause = {0, 10 * 1000 * 1000};
+                nanosleep(&pause, NULL);
+            }
+            return;
         }
         pthread_mutex_lock(&a->mu);
         a->accepted++;
