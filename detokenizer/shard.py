@@ -69,6 +69,7 @@ class _Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: Finish = Finish.NONE
     stop_reason: str | int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 class _FifoSet:
@@ -116,8 +117,9 @@ class DetokShard:
         stop = StopMatcher(params.stop, params.include_stop_str_in_output)
         plain = not stop.active and msg.num_logprobs is None
         req = _Request(
-            msg.rid, detok, detok.feed, stop if stop.active else None, msg.num_logprobs, plain
-        )
+            msg.rid, detok, detok.feed, stop if stop.active else None, msg.num_logprobs, plain,
+            stop_token_ids=frozenset(params.stop_token_ids),
+        )  # fmt: skip
         self._reqs[msg.rid] = req
         self._replay(req, msg.output_ids)
         for pos, tok in sorted(self._early.pop(msg.rid, {}).items()):
@@ -232,7 +234,9 @@ class DetokShard:
         req.text += text
         self._dirty[req.rid] = req
         if tok.finish:
-            self._finish(req, Finish(tok.finish), tok.token_id)
+            # The engine stops on stop_token_ids before EOS, so a listed token was the cause.
+            reason = tok.token_id if tok.token_id in req.stop_token_ids else None
+            self._finish(req, Finish(tok.finish), reason)
 
     def _stop_decode(self, req: _Request, tok: _Token) -> None:
         """A stop string matched: tell the decode worker to stop and free the KV."""

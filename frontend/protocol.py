@@ -287,6 +287,7 @@ def to_engine_params(
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
+        stop_token_ids=tuple(sampling.stop_token_ids),
     )
     return sampling, detok
 

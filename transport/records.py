@@ -53,6 +53,8 @@ class DetokParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # An engine stop on one of these reports the token as stop_reason; on EOS it is None.
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class _Msg(msgspec.Struct, array_like=True, tag_field="k", frozen=True):

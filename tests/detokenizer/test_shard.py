@@ -71,8 +71,20 @@ def test_late_tokens_for_a_finished_request_are_ignored(shard_factory: Any) -> N
     shard.on_tokens(one_batch(1, 0, 9707, int(Finish.STOP)), 0)
     shard.on_tokens(one_batch(1, 1, 9707), 0)
     collect(shard, out)
-    assert [(d.text, d.finish, d.stop_reason) for d in out[1]] == [("Hello", 1, 9707)]
+    assert [(d.text, d.finish, d.stop_reason) for d in out[1]] == [("Hello", 1, None)]
     assert shard.num_active == 0
+
+
+@pytest.mark.parametrize(("stop_token_ids", "reason"), [((), None), ((5, 9707), 9707)])
+def test_an_engine_stop_names_its_token_only_if_the_request_listed_it(
+    shard_factory: Any, stop_token_ids: tuple[int, ...], reason: int | None
+) -> None:
+    # Unlisted, the stop was an end-of-sequence token: stop_reason None (OpenAI servers).
+    shard, out = shard_factory(), {}
+    shard.register(register(4, DetokParams(stop_token_ids=stop_token_ids)))
+    shard.on_tokens(one_batch(4, 0, 9707, int(Finish.STOP)), 0)
+    collect(shard, out)
+    assert [(d.finish, d.stop_reason) for d in out[4]] == [(int(Finish.STOP), reason)]
 
 
 def test_abort_ends_the_request_and_drops_held_text(shard_factory: Any) -> None:
