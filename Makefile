@@ -20,7 +20,7 @@ $(BIN)/python:
 		$(BIN)/pip install -q "$(TORCH_SPEC)"; \
 	fi
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard */_*.c)
 	$(BIN)/pip install -q -e .
 	@touch $@
 

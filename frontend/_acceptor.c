@@ -24,10 +24,14 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -69,20 +73,34 @@ static void forget(acceptor_t *a, int i) {
     a->pending[i] = a->pending[--a->n_pending];
 }
 
-static void hand_over(acceptor_t *a, int i) {
-    int fd = a->pending[i].fd;
-    forget(a, i);
-    ssize_t w;
-    do {
-        w = write(a->handoff_fd, &fd, sizeof fd); /* blocks only while the loop lags far behind */
-    } while (w < 0 && errno == EINTR);
-    if (w != (ssize_t)sizeof fd) {
-        close(fd); /* the loop side is gone: we are shutting down */
-        return;
-    }
+/* Give `fd` to the event loop (or close it if we are stopping). */
+static void send_fd(acceptor_t *a, int fd) {
+    /* Counted before the loop can see it: a client served by the loop must never find
+     * it missing from stats(). */
     pthread_mutex_lock(&a->mu);
     a->handed_over++;
     pthread_mutex_unlock(&a->mu);
+    for (;;) {
+        ssize_t w = write(a->handoff_fd, &fd, sizeof fd); /* handoff_fd is non-blocking */
+        if (w == (ssize_t)sizeof fd) return;
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && errno == EAGAIN) {
+            /* The pipe is full: the loop lags far behind. Wait for room, but never past
+             * stop(): the loop may be the thread joining us, and it reads no more. */
+            struct pollfd p[2] = {{a->handoff_fd, POLLOUT, 0}, {a->stop_fd, POLLIN, 0}};
+            int r = poll(p, 2, -1);
+            if (r < 0 && errno == EINTR) continue;
+            if (r > 0 && !(p[1].revents & POLLIN)) continue; /* room again */
+        }
+        close(fd); /* stopping (stop_fd stays readable for run()), or the loop side is gone */
+        return;
+    }
+}
+
+static void hand_over(acceptor_t *a, int i) {
+    int fd = a->pending[i].fd;
+    forget(a, i);
+    send_fd(a, fd);
 }
 
 static void drop(acceptor_t *a, int i) {
@@ -102,6 +120,17 @@ static int is_health(const char *buf, size_t n) {
     return (buf[k] == ' ' || buf[k] == '?') ? 1 : 0;
 }
 
+/* Whether a request head announces a body (Content-Length or Transfer-Encoding). */
+static int has_body(const char *head, size_t n) {
+    static const char *const names[] = {"\ncontent-length:", "\ntransfer-encoding:"};
+    for (size_t j = 0; j < 2; j++) {
+        size_t m = strlen(names[j]);
+        for (size_t p = 0; p + m <= n; p++)
+            if (strncasecmp(head + p, names[j], m) == 0) return 1;
+    }
+    return 0;
+}
+
 static void answer(acceptor_t *a, int fd) {
     pthread_mutex_lock(&a->mu);
     int fresh = a->body != NULL && now_ms() - a->body_at_ms <= a->stale_ms;
@@ -114,7 +143,8 @@ static void answer(acceptor_t *a, int fd) {
     int n = snprintf(head, sizeof head,
                      "HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
                      "content-length: %zu\r\nconnection: close\r\n\r\n",
-                     status, status == 200 ? "OK" : "Service Unavailable", body_len);
+                     status, status == 200 ? "OK" : status == 503 ? "Service Unavailable"
+                             : status == 500 ? "Internal Server Error" : "Unknown", body_len);
     struct iovec iov[2] = {{head, (size_t)n}, {(void *)body, body_len}};
     struct msghdr msg = {.msg_iov = iov, .msg_iovlen = 2};
     /* A probe's socket buffer takes a few KB at once; a short write loses only this reply. */
@@ -122,6 +152,8 @@ static void answer(acceptor_t *a, int fd) {
     a->answered++;
     pthread_mutex_unlock(&a->mu);
     shutdown(fd, SHUT_WR);
+    char sink[512]; /* bytes that came after the request (sent late): unread, close() would RST */
+    while (recv(fd, sink, sizeof sink, MSG_DONTWAIT) > 0) {}
     close(fd);
 }
 
@@ -142,6 +174,10 @@ static void inspect(acceptor_t *a, int i) {
     if (health == 1) {
         for (ssize_t k = 3; k < n; k++) {
             if (buf[k] == '\n' && buf[k - 1] == '\r' && buf[k - 2] == '\n' && buf[k - 3] == '\r') {
+                if (k + 1 < n || has_body(buf, (size_t)k + 1)) {
+                    hand_over(a, i); /* a body or pipelined requests follow: the loop's */
+                    return;
+                }
                 (void)!recv(a->pending[i].fd, buf, (size_t)k + 1, 0); /* consume the request */
                 a->pending[i].awaiting = 1;
                 a->pending[i].deadline_ms = now_ms() + a->wait_ms;
@@ -193,7 +229,7 @@ static void accept_all(acceptor_t *a) {
         if (a->n_pending == MAX_PENDING) expire(a, 0); /* make room: decide one now */
         struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP | EPOLLET, .data.fd = fd};
         if (epoll_ctl(a->epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
-            close(fd);
+            send_fd(a, fd); /* cannot watch it: the loop has it undecided */
             continue;
         }
         int i = a->n_pending++;
@@ -214,7 +250,11 @@ static void *run(void *arg) {
             if (timeout < 0 || t < timeout) timeout = t;
         }
         int n = epoll_wait(a->epfd, events, 64, timeout);
-        if (n < 0 && errno != EINTR) break;
+        if (n < 0 && errno != EINTR) {
+            /* Cannot happen with valid fds; if it does, say so: nothing accepts any more. */
+            perror("pdserve frontend accept thread: epoll_wait");
+            break;
+        }
         for (int e = 0; e < n; e++) {
             int fd = events[e].data.fd;
             if (fd == a->stop_fd) goto out;
@@ -241,6 +281,7 @@ static void *run(void *arg) {
         }
     }
 out:
+    answer_waiting(a); /* probes already read get their answer; the rest are closed */
     while (a->n_pending > 0) drop(a, a->n_pending - 1);
     return NULL;
 }
@@ -294,8 +335,18 @@ static PyObject *start(PyObject *self, PyObject *args) {
         return NULL;
     }
     PyObject *capsule = PyCapsule_New(a, "pdserve.acceptor", destroy);
-    if (capsule == NULL) return NULL;
+    if (capsule == NULL) {
+        close(a->stop_fd), close(a->fresh_fd), close(a->epfd);
+        pthread_mutex_destroy(&a->mu);
+        free(a);
+        return NULL;
+    }
+    /* Signals stay with the main thread (Python handles them there). */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
     int err = pthread_create(&a->thread, NULL, run, a);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (err != 0) {
         Py_DECREF(capsule);
         errno = err;

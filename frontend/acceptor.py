@@ -15,8 +15,10 @@ before uvicorn closes the connections it has.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
+import resource
 import socket
 import sys
 from collections.abc import Callable
@@ -40,14 +42,24 @@ class HealthAcceptor:
         *,
         refresh_s: float = REFRESH_S,
         stale_s: float = STALE_S,
+        peek_s: float = PEEK_S,
     ) -> None:
         self.sock, self._factory, self._health = sock, protocol_factory, health
-        self.refresh_s, self.stale_s = refresh_s, stale_s
+        self.refresh_s, self.stale_s, self.peek_s = refresh_s, stale_s, peek_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: _acceptor.Handle | None = None
         self._refresh: asyncio.TimerHandle | None = None
         self._read_fd, self._write_fd = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)  # the thread polls it together with stop()
+        # Every fd in the pipe is an open fd of this process: a pipe that holds
+        # RLIMIT_NOFILE of them never fills (best effort: pipe-max-size may cap it).
+        try:
+            nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            fcntl.fcntl(self._write_fd, fcntl.F_SETPIPE_SZ, min(4 * nofile, 1 << 20))
+        except (OSError, ValueError):
+            pass
+        self._connecting: set[asyncio.Task[None]] = set()
         self._want_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
 
     def start(self) -> None:
@@ -56,7 +68,7 @@ class HealthAcceptor:
         self.sock.setblocking(False)
         self._loop.add_reader(self._read_fd, self._adopt)
         self._loop.add_reader(self._want_fd, self._on_want)
-        ms = [int(x * 1000) for x in (PEEK_S, WAIT_S, self.stale_s)]
+        ms = [int(x * 1000) for x in (self.peek_s, WAIT_S, self.stale_s)]
         self._handle = _acceptor.start(self.sock.fileno(), self._write_fd, self._want_fd, *ms)
         self._renew()
 
@@ -90,7 +102,9 @@ class HealthAcceptor:
         for i in range(0, len(data), 4):
             fd = int.from_bytes(data[i : i + 4], sys.byteorder, signed=True)
             conn = socket.socket(fileno=fd)
-            self._loop.create_task(self._connect(conn))
+            task = self._loop.create_task(self._connect(conn))
+            self._connecting.add(task)
+            task.add_done_callback(self._connecting.discard)
 
     async def _connect(self, conn: socket.socket) -> None:
         assert self._loop is not None
@@ -123,6 +137,12 @@ class HealthAcceptor:
         for fd in (self._read_fd, self._write_fd, self._want_fd):
             os.close(fd)
         self.sock.close()
+
+    async def wait_adopted(self) -> None:
+        """Until every connection handed over has reached the protocol (uvicorn's shutdown
+        sweep then sees it)."""
+        if self._connecting:
+            await asyncio.wait(list(self._connecting))
 
     def _adopt_leftovers(self) -> None:
         """Fds handed over but not yet adopted are closed: we are shutting down."""

@@ -52,6 +52,7 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.acceptor is not None:
             self.acceptor.close()  # first stop taking new connections
+            await self.acceptor.wait_adopted()  # so that uvicorn's sweep below sees them all
         await super().shutdown(sockets)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from frontend.acceptor import PEEK_S, HealthAcceptor
+from frontend.acceptor import HealthAcceptor
 
 
 class _Echo(asyncio.Protocol):
@@ -55,6 +55,7 @@ def served() -> Iterator[Served]:
     acceptor = HealthAcceptor(
         sock, _Echo, lambda: (report["status"], report["body"]),  # type: ignore[arg-type,return-value]
         refresh_s=60.0, stale_s=0.3,  # only probes ask for reports
+        peek_s=0.5,  # room for a client thread that waits for the GIL between connect and send
     )  # fmt: skip
     loop = asyncio.new_event_loop()
     started = threading.Event()
@@ -117,7 +118,8 @@ def test_every_other_request_reaches_the_loop_untouched(
 
 def test_a_silent_connection_goes_to_the_loop_after_the_peek_window(served: Served) -> None:
     started = time.monotonic()
-    status, body = _ask(served.port, b"", b"GET /health HTTP/1.1\r\n\r\n", gap_s=3 * PEEK_S)
+    gap_s = 3 * served.acceptor.peek_s
+    status, body = _ask(served.port, b"", b"GET /health HTTP/1.1\r\n\r\n", gap_s=gap_s)
     assert (status, body) == (200, b"loop saw GET /health HTTP/1.1")
     assert served.acceptor.stats()[2] == 1 and time.monotonic() - started < 5
 
@@ -153,3 +155,44 @@ def test_a_burst_of_mixed_connections_is_answered_by_the_right_side(served: Serv
         want = b'{"status":"ok"}' if line.startswith(b"GET /health") else b"loop saw " + line
         assert reply == (200, want)
     assert served.acceptor.stats() == (300, 100, 200)
+
+
+def test_a_probe_with_a_body_or_a_pipelined_request_goes_to_the_loop(served: Served) -> None:
+    """Answering here would leave those bytes unread: close() would then reset the connection."""
+    for request in (b"GET /health HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi",
+                    b"GET /health HTTP/1.1\r\n\r\nGET /x HTTP/1.1\r\n\r\n"):  # fmt: skip
+        assert _ask(served.port, request) == (200, b"loop saw GET /health HTTP/1.1")
+    assert served.acceptor.stats()[1:] == (0, 2)
+
+
+def test_close_returns_while_the_handoff_pipe_is_full(served: Served) -> None:
+    import fcntl
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4096:
+        if hard != resource.RLIM_INFINITY and hard < 4096:
+            pytest.skip(f"needs ~2,300 open files; the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (4096, hard))
+
+    fcntl.fcntl(served.acceptor._write_fd, fcntl.F_SETPIPE_SZ, 4096)  # room for 1024 fds
+    blocked, filled, closed = threading.Event(), threading.Event(), threading.Event()
+
+    def stall_then_close() -> None:
+        blocked.set()
+        filled.wait(10)  # meanwhile the pipe fills: nobody adopts
+        served.acceptor.close()
+        closed.set()
+
+    served.loop.call_soon_threadsafe(stall_then_close)
+    assert blocked.wait(5)
+    conns = [socket.create_connection(("127.0.0.1", served.port)) for _ in range(1100)]
+    for c in conns:
+        c.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    time.sleep(0.2)  # past the peek window: the thread now waits on a full pipe
+    filled.set()
+    try:
+        assert closed.wait(5)
+    finally:
+        for c in conns:
+            c.close()
