@@ -19,8 +19,9 @@ Reports ITL p50 / in-process decode step (target <= 1.3x) and TTFT p50 - in-proc
 prefill p50 (target <= 5 ms).
 
     python -m benchmarks.serving_overhead [--quick]
+    python -m benchmarks.serving_overhead --device cuda [--model PATH]   # roles share GPU 0
 
-Writes benchmarks/results/serving_overhead.md.
+Writes benchmarks/results/serving_overhead.md (serving_overhead_cuda.md with --device cuda).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from engine.sequence import Sequence
 from pdserve import tiny_models
 
 RESULTS = Path(__file__).parent / "results" / "serving_overhead.md"
+RESULTS_CUDA = Path(__file__).parent / "results" / "serving_overhead_cuda.md"
 PROMPT = "The quick brown fox jumps over the lazy dog while the engineers measure latency."
 CONCURRENCY = 16
 MAX_TOKENS = 64
@@ -178,12 +180,17 @@ class SocketClient:
 class InProcess:
     """The engine alone, with the torch threads launch gives each of the 2 workers."""
 
-    def __init__(self, model: Path, prompt_tokens: int) -> None:
+    def __init__(self, model: Path, prompt_tokens: int, device: str = "cpu") -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
-        self.runner = ModelRunner(EngineConfig(model=str(model)))
+        # On CUDA it shares the GPU with the served workers: a fixed small pool, not a share.
+        blocks = None if device == "cpu" else 256
+        self.runner = ModelRunner(EngineConfig(model=str(model), device=device,
+                                               num_kv_blocks=blocks))  # fmt: skip
+        self.cuda = device != "cpu"
         self.greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS + 1, ignore_eos=True)
         g = torch.Generator().manual_seed(0)
-        self.prompt = torch.randint(0, 150_000, (prompt_tokens,), generator=g).tolist()
+        vocab = min(150_000, self.runner.model_config.vocab_size)
+        self.prompt = torch.randint(0, vocab, (prompt_tokens,), generator=g).tolist()
 
     def _seq(self, rid: int) -> Sequence:
         return Sequence(rid, self.prompt, sampling=self.greedy, block_size=self.runner.block_size)
@@ -193,9 +200,14 @@ class InProcess:
         seq = self._seq(0)
         t0 = time.perf_counter()
         self.runner.sample(self.runner.prefill([(seq, seq.num_tokens)]), [seq])
+        self._sync()
         elapsed = (time.perf_counter() - t0) * 1e3
         self.runner.free_blocks(seq)
         return elapsed
+
+    def _sync(self) -> None:
+        if self.cuda:  # kernels run asynchronously: time them to their end
+            torch.cuda.synchronize()
 
     def decode_steps_ms(self) -> list[float]:
         """Per-step decode + sample times at batch 16, in ms."""
@@ -207,6 +219,7 @@ class InProcess:
         for _ in range(MAX_TOKENS - 1):
             t0 = time.perf_counter()
             out = runner.sample(runner.decode(seqs), seqs)
+            self._sync()
             decode.append((time.perf_counter() - t0) * 1e3)
             for s, t in zip(seqs, out.token_ids.tolist()):
                 s.append_token(int(t))
@@ -245,7 +258,7 @@ async def measure_ttft(
 
 
 async def measure_served(
-    url: str, model_dir: Path, rounds: int, n: int
+    url: str, model_dir: Path, rounds: int, n: int, device: str = "cpu"
 ) -> tuple[Measured, InProcess]:
     m = Measured()
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
@@ -253,7 +266,7 @@ async def measure_served(
         _, m.prompt_tokens = await stream_one(client, model, 4)  # warm-up
         assert m.prompt_tokens > 0, "the server reported no usage"
         await measure_itl(client, model, rounds, m)
-        engine = InProcess(model_dir, m.prompt_tokens)
+        engine = InProcess(model_dir, m.prompt_tokens, device)
         await measure_ttft(client, url, model, engine, n, m)
     return m, engine
 
@@ -262,7 +275,7 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
 
 
-def report(m: Measured, cmd: str) -> str:
+def report(m: Measured, cmd: str, served: list[str], device: str) -> str:
     itl50, step50 = pct(m.itl_ms, 50), statistics.median(m.decode_ms)
     ttft50, pre50 = statistics.median(m.ttft_ms), statistics.median(m.prefill_ms)
     httpx50 = statistics.median(m.ttft_httpx_ms)
@@ -279,14 +292,15 @@ def report(m: Measured, cmd: str) -> str:
         ("**TTFT p50 - prefill p50** (target <= 5 ms)", f"**{ttft50 - pre50:.2f} ms**"),
         ("TTFT p50 (httpx) - prefill p50", f"{httpx50 - pre50:.2f} ms"),
     ]  # fmt: skip
-    lines = ["# Serving overhead: launched 1P+1D vs the engine in-process (CPU, tiny model)", "",
+    title = f"# Serving overhead: launched 1P+1D vs the engine in-process ({device.upper()})"
+    lines = [title, "",
              f"Command: `{cmd}`", "", "| measurement | value |", "| --- | ---: |"]  # fmt: skip
     lines += [f"| {a} | {b} |" for a, b in rows]
     lines += [
         "",
         f"Samples: {len(m.itl_ms)} inter-token gaps, {len(m.ttft_ms)} TTFTs per client, "
         f"{len(m.decode_ms)} decode steps, {len(m.prefill_ms)} prefills. Served side: "
-        f"`launch --prefill 1 --decode 1 --detokenizers 1 --device cpu`, /v1/completions "
+        f"`launch {' '.join(served)}`, /v1/completions "
         f"streaming, max_tokens {MAX_TOKENS} (ITL) or 1 (TTFT), ignore_eos, temperature 0.",
         "",
         "Machine:",
@@ -300,22 +314,38 @@ def report(m: Measured, cmd: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer requests (smoke run; prints, writes no results file)")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: both roles share GPU 0, as does the in-process engine",
+    )
+    parser.add_argument("--model", type=Path, help="checkpoint (default: the tiny model)")
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    model = tiny_models.tiny_model_dir()
+    model = args.model or tiny_models.tiny_model_dir()
     rounds, ttfts = (1, 5) if args.quick else (3, 50)
-    server = Server(["--prefill", "1", "--decode", "1", "--detokenizers", "1", "--device", "cpu"])
+    served = ["--prefill", "1", "--decode", "1", "--detokenizers", "1", "--device", args.device,
+              "--model", str(model)]  # fmt: skip
+    if args.device == "cuda":  # the two workers take half the GPU; the rest is ours
+        served += ["--prefill-gpus", "0", "--decode-gpus", "0", "--gpu-memory-utilization", "0.5"]
+    server = Server(served)
     try:
         server.wait_ready()
-        measured, engine = asyncio.run(measure_served(server.url, model, rounds, ttfts))
+        measured, engine = asyncio.run(
+            measure_served(server.url, model, rounds, ttfts, args.device)
+        )
     finally:
         server.stop()
     measured.decode_ms = engine.decode_steps_ms()  # with the server gone, as ITL's baseline
-    cmd = "python -m benchmarks.serving_overhead" + (" --quick" if args.quick else "")
-    text = report(measured, cmd)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    cmd = "python -m benchmarks.serving_overhead " + " ".join(sys.argv[1:])
+    text = report(measured, cmd.strip(), served, args.device)
+    if not args.quick:  # a smoke run is no record
+        out = RESULTS if args.device == "cpu" else RESULTS_CUDA
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
     sys.stdout.write(text)
 
 
