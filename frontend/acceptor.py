@@ -63,7 +63,7 @@ class HealthAcceptor:
         self._want_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
 
     def start(self) -> None:
-        """On the event loop: publish a first report, then start accepting."""
+        """On the event loop: start accepting, and publish a first report at once."""
         self._loop = asyncio.get_running_loop()
         self.sock.setblocking(False)
         self._loop.add_reader(self._read_fd, self._adopt)

@@ -159,8 +159,10 @@ class FastPaths:
     including refusals of requests that fail authentication, takes the normal path.
     """
 
-    def __init__(self, app: ASGIApp, client: EngineClient, api_key: str | None) -> None:
-        self.app, self.client = app, client
+    def __init__(
+        self, app: ASGIApp, client: EngineClient, api_key: str | None, metrics: FrontendMetrics
+    ) -> None:
+        self.app, self.client, self.metrics = app, client, metrics
         self._auth = None if api_key is None else b"bearer " + api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -173,6 +175,7 @@ class FastPaths:
                 try:
                     self.client.check_admission()
                 except Overloaded as e:
+                    self.metrics.refused.inc()
                     response = ServiceUnavailable(e.retry_after_s, str(e)).response()
                     await response(scope, receive, send)
                     return
@@ -220,7 +223,7 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
-    app.add_middleware(FastPaths, client=client, api_key=settings.api_key)
+    app.add_middleware(FastPaths, client=client, api_key=settings.api_key, metrics=ctx.metrics)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:

@@ -9,7 +9,7 @@ present. Each app owns its registry, so several apps can live in one process (te
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
@@ -99,6 +99,22 @@ class _NvmlCollector(Collector):
         yield from (util, used, total)
 
 
+class _AcceptorCollector(Collector):
+    def __init__(self, stats: Callable[[], tuple[int, int, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        accepted, answered, _ = self._stats()
+        yield CounterMetricFamily(
+            "pdserve_http_connections_accepted", "TCP connections accepted", value=accepted
+        )
+        yield CounterMetricFamily(
+            "pdserve_health_probes_answered",
+            "GET /health probes answered by the accept thread, off the event loop",
+            value=answered,
+        )
+
+
 class FrontendMetrics:
     """The frontend's registry and the instruments handlers update."""
 
@@ -118,10 +134,19 @@ class FrontendMetrics:
         self.requests = Counter(
             "pdserve_requests", "Finished requests", ["finish_reason"], registry=reg
         )
+        self.refused = Counter(
+            "pdserve_requests_refused",
+            "Requests answered 503: no worker could take them",
+            registry=reg,
+        )
         reg.register(_EngineCollector(client))
         gpu = _NvmlCollector.try_create() if nvml else None
         if gpu is not None:
             reg.register(gpu)
+
+    def add_acceptor(self, stats: Callable[[], tuple[int, int, int]]) -> None:
+        """Count what the accept thread did (``HealthAcceptor.stats``)."""
+        self.registry.register(_AcceptorCollector(stats))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

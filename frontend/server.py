@@ -19,6 +19,7 @@ from frontend.acceptor import HealthAcceptor
 from frontend.app import build_app, health_report
 from frontend.client_rings import RingEngineClient
 from frontend.engine_client import EngineClient
+from frontend.metrics import FrontendMetrics
 from frontend.settings import FrontendSettings
 from pdserve.process import bootstrap
 from router.policy import RouterConfig
@@ -29,9 +30,15 @@ logger = logging.getLogger(__name__)
 class _Server(uvicorn.Server):
     """uvicorn, minus its own listener: connections arrive from the accept thread."""
 
-    def __init__(self, config: uvicorn.Config, sock: socket.socket, client: EngineClient) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        sock: socket.socket,
+        client: EngineClient,
+        metrics: FrontendMetrics,
+    ) -> None:
         super().__init__(config)
-        self.sock, self.client = sock, client
+        self.sock, self.client, self.metrics = sock, client, metrics
         self.acceptor: HealthAcceptor | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -46,6 +53,7 @@ class _Server(uvicorn.Server):
 
         self.acceptor = HealthAcceptor(self.sock, protocol, lambda: health_report(self.client))
         self.acceptor.start()
+        self.metrics.add_acceptor(self.acceptor.stats)
         host, port = self.sock.getsockname()[:2]
         logger.info("serving HTTP on %s:%d", host, port)
 
@@ -86,7 +94,7 @@ def main() -> None:
     # Bound here, before the model-sized work is done, so a taken port fails fast; backlog
     # as uvicorn's default, enough for a burst of thousands of clients.
     sock = socket.create_server((settings.host, settings.port), backlog=2048)
-    _Server(config, sock, client).run()
+    _Server(config, sock, client, app.state.ctx.metrics).run()
 
 
 if __name__ == "__main__":

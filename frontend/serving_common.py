@@ -127,6 +127,7 @@ class EngineCall:
         try:
             self._first = await until_disconnect(request, self._agen.__anext__())
         except Overloaded as e:
+            self.ctx.metrics.refused.inc()
             raise ServiceUnavailable(e.retry_after_s, str(e)) from e
         except EngineError as e:
             logger.error("rid=%d engine error at admission: %s", self.req.rid, e)

@@ -64,6 +64,14 @@ def test_500_streams_beyond_the_bound_get_503_and_health_keeps_answering(
                 1000 * percentile(latencies, 0.5), 1000 * percentile(latencies, 0.99),
                 1000 * max(latencies))  # fmt: skip
     assert small.health()["status"] == "ok"
+    # Every refusal is counted, and the probes were answered by the accept thread.
+    counters = {}
+    for line in httpx.get(small.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(("pdserve_requests_refused_total", "pdserve_health_probes_answered")):
+            name, value = line.split()
+            counters[name] = float(value)
+    assert counters["pdserve_requests_refused_total"] == len(refused)
+    assert counters["pdserve_health_probes_answered_total"] >= len(latencies)
 
 
 def test_after_the_storm_the_server_serves_and_holds_no_kv(small: LaunchedServer) -> None:

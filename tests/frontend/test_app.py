@@ -236,8 +236,10 @@ async def test_overload_is_503_with_retry_after(make_client: Any) -> None:
     app = build_app(client, client.tokenizer, make_settings())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
         r = await h.post("/v1/completions", json={"prompt": "Hi", "stream": True})
+        metrics = (await h.get("/metrics")).text
     assert r.status_code == 503 and r.headers["retry-after"] == "2"
     assert r.json()["error"]["code"] == "overloaded"
+    assert "pdserve_requests_refused_total 1.0" in metrics
 
 
 async def test_under_overload_a_request_without_the_key_is_still_401(make_client: Any) -> None:
