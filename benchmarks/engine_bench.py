@@ -1,15 +1,16 @@
-"""Engine vs transformers on CPU: decode step time at batch 1/8/32 and prefill tokens/s.
+"""Engine vs transformers: decode step time at batch 1/8/32 and prefill tokens/s.
 
-Both sides run the same weights in float32 on the same threads, forward only (no
-sampling). transformers runs its own forward with its ``DynamicCache`` (and
+Both sides run the same weights in the same dtype on the same device (CPU: the same
+threads), forward only (no sampling); on CUDA every timing ends with a synchronize. transformers runs its own forward with its ``DynamicCache`` (and
 ``logits_to_keep=1`` in prefill, so it too skips the vocabulary projection of
 non-final positions). Measurements interleave the two engines and keep each one's best
 run (least disturbed by other processes on a shared machine), so background load hits
 both alike.
 
     python -m benchmarks.engine_bench [--quick]
+    python -m benchmarks.engine_bench --device cuda [--dtype bfloat16]
 
-Writes benchmarks/results/engine_cpu.md.
+Writes benchmarks/results/engine_cpu.md (engine_cuda.md with --device cuda).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from engine.sequence import Sequence
 from pdserve import tiny_models
 
 RESULTS = Path(__file__).parent / "results" / "engine_cpu.md"
+RESULTS_CUDA = Path(__file__).parent / "results" / "engine_cuda.md"
 BATCHES = (1, 8, 32)
 CONTEXT = 128  # prompt tokens before the timed decode steps
 
@@ -82,6 +84,11 @@ def best_interleaved(
     return [min(s) if lower_is_better else max(s) for s in samples]
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":  # kernels run asynchronously: a timing must wait for their end
+        torch.cuda.synchronize()
+
+
 def _prompts(batch: int, length: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(batch * 1000 + length)
     return torch.randint(0, 150_000, (batch, length), generator=g).tolist()
@@ -96,11 +103,13 @@ def ours_decode(runner: ModelRunner, batch: int, steps: int) -> Callable[[], flo
         runner.prefill([(s, s.num_tokens) for s in seqs])
         for s in seqs:
             s.output_ids.append(11)
+        _sync(runner.device.type)
         t0 = time.perf_counter()
         for step in range(steps):
             runner.decode(seqs)
             for s in seqs:
                 s.output_ids.append(12 + step)
+        _sync(runner.device.type)
         elapsed = (time.perf_counter() - t0) / steps
         for s in seqs:
             runner.free_blocks(s)
@@ -113,14 +122,16 @@ def hf_decode(model: Any, batch: int, steps: int) -> Callable[[], float]:
     from transformers import DynamicCache
 
     def run() -> float:
-        ids = torch.tensor(_prompts(batch, CONTEXT))
+        ids = torch.tensor(_prompts(batch, CONTEXT), device=model.device)
         with torch.inference_mode():
             cache = DynamicCache(config=model.config)
             model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            _sync(model.device.type)
             t0 = time.perf_counter()
             for step in range(steps):
-                nxt = torch.full((batch, 1), 12 + step)
+                nxt = torch.full((batch, 1), 12 + step, device=model.device)
                 model(nxt, past_key_values=cache, use_cache=True)
+            _sync(model.device.type)
             return (time.perf_counter() - t0) / steps
 
     return run
@@ -132,8 +143,10 @@ def ours_prefill(runner: ModelRunner, batch: int, length: int) -> Callable[[], f
             Sequence(i, p, sampling=SamplingParams(), block_size=16)
             for i, p in enumerate(_prompts(batch, length))
         ]
+        _sync(runner.device.type)
         t0 = time.perf_counter()
         runner.prefill([(s, s.num_tokens) for s in seqs])
+        _sync(runner.device.type)
         rate = batch * length / (time.perf_counter() - t0)
         for s in seqs:
             runner.free_blocks(s)
@@ -146,8 +159,9 @@ def hf_prefill(model: Any, batch: int, length: int) -> Callable[[], float]:
     from transformers import DynamicCache
 
     def run() -> float:
-        ids = torch.tensor(_prompts(batch, length))
+        ids = torch.tensor(_prompts(batch, length), device=model.device)
         with torch.inference_mode():
+            _sync(model.device.type)
             t0 = time.perf_counter()
             model(
                 ids,
@@ -155,16 +169,21 @@ def hf_prefill(model: Any, batch: int, length: int) -> Callable[[], float]:
                 use_cache=True,
                 logits_to_keep=1,
             )
+            _sync(model.device.type)
             return batch * length / (time.perf_counter() - t0)
 
     return run
 
 
-def bench_model(name: str, path: Path, quick: bool) -> list[Row]:
+def bench_model(
+    name: str, path: Path, quick: bool, device: str = "cpu", dtype: str = "float32"
+) -> list[Row]:
     from transformers import AutoModelForCausalLM
 
-    runner = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=1024))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = EngineConfig(model=str(path), num_kv_blocks=1024, device=device, dtype=dtype)
+    runner = ModelRunner(config)
+    hf: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    hf = hf.to(torch.device(device)).eval()
     repeats, steps = (2, 4) if quick else (6, 12)
     rows = []
     for batch in BATCHES:
@@ -189,9 +208,9 @@ def bench_model(name: str, path: Path, quick: bool) -> list[Row]:
     return rows
 
 
-def report(rows: list[Row], command: str) -> str:
+def report(rows: list[Row], command: str, device: str = "cpu", dtype: str = "float32") -> str:
     lines = [
-        "# Engine vs transformers, CPU forward (float32)",
+        f"# Engine vs transformers, {device.upper()} forward ({dtype})",
         "",
         f"Command: `{command}`",
         "",
@@ -211,8 +230,11 @@ def report(rows: list[Row], command: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and steps")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer repeats and steps (smoke run; writes no results file)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows: list[Row] = []
@@ -220,12 +242,16 @@ def main() -> None:
         models = [("tiny qwen2 (h64, 2 layers)", tiny_models.tiny_model_dir("qwen2"))]
         models.append(("random qwen2 (h512, 8 layers)", build_bench_model(Path(tmp))))
         for name, path in models:
-            rows.extend(bench_model(name, path, args.quick))
+            rows.extend(bench_model(name, path, args.quick, args.device, args.dtype))
     command = f"python -m benchmarks.engine_bench --threads {args.threads}"
     command += " --quick" if args.quick else ""
-    text = report(rows, command)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    if args.device != "cpu" or args.dtype != "float32":
+        command += f" --device {args.device} --dtype {args.dtype}"
+    text = report(rows, command, args.device, args.dtype)
+    if not args.quick:  # a smoke run is no record
+        out = RESULTS if args.device == "cpu" else RESULTS_CUDA
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
     print(text)
 
 
