@@ -129,8 +129,9 @@ class DecodeScheduler:
             return out
         logits = self.runner.decode([r.seq for r in batch])
         sample = self.runner.sample(logits, [r.seq for r in batch])
+        tokens, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
         for i, r in enumerate(batch):
-            self._emit(r, int(sample.token_ids[i]), i, float(sample.logprobs[i]), batcher, out)
+            self._emit(r, tokens[i], i, logprobs[i], batcher, out)
         out.tokens = batcher.batches(sample)
         return out
 

@@ -230,7 +230,13 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         """Pick each sequence's next token (output position ``len(seq.output_ids)``)."""
         rows = [SampleRequest(s.sampling, s.prompt_ids, s.output_ids) for s in seqs]
-        return sample(logits, rows, self.generator)
+        out = sample(logits, rows, self.generator)
+        if out.token_ids.is_cuda:
+            # Every caller reads the sample on the host (token lists, numpy batches):
+            # one copy per step, not one sync per element.
+            out = SampleOutput(out.token_ids.cpu(), out.logprobs.cpu(), out.top_ids.cpu(),
+                               out.top_logprobs.cpu())  # fmt: skip
+        return out
 
     def check_stop(self, seq: Sequence) -> Finish:
         """Why ``seq`` must stop after its newest token, or ``Finish.NONE``."""

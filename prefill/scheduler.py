@@ -113,13 +113,14 @@ class PrefillScheduler:
         rows = [row for row, _ in done]
         sample = self.runner.sample(logits[rows], [p.seq for _, p in done])
         batcher = TokenBatcher()
+        tokens, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
         for i, (_, p) in enumerate(done):
             self.waiting.remove(p)
-            token = int(sample.token_ids[i])
+            token = tokens[i]
             p.seq.append_token(token)
             finish = self.runner.check_stop(p.seq)
             pos = len(p.seq.output_ids) - 1
-            batcher.add(p.detok_shard, p.seq.rid, pos, token, i, float(sample.logprobs[i]), finish)
+            batcher.add(p.detok_shard, p.seq.rid, pos, token, i, logprobs[i], finish)
             if finish != Finish.NONE:
                 self.runner.free_blocks(p.seq)
             elif self.keep_kv:

@@ -67,6 +67,14 @@ def _check(srv: LaunchedServer, ref: tuple[list[list[int]], list[list[int]]]) ->
     prompts, want = ref
     results = asyncio.run(concurrent_greedy(srv.url, prompts, MAX_TOKENS))
     assert [r["output_ids"] for r in results] == want, "".join(srv.log[-30:])
+    # Top logprobs leave the GPU in the sample; the greedy token is among the top 3.
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "logprobs": 3}  # fmt: skip
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 4 and all(len(top) == 3 for top in lp["top_logprobs"])
+    assert all(token in top for token, top in zip(lp["tokens"], lp["top_logprobs"], strict=True))
 
 
 def _kill_and_wait(srv: LaunchedServer, name: str) -> None:
