@@ -146,10 +146,30 @@ def _decode_attention(
         blocks = pool.view(-1, block_size * kv_heads * d)  # (NB * L * 2, bs * KVH * D)
         kv = blocks.index_select(0, meta.gather_rows[layer]).view(2, b, s, kv_heads, d)
     keys, values = kv.transpose(2, 3)  # each (B, KVH, S, D), strided views
+    if q.is_cuda:
+        return grouped_decode_sdpa(q, keys, values, meta.attn_bias)
     out = F.scaled_dot_product_attention(
         q.view(b, heads, 1, d), keys, values, attn_mask=meta.attn_bias, enable_gqa=True
     )
     return out.view(b, heads, d)
+
+
+def grouped_decode_sdpa(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """One decode token per sequence, with the query heads of each KV head as the rows of
+    one query block: q (B, H, D), keys/values (B, KVH, S, D), bias (B, 1, 1, S) -> (B, H, D).
+
+    Equal to SDPA with ``enable_gqa=True`` (query head h reads KV head h // (H / KVH)), but
+    with equal head counts on both sides, so CUDA's fused kernels take the mask instead of
+    falling back to the math kernel, which would expand K/V per query head in float32.
+    """
+    b, heads, d = q.shape
+    kv_heads = keys.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.view(b, kv_heads, heads // kv_heads, d), keys, values, attn_mask=bias
+    )
+    return out.reshape(b, heads, d)
 
 
 class DenseDecodeKV:
