@@ -65,7 +65,14 @@ class ModelRunner:
             if kv_pool.dtype != self.dtype or kv_pool.device.type != self.device.type:
                 raise ValueError(f"kv_pool must be {self.dtype} on {self.device}")
             return kv_pool
-        num_blocks = self.num_blocks_to_allocate()
+        try:
+            num_blocks = self.num_blocks_to_allocate()  # on CUDA: runs a profiling forward
+        except torch.cuda.OutOfMemoryError as e:
+            raise GpuMemoryError(
+                f"the profiling forward (one --chunked-prefill-size chunk, --max-num-seqs "
+                f"decode rows) ran out of memory on {self.device}: lower those, or "
+                "--max-model-len, or raise --gpu-memory-utilization"
+            ) from e
         try:
             return allocate_kv_pool(
                 self.model_config, num_blocks, self.block_size, self.dtype, self.device

@@ -12,6 +12,7 @@ so that CUDA's device 0 in each worker is the GPU assigned here.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -27,6 +28,7 @@ class GpuInfo:
     name: str
     total_bytes: int
     free_bytes: int
+    uuid: str = ""  # "GPU-…", as CUDA_VISIBLE_DEVICES may name it
 
     def describe(self) -> str:
         gib = 1 << 30
@@ -53,6 +55,46 @@ class GpuAssignmentError(ConfigError):
 
 
 def discover_gpus() -> tuple[GpuInfo, ...]:
+    """The NVIDIA GPUs this launch may use, in index order; () when NVML is absent or fails.
+
+    NVML lists every GPU of the host; a ``CUDA_VISIBLE_DEVICES`` given to ``launch``
+    narrows that down (``visible_subset``).
+    """
+    found = _nvml_gpus()
+    return visible_subset(found, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def visible_subset(gpus: Sequence[GpuInfo], visible: str | None) -> tuple[GpuInfo, ...]:
+    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value names, in its order (None: all of them).
+
+    Entries are indices, taken in PCI bus order as the workers' ``CUDA_DEVICE_ORDER`` is,
+    or ``GPU-`` UUIDs (or unique prefixes of them). MIG instances are refused: a worker
+    is given a whole GPU. An entry that names no GPU ends the list, as it does for CUDA.
+    """
+    if visible is None:
+        return tuple(gpus)
+    out: list[GpuInfo] = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if entry.startswith("MIG-"):
+            raise GpuAssignmentError(
+                f"CUDA_VISIBLE_DEVICES names a MIG instance ({entry}); pdserve gives each "
+                "worker whole GPUs: name GPUs, or unset it and use --prefill-gpus/--decode-gpus"
+            )
+        if entry.isdigit():
+            match = [g for g in gpus if g.index == int(entry)]
+        else:
+            match = [g for g in gpus if g.uuid and g.uuid.startswith(entry)] if entry else []
+        if len(match) != 1:
+            if entry:
+                logger.warning("CUDA_VISIBLE_DEVICES entry %r names no single GPU; the GPUs "
+                               "after it are not used", entry)  # fmt: skip
+            break
+        if match[0] not in out:
+            out.append(match[0])
+    return tuple(sorted(out, key=lambda g: g.index))
+
+
+def _nvml_gpus() -> tuple[GpuInfo, ...]:
     """Every NVIDIA GPU NVML sees, in index order; () when NVML is absent or fails."""
     try:
         import pynvml
@@ -77,9 +119,13 @@ def _query(nvml: ModuleType, i: int) -> GpuInfo:
     handle = nvml.nvmlDeviceGetHandleByIndex(i)
     name = nvml.nvmlDeviceGetName(handle)
     mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+    uuid = nvml.nvmlDeviceGetUUID(handle)
     if isinstance(name, bytes):  # older bindings return bytes
         name = name.decode()
-    return GpuInfo(index=i, name=str(name), total_bytes=int(mem.total), free_bytes=int(mem.free))
+    if isinstance(uuid, bytes):
+        uuid = uuid.decode()
+    return GpuInfo(index=i, name=str(name), total_bytes=int(mem.total), free_bytes=int(mem.free),
+                   uuid=str(uuid))  # fmt: skip
 
 
 def assign_gpus(config: ServerConfig, inventory: Sequence[GpuInfo] | None = None) -> GpuAssignment:

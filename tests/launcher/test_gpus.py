@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from launcher.args import Device, ServerConfig, parse_args
-from launcher.gpus import GpuAssignmentError, GpuInfo, assign_gpus, cuda_env, discover_gpus
+from launcher.gpus import (
+    GpuAssignmentError,
+    GpuInfo,
+    assign_gpus,
+    cuda_env,
+    discover_gpus,
+    visible_subset,
+)
 
 GIB = 1 << 30
 
@@ -89,3 +96,32 @@ def test_discovery_without_nvml_or_a_gpu_returns_no_gpus_instead_of_failing() ->
 def test_worker_environment_pins_one_gpu_in_pci_order() -> None:
     assert cuda_env(3) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "3"}
     assert cuda_env(None) == {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _named(n: int) -> list[GpuInfo]:
+    return [
+        GpuInfo(i, "NVIDIA H100", 80 * GIB, 80 * GIB, uuid=f"GPU-{i:x}abc-{i}") for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("visible", "want"),
+    [
+        (None, [0, 1, 2, 3]),  # not set: every GPU of the host
+        ("", []),  # set and empty: none (CUDA sees none either)
+        ("2,3", [2, 3]),
+        ("3,1", [1, 3]),  # taken in index order
+        ("GPU-2abc-2, GPU-0", [0, 2]),  # UUIDs, or unique prefixes of them
+        ("1,7,2", [1]),  # an entry that names no GPU ends the list, as for CUDA
+        ("GPU-", []),  # a prefix of several GPUs names none
+    ],
+)
+def test_cuda_visible_devices_given_to_launch_narrows_the_gpus(
+    visible: str | None, want: list[int]
+) -> None:
+    assert [g.index for g in visible_subset(_named(4), visible)] == want
+
+
+def test_a_mig_instance_is_refused_with_what_to_do() -> None:
+    with pytest.raises(GpuAssignmentError, match="MIG"):
+        visible_subset(_named(2), "MIG-5c4e3f2a-0000-1111-2222-333344445555")
