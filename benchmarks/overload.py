@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.machine import describe as describe_machine
-from benchmarks.soak import launch
+from benchmarks.soak import launch, process_tree, rss_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -122,17 +122,8 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
 def frontend_pid(root: int) -> int:
     """The ``pdserve:frontend`` process under the launcher ``root``."""
-    from benchmarks.soak import process_tree
-
     for pid in process_tree(root):
         try:
             if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"pdserve:frontend"):

@@ -35,9 +35,7 @@ import logging
 import os
 import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +45,7 @@ import httpx
 import torch
 
 from benchmarks.machine import describe as describe_machine
+from benchmarks.soak import launch
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -68,45 +67,6 @@ class Measured:
     prefill_ms: list[float] = field(default_factory=list)  # in-process, interleaved
     decode_ms: list[float] = field(default_factory=list)  # in-process, batch 16
     prompt_tokens: int = 0
-
-
-class Server:
-    """A real ``launch`` process tree on a free loopback port (as tests/conftest does)."""
-
-    def __init__(self, args: list[str]) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "launcher.cli", "--port", str(port), *args]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        ready = threading.Event()
-
-        def pump() -> None:  # keeps draining the pipe so the server never blocks on logs
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                if "pdserve is serving" in line:
-                    ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while not ready.wait(0.5):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("launch did not become ready")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def request_body(model: str, max_tokens: int) -> dict[str, object]:
@@ -331,14 +291,12 @@ def main() -> None:
               "--model", str(model)]  # fmt: skip
     if args.device == "cuda":  # the two workers take half the GPU; the rest is ours
         served += ["--prefill-gpus", "0", "--decode-gpus", "0", "--gpu-memory-utilization", "0.5"]
-    server = Server(served)
+    proc, url = launch(served)
     try:
-        server.wait_ready()
-        measured, engine = asyncio.run(
-            measure_served(server.url, model, rounds, ttfts, args.device)
-        )
+        measured, engine = asyncio.run(measure_served(url, model, rounds, ttfts, args.device))
     finally:
-        server.stop()
+        proc.terminate()
+        proc.wait(30)
     measured.decode_ms = engine.decode_steps_ms()  # with the server gone, as ITL's baseline
     cmd = "python -m benchmarks.serving_overhead " + " ".join(sys.argv[1:])
     text = report(measured, cmd.strip(), served, args.device)

@@ -116,8 +116,8 @@ class Tally:
 # ---- resources -----------------------------------------------------------------------
 
 
-def process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants (one /proc scan, parent links followed)."""
+def parents() -> dict[int, int]:
+    """pid -> parent pid of every process (one /proc scan)."""
     parent: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -126,6 +126,12 @@ def process_tree(root: int) -> list[int]:
             except OSError:
                 continue
             parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parent
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants (parent links followed)."""
+    parent = parents()
     tree, frontier = [root], [root]
     while frontier:
         frontier = [pid for pid, ppid in parent.items() if ppid in frontier]
@@ -140,7 +146,7 @@ def _fds(pid: int) -> int:
         return 0
 
 
-def _rss(pid: int) -> int:
+def rss_bytes(pid: int) -> int:
     try:
         pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
     except OSError:
@@ -194,7 +200,7 @@ def snapshot(url: str, root_pid: int | None) -> Snapshot:
         shm_segment_bytes=sum(segments.values()),
         shm_used_bytes=(vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize,
         fds=sum(_fds(p) for p in pids),
-        rss_bytes=sum(_rss(p) for p in pids),
+        rss_bytes=sum(rss_bytes(p) for p in pids),
         processes=len(pids),
     )
 

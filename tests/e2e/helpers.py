@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.soak import parents
 from tests.conftest import LaunchedServer
 
 
@@ -56,16 +57,7 @@ def check_abort_mid_stream_frees_kv(server: LaunchedServer) -> None:
 
 def children(pid: int) -> list[int]:
     """Direct children of ``pid`` (from /proc)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
+    return [child for child, parent in parents().items() if parent == pid]
 
 
 def title(pid: int) -> str:

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.overload import CLIENTS, LAUNCH_ARGS, Probe, percentile, rss_bytes, storm
+from benchmarks.overload import CLIENTS, LAUNCH_ARGS, Probe, percentile, storm
+from benchmarks.soak import rss_bytes
 from tests.conftest import LaunchedServer
 from tests.e2e.test_faults import _pid_of
 
