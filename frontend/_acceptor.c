@@ -286,20 +286,30 @@ out:
     return NULL;
 }
 
-static void destroy(PyObject *capsule) {
-    acceptor_t *a = PyCapsule_GetPointer(capsule, "pdserve.acceptor");
-    if (a == NULL) return;
-    if (a->started) {
-        uint64_t one = 1;
-        (void)!write(a->stop_fd, &one, sizeof one);
-        pthread_join(a->thread, NULL);
-    }
+/* Wake the thread through stop_fd and wait for it to end (no-op if it is not running). */
+static void join_thread(acceptor_t *a) {
+    if (!a->started) return;
+    uint64_t one = 1;
+    (void)!write(a->stop_fd, &one, sizeof one);
+    pthread_join(a->thread, NULL);
+    a->started = 0;
+}
+
+/* Everything start() made; the thread must not be running. */
+static void release(acceptor_t *a) {
     close(a->epfd);
     close(a->stop_fd);
     close(a->fresh_fd);
     pthread_mutex_destroy(&a->mu);
     free(a->body);
     free(a);
+}
+
+static void destroy(PyObject *capsule) {
+    acceptor_t *a = PyCapsule_GetPointer(capsule, "pdserve.acceptor");
+    if (a == NULL) return;
+    join_thread(a); /* the thread never takes the GIL: joining while holding it is safe */
+    release(a);
 }
 
 static acceptor_t *get(PyObject *capsule) {
@@ -336,9 +346,7 @@ static PyObject *start(PyObject *self, PyObject *args) {
     }
     PyObject *capsule = PyCapsule_New(a, "pdserve.acceptor", destroy);
     if (capsule == NULL) {
-        close(a->stop_fd), close(a->fresh_fd), close(a->epfd);
-        pthread_mutex_destroy(&a->mu);
-        free(a);
+        release(a);
         return NULL;
     }
     /* Signals stay with the main thread (Python handles them there). */
@@ -393,12 +401,9 @@ static PyObject *stats(PyObject *self, PyObject *capsule) {
 static PyObject *stop(PyObject *self, PyObject *capsule) {
     acceptor_t *a = get(capsule);
     if (a == NULL) return NULL;
-    if (a->started) {
-        uint64_t one = 1;
-        (void)!write(a->stop_fd, &one, sizeof one);
-        Py_BEGIN_ALLOW_THREADS pthread_join(a->thread, NULL);
-        Py_END_ALLOW_THREADS a->started = 0;
-    }
+    Py_BEGIN_ALLOW_THREADS
+    join_thread(a);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 

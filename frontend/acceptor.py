@@ -95,12 +95,7 @@ class HealthAcceptor:
     def _adopt(self) -> None:
         """Connections the thread handed over: each becomes one uvicorn connection."""
         assert self._loop is not None
-        try:
-            data = os.read(self._read_fd, 4 * 1024)  # whole 4-byte fd numbers: writes are atomic
-        except BlockingIOError:
-            return
-        for i in range(0, len(data), 4):
-            fd = int.from_bytes(data[i : i + 4], sys.byteorder, signed=True)
+        for fd in self._handed_over():
             conn = socket.socket(fileno=fd)
             task = self._loop.create_task(self._connect(conn))
             self._connecting.add(task)
@@ -146,12 +141,19 @@ class HealthAcceptor:
 
     def _adopt_leftovers(self) -> None:
         """Fds handed over but not yet adopted are closed: we are shutting down."""
+        for fd in self._handed_over():
+            os.close(fd)
+
+    def _handed_over(self) -> list[int]:
+        """Every fd number waiting in the pipe (4 bytes each; pipe writes that small are
+        atomic, so a read of a multiple of 4 bytes never splits one)."""
+        fds: list[int] = []
         while True:
             try:
                 data = os.read(self._read_fd, 4 * 1024)
             except BlockingIOError:
-                return
+                return fds
             if not data:
-                return
-            for i in range(0, len(data), 4):
-                os.close(int.from_bytes(data[i : i + 4], sys.byteorder, signed=True))
+                return fds
+            fds += [int.from_bytes(data[i : i + 4], sys.byteorder, signed=True)
+                    for i in range(0, len(data), 4)]  # fmt: skip
