@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 RUN_ARGS ?= --prefill 2 --decode 4
 BIN := $(VENV)/bin
 PY := $(BIN)/python
-PACKAGES := pdserve engine transport prefill decode colocated router detokenizer frontend launcher benchmarks
+PACKAGES := wire transport engine runtime checkpoints prefill decode detokenizer router colocated frontend launcher benchmarks tools
 
 .PHONY: run test lint typecheck pytest setup setup-test fixtures clean
 
@@ -32,7 +32,7 @@ setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
 
 fixtures: setup
-	$(PY) -m pdserve.tiny_models
+	$(PY) -m checkpoints.tiny
 
 run: setup
 	$(BIN)/launch $(RUN_ARGS)
@@ -40,6 +40,7 @@ run: setup
 lint: setup-test
 	$(BIN)/ruff check $(PACKAGES) tests
 	$(BIN)/ruff format --check $(PACKAGES) tests
+	$(PY) tools/check_layers.py
 
 typecheck: setup-test
 	$(BIN)/mypy

@@ -21,16 +21,8 @@ from typing import Any
 
 from benchmarks.machine import describe as describe_machine
 from detokenizer.shard import DetokShard
-from transport.records import (
-    DetokParams,
-    DetokRegister,
-    Finish,
-    TextBatch,
-    TextDelta,
-    TokenBatch,
-    decode,
-    encode,
-)
+from wire.params import DetokParams
+from wire.records import DetokRegister, Finish, TextBatch, TextDelta, TokenBatch, decode, encode
 
 logger = logging.getLogger(__name__)
 RESULTS = Path(__file__).parent / "results" / "detok_bench.md"
@@ -211,9 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO)
     from transformers import AutoTokenizer
 
-    from pdserve import tiny_models
+    from checkpoints import tiny
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_models.tokenizer_dir())
+    tokenizer = AutoTokenizer.from_pretrained(tiny.tokenizer_dir())
     table = DetokShard(tokenizer).table
     rng = random.Random(0)
     ids = corpus_ids(tokenizer, rng)

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from benchmarks.machine import describe as describe_machine
+from checkpoints import tiny
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from pdserve import tiny_models
+from wire.params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "engine_cpu.md"
 RESULTS_CUDA = Path(__file__).parent / "results" / "engine_cuda.md"
@@ -58,7 +58,7 @@ def build_bench_model(root: Path) -> Path:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     cfg = Qwen2Config(
-        vocab_size=tiny_models.QWEN2_PADDED_VOCAB,
+        vocab_size=tiny.QWEN2_PADDED_VOCAB,
         hidden_size=512,
         intermediate_size=1536,
         num_hidden_layers=8,
@@ -239,7 +239,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = [("tiny qwen2 (h64, 2 layers)", tiny_models.tiny_model_dir("qwen2"))]
+        models = [("tiny qwen2 (h64, 2 layers)", tiny.tiny_model_dir("qwen2"))]
         models.append(("random qwen2 (h512, 8 layers)", build_bench_model(Path(tmp))))
         for name, path in models:
             rows.extend(bench_model(name, path, args.quick, args.device, args.dtype))

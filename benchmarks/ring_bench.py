@@ -30,9 +30,9 @@ import numpy as np
 import zmq
 
 from benchmarks.machine import describe as describe_machine
-from transport import records
 from transport.doorbell import Doorbell
 from transport.ring import Ring
+from wire import records
 
 RESULTS = Path(__file__).resolve().parent / "results" / "transport_ring.md"
 _TS = struct.Struct("<q")  # send time (CLOCK_MONOTONIC ns, shared by all processes)

@@ -46,11 +46,11 @@ import torch
 
 from benchmarks.machine import describe as describe_machine
 from benchmarks.soak import launch
+from checkpoints import tiny
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from pdserve import tiny_models
+from wire.params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "serving_overhead.md"
 RESULTS_CUDA = Path(__file__).parent / "results" / "serving_overhead_cuda.md"
@@ -285,7 +285,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="checkpoint (default: the tiny model)")
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    model = args.model or tiny_models.tiny_model_dir()
+    model = args.model or tiny.tiny_model_dir()
     rounds, ttfts = (1, 5) if args.quick else (3, 50)
     served = ["--prefill", "1", "--decode", "1", "--detokenizers", "1", "--device", args.device,
               "--model", str(model)]  # fmt: skip

@@ -1,6 +1,8 @@
 """The co-located scheduler: one runner, prefill and decode of the same requests.
 
-The baseline that disaggregation is measured against. It composes the two existing
+The baseline that disaggregation is measured against, and the one scheduling loop of
+co-located serving: ``launch --colocated`` workers, the in-process ``LLM``
+(``colocated/llm.py``) and the frontend's ``LocalEngineClient`` all drive it. It composes the two existing
 schedulers over one ``ModelRunner`` (one model, one KV pool) instead of re-implementing
 them: a request's prefill ends with its blocks handed straight to the decode scheduler
 (``PrefillScheduler(keep_kv=True)`` -> ``DecodeScheduler.adopt``), so there is no pin, no
@@ -26,7 +28,7 @@ from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler, fits
 from transport.errors import KVTransferError
 from transport.kv import KVReceiver
-from transport.records import Finish, GenerateRequest, TokenBatch
+from wire.records import Finish, GenerateRequest, TokenBatch
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,10 @@ class ColocatedScheduler:
         out.decoded = len(self.decode.running)
         dec = self.decode.step()
         out.tokens += dec.tokens.items()
+        if not pre.ran_tokens and not dec.tokens and self.has_work:
+            # Nothing could run: partial prefills hold every block and none can grow (or
+            # decode waits to resume). The newest gives its blocks back and starts over.
+            self.prefill.preempt_newest()
         return out
 
     def _feed_prefill(self) -> None:

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from engine.block_manager import NoFreeBlocks
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
-from pdserve.step_output import TokenBatcher
+from runtime.step_output import TokenBatcher
 from transport.kv import KVReceiver
-from transport.records import Finish, KVRelease, KVTransfer, TokenBatch
+from wire.records import Finish, KVRelease, KVTransfer, TokenBatch
 
 logger = logging.getLogger(__name__)
 

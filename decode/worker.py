@@ -18,48 +18,38 @@ import logging
 import torch
 
 from decode.scheduler import DecodeScheduler
+from engine.block_manager import BlockAllocator
 from engine.runner import ModelRunner
-from pdserve.process import attach_rings, bootstrap, load_row
-from pdserve.worker_io import (
-    IDLE_WAIT_S,
-    drain,
-    engine_config,
-    fail_request,
-    rings_by_peer,
-    send,
-)
-from router.load_table import Role, WorkerState
+from runtime.worker import QueueLoad, Worker
+from runtime.worker_io import drain, fail_request, send
 from transport.errors import KVTransferError
 from transport.kv import KVLayout, KVReceiver, pool_view
 from transport.kv_backends import CudaIpcReceiver, ShmReceiver, register_host_memory
 from transport.kv_handles import PoolImports, Verdict
-from transport.records import AbortRequest, KVPoolHandle, KVRelease, KVTransfer
+from transport.load_table import Role
 from transport.segment import Segment, SegmentSpec
+from wire.records import AbortRequest, KVPoolHandle, KVRelease, KVTransfer
+from wire.ring_names import RingKind
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeWorker:
+class DecodeWorker(Worker):
+    role = Role.DECODE
+
     def __init__(self) -> None:
-        self.spec, self.stopping = bootstrap()
-        j = self.index = self.spec.index
-        self.rings_in, self.rings_out, self.doorbell = attach_rings(self.spec)
-        self.row, self._load_seg = load_row(self.spec)
-        config = engine_config(self.spec.settings)
-        self.row.claim(Role.DECODE, j, block_size=config.block_size)
-        runner = ModelRunner(config)
+        super().__init__()
+        runner = ModelRunner(self.config)
         self.imports: PoolImports | None = None
         self.receiver: KVReceiver
         if self.spec.settings.get("kv_transfer", "shm") == "cuda_ipc":
             self.imports, self.receiver = PoolImports(), CudaIpcReceiver({}, runner.kv_pool)
         else:
             self.receiver = self._shm_receiver(runner)
-        self.sched = DecodeScheduler(runner, self.receiver, config.max_num_seqs)
-        self.kv_in = {int(n.split(".")[1][1:]): r for n, r in self.rings_in.items()
-                      if n.startswith("kv.")}  # fmt: skip
-        self.ctl_in = [r for n, r in self.rings_in.items() if not n.startswith("kv.")]
-        self.rel_out = rings_by_peer(self.rings_out, "rel.")
-        self.tok_out = rings_by_peer(self.rings_out, "tok.")
+        self.sched = DecodeScheduler(runner, self.receiver, self.config.max_num_seqs)
+        self.kv_in = self.rings.sources(RingKind.KV)
+        self.ctl_in = [r for n, r in self.rings.inbound.items() if n.kind is not RingKind.KV]
+        self.rel_out = self.rings.sinks(RingKind.REL)
 
     def _shm_receiver(self, runner: ModelRunner) -> ShmReceiver:
         """Map every prefill worker's shared pool (or staging mirror); copies read from it."""
@@ -73,23 +63,19 @@ class DecodeWorker:
                 register_host_memory(sources[int(name[1:])])  # host -> GPU copies by DMA
         return ShmReceiver(sources, runner.kv_pool)
 
-    def run(self) -> None:
-        self.row.set_state(WorkerState.READY)
-        logger.info("ready")
-        while not self.stopping:
-            self._take_inputs()
-            if self.imports is not None:
-                self._unmap_dead_pools()
-            self._release(self.sched.admit())
-            out = self.sched.step()
-            for shard, batch in out.tokens.items():
-                send(self.tok_out[shard], batch)
-            self._publish()
-            if not self.sched.running:
-                self.doorbell.wait(list(self.rings_in.values()), IDLE_WAIT_S)
-        self.row.set_state(WorkerState.DRAINING)
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self.sched.runner.allocator
 
-    def _take_inputs(self) -> None:
+    def step(self) -> bool:
+        if self.imports is not None:
+            self._unmap_dead_pools()
+        self._release(self.sched.admit())
+        for shard, batch in self.sched.step().tokens.items():
+            send(self.tok_out[shard], batch)
+        return bool(self.sched.running)
+
+    def take_inputs(self) -> None:
         for ring in self.ctl_in:
             for msg in drain(ring):
                 if isinstance(msg, AbortRequest):
@@ -149,15 +135,9 @@ class DecodeWorker:
         for i, rel in releases:
             send(self.rel_out[i], rel)
 
-    def _publish(self) -> None:
-        a = self.sched.runner.allocator
-        self.row.publish(
-            queued_prefill_tokens=0,
-            waiting_requests=self.sched.num_waiting,
-            running_requests=self.sched.num_running,
-            free_kv_blocks=a.num_free,
-            total_kv_blocks=a.num_blocks,
-        )
+    def load(self) -> QueueLoad:
+        s = self.sched
+        return QueueLoad(waiting_requests=s.num_waiting, running_requests=s.num_running)
 
 
 def main() -> None:

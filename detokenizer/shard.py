@@ -24,7 +24,7 @@ import numpy as np
 
 from detokenizer.incremental import Detokenizer, TokenTable
 from detokenizer.stop_strings import StopMatcher
-from transport.records import (
+from wire.records import (
     AbortRequest,
     DetokRegister,
     Finish,

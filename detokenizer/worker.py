@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from detokenizer.shard import DetokShard
-from pdserve.process import ProcessSpec, bootstrap
+from runtime.process import ProcessSpec, bootstrap
 from transport.doorbell import Doorbell, DoorbellSpec
-from transport.records import AbortRequest, DetokRegister, TokenBatch, decode, encode
 from transport.ring import Ring, RingSpec
+from wire.records import AbortRequest, DetokRegister, TokenBatch, decode, encode
+from wire.ring_names import PeerRole, RingKind, RingName
 
 logger = logging.getLogger(__name__)
 
@@ -102,34 +103,28 @@ def main(cfg: DetokWorkerConfig, should_stop: Callable[[], bool]) -> None:
 
 
 def config_from_spec(spec: ProcessSpec) -> DetokWorkerConfig:
-    """The shard's rings as the launcher's topology names them (see launcher/topology.py)."""
-    k = spec.index
+    """The shard's rings as the launcher's topology names them (``wire/ring_names.py``)."""
+    inbound = {RingName.parse(n): RingSpec(**s) for n, s in spec.rings_in.items()}
+    outbound = {RingName.parse(n): RingSpec(**s) for n, s in spec.rings_out.items()}
 
-    def ring(name: str, table: dict[str, dict[str, Any]]) -> RingSpec:
-        return RingSpec(**table[name])
+    def sources(kind: RingKind, *roles: PeerRole) -> tuple[RingSpec, ...]:
+        names = sorted(n for n in inbound if n.kind is kind and n.src.role in roles)
+        return tuple(inbound[n] for n in names)
 
-    def indexed(prefix: str, table: dict[str, dict[str, Any]]) -> tuple[RingSpec, ...]:
-        names = sorted((n for n in table if n.startswith(prefix)), key=_peer_index)
-        return tuple(RingSpec(**table[n]) for n in names)
-
+    (control,) = sources(RingKind.CTL, PeerRole.FRONTEND)
+    (frontend,) = (s for n, s in outbound.items() if n.kind is RingKind.TEXT)
     return DetokWorkerConfig(
-        index=k,
+        index=spec.index,
         tokenizer_path=spec.settings["model"],
         doorbell=DoorbellSpec(spec.doorbell_fd),
-        control=ring(f"ctl.k{k}", spec.rings_in),
-        prefill_rings=indexed("tok.p", spec.rings_in),
+        control=control,
+        prefill_rings=sources(RingKind.TOK, PeerRole.PREFILL),
         # A server has decode workers or co-located ones, never both: either way ring j
         # here pairs with stop ring j (co-located workers send first tokens on it too).
-        decode_rings=indexed("tok.d", spec.rings_in) + indexed("tok.c", spec.rings_in),
-        stop_rings=indexed("stop.", spec.rings_out),
-        frontend=ring(f"text.k{k}", spec.rings_out),
+        decode_rings=sources(RingKind.TOK, PeerRole.DECODE, PeerRole.COLOCATED),
+        stop_rings=tuple(outbound[n] for n in sorted(outbound) if n.kind is RingKind.STOP),
+        frontend=frontend,
     )
-
-
-def _peer_index(name: str) -> int:
-    """``tok.d3.k0`` -> 3, ``stop.k0.c3`` -> 3: the worker index in a ring name."""
-    part = name.split(".")[1] if name.startswith("tok.") else name.split(".")[2]
-    return int(part[1:])
 
 
 if __name__ == "__main__":

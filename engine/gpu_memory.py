@@ -9,24 +9,36 @@ the workers of one GPU never race each other for its free memory.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from engine.block_manager import BlockAllocator
+from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import allocate_kv_pool, block_nbytes, kv_blocks_for_budget
 from engine.sampler import SampleRequest, sample
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from engine.runner import ModelRunner
+from wire.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 GIB = 1 << 30
 
 
-def gpu_kv_blocks(runner: ModelRunner) -> int:
+class Profiled(Protocol):
+    """What the profile needs of an engine whose weights are loaded (``ModelRunner``)."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    cuda_baseline_bytes: int
+
+    def prefill(self, chunks: list[tuple[Sequence, int]], pool: torch.Tensor) -> torch.Tensor: ...
+    def decode(self, seqs: list[Sequence], pool: torch.Tensor) -> torch.Tensor: ...
+
+
+def gpu_kv_blocks(runner: Profiled) -> int:
     """KV blocks for ``runner``'s share of its GPU (weights loaded, no pool yet).
 
     Weights are what the process allocated since ``runner.cuda_baseline_bytes`` (taken
@@ -55,33 +67,35 @@ def gpu_kv_blocks(runner: ModelRunner) -> int:
     return blocks
 
 
-def profile_forward(runner: ModelRunner) -> int:
+def profile_forward(runner: Profiled) -> int:
     """Run ``runner``'s largest forwards on a scratch pool; returns the pool's bytes.
 
     One prefill chunk of ``chunked_prefill_size`` tokens, then ``max_num_seqs`` decode
     rows, each sampled with top-k/top-p and top-20 logprobs (the costliest sampling): the
-    peak covers whichever needs more. The scratch pool and allocator are gone on return.
+    peak covers whichever needs more. The runner is not changed: the scratch pool is passed
+    to its forwards, and the scratch sequences own their block ids outright.
     """
     config, bs = runner.config, runner.block_size
     chunk = min(config.chunked_prefill_size, runner.max_model_len)
     rows = config.max_num_seqs
-    num_blocks = -(-chunk // bs) + rows * -(-2 // bs)
-    runner.kv_pool = allocate_kv_pool(
-        runner.model_config, num_blocks, bs, runner.dtype, runner.device
-    )
-    runner.allocator = BlockAllocator(num_blocks)
+    chunk_blocks, row_blocks = -(-chunk // bs), -(-2 // bs)
+    num_blocks = chunk_blocks + rows * row_blocks
+    pool = allocate_kv_pool(runner.model_config, num_blocks, bs, runner.dtype, runner.device)
     params = SamplingParams(max_tokens=2, top_k=50, top_p=0.9, logprobs=20)
     rng = torch.Generator(device=runner.device)  # the runner's own generator stays untouched
-    try:
-        long = Sequence(rid=-1, prompt_ids=[0] * chunk, sampling=params, block_size=bs)
-        _sample(runner.prefill([(long, chunk)]), [long], rng)
-        short = [Sequence(rid=-2 - r, prompt_ids=[0, 0], sampling=params, block_size=bs)
-                 for r in range(rows)]  # fmt: skip
-        runner.prefill([(seq, 1) for seq in short])
-        _sample(runner.decode(short), short, rng)
-        return int(runner.kv_pool.numel() * runner.kv_pool.element_size())
-    finally:
-        del runner.kv_pool, runner.allocator
+    ids = iter(range(num_blocks))
+
+    def scratch(rid: int, prompt: list[int], blocks: int) -> Sequence:
+        seq = Sequence(rid=rid, prompt_ids=prompt, sampling=params, block_size=bs)
+        seq.block_table = [next(ids) for _ in range(blocks)]
+        return seq
+
+    long = scratch(-1, [0] * chunk, chunk_blocks)
+    _sample(runner.prefill([(long, chunk)], pool), [long], rng)
+    short = [scratch(-2 - r, [0, 0], row_blocks) for r in range(rows)]
+    runner.prefill([(seq, 1) for seq in short], pool)
+    _sample(runner.decode(short, pool), short, rng)
+    return int(pool.numel() * pool.element_size())
 
 
 def _sample(logits: torch.Tensor, seqs: list[Sequence], rng: torch.Generator) -> None:

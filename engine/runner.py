@@ -1,7 +1,7 @@
 """The model runner both worker pools share: weights, KV pool, batched forward, sampling.
 
 Who calls what:
-- a scheduler (prefill worker, decode worker, or ``engine.llm.LLM``) owns ``Sequence``
+- a scheduler (prefill worker, decode worker, or ``colocated.llm.LLM``) owns ``Sequence``
   objects and decides each step's batch;
 - ``ensure_blocks`` grows a sequence's block table (``NoFreeBlocks`` leaves it as it was);
   ``prefill`` / ``decode`` call it too, so a caller that pre-allocated pays nothing;
@@ -27,7 +27,7 @@ from engine.loader import load_weights
 from engine.model import CausalLM
 from engine.sampler import SampleOutput, SampleRequest, sample
 from engine.sequence import Sequence
-from transport.records import Finish
+from wire.records import Finish
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +119,14 @@ class ModelRunner:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
-    def prefill(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
+    def prefill(
+        self, chunks: list[tuple[Sequence, int]], pool: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run the next ``n`` uncomputed tokens of each sequence in one forward.
 
         Returns float32 logits (len(chunks), vocab) at each chunk's last position.
+        ``pool``: a pool to use instead of the runner's; its sequences' block tables must
+        already cover the chunks (the GPU memory profile runs on a scratch pool this way).
         NOTE: blocks are ensured chunk by chunk; if a later one raises ``NoFreeBlocks``
         the earlier ones keep the blocks they got (they are valid, merely early).
         """
@@ -135,13 +139,16 @@ class ModelRunner:
             self.ensure_blocks(seq, n)
         spans = [(seq, seq.num_computed_tokens, n) for seq, n in chunks]
         tokens = [t for seq, start, n in spans for t in _token_span(seq, start, n)]
-        logits = self._forward(spans, tokens, is_decode=False)
+        logits = self._forward(spans, tokens, False, pool)
         for seq, n in chunks:
             seq.num_computed_tokens += n
         return logits
 
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Run each sequence's newest (only uncomputed) token -> float32 logits (B, vocab)."""
+    def decode(self, seqs: list[Sequence], pool: torch.Tensor | None = None) -> torch.Tensor:
+        """Run each sequence's newest (only uncomputed) token -> float32 logits (B, vocab).
+
+        ``pool`` as for ``prefill``.
+        """
         for seq in seqs:
             if seq.num_uncomputed_tokens != 1:
                 raise ValueError(f"rid {seq.rid}: decode needs exactly one uncomputed token, "
@@ -149,29 +156,31 @@ class ModelRunner:
             self.ensure_blocks(seq, 1)
         spans = [(seq, seq.num_computed_tokens, 1) for seq in seqs]
         newest = [seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1] for seq in seqs]
-        logits = self._forward(spans, newest, is_decode=True)
+        logits = self._forward(spans, newest, True, pool)
         for seq in seqs:
             seq.num_computed_tokens += 1
         return logits
 
     def _forward(
-        self, spans: list[tuple[Sequence, int, int]], tokens: list[int], is_decode: bool
-    ) -> torch.Tensor:
+        self, spans: list[tuple[Sequence, int, int]], tokens: list[int], is_decode: bool,
+        pool: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        kv_pool = self.kv_pool if pool is None else pool
         for seq, start, n in spans:
             if start + n > self.max_model_len:
                 raise ValueError(f"rid {seq.rid}: {start + n} tokens exceed max_model_len "
                                  f"{self.max_model_len}")  # fmt: skip
-        meta, positions, last = self._metadata(spans, is_decode)
+        meta, positions, last = self._metadata(spans, is_decode, kv_pool)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
-            return self.model(ids, positions, self.kv_pool, meta, last)
+            return self.model(ids, positions, kv_pool, meta, last)
         except BaseException:
             if self._dense is not None:  # some layers may have extended it, others not
                 self._dense.invalidate()
             raise
 
     def _metadata(
-        self, spans: list[tuple[Sequence, int, int]], is_decode: bool
+        self, spans: list[tuple[Sequence, int, int]], is_decode: bool, kv_pool: torch.Tensor
     ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         bs, dev = self.block_size, self.device
         positions = [p for _, start, n in spans for p in range(start, start + n)]
@@ -187,7 +196,9 @@ class ModelRunner:
         layers = self.model_config.num_layers
         blocks = torch.tensor(slot_blocks, dtype=torch.long, device=dev)
         slot_rows = blocks * (layers * 2 * bs) + pos % bs  # layer 0's K row of each token
-        decode_fields = self._decode_fields(spans, block_tables, ctx_lens) if is_decode else {}
+        decode_fields = (
+            self._decode_fields(spans, block_tables, ctx_lens, kv_pool) if is_decode else {}
+        )
         meta = AttentionMetadata(
             write_rows=self._per_layer(slot_rows, 2 * bs, bs).unbind(0),
             block_tables=block_tables,
@@ -201,7 +212,7 @@ class ModelRunner:
 
     def _decode_fields(
         self, spans: list[tuple[Sequence, int, int]], block_tables: torch.Tensor,
-        ctx_lens: list[int],
+        ctx_lens: list[int], kv_pool: torch.Tensor,
     ) -> dict[str, Any]:  # fmt: skip
         """Where decode attention reads: the kept dense K/V (CPU) or the pool's blocks."""
         dev = self.device
@@ -210,7 +221,7 @@ class ModelRunner:
         fields: dict[str, Any] = {}
         if self._dense is not None:
             seqs: list[object] = [seq for seq, _, _ in spans]
-            kv, dense_rows = self._dense.prepare(self.kv_pool, seqs, ctx_lens, rows)
+            kv, dense_rows = self._dense.prepare(kv_pool, seqs, ctx_lens, rows)
             fields.update(dense_kv=kv, dense_rows=dense_rows)
             width = max(ctx_lens)
         else:

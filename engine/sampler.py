@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from wire.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
-from transport.records import Finish
+from wire.params import SamplingParams
+from wire.records import Finish
 
 
 @dataclass

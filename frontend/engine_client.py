@@ -5,7 +5,7 @@ Who calls what, when:
 * The HTTP handlers (``frontend/serving_*.py``) build an ``EngineRequest`` after
   tokenizing and validating, then iterate ``generate(req)``. The first ``__anext__``
   admits the request: it raises ``Overloaded`` (answered with 503 + Retry-After) or
-  ``EngineError`` before any delta is yielded, never after.
+  ``EngineUnavailable`` before any delta is yielded, never after.
 * Deltas arrive in order; the last one has ``finish != Finish.NONE`` and the iterator
   then ends. A delta with ``finish == Finish.ERROR`` carries ``error``.
 * If the handler stops iterating before the last delta (client disconnect, cancellation),
@@ -27,8 +27,8 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
-from transport.records import DetokParams, TextDelta
+from wire.params import DetokParams, SamplingParams
+from wire.records import TextDelta
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class WorkerHealth:
 
 
 @dataclass(frozen=True)
-class WorkerLoad:
+class WorkerMetrics:
     """Scheduler state of one worker for ``/metrics``; kv_usage in [0, 1].
 
     ``assigned_*`` count what the router has placed on the worker since the frontend
@@ -89,7 +89,7 @@ class Overloaded(EngineClientError):
         self.retry_after_s = retry_after_s
 
 
-class EngineError(EngineClientError):
+class EngineUnavailable(EngineClientError):
     """The request cannot be served (workers dead, engine crashed); not the user's fault."""
 
 
@@ -100,7 +100,7 @@ class EngineClient(ABC):
     def generate(self, req: EngineRequest) -> AsyncIterator[TextDelta]:
         """Admit ``req`` and yield its ``TextDelta``s until one with ``finish != 0``.
 
-        Raises ``Overloaded`` or ``EngineError`` on the first ``__anext__`` only.
+        Raises ``Overloaded`` or ``EngineUnavailable`` on the first ``__anext__`` only.
         Concatenated ``text`` of the deltas is the request's output text; the
         concatenated ``token_ids`` are its output token ids.
         """
@@ -123,7 +123,7 @@ class EngineClient(ABC):
         """Every worker's role, index, pid, liveness and load; non-blocking."""
 
     @abstractmethod
-    def metrics_snapshot(self) -> list[WorkerLoad]:
+    def metrics_snapshot(self) -> list[WorkerMetrics]:
         """Per-worker running/waiting requests and KV usage; non-blocking."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook, default does nothing

@@ -1,13 +1,11 @@
 """``LocalEngineClient``: the project's engine and detokenizer in this process.
 
-One engine thread owns an ``engine.llm.LLM`` (model runner + continuous-batching step)
-and a ``detokenizer.shard.DetokShard``. The event loop talks to it through a queue and
-gets ``TextDelta``s back with ``call_soon_threadsafe``; the thread blocks on its inbox
-when no request is active, so an idle client uses no CPU. No disaggregation, no shared
-memory: this is the single-process setup used by tests and the co-located baseline.
-
-NOTE: ``LLM`` exposes only run-to-completion ``generate``; streaming needs its per-step
-scheduler, so this client drives ``LLM._admit`` and ``LLM._step`` (see the report).
+One engine thread owns a ``ModelRunner`` driven by ``ColocatedScheduler`` (the same loop a
+``launch --colocated`` worker runs) and a ``detokenizer.shard.DetokShard``. The event
+loop talks to it through a queue and gets ``TextDelta``s back with
+``call_soon_threadsafe``; the thread blocks on its inbox when no request is active, so an
+idle client uses no CPU. No disaggregation, no shared memory: the single-process setup
+that tests use to run the HTTP app over the real engine.
 """
 
 from __future__ import annotations
@@ -17,48 +15,40 @@ import logging
 import os
 import queue
 import threading
-from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from colocated.llm import check_request
+from colocated.scheduler import ColocatedScheduler
 from detokenizer.shard import DetokShard
 from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.sequence import Sequence
+from engine.runner import ModelRunner
 from frontend.engine_client import (
     EngineClient,
-    EngineError,
     EngineRequest,
+    EngineUnavailable,
     Overloaded,
     WorkerHealth,
-    WorkerLoad,
+    WorkerMetrics,
 )
-from transport.records import DetokRegister, Finish, TextDelta, TokenBatch
+from wire.records import DetokRegister, Finish, GenerateRequest, TextDelta
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Active:
-    seq: Sequence
-    sent: int = 0  # output tokens already handed to the detokenizer
 
 
 class LocalEngineClient(EngineClient):
     """In-process engine; ``max_active`` bounds admitted requests (beyond: ``Overloaded``)."""
 
     def __init__(self, config: EngineConfig, tokenizer: object, max_active: int = 256) -> None:
-        self.llm = LLM(config)
+        self.runner = ModelRunner(config)
+        self.scheduler = ColocatedScheduler(
+            self.runner, 0, config.chunked_prefill_size, config.max_num_seqs
+        )
         self.shard = DetokShard(tokenizer)
         self.max_active = max_active
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[int, asyncio.Queue[TextDelta]] = {}
-        self._active: dict[int, _Active] = {}  # engine thread only
-        self._waiting: deque[Sequence] = deque()  # engine thread only
-        self._running: list[Sequence] = []  # engine thread only
+        self._active: set[int] = set()  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="pdserve-local-engine", daemon=True)
         self._thread.start()
@@ -71,7 +61,7 @@ class LocalEngineClient(EngineClient):
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[TextDelta]:
         if not self._thread.is_alive():
-            raise EngineError("the local engine thread has stopped")
+            raise EngineUnavailable("the local engine thread has stopped")
         self.check_admission()
         self._loop = asyncio.get_running_loop()
         stream: asyncio.Queue[TextDelta] = asyncio.Queue()
@@ -92,13 +82,14 @@ class LocalEngineClient(EngineClient):
         self._inbox.put(("abort", rid))
 
     def health(self) -> list[WorkerHealth]:
-        load = {"running": float(len(self._running)), "waiting": float(len(self._waiting))}
+        s = self.scheduler
+        load = {"running": float(s.num_running), "waiting": float(s.num_waiting)}
         return [WorkerHealth("local", 0, os.getpid(), self._thread.is_alive(), load)]
 
-    def metrics_snapshot(self) -> list[WorkerLoad]:
-        alloc = self.llm.runner.allocator
+    def metrics_snapshot(self) -> list[WorkerMetrics]:
+        alloc, s = self.runner.allocator, self.scheduler
         used = 1.0 - alloc.num_free / alloc.num_blocks if alloc.num_blocks else 0.0
-        return [WorkerLoad("local", 0, len(self._running), len(self._waiting), used)]
+        return [WorkerMetrics("local", 0, s.num_running, s.num_waiting, used)]
 
     async def close(self) -> None:
         self._inbox.put(("stop", None))
@@ -123,8 +114,7 @@ class LocalEngineClient(EngineClient):
         try:
             while self._drain(block=not self._active):
                 if self._active:
-                    self.llm._step(self._waiting, self._running)
-                    self._emit()
+                    self._step()
         except Exception as e:
             logger.exception("local engine failed")
             self._fail_all(f"engine failure: {e}")
@@ -151,44 +141,32 @@ class LocalEngineClient(EngineClient):
     def _add(self, req: EngineRequest, fut: asyncio.Future[None]) -> None:
         assert self._loop is not None
         try:
-            seq = self.llm._admit(req.prompt_ids, req.sampling)
+            check_request(self.runner, req.prompt_ids, req.sampling)
         except Exception as e:  # prompt too long for the pool, bad params: refuse it
             logger.warning("rid=%d refused by the engine: %s", req.rid, e)
-            self._loop.call_soon_threadsafe(self._settle, fut, EngineError(str(e)))
+            self._loop.call_soon_threadsafe(self._settle, fut, EngineUnavailable(str(e)))
             return
-        seq.rid = req.rid
         self.shard.register(DetokRegister(req.rid, req.detok, len(req.prompt_ids),
                                           req.num_logprobs))  # fmt: skip
-        self._active[req.rid] = _Active(seq)
-        self._waiting.append(seq)
+        gen = GenerateRequest(req.rid, req.prompt_ids, req.sampling, decode_worker=0,
+                              detok_shard=0)  # fmt: skip
+        verdict = self.scheduler.add(gen)
+        assert verdict == Finish.NONE, "check_request() let through what cannot fit"
+        self._active.add(req.rid)
         self._loop.call_soon_threadsafe(self._settle, fut, None)
 
     def _drop(self, rid: int) -> None:
-        entry = self._active.pop(rid, None)
-        if entry is None:
-            return
-        if entry.seq in self._running:
-            self._running.remove(entry.seq)
-        if entry.seq in self._waiting:
-            self._waiting.remove(entry.seq)
-        self.llm.runner.free_blocks(entry.seq)
+        if rid in self._active:
+            self._active.discard(rid)
+            self.scheduler.abort(rid)
 
-    def _emit(self) -> None:
-        """Hand this step's new tokens to the detokenizer; publish its text."""
-        rows: list[tuple[int, int, int, float, int, list[tuple[int, float]]]] = []
-        for rid, entry in list(self._active.items()):
-            seq = entry.seq
-            for pos in range(entry.sent, len(seq.output_ids)):
-                last = pos == len(seq.output_ids) - 1
-                lp = seq.logprobs[pos] if seq.sampling.logprobs is not None else float("nan")
-                top = seq.top_logprobs[pos] if seq.sampling.logprobs else []
-                rows.append((rid, pos, seq.output_ids[pos], lp,
-                             int(seq.finish) if last else 0, top))  # fmt: skip
-            entry.sent = len(seq.output_ids)
-            if seq.finish != Finish.NONE:
-                del self._active[rid]  # LLM already freed its blocks
-        if rows:
-            self.shard.on_tokens(_token_batch(rows), source_decode=0)
+    def _step(self) -> None:
+        """One scheduler step; its tokens go through the detokenizer to the streams."""
+        for _, batch in self.scheduler.step().tokens:
+            for rid, finish in zip(batch.rids.tolist(), batch.finish.tolist()):
+                if finish:
+                    self._active.discard(rid)  # the scheduler already freed its blocks
+            self.shard.on_tokens(batch, source_decode=0)
         self._publish()
 
     def _publish(self) -> None:
@@ -206,17 +184,3 @@ class LocalEngineClient(EngineClient):
                               error=message)  # fmt: skip
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._post, delta)
-
-
-def _token_batch(
-    rows: list[tuple[int, int, int, float, int, list[tuple[int, float]]]],
-) -> TokenBatch:
-    k = max(len(r[5]) for r in rows)
-    top_ids = np.zeros((len(rows), k), np.int32)  # (B, K); short rows padded, ignored
-    top_lps = np.full((len(rows), k), -np.inf, np.float32)
-    for i, r in enumerate(rows):
-        for j, (tid, lp) in enumerate(r[5]):
-            top_ids[i, j], top_lps[i, j] = tid, lp
-    rids, positions, tokens, lps, finish, _ = zip(*rows)
-    return TokenBatch.build(list(rids), list(positions), list(tokens), list(lps), list(finish),
-                            top_ids, top_lps)  # fmt: skip

@@ -14,9 +14,8 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from engine.sampling_params import SamplingParams
 from frontend.errors import InvalidRequest, NotImplementedField
-from transport.records import DetokParams
+from wire.params import DetokParams, SamplingParams
 
 # NOTE: these caps keep every record a request becomes within the smallest ring it
 # crosses (a detokenizer control ring holds 256 KiB; see launcher/topology.py). Without

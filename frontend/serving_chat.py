@@ -26,7 +26,7 @@ from frontend.serving_common import (
     usage,
 )
 from frontend.serving_completions import check_model
-from transport.records import Finish, TokenLogprob
+from wire.records import Finish, TokenLogprob
 
 
 def render_chat_logprobs(lps: list[TokenLogprob]) -> list[dict[str, Any]]:

@@ -22,11 +22,11 @@ import anyio
 import msgspec
 from starlette.requests import Request
 
-from frontend.engine_client import EngineClient, EngineError, EngineRequest, Overloaded
+from frontend.engine_client import EngineClient, EngineRequest, EngineUnavailable, Overloaded
 from frontend.errors import APIError, InternalError, ServiceUnavailable
 from frontend.metrics import FrontendMetrics
 from frontend.settings import FrontendSettings
-from transport.records import Finish, TextDelta, TokenLogprob
+from wire.records import Finish, TextDelta, TokenLogprob
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -129,7 +129,7 @@ class EngineCall:
         except Overloaded as e:
             self.ctx.metrics.refused.inc()
             raise ServiceUnavailable(e.retry_after_s, str(e)) from e
-        except EngineError as e:
+        except EngineUnavailable as e:
             logger.error("rid=%d engine error at admission: %s", self.req.rid, e)
             raise InternalError(f"engine failure: {e}") from e
         except StopAsyncIteration as e:
@@ -151,7 +151,7 @@ class EngineCall:
                 yield delta
         except StopAsyncIteration:
             logger.error("rid=%d stream ended without a final delta", self.req.rid)
-            raise EngineError("the engine ended the request without a final delta") from None
+            raise EngineUnavailable("the engine ended the request without a final delta") from None
         finally:
             if not self.finished:
                 await self._abort()
@@ -214,7 +214,7 @@ async def sse_stream(chunks: AsyncIterator[object], rid: int) -> AsyncIterator[b
     try:
         async for chunk in chunks:
             yield sse(chunk)
-    except (EngineError, APIError) as e:
+    except (EngineUnavailable, APIError) as e:
         logger.error("rid=%d failed mid-stream: %s", rid, e)
         err = e if isinstance(e, APIError) else InternalError(f"engine failure: {e}")
         yield sse(err.body())

@@ -24,7 +24,7 @@ from frontend.serving_common import (
     sse_stream,
     usage,
 )
-from transport.records import Finish, TokenLogprob
+from wire.records import Finish, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 

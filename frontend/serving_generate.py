@@ -27,7 +27,7 @@ from frontend.serving_common import (
     sse_stream,
     usage,
 )
-from transport.records import Finish
+from wire.records import Finish
 
 DEFAULT_MAX_NEW_TOKENS = 128
 

@@ -24,7 +24,7 @@ class DType(enum.StrEnum):
     FLOAT16 = "float16"
 
 
-class KVTransfer(enum.StrEnum):
+class KVBackend(enum.StrEnum):
     """How a prefill worker's KV reaches a decode worker (transport/kv_backends.py)."""
 
     AUTO = "auto"  # cuda_ipc when the workers run on CUDA, shm on CPU
@@ -62,7 +62,7 @@ class ServerConfig:
     decode_gpus: tuple[int, ...] | None = None
     gpu_memory_utilization: float = 0.85
     kv_cache_tokens: int = 65_536
-    kv_transfer: KVTransfer = KVTransfer.AUTO
+    kv_transfer: KVBackend = KVBackend.AUTO
     block_size: int = 16
     dtype: DType = DType.AUTO
     max_model_len: int | None = None
@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--kv-transfer",
-        type=KVTransfer,
-        choices=list(KVTransfer),
+        type=KVBackend,
+        choices=list(KVBackend),
         default=d.kv_transfer,
         help="how KV moves from prefill to decode workers: shm (shared host memory), "
         "cuda_ipc (GPU to GPU, GPUs only); auto picks cuda_ipc on GPUs and shm on CPU",
@@ -270,7 +270,7 @@ def validate(config: ServerConfig) -> None:
             )
         if c.prefill_gpus is not None or c.decode_gpus is not None:
             raise ConfigError("--prefill-gpus/--decode-gpus do not apply with --colocated")
-        if c.kv_transfer is not KVTransfer.AUTO:
+        if c.kv_transfer is not KVBackend.AUTO:
             raise ConfigError("--kv-transfer does not apply with --colocated (no KV handoff)")
     else:
         _positive(("--prefill", c.prefill), ("--decode", c.decode))
@@ -290,7 +290,7 @@ def validate(config: ServerConfig) -> None:
             raise ConfigError(f"{flag} lists {len(gpus)} GPUs for {count} workers; give one each")
     if c.device is Device.CPU and (c.prefill_gpus or c.decode_gpus):
         raise ConfigError("--device cpu contradicts --prefill-gpus/--decode-gpus")
-    if c.device is Device.CPU and c.kv_transfer is KVTransfer.CUDA_IPC:
+    if c.device is Device.CPU and c.kv_transfer is KVBackend.CUDA_IPC:
         raise ConfigError("--kv-transfer cuda_ipc needs GPUs; with --device cpu use shm or auto")
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig, ModelConfig, parse_dtype
-from launcher.args import ConfigError, KVTransfer, ServerConfig, parse_args
+from launcher.args import ConfigError, KVBackend, ServerConfig, parse_args
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
 from launcher.placement import WorkerPlace, describe, kv_transfer_backend, placements
 from launcher.supervisor import Child, ChildFailed, Supervisor
@@ -44,14 +44,14 @@ STARTUP_TIMEOUT_S = 600.0
 def _model_path(config: ServerConfig) -> Path:
     if config.model is not None:
         return config.model
-    from pdserve.tiny_models import tiny_model_dir
+    from checkpoints.tiny import tiny_model_dir
 
     logger.info("no --model given: serving the embedded tiny random-weight Qwen2 model")
     return tiny_model_dir()
 
 
 def _engine_settings(
-    config: ServerConfig, model: Path, place: WorkerPlace, backend: KVTransfer | None
+    config: ServerConfig, model: Path, place: WorkerPlace, backend: KVBackend | None
 ) -> dict[str, Any]:
     settings: dict[str, Any] = {
         "model": str(model), "dtype": config.dtype.value, "device": place.device,
@@ -69,7 +69,7 @@ def _engine_settings(
 
 
 def _children(
-    config: ServerConfig, topo: Topology, gpus: GpuAssignment, model: Path, backend: KVTransfer
+    config: ServerConfig, topo: Topology, gpus: GpuAssignment, model: Path, backend: KVBackend
 ) -> list[Child]:
     mcfg = ModelConfig.from_pretrained(model)
     engine = EngineConfig(model=str(model), max_model_len=config.max_model_len)
@@ -100,12 +100,12 @@ def _children(
     return out
 
 
-def _build_topology(config: ServerConfig, model: Path, backend: KVTransfer) -> Topology:
+def _build_topology(config: ServerConfig, model: Path, backend: KVBackend) -> Topology:
     mcfg = ModelConfig.from_pretrained(model)
     if config.colocated:  # no prefill/decode pools, no KV handoff: nothing more to share
         return Topology(0, 0, config.detokenizers, num_colocated=config.colocated)
     topo = Topology(config.prefill, config.decode, config.detokenizers)
-    if backend is KVTransfer.CUDA_IPC:  # decode workers map the prefill GPU pools
+    if backend is KVBackend.CUDA_IPC:  # decode workers map the prefill GPU pools
         return topo
     # shm: per prefill worker, the segment decode workers copy from: its pool on CPU, the
     # pinned staging mirror of its GPU pool (same layout, same block ids) on GPU.

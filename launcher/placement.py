@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from launcher.args import ConfigError, KVTransfer, ServerConfig
+from launcher.args import ConfigError, KVBackend, ServerConfig
 from launcher.gpus import GpuAssignment, cuda_env
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
@@ -32,16 +32,16 @@ class WorkerPlace:
         return cuda_env(self.gpu)
 
 
-def kv_transfer_backend(config: ServerConfig, gpus: GpuAssignment) -> KVTransfer:
+def kv_transfer_backend(config: ServerConfig, gpus: GpuAssignment) -> KVBackend:
     """The backend in use (never AUTO): cuda_ipc on GPUs and shm on CPU, unless given."""
     if gpus.on_cpu:
-        if config.kv_transfer is KVTransfer.CUDA_IPC:
+        if config.kv_transfer is KVBackend.CUDA_IPC:
             raise ConfigError(
                 "--kv-transfer cuda_ipc needs GPUs, but the workers run on CPU (no NVIDIA "
                 "GPU found, or --device cpu); use --kv-transfer shm or auto"
             )
-        return KVTransfer.SHM
-    return KVTransfer.CUDA_IPC if config.kv_transfer is KVTransfer.AUTO else config.kv_transfer
+        return KVBackend.SHM
+    return KVBackend.CUDA_IPC if config.kv_transfer is KVBackend.AUTO else config.kv_transfer
 
 
 def placements(gpus: GpuAssignment, utilization: float) -> list[WorkerPlace]:

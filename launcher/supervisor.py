@@ -18,8 +18,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from pdserve.process import SPEC_ENV, ProcessSpec
-from router.load_table import LoadTable, WorkerState
+from runtime.process import SPEC_ENV, ProcessSpec
+from transport.load_table import LoadTable, WorkerState
 
 logger = logging.getLogger(__name__)
 

@@ -6,20 +6,7 @@ hands each child the fds it needs (``subprocess.Popen(pass_fds=...)``) and a JSO
 nothing of ours is ever visible in /dev/shm, and a restarted child attaches to the very
 same memory through the same inherited fds.
 
-Ring names (i = prefill, j = decode, c = co-located worker, k = detokenizer shard):
-    req.p{i}      frontend -> prefill i     GenerateRequest, AbortRequest
-    ctl.d{j}      frontend -> decode j      AbortRequest
-    ctl.k{k}      frontend -> detok k       DetokRegister, AbortRequest
-    kv.p{i}.d{j}  prefill i -> decode j     KVTransfer
-    rel.d{j}.p{i} decode j -> prefill i     KVRelease
-    tok.p{i}.k{k} prefill i -> detok k      TokenBatch (first tokens)
-    tok.d{j}.k{k} decode j -> detok k       TokenBatch
-    stop.k{k}.d{j} detok k -> decode j      AbortRequest (a stop string matched)
-    text.k{k}     detok k -> frontend       TextBatch
-With ``--colocated N`` there are no prefill/decode pools and no KV rings; instead:
-    req.c{c}       frontend -> colocated c   GenerateRequest, AbortRequest
-    tok.c{c}.k{k}  colocated c -> detok k    TokenBatch (first and later tokens)
-    stop.k{k}.c{c} detok k -> colocated c    AbortRequest (a stop string matched)
+Ring names and what each carries: ``wire/ring_names.py``.
 """
 
 from __future__ import annotations
@@ -27,22 +14,22 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from pdserve.process import ProcessSpec
-from router.load_table import LoadTable
+from runtime.process import ProcessSpec
 from transport.doorbell import Doorbell
 from transport.kv import KVLayout, create_pool_segment
+from transport.load_table import LoadTable
 from transport.ring import Ring
 from transport.segment import Segment
+from wire.ring_names import FRONTEND, Peer, PeerRole, RingKind, RingName
 
 MiB = 1 << 20
 # Capacities: a request ring holds long prompts; token rings a few steps of a full batch
 # with top-20 logprobs (~46 KB per 256-request step); control rings small records.
-RING_BYTES = {"req": 8 * MiB, "kv": 4 * MiB, "tok": 4 * MiB, "text": 8 * MiB}
+RING_BYTES = {RingKind.REQ: 8 * MiB, RingKind.KV: 4 * MiB, RingKind.TOK: 4 * MiB,
+              RingKind.TEXT: 8 * MiB}  # fmt: skip
 SMALL_RING_BYTES = 256 * 1024
-
-
-def _ring_capacity(name: str) -> int:
-    return RING_BYTES.get(name.split(".")[0], SMALL_RING_BYTES)
+_LETTER = {"prefill": PeerRole.PREFILL, "decode": PeerRole.DECODE, "detok": PeerRole.DETOK,
+           "colocated": PeerRole.COLOCATED}  # fmt: skip
 
 
 class Topology:
@@ -52,13 +39,12 @@ class Topology:
         self, num_prefill: int, num_decode: int, num_detok: int, num_colocated: int = 0
     ) -> None:
         self.p, self.d, self.k, self.c = num_prefill, num_decode, num_detok, num_colocated
-        names = ["frontend"] + [f"p{i}" for i in range(self.p)]
-        names += [f"d{j}" for j in range(self.d)] + [f"k{k}" for k in range(self.k)]
-        names += [f"c{c}" for c in range(self.c)]
-        self.doorbells = {name: Doorbell.create() for name in names}
-        self.rings: dict[str, Ring] = {}
-        self._consumer: dict[str, str] = {}
-        self._producer: dict[str, str] = {}
+        peers = [FRONTEND] + [Peer(PeerRole.PREFILL, i) for i in range(self.p)]
+        peers += [Peer(PeerRole.DECODE, j) for j in range(self.d)]
+        peers += [Peer(PeerRole.DETOK, k) for k in range(self.k)]
+        peers += [Peer(PeerRole.COLOCATED, c) for c in range(self.c)]
+        self.doorbells = {peer: Doorbell.create() for peer in peers}
+        self.rings: dict[RingName, Ring] = {}
         self._build_rings()
         self.num_workers = self.p + self.d + self.c
         nbytes = LoadTable.layout_nbytes(self.num_workers)
@@ -66,53 +52,57 @@ class Topology:
         LoadTable(self.load_segment.buf, self.num_workers)  # writes the header
         self.kv_segments: dict[str, tuple[Segment, KVLayout]] = {}
 
-    def _add(self, name: str, producer: str, consumer: str) -> None:
-        self.rings[name] = Ring.create(name, _ring_capacity(name), self.doorbells[consumer])
-        self._producer[name], self._consumer[name] = producer, consumer
+    def _add(self, kind: RingKind, src: Peer, dst: Peer) -> None:
+        name = RingName(kind, src, dst)
+        capacity = RING_BYTES.get(kind, SMALL_RING_BYTES)
+        self.rings[name] = Ring.create(str(name), capacity, self.doorbells[dst])
 
     def _build_rings(self) -> None:
+        shards = [Peer(PeerRole.DETOK, k) for k in range(self.k)]
         for i in range(self.p):
-            self._add(f"req.p{i}", "frontend", f"p{i}")
-            for k in range(self.k):
-                self._add(f"tok.p{i}.k{k}", f"p{i}", f"k{k}")
+            p = Peer(PeerRole.PREFILL, i)
+            self._add(RingKind.REQ, FRONTEND, p)
+            for k in shards:
+                self._add(RingKind.TOK, p, k)
             for j in range(self.d):
-                self._add(f"kv.p{i}.d{j}", f"p{i}", f"d{j}")
-                self._add(f"rel.d{j}.p{i}", f"d{j}", f"p{i}")
+                d = Peer(PeerRole.DECODE, j)
+                self._add(RingKind.KV, p, d)
+                self._add(RingKind.REL, d, p)
         for j in range(self.d):
-            self._add(f"ctl.d{j}", "frontend", f"d{j}")
-            for k in range(self.k):
-                self._add(f"tok.d{j}.k{k}", f"d{j}", f"k{k}")
-                self._add(f"stop.k{k}.d{j}", f"k{k}", f"d{j}")
+            d = Peer(PeerRole.DECODE, j)
+            self._add(RingKind.CTL, FRONTEND, d)
+            for k in shards:
+                self._add(RingKind.TOK, d, k)
+                self._add(RingKind.STOP, k, d)
         for c in range(self.c):
-            self._add(f"req.c{c}", "frontend", f"c{c}")
-            for k in range(self.k):
-                self._add(f"tok.c{c}.k{k}", f"c{c}", f"k{k}")
-                self._add(f"stop.k{k}.c{c}", f"k{k}", f"c{c}")
-        for k in range(self.k):
-            self._add(f"ctl.k{k}", "frontend", f"k{k}")
-            self._add(f"text.k{k}", f"k{k}", "frontend")
+            w = Peer(PeerRole.COLOCATED, c)
+            self._add(RingKind.REQ, FRONTEND, w)
+            for k in shards:
+                self._add(RingKind.TOK, w, k)
+                self._add(RingKind.STOP, k, w)
+        for k in shards:
+            self._add(RingKind.CTL, FRONTEND, k)
+            self._add(RingKind.TEXT, k, FRONTEND)
 
     def add_kv_pool(self, prefill: int, layout: KVLayout) -> None:
         """The shared segment decode workers copy prefill ``prefill``'s blocks from."""
         self.kv_segments[f"p{prefill}"] = (create_pool_segment(f"p{prefill}", layout), layout)
 
     def spec(self, role: str, index: int, settings: dict[str, Any]) -> ProcessSpec:
-        me = {"prefill": "p", "decode": "d", "detok": "k", "colocated": "c"}.get(role, "") + (
-            str(index) if role != "frontend" else "frontend"
-        )
+        me = FRONTEND if role == "frontend" else Peer(_LETTER[role], index)
         # Slots: prefill workers, then decode workers; a colocated server has only c rows.
         slot = {"prefill": index, "decode": self.p + index, "colocated": index}.get(role, -1)
         kv_pools = {
             name: {"fd": seg.spec.fd, "nbytes": seg.spec.nbytes, "layout": asdict(layout)}
             for name, (seg, layout) in self.kv_segments.items()
-            if name == me or role == "decode"
+            if name == str(me) or role == "decode"
         }
         return ProcessSpec(
             role=role,
             index=index,
             doorbell_fd=self.doorbells[me].fd,
-            rings_in={n: asdict(r.spec) for n, r in self.rings.items() if self._consumer[n] == me},
-            rings_out={n: asdict(r.spec) for n, r in self.rings.items() if self._producer[n] == me},
+            rings_in={str(n): asdict(r.spec) for n, r in self.rings.items() if n.dst == me},
+            rings_out={str(n): asdict(r.spec) for n, r in self.rings.items() if n.src == me},
             load_table={
                 "fd": self.load_segment.spec.fd,
                 "nbytes": self.load_segment.spec.nbytes,
@@ -122,10 +112,6 @@ class Topology:
             kv_pools=kv_pools,
             settings=settings,
         )
-
-    def _load_table_spec(self, slot: int) -> dict[str, Any]:
-        seg = self.load_segment.spec
-        return {"fd": seg.fd, "nbytes": seg.nbytes, "num_workers": self.num_workers, "slot": slot}
 
     def load_table(self) -> LoadTable:
         return LoadTable(self.load_segment.buf, self.num_workers)

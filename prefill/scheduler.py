@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from engine.block_manager import NoFreeBlocks
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
-from pdserve.step_output import TokenBatcher
+from runtime.step_output import TokenBatcher
 from transport.kv import PinnedBlocks
-from transport.records import Finish, GenerateRequest, KVTransfer, TokenBatch
+from wire.records import Finish, GenerateRequest, KVTransfer, TokenBatch
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,20 @@ class PrefillScheduler:
             if p.seq.rid == rid:
                 self.waiting.remove(p)
                 self.runner.free_blocks(p.seq)
+
+    def preempt_newest(self) -> bool:
+        """Free the blocks of the newest partly prefilled request; it stays queued and is
+        recomputed from its start later. False if no waiting request holds blocks.
+
+        For a runner shared with decode (co-located), where partial prefills can hold every
+        block while none of them can grow.
+        """
+        for p in reversed(self.waiting):
+            if p.seq.block_table:
+                logger.info("rid %d: prefill preempted, KV blocks exhausted", p.seq.rid)
+                self.runner.free_blocks(p.seq)
+                return True
+        return False
 
     def release(self, rid: int) -> None:
         """Decode no longer needs ``rid``'s pinned blocks."""

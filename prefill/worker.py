@@ -17,31 +17,30 @@ import logging
 
 import torch
 
+from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
-from pdserve.process import attach_rings, bootstrap, load_table
-from pdserve.worker_io import IDLE_WAIT_S, drain, engine_config, fail_request, rings_by_peer, send
 from prefill.scheduler import PrefillScheduler, PrefillStep
-from router.load_table import Role, WorkerState
+from runtime.worker import QueueLoad, Worker
+from runtime.worker_io import drain, fail_request, send
 from transport.kv import KVExporter, KVLayout, pool_view
 from transport.kv_backends import CudaIpcExporter, ShmExporter, register_host_memory
 from transport.kv_handles import HandleSender
-from transport.records import AbortRequest, Finish, GenerateRequest, KVPoolHandle, KVRelease
+from transport.load_table import Role, WorkerState
 from transport.segment import Segment, SegmentSpec
+from wire.records import AbortRequest, Finish, GenerateRequest, KVPoolHandle, KVRelease
+from wire.ring_names import RingKind
 
 logger = logging.getLogger(__name__)
 _LIVE = (WorkerState.STARTING, WorkerState.READY)  # a decode process that has reset its rings
 
 
-class PrefillWorker:
+class PrefillWorker(Worker):
+    role = Role.PREFILL
+
     def __init__(self) -> None:
-        self.spec, self.stopping = bootstrap()
-        i = self.index = self.spec.index
-        self.rings_in, self.rings_out, self.doorbell = attach_rings(self.spec)
-        self._table, self._load_seg = load_table(self.spec)
-        self.row = self._table.writer(self.spec.load_table["slot"])
-        config = engine_config(self.spec.settings)
-        self.row.claim(Role.PREFILL, i, block_size=config.block_size)
+        super().__init__()
+        config = self.config
         self.handles: HandleSender | None = None
         if self.spec.settings.get("kv_transfer", "shm") == "cuda_ipc":
             runner = ModelRunner(config)  # the pool is sized from this worker's GPU share
@@ -49,12 +48,10 @@ class PrefillWorker:
             self.handles, self._handle = HandleSender(), self.exporter.handle()
         else:
             runner = self._shm_runner(config)
-        self.sched = PrefillScheduler(runner, i, config.chunked_prefill_size)
-        self.req_ring = self.rings_in[f"req.p{i}"]
-        self.rel_rings = {int(n.split(".")[1][1:]): r for n, r in self.rings_in.items()
-                          if n.startswith("rel.")}  # fmt: skip
-        self.kv_out = rings_by_peer(self.rings_out, "kv.")
-        self.tok_out = rings_by_peer(self.rings_out, "tok.")
+        self.sched = PrefillScheduler(runner, self.index, config.chunked_prefill_size)
+        self.req_ring = self.rings.one_in(RingKind.REQ)
+        self.rel_rings = self.rings.sources(RingKind.REL)
+        self.kv_out = self.rings.sinks(RingKind.KV)
 
     def _shm_runner(self, config: EngineConfig) -> ModelRunner:
         """The pool on CPU is the shared segment; on GPU the segment is its pinned mirror."""
@@ -74,24 +71,20 @@ class PrefillWorker:
         self.exporter = ShmExporter(runner.kv_pool, staging=shared)
         return runner
 
-    def run(self) -> None:
-        self.row.set_state(WorkerState.READY)
-        logger.info("ready")
-        while not self.stopping:
-            self._take_inputs()
-            if self.handles is not None:
-                self._send_pool_handle()
-            for j, ring in self.rel_rings.items():
-                if not ring.peer_alive() and self.sched.pinned.rids_for(j):
-                    self.sched.decode_worker_died(j)
-            out = self.sched.step()
-            self._ship(out)
-            self._publish()
-            if not self.sched.waiting:
-                self.doorbell.wait(list(self.rings_in.values()), IDLE_WAIT_S)
-        self.row.set_state(WorkerState.DRAINING)
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self.sched.runner.allocator
 
-    def _take_inputs(self) -> None:
+    def step(self) -> bool:
+        if self.handles is not None:
+            self._send_pool_handle()
+        for j, ring in self.rel_rings.items():
+            if not ring.peer_alive() and self.sched.pinned.rids_for(j):
+                self.sched.decode_worker_died(j)
+        self._ship(self.sched.step())
+        return bool(self.sched.waiting)
+
+    def take_inputs(self) -> None:
         for msg in drain(self.req_ring):
             if isinstance(msg, GenerateRequest):
                 if self.sched.add(msg) == Finish.ERROR:
@@ -106,7 +99,7 @@ class PrefillWorker:
     def _send_pool_handle(self) -> None:
         """cuda_ipc: every live decode process gets this pool's handle before any transfer."""
         assert self.handles is not None
-        live = {r.index: r.generation for r in self._table.snapshot()
+        live = {r.index: r.generation for r in self.table.snapshot()
                 if r.role is Role.DECODE and r.state in _LIVE}  # fmt: skip
         for j in self.handles.due(live):
             if j in self.kv_out:
@@ -124,17 +117,11 @@ class PrefillWorker:
                 position = len(transfer.output_ids)  # the first token has gone out
                 fail_request(self.tok_out, transfer.rid, transfer.detok_shard, position)
 
-    def _publish(self) -> None:
-        a = self.sched.runner.allocator
-        self.row.publish(
-            queued_prefill_tokens=self.sched.queued_tokens,
-            waiting_requests=self.sched.num_waiting,
-            running_requests=0,
-            free_kv_blocks=a.num_free,
-            total_kv_blocks=a.num_blocks,
-            requests_received=self.sched.requests_received,
-            prompt_tokens_received=self.sched.prompt_tokens_received,
-        )
+    def load(self) -> QueueLoad:
+        s = self.sched
+        return QueueLoad(queued_prefill_tokens=s.queued_tokens, waiting_requests=s.num_waiting,
+                         requests_received=s.requests_received,
+                         prompt_tokens_received=s.prompt_tokens_received)  # fmt: skip
 
 
 def main() -> None:

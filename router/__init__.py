@@ -1,19 +1,2 @@
-"""Request placement: the shared-memory load table and the routing policies."""
-
-from __future__ import annotations
-
-from router.load_table import LoadTable, Role, RowWriter, WorkerLoad, WorkerState
-from router.policy import NoCapacity, Placement, PolicyName, Router, RouterConfig
-
-__all__ = [
-    "LoadTable",
-    "NoCapacity",
-    "Placement",
-    "PolicyName",
-    "Role",
-    "Router",
-    "RouterConfig",
-    "RowWriter",
-    "WorkerLoad",
-    "WorkerState",
-]
+"""Request placement: the routing policies over the load table (``transport.load_table``)
+and a ledger of what the router has assigned to each worker."""

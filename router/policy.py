@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from router.load_table import LoadTable, Role, WorkerLoad, WorkerState
+from transport.load_table import LoadRow, LoadTable, Role, WorkerState
 
 
 class PolicyName(enum.StrEnum):
@@ -243,7 +243,7 @@ class Router:
         colocated = any(role is Role.COLOCATED for role, _ in self._tracked)
         return (Role.COLOCATED, Role.COLOCATED) if colocated else (Role.PREFILL, Role.DECODE)
 
-    def _sync(self, rows: list[WorkerLoad]) -> list[WorkerLoad]:
+    def _sync(self, rows: list[LoadRow]) -> list[LoadRow]:
         """Start fresh accounting for every worker generation seen for the first time."""
         for r in rows:
             if r.role is Role.NONE:
@@ -258,8 +258,8 @@ class Router:
         return rows
 
     def _choose(
-        self, rows: list[WorkerLoad], role: Role, prompt_len: int, now_ns: int
-    ) -> tuple[int, WorkerLoad]:
+        self, rows: list[LoadRow], role: Role, prompt_len: int, now_ns: int
+    ) -> tuple[int, LoadRow]:
         live = [r for r in rows if self._routable(r, now_ns)]
         if not live:
             raise NoCapacity(self._config.retry_after_dead_s, f"no live {role.name.lower()} worker")
@@ -277,14 +277,14 @@ class Router:
         pick = policy.choose(candidates).index
         return pick, by_index[pick]
 
-    def _routable(self, r: WorkerLoad, now_ns: int) -> bool:
+    def _routable(self, r: LoadRow, now_ns: int) -> bool:
         if r.state is not WorkerState.READY or r.pid <= 0:
             return False
         if now_ns - r.heartbeat_ns > self._config.stale_after_s * 1e9:
             return False
         return _pid_alive(r.pid)
 
-    def _admits(self, r: WorkerLoad, prompt_len: int) -> bool:
+    def _admits(self, r: LoadRow, prompt_len: int) -> bool:
         cfg, t = self._config, self._tracked[(r.role, r.index)]
         waiting = r.waiting_requests + self._unreported_requests(r, t)
         if cfg.max_waiting_requests is not None and waiting >= cfg.max_waiting_requests:
@@ -295,12 +295,12 @@ class Router:
         # An idle worker takes any prompt, however long: the bound limits queues, not prompts.
         return queued == 0 or queued + prompt_len <= cfg.max_queued_prefill_tokens
 
-    def _unreported_requests(self, r: WorkerLoad, t: _Tracked) -> int:
+    def _unreported_requests(self, r: LoadRow, t: _Tracked) -> int:
         if r.role is Role.DECODE:
             return max(0, len(t.active) - r.running_requests - r.waiting_requests)
         return max(0, t.sent_requests - r.requests_received)
 
-    def _cost(self, r: WorkerLoad) -> int:
+    def _cost(self, r: LoadRow) -> int:
         t = self._tracked[(r.role, r.index)]
         prefill = r.queued_prefill_tokens + max(0, t.sent_tokens - r.prompt_tokens_received)
         if r.role is Role.PREFILL:
@@ -314,8 +314,8 @@ class Router:
 
     def _commit(
         self,
-        p_worker: WorkerLoad,
-        d_worker: WorkerLoad,
+        p_worker: LoadRow,
+        d_worker: LoadRow,
         p_pick: int,
         d_pick: int,
         prompt_len: int,
@@ -347,7 +347,7 @@ class Router:
         self._assigned[key][1] += tokens
 
 
-def _index(r: WorkerLoad) -> int:
+def _index(r: LoadRow) -> int:
     return r.index
 
 

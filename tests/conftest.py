@@ -1,6 +1,6 @@
 """Session-wide fixtures: the Qwen2-vocabulary tokenizer and the tiny checkpoints.
 
-They are built offline on first use and cached (see ``pdserve.tiny_models``), so the
+They are built offline on first use and cached (see ``checkpoints.tiny``), so the
 suite needs no network and pays the build cost once per machine.
 """
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import tiny_models
+from checkpoints import tiny
 
 
 @pytest.fixture(scope="session")
 def tokenizer_path() -> Path:
-    return tiny_models.tokenizer_dir()
+    return tiny.tokenizer_dir()
 
 
 @pytest.fixture(scope="session")
@@ -25,15 +25,15 @@ def qwen_tokenizer(tokenizer_path: Path):  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(tokenizer_path)
 
 
-@pytest.fixture(scope="session", params=tiny_models.ARCHITECTURES)
+@pytest.fixture(scope="session", params=tiny.ARCHITECTURES)
 def tiny_model_path(request: pytest.FixtureRequest) -> Path:
     """Each tiny architecture in turn (llama, qwen2, qwen3)."""
-    return tiny_models.tiny_model_dir(request.param)
+    return tiny.tiny_model_dir(request.param)
 
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
-    return tiny_models.tiny_model_dir(tiny_models.DEFAULT_ARCH)
+    return tiny.tiny_model_dir(tiny.DEFAULT_ARCH)
 
 
 class LaunchedServer:

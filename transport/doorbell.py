@@ -23,12 +23,9 @@ import select
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from transport import _atomics
-
-if TYPE_CHECKING:
-    from transport.ring import Ring
 
 # Poll slice while blocked: bounds how late a restarted peer's new pid is noticed.
 _SLICE_S = 0.5
@@ -64,6 +61,15 @@ def block_on(fds: Sequence[int], timeout: float) -> list[int]:
     return [fd for fd, _ in poller.poll(max(0.0, timeout) * 1000.0)]
 
 
+class Watched(Protocol):
+    """What a doorbell needs of an inbound ring (``transport.ring.Ring`` is one)."""
+
+    def announce_sleep(self) -> None: ...
+    def readable(self) -> bool: ...
+    def peer_pidfd(self) -> int | None: ...
+    def on_peer_pidfd_ready(self) -> None: ...
+
+
 class Doorbell:
     """The eventfd a consumer sleeps on; producers of its rings ring it."""
 
@@ -89,14 +95,14 @@ class Doorbell:
         """Consume pending rings of the bell (never blocks)."""
         drain_eventfd(self.fd)
 
-    def arm(self, rings: Sequence[Ring]) -> bool:
+    def arm(self, rings: Sequence[Watched]) -> bool:
         """Announce sleep to every producer; True if a ring already has data (don't sleep)."""
         for ring in rings:
             ring.announce_sleep()
         _atomics.fence()
         return any(ring.readable() for ring in rings)
 
-    def wait(self, rings: Sequence[Ring], timeout: float) -> None:
+    def wait(self, rings: Sequence[Watched], timeout: float) -> None:
         """Return when a ring has data, a ring's producer died, or ``timeout`` passed.
 
         Spins for at most ``SPIN_S`` first, then sleeps in the kernel (no CPU while idle).

@@ -11,10 +11,10 @@ from colocated.scheduler import ColocatedScheduler, NoKVTransfers
 from decode.scheduler import DecodeScheduler
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
 from prefill.scheduler import PrefillScheduler
 from transport.errors import KVTransferError
-from transport.records import Finish, GenerateRequest
+from wire.params import SamplingParams
+from wire.records import Finish, GenerateRequest
 
 torch.set_num_threads(1)
 
@@ -61,7 +61,7 @@ def _assert_all_free(sched: ColocatedScheduler) -> None:
 def test_colocated_greedy_matches_transformers_and_frees_blocks(arch: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from pdserve.tiny_models import tiny_model_dir
+    from checkpoints.tiny import tiny_model_dir
 
     model = tiny_model_dir(arch)
     sched = _sched(model)

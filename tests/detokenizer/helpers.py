@@ -8,7 +8,8 @@ import numpy as np
 from hypothesis import strategies as st
 
 from detokenizer.shard import DetokShard
-from transport.records import DetokParams, DetokRegister, Finish, TextBatch, TokenBatch
+from wire.params import DetokParams
+from wire.records import DetokRegister, Finish, TextBatch, TokenBatch
 
 QWEN_IDS = 151646  # ids the Qwen2 tokenizer knows
 PADDED_VOCAB = 151936  # ids a Qwen2 model can sample (the tail decodes to nothing)

@@ -11,7 +11,8 @@ import numpy as np
 from detokenizer.routing import shard_for
 from detokenizer.shard import DetokShard
 from tests.detokenizer.helpers import QWEN_IDS, oracle, register, stop_oracle
-from transport.records import DetokParams, Finish, TokenBatch, decode, encode
+from wire.params import DetokParams
+from wire.records import Finish, TokenBatch, decode, encode
 
 K, PREFILL, DECODE, REQUESTS = 3, 2, 3, 300
 

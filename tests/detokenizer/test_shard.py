@@ -20,7 +20,8 @@ from tests.detokenizer.helpers import (
     stop_oracle,
     stream_batches,
 )
-from transport.records import AbortRequest, DetokParams, Finish, TokenBatch
+from wire.params import DetokParams
+from wire.records import AbortRequest, Finish, TokenBatch
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +205,8 @@ def test_streamed_text_equals_decode_with_stops_under_any_arrival_order(
 
 def test_engine_error_row_ends_the_request_without_a_token(qwen_tokenizer) -> None:  # type: ignore[no-untyped-def]
     from detokenizer.shard import DetokShard
-    from transport.records import DetokParams, DetokRegister, Finish, TokenBatch
+    from wire.params import DetokParams
+    from wire.records import DetokRegister, Finish, TokenBatch
 
     shard = DetokShard(qwen_tokenizer)
     shard.register(DetokRegister(rid=9, params=DetokParams(), prompt_len=3))
@@ -219,7 +221,8 @@ def test_engine_error_row_ends_the_request_without_a_token(qwen_tokenizer) -> No
 def test_ids_past_the_vocabulary_are_reported_as_sampled(qwen_tokenizer) -> None:  # type: ignore[no-untyped-def]
     """Padded embedding rows (151646..151935) can be sampled: ids stay exact, text is empty."""
     from detokenizer.shard import DetokShard
-    from transport.records import DetokParams, DetokRegister, TokenBatch
+    from wire.params import DetokParams
+    from wire.records import DetokRegister, TokenBatch
 
     shard = DetokShard(qwen_tokenizer)
     shard.register(DetokRegister(rid=4, params=DetokParams(), prompt_len=3))
@@ -236,7 +239,8 @@ def test_logprob_entries_carry_raw_token_bytes(qwen_tokenizer) -> None:  # type:
     import numpy as np
 
     from detokenizer.shard import DetokShard
-    from transport.records import DetokParams, DetokRegister, TokenBatch
+    from wire.params import DetokParams
+    from wire.records import DetokRegister, TokenBatch
 
     ids = qwen_tokenizer("🫠").input_ids  # three tokens, each a piece of the emoji's bytes
     assert len(ids) == 3

@@ -10,8 +10,9 @@ import pytest
 from detokenizer.worker import DetokWorker, DetokWorkerConfig
 from tests.detokenizer.helpers import one_batch, register, stream_batches
 from transport.doorbell import Doorbell
-from transport.records import AbortRequest, DetokParams, TextBatch, decode, encode
 from transport.ring import Ring
+from wire.params import DetokParams
+from wire.records import AbortRequest, TextBatch, decode, encode
 
 
 @pytest.fixture

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoints import tiny
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import UnsupportedModelError
 from engine.rope import inv_frequencies
 from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from pdserve import tiny_models
+from wire.params import SamplingParams
 
 
 def _copy_with_config(src: Path, dst: Path, **changes: object) -> Path:
@@ -76,7 +76,7 @@ def test_llama3_rope_frequencies_match_transformers() -> None:
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    path = tiny_models.tiny_model_dir("llama")
+    path = tiny.tiny_model_dir("llama")
     m = ModelConfig.from_pretrained(path)
     assert m.rope_scaling is not None and m.rope_scaling["rope_type"] == "llama3"
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.from_pretrained(path))

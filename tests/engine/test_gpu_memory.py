@@ -50,11 +50,13 @@ def test_profiling_runs_the_largest_forwards_on_a_scratch_pool_and_keeps_the_rng
     )
     runner = ModelRunner(config)
     state = runner.generator.get_state()
+    pool, free = runner.kv_pool.clone(), runner.allocator.num_free
     scratch = profile_forward(runner)
     m = ModelConfig.from_pretrained(default_model_path)
     # 40 prompt tokens: 3 blocks of 16; 5 decode rows of 2 tokens: a block each.
     assert scratch == (3 + 5) * block_nbytes(m, 16, runner.dtype)
-    assert not hasattr(runner, "kv_pool") and not hasattr(runner, "allocator")
+    # The runner is untouched: its own pool and allocator were never used.
+    assert torch.equal(runner.kv_pool, pool) and runner.allocator.num_free == free
     assert torch.equal(runner.generator.get_state(), state)
 
 

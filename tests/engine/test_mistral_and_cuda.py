@@ -9,8 +9,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from wire.params import SamplingParams
 
 
 def _tiny_mistral(root: Path) -> Path:

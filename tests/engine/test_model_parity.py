@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from colocated.llm import LLM
 from engine.config import EngineConfig
-from engine.llm import LLM
 from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from wire.params import SamplingParams
 
 PROMPT_LENS = [1, 2, 15, 16, 17, 31, 33, 48, 64, 77, 99, 100]
 DECODE_STEPS = 6

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from colocated.llm import LLM
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import NoFreeBlocks, PromptTooLongError
 from engine.kv_cache import block_nbytes, kv_pool_shape
-from engine.llm import LLM
 from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from transport.records import Finish
+from wire.params import SamplingParams
+from wire.records import Finish
 
 PROMPT = list(range(300, 340))  # 40 tokens: 3 blocks of 16
 

@@ -15,7 +15,7 @@ from engine.sampler import (
     mix_seed,
     sample,
 )
-from engine.sampling_params import SamplingParams
+from wire.params import SamplingParams
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBS.log()

@@ -3,7 +3,7 @@
 Real generation: a Hugging Face model's forward pass with its KV cache, real tokenizer
 decode, stop strings, EOS and stop_token_ids, logprobs of the raw distribution. It
 implements greedy and temperature sampling with an optional seed; any other sampling
-option raises ``EngineError`` (which the app must answer with a 500), so nothing is
+option raises ``EngineUnavailable`` (which the app must answer with a 500), so nothing is
 silently ignored. ``max_running`` bounds concurrent requests (beyond it: ``Overloaded``)
 and ``step_delay_s`` slows each step, to hold requests in flight while a test acts.
 """
@@ -22,13 +22,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from frontend.engine_client import (
     EngineClient,
-    EngineError,
     EngineRequest,
+    EngineUnavailable,
     Overloaded,
     WorkerHealth,
-    WorkerLoad,
+    WorkerMetrics,
 )
-from transport.records import Finish, TextDelta, TokenLogprob
+from wire.records import Finish, TextDelta, TokenLogprob
 
 _UNSUPPORTED = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty")  # fmt: skip
@@ -61,7 +61,7 @@ class ReferenceEngineClient(EngineClient):
         defaults = type(req.sampling)()
         for name in _UNSUPPORTED:
             if getattr(req.sampling, name) != getattr(defaults, name):
-                raise EngineError(f"the reference client does not implement {name}")
+                raise EngineUnavailable(f"the reference client does not implement {name}")
         self.check_admission()
         self.running.add(req.rid)
         try:
@@ -146,8 +146,8 @@ class ReferenceEngineClient(EngineClient):
     def health(self) -> list[WorkerHealth]:
         return [WorkerHealth("reference", 0, os.getpid(), True, {"running": len(self.running)})]
 
-    def metrics_snapshot(self) -> list[WorkerLoad]:
-        return [WorkerLoad("reference", 0, len(self.running), 0, 0.0)]
+    def metrics_snapshot(self) -> list[WorkerMetrics]:
+        return [WorkerMetrics("reference", 0, len(self.running), 0, 0.0)]
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -260,7 +260,7 @@ async def test_under_overload_a_request_without_the_key_is_still_401(make_client
 
 
 async def test_engine_failure_is_a_500_not_a_crash(http: httpx.AsyncClient) -> None:
-    # The reference client refuses top_k, which it does not implement, with EngineError.
+    # The reference client refuses top_k, which it does not implement, with EngineUnavailable.
     r = await complete(http, prompt="Hi", max_tokens=2, top_k=5)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert (await complete(http, prompt="Hi", max_tokens=1)).status_code == 200

@@ -10,13 +10,13 @@ from typing import Any
 import httpx
 import pytest
 
+from colocated.llm import LLM
 from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from frontend.app import build_app
 from frontend.local_client import LocalEngineClient
 from tests.frontend.conftest import MODEL, make_settings, wait_for
 from tests.frontend.test_app import sse_events
+from wire.params import SamplingParams
 
 pytestmark = pytest.mark.anyio
 
@@ -58,7 +58,7 @@ async def test_concurrent_seeded_requests_are_reproducible(local: Any) -> None:
     replies = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(4)))
     outs = [r.json()["choices"][0]["token_ids"] for r in replies]
     assert all(o == outs[0] for o in outs) and len(outs[0]) == 10
-    alloc = client.llm.runner.allocator
+    alloc = client.runner.allocator
     assert await wait_for(lambda: alloc.num_free == alloc.num_blocks, timeout_s=5)
 
 
@@ -73,7 +73,7 @@ async def test_stop_string_and_logprobs_through_the_shard(local: Any) -> None:
     assert choice["text"] == full[: full.index(stop)]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
     assert len(choice["logprobs"]["tokens"]) == len(choice["logprobs"]["token_logprobs"]) > 0
-    alloc = client.llm.runner.allocator
+    alloc = client.runner.allocator
     assert await wait_for(lambda: alloc.num_free == alloc.num_blocks, timeout_s=5)
 
 
@@ -96,7 +96,8 @@ async def test_abort_ends_the_stream_and_frees_kv(
     default_model_path: Path, qwen_tokenizer: Any
 ) -> None:
     from frontend.engine_client import EngineRequest
-    from transport.records import DetokParams, Finish
+    from wire.params import DetokParams
+    from wire.records import Finish
 
     client = LocalEngineClient(engine_config(default_model_path), qwen_tokenizer)
     sampling = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
@@ -108,7 +109,7 @@ async def test_abort_ends_the_stream_and_frees_kv(
         deltas.append(delta)
     assert deltas[-1].finish == Finish.ABORT
     assert sum(len(d.token_ids) for d in deltas) < 200
-    alloc = client.llm.runner.allocator
+    alloc = client.runner.allocator
     assert await wait_for(lambda: alloc.num_free == alloc.num_blocks, timeout_s=5)
     assert client.health()[0].alive
     await client.close()

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from engine.sampling_params import SamplingParams
 from frontend.errors import InvalidRequest
 from frontend.protocol import (
     MAX_STOP_STRING_CHARS,
@@ -23,8 +22,9 @@ from frontend.protocol import (
     to_engine_params,
 )
 from launcher.topology import SMALL_RING_BYTES
-from transport.records import DetokParams, DetokRegister, GenerateRequest, encode
 from transport.ring import footprint
+from wire.params import DetokParams, SamplingParams
+from wire.records import DetokRegister, GenerateRequest, encode
 
 VOCAB = 151_936
 MAX_MODEL_LEN = 4096

@@ -11,7 +11,7 @@ from launcher.args import (
     ConfigError,
     Device,
     DType,
-    KVTransfer,
+    KVBackend,
     ServerConfig,
     build_parser,
     parse_args,
@@ -33,7 +33,7 @@ def test_flags_land_in_typed_fields(tmp_path: Path) -> None:
     argv += ["--router-policy", "round-robin", "--max-model-len", "4096"]
     argv += ["--kv-transfer", "shm", "--max-queued-prefill-tokens", "4096"]
     c = parse_args(argv)
-    assert c.kv_transfer is KVTransfer.SHM and c.max_queued_prefill_tokens == 4096
+    assert c.kv_transfer is KVBackend.SHM and c.max_queued_prefill_tokens == 4096
     assert c.model == tmp_path and (c.prefill, c.decode) == (2, 4)
     assert c.device is Device.CUDA and c.dtype is DType.BFLOAT16
     assert c.prefill_gpus == (0, 1) and c.decode_gpus == (2, 3, 4, 5)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.args import ConfigError, KVTransfer, parse_args
+from launcher.args import ConfigError, KVBackend, parse_args
 from launcher.cli import _build_topology, _children
 from launcher.gpus import GpuInfo, assign_gpus
 from launcher.placement import kv_transfer_backend, placements
@@ -17,10 +17,10 @@ GPUS = [GpuInfo(i, "NVIDIA H100 80GB HBM3", 80 * GIB, 80 * GIB) for i in range(4
 
 def test_auto_backend_is_cuda_ipc_on_gpus_and_shm_on_cpu() -> None:
     on_gpu = parse_args(["--prefill", "1", "--decode", "1"])
-    assert kv_transfer_backend(on_gpu, assign_gpus(on_gpu, GPUS)) is KVTransfer.CUDA_IPC
-    assert kv_transfer_backend(on_gpu, assign_gpus(on_gpu, [])) is KVTransfer.SHM
+    assert kv_transfer_backend(on_gpu, assign_gpus(on_gpu, GPUS)) is KVBackend.CUDA_IPC
+    assert kv_transfer_backend(on_gpu, assign_gpus(on_gpu, [])) is KVBackend.SHM
     shm = parse_args(["--kv-transfer", "shm"])
-    assert kv_transfer_backend(shm, assign_gpus(shm, GPUS)) is KVTransfer.SHM
+    assert kv_transfer_backend(shm, assign_gpus(shm, GPUS)) is KVBackend.SHM
 
 
 def test_cuda_ipc_without_gpus_is_refused() -> None:
@@ -74,8 +74,8 @@ def test_children_with_shm_on_gpus_get_a_staging_mirror(default_model_path: Path
 def test_children_on_cpu_are_told_what_they_always_were(default_model_path: Path) -> None:
     cfg = parse_args(["--device", "cpu", "--model", str(default_model_path)])
     gpus = assign_gpus(cfg, GPUS)
-    kids = _children(cfg, _build_topology(cfg, default_model_path, KVTransfer.SHM), gpus,
-                     default_model_path, KVTransfer.SHM)  # fmt: skip
+    kids = _children(cfg, _build_topology(cfg, default_model_path, KVBackend.SHM), gpus,
+                     default_model_path, KVBackend.SHM)  # fmt: skip
     prefill = next(c for c in kids if c.name == "prefill-0")
     assert (
         prefill.spec.settings["device"] == "cpu" and prefill.spec.settings["kv_transfer"] == "shm"

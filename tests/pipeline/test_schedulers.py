@@ -16,10 +16,10 @@ import torch
 from decode.scheduler import DecodeScheduler
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
 from prefill.scheduler import PrefillScheduler
 from transport.kv_backends import ShmReceiver
-from transport.records import Finish, GenerateRequest, TokenBatch
+from wire.params import SamplingParams
+from wire.records import Finish, GenerateRequest, TokenBatch
 
 
 def _pair(model: Path, decode_blocks: int = 256) -> tuple[PrefillScheduler, DecodeScheduler]:
@@ -65,7 +65,7 @@ def _run(prefill: PrefillScheduler, decode: DecodeScheduler) -> dict[int, list[i
 def test_disaggregated_greedy_matches_transformers(arch: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from pdserve.tiny_models import tiny_model_dir
+    from checkpoints.tiny import tiny_model_dir
 
     model = tiny_model_dir(arch)
     prefill, decode = _pair(model)

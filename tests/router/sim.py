@@ -14,8 +14,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from router.load_table import LoadTable, Role, RowWriter, WorkerState
 from router.policy import Placement, Router
+from transport.load_table import LoadTable, Role, RowWriter, WorkerState
 
 
 @dataclass

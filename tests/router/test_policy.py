@@ -11,7 +11,6 @@ from collections import defaultdict
 
 import pytest
 
-from router.load_table import LoadTable, Role, WorkerState
 from router.policy import (
     Candidate,
     NoCapacity,
@@ -23,6 +22,7 @@ from router.policy import (
     RouterConfig,
 )
 from tests.router.sim import Cluster, mixed_request, start_cluster
+from transport.load_table import LoadTable, Role, WorkerState
 
 
 def _cluster(n_prefill: int = 2, n_decode: int = 4, total_blocks: int = 8192) -> Cluster:

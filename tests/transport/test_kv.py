@@ -13,7 +13,6 @@ import torch
 
 from tests.transport.kv_peer import expected_pool
 from tests.transport.ring_peer import REPO, ring_fds
-from transport import records
 from transport.doorbell import Doorbell
 from transport.errors import KVTransferError
 from transport.kv import (
@@ -26,6 +25,7 @@ from transport.kv import (
 )
 from transport.kv_backends import CudaIpcReceiver, ShmReceiver, register_host_memory
 from transport.ring import Ring
+from wire import records
 
 LAYOUT = KVLayout(num_blocks=64, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")

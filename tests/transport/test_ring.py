@@ -13,11 +13,11 @@ from collections.abc import Iterator
 import pytest
 
 from tests.transport.ring_peer import check_record, make_record, ring_fds, spawn
-from transport import records
 from transport.doorbell import Doorbell, DoorbellSpec
 from transport.errors import PeerDead, RecordTooLarge, RingFull
 from transport.ring import Ring, RingSpec, footprint
 from transport.segment import SHM_DIR
+from wire import records
 
 
 @pytest.fixture

@@ -69,7 +69,7 @@ class WorkerState(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerLoad:
+class LoadRow:
     """One consistent copy of a row.
 
     ``requests_received`` and ``prompt_tokens_received`` are cumulative over the current
@@ -178,9 +178,9 @@ class LoadTable:
             raise IndexError(f"slot {slot} outside 0..{self.num_workers - 1}")
         return RowWriter(self._view, HEADER_NBYTES + slot * ROW_NBYTES, self._seq_addrs[slot])
 
-    def snapshot(self) -> list[WorkerLoad]:
+    def snapshot(self) -> list[LoadRow]:
         """A consistent copy of every row, indexed by slot."""
-        out: list[WorkerLoad | None] = [None] * self.num_workers
+        out: list[LoadRow | None] = [None] * self.num_workers
         pending = list(range(self.num_workers))
         deadline = time.monotonic_ns() + _MAX_READ_NS
         attempt = 0
@@ -196,7 +196,7 @@ class LoadTable:
                 os.sched_yield()
         return [load for load in out if load is not None]
 
-    def _read_pass(self, slots: list[int], out: list[WorkerLoad | None]) -> list[int]:
+    def _read_pass(self, slots: list[int], out: list[LoadRow | None]) -> list[int]:
         """Read ``slots`` under their seqlocks; fill ``out``; return the slots to retry."""
         before = [_load_acquire(self._seq_addrs[s], self._rows, s) for s in slots]
         rows = self._rows.copy().tolist()  # one memcpy of the table, then plain tuples
@@ -286,13 +286,13 @@ class RowWriter:
 
 _ROLES = {int(r): r for r in Role}
 _STATES = {int(st): st for st in WorkerState}
-# Positions in a row tuple (seq first, then the payload) of WorkerLoad's fields, in order.
-_LOAD_NAMES = list(WorkerLoad.__dataclass_fields__)[1:]  # all but slot
+# Positions in a row tuple (seq first, then the payload) of LoadRow's fields, in order.
+_LOAD_NAMES = list(LoadRow.__dataclass_fields__)[1:]  # all but slot
 _LOAD_COLUMNS = [1 + _PAYLOAD_FIELDS.index(f) for f in _LOAD_NAMES]
 _ROLE_AT, _STATE_AT = _LOAD_NAMES.index("role"), _LOAD_NAMES.index("state")
 
 
-def _to_load(slot: int, row: tuple[int, ...]) -> WorkerLoad:
+def _to_load(slot: int, row: tuple[int, ...]) -> LoadRow:
     role, state = _ROLES.get(row[-2]), _STATES.get(row[-1])
     if role is None or state is None:
         # Corrupt enum bytes mean a foreign or broken writer: never route to it.
@@ -300,13 +300,13 @@ def _to_load(slot: int, row: tuple[int, ...]) -> WorkerLoad:
         return _unreadable(slot)
     values: list[Any] = [row[c] for c in _LOAD_COLUMNS]
     values[_ROLE_AT], values[_STATE_AT] = role, state
-    return WorkerLoad(slot, *values)
+    return LoadRow(slot, *values)
 
 
-def _unreadable(slot: int) -> WorkerLoad:
+def _unreadable(slot: int) -> LoadRow:
     zeros = dict.fromkeys(_PAYLOAD_FIELDS, 0)
     del zeros["role"], zeros["state"]
-    return WorkerLoad(slot=slot, role=Role.NONE, state=WorkerState.DEAD, **zeros)
+    return LoadRow(slot=slot, role=Role.NONE, state=WorkerState.DEAD, **zeros)
 
 
 def _fence() -> None:

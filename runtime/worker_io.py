@@ -1,4 +1,4 @@
-"""Ring plumbing shared by the prefill and decode worker loops."""
+"""Ring plumbing every engine worker shares: decode what arrives, send with back-pressure."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Iterator, Mapping
 
 from engine.config import EngineConfig
 from transport.errors import PeerDead, RecordTooLarge, RingFull
-from transport.records import Control, Finish, TokenBatch, decode, encode
 from transport.ring import Ring
+from wire.records import Control, Finish, TokenBatch, decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +49,6 @@ def send(ring: Ring, msg: Control | TokenBatch) -> bool:
     except RingFull:
         logger.error("ring %s: full for %.0f s; consumer stuck", ring.spec.tag, PUT_TIMEOUT_S)
         raise
-
-
-def rings_by_peer(rings: Mapping[str, Ring], prefix: str) -> dict[int, Ring]:
-    """``{"tok.p0.k1": r}`` with prefix ``"tok."`` -> ``{1: r}``: rings by the peer's index.
-
-    Ring names are ``kind.<from>.<to>`` (launcher/topology.py); the peer is the last part.
-    """
-    return {int(n.split(".")[2][1:]): r for n, r in rings.items() if n.startswith(prefix)}
 
 
 def fail_request(tok_rings: Mapping[int, Ring], rid: int, shard: int, position: int) -> None:

@@ -1,8 +1,8 @@
-"""Per-request sampling parameters: the engine's half of a request's options.
+"""A request's options, split by who needs them: the engine's ``SamplingParams`` and
+the detokenizer's ``DetokParams``.
 
-The detokenizer's half (stop strings, special-token handling) is ``DetokParams`` in
-``transport.records``. Both are msgspec structs so they cross process boundaries as
-plain data (msgpack), never as pickled objects.
+Both are msgspec structs, so they cross process boundaries as plain data (msgpack),
+never as pickled objects.
 """
 
 from __future__ import annotations
@@ -70,3 +70,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class DetokParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The detokenizer's half of a request's options."""
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # An engine stop on one of these reports the token as stop_reason; on EOS it is None.
+    stop_token_ids: tuple[int, ...] = ()

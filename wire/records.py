@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from engine.sampling_params import SamplingParams
+from wire.params import DetokParams, SamplingParams
 
 
 class Finish(enum.IntEnum):
@@ -44,17 +44,6 @@ class Finish(enum.IntEnum):
     LENGTH = 2  # max_tokens or max_model_len
     ABORT = 3  # the client went away, or the frontend cancelled it
     ERROR = 4  # an unrecoverable failure; the record carries a message
-
-
-class DetokParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The detokenizer's half of a request's options."""
-
-    stop: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    # An engine stop on one of these reports the token as stop_reason; on EOS it is None.
-    stop_token_ids: tuple[int, ...] = ()
 
 
 class _Msg(msgspec.Struct, array_like=True, tag_field="k", frozen=True):

@@ -188,7 +188,7 @@ def tiny_model_dir(arch: str = DEFAULT_ARCH) -> Path:
 
 
 def main() -> None:
-    """``python -m pdserve.tiny_models``: build every fixture and print where it lies."""
+    """``python -m checkpoints.tiny``: build every fixture and print where it lies."""
     logging.basicConfig(level=logging.INFO)
     print(tokenizer_dir())
     for arch in ARCHITECTURES:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.sampler import SampleOutput
-from transport.records import Finish, TokenBatch
+from wire.records import Finish, TokenBatch
 
 
 @dataclass

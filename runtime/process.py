@@ -17,10 +17,11 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from router.load_table import LoadTable, RowWriter
 from transport.doorbell import Doorbell
+from transport.load_table import LoadTable
 from transport.ring import Ring, RingSpec
 from transport.segment import Segment, SegmentSpec
+from wire.ring_names import PeerRole, RingKind, RingName
 
 SPEC_ENV = "PDSERVE_SPEC"
 _PR_SET_PDEATHSIG = 1
@@ -96,22 +97,46 @@ def bootstrap() -> tuple[ProcessSpec, Stopping]:
     return spec, stopping
 
 
-def attach_rings(spec: ProcessSpec) -> tuple[dict[str, Ring], dict[str, Ring], Doorbell]:
+@dataclass(frozen=True)
+class Rings:
+    """A process's attached rings by name; the helpers key them by the peer's index."""
+
+    inbound: dict[RingName, Ring]
+    outbound: dict[RingName, Ring]
+    doorbell: Doorbell
+
+    def sources(self, kind: RingKind, role: PeerRole | None = None) -> dict[int, Ring]:
+        """Inbound rings of ``kind`` (from peers of ``role``), by the sender's index."""
+        return {n.src.index: r for n, r in sorted(self.inbound.items())
+                if n.kind is kind and role in (None, n.src.role)}  # fmt: skip
+
+    def sinks(self, kind: RingKind, role: PeerRole | None = None) -> dict[int, Ring]:
+        """Outbound rings of ``kind`` (to peers of ``role``), by the receiver's index."""
+        return {n.dst.index: r for n, r in sorted(self.outbound.items())
+                if n.kind is kind and role in (None, n.dst.role)}  # fmt: skip
+
+    def one_in(self, kind: RingKind) -> Ring:
+        """The single inbound ring of ``kind`` (e.g. a worker's request ring)."""
+        (ring,) = self.sources(kind).values()
+        return ring
+
+    def one_out(self, kind: RingKind) -> Ring:
+        (ring,) = self.sinks(kind).values()
+        return ring
+
+
+def attach_rings(spec: ProcessSpec) -> Rings:
     """Attach every ring of the spec; inbound rings are reset (a predecessor's leftovers)."""
-    doorbell = Doorbell(spec.doorbell_fd)
-    rings_in = {n: Ring.attach(RingSpec(**s), "consumer") for n, s in spec.rings_in.items()}
-    rings_out = {n: Ring.attach(RingSpec(**s), "producer") for n, s in spec.rings_out.items()}
-    for ring in rings_in.values():
+    inbound = {RingName.parse(n): Ring.attach(RingSpec(**s), "consumer")
+               for n, s in spec.rings_in.items()}  # fmt: skip
+    outbound = {RingName.parse(n): Ring.attach(RingSpec(**s), "producer")
+                for n, s in spec.rings_out.items()}  # fmt: skip
+    for ring in inbound.values():
         ring.reset()
-    return rings_in, rings_out, doorbell
+    return Rings(inbound, outbound, Doorbell(spec.doorbell_fd))
 
 
 def load_table(spec: ProcessSpec) -> tuple[LoadTable, Segment]:
     lt = spec.load_table
     seg = Segment.attach(SegmentSpec("load", lt["fd"], lt["nbytes"]))
     return LoadTable(seg.buf, lt["num_workers"]), seg
-
-
-def load_row(spec: ProcessSpec) -> tuple[RowWriter, Segment]:
-    table, seg = load_table(spec)
-    return table.writer(spec.load_table["slot"]), seg

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router import load_table as lt
-from router.load_table import LoadTable, LoadTableError, Role, WorkerState
+from transport import load_table as lt
+from transport.load_table import LoadTable, LoadTableError, Role, WorkerState
 
 
 def _table(n: int) -> tuple[mmap.mmap, LoadTable]:

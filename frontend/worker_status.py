@@ -1,0 +1,54 @@
+"""``/health`` and ``/metrics`` views of a launched server, read from shared state only.
+
+Both are called on the event loop for every probe or scrape: they read the load table and
+the text rings' peer pids, never a round trip to a worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from frontend.engine_client import WorkerHealth, WorkerMetrics
+from transport.load_table import LoadTable, Role, WorkerState
+from transport.ring import Ring
+
+
+def worker_health(
+    table: LoadTable, text_rings: Sequence[Ring], active_per_shard: Mapping[int, int]
+) -> list[WorkerHealth]:
+    """Every worker's role, index, pid, liveness and load; then every detokenizer shard."""
+    out = []
+    for r in table.snapshot():
+        if r.role == Role.NONE:
+            continue
+        alive = r.state == WorkerState.READY  # a (re)starting worker is not serving yet
+        load = {
+            "queued_prefill_tokens": float(r.queued_prefill_tokens),
+            "waiting_requests": float(r.waiting_requests),
+            "running_requests": float(r.running_requests),
+            "free_kv_blocks": float(r.free_kv_blocks),
+            "total_kv_blocks": float(r.total_kv_blocks),
+        }
+        out.append(WorkerHealth(r.role.name.lower(), r.index, r.pid, alive, load))
+    for k, ring in enumerate(text_rings):
+        # A shard attaches its rings only once its tokenizer is loaded: pid 0 = starting.
+        alive = ring.peer_alive() and ring.peer_pid != 0  # alive() refreshes the pid
+        load = {"active_requests": float(active_per_shard.get(k, 0))}
+        out.append(WorkerHealth("detokenizer", k, ring.peer_pid, alive, load))
+    return out
+
+
+def worker_metrics(
+    table: LoadTable, assigned: Mapping[tuple[Role, int], tuple[int, int]]
+) -> list[WorkerMetrics]:
+    """Per-worker running/waiting requests, KV usage and what the router assigned."""
+    out = []
+    for r in table.snapshot():
+        if r.role == Role.NONE:
+            continue
+        total = max(r.total_kv_blocks, 1)
+        used = (r.total_kv_blocks - r.free_kv_blocks) / total
+        n, tokens = assigned.get((r.role, r.index), (0, 0))
+        out.append(WorkerMetrics(r.role.name.lower(), r.index, r.running_requests,
+                                 r.waiting_requests, used, n, tokens))  # fmt: skip
+    return out

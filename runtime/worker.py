@@ -1,0 +1,100 @@
+"""The skeleton every engine worker process shares (prefill, decode, co-located).
+
+    bootstrap (spec, title, signals) -> attach rings -> claim the load-table row
+      -> build the engine (subclass) -> READY
+      -> loop: take inputs -> step -> publish load -> sleep on the doorbell if idle
+      -> DRAINING on SIGTERM/SIGINT
+
+A subclass supplies only what differs: ``take_inputs`` (drain its rings), ``step``
+(run its scheduler, ship what it made; returns whether work remains) and ``load`` (its
+queue figures). No I/O happens in schedulers; it all happens here and in subclasses.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+from engine.block_manager import BlockAllocator
+from runtime.process import attach_rings, bootstrap, load_table
+from runtime.worker_io import IDLE_WAIT_S, engine_config
+from transport.load_table import Role, WorkerState
+from transport.ring import Ring
+from wire.ring_names import RingKind
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLoad:
+    """A worker's queue figures for its load-table row (KV figures come from the allocator).
+
+    ``requests_received``/``prompt_tokens_received`` are cumulative: what the worker took
+    off its request ring (the router compares them with what it sent).
+    """
+
+    queued_prefill_tokens: int = 0
+    waiting_requests: int = 0
+    running_requests: int = 0
+    requests_received: int = 0
+    prompt_tokens_received: int = 0
+
+
+class Worker(abc.ABC):
+    """One engine worker process; ``main()`` of each role builds one and calls ``run()``."""
+
+    role: ClassVar[Role]
+
+    def __init__(self) -> None:
+        self.spec, self.stopping = bootstrap()
+        self.index = self.spec.index
+        self.rings = attach_rings(self.spec)
+        self.table, self._load_seg = load_table(self.spec)
+        self.row = self.table.writer(self.spec.load_table["slot"])
+        self.config = engine_config(self.spec.settings)
+        self.row.claim(self.role, self.index, block_size=self.config.block_size)
+        # Every engine worker sends tokens to detokenizer shards, by shard index.
+        self.tok_out: dict[int, Ring] = self.rings.sinks(RingKind.TOK)
+
+    @property
+    @abc.abstractmethod
+    def allocator(self) -> BlockAllocator:
+        """The KV block allocator whose figures the load table carries."""
+
+    @abc.abstractmethod
+    def take_inputs(self) -> None:
+        """Drain every inbound ring into the scheduler."""
+
+    @abc.abstractmethod
+    def step(self) -> bool:
+        """One scheduler step, its outputs shipped; True if work remains (do not sleep)."""
+
+    @abc.abstractmethod
+    def load(self) -> QueueLoad:
+        """This step's queue figures for the router."""
+
+    def run(self) -> None:
+        self.row.set_state(WorkerState.READY)
+        logger.info("ready")
+        inbound = list(self.rings.inbound.values())
+        while not self.stopping:
+            self.take_inputs()
+            busy = self.step()
+            self._publish()
+            if not busy:
+                self.rings.doorbell.wait(inbound, IDLE_WAIT_S)
+        self.row.set_state(WorkerState.DRAINING)
+
+    def _publish(self) -> None:
+        q, a = self.load(), self.allocator
+        self.row.publish(
+            queued_prefill_tokens=q.queued_prefill_tokens,
+            waiting_requests=q.waiting_requests,
+            running_requests=q.running_requests,
+            free_kv_blocks=a.num_free,
+            total_kv_blocks=a.num_blocks,
+            requests_received=q.requests_received,
+            prompt_tokens_received=q.prompt_tokens_received,
+        )

@@ -1,0 +1,1 @@
+"""Repository checks run by ``make lint``."""

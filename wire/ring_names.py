@@ -1,0 +1,85 @@
+"""Ring names: the only place a ring's name is formatted or parsed.
+
+A ring is named for what it carries and its two ends, ``kind.src.dst``; an end is a role
+letter and an index (``p0``, ``d1``, ``k0``, ``c2``) or ``f`` for the frontend. The
+launcher creates rings under these names and every process finds its rings by them.
+
+Rings (i = prefill, j = decode, c = co-located worker, k = detokenizer shard):
+    req.f.p{i}      frontend -> prefill i     GenerateRequest, AbortRequest
+    ctl.f.d{j}      frontend -> decode j      AbortRequest
+    ctl.f.k{k}      frontend -> detok k       DetokRegister, AbortRequest
+    kv.p{i}.d{j}    prefill i -> decode j     KVTransfer, KVPoolHandle
+    rel.d{j}.p{i}   decode j -> prefill i     KVRelease
+    tok.p{i}.k{k}   prefill i -> detok k      TokenBatch (first tokens)
+    tok.d{j}.k{k}   decode j -> detok k       TokenBatch
+    stop.k{k}.d{j}  detok k -> decode j       AbortRequest (a stop string matched)
+    text.k{k}.f     detok k -> frontend       TextBatch
+With ``--colocated N`` there are no prefill/decode rings; instead:
+    req.f.c{c}      frontend -> colocated c   GenerateRequest, AbortRequest
+    tok.c{c}.k{k}   colocated c -> detok k    TokenBatch (first and later tokens)
+    stop.k{k}.c{c}  detok k -> colocated c    AbortRequest (a stop string matched)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class RingKind(enum.StrEnum):
+    REQ = "req"
+    CTL = "ctl"
+    KV = "kv"
+    REL = "rel"
+    TOK = "tok"
+    STOP = "stop"
+    TEXT = "text"
+
+
+class PeerRole(enum.StrEnum):
+    FRONTEND = "f"
+    PREFILL = "p"
+    DECODE = "d"
+    DETOK = "k"
+    COLOCATED = "c"
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class Peer:
+    """One end of a ring; the frontend is ``Peer(FRONTEND, 0)``, written ``f``."""
+
+    role: PeerRole
+    index: int = 0
+
+    def __str__(self) -> str:
+        return "f" if self.role is PeerRole.FRONTEND else f"{self.role}{self.index}"
+
+    @classmethod
+    def parse(cls, text: str) -> Peer:
+        role = PeerRole(text[0])
+        if role is PeerRole.FRONTEND:
+            if text != "f":
+                raise ValueError(f"bad ring end {text!r}")
+            return FRONTEND
+        return cls(role, int(text[1:]))
+
+
+FRONTEND = Peer(PeerRole.FRONTEND)
+
+
+class RingName(NamedTuple):
+    kind: RingKind
+    src: Peer
+    dst: Peer
+
+    def __str__(self) -> str:
+        return f"{self.kind}.{self.src}.{self.dst}"
+
+    @classmethod
+    def parse(cls, text: str) -> RingName:
+        parts = text.split(".")
+        if len(parts) != 3:
+            raise ValueError(f"bad ring name {text!r}: expected kind.src.dst")
+        kind, src, dst = parts
+        return cls(RingKind(kind), Peer.parse(src), Peer.parse(dst))
