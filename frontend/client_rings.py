@@ -32,10 +32,9 @@ from frontend.engine_client import (
 )
 from frontend.recovery import Recovery, Stream
 from frontend.worker_status import worker_health, worker_metrics
-from router.policy import NoCapacity, Router, RouterConfig
+from router.router import NoCapacity, Router, RouterConfig
 from runtime.process import ProcessSpec, attach_rings, load_table
 from transport.errors import PeerDead, RecordTooLarge
-from transport.load_table import Role
 from transport.ring import Ring
 from wire.records import (
     AbortRequest,
@@ -68,10 +67,9 @@ class RingEngineClient(EngineClient):
         colocated = rings.sinks(RingKind.REQ, PeerRole.COLOCATED)
         # Under ``launch --colocated`` a placement's prefill == decode == the worker c.
         self.req_rings = colocated or rings.sinks(RingKind.REQ, PeerRole.PREFILL)
-        roles = (Role.COLOCATED,) * 2 if colocated else (Role.PREFILL, Role.DECODE)
         self.streams: dict[int, Stream] = {}  # by current rid
         self.by_origin: dict[int, Stream] = {}  # by the rid the frontend gave the request
-        self.recovery = Recovery(self, self.router, self.table, self.text_rings, roles)
+        self.recovery = Recovery(self, self.router, self.table, self.text_rings)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watchdog: asyncio.Task[None] | None = None
 

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from detokenizer.routing import shard_for
 from frontend.engine_client import EngineRequest, EngineUnavailable
-from router.policy import NoCapacity, Placement, Router
+from router.router import NoCapacity, Placement, Router
 from transport.load_table import LoadTable, Role, WorkerState
 from transport.ring import Ring
 from wire.records import Finish, TextDelta
@@ -64,12 +64,10 @@ class Resubmitter(Protocol):
 
 class Recovery:
     def __init__(
-        self, client: Resubmitter, router: Router, table: LoadTable,
-        text_rings: Sequence[Ring], roles: tuple[Role, Role],
-    ) -> None:  # fmt: skip
+        self, client: Resubmitter, router: Router, table: LoadTable, text_rings: Sequence[Ring]
+    ) -> None:
         self.client, self.router, self.table = client, router, table
         self.text_rings = text_rings
-        self.roles = roles  # load-table roles of a placement's (prefill, decode) workers
         self._rids = itertools.count(RESUME_RID_BASE)
 
     async def watch(self) -> None:
@@ -94,10 +92,11 @@ class Recovery:
         blocks the restarted prefill reuses, so one token is not yet safe). A co-located
         worker holds everything of its requests.
         """
-        p, (p_role, d_role) = s.placement, self.roles
+        p = s.placement
+        (p_role, _), (d_role, _) = p.keys
         if (d_role, p.decode, p.decode_generation) in dead or (None, s.shard, 0) in dead:
             return True
-        early = len(s.token_ids) <= 1 or p_role == Role.COLOCATED
+        early = len(s.token_ids) <= 1 or p.colocated
         return (p_role, p.prefill, p.prefill_generation) in dead and early
 
     async def _resume(self, s: Stream) -> None:
@@ -139,10 +138,10 @@ class Recovery:
         for (role, index), row in live.items():
             if row.state == WorkerState.DEAD:
                 dead.add((role, index, row.generation))
-        p_role, d_role = self.roles
         for p in {s.placement for s in self.client.streams.values()}:
-            for role, index, gen in ((p_role, p.prefill, p.prefill_generation),
-                                     (d_role, p.decode, p.decode_generation)):  # fmt: skip
+            p_key, d_key = p.keys
+            for (role, index), gen in ((p_key, p.prefill_generation),
+                                       (d_key, p.decode_generation)):  # fmt: skip
                 now = live.get((role, index))
                 if now is not None and now.generation != gen:
                     dead.add((role, index, gen))  # restarted since placement

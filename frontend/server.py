@@ -21,7 +21,7 @@ from frontend.client_rings import RingEngineClient
 from frontend.engine_client import EngineClient
 from frontend.metrics import FrontendMetrics
 from frontend.settings import FrontendSettings
-from router.policy import RouterConfig
+from router.router import RouterConfig
 from runtime.process import bootstrap
 
 logger = logging.getLogger(__name__)

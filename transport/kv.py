@@ -26,8 +26,9 @@ Who calls what, when (i = prefill worker, j = decode worker):
   prefill i, on KVRelease
       ``pinned.on_release(rid)`` returns the blocks to free in its allocator.
   prefill i, every loop iteration (cheap)
-      ``pinned.reap_dead(decode_rings)`` returns the blocks pinned for decode workers whose
-      process has died, so they are freed within a poll interval.
+      for each decode worker j whose release ring's peer has died while ``pinned`` holds
+      blocks for it, ``pinned.on_peer_dead(j)`` returns them to free, so they are freed
+      within a poll interval.
 
 Only ``fetch`` and ``export`` touch KV bytes; ``PinnedBlocks`` is pure bookkeeping and
 never frees anything itself. Errors in a request (bad ids, unknown source) raise
@@ -39,13 +40,12 @@ from __future__ import annotations
 import abc
 import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
 from transport.errors import KVTransferError
-from transport.ring import Ring
 from transport.segment import Segment
 
 logger = logging.getLogger(__name__)
@@ -184,15 +184,6 @@ class PinnedBlocks:
             freed.extend(self._by_rid.pop(rid)[1])
         if freed:
             logger.warning("decode %d died: freeing %d pinned blocks", decode_worker, len(freed))
-        return freed
-
-    def reap_dead(self, decode_rings: Mapping[int, Ring]) -> list[int]:
-        """``on_peer_dead`` for every decode worker with pins whose ring peer has exited."""
-        freed: list[int] = []
-        for j in [j for j, rids in self._by_decode.items() if rids]:
-            ring = decode_rings.get(j)
-            if ring is not None and not ring.peer_alive():
-                freed.extend(self.on_peer_dead(j))
         return freed
 
     def rids_for(self, decode_worker: int) -> set[int]:

@@ -173,10 +173,6 @@ class CudaIpcReceiver(KVReceiver):
     def __init__(self, sources: Mapping[int, torch.Tensor], pool: torch.Tensor) -> None:
         self.sources, self.pool = dict(sources), pool
 
-    @classmethod
-    def from_handles(cls, handles: Mapping[int, bytes], pool: torch.Tensor) -> CudaIpcReceiver:
-        return cls({i: open_cuda_pool(h) for i, h in handles.items()}, pool)
-
     def open(self, src_worker: int, handle: bytes) -> None:
         """Map prefill ``src_worker``'s pool, replacing an earlier mapping of it."""
         self.sources.pop(src_worker, None)

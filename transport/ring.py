@@ -179,11 +179,6 @@ class Ring:
         """True if a record is waiting (consumer side; no syscall)."""
         return _atomics.load_acquire(self._tail_addr) != _atomics.load_acquire(self._head_addr)
 
-    def get_nowait(self) -> bytes | None:
-        """Copy out and release the oldest record, or None if the ring is empty."""
-        got = self.drain(1)
-        return got[0] if got else None
-
     def drain(self, max_records: int) -> list[bytes]:
         """Copy out and release up to ``max_records`` records (one release for all)."""
         records, producer_waiting = _atomics.ring_drain(self._base, self._cap, max_records)

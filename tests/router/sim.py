@@ -14,7 +14,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from router.policy import Placement, Router
+from router.router import Placement, Router
 from transport.load_table import LoadTable, Role, RowWriter, WorkerState
 
 

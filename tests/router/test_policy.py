@@ -11,16 +11,8 @@ from collections import defaultdict
 
 import pytest
 
-from router.policy import (
-    Candidate,
-    NoCapacity,
-    Placement,
-    PolicyName,
-    PowerOfTwo,
-    RoundRobin,
-    Router,
-    RouterConfig,
-)
+from router.policy import Candidate, PolicyName, PowerOfTwo, RoundRobin
+from router.router import NoCapacity, Placement, Router, RouterConfig
 from tests.router.sim import Cluster, mixed_request, start_cluster
 from transport.load_table import LoadTable, Role, WorkerState
 
@@ -129,7 +121,7 @@ def test_waiting_request_bound_turns_overload_into_no_capacity_until_workers_dra
         cluster.prefills[p.prefill].ring.append(p)
     for _ in range(10):  # prefill, hand over, decode 4 tokens, finish, release
         cluster.step(router)
-    assert router.in_flight() == 0
+    assert router.ledger.in_flight() == 0
     router.place(32, 4)
 
 
@@ -144,7 +136,7 @@ def test_check_capacity_refuses_exactly_when_place_would_refuse_a_one_token_prom
     assert err.value.retry_after_s == 2.0
     with pytest.raises(NoCapacity):
         router.place(1, 1)
-    assert router.in_flight() == 6
+    assert router.ledger.in_flight() == 6
 
 
 def test_check_capacity_reports_a_role_with_no_live_worker() -> None:
@@ -171,7 +163,7 @@ def test_an_undelivered_placement_released_stops_counting_against_its_worker() -
     router.release(first, delivered=False)
     # With the undelivered 1000 tokens forgotten, the same (cheapest, lowest) worker wins.
     assert router.place(500, 10).prefill == first.prefill
-    assert router.in_flight() == 1
+    assert router.ledger.in_flight() == 1
 
 
 def test_a_restarted_worker_starts_with_fresh_accounting() -> None:
@@ -217,7 +209,7 @@ def test_at_low_load_work_alternates_between_idle_workers() -> None:
         decode_load[p.decode] += 108
         for _ in range(12):  # prefill, hand over, decode 8 tokens, finish, release
             cluster.step(router)
-        assert router.in_flight() == 0
+        assert router.ledger.in_flight() == 0
     assert dict(prefill_load) == {0: 1200, 1: 1200}
     assert dict(decode_load) == {0: 648, 1: 648, 2: 648, 3: 648}
     assigned = router.assigned()

@@ -156,8 +156,10 @@ def test_dead_decode_worker_releases_its_pinned_blocks() -> None:
     pinned.pin(1, decode_worker=0, blocks=[4, 9])
     pinned.pin(2, decode_worker=0, blocks=[1])
     pinned.pin(3, decode_worker=1, blocks=[2])
-    assert pinned.reap_dead({0: producer}) == []
+    # What a prefill worker does each loop: a dead release-ring peer frees its pins.
+    assert producer.peer_alive() and pinned.rids_for(0) == {1, 2}
     child.send_signal(signal.SIGKILL)
     child.wait()
-    assert sorted(pinned.reap_dead({0: producer})) == [1, 4, 9]
+    assert not producer.peer_alive()
+    assert sorted(pinned.on_peer_dead(0)) == [1, 4, 9]
     assert pinned.num_pinned == 1 and pinned.rids_for(1) == {3}

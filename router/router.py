@@ -1,0 +1,244 @@
+"""The router: places each request on a (prefill, decode) pair from load-table snapshots.
+
+The router runs in the frontend, single-threaded (the event loop): ``place`` picks a
+(prefill, decode) pair for a new request, ``release`` is called once when it ends.
+
+Load is measured in tokens:
+  prefill i   queued_prefill_tokens (reported) + prompt tokens the router sent that the
+              worker has not taken off its ring yet (cumulative sent - cumulative received;
+              the ring is FIFO and every sent request is eventually received, so this is
+              exact, not a time-window guess).
+  decode j    KV tokens the worker's requests will need until they finish. The router's
+              own books give that: prompt_len + max_tokens for each request it assigned to
+              j and has not released (early finishes come back through ``release``). The
+              table gives what j really holds: (total - free) * block_size, plus those
+              reservations for the assignments j does not hold yet (counted as active -
+              running - waiting; requests reach decode from several prefill workers in any
+              order, so the newest assignments are taken to be the unheld ones). The cost
+              is the larger of the two views, so KV the router does not know of (work from
+              before a frontend restart) still counts.
+A colocated worker's load is the sum of both.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+
+from router.ledger import Ledger, WorkerKey
+from router.policy import Candidate, PolicyName, make_policy
+from transport.load_table import LoadRow, LoadTable, Role, WorkerState
+
+
+class NoCapacity(Exception):
+    """No worker can take the request now; the frontend answers 503 + Retry-After."""
+
+    def __init__(self, retry_after_s: float, reason: str) -> None:
+        super().__init__(f"no capacity ({reason}); retry after {retry_after_s:g} s")
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Admission bounds are per worker; None disables one (not recommended in production)."""
+
+    stale_after_s: float = 1.0  # a row whose heartbeat is older than this is not routable
+    max_waiting_requests: int | None = 1024
+    max_queued_prefill_tokens: int | None = 262_144
+    retry_after_s: float = 1.0  # when workers are busy
+    retry_after_dead_s: float = 5.0  # when no worker of a role is alive (a restart takes a while)
+    seed: int | None = None  # power-of-two sampling; None draws from the OS
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request runs: role indices (as carried in request records), not table slots."""
+
+    prefill: int
+    decode: int
+    ticket: int = 0
+    prompt_len: int = 0
+    max_tokens: int = 0
+    prefill_generation: int = 0
+    decode_generation: int = 0
+    colocated: bool = False  # one co-located worker runs both halves (prefill == decode)
+
+    @property
+    def keys(self) -> tuple[WorkerKey, WorkerKey]:
+        """The ledger keys of the (prefill, decode) workers."""
+        if self.colocated:
+            return (Role.COLOCATED, self.prefill), (Role.COLOCATED, self.decode)
+        return (Role.PREFILL, self.prefill), (Role.DECODE, self.decode)
+
+
+class Router:
+    def __init__(
+        self,
+        table: LoadTable,
+        policy: PolicyName | str = PolicyName.LEAST_LOAD,
+        config: RouterConfig | None = None,
+    ) -> None:
+        self._table = table
+        self._config = config or RouterConfig()
+        seed = self._config.seed
+        self._prefill_policy = make_policy(policy, seed)
+        self._decode_policy = make_policy(policy, None if seed is None else ~seed)
+        self.ledger = Ledger()
+        self._tickets = itertools.count(1)
+
+    def place(self, prompt_len: int, max_tokens: int) -> Placement:
+        """Choose the workers for a request, or raise ``NoCapacity``.
+
+        The placement is counted as in flight until ``release``; the caller must send it
+        to the chosen prefill worker (or call ``release(p, delivered=False)``).
+        """
+        if prompt_len < 1 or max_tokens < 1:
+            raise ValueError(
+                f"prompt_len and max_tokens must be >= 1, got {prompt_len}, {max_tokens}"
+            )
+        rows, now = self._snapshot()
+        p_role, d_role = _roles(rows)
+        p_row = self._choose(rows, p_role, prompt_len, now)
+        d_row = p_row if p_role is d_role else self._choose(rows, d_role, prompt_len, now)
+        return self._commit(p_row, d_row, prompt_len, max_tokens)
+
+    def check_capacity(self) -> None:
+        """Raise ``NoCapacity`` when ``place`` would refuse every request, however small.
+
+        Cheap and commits nothing: the frontend asks before it parses and tokenizes a
+        body, so a request burst beyond the admission bound is refused at a fraction of
+        the cost of a full placement. ``place`` still decides for the requests it lets by.
+        (Admission only gets harder as the prompt grows, so a 1-token prompt is the test.)
+        """
+        rows, now = self._snapshot()
+        for role in set(_roles(rows)):
+            self._choose(rows, role, 1, now)
+
+    def release(self, placement: Placement, delivered: bool = True) -> None:
+        """The request ended (any reason). ``delivered=False``: it was never sent to prefill.
+
+        Releases of a worker generation that has since restarted are ignored: the new
+        generation's books never included them.
+        """
+        p_key, d_key = placement.keys
+        decode = self.ledger.current(d_key, placement.decode_generation)
+        if decode is not None:
+            decode.reserved.pop(placement.ticket, None)
+        if delivered:
+            return
+        # Nobody worked on it: it was never sent, nor assigned, after all.
+        prefill = self.ledger.current(p_key, placement.prefill_generation)
+        if prefill is not None:
+            prefill.sent_requests -= 1
+            prefill.sent_tokens -= placement.prompt_len
+        kv = placement.prompt_len + placement.max_tokens
+        if p_key == d_key:
+            self.ledger.count(p_key, -kv, -1)
+        else:
+            self.ledger.count(p_key, -placement.prompt_len, -1)
+            self.ledger.count(d_key, -kv, -1)
+
+    def assigned(self) -> dict[WorkerKey, tuple[int, int]]:
+        """(requests, tokens) assigned per (role, index) since the router started."""
+        return {key: (a.requests, a.tokens) for key, a in self.ledger.assigned.items()}
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _snapshot(self) -> tuple[list[LoadRow], int]:
+        rows = self._table.snapshot()
+        self.ledger.sync(rows)
+        return rows, time.monotonic_ns()
+
+    def _choose(self, rows: list[LoadRow], role: Role, prompt_len: int, now_ns: int) -> LoadRow:
+        live = [r for r in rows if r.role is role and self._routable(r, now_ns)]
+        if not live:
+            raise NoCapacity(self._config.retry_after_dead_s, f"no live {role.name.lower()} worker")
+        admitted = sorted((r for r in live if self._admits(r, prompt_len)), key=_index)
+        if not admitted:
+            raise NoCapacity(
+                self._config.retry_after_s, f"every {role.name.lower()} worker is full"
+            )
+        candidates = [
+            Candidate(r.index, self._cost(r), self.ledger.assigned[(r.role, r.index)].tokens)
+            for r in admitted
+        ]
+        policy = self._decode_policy if role is Role.DECODE else self._prefill_policy
+        pick = policy.choose(candidates).index
+        return next(r for r in admitted if r.index == pick)
+
+    def _routable(self, r: LoadRow, now_ns: int) -> bool:
+        if r.state is not WorkerState.READY or r.pid <= 0:
+            return False
+        if now_ns - r.heartbeat_ns > self._config.stale_after_s * 1e9:
+            return False
+        return _pid_alive(r.pid)
+
+    def _admits(self, r: LoadRow, prompt_len: int) -> bool:
+        cfg, books = self._config, self.ledger.of(r)
+        waiting = r.waiting_requests + books.unreported_requests(r)
+        if cfg.max_waiting_requests is not None and waiting >= cfg.max_waiting_requests:
+            return False
+        if r.role is Role.DECODE or cfg.max_queued_prefill_tokens is None:
+            return True
+        queued = r.queued_prefill_tokens + books.unsent_tokens(r)
+        # An idle worker takes any prompt, however long: the bound limits queues, not prompts.
+        return queued == 0 or queued + prompt_len <= cfg.max_queued_prefill_tokens
+
+    def _cost(self, r: LoadRow) -> int:
+        books = self.ledger.of(r)
+        prefill = r.queued_prefill_tokens + books.unsent_tokens(r)
+        if r.role is Role.PREFILL:
+            return prefill
+        used = (r.total_kv_blocks - r.free_kv_blocks) * r.block_size
+        decode = max(used + books.unheld_reserved(r), sum(books.reserved.values()))
+        return decode if r.role is Role.DECODE else decode + prefill
+
+    def _commit(
+        self, p_row: LoadRow, d_row: LoadRow, prompt_len: int, max_tokens: int
+    ) -> Placement:
+        ticket = next(self._tickets)
+        p_books, d_books = self.ledger.of(p_row), self.ledger.of(d_row)
+        p_books.sent_requests += 1
+        p_books.sent_tokens += prompt_len
+        d_books.reserved[ticket] = prompt_len + max_tokens
+        placement = Placement(
+            prefill=p_row.index,
+            decode=d_row.index,
+            ticket=ticket,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            prefill_generation=p_row.generation,
+            decode_generation=d_row.generation,
+            colocated=p_row.role is Role.COLOCATED,
+        )
+        p_key, d_key = placement.keys
+        if p_key == d_key:  # co-located: one worker does both halves
+            self.ledger.count(p_key, prompt_len + max_tokens)
+        else:
+            self.ledger.count(p_key, prompt_len)
+            self.ledger.count(d_key, prompt_len + max_tokens)
+        return placement
+
+
+def _roles(rows: list[LoadRow]) -> tuple[Role, Role]:
+    """The (prefill, decode) roles of a placement: a co-located server has one of each."""
+    if any(r.role is Role.COLOCATED for r in rows):
+        return Role.COLOCATED, Role.COLOCATED
+    return Role.PREFILL, Role.DECODE
+
+
+def _index(r: LoadRow) -> int:
+    return r.index
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
