@@ -15,9 +15,9 @@ from colocated.scheduler import ColocatedScheduler
 from engine.block_manager import BlockAllocator
 from engine.runner import ModelRunner
 from runtime.worker import QueueLoad, Worker
-from runtime.worker_io import drain, fail_request, send
+from runtime.worker_io import drain, send
 from transport.load_table import Role
-from wire.records import AbortRequest, Finish, GenerateRequest
+from wire.records import AbortRequest
 from wire.ring_names import RingKind
 
 
@@ -38,12 +38,7 @@ class ColocatedWorker(Worker):
         return self.sched.runner.allocator
 
     def take_inputs(self) -> None:
-        for msg in drain(self.req_ring):
-            if isinstance(msg, GenerateRequest):
-                if self.sched.add(msg) == Finish.ERROR:
-                    fail_request(self.tok_out, msg.rid, msg.detok_shard, len(msg.output_ids))
-            elif isinstance(msg, AbortRequest):
-                self.sched.abort(msg.rid)
+        self.take_requests(self.req_ring, self.sched)
         for ring in self.stop_in:
             for msg in drain(ring):
                 if isinstance(msg, AbortRequest):

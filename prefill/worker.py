@@ -28,7 +28,7 @@ from transport.kv_backends import CudaIpcExporter, ShmExporter, register_host_me
 from transport.kv_handles import HandleSender
 from transport.load_table import Role, WorkerState
 from transport.segment import Segment, SegmentSpec
-from wire.records import AbortRequest, Finish, GenerateRequest, KVPoolHandle, KVRelease
+from wire.records import KVPoolHandle, KVRelease
 from wire.ring_names import RingKind
 
 logger = logging.getLogger(__name__)
@@ -85,12 +85,7 @@ class PrefillWorker(Worker):
         return bool(self.sched.waiting)
 
     def take_inputs(self) -> None:
-        for msg in drain(self.req_ring):
-            if isinstance(msg, GenerateRequest):
-                if self.sched.add(msg) == Finish.ERROR:
-                    fail_request(self.tok_out, msg.rid, msg.detok_shard, len(msg.output_ids))
-            elif isinstance(msg, AbortRequest):
-                self.sched.abort(msg.rid)
+        self.take_requests(self.req_ring, self.sched)
         for ring in self.rel_rings.values():
             for msg in drain(ring):
                 if isinstance(msg, KVRelease):

@@ -15,13 +15,14 @@ from __future__ import annotations
 import abc
 import logging
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from engine.block_manager import BlockAllocator
 from runtime.process import attach_rings, bootstrap, load_table
-from runtime.worker_io import IDLE_WAIT_S, engine_config
+from runtime.worker_io import IDLE_WAIT_S, drain, engine_config, fail_request
 from transport.load_table import Role, WorkerState
 from transport.ring import Ring
+from wire.records import AbortRequest, Finish, GenerateRequest
 from wire.ring_names import RingKind
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,13 @@ class QueueLoad:
     running_requests: int = 0
     requests_received: int = 0
     prompt_tokens_received: int = 0
+
+
+class TakesRequests(Protocol):
+    """A scheduler that admits requests from the frontend (prefill, co-located)."""
+
+    def add(self, req: GenerateRequest) -> Finish: ...
+    def abort(self, rid: int) -> None: ...
 
 
 class Worker(abc.ABC):
@@ -74,6 +82,16 @@ class Worker(abc.ABC):
     @abc.abstractmethod
     def load(self) -> QueueLoad:
         """This step's queue figures for the router."""
+
+    def take_requests(self, ring: Ring, sched: TakesRequests) -> None:
+        """Drain the frontend's request ring into ``sched``; a request that can never run
+        here ends at once with an error (its shard tells the client)."""
+        for msg in drain(ring):
+            if isinstance(msg, GenerateRequest):
+                if sched.add(msg) == Finish.ERROR:
+                    fail_request(self.tok_out, msg.rid, msg.detok_shard, len(msg.output_ids))
+            elif isinstance(msg, AbortRequest):
+                sched.abort(msg.rid)
 
     def run(self) -> None:
         self.row.set_state(WorkerState.READY)
