@@ -8,6 +8,8 @@ block holds all layers, the transport moves a request's KV by copying whole bloc
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from engine.config import ModelConfig
@@ -33,11 +35,19 @@ def allocate_kv_pool(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    # Zeros, not empty: padded attention reads (and masks) slots no token wrote yet, and
-    # masked garbage that happens to be NaN would still poison the weighted sum.
-    return torch.zeros(
-        kv_pool_shape(model_config, num_blocks, block_size), dtype=dtype, device=device
-    )
+    """A pool that reads as zeros.
+
+    Zeros, not garbage: padded attention reads (and masks) slots no token wrote yet, and
+    masked garbage that happens to be NaN would still poison the weighted sum. On CPU the
+    pool is an anonymous mapping, whose pages are zero and committed only when first
+    written: a large pool costs memory as it fills, not at startup.
+    """
+    shape = kv_pool_shape(model_config, num_blocks, block_size)
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = num_blocks * block_nbytes(model_config, block_size, dtype)
+    # NOTE: the tensor keeps the mmap object alive (torch.frombuffer holds the buffer).
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 def check_kv_pool(pool: torch.Tensor, model_config: ModelConfig, block_size: int) -> int:

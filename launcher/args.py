@@ -61,7 +61,8 @@ class ServerConfig:
     prefill_gpus: tuple[int, ...] | None = None
     decode_gpus: tuple[int, ...] | None = None
     gpu_memory_utilization: float = 0.85
-    kv_cache_tokens: int = 65_536
+    kv_cache_memory: float | None = None  # GiB per KV pool; None: from available memory
+    kv_cache_tokens: int | None = None  # overrides kv_cache_memory
     kv_transfer: KVBackend = KVBackend.AUTO
     block_size: int = 16
     dtype: DType = DType.AUTO
@@ -158,12 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
         "together (weights, activations, KV cache); workers sharing a GPU split it evenly",
     )
     add(
+        "--kv-cache-memory",
+        type=float,
+        default=d.kv_cache_memory,
+        help="KV cache per worker in GiB of host memory (CPU pools; on GPU with --kv-transfer "
+        "shm, each prefill worker's pinned staging mirror and its pool). Default: a share of "
+        "the memory available now, after every worker's weights, at most 4 GiB",
+    )
+    add(
         "--kv-cache-tokens",
         type=int,
         default=d.kv_cache_tokens,
-        help="KV cache size per worker in tokens on CPU; on GPU with --kv-transfer shm, the "
-        "size of each prefill worker's pool and its pinned host staging mirror (GPU pools "
-        "are otherwise sized from GPU memory)",
+        help="KV cache per worker in tokens; overrides --kv-cache-memory",
     )
     add(
         "--kv-transfer",
@@ -257,7 +264,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
 def validate(config: ServerConfig) -> None:
     c = config
     _positive(("--detokenizers", c.detokenizers), ("--block-size", c.block_size),
-              ("--kv-cache-tokens", c.kv_cache_tokens), ("--max-num-seqs", c.max_num_seqs),
+              ("--max-num-seqs", c.max_num_seqs),
               ("--chunked-prefill-size", c.chunked_prefill_size),
               ("--max-waiting-requests", c.max_waiting_requests),
               ("--max-queued-prefill-tokens", c.max_queued_prefill_tokens))  # fmt: skip
@@ -276,8 +283,12 @@ def validate(config: ServerConfig) -> None:
         _positive(("--prefill", c.prefill), ("--decode", c.decode))
     if c.max_model_len is not None and c.max_model_len < 2:
         raise ConfigError("--max-model-len must be >= 2 (one prompt and one output token)")
-    if c.kv_cache_tokens < c.block_size:
+    if c.kv_cache_tokens is not None and c.kv_cache_tokens < c.block_size:
         raise ConfigError("--kv-cache-tokens must hold at least one block (--block-size tokens)")
+    if c.kv_cache_memory is not None and c.kv_cache_memory <= 0:
+        raise ConfigError("--kv-cache-memory must be a positive number of GiB")
+    if c.kv_cache_memory is not None and c.kv_cache_tokens is not None:
+        raise ConfigError("give --kv-cache-memory or --kv-cache-tokens, not both")
     if not 0.0 < c.gpu_memory_utilization <= 1.0:
         raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
     if not 0 <= c.port <= 65535:

@@ -18,12 +18,14 @@ import signal
 import socket
 import sys
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from launcher.args import ConfigError, KVBackend, ServerConfig, parse_args
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
+from launcher.memory import Demand, MemoryBudgetError, plan_kv, weight_bytes
 from launcher.placement import WorkerPlace, describe, kv_transfer_backend, placements
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
@@ -39,6 +41,8 @@ _DTYPE_NAMES = {
     "torch.float16": "float16",
 }
 STARTUP_TIMEOUT_S = 600.0
+# GPU pools are sized from GPU memory; this only sizes a pool no host memory backs.
+DEFAULT_GPU_KV_TOKENS = 65_536
 
 
 def _model_path(config: ServerConfig) -> Path:
@@ -53,6 +57,7 @@ def _model_path(config: ServerConfig) -> Path:
 def _engine_settings(
     config: ServerConfig, model: Path, place: WorkerPlace, backend: KVBackend | None
 ) -> dict[str, Any]:
+    assert config.kv_cache_tokens is not None, "sized by _size_kv"
     settings: dict[str, Any] = {
         "model": str(model), "dtype": config.dtype.value, "device": place.device,
         "block_size": config.block_size, "kv_cache_tokens": config.kv_cache_tokens,
@@ -110,6 +115,7 @@ def _build_topology(config: ServerConfig, model: Path, backend: KVBackend) -> To
     # shm: per prefill worker, the segment decode workers copy from: its pool on CPU, the
     # pinned staging mirror of its GPU pool (same layout, same block ids) on GPU.
     dtype = _DTYPE_NAMES[str(parse_dtype(config.dtype.value, mcfg.dtype))]
+    assert config.kv_cache_tokens is not None, "sized by _size_kv"
     layout = KVLayout(
         num_blocks=-(-config.kv_cache_tokens // config.block_size),
         num_layers=mcfg.num_layers, block_size=config.block_size,
@@ -118,6 +124,32 @@ def _build_topology(config: ServerConfig, model: Path, backend: KVBackend) -> To
     for i in range(config.prefill):
         topo.add_kv_pool(i, layout)
     return topo
+
+
+def _size_kv(
+    config: ServerConfig, model: Path, gpus: GpuAssignment, backend: KVBackend
+) -> ServerConfig:
+    """``config`` with ``kv_cache_tokens`` set from the host-memory budget (or checked)."""
+    mcfg = ModelConfig.from_pretrained(model)
+    dtype = parse_dtype(config.dtype.value, mcfg.dtype)
+    workers = config.colocated or config.prefill + config.decode
+    if gpus.on_cpu:
+        engines = pools = workers
+    else:  # weights live on the GPUs; host pools are the shm staging mirrors, if any
+        engines, pools = 0, (config.prefill if backend is KVBackend.SHM else 0)
+    if pools == 0:
+        return replace(config, kv_cache_tokens=config.kv_cache_tokens or DEFAULT_GPU_KV_TOKENS)
+    engine = EngineConfig(model=str(model), max_model_len=config.max_model_len)
+    demand = Demand(engines=engines, others=1 + config.detokenizers, pools=pools,
+                    chunk=config.chunked_prefill_size,
+                    max_model_len=engine.resolve_max_model_len(mcfg))  # fmt: skip
+    try:
+        plan = plan_kv(mcfg, weight_bytes(model, dtype), dtype, demand,
+                       config.kv_cache_memory, config.kv_cache_tokens)  # fmt: skip
+    except MemoryBudgetError as e:
+        raise ConfigError(str(e)) from e
+    logger.info("%s", plan.describe(pools))
+    return replace(config, kv_cache_tokens=plan.tokens_per_pool)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -150,6 +182,7 @@ def serve(config: ServerConfig) -> int:
     if not gpus.on_cpu:
         logger.info("on GPUs: %s; KV transfer: %s", describe(places), backend.value)
     model = _model_path(config)
+    config = _size_kv(config, model, gpus, backend)
     topo = _build_topology(config, model, backend)
     sup = Supervisor(_children(config, topo, gpus, model, backend), topo.load_table(), topo.p)
 

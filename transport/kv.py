@@ -95,7 +95,8 @@ class KVLayout:
 
 
 def create_pool_segment(tag: str, layout: KVLayout) -> Segment:
-    return Segment.create(f"kv.{tag}", layout.nbytes)
+    """A pool's shared segment, not pre-committed: pages are taken as blocks are written."""
+    return Segment.create(f"kv.{tag}", layout.nbytes, reserve=False)
 
 
 def pool_view(segment: Segment, layout: KVLayout) -> torch.Tensor:

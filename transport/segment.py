@@ -3,7 +3,8 @@
 Lifecycle (DESIGN.md §2): the launcher creates every segment before it spawns workers:
 ``shm_open(O_CREAT|O_EXCL, 0600)`` under a unique name ``pdserve.<creator pid>.<tag>``,
 ``posix_fallocate`` of the full size (so a small /dev/shm fails here with a message, not
-with SIGBUS in a worker later), then the name is unlinked at once. Workers inherit the fd
+with SIGBUS in a worker later; KV pools are only sized, see ``create``), then the name
+is unlinked at once. Workers inherit the fd
 (``subprocess.Popen(pass_fds=...)``) and map it; the memory lives exactly as long as some
 process holds the fd or a mapping, so SIGKILL of every process leaves nothing in /dev/shm.
 The only window in which a name exists is between ``shm_open`` and ``unlink`` in the
@@ -64,10 +65,13 @@ class Segment:
         self.buf = memoryview(self._mmap)
 
     @classmethod
-    def create(cls, tag: str, nbytes: int) -> Segment:
+    def create(cls, tag: str, nbytes: int, *, reserve: bool = True) -> Segment:
         """Create, reserve and unlink a segment; the caller passes ``spec.fd`` to children.
 
-        Raises ShmTooSmall when /dev/shm cannot hold ``nbytes``.
+        Raises ShmTooSmall when /dev/shm cannot hold ``nbytes``. ``reserve=False`` (KV pools)
+        only sizes the segment: its pages are committed as they are first written, so a
+        large pool costs memory as it fills, not at startup. /dev/shm's room is still
+        checked here; the launcher's memory budget keeps pools within physical memory.
         """
         if not _TAG.match(tag):
             raise ValueError(f"segment tag {tag!r} must match {_TAG.pattern}")
@@ -79,7 +83,10 @@ class Segment:
         name = f"/{_PREFIX}{os.getpid()}.{tag}"
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
         try:
-            _reserve(shm.fd, nbytes, tag)
+            if reserve:
+                _reserve(shm.fd, nbytes, tag)
+            else:
+                os.ftruncate(shm.fd, nbytes)  # sparse: reads as zeros, committed on write
         finally:
             shm.unlink()
         return cls(SegmentSpec(tag=tag, fd=shm.fd, nbytes=nbytes), owner=True)

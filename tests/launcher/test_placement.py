@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from launcher.args import ConfigError, KVBackend, parse_args
-from launcher.cli import _build_topology, _children
+from launcher.cli import _build_topology, _children, _size_kv
 from launcher.gpus import GpuInfo, assign_gpus
 from launcher.placement import kv_transfer_backend, placements
 
@@ -74,6 +74,8 @@ def test_children_with_shm_on_gpus_get_a_staging_mirror(default_model_path: Path
 def test_children_on_cpu_are_told_what_they_always_were(default_model_path: Path) -> None:
     cfg = parse_args(["--device", "cpu", "--model", str(default_model_path)])
     gpus = assign_gpus(cfg, GPUS)
+    cfg = _size_kv(cfg, default_model_path, gpus, KVBackend.SHM)  # from available memory
+    assert cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens > 0
     kids = _children(cfg, _build_topology(cfg, default_model_path, KVBackend.SHM), gpus,
                      default_model_path, KVBackend.SHM)  # fmt: skip
     prefill = next(c for c in kids if c.name == "prefill-0")
