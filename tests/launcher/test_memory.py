@@ -72,8 +72,8 @@ def test_explicit_budgets_beyond_the_machine_are_errors(default_model_path: Path
 
 
 def test_available_memory_is_positive_and_below_the_machine() -> None:
-    total = int(next(line for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
-                .split()[1]) * 1024  # fmt: skip
+    lines = Path("/proc/meminfo").read_text().splitlines()
+    total = int(next(line for line in lines if line.startswith("MemTotal:")).split()[1]) * 1024
     assert 0 < available_bytes() <= total
 
 
