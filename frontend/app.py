@@ -128,16 +128,25 @@ async def _serve(
 
 
 def health_report(client: EngineClient) -> tuple[int, bytes]:
-    """(status, JSON body) of /health: 200 when every worker is alive, else 503."""
+    """(status, JSON body) of /health.
+
+    200 while every role has a live worker: ``"ok"`` when all are alive, ``"degraded"``
+    when some are not (each worker's state and, for a dead one, how it died, say which).
+    503 ``"unavailable"`` when some role has no live worker: nothing can be served.
+    """
     try:
         workers = client.health()
     except Exception:
         logger.exception("engine health check failed")
         err = InternalError("engine health check failed")
         return err.status, msgspec.json.encode(err.body())
-    ok = all(w.alive for w in workers)
-    body = {"status": "ok" if ok else "degraded", "workers": [asdict(w) for w in workers]}
-    return 200 if ok else 503, msgspec.json.encode(body)
+    roles: dict[str, bool] = {}
+    for w in workers:
+        roles[w.role] = roles.get(w.role, False) or w.alive
+    serving = all(roles.values())
+    status = ("ok" if all(w.alive for w in workers) else "degraded") if serving else "unavailable"
+    body = {"status": status, "workers": [asdict(w) for w in workers]}
+    return 200 if serving else 503, msgspec.json.encode(body)
 
 
 def health_response(client: EngineClient) -> Response:

@@ -51,13 +51,19 @@ class EngineRequest:
 
 @dataclass(frozen=True)
 class WorkerHealth:
-    """One worker process as ``/health`` reports it; ``load`` is role-specific."""
+    """One worker process as ``/health`` reports it; ``load`` is role-specific.
+
+    ``state`` is the worker's lifecycle state (starting, ready, dead, failed, ...);
+    ``reason`` says how a dead or failed worker died.
+    """
 
     role: str
     index: int
     pid: int
     alive: bool
     load: dict[str, float] = field(default_factory=dict)
+    state: str = "ready"
+    reason: str | None = None
 
 
 @dataclass(frozen=True)

@@ -102,11 +102,12 @@ class ServiceUnavailable(APIError):
     error_type = "server_error"
 
     def __init__(self, retry_after_s: float, message: str = "Server overloaded") -> None:
-        super().__init__(message + "; retry later", code="overloaded")
+        seconds = max(1, math.ceil(retry_after_s))
+        super().__init__(f"{message}; retry after {seconds} s", code="overloaded")
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}  # as the message
 
 
 class InternalError(APIError):

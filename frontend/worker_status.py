@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from frontend.engine_client import WorkerHealth, WorkerMetrics
-from transport.load_table import LoadTable, Role, WorkerState
+from transport.load_table import LoadTable, Role, WorkerState, describe_exit
 from transport.ring import Ring
 
 
@@ -29,12 +29,16 @@ def worker_health(
             "free_kv_blocks": float(r.free_kv_blocks),
             "total_kv_blocks": float(r.total_kv_blocks),
         }
-        out.append(WorkerHealth(r.role.name.lower(), r.index, r.pid, alive, load))
+        dead = r.state in (WorkerState.DEAD, WorkerState.FAILED) and r.exit_status != 0
+        reason = describe_exit(r.exit_status) if dead else None
+        out.append(WorkerHealth(r.role.name.lower(), r.index, r.pid, alive, load,
+                                r.state.name.lower(), reason))  # fmt: skip
     for k, ring in enumerate(text_rings):
         # A shard attaches its rings only once its tokenizer is loaded: pid 0 = starting.
         alive = ring.peer_alive() and ring.peer_pid != 0  # alive() refreshes the pid
         load = {"active_requests": float(active_per_shard.get(k, 0))}
-        out.append(WorkerHealth("detokenizer", k, ring.peer_pid, alive, load))
+        state = "ready" if alive else "dead"
+        out.append(WorkerHealth("detokenizer", k, ring.peer_pid, alive, load, state))
     return out
 
 

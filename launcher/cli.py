@@ -146,7 +146,7 @@ def _size_kv(
     try:
         plan = plan_kv(mcfg, weight_bytes(model, dtype), dtype, demand,
                        config.kv_cache_memory, config.kv_cache_tokens)  # fmt: skip
-    except MemoryBudgetError as e:
+    except (MemoryBudgetError, ValueError) as e:
         raise ConfigError(str(e)) from e
     logger.info("%s", plan.describe(pools))
     return replace(config, kv_cache_tokens=plan.tokens_per_pool)

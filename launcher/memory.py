@@ -82,19 +82,29 @@ def _cgroup_room() -> int | None:
 
 
 def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
-    """Bytes of one replica's weights in ``dtype``, from the safetensors headers alone."""
+    """Bytes of one replica's weights in ``dtype``, from the safetensors headers alone.
+
+    Raises ``ValueError`` naming a file that is not safetensors.
+    """
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = 0
     for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
         with path.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                count = 1
-                for dim in entry["shape"]:
-                    count *= dim
-                numel += count
+            (n,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
+            try:
+                if not 0 < n <= size - 8:
+                    raise ValueError("header length out of range")
+                header = json.loads(f.read(n))
+                shapes = [entry["shape"] for name, entry in header.items()
+                          if name != "__metadata__"]  # fmt: skip
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path} is not a safetensors file ({e})") from e
+        for shape in shapes:
+            count = 1
+            for dim in shape:
+                count *= dim
+            numel += count
     return numel * itemsize
 
 

@@ -4,6 +4,13 @@ Every child is a fresh interpreter (``python -m <role module>``) that inherits e
 fds its spec names. The supervisor watches each child's pidfd, so a death is seen at once
 (well within the 1 s promise); a dead worker's load-table row is marked DEAD before it is
 restarted, so the router stops placing work there immediately.
+
+Crash loops: a child is restarted after ``RESTART_BASE_S``, doubling with each death in
+the last ``CRASH_WINDOW_S`` (at most ``RESTART_MAX_S``), so a worker that dies at once
+(a bad flag, the OOM killer) does not burn the machine re-loading its model. After
+``MAX_CRASHES`` deaths in the window it is left FAILED, with how it died in its row for
+``/health``, and logged once. The server serves on while every role has a live worker; a
+role whose every worker failed ends it (and ends a startup at once).
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.process import SPEC_ENV, ProcessSpec
-from transport.load_table import LoadTable, WorkerState
+from transport.load_table import LoadTable, WorkerState, describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +39,16 @@ MODULES = {
     "detok": "detokenizer.worker",
 }
 SHUTDOWN_GRACE_S = 8.0  # SIGTERM, then SIGKILL: everything is gone within 10 s
+RESTART_BASE_S = 0.5
+RESTART_MAX_S = 30.0
+CRASH_WINDOW_S = 60.0
+MAX_CRASHES = 5
+ENGINE_ROLES = ("prefill", "decode", "colocated")
+
+
+def restart_delay(recent_deaths: int) -> float:
+    """Seconds before restarting a child that died ``recent_deaths`` times in the window."""
+    return min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (recent_deaths - 1))
 
 
 class ChildFailed(RuntimeError):
@@ -45,6 +63,13 @@ class Child:
     pidfd: int = -1
     restarts: int = 0
     started_at: float = field(default=0.0)
+    deaths: list[float] = field(default_factory=list)  # monotonic times, last window only
+    restart_at: float | None = None  # a restart is due then (back-off)
+    failed: str | None = None  # why it is no longer restarted
+
+    @property
+    def slot(self) -> int:
+        return int(self.spec.load_table.get("slot", -1))
 
     @property
     def name(self) -> str:
@@ -87,49 +112,87 @@ class Supervisor:
         for child in self.children:
             child.start()
 
-    def wait_ready(self, timeout_s: float, frontend_ready: object) -> None:
-        """Until every worker row is READY and ``frontend_ready()`` is true."""
+    def wait_ready(self, timeout_s: float, frontend_ready: Callable[[], bool]) -> None:
+        """Until every engine role has a READY worker and ``frontend_ready()`` is true.
+
+        Workers that die meanwhile are restarted with back-off, as later on; startup fails
+        when the frontend dies or a role has no worker left that could become ready.
+        """
         deadline = time.monotonic() + timeout_s
-        workers = sum(1 for c in self.children if c.spec.role in ("prefill", "decode", "colocated"))
+        roles = {c.spec.role for c in self.children if c.spec.role in ENGINE_ROLES}
         while time.monotonic() < deadline and not self.stopping:
-            for child in self.children:
-                if child.reap() is not None:
-                    raise ChildFailed(f"{child.name} exited during startup "
-                                      f"(code {child.proc.returncode if child.proc else '?'})")  # fmt: skip
-            rows = [r for r in self.table.snapshot() if r.state == WorkerState.READY]
-            if len(rows) == workers and callable(frontend_ready) and frontend_ready():
+            self._tend(0.1)
+            ready = {r.role.name.lower() for r in self.table.snapshot()
+                     if r.state == WorkerState.READY}  # fmt: skip
+            if roles <= ready and frontend_ready():
                 return
-            time.sleep(0.1)
         if not self.stopping:
             raise ChildFailed(f"server not ready after {timeout_s:.0f} s")
 
     def monitor(self) -> int:
         """Restart dead workers until asked to stop; returns the launcher's exit code."""
         while not self.stopping:
-            fds = {c.pidfd: c for c in self.children if c.pidfd >= 0}
-            ready, _, _ = select.select(list(fds), [], [], 0.5)
-            for fd in ready:
-                child = fds[fd]
-                code = child.reap()
-                if code is None or self.stopping:
-                    continue
-                if child.spec.role == "frontend":
-                    logger.error("the frontend exited (code %s); shutting down", code)
-                    return 1
-                self._restart(child, code)
+            try:
+                self._tend(0.5)
+            except ChildFailed as e:
+                logger.error("%s; shutting down", e)
+                return 1
         return 0
 
-    def _restart(self, child: Child, code: int) -> None:
-        logger.error("%s exited (code %s); restarting", child.name, code)
-        slot = child.spec.load_table.get("slot", -1)
-        if slot >= 0:
-            self.table.writer(slot).set_state(WorkerState.DEAD)
-        child.restarts += 1
-        child.start()
+    def _tend(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for a death or a due restart, and handle them."""
+        now = time.monotonic()
+        due = [c.restart_at for c in self.children if c.restart_at is not None]
+        wait = max(0.0, min([timeout_s, *(t - now for t in due)]))
+        fds = {c.pidfd: c for c in self.children if c.pidfd >= 0}
+        ready, _, _ = select.select(list(fds), [], [], wait)
+        for fd in ready:
+            child = fds[fd]
+            code = child.reap()
+            if code is not None and not self.stopping:
+                self._on_death(child, code)
+        now = time.monotonic()
+        for child in self.children:
+            if child.restart_at is not None and now >= child.restart_at and not self.stopping:
+                child.restart_at = None
+                child.restarts += 1
+                child.start()
+
+    def _on_death(self, child: Child, code: int) -> None:
+        how = describe_exit(code)
+        if child.spec.role == "frontend":
+            raise ChildFailed(f"the frontend {how}")
+        now = time.monotonic()
+        child.deaths = [t for t in child.deaths if now - t < CRASH_WINDOW_S] + [now]
+        if len(child.deaths) >= MAX_CRASHES:
+            child.failed = f"{how}; died {len(child.deaths)} times in {CRASH_WINDOW_S:.0f} s"
+            logger.error("%s %s: no longer restarted", child.name, child.failed)
+            self._mark(child, WorkerState.FAILED, code)
+            self._check_roles()
+            return
+        delay = restart_delay(len(child.deaths))
+        logger.error("%s %s; restarting in %.1f s", child.name, how, delay)
+        self._mark(child, WorkerState.DEAD, code)
+        child.restart_at = now + delay
+
+    def _mark(self, child: Child, state: WorkerState, code: int) -> None:
+        if child.slot >= 0:
+            self.table.writer(child.slot).mark_exited(state, code)
+
+    def _check_roles(self) -> None:
+        """A role all of whose workers failed can serve nothing: give up."""
+        roles: dict[str, list[Child]] = {}
+        for c in self.children:
+            roles.setdefault(c.spec.role, []).append(c)
+        for role, group in roles.items():
+            if all(c.failed for c in group):
+                raise ChildFailed(f"every {role} worker failed ({group[0].failed})")
 
     def shutdown(self) -> None:
         """SIGTERM every child, SIGKILL what is left after the grace period."""
         self.stopping = True
+        for c in self.children:
+            c.restart_at = None
         live = [c for c in self.children if c.proc is not None and c.proc.poll() is None]
         for c in live:
             with contextlib.suppress(ProcessLookupError):

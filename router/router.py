@@ -36,7 +36,7 @@ class NoCapacity(Exception):
     """No worker can take the request now; the frontend answers 503 + Retry-After."""
 
     def __init__(self, retry_after_s: float, reason: str) -> None:
-        super().__init__(f"no capacity ({reason}); retry after {retry_after_s:g} s")
+        super().__init__(f"no capacity ({reason})")
         self.retry_after_s = retry_after_s
         self.reason = reason
 

@@ -32,6 +32,7 @@ import enum
 import logging
 import os
 import platform
+import signal
 import struct
 import time
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ class WorkerState(enum.IntEnum):
     READY = 2
     DRAINING = 3  # finishing what it has; takes nothing new
     DEAD = 4  # reaped by the launcher, or the row could not be read consistently
+    FAILED = 5  # died repeatedly: the launcher stopped restarting it (exit_status says how)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,16 +94,30 @@ class LoadRow:
     block_size: int
     requests_received: int
     prompt_tokens_received: int
+    exit_status: int = 0  # of the last exit the launcher saw: a code, or -signal
+
+
+def describe_exit(status: int) -> str:
+    """``exit_status`` in words, for logs and /health."""
+    if status >= 0:
+        return f"exited with code {status}"
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:
+        name = f"signal {-status}"
+    if -status == signal.SIGKILL:
+        return f"killed by {name} (possibly the kernel's OOM killer: check dmesg)"
+    return f"killed by {name}"
 
 
 HEADER_NBYTES = 64
 ROW_NBYTES = 128
 _MAGIC = 0x7064_6C6F_6164_7462  # "pdloadtb"
-_VERSION = 1
+_VERSION = 2
 _HEADER = struct.Struct("<QII")  # magic, version, num_workers
 # Row payload after the 8-byte seq, packed in one call by the writer. The numpy dtype below
 # names the same bytes for the reader; test_load_table pins that the two agree.
-_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBB")
+_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxi")
 _PAYLOAD_FIELDS = (
     "heartbeat_ns",
     "queued_prefill_tokens",
@@ -117,12 +133,13 @@ _PAYLOAD_FIELDS = (
     "block_size",
     "role",
     "state",
+    "exit_status",
 )
 ROW_DTYPE = np.dtype(
     {
         "names": ["seq", *_PAYLOAD_FIELDS],
-        "formats": ["<u8", "<i8", "<i8", "<i8", "<i8", "<u4"] + ["<i4"] * 7 + ["u1", "u1"],
-        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73],
+        "formats": ["<u8", "<i8", "<i8", "<i8", "<i8", "<u4"] + ["<i4"] * 7 + ["u1", "u1", "<i4"],
+        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76],
         "itemsize": ROW_NBYTES,
     }
 )
@@ -274,6 +291,11 @@ class RowWriter:
         self._values["state"] = int(state)
         self._write()
 
+    def mark_exited(self, state: WorkerState, status: int) -> None:
+        """The launcher's record of a death: DEAD (restarting) or FAILED, and how it died."""
+        self._values["exit_status"] = status
+        self.set_state(state)
+
     def _write(self) -> None:
         self._values["heartbeat_ns"] = time.monotonic_ns()
         # Odd (even -> odd, or a dead writer's odd -> next odd): readers back off.
@@ -290,10 +312,11 @@ _STATES = {int(st): st for st in WorkerState}
 _LOAD_NAMES = list(LoadRow.__dataclass_fields__)[1:]  # all but slot
 _LOAD_COLUMNS = [1 + _PAYLOAD_FIELDS.index(f) for f in _LOAD_NAMES]
 _ROLE_AT, _STATE_AT = _LOAD_NAMES.index("role"), _LOAD_NAMES.index("state")
+_ROLE_COL, _STATE_COL = _LOAD_COLUMNS[_ROLE_AT], _LOAD_COLUMNS[_STATE_AT]
 
 
 def _to_load(slot: int, row: tuple[int, ...]) -> LoadRow:
-    role, state = _ROLES.get(row[-2]), _STATES.get(row[-1])
+    role, state = _ROLES.get(row[_ROLE_COL]), _STATES.get(row[_STATE_COL])
     if role is None or state is None:
         # Corrupt enum bytes mean a foreign or broken writer: never route to it.
         logger.warning("load-table row %d holds an unknown role/state; reporting it DEAD", slot)

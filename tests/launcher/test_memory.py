@@ -88,3 +88,9 @@ def test_launch_refuses_a_kv_budget_over_ram_before_spawning(default_model_path:
     assert "--kv-cache-memory 100000" in out.stderr and "lower it" in out.stderr
     assert "started" not in out.stderr  # nothing was spawned
     assert time.monotonic() - start < 60
+
+
+def test_a_file_that_is_not_safetensors_is_named(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="is not a safetensors file"):
+        weight_bytes(tmp_path, torch.float32)
