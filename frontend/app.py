@@ -37,17 +37,27 @@ from frontend.metrics import FrontendMetrics
 from frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     NativeGenerateRequest,
+    TokenizeRequest,
     parse_body,
 )
 from frontend.serving_chat import create_chat_completion
 from frontend.serving_common import ClientGone, ServingContext
 from frontend.serving_completions import create_completion
 from frontend.serving_generate import generate
+from frontend.serving_tokenize import detokenize, tokenize, version_response
 from frontend.settings import FrontendSettings
 
 logger = logging.getLogger(__name__)
-B = TypeVar("B", CompletionRequest, ChatCompletionRequest, NativeGenerateRequest)
+B = TypeVar(
+    "B",
+    CompletionRequest,
+    ChatCompletionRequest,
+    NativeGenerateRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+)
 Handler = Callable[[ServingContext, Request, B, float], Awaitable[Response]]
 
 
@@ -249,6 +259,18 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
     @app.post("/generate")
     async def native_generate(request: Request) -> Response:
         return await _serve(ctx, request, NativeGenerateRequest, generate)
+
+    @app.post("/tokenize")
+    async def tokenize_text(request: Request) -> Response:
+        return await _serve(ctx, request, TokenizeRequest, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_ids(request: Request) -> Response:
+        return await _serve(ctx, request, DetokenizeRequest, detokenize)
+
+    @app.get("/version")
+    async def server_version() -> Response:
+        return version_response()
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -297,3 +297,23 @@ def _pick(value: Any, default: Any) -> Any:
 
 def to_json(obj: object) -> bytes:
     return msgspec.json.encode(obj)
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize, as vLLM shapes it: a ``prompt``, or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def reject_unsupported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("give exactly one of 'prompt' and 'messages'", param="prompt")
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

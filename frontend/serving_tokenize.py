@@ -1,0 +1,63 @@
+"""POST /tokenize and /detokenize, GET /version: the model's tokenizer over HTTP, as vLLM
+shapes them, so tools written for vLLM count tokens the same way here."""
+
+from __future__ import annotations
+
+import asyncio
+from importlib.metadata import PackageNotFoundError, version
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from frontend.protocol import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_prompt_ids,
+)
+from frontend.serving_chat import apply_chat_template
+from frontend.serving_common import ServingContext
+from frontend.serving_completions import check_model
+
+
+async def tokenize(
+    ctx: ServingContext, request: Request, body: TokenizeRequest, arrival: float
+) -> Response:
+    body.reject_unsupported()
+    check_model(ctx, body.model)
+    if body.messages is not None:
+        chat = ChatCompletionRequest.model_construct(
+            messages=body.messages, add_generation_prompt=body.add_generation_prompt
+        )
+        text = await asyncio.to_thread(apply_chat_template, ctx, chat)
+        ids = await ctx.encode(text, add_special_tokens=False)  # the template wrote them
+    else:
+        assert body.prompt is not None
+        ids = await ctx.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    out: dict[str, object] = {
+        "count": len(ids),
+        "max_model_len": ctx.settings.max_model_len,
+        "tokens": ids,
+        "token_strs": ctx.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None,
+    }
+    return JSONResponse(out)
+
+
+async def detokenize(
+    ctx: ServingContext, request: Request, body: DetokenizeRequest, arrival: float
+) -> Response:
+    check_model(ctx, body.model)
+    check_prompt_ids(body.tokens, ctx.settings.vocab_size, "tokens")
+    text = await asyncio.to_thread(ctx.tokenizer.decode, body.tokens)
+    return JSONResponse({"prompt": text})
+
+
+def server_version() -> str:
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:  # running from a checkout that was never installed
+        return "unknown"
+
+
+def version_response() -> Response:
+    return JSONResponse({"version": server_version()})
