@@ -7,6 +7,7 @@ exception escapes as anything but a JSON error (500 for our bugs, logged with tr
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import logging
@@ -48,6 +49,7 @@ from frontend.serving_completions import create_completion
 from frontend.serving_generate import generate
 from frontend.serving_tokenize import detokenize, tokenize, version_response
 from frontend.settings import FrontendSettings
+from frontend.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
 B = TypeVar(
@@ -237,7 +239,9 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        stats = asyncio.create_task(StatsLog(client, ctx.metrics).run())
         yield
+        stats.cancel()
         await client.close()
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)

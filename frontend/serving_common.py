@@ -182,11 +182,11 @@ class EngineCall:
                 self.ctx.metrics.itl.observe(now - self._last_token_at)
             self._last_token_at = now
             self._num_tokens += len(d.token_ids)
+            self.ctx.metrics.generation_tokens.inc(len(d.token_ids))
         if d.finish:
             self.finished = True
             reason = FINISH_REASONS.get(Finish(d.finish), "unknown")
             self.ctx.metrics.e2e.observe(now - self.arrival)
-            self.ctx.metrics.generation_tokens.inc(self._num_tokens)
             self.ctx.metrics.requests.labels(finish_reason=reason).inc()
             logger.debug("rid=%d finished: %s, %d tokens", self.req.rid, reason, self._num_tokens)
 

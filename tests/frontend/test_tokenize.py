@@ -57,3 +57,25 @@ async def test_bad_bodies_are_4xx_naming_the_field(
 async def test_version(http: httpx.AsyncClient) -> None:
     r = await http.get("/version")
     assert r.status_code == 200 and r.json()["version"] == "0.1.0"
+
+
+async def test_the_stats_line_reports_traffic_and_is_silent_when_idle(
+    make_client: Any,
+) -> None:
+    from frontend.app import build_app
+    from frontend.stats_log import StatsLog
+    from tests.frontend.conftest import make_settings
+
+    client = make_client()
+    app = build_app(client, client.tokenizer, make_settings())
+    stats = StatsLog(client, app.state.ctx.metrics)
+    assert stats.line() is None  # nothing happened yet
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as h:
+        r = await h.post("/v1/completions", json={"model": MODEL, "prompt": "Hello",
+                                                  "max_tokens": 5, "temperature": 0})  # fmt: skip
+        assert r.status_code == 200
+    line = stats.line()
+    assert line is not None and "prompt " in line and "generation " in line
+    assert "running 0 reqs" in line and "KV " in line
+    assert stats.line() is None  # idle again
