@@ -114,7 +114,7 @@ class DecodeScheduler:
         return (
             len(self.running) < self.max_num_seqs
             and not self.preempted
-            and self.runner.allocator.num_free > len(self.running)
+            and self.runner.allocator.num_available > len(self.running)
         )
 
     # ---- one step ----------------------------------------------------------------------
@@ -172,7 +172,7 @@ class DecodeScheduler:
         while self.preempted:
             r = self.preempted[0]
             n = r.seq.num_tokens - 1
-            if self.runner.allocator.num_free < r.seq.blocks_needed(n + 1) + len(self.running):
+            if self.runner.allocator.num_available < r.seq.blocks_needed(n + 1) + len(self.running):
                 return
             self.preempted.popleft()
             self.runner.prefill([(r.seq, n)])

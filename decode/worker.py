@@ -155,7 +155,7 @@ class DecodeWorker:
             queued_prefill_tokens=0,
             waiting_requests=self.sched.num_waiting,
             running_requests=self.sched.num_running,
-            free_kv_blocks=a.num_free,
+            free_kv_blocks=a.num_available,  # cached blocks are evictable: room
             total_kv_blocks=a.num_blocks,
         )
 

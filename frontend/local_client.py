@@ -97,7 +97,7 @@ class LocalEngineClient(EngineClient):
 
     def metrics_snapshot(self) -> list[WorkerLoad]:
         alloc = self.llm.runner.allocator
-        used = 1.0 - alloc.num_free / alloc.num_blocks if alloc.num_blocks else 0.0
+        used = 1.0 - alloc.num_available / alloc.num_blocks if alloc.num_blocks else 0.0
         return [WorkerLoad("local", 0, len(self._running), len(self._waiting), used)]
 
     async def close(self) -> None:

@@ -92,10 +92,10 @@ class PrefillScheduler:
 
     def release(self, rid: int) -> None:
         """Decode no longer needs ``rid``'s pinned blocks."""
-        self.runner.allocator.unpin_and_free(self.pinned.on_release(rid))
+        self.runner.allocator.unpin(self.pinned.on_release(rid))
 
     def decode_worker_died(self, decode_worker: int) -> None:
-        self.runner.allocator.unpin_and_free(self.pinned.on_peer_dead(decode_worker))
+        self.runner.allocator.unpin(self.pinned.on_peer_dead(decode_worker))
 
     # ---- one step ----------------------------------------------------------------------
 

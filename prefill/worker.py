@@ -130,7 +130,7 @@ class PrefillWorker:
             queued_prefill_tokens=self.sched.queued_tokens,
             waiting_requests=self.sched.num_waiting,
             running_requests=0,
-            free_kv_blocks=a.num_free,
+            free_kv_blocks=a.num_available,  # cached blocks are evictable: room
             total_kv_blocks=a.num_blocks,
             requests_received=self.sched.requests_received,
             prompt_tokens_received=self.sched.prompt_tokens_received,
