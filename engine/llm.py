@@ -121,8 +121,11 @@ class LLM:
         budget = self.config.chunked_prefill_size
         chunks: list[tuple[Sequence, int]] = []
         for seq in candidates:
+            # NOTE: no-op unless this is its first chunk. A resumed sequence may be left
+            # with only its newest token to run: a one-token prefill, equal to a decode.
+            self.runner.reuse_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            if n <= 0 or (seq.num_uncomputed_tokens == 1 and seq.output_ids):
+            if n <= 0:
                 continue
             try:
                 self.runner.ensure_blocks(seq, n)
