@@ -68,6 +68,7 @@ class ServerConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     chunked_prefill_size: int = 2048
+    enable_prefix_caching: bool = True
     router_policy: str = "least-load"
     served_model_name: str | None = None
     api_key: str | None = None
@@ -198,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=d.chunked_prefill_size,
         help="most prompt tokens a prefill step processes; longer prompts are split",
+    )
+    add(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="reuse the KV cache of prompt prefixes a worker has already computed; off, "
+        "every prompt is computed in full",
     )
     add(
         "--router-policy",
