@@ -92,9 +92,9 @@ class BlockState(enum.Enum):
 
 @dataclass
 class PrefixStats:
-    """Prefix-cache counters since start; ``ModelRunner.reuse_prefix`` records them."""
+    """Prefix-cache counters since start, recorded by ``ModelRunner.prefill``."""
 
-    queried_tokens: int = 0  # tokens of sequences looked up
+    queried_tokens: int = 0  # tokens of sequences prefilled (looked up once each)
     hit_tokens: int = 0  # of those, tokens whose KV was reused
 
     @property

@@ -132,8 +132,6 @@ class ModelRunner:
         hashes = seq.full_block_hashes((seq.num_tokens - 1) // self.block_size)
         seq.block_table = self.allocator.acquire(hashes)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
-        self.allocator.stats.queried_tokens += seq.num_tokens
-        self.allocator.stats.hit_tokens += seq.num_cached_tokens
         return seq.num_cached_tokens
 
     def cache_full_blocks(self, seq: Sequence, start: int = 0) -> None:
@@ -176,6 +174,14 @@ class ModelRunner:
         spans = [(seq, seq.num_computed_tokens, n) for seq, n in chunks]
         tokens = [t for seq, start, n in spans for t in _token_span(seq, start, n)]
         logits = self._forward(spans, tokens, is_decode=False)
+        if self.config.enable_prefix_caching:
+            stats = self.allocator.stats
+            for seq, start, _ in spans:
+                # Counted at the first chunk after a lookup, not per lookup: a sequence
+                # waiting for blocks is looked up again, but is one query.
+                if start == seq.num_cached_tokens:
+                    stats.queried_tokens += seq.num_tokens
+                    stats.hit_tokens += seq.num_cached_tokens
         self._advance(spans)
         return logits
 

@@ -70,11 +70,12 @@ def test_shared_prefixes_reuse_exactly_the_cached_blocks_and_match_transformers(
     for llm in (on, off):
         llm.generate([base], _greedy())
     stats = on.runner.allocator.stats
-    hits_before = stats.hit_tokens
+    hits_before, queried_before = stats.hit_tokens, stats.queried_tokens
     got_on = [r.output_ids for r in on.generate(prompts, _greedy())]
     assert stats.hit_tokens - hits_before == sum(
         _expected_hit(p, k) for p, k in zip(prompts, SHARED)
     )
+    assert stats.queried_tokens - queried_before == sum(len(p) for p in prompts)
     got_off = [r.output_ids for r in off.generate(prompts, _greedy())]
     assert off.runner.allocator.num_hashed == 0 and off.runner.allocator.stats.hit_tokens == 0
     assert got_on == got_off

@@ -96,3 +96,20 @@ def test_requests_reuse_blocks_pinned_for_an_earlier_transfer(default_model_path
             assert (a.num_cached > 0) == caching
     assert results[True] == results[False]
     assert results[True][0] == results[True][3]  # the same prompt, cached or not
+
+
+def test_a_request_waiting_for_blocks_is_one_query_however_often_it_is_looked_up(
+    default_model_path: Path,
+) -> None:
+    runner = ModelRunner(EngineConfig(model=str(default_model_path), num_kv_blocks=6))
+    prefill = PrefillScheduler(runner, worker_index=0, chunk_budget=512)
+    g = torch.Generator().manual_seed(12)
+    a, b = (torch.randint(0, 150_000, (n,), generator=g).tolist() for n in (64, 80))
+    prefill.add(_req(0, a))
+    prefill.add(_req(1, b))
+    for _ in range(3):  # rid 0 holds 4 blocks pinned; rid 1 (5 blocks) waits, looked up
+        step = prefill.step()
+    assert step.cached_tokens == {} and runner.allocator.num_pinned == 4
+    prefill.release(0)
+    assert prefill.step().cached_tokens == {1: 0}
+    assert runner.allocator.stats.queried_tokens == 64 + 80
