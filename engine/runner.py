@@ -172,18 +172,28 @@ class ModelRunner:
                                  f"{seq.num_uncomputed_tokens} uncomputed tokens")  # fmt: skip
             self.ensure_blocks(seq, n)
         spans = [(seq, seq.num_computed_tokens, n) for seq, n in chunks]
+        # NOTE: checked for prefill only, where a reused prefix makes it a risk; decode
+        # writes at num_computed_tokens, which reuse_prefix leaves in a block of its own.
+        bs, alloc = self.block_size, self.allocator
+        assert all(alloc.writable(b) for seq, start, n in spans
+                   for b in seq.block_table[start // bs : (start + n - 1) // bs + 1]), (
+            "a prefill would write into a shared or cached block")  # fmt: skip
         tokens = [t for seq, start, n in spans for t in _token_span(seq, start, n)]
         logits = self._forward(spans, tokens, is_decode=False)
-        if self.config.enable_prefix_caching:
-            stats = self.allocator.stats
-            for seq, start, _ in spans:
-                # Counted at the first chunk after a lookup, not per lookup: a sequence
-                # waiting for blocks is looked up again, but is one query.
-                if start == seq.num_cached_tokens:
-                    stats.queried_tokens += seq.num_tokens
-                    stats.hit_tokens += seq.num_cached_tokens
+        self._count_prefix_hits(spans)
         self._advance(spans)
         return logits
+
+    def _count_prefix_hits(self, spans: list[tuple[Sequence, int, int]]) -> None:
+        # At a sequence's first chunk after a lookup, not per lookup: a sequence waiting
+        # for blocks is looked up again each step, but is one query.
+        if not self.config.enable_prefix_caching:
+            return
+        stats = self.allocator.stats
+        for seq, start, _ in spans:
+            if start == seq.num_cached_tokens:
+                stats.queried_tokens += seq.num_tokens
+                stats.hit_tokens += seq.num_cached_tokens
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Run each sequence's newest (only uncomputed) token -> float32 logits (B, vocab)."""
@@ -212,10 +222,6 @@ class ModelRunner:
             if start + n > self.max_model_len:
                 raise ValueError(f"rid {seq.rid}: {start + n} tokens exceed max_model_len "
                                  f"{self.max_model_len}")  # fmt: skip
-        bs, alloc = self.block_size, self.allocator
-        assert all(alloc.writable(b) for seq, start, n in spans
-                   for b in seq.block_table[start // bs : (start + n - 1) // bs + 1]), (
-            "a forward would write into a shared or cached block")  # fmt: skip
         meta, positions, last = self._metadata(spans, is_decode)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
