@@ -92,9 +92,9 @@ class BlockState(enum.Enum):
 
 @dataclass
 class PrefixStats:
-    """Prefix-cache counters since start, recorded by ``ModelRunner.prefill``."""
+    """Prefix-cache counters since start, recorded by ``ModelRunner.reuse_prefix``."""
 
-    queried_tokens: int = 0  # tokens of sequences prefilled (looked up once each)
+    queried_tokens: int = 0  # tokens of sequences looked up (once each per computation)
     hit_tokens: int = 0  # of those, tokens whose KV was reused
 
     @property

@@ -132,6 +132,13 @@ class ModelRunner:
         hashes = seq.full_block_hashes((seq.num_tokens - 1) // self.block_size)
         seq.block_table = self.allocator.acquire(hashes)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        # A hit ends the lookups (the sequence has blocks now), so hits count once; a miss
+        # is looked up again while the sequence waits for blocks, but is one query.
+        stats = self.allocator.stats
+        stats.hit_tokens += seq.num_cached_tokens
+        if not seq.prefix_queried:
+            seq.prefix_queried = True
+            stats.queried_tokens += seq.num_tokens
         return seq.num_cached_tokens
 
     def cache_full_blocks(self, seq: Sequence, start: int = 0) -> None:
@@ -156,6 +163,7 @@ class ModelRunner:
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.prefix_queried = False  # recomputing it, if ever, starts with a new lookup
 
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run the next ``n`` uncomputed tokens of each sequence in one forward.
@@ -180,20 +188,8 @@ class ModelRunner:
             "a prefill would write into a shared or cached block")  # fmt: skip
         tokens = [t for seq, start, n in spans for t in _token_span(seq, start, n)]
         logits = self._forward(spans, tokens, is_decode=False)
-        self._count_prefix_hits(spans)
         self._advance(spans)
         return logits
-
-    def _count_prefix_hits(self, spans: list[tuple[Sequence, int, int]]) -> None:
-        # At a sequence's first chunk after a lookup, not per lookup: a sequence waiting
-        # for blocks is looked up again each step, but is one query.
-        if not self.config.enable_prefix_caching:
-            return
-        stats = self.allocator.stats
-        for seq, start, _ in spans:
-            if start == seq.num_cached_tokens:
-                stats.queried_tokens += seq.num_tokens
-                stats.hit_tokens += seq.num_cached_tokens
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Run each sequence's newest (only uncomputed) token -> float32 logits (B, vocab)."""

@@ -33,9 +33,11 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # Prefix caching: tokens reused at the last prefix lookup (reported to the client),
-    # the chained hashes of the leading full blocks of ``all_ids`` computed so far (a pure
-    # function of the tokens, so they survive a preemption), and what salts the chain.
+    # whether that lookup was counted in the hit-rate stats, the chained hashes of the
+    # leading full blocks of ``all_ids`` computed so far (a pure function of the tokens,
+    # so they survive a preemption), and what salts the chain.
     num_cached_tokens: int = 0
+    prefix_queried: bool = False
     block_hashes: list[int] = field(default_factory=list)
     hash_extra: bytes | None = None
 
