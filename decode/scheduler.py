@@ -10,7 +10,9 @@ Request life on a decode worker:
       -> finished (EOS, stop token, length) or aborted: blocks freed the same step
 A request whose next block cannot be had is preempted: its blocks are freed and it is
 recomputed here (one prefill over prompt + output) when room returns — it never goes back
-to a prefill worker, and its output so far is kept.
+to a prefill worker, and its output so far is kept. With prefix caching, imported and
+generated blocks are published as they fill, so a preempted request reuses whichever
+of its blocks were not evicted meanwhile.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class DecodeScheduler:
             n_src = -(-t.num_tokens // self.runner.block_size)
             self.receiver.fetch(t.prefill_worker, t.src_blocks[:n_src], seq.block_table[:n_src])
             seq.num_computed_tokens = t.num_tokens
+            self.runner.cache_full_blocks(seq)
             self.running[t.rid] = _Running(seq, t.detok_shard)
             releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=True)))
         return releases
@@ -114,7 +117,7 @@ class DecodeScheduler:
         return (
             len(self.running) < self.max_num_seqs
             and not self.preempted
-            and self.runner.allocator.num_free > len(self.running)
+            and self.runner.allocator.num_available > len(self.running)
         )
 
     # ---- one step ----------------------------------------------------------------------
@@ -171,11 +174,14 @@ class DecodeScheduler:
         """Recompute KV of preempted requests (all tokens but the newest) when room allows."""
         while self.preempted:
             r = self.preempted[0]
-            n = r.seq.num_tokens - 1
-            if self.runner.allocator.num_free < r.seq.blocks_needed(n + 1) + len(self.running):
+            need = r.seq.blocks_needed(r.seq.num_tokens)  # as if nothing were cached
+            if self.runner.allocator.num_available < need + len(self.running):
                 return
             self.preempted.popleft()
-            self.runner.prefill([(r.seq, n)])
+            self.runner.reuse_prefix(r.seq)
+            n = r.seq.num_uncomputed_tokens - 1  # the newest token is decode's
+            if n:
+                self.runner.prefill([(r.seq, n)])
             self.running[r.seq.rid] = r
 
     # ---- load --------------------------------------------------------------------------

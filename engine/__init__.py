@@ -9,8 +9,9 @@ Model code (knows tokens, positions and block tables, never requests):
     attention.py  attention over the paged pool (CPU: SDPA + grouped einsum; CUDA: SDPA)
 KV memory and requests:
     kv_cache.py       the block-major pool tensor and its byte size per block
-    block_manager.py  BlockAllocator: free / used / pinned-for-transfer
-    sequence.py       Sequence: tokens, block table, num_computed_tokens
+    block_manager.py  BlockAllocator: free / cached / used / pinned, ref counts, prefix
+                      hash table; block_hashes() (the frontend may call it too)
+    sequence.py       Sequence: tokens, block table, num_computed/num_cached_tokens
 Running:
     runner.py   ModelRunner: prefill / decode / sample / check_stop (what workers call)
     sampler.py  penalties, temperature, top-k/p, min-p, seeded draws, logprobs

@@ -3,11 +3,16 @@
 Who calls what:
 - a scheduler (prefill worker, decode worker, or ``colocated.llm.LLM``) owns ``Sequence``
   objects and decides each step's batch;
+- ``reuse_prefix`` (prefix caching) points a fresh sequence at the pool's blocks of its
+  longest cached prefix; call it before planning the sequence's first chunk;
 - ``ensure_blocks`` grows a sequence's block table (``NoFreeBlocks`` leaves it as it was);
   ``prefill`` / ``decode`` call it too, so a caller that pre-allocated pays nothing;
 - ``prefill`` / ``decode`` run one batched forward, write KV into the pool and advance
   ``num_computed_tokens``; ``sample`` picks next tokens; the caller appends them and
   asks ``check_stop``; ``free_blocks`` returns a finished sequence's blocks.
+- ``prefill`` / ``decode`` publish every block they fill (``cache_full_blocks``), so the
+  next sequence sharing the prefix reuses it; a caller that writes KV some other way (a
+  decode worker importing a transfer) calls ``cache_full_blocks`` itself.
 """
 
 from __future__ import annotations
@@ -111,6 +116,46 @@ class ModelRunner:
         if need:
             seq.block_table.extend(self.allocator.allocate(need))
 
+    def reuse_prefix(self, seq: Sequence) -> int:
+        """Give a fresh ``seq`` the pool's blocks of its longest cached prefix, as computed.
+
+        Returns the tokens reused (also ``seq.num_cached_tokens``); 0 and no change for a
+        sequence that already has blocks, or with prefix caching off. Call it before
+        planning the first chunk: it lowers ``seq.num_uncomputed_tokens``.
+        NOTE: one token at least stays uncomputed (its logits give the next token) and it
+        must land in a block of the sequence's own, never in a shared one: reuse stops at
+        the last block boundary before ``num_tokens``, so a fully cached prompt recomputes
+        its last block rather than write into a cached one.
+        """
+        if not self.config.enable_prefix_caching or seq.block_table or seq.num_computed_tokens:
+            return 0
+        hashes = seq.full_block_hashes((seq.num_tokens - 1) // self.block_size)
+        seq.block_table = self.allocator.acquire(hashes)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        # A hit ends the lookups (the sequence has blocks now), so hits count once; a miss
+        # is looked up again while the sequence waits for blocks, but is one query.
+        stats = self.allocator.stats
+        stats.hit_tokens += seq.num_cached_tokens
+        if not seq.prefix_queried:
+            seq.prefix_queried = True
+            stats.queried_tokens += seq.num_tokens
+        return seq.num_cached_tokens
+
+    def cache_full_blocks(self, seq: Sequence, start: int = 0) -> None:
+        """Publish ``seq``'s blocks filled between position ``start`` and its computed end.
+
+        From then on a sequence with the same prefix can ``reuse_prefix`` them. No-op with
+        prefix caching off. NOTE: the caller promises those positions' KV is in the pool.
+        """
+        if not self.config.enable_prefix_caching:
+            return
+        first, end = start // self.block_size, seq.num_computed_tokens // self.block_size
+        if first >= end:
+            return
+        hashes = seq.full_block_hashes(end)
+        for i in range(first, end):
+            self.allocator.register(seq.block_table[i], hashes[i])
+
     def free_blocks(self, seq: Sequence) -> None:
         """Return a sequence's blocks to the pool; its KV is gone (num_computed_tokens = 0)."""
         if self._dense is not None:
@@ -118,6 +163,7 @@ class ModelRunner:
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.prefix_queried = False  # recomputing it, if ever, starts with a new lookup
 
     def prefill(
         self, chunks: list[tuple[Sequence, int]], pool: torch.Tensor | None = None
@@ -138,10 +184,17 @@ class ModelRunner:
                                  f"{seq.num_uncomputed_tokens} uncomputed tokens")  # fmt: skip
             self.ensure_blocks(seq, n)
         spans = [(seq, seq.num_computed_tokens, n) for seq, n in chunks]
+        # NOTE: checked for prefill only, where a reused prefix makes it a risk; decode
+        # writes at num_computed_tokens, which reuse_prefix leaves in a block of its own.
+        # A scratch pool (``pool``) has no allocator: its sequences own their blocks.
+        bs = self.block_size
+        assert pool is not None or all(
+            self.allocator.writable(b) for seq, start, n in spans
+            for b in seq.block_table[start // bs : (start + n - 1) // bs + 1]
+        ), "a prefill would write into a shared or cached block"  # fmt: skip
         tokens = [t for seq, start, n in spans for t in _token_span(seq, start, n)]
         logits = self._forward(spans, tokens, False, pool)
-        for seq, n in chunks:
-            seq.num_computed_tokens += n
+        self._advance(spans, publish=pool is None)
         return logits
 
     def decode(self, seqs: list[Sequence], pool: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,9 +210,15 @@ class ModelRunner:
         spans = [(seq, seq.num_computed_tokens, 1) for seq in seqs]
         newest = [seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1] for seq in seqs]
         logits = self._forward(spans, newest, True, pool)
-        for seq in seqs:
-            seq.num_computed_tokens += 1
+        self._advance(spans, publish=pool is None)
         return logits
+
+    def _advance(self, spans: list[tuple[Sequence, int, int]], publish: bool) -> None:
+        bs = self.block_size
+        for seq, start, n in spans:
+            seq.num_computed_tokens += n
+            if publish and (start + n) // bs > start // bs:  # a block filled up
+                self.cache_full_blocks(seq, start)
 
     def _forward(
         self, spans: list[tuple[Sequence, int, int]], tokens: list[int], is_decode: bool,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.block_manager import block_hashes
 from wire.params import SamplingParams
 from wire.records import Finish
 
@@ -14,7 +15,10 @@ class Sequence:
 
     NOTE: ``num_computed_tokens`` counts positions of ``all_ids`` whose KV is in the pool;
     ``block_table`` always covers at least that many positions. During decode the newest
-    output token is the only one not yet computed.
+    output token is the only one not yet computed. With prefix caching the first
+    ``num_cached_tokens`` of them were found in the pool, not computed here; the blocks
+    holding them may be shared with other sequences and are never written (every write
+    goes to positions >= ``num_computed_tokens``, in blocks of this sequence's own).
     """
 
     rid: int
@@ -28,6 +32,14 @@ class Sequence:
     # Per output token: the sampled token's logprob, and the top-N (id, logprob) pairs.
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Prefix caching: tokens reused at the last prefix lookup (reported to the client),
+    # whether that lookup was counted in the hit-rate stats, the chained hashes of the
+    # leading full blocks of ``all_ids`` computed so far (a pure function of the tokens,
+    # so they survive a preemption), and what salts the chain.
+    num_cached_tokens: int = 0
+    prefix_queried: bool = False
+    block_hashes: list[int] = field(default_factory=list)
+    hash_extra: bytes | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -45,6 +57,17 @@ class Sequence:
         """Blocks to add so KV for ``n_more_tokens`` beyond the computed ones fits."""
         total = self.num_computed_tokens + n_more_tokens
         return max(0, -(-total // self.block_size) - len(self.block_table))
+
+    def full_block_hashes(self, n: int) -> list[int]:
+        """Hashes of the first ``n`` full blocks of ``all_ids``, extending ``block_hashes``."""
+        have, bs = len(self.block_hashes), self.block_size
+        if have < n:
+            lo, hi, p = have * bs, n * bs, len(self.prompt_ids)
+            assert hi <= self.num_tokens, f"rid {self.rid}: block {n - 1} is not full"
+            tokens = self.prompt_ids[lo:hi] + self.output_ids[max(0, lo - p) : max(0, hi - p)]
+            parent = self.block_hashes[-1] if have else None
+            self.block_hashes += block_hashes(tokens, bs, self.hash_extra, parent=parent)
+        return self.block_hashes[:n]
 
     def append_token(self, token_id: int) -> None:
         self.output_ids.append(token_id)

@@ -21,7 +21,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from detokenizer.routing import shard_for
+from detokenizer.routing import live_shard_for
 from frontend.engine_client import (
     EngineClient,
     EngineRequest,
@@ -30,7 +30,7 @@ from frontend.engine_client import (
     WorkerHealth,
     WorkerMetrics,
 )
-from frontend.recovery import Recovery, Stream
+from frontend.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream, shards_alive
 from frontend.worker_status import worker_health, worker_metrics
 from router.router import NoCapacity, Router, RouterConfig
 from runtime.process import ProcessSpec, attach_rings, load_table
@@ -52,10 +52,14 @@ from wire.ring_names import PeerRole, RingKind
 logger = logging.getLogger(__name__)
 
 _PUT_TIMEOUT_S = 5.0
+_NO_SHARD_RETRY_S = 5.0  # a shard restarts in a few seconds
 
 
 class RingEngineClient(EngineClient):
-    def __init__(self, spec: ProcessSpec, policy: str, router_config: RouterConfig) -> None:
+    def __init__(
+        self, spec: ProcessSpec, policy: str, router_config: RouterConfig,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+    ) -> None:  # fmt: skip
         rings = attach_rings(spec)
         self.doorbell = rings.doorbell
         self.table, self._table_seg = load_table(spec)
@@ -69,7 +73,8 @@ class RingEngineClient(EngineClient):
         self.req_rings = colocated or rings.sinks(RingKind.REQ, PeerRole.PREFILL)
         self.streams: dict[int, Stream] = {}  # by current rid
         self.by_origin: dict[int, Stream] = {}  # by the rid the frontend gave the request
-        self.recovery = Recovery(self, self.router, self.table, self.text_rings)
+        self.recovery = Recovery(self, self.router, self.table, self.text_rings, stall_timeout_s)
+        self.stall_timeout_s = stall_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watchdog: asyncio.Task[None] | None = None
 
@@ -106,20 +111,27 @@ class RingEngineClient(EngineClient):
     # ---- requests ----------------------------------------------------------------------
 
     def check_admission(self) -> None:
+        self._live_shard(0)
         try:
             self.router.check_capacity()
         except NoCapacity as e:
             raise Overloaded(e.retry_after_s, f"server overloaded: {e}") from e
 
+    def _live_shard(self, rid: int) -> int:
+        """The shard for a new request; ``Overloaded`` (503) while none is alive."""
+        shard = live_shard_for(rid, shards_alive(self.text_rings))
+        if shard is None:
+            raise Overloaded(_NO_SHARD_RETRY_S, "no detokenizer shard is running")
+        return shard
+
     async def generate(self, req: EngineRequest) -> AsyncIterator[TextDelta]:
         self._start()
+        shard = self._live_shard(req.rid)
         try:
             placement = self.router.place(len(req.prompt_ids), req.sampling.max_tokens)
         except NoCapacity as e:
             raise Overloaded(e.retry_after_s, f"server overloaded: {e}") from e
-        stream = Stream(
-            req, asyncio.Queue(), req.rid, placement, shard_for(req.rid, self.num_shards)
-        )
+        stream = Stream(req, asyncio.Queue(), req.rid, placement, shard)
         self.streams[req.rid] = self.by_origin[req.rid] = stream
         finished = submitted = False
         try:
@@ -189,7 +201,7 @@ class RingEngineClient(EngineClient):
         active: dict[int, int] = {}
         for st in self.streams.values():
             active[st.shard] = active.get(st.shard, 0) + 1
-        return worker_health(self.table, self.text_rings, active)
+        return worker_health(self.table, self.text_rings, active, self.stall_timeout_s / 4)
 
     def metrics_snapshot(self) -> list[WorkerMetrics]:
         return worker_metrics(self.table, self.router.assigned())

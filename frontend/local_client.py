@@ -88,7 +88,7 @@ class LocalEngineClient(EngineClient):
 
     def metrics_snapshot(self) -> list[WorkerMetrics]:
         alloc, s = self.runner.allocator, self.scheduler
-        used = 1.0 - alloc.num_free / alloc.num_blocks if alloc.num_blocks else 0.0
+        used = 1.0 - alloc.num_available / alloc.num_blocks if alloc.num_blocks else 0.0
         return [WorkerMetrics("local", 0, s.num_running, s.num_waiting, used)]
 
     async def close(self) -> None:

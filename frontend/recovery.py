@@ -1,15 +1,20 @@
-"""Recovery of requests whose workers died: the frontend's watchdog.
+"""Recovery of requests whose workers died or stalled: the frontend's watchdog.
 
-Twice a second (``WATCHDOG_S``) it reads the load table and the text rings' peers. A
-request whose decode worker, detokenizer shard or (before decode produced anything)
-prefill worker is dead — DEAD in the table, or restarted since the request was placed —
-is resumed: the old rid is aborted everywhere, the request gets a fresh rid, a fresh
-placement and a shard, and prefill recomputes prompt + the tokens already streamed. The
-client's stream continues with no lost and no duplicated text.
+Every ``WATCHDOG_S`` it reads the load table and the text rings' peers. A request is
+lost when a process it depends on is gone: its decode worker, its detokenizer shard, or
+(before decode produced anything) its prefill worker is DEAD or FAILED in the table,
+restarted since the request was placed, or stalled — READY but with no heartbeat for
+``stall_timeout_s`` (a stopped or wedged process; a live worker publishes every step and
+at least every 0.4 s while idle). A lost request is resumed: the old rid is aborted
+everywhere, the request gets a fresh rid, a fresh placement and a live shard, and prefill
+recomputes prompt + the tokens already streamed. The client's stream continues with no
+lost and no duplicated text; a stalled worker that wakes up finds its rids aborted.
 
-A request that cannot be placed again keeps trying for ``RESUME_PATIENCE_S`` (a restarting
-worker loads its model in that time on CPU); one resumed ``MAX_RESUMES`` times ends with
-``finish = ERROR`` and a message, never a hang.
+When nothing can take the request yet (every shard or every worker of a role restarting),
+it is retried with back-off (``RETRY_FIRST_S`` doubling to ``RETRY_MAX_S``) for
+``RESUME_WINDOW_S`` — long enough for a worker to restart and load its model — and only
+then ends with ``finish = ERROR`` and a message, never a hang. A request resumed
+``MAX_RESUMES`` times ends the same way: its workers keep dying under it.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from detokenizer.routing import shard_for
+from detokenizer.routing import live_shard_for
 from frontend.engine_client import EngineRequest, EngineUnavailable
 from router.router import NoCapacity, Placement, Router
 from transport.load_table import LoadTable, Role, WorkerState
@@ -31,11 +37,14 @@ from wire.records import Finish, TextDelta
 logger = logging.getLogger(__name__)
 
 WATCHDOG_S = 0.25  # a dead worker is noticed within this (plus the launcher's reaping)
-MAX_RESUMES = 3
-RESUME_PATIENCE_S = 20.0
+MAX_RESUMES = 8
+RESUME_WINDOW_S = 60.0
+RETRY_FIRST_S = 0.25
+RETRY_MAX_S = 4.0
+DEFAULT_STALL_TIMEOUT_S = 20.0
 RESUME_RID_BASE = 1 << 62  # resumed requests get rids the frontend never hands out
 
-# (role, index, generation) of a dead process; a dead shard is (None, k, 0).
+# (role, index, generation) of a dead or stalled process; a dead shard is (None, k, 0).
 DeadSet = set[tuple[Role | None, int, int]]
 
 
@@ -50,7 +59,8 @@ class Stream:
     shard: int
     token_ids: list[int] = field(default_factory=list)  # received so far, in order
     resumes: int = 0
-    lost_since: float | None = None  # when a resume first failed for lack of capacity
+    lost_since: float | None = None  # monotonic time it was found lost and not yet resumed
+    retry_at: float = 0.0  # no resume attempt before this (back-off)
 
 
 class Resubmitter(Protocol):
@@ -62,12 +72,23 @@ class Resubmitter(Protocol):
     async def abort_everywhere(self, s: Stream) -> None: ...
 
 
+def shards_alive(text_rings: Sequence[Ring]) -> list[bool]:
+    # A shard attaches its rings only once its tokenizer is loaded: pid 0 = starting.
+    return [ring.peer_alive() and ring.peer_pid != 0 for ring in text_rings]
+
+
+def stalled(row_heartbeat_ns: int, now_ns: int, timeout_s: float) -> bool:
+    return now_ns - row_heartbeat_ns > timeout_s * 1e9
+
+
 class Recovery:
     def __init__(
-        self, client: Resubmitter, router: Router, table: LoadTable, text_rings: Sequence[Ring]
-    ) -> None:
+        self, client: Resubmitter, router: Router, table: LoadTable, text_rings: Sequence[Ring],
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+    ) -> None:  # fmt: skip
         self.client, self.router, self.table = client, router, table
         self.text_rings = text_rings
+        self.stall_timeout_s = stall_timeout_s
         self._rids = itertools.count(RESUME_RID_BASE)
 
     async def watch(self) -> None:
@@ -80,12 +101,15 @@ class Recovery:
 
     async def recover(self) -> None:
         dead = self._dead_workers()
+        now = time.monotonic()
         for stream in list(self.client.streams.values()):
-            if stream.lost_since is not None or self._lost(stream, dead):
-                await self._resume(stream)
+            if stream.lost_since is None and self._lost(stream, dead):
+                stream.lost_since = now
+            if stream.lost_since is not None and now >= stream.retry_at:
+                await self._resume(stream, now)
 
     def _lost(self, s: Stream, dead: DeadSet) -> bool:
-        """Did a process this request depends on die?
+        """Did a process this request depends on die (or stall)?
 
         A dead prefill worker matters only before decode has produced anything: after
         that the request lives on its decode worker (a KV copy still in flight could read
@@ -99,44 +123,57 @@ class Recovery:
         early = len(s.token_ids) <= 1 or p.colocated
         return (p_role, p.prefill, p.prefill_generation) in dead and early
 
-    async def _resume(self, s: Stream) -> None:
+    async def _resume(self, s: Stream, now: float) -> None:
         """Continue ``s`` under a fresh rid on live workers, from the tokens received.
 
         The old rid is aborted everywhere first, so whatever the dead worker's rings still
         hold for it is dropped. The new shard replays ``token_ids`` (emitting no text for
         them, keeping what it holds back), and prefill recomputes prompt + ``token_ids``.
         """
-        loop = asyncio.get_running_loop()
+        assert s.lost_since is not None
         if s.resumes >= MAX_RESUMES:
             return self.fail(s, "request failed: its workers died repeatedly")
+        rid = next(self._rids)
+        shard = live_shard_for(rid, shards_alive(self.text_rings))
         try:
+            if shard is None:
+                raise NoCapacity(RETRY_FIRST_S, "no live detokenizer shard")
             placement = self.router.place(len(s.req.prompt_ids), s.req.sampling.max_tokens)
-        except NoCapacity:
-            s.lost_since = s.lost_since or loop.time()
-            if loop.time() - s.lost_since > RESUME_PATIENCE_S:
-                self.fail(s, "request failed: no live worker to resume it on")
+        except NoCapacity as e:
+            if now - s.lost_since > RESUME_WINDOW_S:
+                self.fail(s, f"request failed: no live worker to resume it on ({e.reason})")
+            else:
+                waited = now - s.lost_since
+                s.retry_at = now + min(RETRY_MAX_S, max(RETRY_FIRST_S, waited))
             return
         streams = self.client.streams
         await self.client.abort_everywhere(s)
         self.router.release(s.placement)
         del streams[s.rid]
         old = s.rid
-        s.rid, s.placement, s.lost_since = next(self._rids), placement, None
-        s.shard = shard_for(s.rid, len(self.text_rings))
+        s.rid, s.placement, s.shard = rid, placement, shard
+        s.lost_since, s.retry_at = None, 0.0
         s.resumes += 1
         streams[s.rid] = s
-        logger.warning("rid %d: resumed as rid %d after %d tokens (prefill %d, decode %d)",
-                       old, s.rid, len(s.token_ids), placement.prefill, placement.decode)  # fmt: skip
+        logger.warning("rid %d: resumed as rid %d after %d tokens (prefill %d, decode %d, "
+                       "shard %d)", old, s.rid, len(s.token_ids), placement.prefill,
+                       placement.decode, shard)  # fmt: skip
         try:
             await self.client.submit(s)
         except EngineUnavailable as e:
-            self.fail(s, f"request failed while resuming: {e}")
+            # The worker died between placement and submission: lost again, retried.
+            logger.warning("rid %d: resubmission failed (%s); retrying", s.rid, e)
+            s.lost_since, s.retry_at = now, now + RETRY_FIRST_S
 
     def _dead_workers(self) -> DeadSet:
         dead: DeadSet = set()
+        now_ns = time.monotonic_ns()
         live = {(r.role, r.index): r for r in self.table.snapshot()}
         for (role, index), row in live.items():
-            if row.state == WorkerState.DEAD:
+            if row.state in (WorkerState.DEAD, WorkerState.FAILED) or (
+                row.state == WorkerState.READY
+                and stalled(row.heartbeat_ns, now_ns, self.stall_timeout_s)
+            ):
                 dead.add((role, index, row.generation))
         for p in {s.placement for s in self.client.streams.values()}:
             p_key, d_key = p.keys

@@ -81,7 +81,7 @@ def main() -> None:
         max_waiting_requests=s["max_waiting_requests"],
         max_queued_prefill_tokens=s["max_queued_prefill_tokens"],
     )
-    client = RingEngineClient(spec, s["router_policy"], router_config)
+    client = RingEngineClient(spec, s["router_policy"], router_config, s["stall_timeout_s"])
     app = build_app(client, tokenizer, settings)
     config = uvicorn.Config(
         app,

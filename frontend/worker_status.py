@@ -6,6 +6,7 @@ the text rings' peer pids, never a round trip to a worker.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 
 from frontend.engine_client import WorkerHealth, WorkerMetrics
@@ -14,14 +15,23 @@ from transport.ring import Ring
 
 
 def worker_health(
-    table: LoadTable, text_rings: Sequence[Ring], active_per_shard: Mapping[int, int]
-) -> list[WorkerHealth]:
-    """Every worker's role, index, pid, liveness and load; then every detokenizer shard."""
+    table: LoadTable, text_rings: Sequence[Ring], active_per_shard: Mapping[int, int],
+    stall_report_s: float,
+) -> list[WorkerHealth]:  # fmt: skip
+    """Every worker's role, index, pid, liveness and load; then every detokenizer shard.
+
+    A READY worker whose heartbeat is older than ``stall_report_s`` is reported
+    ``stalled`` and not alive: stopped, wedged, or in a step that long.
+    """
     out = []
+    now_ns = time.monotonic_ns()
     for r in table.snapshot():
         if r.role == Role.NONE:
             continue
-        alive = r.state == WorkerState.READY  # a (re)starting worker is not serving yet
+        state = r.state.name.lower()
+        if r.state == WorkerState.READY and now_ns - r.heartbeat_ns > stall_report_s * 1e9:
+            state = "stalled"
+        alive = state == "ready"  # a (re)starting worker is not serving yet
         load = {
             "queued_prefill_tokens": float(r.queued_prefill_tokens),
             "waiting_requests": float(r.waiting_requests),
@@ -31,8 +41,8 @@ def worker_health(
         }
         dead = r.state in (WorkerState.DEAD, WorkerState.FAILED) and r.exit_status != 0
         reason = describe_exit(r.exit_status) if dead else None
-        out.append(WorkerHealth(r.role.name.lower(), r.index, r.pid, alive, load,
-                                r.state.name.lower(), reason))  # fmt: skip
+        out.append(WorkerHealth(r.role.name.lower(), r.index, r.pid, alive, load, state,
+                                reason))  # fmt: skip
     for k, ring in enumerate(text_rings):
         # A shard attaches its rings only once its tokenizer is loaded: pid 0 = starting.
         alive = ring.peer_alive() and ring.peer_pid != 0  # alive() refreshes the pid

@@ -69,12 +69,14 @@ class ServerConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     chunked_prefill_size: int = 2048
+    enable_prefix_caching: bool = True
     router_policy: str = "least-load"
     served_model_name: str | None = None
     api_key: str | None = None
     chat_template: str | None = None
     max_waiting_requests: int = 1024
     max_queued_prefill_tokens: int = 262_144
+    stall_timeout: float = 20.0  # seconds without a heartbeat before a worker's requests move
     log_level: LogLevel = LogLevel.INFO
 
     @property
@@ -207,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="most prompt tokens a prefill step processes; longer prompts are split",
     )
     add(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="reuse the KV cache of prompt prefixes a worker has already computed; off, "
+        "every prompt is computed in full",
+    )
+    add(
         "--router-policy",
         choices=ROUTER_POLICIES,
         default=d.router_policy,
@@ -239,6 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.max_queued_prefill_tokens,
         help="admission bound: prompt tokens queued on a prefill worker beyond which new "
         "requests get HTTP 503 + Retry-After (an idle worker still takes any prompt)",
+    )
+    add(
+        "--stall-timeout",
+        type=float,
+        default=d.stall_timeout,
+        help="seconds a READY worker may go without a heartbeat before its requests are "
+        "resumed on other workers (it is reported stalled in /health after a quarter of it)",
     )
     add(
         "--log-level",
@@ -289,6 +305,8 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError("--kv-cache-memory must be a positive number of GiB")
     if c.kv_cache_memory is not None and c.kv_cache_tokens is not None:
         raise ConfigError("give --kv-cache-memory or --kv-cache-tokens, not both")
+    if c.stall_timeout <= 0:
+        raise ConfigError("--stall-timeout must be a positive number of seconds")
     if not 0.0 < c.gpu_memory_utilization <= 1.0:
         raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
     if not 0 <= c.port <= 65535:

@@ -64,6 +64,7 @@ def _engine_settings(
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
         "chunked_prefill_size": config.chunked_prefill_size,
+        "enable_prefix_caching": config.enable_prefix_caching,
         "log_level": config.log_level.value,
     }  # fmt: skip
     if place.gpu is not None:
@@ -100,6 +101,7 @@ def _children(
         "router_policy": config.router_policy,
         "max_waiting_requests": config.max_waiting_requests,
         "max_queued_prefill_tokens": config.max_queued_prefill_tokens,
+        "stall_timeout_s": config.stall_timeout,
     }  # fmt: skip
     out.insert(0, Child(topo.spec("frontend", 0, frontend), dict(cpu_only)))
     return out

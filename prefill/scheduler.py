@@ -5,9 +5,13 @@ worker feeds it requests, aborts and KV releases, calls ``step()`` and ships wha
 step returns. That keeps it testable in one process.
 
 Request life on a prefill worker:
-    add() -> waiting -> chunks over one or more steps -> first token sampled ->
+    add() -> waiting -> first scheduled: the longest cached prefix is reused (prefix
+      caching) -> chunks over one or more steps, each publishing the blocks it filled ->
+      first token sampled ->
       finished at once (EOS / max_tokens 1): blocks freed, token sent with its finish
-      otherwise: blocks pinned, KVTransfer to the decode worker -> release() frees them
+      otherwise: blocks pinned, KVTransfer to the decode worker -> release() unpins them
+Freed and unpinned blocks that hold a full prefix block stay cached for later requests
+until the pool needs the room (engine/block_manager.py).
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class PrefillStep:
     # keep_kv only: (sequence, detok shard) whose KV stays where it is, unpinned, for a
     # decode scheduler on the same runner to adopt (co-located workers).
     handovers: list[tuple[Sequence, int]] = field(default_factory=list)
+    # rid -> prompt tokens whose KV was reused from the prefix cache, for every request
+    # whose first token is in ``tokens`` (OpenAI usage.prompt_tokens_details.cached_tokens).
+    cached_tokens: dict[int, int] = field(default_factory=dict)
 
 
 class PrefillScheduler:
@@ -106,10 +113,10 @@ class PrefillScheduler:
 
     def release(self, rid: int) -> None:
         """Decode no longer needs ``rid``'s pinned blocks."""
-        self.runner.allocator.unpin_and_free(self.pinned.on_release(rid))
+        self.runner.allocator.unpin(self.pinned.on_release(rid))
 
     def decode_worker_died(self, decode_worker: int) -> None:
-        self.runner.allocator.unpin_and_free(self.pinned.on_peer_dead(decode_worker))
+        self.runner.allocator.unpin(self.pinned.on_peer_dead(decode_worker))
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -135,6 +142,7 @@ class PrefillScheduler:
             finish = self.runner.check_stop(p.seq)
             pos = len(p.seq.output_ids) - 1
             batcher.add(p.detok_shard, p.seq.rid, pos, token, i, logprobs[i], finish)
+            out.cached_tokens[p.seq.rid] = p.seq.num_cached_tokens
             if finish != Finish.NONE:
                 self.runner.free_blocks(p.seq)
             elif self.keep_kv:
@@ -150,6 +158,7 @@ class PrefillScheduler:
         for p in self.waiting:
             if budget <= 0:
                 break
+            self.runner.reuse_prefix(p.seq)  # no-op unless this is its first chunk
             n = min(p.seq.num_uncomputed_tokens, budget)
             try:
                 self.runner.ensure_blocks(p.seq, n)

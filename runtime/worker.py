@@ -111,7 +111,7 @@ class Worker(abc.ABC):
             queued_prefill_tokens=q.queued_prefill_tokens,
             waiting_requests=q.waiting_requests,
             running_requests=q.running_requests,
-            free_kv_blocks=a.num_free,
+            free_kv_blocks=a.num_available,  # cached blocks are evictable room
             total_kv_blocks=a.num_blocks,
             requests_received=q.requests_received,
             prompt_tokens_received=q.prompt_tokens_received,

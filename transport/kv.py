@@ -155,7 +155,8 @@ class KVReceiver(abc.ABC):
 class PinnedBlocks:
     """Prefill-side record of blocks pinned for transfer, per request and per decode worker.
 
-    Invariant: every pinned block belongs to exactly one rid; a rid is pinned at most once.
+    Invariant: a rid is pinned at most once. A block may be pinned for several rids (a
+    prefix block they share): each rid's pin is its own, and is dropped once.
     """
 
     def __init__(self) -> None:

@@ -54,7 +54,7 @@ def _run(sched: ColocatedScheduler) -> dict[int, list[int]]:
 def _assert_all_free(sched: ColocatedScheduler) -> None:
     a = sched.runner.allocator
     a.check_invariants()
-    assert a.num_used == 0 and a.num_pinned == 0 and a.num_free == a.num_blocks
+    assert a.num_used == 0 and a.num_pinned == 0 and a.num_available == a.num_blocks
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

@@ -115,3 +115,13 @@ def test_three_shards_serve_many_requests_exactly_with_even_load(qwen_tokenizer:
     mean = sum(load.values()) / K
     assert all(abs(v - mean) <= 0.25 * mean for v in load.values()), load
     assert np.isfinite(mean)
+
+
+def test_a_dead_owner_passes_its_requests_to_the_next_live_shard() -> None:
+    from detokenizer.routing import live_shard_for
+
+    rid = next(r for r in range(100) if shard_for(r, 3) == 1)
+    assert live_shard_for(rid, [True, True, True]) == 1
+    assert live_shard_for(rid, [True, False, True]) == 2
+    assert live_shard_for(rid, [True, False, False]) == 0
+    assert live_shard_for(rid, [False, False, False]) is None

@@ -73,7 +73,7 @@ def test_out_of_blocks_is_typed_and_leaves_the_sequence_untouched(
     assert seq.num_computed_tokens == 32 and len(seq.block_table) == 2
     runner.free_blocks(seq)
     runner.allocator.check_invariants()
-    assert runner.allocator.num_free == 2
+    assert runner.allocator.num_available == 2
 
 
 def test_max_model_len_is_enforced(default_model_path: Path) -> None:
@@ -126,7 +126,7 @@ def test_preemption_under_a_small_pool_keeps_greedy_outputs(default_model_path: 
     expected = [r.output_ids for r in roomy.generate(prompts, params)]
     assert [r.output_ids for r in tight.generate(prompts, params)] == expected
     tight.runner.allocator.check_invariants()
-    assert tight.runner.allocator.num_free == 8
+    assert tight.runner.allocator.num_available == 8
 
 
 def test_seeded_sampling_is_the_same_alone_and_batched_with_logprobs(

@@ -59,7 +59,7 @@ async def test_concurrent_seeded_requests_are_reproducible(local: Any) -> None:
     outs = [r.json()["choices"][0]["token_ids"] for r in replies]
     assert all(o == outs[0] for o in outs) and len(outs[0]) == 10
     alloc = client.runner.allocator
-    assert await wait_for(lambda: alloc.num_free == alloc.num_blocks, timeout_s=5)
+    assert await wait_for(lambda: alloc.num_available == alloc.num_blocks, timeout_s=5)
 
 
 async def test_stop_string_and_logprobs_through_the_shard(local: Any) -> None:
@@ -74,7 +74,7 @@ async def test_stop_string_and_logprobs_through_the_shard(local: Any) -> None:
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
     assert len(choice["logprobs"]["tokens"]) == len(choice["logprobs"]["token_logprobs"]) > 0
     alloc = client.runner.allocator
-    assert await wait_for(lambda: alloc.num_free == alloc.num_blocks, timeout_s=5)
+    assert await wait_for(lambda: alloc.num_available == alloc.num_blocks, timeout_s=5)
 
 
 async def test_prompt_too_big_for_the_kv_pool_is_a_500(
@@ -110,7 +110,7 @@ async def test_abort_ends_the_stream_and_frees_kv(
     assert deltas[-1].finish == Finish.ABORT
     assert sum(len(d.token_ids) for d in deltas) < 200
     alloc = client.runner.allocator
-    assert await wait_for(lambda: alloc.num_free == alloc.num_blocks, timeout_s=5)
+    assert await wait_for(lambda: alloc.num_available == alloc.num_blocks, timeout_s=5)
     assert client.health()[0].alive
     await client.close()
     assert not client.health()[0].alive

@@ -32,7 +32,9 @@ def test_flags_land_in_typed_fields(tmp_path: Path) -> None:
     argv += ["--prefill-gpus", "0,1", "--decode-gpus", "2, 3,4,5", "--dtype", "bfloat16"]
     argv += ["--router-policy", "round-robin", "--max-model-len", "4096"]
     argv += ["--kv-transfer", "shm", "--max-queued-prefill-tokens", "4096"]
+    argv += ["--no-enable-prefix-caching"]
     c = parse_args(argv)
+    assert c.enable_prefix_caching is False
     assert c.kv_transfer is KVBackend.SHM and c.max_queued_prefill_tokens == 4096
     assert c.model == tmp_path and (c.prefill, c.decode) == (2, 4)
     assert c.device is Device.CUDA and c.dtype is DType.BFLOAT16

@@ -86,7 +86,7 @@ def test_disaggregated_greedy_matches_transformers(arch: str) -> None:
     # Every block came back: nothing used, nothing pinned on either side.
     for runner in (prefill.runner, decode.runner):
         a = runner.allocator
-        assert a.num_used == 0 and a.num_pinned == 0 and a.num_free == a.num_blocks
+        assert a.num_used == 0 and a.num_pinned == 0 and a.num_available == a.num_blocks
 
 
 def test_preemption_recomputes_and_keeps_output(default_model_path: Path) -> None:
