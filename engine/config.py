@@ -152,6 +152,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     chunked_prefill_size: int = 2048
     seed: int = 0
+    # "auto": Triton kernels over the paged pool on CUDA (engine/kernels/), torch SDPA
+    # elsewhere; "torch" or "triton" force one (see engine.kernels.use_kernels).
+    attention_backend: str = "auto"
+    enforce_eager: bool = False  # kernel path: no decode CUDA graphs
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         limit = model.max_position_embeddings
