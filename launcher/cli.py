@@ -59,6 +59,7 @@ def _engine_settings(
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
         "chunked_prefill_size": config.chunked_prefill_size,
+        "attention_backend": config.attention_backend, "enforce_eager": config.enforce_eager,
         "log_level": config.log_level.value,
     }  # fmt: skip
     if place.gpu is not None:
