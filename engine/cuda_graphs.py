@@ -127,8 +127,9 @@ class StepInputs:
         if a.num_tokens > self.max_tokens or a.num_seqs > self.max_seqs or u > self.max_updates:
             self._allocate(max(a.num_tokens, self.max_tokens), max(a.num_seqs, self.max_seqs),
                            max(u, 2 * self.max_updates))  # fmt: skip
-        if self._done is not None:
-            # NOTE: the previous step's copy may still be reading the pinned buffer.
+        if self._done is not None and not self._done.query():
+            # NOTE: the previous step's copy is still reading the pinned buffer. Rare: the
+            # step's sample, read on the host, waited for everything queued before it.
             self._done.synchronize()
         h, off = self._host_np, self._offsets
         for name in (*_TOKEN_FIELDS, *_SEQ_FIELDS, "q_starts"):
@@ -200,11 +201,14 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: CUDA calls another thread makes meanwhile (a KV copy) are its
+            # own business, not an error of this capture.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._forward(bucket)
-        except torch.cuda.OutOfMemoryError:
-            logger.warning("decode batch size %d: no memory for its CUDA graph; runs eager",
-                           bucket)  # fmt: skip
+        except RuntimeError as e:  # OutOfMemoryError included
+            # NOTE: the forward itself just ran (warm-up): what failed is the capture.
+            logger.warning("decode batch size %d runs eager: its CUDA graph capture failed "
+                           "(%s)", bucket, e)  # fmt: skip
             self._eager.add(bucket)
             return None
         self._pool = graph.pool()

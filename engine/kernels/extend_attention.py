@@ -140,7 +140,7 @@ def extend_attention(
         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), pool.stride(4),
         block_tables.stride(0),
         GROUP=group, TOKENS=tokens, HEAD_DIM=d, PAGE=page, ROWS=rows,
-        BLOCK_D=max(16, next_power_of_2(d)), BLOCK_N=32,
+        BLOCK_D=max(16, next_power_of_2(d)), BLOCK_N=64,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
