@@ -125,8 +125,8 @@ class StepInputs:
         the one host -> device copy of its used prefix."""
         u = len(updates) // 2
         if a.num_tokens > self.max_tokens or a.num_seqs > self.max_seqs or u > self.max_updates:
-            self._allocate(max(a.num_tokens, self.max_tokens), max(a.num_seqs, self.max_seqs),
-                           max(u, 2 * self.max_updates))  # fmt: skip
+            self._allocate(_grown(a.num_tokens, self.max_tokens), _grown(a.num_seqs, self.max_seqs),
+                           _grown(u, self.max_updates))  # fmt: skip
         if self._done is not None and not self._done.query():
             # NOTE: the previous step's copy is still reading the pinned buffer. Rare: the
             # step's sample, read on the host, waited for everything queued before it.
@@ -151,6 +151,11 @@ class StepInputs:
         if n:
             pairs = self.view("updates", 2 * n).view(n, 2)
             table.view(-1).index_copy_(0, pairs[:, 0].long(), pairs[:, 1])
+
+
+def _grown(need: int, have: int) -> int:
+    """Capacity for ``need``: ``have`` if enough, else at least double (few reallocations)."""
+    return have if need <= have else max(need, 2 * have)
 
 
 class DecodeGraphs:

@@ -52,8 +52,11 @@ class KernelPath:
         width = -(-max_model_len // self.block_size) + 1  # + 1: decode admission's spare
         seqs = config.max_num_seqs
         self.rows = BlockTableRows(width, capacity=2 * seqs + 2, device=device)
+        # NOTE: a step copies only the used prefix of the buffers, and updates come last:
+        # room for many (an admission wave of long prompts) costs pinned memory, not copies.
         self.inputs = StepInputs(max(config.chunked_prefill_size, seqs), seqs,
-                                 max_updates=2 * seqs + width, device=device)  # fmt: skip
+                                 max_updates=max(1 << 16, 2 * seqs + width),
+                                 device=device)  # fmt: skip
         self.buckets = graph_buckets(seqs)
         self.graphs: DecodeGraphs | None = None
         self._pool: torch.Tensor | None = None  # the pool graphs read (set before a run)
