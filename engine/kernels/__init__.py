@@ -24,6 +24,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import torch
+
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -40,15 +42,22 @@ def next_power_of_2(n: int) -> int:
 def use_kernels(backend: str, device_type: str) -> bool:
     """Whether a runner on ``device_type`` takes the kernel path for ``backend``.
 
-    ``auto``: on CUDA when triton imports; ``torch``: never (SDPA over gathered blocks);
-    ``triton``: always, which on CPU works only under the Triton interpreter (the tests).
+    ``auto``: on CUDA (Ampere or newer) when triton imports; ``torch``: never (SDPA over
+    gathered blocks); ``triton``: always, which on CPU works only under the Triton
+    interpreter (the tests).
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, not {backend!r}")
     if backend == "torch":
         return False
     if backend == "auto":
-        return device_type == "cuda" and triton_available()
+        # NOTE: Ampere or newer: what the kernels' 16-bit tl.dot tiles are written for
+        # (older GPUs have no bfloat16 tensor cores); older ones keep the torch path.
+        return (
+            device_type == "cuda"
+            and triton_available()
+            and torch.cuda.get_device_capability() >= (8, 0)
+        )
     if not triton_available():
         raise ValueError("attention_backend 'triton' needs the triton package")
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -72,7 +72,11 @@ def test_a_step_beyond_the_buffers_reallocates_and_bumps_the_generation() -> Non
     )  # fmt: skip
     inputs.stage(arrays, [1, 2, 3, 4, 5, 6])
     assert inputs.generation == generation + 1
-    assert (inputs.max_tokens, inputs.max_seqs, inputs.max_updates) == (5, 2, 3)  # what it needs, at least doubled
+    assert (inputs.max_tokens, inputs.max_seqs, inputs.max_updates) == (
+        5,
+        2,
+        3,
+    )  # what it needs, at least doubled
     assert inputs.view("token_ids", 5).tolist() == [1, 2, 3, 4, 5]
     assert inputs.view("logits_rows", 2).tolist() == [3, 4]
     table = torch.zeros(8, dtype=torch.int32)
