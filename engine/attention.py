@@ -124,6 +124,8 @@ def _fresh_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: int) -> to
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q: (n, H, D) are the last n positions of a context k, v: (c, KVH, D)."""
+    if q.is_cuda:
+        return grouped_causal_sdpa(q, k, v)
     n, c = q.shape[0], k.shape[0]
     # NOTE: 4-D inputs: CPU SDPA takes its fused kernel only with a batch dimension.
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, heads, len, D)
@@ -131,6 +133,25 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     mask = torch.ones(n, c, dtype=torch.bool, device=q.device).tril(diagonal=c - n)
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def grouped_causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``_causal_sdpa`` with the query heads of each KV head as rows of one query block:
+    q (n, H, D), the last n positions of a context k, v (c, KVH, D) -> (n, H, D).
+
+    As ``grouped_decode_sdpa``: equal head counts on both sides, so CUDA's fused kernels
+    take the causal mask (mask + ``enable_gqa`` would fall back to the math kernel).
+    """
+    n, heads, d = q.shape
+    c, kv_heads = k.shape[0], k.shape[1]
+    g = heads // kv_heads
+    # Row j * g + i of KV head h is query token j of head h * g + i.
+    qh = q.view(n, kv_heads, g, d).transpose(0, 1).reshape(1, kv_heads, n * g, d)
+    kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))  # (1, KVH, c, D)
+    mask = torch.ones(n, c, dtype=torch.bool, device=q.device).tril(diagonal=c - n)
+    mask = mask.repeat_interleave(g, dim=0)  # (n * g, c)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)  # (1, KVH, n * g, D)
+    return out[0].view(kv_heads, n, g, d).transpose(0, 1).reshape(n, heads, d)
 
 
 def _decode_attention(

@@ -155,6 +155,10 @@ class EngineConfig:
     # no block is ever hashed and every prompt is computed in full.
     enable_prefix_caching: bool = True
     seed: int = 0
+    # "auto": Triton kernels over the paged pool on CUDA (engine/kernels/), torch SDPA
+    # elsewhere; "torch" or "triton" force one (see engine.kernels.use_kernels).
+    attention_backend: str = "auto"
+    enforce_eager: bool = False  # kernel path: no decode CUDA graphs
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         limit = model.max_position_embeddings

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,12 +27,16 @@ from engine.attention import AttentionMetadata, DenseDecodeKV
 from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.gpu_memory import gpu_kv_blocks
+from engine.kernels import use_kernels
 from engine.kv_cache import GpuMemoryError, allocate_kv_pool, block_nbytes, check_kv_pool
 from engine.loader import load_weights
 from engine.model import CausalLM
 from engine.sampler import SampleOutput, SampleRequest, sample
 from engine.sequence import Sequence
 from wire.records import Finish
+
+if TYPE_CHECKING:
+    from engine.kernel_path import KernelPath
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +60,21 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
         # CPU only: on CUDA gathering is cheap and a second copy of the KV would cost memory.
         self._dense = DenseDecodeKV() if self.device.type == "cpu" else None
+        self._kernels: KernelPath | None = None
+        if use_kernels(config.attention_backend, self.device.type):
+            from engine.kernel_path import KernelPath  # imports triton: only when used
+
+            self._kernels = KernelPath(self.model, self.model_config, config, self.max_model_len)
+        if self.device.type == "cuda":
+            # SDPA (the torch attention path) keeps to the flash and memory-efficient
+            # kernels: cuDNN's backend has open silent-correctness bugs
+            # (pytorch/pytorch#193893: corrupted greedy output for GQA models).
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.kv_pool = self._make_pool(kv_pool)
+        if self._kernels is not None:
+            self._kernels.reset()  # the profiling forwards' sequences are gone
+            if self.device.type == "cuda" and not config.enforce_eager:
+                self._kernels.enable_graphs()  # the pool is final: graphs may hold it
         self.allocator = BlockAllocator(int(self.kv_pool.shape[0]))
         logger.info(
             "%s: %d KV blocks of %d tokens, max_model_len %d, %s on %s",
@@ -160,6 +178,8 @@ class ModelRunner:
         """Return a sequence's blocks to the pool; its KV is gone (num_computed_tokens = 0)."""
         if self._dense is not None:
             self._dense.forget([seq])
+        if self._kernels is not None:
+            self._kernels.release(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
@@ -229,6 +249,8 @@ class ModelRunner:
             if start + n > self.max_model_len:
                 raise ValueError(f"rid {seq.rid}: {start + n} tokens exceed max_model_len "
                                  f"{self.max_model_len}")  # fmt: skip
+        if self._kernels is not None:
+            return self._kernels.forward(spans, tokens, is_decode, kv_pool)
         meta, positions, last = self._metadata(spans, is_decode, kv_pool)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:

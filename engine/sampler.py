@@ -53,27 +53,45 @@ class SampleOutput:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-    """(B, V) -> penalised copy (or ``logits`` itself when no row has a penalty)."""
-    if not any(_has_penalty(r.params) for r in rows):
+    """(B, V) -> penalised copy (or ``logits`` itself when no row has a penalty).
+
+    The rows with a penalty are penalised together: one (P, V) mask of tokens seen and
+    one (P, V) count of output tokens, each scattered from one padded id matrix.
+    """
+    idx = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+    if not idx:
         return logits
     logits = logits.clone()
-    vocab = logits.shape[1]
-    for i, r in enumerate(rows):
-        p = r.params
-        if not _has_penalty(p):
-            continue
-        row = logits[i]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.long, device=row.device)
-            vals = row[seen]
-            row[seen] = torch.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-            )
-        if r.output_ids and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
-            out = torch.tensor(r.output_ids, dtype=torch.long, device=row.device)
-            counts = torch.bincount(out, minlength=vocab).to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    dev, vocab = logits.device, logits.shape[1]
+    params = [rows[i].params for i in idx]
+    sub = logits[idx]  # (P, V)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = _id_matrix([rows[i].prompt_ids + rows[i].output_ids for i in idx], vocab, dev)
+        hit = torch.zeros(len(idx), vocab + 1, dtype=torch.bool, device=dev)
+        hit = hit.scatter_(1, seen, True)[:, :vocab]  # column ``vocab`` took the padding
+        rep = _column([p.repetition_penalty for p in params], sub)
+        sub = torch.where(hit, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        out = _id_matrix([rows[i].output_ids for i in idx], vocab, dev)
+        counts = torch.zeros(len(idx), vocab + 1, dtype=sub.dtype, device=dev)
+        counts = counts.scatter_add_(1, out, torch.ones_like(out, dtype=sub.dtype))[:, :vocab]
+        freq = _column([p.frequency_penalty for p in params], sub)
+        presence = _column([p.presence_penalty for p in params], sub)
+        sub = sub - (freq * counts + presence * (counts > 0).to(sub.dtype))
+    logits[idx] = sub
     return logits
+
+
+def _id_matrix(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Ragged token ids -> (P, max len) int64, padded with ``vocab`` (a column past the end)."""
+    width = max(1, max(len(x) for x in ids))
+    padded = [x + [vocab] * (width - len(x)) for x in ids]
+    return torch.tensor(padded, dtype=torch.long, device=device)
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """(P,) host floats -> a (P, 1) column in ``like``'s dtype and device."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -81,21 +99,22 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """(S, V) penalised logits of sampled rows -> (S, V) probabilities after all filters."""
+    """(S, V) penalised logits of sampled rows -> (S, V) probabilities after all filters.
+
+    Only rows that ask for top-p are sorted (the whole vocabulary, as top-p needs); rows
+    that ask for top-k alone keep the logits at or above their k-th largest (``topk``, no
+    sort); other rows are not ranked at all.
+    """
     temps = torch.tensor([p.temperature for p in params], device=logits.device)
     logits = logits / temps.unsqueeze(1)
     vocab = logits.shape[1]
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
-        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= ks.unsqueeze(1), float("-inf"))
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of higher-ranked tokens
-        top_ps = torch.tensor([p.top_p for p in params], device=logits.device).unsqueeze(1)
-        # The top token always survives: its preceding mass is 0 < top_p.
-        sorted_logits = sorted_logits.masked_fill(before >= top_ps, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    top_k = [i for i, p in enumerate(params) if p.top_k > 0 and p.top_p >= 1.0]
+    if top_k:
+        ks = [min(params[i].top_k, vocab) for i in top_k]
+        logits[top_k] = _top_k_only(logits[top_k], ks)
+    if top_p:
+        logits[top_p] = _top_k_top_p(logits[top_p], [params[i] for i in top_p])
     probs = logits.softmax(dim=-1)
     if any(p.min_p > 0.0 for p in params):
         min_ps = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
@@ -103,6 +122,29 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def _top_k_only(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """(R, V), k per row -> logits below each row's k-th largest set to -inf (ties stay)."""
+    top = logits.topk(max(ks), dim=-1).values  # (R, max k), descending
+    k = torch.tensor(ks, device=logits.device).unsqueeze(1)
+    kth = top.gather(1, k - 1)  # (R, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """(R, V) rows that ask for top-p (and maybe top-k): one sort of each row."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= ks.unsqueeze(1), float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of higher-ranked tokens
+    top_ps = torch.tensor([p.top_p for p in params], device=logits.device).unsqueeze(1)
+    # The top token always survives: its preceding mass is 0 < top_p.
+    sorted_logits = sorted_logits.masked_fill(before >= top_ps, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 def draw(

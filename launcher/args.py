@@ -40,6 +40,7 @@ class LogLevel(enum.StrEnum):
 
 
 ROUTER_POLICIES = ("least-load", "power-of-two", "round-robin")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # engine.kernels.ATTENTION_BACKENDS
 
 
 class ConfigError(ValueError):
@@ -70,6 +71,8 @@ class ServerConfig:
     max_num_seqs: int = 256
     chunked_prefill_size: int = 2048
     enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
     router_policy: str = "least-load"
     served_model_name: str | None = None
     api_key: str | None = None
@@ -214,6 +217,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.enable_prefix_caching,
         help="reuse the KV cache of prompt prefixes a worker has already computed; off, "
         "every prompt is computed in full",
+    )
+    add(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default=d.attention_backend,
+        help="GPU attention: auto and triton use the Triton kernels over the paged KV cache, "
+        "torch uses PyTorch SDPA over gathered blocks (CPU always runs torch)",
+    )
+    add(
+        "--enforce-eager",
+        action="store_true",
+        default=d.enforce_eager,
+        help="GPU: run every decode step eagerly instead of replaying CUDA graphs",
     )
     add(
         "--router-policy",

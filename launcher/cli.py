@@ -65,6 +65,7 @@ def _engine_settings(
         "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
         "chunked_prefill_size": config.chunked_prefill_size,
         "enable_prefix_caching": config.enable_prefix_caching,
+        "attention_backend": config.attention_backend, "enforce_eager": config.enforce_eager,
         "log_level": config.log_level.value,
     }  # fmt: skip
     if place.gpu is not None:

@@ -152,3 +152,44 @@ def test_zero_noise_never_selects_a_filtered_token(monkeypatch: pytest.MonkeyPat
     seeded = _rows(SamplingParams(temperature=1.0, seed=5), 1)
     assert draw(probs, unseeded, torch.Generator()).tolist() == [1]
     assert draw(probs, seeded, torch.Generator()).tolist() == [1]
+
+
+def test_penalties_of_a_mixed_batch_equal_each_row_alone() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g)
+    rows = [
+        SampleRequest(SamplingParams(repetition_penalty=1.3), [1, 2, 2], [7]),
+        SampleRequest(SamplingParams(), [3], [4, 4]),  # no penalty: left as it is
+        SampleRequest(SamplingParams(frequency_penalty=0.4, presence_penalty=0.1), [5], []),
+        SampleRequest(
+            SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.3, presence_penalty=0.2),
+            [9] * 30,
+            [9, 11, 11],
+        ),
+    ]
+    batched = apply_penalties(logits, rows)
+    for i, row in enumerate(rows):
+        alone = apply_penalties(logits[i : i + 1], [row])
+        torch.testing.assert_close(batched[i : i + 1], alone, atol=0, rtol=0)
+    assert torch.equal(batched[1], logits[1])
+    v = logits[3, 11].item()  # seen (repetition 0.8), in the output twice (-0.3 each, +0.2)
+    assert batched[3, 11].item() == pytest.approx((v / 0.8 if v > 0 else v * 0.8) + 0.6 - 0.2)
+
+
+def test_only_top_p_rows_are_sorted(monkeypatch: pytest.MonkeyPatch) -> None:
+    sorted_rows: list[int] = []
+    real_sort = torch.Tensor.sort
+
+    def sort(self: torch.Tensor, *args: object, **kwargs: object) -> object:
+        sorted_rows.append(self.shape[0])
+        return real_sort(self, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(torch.Tensor, "sort", sort)
+    logits = LOGITS.expand(3, -1).clone()
+    plain, top_k = SamplingParams(temperature=1.0), SamplingParams(top_k=2)
+    probs = filtered_probs(logits, [plain, top_k, plain])
+    assert sorted_rows == []  # top-k alone takes topk, not a vocabulary sort
+    torch.testing.assert_close(probs[1], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    torch.testing.assert_close(probs[0], PROBS)
+    filtered_probs(logits, [plain, SamplingParams(top_p=0.5), top_k])
+    assert sorted_rows == [1]

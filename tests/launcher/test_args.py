@@ -40,6 +40,8 @@ def test_flags_land_in_typed_fields(tmp_path: Path) -> None:
     assert c.device is Device.CUDA and c.dtype is DType.BFLOAT16
     assert c.prefill_gpus == (0, 1) and c.decode_gpus == (2, 3, 4, 5)
     assert c.router_policy == "round-robin" and c.max_model_len == 4096
+    c = parse_args(["--enforce-eager", "--attention-backend", "torch"])
+    assert c.enforce_eager and c.attention_backend == "torch"
 
 
 def test_api_key_comes_from_the_environment_when_not_given(

@@ -1,0 +1,158 @@
+"""``ModelRunner``'s forward on the Triton kernels (the CUDA path), with decode graphs.
+
+Who calls what: ``ModelRunner`` builds one when its attention backend is Triton (the
+default on CUDA; ``EngineConfig.attention_backend``) and hands it every forward
+(``forward``), every freed sequence (``release``), and, once the KV pool is final,
+``enable_graphs`` (unless ``enforce_eager``).
+
+One step, host side: per sequence, its block-table row (new blocks become updates), its
+positions and KV slots; all of it staged into ``StepInputs`` and sent in one non-blocking
+copy. No ``torch.tensor(..., device=)`` and no block table rebuilt: what the device needs
+already sits in persistent buffers. A decode batch of n rows runs the CUDA graph of the
+smallest bucket >= n (padded rows do nothing); prefill, and decode past the largest
+bucket or with graphs off, runs the same kernels eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.block_table_rows import BlockTableRows
+from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import (
+    DecodeGraphs,
+    StepArrays,
+    StepInputs,
+    bucket_for,
+    graph_buckets,
+    pad_decode,
+)
+from engine.kernels.decode_attention import num_kv_splits
+from engine.kernels.forward import KernelBatch, forward_hidden, logits
+from engine.model import CausalLM
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+
+Span = tuple["Sequence", int, int]  # (sequence, first new position, new tokens)
+
+
+class KernelPath:
+    def __init__(
+        self, model: CausalLM, m: ModelConfig, config: EngineConfig, max_model_len: int
+    ) -> None:
+        self.model = model
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.kv_heads = m.num_kv_heads
+        device = next(model.parameters()).device
+        width = -(-max_model_len // self.block_size) + 1  # + 1: decode admission's spare
+        seqs = config.max_num_seqs
+        self.rows = BlockTableRows(width, capacity=2 * seqs + 2, device=device)
+        # NOTE: a step copies only the used prefix of the buffers, and updates come last:
+        # room for many (an admission wave of long prompts) costs pinned memory, not copies.
+        self.inputs = StepInputs(max(config.chunked_prefill_size, seqs), seqs,
+                                 max_updates=max(1 << 16, 2 * seqs + width),
+                                 device=device)  # fmt: skip
+        self.buckets = graph_buckets(seqs)
+        self.graphs: DecodeGraphs | None = None
+        self._pool: torch.Tensor | None = None  # the pool graphs read (set before a run)
+        self._num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda" else 1
+        )  # fmt: skip
+
+    def enable_graphs(self) -> None:
+        """Capture decode graphs from now on (the pool they read must not change after)."""
+        self.graphs = DecodeGraphs(self._graph_forward, self.rows.table.device)
+
+    def release(self, seq: Sequence) -> None:
+        self.rows.release(seq)
+
+    def reset(self) -> None:
+        self.rows.reset()
+
+    def forward(
+        self, spans: list[Span], tokens: list[int], is_decode: bool, pool: torch.Tensor
+    ) -> torch.Tensor:
+        """-> float32 logits (len(spans), vocab) at each span's last token."""
+        updates: list[int] = []
+        bucket = None
+        try:
+            arrays = self._arrays(spans, tokens, is_decode, updates)
+            if is_decode and self.graphs is not None:
+                bucket = bucket_for(len(spans), self.buckets)
+                if bucket is not None:
+                    arrays = pad_decode(arrays, bucket)
+            self.inputs.stage(arrays, updates)
+        except BaseException:
+            self.rows.forget_written()  # the device table may lack updates counted as sent
+            raise
+        self.inputs.apply_updates(self.rows.table, len(updates) // 2)
+        n = len(spans)
+        if bucket is not None:
+            assert self.graphs is not None
+            self._pool = pool
+            key = (self.inputs.generation, self.rows.generation, pool.data_ptr())
+            hidden = self.graphs.run(bucket, key)[:n]
+        elif is_decode:
+            splits = num_kv_splits(n, self.kv_heads, int(arrays.ctx_lens.max()), self._num_sms)
+            hidden = forward_hidden(self.model, pool, self._batch(n, n, True, splits))
+        else:
+            max_q = max(count for _, _, count in spans)
+            batch = self._batch(len(tokens), n, False, 0, max_q_len=max_q)
+            hidden = forward_hidden(self.model, pool, batch)
+        return logits(self.model, hidden)
+
+    def _graph_forward(self, bucket: int) -> torch.Tensor:
+        assert self._pool is not None
+        # NOTE: splits are fixed per bucket (the graph's grid), sized for the longest context.
+        splits = num_kv_splits(bucket, self.kv_heads, self.max_model_len, self._num_sms)
+        return forward_hidden(self.model, self._pool, self._batch(bucket, bucket, True, splits))
+
+    def _batch(
+        self, num_tokens: int, num_seqs: int, is_decode: bool, splits: int, max_q_len: int = 1
+    ) -> KernelBatch:
+        v = self.inputs.view
+        return KernelBatch(
+            token_ids=v("token_ids", num_tokens), positions=v("positions", num_tokens),
+            slots=v("slots", num_tokens), seq_rows=v("seq_rows", num_seqs),
+            ctx_lens=v("ctx_lens", num_seqs), q_starts=v("q_starts", num_seqs + 1),
+            block_tables=self.rows.table, is_decode=is_decode, max_q_len=max_q_len,
+            num_splits=splits, logits_rows=None if is_decode else v("logits_rows", num_seqs),
+        )  # fmt: skip
+
+    def _arrays(
+        self, spans: list[Span], tokens: list[int], is_decode: bool, updates: list[int]
+    ) -> StepArrays:
+        """Host-side inputs of a step; appends the block-table updates to ``updates``."""
+        bs, b = self.block_size, len(spans)
+        rows = np.fromiter((self.rows.row(seq, seq.block_table, updates) for seq, _, _ in spans),
+                           dtype=np.int32, count=b)  # fmt: skip
+        counts = np.fromiter((n for _, _, n in spans), dtype=np.int32, count=b)
+        starts = np.fromiter((start for _, start, _ in spans), dtype=np.int32, count=b)
+        q_starts = np.zeros(b + 1, dtype=np.int32)
+        np.cumsum(counts, out=q_starts[1:])
+        if is_decode:  # one token each: plain Python beats per-sequence numpy calls
+            positions = starts
+            slots = np.fromiter((seq.block_table[p // bs] * bs + p % bs for seq, p, _ in spans),
+                                dtype=np.int32, count=b)  # fmt: skip
+        else:
+            positions = np.concatenate([np.arange(s, s + n, dtype=np.int32) for _, s, n in spans])
+            slots = np.concatenate([_slots(seq.block_table, s, n, bs) for seq, s, n in spans])
+        return StepArrays(
+            token_ids=np.asarray(tokens, dtype=np.int32), positions=positions, slots=slots,
+            seq_rows=rows, ctx_lens=starts + counts, logits_rows=q_starts[1:] - 1,
+            q_starts=q_starts,
+        )  # fmt: skip
+
+
+def _slots(block_table: list[int], start: int, n: int, bs: int) -> np.ndarray:
+    """Pool slots (block * bs + offset) of positions [start, start + n), int32."""
+    first = start // bs
+    blocks = np.asarray(block_table[first : (start + n - 1) // bs + 1], dtype=np.int32)
+    p = np.arange(start, start + n, dtype=np.int32)
+    return blocks[p // bs - first] * bs + p % bs
