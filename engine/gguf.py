@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from engine.errors import UnsupportedModelError
 from engine.gguf_config import GGUF_ARCHITECTURES, generation_config, hf_config
+from engine.gguf_reader import GGUFHeader
 from engine.gguf_tokenizer import check_tokenizer, save_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -70,32 +71,14 @@ _PER_LAYER = {
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-class _Reader(GGUFReader):
-    """``GGUFReader`` over a plain ndarray view of its memory map.
-
-    NOTE: the reader slices its ``np.memmap`` a few times per metadata element, and every
-    memmap slice runs ``memmap.__array_finalize__``: a 49k-token vocabulary took 5 s to
-    parse. Slices of an ndarray view of the same map cost a fraction of that; tensor data
-    stays a zero-copy view of the file.
-    """
-
-    @property  # type: ignore[override]
-    def data(self) -> np.ndarray:
-        return self._array
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._array = value.view(np.ndarray)
-
-
 class GGUFCheckpoint:
     """An opened, validated GGUF file: architecture, metadata and tensors by GGUF name."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.reader = _Reader(str(path))
-        except (ValueError, OSError) as e:
+            self.header = GGUFHeader(path)
+        except (ValueError, OSError, struct.error) as e:
             raise UnsupportedModelError(f"{path}: not a readable GGUF file ({e})") from e
         self.arch = str(self.get("general.architecture", ""))
         if self.arch not in GGUF_ARCHITECTURES:
@@ -103,8 +86,8 @@ class GGUFCheckpoint:
                 f"{path}: GGUF architecture {self.arch!r} is not supported; "
                 f"supported: {', '.join(GGUF_ARCHITECTURES)}"
             )
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        bad = sorted({Q(t.tensor_type).name for t in self.reader.tensors}
+        self.tensors = self.header.tensors
+        bad = sorted({t.qtype.name for t in self.tensors.values()}
                      - {q.name for q in SUPPORTED_TENSOR_TYPES})  # fmt: skip
         if bad:
             raise UnsupportedModelError(
@@ -114,8 +97,7 @@ class GGUFCheckpoint:
         check_tokenizer(self.get("tokenizer.ggml.model"))
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.header.metadata.get(key, default)
 
     def arch_get(self, key: str, default: Any = None) -> Any:
         """``<arch>.<key>``; a missing key without a default is a clear error."""
@@ -124,22 +106,19 @@ class GGUFCheckpoint:
             raise UnsupportedModelError(f"{self.path}: GGUF lacks {self.arch}.{key}")
         return value
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Torch-order shape (GGUF lists dimensions innermost first)."""
-        return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
-
     def tensor(self, name: str) -> torch.Tensor:
+        """One tensor in torch order: F16/BF16 as stored, everything else as float32."""
         t = self.tensors[name]
-        qtype = Q(t.tensor_type)
-        if qtype in _KEPT:
-            raw = np.array(t.data).view(np.uint16)  # a copy: bf16 has no numpy dtype
-            return torch.from_numpy(raw.reshape(self.shape(name))).view(_KEPT[qtype])
-        out = np.array(dequantize(t.data, qtype), dtype=np.float32)  # a copy off the map
-        return torch.from_numpy(out.reshape(self.shape(name)))
+        data = self.header.data(t)
+        if t.qtype in _KEPT:
+            raw = np.array(data).view(np.uint16)  # a copy; bf16 has no numpy dtype
+            return torch.from_numpy(raw.reshape(t.shape)).view(_KEPT[t.qtype])
+        out = np.array(dequantize(data, t.qtype), dtype=np.float32)  # a copy off the map
+        return torch.from_numpy(out.reshape(t.shape))
 
     def storage_dtype(self) -> str:
         """The dtype config.json records: the file's half type if it has one, else float32."""
-        kinds = {Q(t.tensor_type) for t in self.reader.tensors if len(t.shape) > 1}
+        kinds = {t.qtype for t in self.tensors.values() if len(t.shape) > 1}
         if kinds == {Q.BF16}:
             return "bfloat16"
         return "float16" if kinds == {Q.F16} else "float32"
@@ -184,7 +163,7 @@ def _hf_name(name: str) -> str | None:
 def convert_gguf(path: Path, out: Path) -> None:
     """Write a Hugging Face checkpoint directory for the GGUF at ``path`` into ``out``."""
     ckpt = GGUFCheckpoint(path)
-    shapes = {name: ckpt.shape(name) for name in ckpt.tensors}
+    shapes = {name: t.shape for name, t in ckpt.tensors.items()}
     rope_freqs = ckpt.tensor("rope_freqs.weight") if "rope_freqs.weight" in ckpt.tensors else None
     config = hf_config(ckpt.arch, ckpt.arch_get, shapes, rope_freqs, ckpt.storage_dtype())
     ids = {k: ckpt.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot", "eom")}
@@ -193,7 +172,7 @@ def convert_gguf(path: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(generation_config(ids), indent=2))
     _save_sharded(hf_tensors(ckpt, config), out)
-    save_tokenizer(path, out, config["max_position_embeddings"])
+    save_tokenizer(path, out, config["model_type"], config["max_position_embeddings"])
     logger.info("converted %s (%s, %d tensors) into %s", path, ckpt.arch, len(shapes), out)
 
 

@@ -52,6 +52,7 @@ def hf_config(
             f"GGUF rotates {rope_dim} of {head_dim} head dimensions; only full rotary is supported"
         )
     theta = _f32(meta("rope.freq_base", 10000.0))
+    max_len = int(meta("context_length", 2048))
     cfg: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -64,9 +65,9 @@ def hf_config(
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": _f32(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(meta("context_length", 2048)),
+        "max_position_embeddings": max_len,
         "rope_theta": theta,
-        "rope_scaling": _rope_scaling(meta, rope_freqs, head_dim, theta),
+        "rope_scaling": _rope_scaling(meta, rope_freqs, head_dim, theta, max_len),
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
         "attention_bias": "blk.0.attn_q.bias" in tensor_shapes,
         "dtype": dtype,
@@ -104,13 +105,14 @@ def _uniform(value: Any, key: str) -> int:
 
 
 def _rope_scaling(
-    meta: Meta, rope_freqs: torch.Tensor | None, head_dim: int, theta: float
+    meta: Meta, rope_freqs: torch.Tensor | None, head_dim: int, theta: float, max_len: int
 ) -> dict[str, Any] | None:
     kind = str(meta("rope.scaling.type", "none"))
     if rope_freqs is not None:
         if kind not in ("none", "llama3"):
             raise UnsupportedModelError(f"GGUF has rope_freqs and rope scaling {kind!r}")
-        return llama3_rope_from_factors(rope_freqs, head_dim, theta)
+        # Llama 3's own 8192 where the context is longer (transformers wants it shorter).
+        return llama3_rope_from_factors(rope_freqs, head_dim, theta, min(8192, max_len // 2))
     if kind == "none":
         return None
     if kind == "linear":
@@ -128,7 +130,7 @@ def llama3_rope_from_factors(
     llama.cpp divides frequency i by ``factors[i]`` = 1 / ((1 - s) / factor + s), where the
     smoothing s = (original_len / wavelen - low) / (high - low), clipped to [0, 1], is linear
     in 1 / wavelen. Any (original_len, low, high) giving the same line gives the same rope,
-    so ``original_len`` is fixed (Llama 3's 8192) and (low, high) come from two points of
+    so ``original_len`` is chosen by the caller and (low, high) come from two points of
     the line. The answer is checked by recomputing the frequencies the engine would use.
     """
     r = factors.double().flatten()  # (head_dim // 2,)

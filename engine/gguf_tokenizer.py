@@ -9,6 +9,7 @@ tokenizer as it loads any checkpoint directory's.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from engine.errors import UnsupportedModelError
 
@@ -24,12 +25,21 @@ def check_tokenizer(model: str | None) -> None:
         )
 
 
-def save_tokenizer(gguf_path: Path, out: Path, max_model_len: int) -> None:
+def save_tokenizer(gguf_path: Path, out: Path, model_type: str, max_model_len: int) -> None:
     """Write tokenizer.json and tokenizer_config.json (with the chat template) into ``out``."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
-    tok = AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-    )
+    where: dict[str, Any] = {"gguf_file": gguf_path.name, "local_files_only": True}
+    # NOTE: naming the model type spares AutoTokenizer parsing the whole file a second time
+    # (tens of seconds for a 152k vocabulary) only to learn it. A type with a tokenizer
+    # class of its own gets it (Qwen2's adds its NFC normaliser); others, as for Llama,
+    # the generic fast tokenizer transformers builds from the GGUF.
+    if model_type in TOKENIZER_MAPPING_NAMES:
+        tok = AutoTokenizer.from_pretrained(
+            str(gguf_path.parent), tokenizer_type=model_type, **where
+        )
+    else:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), **where)
     tok.model_max_length = max_model_len
     tok.save_pretrained(str(out))
