@@ -72,6 +72,7 @@ def test_default_model_is_smollm2_and_cached(model_dir: Path) -> None:
     assert (model_dir / ".complete").exists()
 
 
+@pytest.mark.slow  # transformers' GGUF loader takes ~30 s to read this file on 2 busy cores
 def test_converted_weights_equal_what_transformers_reads(model_dir: Path, reference: Any) -> None:
     ours = load_file(str(model_dir / "model.safetensors"))
     theirs = reference.state_dict()
@@ -80,6 +81,7 @@ def test_converted_weights_equal_what_transformers_reads(model_dir: Path, refere
         assert torch.equal(w, theirs[name]), name
 
 
+@pytest.mark.slow
 def test_engine_logits_match_transformers_on_the_gguf(
     model_dir: Path, reference: Any, tokenizer: Any
 ) -> None:
