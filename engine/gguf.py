@@ -94,6 +94,9 @@ class GGUFCheckpoint:
                 f"{path}: GGUF tensor type(s) {', '.join(bad)} are not supported; supported: "
                 f"{', '.join(sorted(q.name for q in SUPPORTED_TENSOR_TYPES))}"
             )
+        unknown = [n for n in self.tensors if n != "rope_freqs.weight" and _hf_name(n) is None]
+        if unknown:
+            raise UnsupportedModelError(f"{path}: unexpected GGUF tensors {unknown[:5]}")
         check_tokenizer(self.get("tokenizer.ggml.model"))
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -131,8 +134,7 @@ def hf_tensors(ckpt: GGUFCheckpoint, config: dict[str, Any]) -> Iterator[tuple[s
         if name == "rope_freqs.weight":
             continue  # already folded into config.json's rope_scaling
         hf_name = _hf_name(name)
-        if hf_name is None:
-            raise UnsupportedModelError(f"{ckpt.path}: unexpected GGUF tensor {name!r}")
+        assert hf_name is not None, name  # GGUFCheckpoint refused unknown names
         tensor = ckpt.tensor(name)
         if ckpt.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             tensor = unpermute_rows(tensor, heads if "attn_q" in name else kv_heads)

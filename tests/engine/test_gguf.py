@@ -196,12 +196,12 @@ def test_every_supported_type_reads_as_gguf_reader_and_dequantize_read_it(tmp_pa
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
     w.add_tokenizer_model("gpt2")
-    for q in SUPPORTED:
+    for i, q in enumerate(SUPPORTED):  # one layer per type
         shape = gguf.quants.quant_shape_to_byte_shape((3, 512), q)
         data = rng.integers(0, 256, shape, dtype=np.uint8)
         if q in (Q.F16, Q.BF16):
             data[..., 1::2] &= 0x3F  # finite halves: exponent bits below all-ones
-        w.add_tensor(f"t.{q.name}", data, raw_dtype=q)
+        w.add_tensor(f"blk.{i}.ffn_up.weight", data, raw_dtype=q)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
