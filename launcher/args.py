@@ -49,7 +49,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Everything ``launch`` needs. ``model=None`` means the embedded tiny model."""
+    """Everything ``launch`` needs. ``model=None`` means the embedded default model."""
 
     model: Path | None = None
     prefill: int = 1
@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         type=Path,
         default=d.model,
-        help="local Hugging Face checkpoint directory (default: the embedded tiny test model)",
+        help="local Hugging Face checkpoint directory or .gguf file (default: the embedded "
+        "SmolLM2-135M-Instruct)",
     )
     add("--prefill", type=int, default=d.prefill, help="number of prefill workers")
     add("--decode", type=int, default=d.decode, help="number of decode workers")
@@ -240,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--served-model-name",
         default=d.served_model_name,
-        help="model name clients send and see (default: the model directory's name)",
+        help="model name clients send and see (default: the model directory's or .gguf "
+        "file's name; the --model path is accepted too)",
     )
     add(
         "--api-key",
@@ -327,8 +329,13 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
     if not 0 <= c.port <= 65535:
         raise ConfigError(f"--port {c.port} is not a TCP port (0..65535)")
-    if c.model is not None and not (c.model / "config.json").is_file():
-        raise ConfigError(f"--model {c.model}: no config.json there; give a checkpoint directory")
+    if c.model is not None and c.model.suffix == ".gguf":
+        if not c.model.is_file():
+            raise ConfigError(f"--model {c.model}: no such GGUF file")
+    elif c.model is not None and not (c.model / "config.json").is_file():
+        raise ConfigError(
+            f"--model {c.model}: no config.json there; give a checkpoint directory or a .gguf file"
+        )
     for flag, gpus, count in (("--prefill-gpus", c.prefill_gpus, c.prefill),
                               ("--decode-gpus", c.decode_gpus, c.decode)):  # fmt: skip
         if gpus is not None and len(gpus) != count:

@@ -46,12 +46,16 @@ DEFAULT_GPU_KV_TOKENS = 65_536
 
 
 def _model_path(config: ServerConfig) -> Path:
-    if config.model is not None:
-        return config.model
-    from checkpoints.tiny import tiny_model_dir
+    """The checkpoint directory to serve; a .gguf or the default model is converted once."""
+    from checkpoints.default_model import DefaultModelMissing, resolve_model
+    from engine.errors import UnsupportedModelError
 
-    logger.info("no --model given: serving the embedded tiny random-weight Qwen2 model")
-    return tiny_model_dir()
+    if config.model is None:
+        logger.info("no --model given: serving the embedded SmolLM2-135M-Instruct")
+    try:
+        return resolve_model(config.model)
+    except (UnsupportedModelError, DefaultModelMissing) as e:
+        raise ConfigError(f"--model: {e}") from e
 
 
 def _engine_settings(
@@ -96,6 +100,7 @@ def _children(
     frontend = {
         **common,
         "served_model_name": config.served_model_name or model.name,
+        "model_aliases": [str(config.model)] if config.model is not None else [],
         "max_model_len": engine.resolve_max_model_len(mcfg),
         "vocab_size": mcfg.vocab_size, "api_key": config.api_key,
         "chat_template": config.chat_template, "host": config.host, "port": config.port,

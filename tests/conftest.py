@@ -37,7 +37,11 @@ def default_model_path() -> Path:
 
 
 class LaunchedServer:
-    """A real ``launch`` process tree on a free loopback port."""
+    """A real ``launch`` process tree on a free loopback port.
+
+    It serves the tiny random Qwen2 model unless ``args`` name a ``--model``: the suite
+    checks serving mechanics against transformers, and stays fast, on the tiny model.
+    """
 
     def __init__(self, args: list[str]) -> None:
         import socket
@@ -48,6 +52,8 @@ class LaunchedServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        if "--model" not in args:
+            args = ["--model", str(tiny.tiny_model_dir(tiny.DEFAULT_ARCH)), *args]
         cmd = [sys.executable, "-m", "launcher.cli", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

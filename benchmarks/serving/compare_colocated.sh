@@ -13,7 +13,7 @@ bench() {  # name port dataset
   echo "$1 $3 rc=$?"
 }
 wait_up() { for i in $(seq 1 90); do sleep 1; curl -sf http://127.0.0.1:$1/health >/dev/null && return 0; done; return 1; }
-OMP_NUM_THREADS=1 setsid .venv/bin/launch --prefill 1 --decode 1 --port 18441 --log-level warning > $OUT/pd_server.log 2>&1 &
+OMP_NUM_THREADS=1 setsid .venv/bin/launch --model $MODEL --prefill 1 --decode 1 --port 18441 --log-level warning > $OUT/pd_server.log 2>&1 &
 PD=$!
 wait_up 18441 && { bench pd 18441 random; bench pd 18441 mixed; }
 kill -TERM -- -$PD; wait $PD

@@ -1,0 +1,46 @@
+"""``--model``: a checkpoint directory, a .gguf file (converted once), or the default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from launcher.args import ConfigError, KVTransfer, parse_args
+from launcher.cli import _build_topology, _children, _model_path
+from launcher.gpus import assign_gpus
+
+
+def test_a_gguf_file_is_a_model(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF")
+    assert parse_args(["--model", str(path)]).model == path
+    with pytest.raises(ConfigError, match="no such GGUF file"):
+        parse_args(["--model", str(tmp_path / "missing.gguf")])
+
+
+def test_an_unsupported_gguf_is_refused_naming_what_is_supported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match=r"'gpt2' is not supported; supported: llama, qwen2"):
+        _model_path(parse_args(["--model", str(path)]))
+
+
+def test_the_frontend_accepts_the_model_path_as_a_name(default_model_path: Path) -> None:
+    cfg = parse_args(["--device", "cpu", "--model", str(default_model_path)])
+    gpus = assign_gpus(cfg, [])
+    topo = _build_topology(cfg, default_model_path, KVTransfer.SHM)
+    kids = _children(cfg, topo, gpus, default_model_path, KVTransfer.SHM)
+    frontend = next(c.spec.settings for c in kids if c.spec.role == "frontend")
+    assert frontend["served_model_name"] == default_model_path.name
+    assert frontend["model_aliases"] == [str(default_model_path)]
