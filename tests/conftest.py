@@ -39,11 +39,12 @@ def default_model_path() -> Path:
 class LaunchedServer:
     """A real ``launch`` process tree on a free loopback port.
 
-    It serves the tiny random Qwen2 model unless ``args`` name a ``--model``: the suite
-    checks serving mechanics against transformers, and stays fast, on the tiny model.
+    It serves the tiny random Qwen2 model unless ``args`` name a ``--model`` or
+    ``tiny_model=False`` (then ``launch``'s own default): the suite checks serving mechanics
+    against transformers, and stays fast, on the tiny model.
     """
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], tiny_model: bool = True) -> None:
         import socket
         import subprocess
         import sys
@@ -52,7 +53,7 @@ class LaunchedServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        if "--model" not in args:
+        if tiny_model and "--model" not in args:
             args = ["--model", str(tiny.tiny_model_dir(tiny.DEFAULT_ARCH)), *args]
         cmd = [sys.executable, "-m", "launcher.cli", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
