@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -66,7 +66,9 @@ async def read_json(request: Request, limit: int) -> object:
         # msgspec, unlike json, refuses lone surrogates and NaN: no such text or number
         # can reach the tokenizer or a ring record.
         return msgspec.json.decode(b"".join(chunks))
-    except msgspec.DecodeError as e:
+    except UnicodeDecodeError as e:  # a string that is not UTF-8 (msgspec raises it as is)
+        raise InvalidRequest(f"malformed JSON body: invalid UTF-8 at byte {e.start}") from e
+    except ValueError as e:  # msgspec.DecodeError, and whatever else a decoder refuses with
         raise InvalidRequest(f"malformed JSON body: {e}") from e
     except RecursionError as e:
         raise InvalidRequest("malformed JSON body: nested too deeply") from e
@@ -120,7 +122,9 @@ async def _serve(
         if e.status >= 500:
             _server_errors.warning("%s: %d %s", request.url.path, e.status, e.message)
         return e.response()
-    except ClientGone:
+    except (ClientGone, ClientDisconnect):
+        # Ordinary client behaviour (a timeout, a cancelled upload): nothing to log loudly.
+        logger.info("%s: the client disconnected before the response", request.url.path)
         return Response(status_code=499)  # nobody is listening; nginx's code for it
     except Exception:
         logger.exception("%s: unhandled error", request.url.path)

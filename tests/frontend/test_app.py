@@ -179,6 +179,8 @@ async def test_native_generate(http: httpx.AsyncClient) -> None:
         (b'{"prompt": "x", "stop": ["\\ud800"]}', 400, None),  # lone surrogate
         (b'{"prompt": "x", "temperature": NaN}', 400, None),
         (b"\xff\xfe{}", 400, None),
+        (b'{"prompt": "a\xff", "max_tokens": 4}', 400, None),  # not UTF-8 inside a string
+        (b'{"prompt\xed\xa0\x80": 1}', 400, None),  # an encoded surrogate in a key
     ],
 )
 async def test_bad_requests_get_openai_errors(
