@@ -24,6 +24,7 @@ from typing import Any
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from launcher.args import ConfigError, KVTransfer, ServerConfig, parse_args
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
+from launcher.memory import check_host_memory, host_memory, memory_need
 from launcher.placement import WorkerPlace, describe, kv_transfer_backend, placements
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
@@ -120,6 +121,18 @@ def _build_topology(config: ServerConfig, model: Path, backend: KVTransfer) -> T
     return topo
 
 
+def _check_host_memory(
+    config: ServerConfig, model: Path, gpus: GpuAssignment, backend: KVTransfer
+) -> None:
+    mcfg = ModelConfig.from_pretrained(model)
+    dtype = parse_dtype(config.dtype.value, mcfg.dtype)
+    need = memory_need(config, mcfg, dtype, gpus.on_cpu, backend)
+    mem = host_memory()
+    logger.info("host memory: the server needs ~%.1f GiB, %.1f GiB available (%s)",
+                need.total / (1 << 30), mem.available / (1 << 30), mem.source)  # fmt: skip
+    check_host_memory(config, need, mem)
+
+
 def _check_port_free(host: str, port: int) -> None:
     """Fail before spawning anything if another process already listens there."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
@@ -150,6 +163,7 @@ def serve(config: ServerConfig) -> int:
     if not gpus.on_cpu:
         logger.info("on GPUs: %s; KV transfer: %s", describe(places), backend.value)
     model = _model_path(config)
+    _check_host_memory(config, model, gpus, backend)  # before any shared memory exists
     topo = _build_topology(config, model, backend)
     sup = Supervisor(_children(config, topo, gpus, model, backend), topo.load_table(), topo.p)
 

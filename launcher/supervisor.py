@@ -33,6 +33,20 @@ MODULES = {
 SHUTDOWN_GRACE_S = 8.0  # SIGTERM, then SIGKILL: everything is gone within 10 s
 
 
+def describe_exit(code: int | None) -> str:
+    """How a child ended, in words; a SIGKILL nobody here sent is most often the OOM killer."""
+    if code is None or code >= 0:
+        return f"code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if -code == signal.SIGKILL:
+        return (f"killed by {name}, possibly by the kernel's OOM killer (see `dmesg`); if so, "
+                "lower --kv-cache-tokens or run fewer workers")  # fmt: skip
+    return f"killed by {name}"
+
+
 class ChildFailed(RuntimeError):
     """A child died during startup, or the frontend died: the server cannot go on."""
 
@@ -93,9 +107,9 @@ class Supervisor:
         workers = sum(1 for c in self.children if c.spec.role in ("prefill", "decode", "colocated"))
         while time.monotonic() < deadline and not self.stopping:
             for child in self.children:
-                if child.reap() is not None:
-                    raise ChildFailed(f"{child.name} exited during startup "
-                                      f"(code {child.proc.returncode if child.proc else '?'})")  # fmt: skip
+                code = child.reap()
+                if code is not None:
+                    raise ChildFailed(f"{child.name} exited during startup ({describe_exit(code)})")
             rows = [r for r in self.table.snapshot() if r.state == WorkerState.READY]
             if len(rows) == workers and callable(frontend_ready) and frontend_ready():
                 return
@@ -114,13 +128,13 @@ class Supervisor:
                 if code is None or self.stopping:
                     continue
                 if child.spec.role == "frontend":
-                    logger.error("the frontend exited (code %s); shutting down", code)
+                    logger.error("the frontend exited (%s); shutting down", describe_exit(code))
                     return 1
                 self._restart(child, code)
         return 0
 
     def _restart(self, child: Child, code: int) -> None:
-        logger.error("%s exited (code %s); restarting", child.name, code)
+        logger.error("%s exited (%s); restarting", child.name, describe_exit(code))
         slot = child.spec.load_table.get("slot", -1)
         if slot >= 0:
             self.table.writer(slot).set_state(WorkerState.DEAD)
