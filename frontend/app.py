@@ -1,13 +1,14 @@
-"""The FastAPI app: routing, auth, body limits, JSON parsing and error shaping.
+"""The FastAPI app: routing, body limits, JSON parsing and error shaping.
 
 Handlers live in ``serving_*.py``; this module only gets a request to them and turns
 every failure into an OpenAI-shaped error. No input reaches a handler unparsed, and no
 exception escapes as anything but a JSON error (500 for our bugs, logged with traceback).
+Who may call at all (Host, API key, Content-Type) is decided before, by
+``frontend.guard.Guard``.
 """
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import logging
 import time
@@ -31,8 +32,8 @@ from frontend.errors import (
     InvalidRequest,
     PayloadTooLarge,
     ServiceUnavailable,
-    Unauthorized,
 )
+from frontend.guard import JSON_PATHS, Guard
 from frontend.metrics import FrontendMetrics
 from frontend.protocol import (
     ChatCompletionRequest,
@@ -74,14 +75,6 @@ async def read_json(request: Request, limit: int) -> object:
         raise InvalidRequest("malformed JSON body: nested too deeply") from e
 
 
-def check_api_key(request: Request, key: str | None) -> None:
-    if key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
-        raise Unauthorized()
-
-
 class _Throttled:
     """At most one log line per interval; the next line counts the ones it swallowed.
 
@@ -113,7 +106,6 @@ async def _serve(
 ) -> Response:
     arrival = time.monotonic()
     try:
-        check_api_key(request, ctx.settings.api_key)
         body = parse_body(model, await read_json(request, ctx.settings.max_body_bytes))
         if unknown := body.unknown_fields():
             logger.info("%s: ignoring unknown fields %s", request.url.path, unknown)
@@ -149,7 +141,7 @@ def health_response(client: EngineClient) -> Response:
     return Response(body, status_code=status, media_type="application/json")
 
 
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
+GENERATE_PATHS = JSON_PATHS
 
 
 class FastPaths:
@@ -159,15 +151,13 @@ class FastPaths:
     Why: under a burst of hundreds of requests beyond the admission bound, the event loop
     runs each request's handler in turn, FIFO. Through the whole FastAPI stack a refusal
     costs about half a millisecond, so a burst of 500 holds a /health probe behind it for
-    a quarter of a second; answered here, each costs a fraction of that. Everything else,
-    including refusals of requests that fail authentication, takes the normal path.
+    a quarter of a second; answered here, each costs a fraction of that. Requests get here
+    past the ``Guard`` (key, Host, Content-Type already checked); the rest take the normal
+    path.
     """
 
-    def __init__(
-        self, app: ASGIApp, client: EngineClient, api_key: str | None, metrics: FrontendMetrics
-    ) -> None:
+    def __init__(self, app: ASGIApp, client: EngineClient, metrics: FrontendMetrics) -> None:
         self.app, self.client, self.metrics = app, client, metrics
-        self._auth = None if api_key is None else b"bearer " + api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -175,7 +165,7 @@ class FastPaths:
             if path == "/health" and method == "GET":
                 await health_response(self.client)(scope, receive, send)
                 return
-            if path in GENERATE_PATHS and method == "POST" and self._authorized(scope):
+            if path in GENERATE_PATHS and method == "POST":
                 try:
                     self.client.check_admission()
                 except Overloaded as e:
@@ -184,14 +174,6 @@ class FastPaths:
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        if self._auth is None:
-            return True
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                return hmac.compare_digest(value.lower()[:7] + value[7:], self._auth)
-        return False
 
 
 def _warn_if_exposed(settings: FrontendSettings) -> None:
@@ -227,7 +209,8 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
-    app.add_middleware(FastPaths, client=client, api_key=settings.api_key, metrics=ctx.metrics)
+    app.add_middleware(FastPaths, client=client, metrics=ctx.metrics)
+    app.add_middleware(Guard, settings=settings)  # added last: outermost
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -246,11 +229,7 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
         return await _serve(ctx, request, NativeGenerateRequest, generate)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        try:
-            check_api_key(request, settings.api_key)
-        except APIError as e:
-            return e.response()
+    async def models() -> Response:
         card = {"id": settings.model_name, "object": "model", "created": 0,
                 "owned_by": "pdserve", "max_model_len": settings.max_model_len}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})

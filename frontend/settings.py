@@ -13,6 +13,12 @@ class FrontendSettings:
 
     ``vocab_size`` is the model's (possibly padded) embedding size: token ids in prompts
     and ``stop_token_ids`` must lie below it. ``chat_template`` overrides the tokenizer's.
+
+    Exposure (``frontend/guard.py``): with ``api_key`` every path but /health needs it
+    (/metrics too, unless ``metrics_no_auth``); without one, requests must name this
+    server in their Host header (``allowed_hosts`` adds names; ``"*"`` allows any).
+    ``allow_special_tokens_in_content`` lets control-token text in chat messages become
+    control tokens (the old behaviour; a user can then forge a system turn).
     """
 
     model_name: str
@@ -24,3 +30,6 @@ class FrontendSettings:
     max_logprobs: int = 20
     host: str = "127.0.0.1"
     port: int = 8000
+    allowed_hosts: tuple[str, ...] = ()
+    metrics_no_auth: bool = False
+    allow_special_tokens_in_content: bool = False

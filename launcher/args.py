@@ -71,6 +71,9 @@ class ServerConfig:
     router_policy: str = "least-load"
     served_model_name: str | None = None
     api_key: str | None = None
+    metrics_no_auth: bool = False
+    allowed_hosts: tuple[str, ...] = ()
+    allow_special_tokens_in_content: bool = False
     chat_template: str | None = None
     max_waiting_requests: int = 1024
     max_queued_prefill_tokens: int = 262_144
@@ -82,6 +85,10 @@ class ServerConfig:
 
 
 _DEFAULTS = ServerConfig()
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _gpu_list(text: str) -> tuple[int, ...]:
@@ -213,7 +220,27 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--api-key",
         default=d.api_key,
-        help=f"require this bearer token from clients (or set {API_KEY_ENV})",
+        help=f"require this bearer token from clients on every path but /health "
+        f"(or set {API_KEY_ENV})",
+    )
+    add(
+        "--metrics-no-auth",
+        action="store_true",
+        help="serve /metrics without the API key (for a Prometheus scraper that has none)",
+    )
+    add(
+        "--allowed-hosts",
+        type=_names,
+        default=d.allowed_hosts,
+        help="without --api-key, Host names besides localhost, IP addresses and --host that "
+        "requests may carry, comma-separated ('*': any); other names get 421, a defence "
+        "against DNS rebinding",
+    )
+    add(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="let control-token text in chat messages (e.g. <|im_start|>) become control "
+        "tokens, as before; by default it stays text, so users cannot forge roles",
     )
     add(
         "--chat-template",

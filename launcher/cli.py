@@ -92,6 +92,8 @@ def _children(
         "served_model_name": config.served_model_name or model.name,
         "max_model_len": engine.resolve_max_model_len(mcfg),
         "vocab_size": mcfg.vocab_size, "api_key": config.api_key,
+        "metrics_no_auth": config.metrics_no_auth, "allowed_hosts": list(config.allowed_hosts),
+        "allow_special_tokens_in_content": config.allow_special_tokens_in_content,
         "chat_template": config.chat_template, "host": config.host, "port": config.port,
         "router_policy": config.router_policy,
         "max_waiting_requests": config.max_waiting_requests,

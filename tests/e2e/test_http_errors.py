@@ -216,7 +216,8 @@ def test_body_over_the_limit_is_a_413(http: httpx.Client, path: str) -> None:
             yield b"y" * 65_536
         yield b'"}'
 
-    assert_openai_error(http.post(path, content=chunked()), 413)
+    json_type = {"content-type": "application/json"}
+    assert_openai_error(http.post(path, content=chunked(), headers=json_type), 413)
 
 
 def test_unknown_route_and_wrong_method_keep_the_error_shape(http: httpx.Client) -> None:
