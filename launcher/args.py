@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from frontend.settings import ConnectionLimits
+
 API_KEY_ENV = "PDSERVE_API_KEY"
 
 
@@ -40,6 +42,7 @@ class LogLevel(enum.StrEnum):
 
 
 ROUTER_POLICIES = ("least-load", "power-of-two", "round-robin")
+_LIMITS = ConnectionLimits()
 
 
 class ConfigError(ValueError):
@@ -77,11 +80,26 @@ class ServerConfig:
     chat_template: str | None = None
     max_waiting_requests: int = 1024
     max_queued_prefill_tokens: int = 262_144
+    timeout_header: float = _LIMITS.header_timeout_s
+    timeout_body: float = _LIMITS.body_timeout_s
+    timeout_keep_alive: float = _LIMITS.keep_alive_timeout_s
+    max_connections: int = _LIMITS.max_connections
+    max_connections_per_peer: int = _LIMITS.max_connections_per_peer
     log_level: LogLevel = LogLevel.INFO
 
     @property
     def disaggregated(self) -> bool:
         return self.colocated == 0
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(
+            header_timeout_s=self.timeout_header,
+            body_timeout_s=self.timeout_body,
+            keep_alive_timeout_s=self.timeout_keep_alive,
+            max_connections=self.max_connections,
+            max_connections_per_peer=self.max_connections_per_peer,
+        )
 
 
 _DEFAULTS = ServerConfig()
@@ -261,6 +279,40 @@ def build_parser() -> argparse.ArgumentParser:
         "requests get HTTP 503 + Retry-After (an idle worker still takes any prompt)",
     )
     add(
+        "--timeout-header",
+        type=float,
+        default=d.timeout_header,
+        help="seconds a client has to send a whole request head (from connecting, or from "
+        "the first byte of its next request); then 408 and closed",
+    )
+    add(
+        "--timeout-body",
+        type=float,
+        default=d.timeout_body,
+        help="seconds a client has to send a whole request body after its head; then 408 "
+        "and closed",
+    )
+    add(
+        "--timeout-keep-alive",
+        type=float,
+        default=d.timeout_keep_alive,
+        help="seconds an idle kept-alive connection stays open between requests",
+    )
+    add(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="most client connections the frontend holds; beyond it new ones get 503 "
+        "(0: the descriptor limit less a reserve that keeps /health answering)",
+    )
+    add(
+        "--max-connections-per-peer",
+        type=int,
+        default=d.max_connections_per_peer,
+        help="most connections one client address may hold; beyond it new ones get 503 "
+        "(0: no cap; a reverse proxy on this host is one address)",
+    )
+    add(
         "--log-level",
         type=LogLevel,
         choices=list(LogLevel),
@@ -305,6 +357,13 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError("--max-model-len must be >= 2 (one prompt and one output token)")
     if c.kv_cache_tokens < c.block_size:
         raise ConfigError("--kv-cache-tokens must hold at least one block (--block-size tokens)")
+    for flag, seconds in (("--timeout-header", c.timeout_header),
+                          ("--timeout-body", c.timeout_body),
+                          ("--timeout-keep-alive", c.timeout_keep_alive)):  # fmt: skip
+        if not seconds > 0:
+            raise ConfigError(f"{flag} must be > 0 seconds, got {seconds}")
+    if c.max_connections < 0 or c.max_connections_per_peer < 0:
+        raise ConfigError("--max-connections and --max-connections-per-peer must be >= 0")
     if not 0.0 < c.gpu_memory_utilization <= 1.0:
         raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
     if not 0 <= c.port <= 65535:

@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import urllib.request
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,7 @@ def _children(
         "vocab_size": mcfg.vocab_size, "api_key": config.api_key,
         "metrics_no_auth": config.metrics_no_auth, "allowed_hosts": list(config.allowed_hosts),
         "allow_special_tokens_in_content": config.allow_special_tokens_in_content,
+        "connections": asdict(config.connection_limits),
         "chat_template": config.chat_template, "host": config.host, "port": config.port,
         "router_policy": config.router_policy,
         "max_waiting_requests": config.max_waiting_requests,
