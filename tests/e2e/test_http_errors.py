@@ -10,6 +10,7 @@ on a server of its own with a small admission bound.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -70,7 +71,10 @@ def test_malformed_json_is_a_400(http: httpx.Client, path: str, raw: bytes) -> N
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT, GENERATE])
 @pytest.mark.parametrize("doc", [[], "text", 3, None])
 def test_body_that_is_not_an_object_is_a_400(http: httpx.Client, path: str, doc: Any) -> None:
-    assert_openai_error(http.post(path, json=doc), 400)
+    # Encoded here: httpx's json=None sends no body (and no Content-Type) at all.
+    raw = json.dumps(doc).encode()
+    r = http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
 
 
 @pytest.mark.parametrize(
