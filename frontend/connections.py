@@ -189,21 +189,25 @@ class TimedHttpProtocol(HttpToolsProtocol):
             # starts once that response is done.
             self._arm(self.limits.header_timeout_s, self._head_late)
             return
-        self._give_up("request head", self.limits.header_timeout_s)
+        # ``cycle`` is still the previous request's (done) on a kept-alive connection.
+        self._give_up("request head", self.limits.header_timeout_s, answer=True)
 
     def _body_late(self) -> None:
         self._deadline = None
-        self._give_up("request body", self.limits.body_timeout_s)
+        # A handler may have answered before reading the body (401, 413, 415): then the
+        # client is only told by the close.
+        answer = self.cycle is not None and not self.cycle.response_started
+        self._give_up("request body", self.limits.body_timeout_s, answer)
 
-    def _give_up(self, what: str, timeout_s: float) -> None:
+    def _give_up(self, what: str, timeout_s: float, answer: bool) -> None:
         if self.transport.is_closing():
             return
         logger.info("%s: %s not received within %g s; closing the connection",
                     self._peer, what, timeout_s)  # fmt: skip
-        cycle = self.cycle
-        if cycle is None or not cycle.response_started:
+        if answer:
             message = f"The {what} was not received within {timeout_s:g} s"
             self.transport.write(error_response(408, message, "request_timeout"))
+        cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             # The handler waiting for the body sees a disconnect, and nothing it sends
             # from now on reaches the wire after our 408.

@@ -100,6 +100,18 @@ def test_a_head_trickled_byte_by_byte_is_still_timed_out(server: Server) -> None
     assert closed - t0 < 2.0
 
 
+def test_the_next_request_on_a_kept_alive_connection_has_its_own_head_deadline(
+    server: Server,
+) -> None:
+    with server.connect() as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+        first = s.recv(4096)
+        assert first.startswith(b"HTTP/1.1 200 ")
+        s.sendall(b"GET /v1/mo")  # the next head starts, and never ends
+        data, _ = read_until_closed(s)
+    assert_408(data)
+
+
 def test_a_body_that_stops_coming_is_closed_after_the_body_deadline(
     server: Server, caplog: pytest.LogCaptureFixture
 ) -> None:
