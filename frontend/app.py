@@ -1,14 +1,15 @@
-"""The FastAPI app: routing, auth, body limits, JSON parsing and error shaping.
+"""The FastAPI app: routing, body limits, JSON parsing and error shaping.
 
 Handlers live in ``serving_*.py``; this module only gets a request to them and turns
 every failure into an OpenAI-shaped error. No input reaches a handler unparsed, and no
 exception escapes as anything but a JSON error (500 for our bugs, logged with traceback).
+Who may call at all (Host, API key, Content-Type) is decided before, by
+``frontend.guard.Guard``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 import logging
 import time
@@ -21,7 +22,7 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -32,8 +33,8 @@ from frontend.errors import (
     InvalidRequest,
     PayloadTooLarge,
     ServiceUnavailable,
-    Unauthorized,
 )
+from frontend.guard import JSON_PATHS, Guard
 from frontend.metrics import FrontendMetrics
 from frontend.protocol import (
     ChatCompletionRequest,
@@ -78,18 +79,12 @@ async def read_json(request: Request, limit: int) -> object:
         # msgspec, unlike json, refuses lone surrogates and NaN: no such text or number
         # can reach the tokenizer or a ring record.
         return msgspec.json.decode(b"".join(chunks))
-    except msgspec.DecodeError as e:
+    except UnicodeDecodeError as e:  # a string that is not UTF-8 (msgspec raises it as is)
+        raise InvalidRequest(f"malformed JSON body: invalid UTF-8 at byte {e.start}") from e
+    except ValueError as e:  # msgspec.DecodeError, and whatever else a decoder refuses with
         raise InvalidRequest(f"malformed JSON body: {e}") from e
     except RecursionError as e:
         raise InvalidRequest("malformed JSON body: nested too deeply") from e
-
-
-def check_api_key(request: Request, key: str | None) -> None:
-    if key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
-        raise Unauthorized()
 
 
 class _Throttled:
@@ -123,7 +118,6 @@ async def _serve(
 ) -> Response:
     arrival = time.monotonic()
     try:
-        check_api_key(request, ctx.settings.api_key)
         body = parse_body(model, await read_json(request, ctx.settings.max_body_bytes))
         if unknown := body.unknown_fields():
             logger.info("%s: ignoring unknown fields %s", request.url.path, unknown)
@@ -132,7 +126,9 @@ async def _serve(
         if e.status >= 500:
             _server_errors.warning("%s: %d %s", request.url.path, e.status, e.message)
         return e.response()
-    except ClientGone:
+    except (ClientGone, ClientDisconnect):
+        # Ordinary client behaviour (a timeout, a cancelled upload): nothing to log loudly.
+        logger.info("%s: the client disconnected before the response", request.url.path)
         return Response(status_code=499)  # nobody is listening; nginx's code for it
     except Exception:
         logger.exception("%s: unhandled error", request.url.path)
@@ -166,7 +162,7 @@ def health_response(client: EngineClient) -> Response:
     return Response(body, status_code=status, media_type="application/json")
 
 
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
+GENERATE_PATHS = JSON_PATHS
 
 
 class FastPaths:
@@ -176,15 +172,13 @@ class FastPaths:
     Why: under a burst of hundreds of requests beyond the admission bound, the event loop
     runs each request's handler in turn, FIFO. Through the whole FastAPI stack a refusal
     costs about half a millisecond, so a burst of 500 holds a /health probe behind it for
-    a quarter of a second; answered here, each costs a fraction of that. Everything else,
-    including refusals of requests that fail authentication, takes the normal path.
+    a quarter of a second; answered here, each costs a fraction of that. Requests get here
+    past the ``Guard`` (key, Host, Content-Type already checked); the rest take the normal
+    path.
     """
 
-    def __init__(
-        self, app: ASGIApp, client: EngineClient, api_key: str | None, metrics: FrontendMetrics
-    ) -> None:
+    def __init__(self, app: ASGIApp, client: EngineClient, metrics: FrontendMetrics) -> None:
         self.app, self.client, self.metrics = app, client, metrics
-        self._auth = None if api_key is None else b"bearer " + api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -192,7 +186,7 @@ class FastPaths:
             if path == "/health" and method == "GET":
                 await health_response(self.client)(scope, receive, send)
                 return
-            if path in GENERATE_PATHS and method == "POST" and self._authorized(scope):
+            if path in GENERATE_PATHS and method == "POST":
                 try:
                     self.client.check_admission()
                 except Overloaded as e:
@@ -201,14 +195,6 @@ class FastPaths:
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        if self._auth is None:
-            return True
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                return hmac.compare_digest(value.lower()[:7] + value[7:], self._auth)
-        return False
 
 
 def _warn_if_exposed(settings: FrontendSettings) -> None:
@@ -246,7 +232,8 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
-    app.add_middleware(FastPaths, client=client, api_key=settings.api_key, metrics=ctx.metrics)
+    app.add_middleware(FastPaths, client=client, metrics=ctx.metrics)
+    app.add_middleware(Guard, settings=settings)  # added last: outermost
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -277,11 +264,7 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
         return version_response()
 
     @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        try:
-            check_api_key(request, settings.api_key)
-        except APIError as e:
-            return e.response()
+    async def models() -> Response:
         card = {"id": settings.model_name, "object": "model", "created": 0,
                 "owned_by": "pdserve", "max_model_len": settings.max_model_len}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})

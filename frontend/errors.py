@@ -95,6 +95,29 @@ class PayloadTooLarge(APIError):
         super().__init__(f"Request body exceeds the {limit} byte limit", code="request_too_large")
 
 
+class UnsupportedMediaType(APIError):
+    status = 415
+
+    def __init__(self, got: str | None) -> None:
+        super().__init__(
+            f"Content-Type must be application/json, got {got or 'none'}",
+            code="unsupported_media_type",
+        )
+
+
+class MisdirectedRequest(APIError):
+    """A Host header that does not name this server (DNS-rebinding defence): 421."""
+
+    status = 421
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"Host '{name}' is not served here: start the server with --allowed-hosts "
+            f"{name} (or with --api-key)",
+            code="host_not_allowed",
+        )
+
+
 class ServiceUnavailable(APIError):
     """Overload: 503 with Retry-After in whole seconds (at least 1)."""
 

@@ -3,7 +3,8 @@
 Builds the tokenizer, the ring engine client and the FastAPI app, then serves HTTP with
 uvicorn on the configured host and port. The listening socket itself belongs to the C
 accept thread of ``frontend.acceptor``: it answers health probes off the event loop and
-hands every other connection to uvicorn.
+hands every other connection to uvicorn, through ``frontend.connections``' protocol
+(deadlines for slow clients, caps on connections).
 """
 
 from __future__ import annotations
@@ -18,9 +19,16 @@ from transformers import AutoTokenizer
 from frontend.acceptor import HealthAcceptor
 from frontend.app import build_app, health_report
 from frontend.client_rings import RingEngineClient
+from frontend.connections import (
+    ConnectionLimiter,
+    TimedHttpProtocol,
+    connection_budget,
+    fds_open,
+    raise_fd_limit,
+)
 from frontend.engine_client import EngineClient
 from frontend.metrics import FrontendMetrics
-from frontend.settings import FrontendSettings
+from frontend.settings import ConnectionLimits, FrontendSettings
 from router.router import RouterConfig
 from runtime.process import bootstrap
 
@@ -36,9 +44,10 @@ class _Server(uvicorn.Server):
         sock: socket.socket,
         client: EngineClient,
         metrics: FrontendMetrics,
+        limits: ConnectionLimits,
     ) -> None:
         super().__init__(config)
-        self.sock, self.client, self.metrics = sock, client, metrics
+        self.sock, self.client, self.metrics, self.limits = sock, client, metrics, limits
         self.acceptor: HealthAcceptor | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -46,10 +55,18 @@ class _Server(uvicorn.Server):
         if self.should_exit:
             return
 
+        # Counted now, with everything but connections open: what is left is theirs.
+        budget = connection_budget(raise_fd_limit(), fds_open())
+        limiter = ConnectionLimiter(self.limits.max_connections or budget,
+                                    self.limits.max_connections_per_peer)  # fmt: skip
+        logger.info("at most %d connections (%s per client address)", limiter.max_connections,
+                    limiter.max_per_peer or "no cap")  # fmt: skip
+
         def protocol() -> asyncio.Protocol:
-            return self.config.http_protocol_class(  # type: ignore[call-arg]
-                config=self.config, server_state=self.server_state, app_state=self.lifespan.state
-            )
+            return TimedHttpProtocol(
+                config=self.config, server_state=self.server_state,
+                app_state=self.lifespan.state, limits=self.limits, limiter=limiter,
+            )  # fmt: skip
 
         self.acceptor = HealthAcceptor(self.sock, protocol, lambda: health_report(self.client))
         self.acceptor.start()
@@ -73,11 +90,15 @@ def main() -> None:
         max_model_len=s["max_model_len"],
         vocab_size=s["vocab_size"],
         api_key=s.get("api_key"),
+        metrics_no_auth=s.get("metrics_no_auth", False),
+        allowed_hosts=tuple(s.get("allowed_hosts", ())),
+        allow_special_tokens_in_content=s.get("allow_special_tokens_in_content", False),
         chat_template=s.get("chat_template"),
         model_aliases=tuple(s.get("model_aliases", ())),
         host=s["host"],
         port=s["port"],
     )
+    limits = ConnectionLimits(**s.get("connections", {}))
     router_config = RouterConfig(
         max_waiting_requests=s["max_waiting_requests"],
         max_queued_prefill_tokens=s["max_queued_prefill_tokens"],
@@ -91,11 +112,12 @@ def main() -> None:
         log_level=s.get("log_level", "info").lower(),
         access_log=False,
         timeout_graceful_shutdown=3,
+        timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]  # a float is fine
     )
     # Bound here, before the model-sized work is done, so a taken port fails fast; backlog
     # as uvicorn's default, enough for a burst of thousands of clients.
     sock = socket.create_server((settings.host, settings.port), backlog=2048)
-    _Server(config, sock, client, app.state.ctx.metrics).run()
+    _Server(config, sock, client, app.state.ctx.metrics, limits).run()
 
 
 if __name__ == "__main__":

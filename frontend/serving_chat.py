@@ -9,6 +9,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from frontend.chat_prompt import encode_chat, encode_rendered
 from frontend.engine_client import EngineRequest
 from frontend.errors import InvalidRequest
 from frontend.protocol import (
@@ -42,7 +43,9 @@ def render_chat_logprobs(lps: list[TokenLogprob]) -> list[dict[str, Any]]:
     return [{**entry(t.token, t.logprob, t.token_bytes), "top_logprobs": top(t)} for t in lps]
 
 
-def apply_chat_template(ctx: ServingContext, body: ChatCompletionRequest) -> str:
+def chat_prompt_ids(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    """The messages through the chat template, tokenized; content stays text unless the
+    server allows special tokens in it (``frontend/chat_prompt.py``)."""
     template = ctx.settings.chat_template or getattr(ctx.tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequest(
@@ -51,19 +54,13 @@ def apply_chat_template(ctx: ServingContext, body: ChatCompletionRequest) -> str
             param="messages",
         )
     conversation = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+    encode = encode_rendered if ctx.settings.allow_special_tokens_in_content else encode_chat
     try:
-        text = ctx.tokenizer.apply_chat_template(
-            conversation,
-            chat_template=template,
-            tokenize=False,
-            add_generation_prompt=body.add_generation_prompt,
-        )
+        return encode(ctx.tokenizer, template, conversation, body.add_generation_prompt)
     except Exception as e:  # jinja's raise_exception: e.g. roles must alternate
         raise InvalidRequest(
             f"the chat template rejected the messages: {e}", param="messages"
         ) from e
-    assert isinstance(text, str)
-    return text
 
 
 async def create_chat_completion(
@@ -72,9 +69,7 @@ async def create_chat_completion(
     body.reject_unsupported()
     check_model(ctx, body.model)
     # Jinja over a long conversation takes seconds: off the loop, or every stream stalls.
-    text = await asyncio.to_thread(apply_chat_template, ctx, body)
-    # The template writes BOS and role markers itself: no special tokens added again.
-    prompt_ids = await ctx.encode(text, add_special_tokens=False)
+    prompt_ids = await asyncio.to_thread(chat_prompt_ids, ctx, body)
     s = ctx.settings
     check_prompt_ids(prompt_ids, s.vocab_size, "messages")
     max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(prompt_ids), s.max_model_len)

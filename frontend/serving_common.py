@@ -106,7 +106,12 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if task.done() and not task.cancelled():
+            # NOTE: wait for the cancellation to unwind. ``work`` is often an engine
+            # generator's __anext__; until it has, the generator is still running and the
+            # caller's abort (which closes it) fails with "aclose(): asynchronous
+            # generator is already running".
+            await asyncio.wait([task])
+    if not task.cancelled():
         return task.result()
     raise ClientGone()
 

@@ -15,7 +15,7 @@ from frontend.protocol import (
     TokenizeRequest,
     check_prompt_ids,
 )
-from frontend.serving_chat import apply_chat_template
+from frontend.serving_chat import chat_prompt_ids
 from frontend.serving_common import ServingContext
 from frontend.serving_completions import check_model
 
@@ -29,8 +29,8 @@ async def tokenize(
         chat = ChatCompletionRequest.model_construct(
             messages=body.messages, add_generation_prompt=body.add_generation_prompt
         )
-        text = await asyncio.to_thread(apply_chat_template, ctx, chat)
-        ids = await ctx.encode(text, add_special_tokens=False)  # the template wrote them
+        # As a chat completion would tokenize it (content special tokens stay text).
+        ids = await asyncio.to_thread(chat_prompt_ids, ctx, chat)
     else:
         assert body.prompt is not None
         ids = await ctx.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -1,4 +1,4 @@
-"""The frontend's configuration: one frozen record, built by the CLI or by tests."""
+"""The frontend's configuration: frozen records, built by the CLI or by tests."""
 
 from __future__ import annotations
 
@@ -8,12 +8,37 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
+class ConnectionLimits:
+    """Deadlines for slow clients and caps on connections (``frontend/connections.py``).
+
+    Defaults, and why: a request head is one packet for any real client, so 10 s for all
+    of it is slack for a very slow link (Apache allows 20-40 s, nginx 60 s between reads);
+    a body is KiBs to a MiB, and 60 s for all of it (nginx's figure) still takes the 8 MiB
+    body limit at 140 KB/s; 5 s idle between requests is uvicorn's and Apache's keep-alive
+    (nginx: 75 s). 1024 connections per client address is more than one client needs (a
+    reverse proxy on the same host is one address: raise it there; 0 = no cap).
+    """
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keep_alive_timeout_s: float = 5.0
+    max_connections: int = 0  # 0: the descriptor limit less FD_RESERVE
+    max_connections_per_peer: int = 1024  # 0: no cap
+
+
+@dataclass(frozen=True)
 class FrontendSettings:
     """What the HTTP layer needs to know about the model and its own limits.
 
     ``vocab_size`` is the model's (possibly padded) embedding size: token ids in prompts
     and ``stop_token_ids`` must lie below it. ``chat_template`` overrides the tokenizer's.
     ``model_aliases``: other names requests may use (``launch`` adds its ``--model`` path).
+
+    Exposure (``frontend/guard.py``): with ``api_key`` every path but /health needs it
+    (/metrics too, unless ``metrics_no_auth``); without one, requests must name this
+    server in their Host header (``allowed_hosts`` adds names; ``"*"`` allows any).
+    ``allow_special_tokens_in_content`` lets control-token text in chat messages become
+    control tokens (the old behaviour; a user can then forge a system turn).
     """
 
     model_name: str
@@ -26,3 +51,6 @@ class FrontendSettings:
     model_aliases: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
+    allowed_hosts: tuple[str, ...] = ()
+    metrics_no_auth: bool = False
+    allow_special_tokens_in_content: bool = False

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from frontend.settings import ConnectionLimits
+
 API_KEY_ENV = "PDSERVE_API_KEY"
 
 
@@ -41,6 +43,7 @@ class LogLevel(enum.StrEnum):
 
 ROUTER_POLICIES = ("least-load", "power-of-two", "round-robin")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # engine.kernels.ATTENTION_BACKENDS
+_LIMITS = ConnectionLimits()
 
 
 class ConfigError(ValueError):
@@ -76,18 +79,40 @@ class ServerConfig:
     router_policy: str = "least-load"
     served_model_name: str | None = None
     api_key: str | None = None
+    metrics_no_auth: bool = False
+    allowed_hosts: tuple[str, ...] = ()
+    allow_special_tokens_in_content: bool = False
     chat_template: str | None = None
     max_waiting_requests: int = 1024
     max_queued_prefill_tokens: int = 262_144
     stall_timeout: float = 20.0  # seconds without a heartbeat before a worker's requests move
+    timeout_header: float = _LIMITS.header_timeout_s
+    timeout_body: float = _LIMITS.body_timeout_s
+    timeout_keep_alive: float = _LIMITS.keep_alive_timeout_s
+    max_connections: int = _LIMITS.max_connections
+    max_connections_per_peer: int = _LIMITS.max_connections_per_peer
     log_level: LogLevel = LogLevel.INFO
 
     @property
     def disaggregated(self) -> bool:
         return self.colocated == 0
 
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(
+            header_timeout_s=self.timeout_header,
+            body_timeout_s=self.timeout_body,
+            keep_alive_timeout_s=self.timeout_keep_alive,
+            max_connections=self.max_connections,
+            max_connections_per_peer=self.max_connections_per_peer,
+        )
+
 
 _DEFAULTS = ServerConfig()
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _gpu_list(text: str) -> tuple[int, ...]:
@@ -247,7 +272,27 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--api-key",
         default=d.api_key,
-        help=f"require this bearer token from clients (or set {API_KEY_ENV})",
+        help=f"require this bearer token from clients on every path but /health "
+        f"(or set {API_KEY_ENV})",
+    )
+    add(
+        "--metrics-no-auth",
+        action="store_true",
+        help="serve /metrics without the API key (for a Prometheus scraper that has none)",
+    )
+    add(
+        "--allowed-hosts",
+        type=_names,
+        default=d.allowed_hosts,
+        help="without --api-key, Host names besides localhost, IP addresses and --host that "
+        "requests may carry, comma-separated ('*': any); other names get 421, a defence "
+        "against DNS rebinding",
+    )
+    add(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="let control-token text in chat messages (e.g. <|im_start|>) become control "
+        "tokens, as before; by default it stays text, so users cannot forge roles",
     )
     add(
         "--chat-template",
@@ -273,6 +318,40 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.stall_timeout,
         help="seconds a READY worker may go without a heartbeat before its requests are "
         "resumed on other workers (it is reported stalled in /health after a quarter of it)",
+    )
+    add(
+        "--timeout-header",
+        type=float,
+        default=d.timeout_header,
+        help="seconds a client has to send a whole request head (from connecting, or from "
+        "the first byte of its next request); then 408 and closed",
+    )
+    add(
+        "--timeout-body",
+        type=float,
+        default=d.timeout_body,
+        help="seconds a client has to send a whole request body after its head; then 408 "
+        "and closed",
+    )
+    add(
+        "--timeout-keep-alive",
+        type=float,
+        default=d.timeout_keep_alive,
+        help="seconds an idle kept-alive connection stays open between requests",
+    )
+    add(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="most client connections the frontend holds; beyond it new ones get 503 "
+        "(0: the descriptor limit less a reserve that keeps /health answering)",
+    )
+    add(
+        "--max-connections-per-peer",
+        type=int,
+        default=d.max_connections_per_peer,
+        help="most connections one client address may hold; beyond it new ones get 503 "
+        "(0: no cap; a reverse proxy on this host is one address)",
     )
     add(
         "--log-level",
@@ -325,6 +404,13 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError("give --kv-cache-memory or --kv-cache-tokens, not both")
     if c.stall_timeout <= 0:
         raise ConfigError("--stall-timeout must be a positive number of seconds")
+    for flag, seconds in (("--timeout-header", c.timeout_header),
+                          ("--timeout-body", c.timeout_body),
+                          ("--timeout-keep-alive", c.timeout_keep_alive)):  # fmt: skip
+        if not seconds > 0:
+            raise ConfigError(f"{flag} must be > 0 seconds, got {seconds}")
+    if c.max_connections < 0 or c.max_connections_per_peer < 0:
+        raise ConfigError("--max-connections and --max-connections-per-peer must be >= 0")
     if not 0.0 < c.gpu_memory_utilization <= 1.0:
         raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
     if not 0 <= c.port <= 65535:

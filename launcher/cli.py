@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 import urllib.request
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,9 @@ def _children(
         "model_aliases": [str(config.model)] if config.model is not None else [],
         "max_model_len": engine.resolve_max_model_len(mcfg),
         "vocab_size": mcfg.vocab_size, "api_key": config.api_key,
+        "metrics_no_auth": config.metrics_no_auth, "allowed_hosts": list(config.allowed_hosts),
+        "allow_special_tokens_in_content": config.allow_special_tokens_in_content,
+        "connections": asdict(config.connection_limits),
         "chat_template": config.chat_template, "host": config.host, "port": config.port,
         "router_policy": config.router_policy,
         "max_waiting_requests": config.max_waiting_requests,

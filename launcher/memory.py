@@ -5,7 +5,7 @@ the staging mirror of a GPU prefill worker. The KV size is a byte budget per poo
 (``--kv-cache-memory`` GiB, as vLLM's ``VLLM_CPU_KVCACHE_SPACE``), or by default a share
 of the memory the machine can give now:
 
-    usable   = min(MemAvailable, cgroup limit - cgroup usage) * USABLE_FRACTION
+    usable   = min(MemAvailable, cgroup limit - cgroup working set) * USABLE_FRACTION
     fixed    = engines * (weights + ENGINE_OVERHEAD + activations) + others * AUX_OVERHEAD
     per pool = min(DEFAULT_KV_CAP, (usable - fixed) / pools)
 
@@ -13,6 +13,15 @@ Pools are not zero-filled: pages are committed as tokens are written, so a large
 costs address space, not resident memory, until it is used. The budget is still checked
 against what the machine has, so that a full pool can never push a worker into the OOM
 killer. ``--kv-cache-tokens`` overrides the budget with a token count.
+
+Why RAM and not /dev/shm: tmpfs is sized independently of memory (by default half of RAM,
+in containers whatever ``--shm-size`` says, often more than the cgroup allows), and decode
+workers' pools on CPU are private memory, not in /dev/shm at all. What may be used is the
+smaller of ``MemAvailable`` (free memory plus what the kernel can reclaim without
+swapping) and, under a cgroup memory limit (v2 ``memory.max``, v1
+``memory.limit_in_bytes``, at this process's cgroup and every ancestor), the limit minus
+the cgroup's working set (usage less its inactive file cache, which the kernel reclaims
+before it OOM-kills; the working set ``docker stats`` and the kubelet use).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 MIB = 1 << 20
+_V1_UNLIMITED = 1 << 62  # v1 reports "no limit" as a page-rounded LONG_MAX
 USABLE_FRACTION = 0.9  # leave the rest to the OS and whatever else runs here
 DEFAULT_KV_CAP = 4 * GIB  # vLLM's CPU default; enough for ~90k tokens of a 135M model
 ENGINE_OVERHEAD = 600 * MIB  # interpreter, torch, tokenizer: a worker's RSS before weights
@@ -45,40 +56,119 @@ class MemoryBudgetError(ValueError):
 class KVPlan:
     tokens_per_pool: int
     bytes_per_pool: int
-    available_bytes: int
+    memory: HostMemory
     weight_bytes: int  # one replica, in the serving dtype
 
     def describe(self, pools: int) -> str:
         return (f"KV cache: {self.bytes_per_pool / GIB:.2f} GiB = {self.tokens_per_pool} tokens "
                 f"per pool x {pools} pools; weights {self.weight_bytes / GIB:.2f} GiB per "
-                f"replica; {self.available_bytes / GIB:.1f} GiB available")  # fmt: skip
+                f"replica; {self.memory.available / GIB:.1f} GiB available "
+                f"({self.memory.source})")  # fmt: skip
 
 
-def available_bytes() -> int:
-    """What this process could still allocate: MemAvailable, bounded by a cgroup limit."""
-    meminfo = Path("/proc/meminfo").read_text()
-    avail = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines()
-                 if line.startswith("MemAvailable:"))  # fmt: skip
-    limit = _cgroup_room()
-    return avail if limit is None else min(avail, limit)
+@dataclass(frozen=True)
+class HostMemory:
+    """Bytes this process tree may still allocate, and where that bound comes from."""
+
+    available: int
+    source: str
 
 
-def _cgroup_room() -> int | None:
-    """Bytes left under this process's cgroup memory limit (v2, else v1); None if none."""
-    v2 = Path("/sys/fs/cgroup")
-    for limit_file, usage_file in (
-        (v2 / "memory.max", v2 / "memory.current"),
-        (v2 / "memory" / "memory.limit_in_bytes", v2 / "memory" / "memory.usage_in_bytes"),
-    ):
-        try:
-            limit_text = limit_file.read_text().strip()
-            usage = int(usage_file.read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit_text == "max" or int(limit_text) >= 1 << 60:  # v1 says "no limit" so
-            return None
-        return max(0, int(limit_text) - usage)
+def meminfo_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     return None
+
+
+def cgroup_available(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+) -> tuple[int, str] | None:
+    """The tightest (limit - working set) over this process's memory cgroup and its
+    ancestors, with the file that set it; None when no memory limit applies."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    best: tuple[int, str] | None = None
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            found = _walk(root, path, _v2_level)
+        elif "memory" in controllers.split(","):
+            found = _walk(root / "memory", path, _v1_level)
+        else:
+            continue
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    return best
+
+
+_Level = Callable[[Path], "tuple[int, str] | None"]
+
+
+def _walk(base: Path, path: str, level: _Level) -> tuple[int, str] | None:
+    """Visit the cgroup's directory and its ancestors up to ``base`` (a namespaced mount
+    shows the cgroup at ``base`` itself, not under its host path)."""
+    here = base / path.strip("/")
+    if not here.is_dir():
+        here = base
+    best: tuple[int, str] | None = None
+    while True:
+        found = level(here)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+        if here == base or base not in here.parents:
+            return best
+        here = here.parent
+
+
+def _v2_level(d: Path) -> tuple[int, str] | None:
+    limit = _read(d / "memory.max")
+    current = _read(d / "memory.current")
+    if limit is None or limit == "max" or current is None:
+        return None
+    used = int(current) - _stat(d / "memory.stat", "inactive_file")
+    return int(limit) - max(used, 0), str(d / "memory.max")
+
+
+def _v1_level(d: Path) -> tuple[int, str] | None:
+    limit = _read(d / "memory.limit_in_bytes")
+    usage = _read(d / "memory.usage_in_bytes")
+    if limit is None or usage is None or int(limit) >= _V1_UNLIMITED:
+        return None
+    used = int(usage) - _stat(d / "memory.stat", "total_inactive_file")
+    return int(limit) - max(used, 0), str(d / "memory.limit_in_bytes")
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _stat(path: Path, key: str) -> int:
+    for line in (_read(path) or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    return 0
+
+
+def host_memory() -> HostMemory:
+    """What this process tree may still allocate: MemAvailable, or a tighter cgroup room."""
+    available = meminfo_available()
+    mem = HostMemory(available, "MemAvailable in /proc/meminfo") if available is not None else None
+    limited = cgroup_available()
+    if limited is not None and (mem is None or limited[0] < mem.available):
+        mem = HostMemory(max(limited[0], 0), f"the cgroup memory limit ({limited[1]})")
+    # No /proc (not Linux): nothing to measure against, so nothing is refused.
+    return mem or HostMemory(1 << 62, "unknown")
 
 
 def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
@@ -132,12 +222,13 @@ class Demand:
 def plan_kv(
     m: ModelConfig, weights: int, dtype: torch.dtype, demand: Demand,
     kv_cache_memory_gib: float | None = None, kv_cache_tokens: int | None = None,
-    available: int | None = None,
+    memory: HostMemory | None = None,
 ) -> KVPlan:  # fmt: skip
     """Tokens per KV pool, or ``MemoryBudgetError`` before anything is spawned."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_token = kv_bytes_per_token(m, itemsize)
-    available = available_bytes() if available is None else available
+    memory = host_memory() if memory is None else memory
+    available = memory.available
     usable = int(available * USABLE_FRACTION)
     activations = activation_bytes(m, min(demand.chunk, demand.max_model_len), itemsize)
     fixed = demand.engines * (weights + ENGINE_OVERHEAD + activations)
@@ -152,8 +243,8 @@ def plan_kv(
         want, flag = min(DEFAULT_KV_CAP, room // pools), ""
     need_one = per_token * demand.max_model_len  # one longest sequence must fit a pool
     what = (f"{demand.engines} model replicas of {weights / GIB:.2f} GiB and "
-            f"{demand.pools} KV pools need more than the {available / GIB:.1f} GiB this "
-            "machine has available")  # fmt: skip
+            f"{demand.pools} KV pools need more than the {available / GIB:.1f} GiB available "
+            f"({memory.source})")  # fmt: skip
     if flag and want * pools > room:
         raise MemoryBudgetError(
             f"{flag}: {what} ({want * pools / GIB:.2f} GiB of KV on top of "
@@ -166,4 +257,4 @@ def plan_kv(
             "free memory"
         )
     tokens = max(want // per_token, 1)
-    return KVPlan(tokens, tokens * per_token, available, weights)
+    return KVPlan(tokens, tokens * per_token, memory, weights)

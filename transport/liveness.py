@@ -51,8 +51,11 @@ class PeerWatch:
         self._refresh()
         if self._dead or self._pidfd is None:
             return not self._dead
-        ready, _, _ = select.select([self._pidfd], [], [], 0)
-        if ready:
+        # NOTE: poll, not select: a frontend holding thousands of connections gets a
+        # restarted peer's pidfd numbered past FD_SETSIZE (1024), which select() refuses.
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        if poller.poll(0):
             self._mark_dead()
         return not self._dead
 

@@ -8,6 +8,11 @@ Who does what:
                every ~250 ms while idle, and ``w.set_state(...)`` on transitions.
     frontend   ``table.snapshot()`` before each placement (router) and for /health.
 
+Liveness is the launcher's word, never a reader's guess: a row that stays mid-write past
+the read deadline (its writer preempted, or killed mid-write and not yet reaped) is
+reported from the reader's last consistent copy of it, or as UNKNOWN if it has none; the
+launcher marks a reaped worker DEAD, and that write makes the row readable again.
+
 Layout: a 64-byte header, then ``num_workers`` rows of 128 bytes (two cache lines, so a
 worker's stores never share a line with its neighbours'). Every row is guarded by its own
 seqlock: the writer makes ``seq`` odd, writes the payload, makes ``seq`` even; a reader
@@ -66,8 +71,11 @@ class WorkerState(enum.IntEnum):
     STARTING = 1  # loading the model; not routable yet
     READY = 2
     DRAINING = 3  # finishing what it has; takes nothing new
-    DEAD = 4  # reaped by the launcher, or the row could not be read consistently
+    DEAD = 4  # reaped by the launcher (or a row whose role/state bytes are garbage)
     FAILED = 5  # died repeatedly: the launcher stopped restarting it (exit_status says how)
+    # Reader-side only, never written: a row torn on every read so far (its writer is
+    # mid-write). Not routable, and not dead either.
+    UNKNOWN = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +152,9 @@ ROW_DTYPE = np.dtype(
     }
 )
 _SPIN_READS = 64  # retries before yielding the CPU to a (possibly preempted) writer
-_MAX_READ_NS = 2_000_000  # a row still torn after this is reported DEAD (writer died mid-write)
+# A row still torn after this is reported from its last consistent copy. Under load a
+# writer can be preempted mid-write for longer (seen at startup on 2 busy cores).
+_MAX_READ_NS = 2_000_000
 
 
 class LoadTableError(ValueError):
@@ -179,6 +189,8 @@ class LoadTable:
         base = self._rows.__array_interface__["data"][0]
         assert base % 8 == 0, "seq words must be 8-byte aligned for atomic access"
         self._seq_addrs = [base + i * ROW_NBYTES for i in range(num_workers)]
+        # This reader's last consistent copy of each row, reported while a row is torn.
+        self._last: list[LoadRow | None] = [None] * num_workers
 
     def _init_or_check_header(self) -> None:
         magic, version, n = _HEADER.unpack_from(self._view, 0)
@@ -207,11 +219,23 @@ class LoadTable:
             if pending and attempt >= _SPIN_READS:
                 if time.monotonic_ns() > deadline:
                     for s in pending:
-                        logger.warning("load-table row %d stayed mid-write; reporting it DEAD", s)
-                        out[s] = _unreadable(s)
+                        load = self._last[s] or self._unknown(s)
+                        logger.debug("load-table row %d stayed mid-write; reporting it as %s",
+                                     s, load.state.name)  # fmt: skip
+                        out[s] = load
                     break
                 os.sched_yield()
         return [load for load in out if load is not None]
+
+    def _unknown(self, slot: int) -> LoadRow:
+        """A row never read consistently: who it is (role and index are rewritten with the
+        same values by every write of a generation), but no load and state UNKNOWN."""
+        row = self._rows[slot].tolist()
+        loaded = _to_load(slot, row)
+        zeros = dict.fromkeys(_PAYLOAD_FIELDS, 0)
+        del zeros["role"], zeros["state"], zeros["index"], zeros["pid"], zeros["generation"]
+        return LoadRow(slot=slot, role=loaded.role, index=loaded.index, pid=loaded.pid,
+                          generation=loaded.generation, state=WorkerState.UNKNOWN, **zeros)  # fmt: skip
 
     def _read_pass(self, slots: list[int], out: list[LoadRow | None]) -> list[int]:
         """Read ``slots`` under their seqlocks; fill ``out``; return the slots to retry."""
@@ -223,7 +247,7 @@ class LoadTable:
             if s1 & 1 or _load_acquire(self._seq_addrs[s], self._rows, s) != s1:
                 retry.append(s)
             else:
-                out[s] = _to_load(s, rows[s])
+                out[s] = self._last[s] = _to_load(s, rows[s])
         return retry
 
 

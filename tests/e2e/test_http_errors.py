@@ -10,6 +10,7 @@ on a server of its own with a small admission bound.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -60,7 +61,7 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
 @pytest.mark.parametrize(
     "raw",
     [b"{", b'{"prompt": "a",}', b"not json", b"", b'{"prompt": "\\ud800"}', b"[" * 10_000,
-     b'{"temperature": NaN}'],
+     b'{"temperature": NaN}', b'{"prompt": "a\xff", "max_tokens": 4}'],
 )  # fmt: skip
 def test_malformed_json_is_a_400(http: httpx.Client, path: str, raw: bytes) -> None:
     r = http.post(path, content=raw, headers={"content-type": "application/json"})
@@ -70,7 +71,10 @@ def test_malformed_json_is_a_400(http: httpx.Client, path: str, raw: bytes) -> N
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT, GENERATE])
 @pytest.mark.parametrize("doc", [[], "text", 3, None])
 def test_body_that_is_not_an_object_is_a_400(http: httpx.Client, path: str, doc: Any) -> None:
-    assert_openai_error(http.post(path, json=doc), 400)
+    # Encoded here: httpx's json=None sends no body (and no Content-Type) at all.
+    raw = json.dumps(doc).encode()
+    r = http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
 
 
 @pytest.mark.parametrize(
@@ -216,7 +220,8 @@ def test_body_over_the_limit_is_a_413(http: httpx.Client, path: str) -> None:
             yield b"y" * 65_536
         yield b'"}'
 
-    assert_openai_error(http.post(path, content=chunked()), 413)
+    json_type = {"content-type": "application/json"}
+    assert_openai_error(http.post(path, content=chunked(), headers=json_type), 413)
 
 
 def test_unknown_route_and_wrong_method_keep_the_error_shape(http: httpx.Client) -> None:

@@ -55,7 +55,7 @@ async def http(
     app = build_app(client, client.tokenizer, make_settings())
     app.state.engine = client
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
         yield c
 
 

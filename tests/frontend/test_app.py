@@ -129,7 +129,9 @@ async def test_chat_template_override_is_used(make_client: Any) -> None:
     client = make_client()
     template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[bot]"
     app = build_app(client, client.tokenizer, make_settings(chat_template=template))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://localhost"
+    ) as h:
         r = await h.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
             "return_token_ids": True})  # fmt: skip
@@ -143,7 +145,9 @@ async def test_chat_template_file_is_loaded(make_client: Any, tmp_path: Any) -> 
     (tmp_path / "t.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
     settings = make_settings(chat_template=str(tmp_path / "t.jinja"))
     app = build_app(client, client.tokenizer, settings)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://localhost"
+    ) as h:
         r = await h.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
             "return_token_ids": True})  # fmt: skip
@@ -179,6 +183,8 @@ async def test_native_generate(http: httpx.AsyncClient) -> None:
         (b'{"prompt": "x", "stop": ["\\ud800"]}', 400, None),  # lone surrogate
         (b'{"prompt": "x", "temperature": NaN}', 400, None),
         (b"\xff\xfe{}", 400, None),
+        (b'{"prompt": "a\xff", "max_tokens": 4}', 400, None),  # not UTF-8 inside a string
+        (b'{"prompt\xed\xa0\x80": 1}', 400, None),  # an encoded surrogate in a key
     ],
 )
 async def test_bad_requests_get_openai_errors(
@@ -194,7 +200,9 @@ async def test_bad_requests_get_openai_errors(
 
 async def test_oversized_body_is_refused(http: httpx.AsyncClient) -> None:
     big = json.dumps({"prompt": "x" * (8 * 1024 * 1024)})
-    r = await http.post("/v1/completions", content=big)
+    r = await http.post(
+        "/v1/completions", content=big, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
@@ -217,7 +225,9 @@ async def test_api_key_is_required_when_set(make_client: Any) -> None:
 
     client = make_client()
     app = build_app(client, client.tokenizer, make_settings(api_key="s3cret"))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://localhost"
+    ) as h:
         body = {"prompt": "Hi", "max_tokens": 1}
         assert (await h.post("/v1/completions", json=body)).status_code == 401
         bad = {"authorization": "Bearer nope"}
@@ -234,7 +244,9 @@ async def test_overload_is_503_with_retry_after(make_client: Any) -> None:
 
     client = make_client(max_running=0)
     app = build_app(client, client.tokenizer, make_settings())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://localhost"
+    ) as h:
         r = await h.post("/v1/completions", json={"prompt": "Hi", "stream": True})
         metrics = (await h.get("/metrics")).text
     assert r.status_code == 503 and r.headers["retry-after"] == "2"
@@ -248,7 +260,9 @@ async def test_under_overload_a_request_without_the_key_is_still_401(make_client
     client = make_client(max_running=0)
     app = build_app(client, client.tokenizer, make_settings(api_key="s3cret"))
     body = {"prompt": "Hi", "max_tokens": 1}
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://localhost"
+    ) as h:
         for auth in (None, "Bearer wrong", "Basic s3cret"):
             headers = {} if auth is None else {"authorization": auth}
             r = await h.post("/v1/chat/completions", json=body, headers=headers)

@@ -47,7 +47,7 @@ async def test_other_requests_are_served_while_a_template_renders(
     tokenizer = GatedTokenizer(engine.tokenizer)
     app = build_app(engine, tokenizer, make_settings())
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                 "max_tokens": 2, "temperature": 0}  # fmt: skip
         chat = asyncio.create_task(http.post("/v1/chat/completions", json=body))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -51,11 +52,20 @@ async def test_openai_sdk_sends_the_api_key(live_server: Callable[..., LiveServe
                 await bad.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
 
 
+def loud_records(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Log lines a disconnect must not cause: warnings and above, or any traceback."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+
+
 @pytest.mark.parametrize("stream", [True, False])
 async def test_client_disconnect_aborts_the_request(
-    live_server: Callable[..., LiveServer], make_client: Callable[..., Any], stream: bool
+    live_server: Callable[..., LiveServer],
+    make_client: Callable[..., Any],
+    caplog: pytest.LogCaptureFixture,
+    stream: bool,
 ) -> None:
     engine = make_client(step_delay_s=0.05)
+    caplog.set_level(logging.INFO)
     with live_server(client=engine) as srv:
         body = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "stream": stream}
         async with httpx.AsyncClient(base_url=srv.base_url) as http:
@@ -68,3 +78,24 @@ async def test_client_disconnect_aborts_the_request(
         # The contract: aborted within one second of the disconnect.
         assert await wait_for(lambda: rid in engine.aborted, timeout_s=1.0)
         assert await wait_for(lambda: not engine.running, timeout_s=5)
+    # A client that leaves is ordinary: info at most, and no traceback.
+    assert loud_records(caplog) == []
+
+
+async def test_client_gone_mid_upload_is_quiet(
+    live_server: Callable[..., LiveServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    with live_server() as srv:
+        host, port = srv.base_url.removeprefix("http://").split(":")
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                     b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+                     b'{"prompt": "')  # fmt: skip
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the handler is reading the body
+        writer.close()
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(base_url=srv.base_url) as http:  # still serving
+            assert (await http.get("/v1/models")).status_code == 200
+    assert loud_records(caplog) == []

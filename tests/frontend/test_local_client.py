@@ -29,7 +29,9 @@ def engine_config(path: Path) -> EngineConfig:
 async def local(default_model_path: Path, qwen_tokenizer: Any) -> AsyncIterator[Any]:
     client = LocalEngineClient(engine_config(default_model_path), qwen_tokenizer)
     app = build_app(client, qwen_tokenizer, make_settings())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://localhost"
+    ) as h:
         yield h, client
     await client.close()
 
@@ -83,7 +85,9 @@ async def test_prompt_too_big_for_the_kv_pool_is_a_500(
     config = EngineConfig(model=str(default_model_path), num_kv_blocks=2, max_model_len=256)
     client = LocalEngineClient(config, qwen_tokenizer)
     app = build_app(client, qwen_tokenizer, make_settings())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://localhost"
+    ) as h:
         r = await h.post("/v1/completions", json={"prompt": [1] * 100, "max_tokens": 50})
         assert r.status_code == 500 and "blocks" in r.json()["error"]["message"]
         assert (

@@ -15,12 +15,17 @@ from launcher.memory import (
     DEFAULT_KV_CAP,
     GIB,
     Demand,
+    HostMemory,
     MemoryBudgetError,
-    available_bytes,
+    cgroup_available,
+    host_memory,
     kv_bytes_per_token,
+    meminfo_available,
     plan_kv,
     weight_bytes,
 )
+
+MiB = 1 << 20
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,13 +46,13 @@ def test_weight_bytes_counts_every_tensor_in_the_serving_dtype(default_model_pat
 def test_default_budget_splits_what_is_left_after_the_workers(default_model_path: Path) -> None:
     m = ModelConfig.from_pretrained(default_model_path)
     per_token = kv_bytes_per_token(m, 4)
-    roomy = plan_kv(m, 100 << 20, torch.float32, _demand(), available=200 * GIB)
+    roomy = plan_kv(m, 100 << 20, torch.float32, _demand(), memory=HostMemory(200 * GIB, "test"))
     assert roomy.bytes_per_pool == DEFAULT_KV_CAP // per_token * per_token  # capped
-    small = plan_kv(m, 100 << 20, torch.float32, _demand(), available=8 * GIB)
+    small = plan_kv(m, 100 << 20, torch.float32, _demand(), memory=HostMemory(8 * GIB, "test"))
     assert 0 < small.bytes_per_pool < DEFAULT_KV_CAP
     # Four pools of that size fit within 90 % of 8 GiB next to the four workers.
     assert 4 * small.bytes_per_pool < 0.9 * 8 * GIB - 4 * (100 << 20)
-    more = plan_kv(m, 100 << 20, torch.float32, _demand(8, 8), available=8 * GIB)
+    more = plan_kv(m, 100 << 20, torch.float32, _demand(8, 8), memory=HostMemory(8 * GIB, "test"))
     assert more.tokens_per_pool < small.tokens_per_pool
     assert "GiB" in small.describe(4) and str(small.tokens_per_pool) in small.describe(4)
 
@@ -55,26 +60,99 @@ def test_default_budget_splits_what_is_left_after_the_workers(default_model_path
 def test_a_machine_too_small_for_the_replicas_is_an_error(default_model_path: Path) -> None:
     m = ModelConfig.from_pretrained(default_model_path)
     with pytest.raises(MemoryBudgetError, match="lower --prefill/--decode"):
-        plan_kv(m, 2 * GIB, torch.float32, _demand(), available=8 * GIB)
+        plan_kv(m, 2 * GIB, torch.float32, _demand(), memory=HostMemory(8 * GIB, "test"))
 
 
 def test_explicit_budgets_beyond_the_machine_are_errors(default_model_path: Path) -> None:
     m = ModelConfig.from_pretrained(default_model_path)
-    fits = plan_kv(m, 1 << 20, torch.float32, _demand(), kv_cache_memory_gib=1, available=32 * GIB)
+    fits = plan_kv(
+        m,
+        1 << 20,
+        torch.float32,
+        _demand(),
+        kv_cache_memory_gib=1,
+        memory=HostMemory(32 * GIB, "test"),
+    )
     assert fits.tokens_per_pool == GIB // kv_bytes_per_token(m, 4)
     with pytest.raises(MemoryBudgetError, match="--kv-cache-memory 10"):
-        plan_kv(m, 1 << 20, torch.float32, _demand(), kv_cache_memory_gib=10, available=32 * GIB)
+        plan_kv(
+            m,
+            1 << 20,
+            torch.float32,
+            _demand(),
+            kv_cache_memory_gib=10,
+            memory=HostMemory(32 * GIB, "test"),
+        )
     with pytest.raises(MemoryBudgetError, match="--kv-cache-tokens"):
-        plan_kv(m, 1 << 20, torch.float32, _demand(), kv_cache_tokens=10**9, available=32 * GIB)
+        plan_kv(
+            m,
+            1 << 20,
+            torch.float32,
+            _demand(),
+            kv_cache_tokens=10**9,
+            memory=HostMemory(32 * GIB, "test"),
+        )
     tokens = plan_kv(m, 1 << 20, torch.float32, _demand(), kv_cache_tokens=4096,
-                     available=32 * GIB)  # fmt: skip
+                     memory=HostMemory(32 * GIB, "test"))  # fmt: skip
     assert tokens.tokens_per_pool == 4096
+
+
+def _files(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_meminfo_available_is_read_in_bytes(tmp_path: Path) -> None:
+    _files(tmp_path, {"meminfo": "MemTotal: 4000 kB\nMemFree: 100 kB\nMemAvailable: 2048 kB\n"})
+    assert meminfo_available(tmp_path / "meminfo") == 2 * MiB
+    assert meminfo_available(tmp_path / "missing") is None
+
+
+def test_cgroup_v2_limit_less_working_set_over_the_tightest_ancestor(tmp_path: Path) -> None:
+    _files(tmp_path, {
+        "self_cgroup": "0::/outer/inner\n",
+        "fs/outer/memory.max": f"{2 * GIB}\n", "fs/outer/memory.current": f"{GIB}\n",
+        "fs/outer/memory.stat": "anon 1\ninactive_file 0\n",
+        "fs/outer/inner/memory.max": "max\n", "fs/outer/inner/memory.current": "5\n",
+    })  # fmt: skip
+    # inner has no limit; outer's 2 GIB, with 1 GIB in use, leaves 1 GIB
+    assert cgroup_available(tmp_path / "self_cgroup", tmp_path / "fs") == (
+        GIB, str(tmp_path / "fs/outer/memory.max"))  # fmt: skip
+    # reclaimable page cache does not count as used
+    _files(tmp_path, {"fs/outer/memory.stat": f"inactive_file {GIB // 2}\n"})
+    assert cgroup_available(tmp_path / "self_cgroup", tmp_path / "fs")[0] == GIB + GIB // 2  # type: ignore[index]
+
+
+def test_cgroup_v2_namespaced_mount_and_no_limit(tmp_path: Path) -> None:
+    # Inside a container the cgroup's host path is not under the mount: its root is it.
+    _files(tmp_path, {"self_cgroup": "0::/docker/abc\n", "fs/memory.max": f"{GIB}\n",
+                      "fs/memory.current": "0\n"})  # fmt: skip
+    assert cgroup_available(tmp_path / "self_cgroup", tmp_path / "fs") == (
+        GIB, str(tmp_path / "fs/memory.max"))  # fmt: skip
+    _files(tmp_path, {"fs/memory.max": "max\n"})
+    assert cgroup_available(tmp_path / "self_cgroup", tmp_path / "fs") is None
+
+
+def test_cgroup_v1_limit_and_unlimited(tmp_path: Path) -> None:
+    _files(tmp_path, {
+        "self_cgroup": "5:cpu:/\n4:memory:/job\n0::/\n",
+        "fs/memory/job/memory.limit_in_bytes": f"{3 * GIB}\n",
+        "fs/memory/job/memory.usage_in_bytes": f"{2 * GIB}\n",
+        "fs/memory/job/memory.stat": f"cache 5\ntotal_inactive_file {GIB}\n",
+        "fs/memory/memory.limit_in_bytes": "9223372036854771712\n",
+        "fs/memory/memory.usage_in_bytes": "1\n",
+    })  # fmt: skip
+    assert cgroup_available(tmp_path / "self_cgroup", tmp_path / "fs")[0] == 2 * GIB  # type: ignore[index]
+    _files(tmp_path, {"fs/memory/job/memory.limit_in_bytes": "9223372036854771712\n"})
+    assert cgroup_available(tmp_path / "self_cgroup", tmp_path / "fs") is None
 
 
 def test_available_memory_is_positive_and_below_the_machine() -> None:
     lines = Path("/proc/meminfo").read_text().splitlines()
     total = int(next(line for line in lines if line.startswith("MemTotal:")).split()[1]) * 1024
-    assert 0 < available_bytes() <= total
+    assert 0 < host_memory().available <= total
 
 
 def test_launch_refuses_a_kv_budget_over_ram_before_spawning(default_model_path: Path) -> None:

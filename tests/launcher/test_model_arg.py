@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 
-from launcher.args import ConfigError, KVTransfer, parse_args
-from launcher.cli import _build_topology, _children, _model_path
+from launcher.args import ConfigError, KVBackend, parse_args
+from launcher.cli import _build_topology, _children, _model_path, _size_kv
 from launcher.gpus import assign_gpus
 
 
@@ -39,8 +39,9 @@ def test_an_unsupported_gguf_is_refused_naming_what_is_supported(
 def test_the_frontend_accepts_the_model_path_as_a_name(default_model_path: Path) -> None:
     cfg = parse_args(["--device", "cpu", "--model", str(default_model_path)])
     gpus = assign_gpus(cfg, [])
-    topo = _build_topology(cfg, default_model_path, KVTransfer.SHM)
-    kids = _children(cfg, topo, gpus, default_model_path, KVTransfer.SHM)
+    cfg = _size_kv(cfg, default_model_path, gpus, KVBackend.SHM)
+    topo = _build_topology(cfg, default_model_path, KVBackend.SHM)
+    kids = _children(cfg, topo, gpus, default_model_path, KVBackend.SHM)
     frontend = next(c.spec.settings for c in kids if c.spec.role == "frontend")
     assert frontend["served_model_name"] == default_model_path.name
     assert frontend["model_aliases"] == [str(default_model_path)]

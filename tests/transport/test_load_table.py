@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import multiprocessing as mp
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,13 +75,48 @@ def test_reclaiming_a_slot_bumps_its_generation_and_clears_load() -> None:
     assert row.queued_prefill_tokens == 0 and row.requests_received == 0
 
 
-def test_a_writer_killed_mid_write_makes_its_row_dead_until_reclaimed() -> None:
+def _tear(buf: mmap.mmap, slot: int) -> None:
+    """Leave ``slot`` mid-write (seq odd): a preempted writer, or one SIGKILLed mid-write."""
+    offset = lt.HEADER_NBYTES + slot * lt.ROW_NBYTES  # the row's seq word
+    (seq,) = struct.unpack_from("<Q", buf, offset)
+    struct.pack_into("<Q", buf, offset, seq + 1)
+
+
+def test_a_row_torn_past_the_deadline_reads_as_its_last_consistent_copy() -> None:
+    # Seen at startup under load: a writer preempted mid-write for > 2 ms made the router
+    # report a live worker DEAD, and /health dropped it. Only the launcher, which reaps
+    # the process, may say a worker is dead.
+    buf, table = _table(2)
+    w = table.writer(0)
+    w.claim(Role.PREFILL, 0, pid=77)
+    w.publish(queued_prefill_tokens=12)
+    w.set_state(WorkerState.READY)
+    before = table.snapshot()[0]
+    _tear(buf, 0)
+    t0 = time.monotonic()
+    torn = table.snapshot()
+    assert time.monotonic() - t0 < 0.5  # the reader gives up waiting, it does not hang
+    assert torn[0] == before and torn[0].state is WorkerState.READY
+    assert torn[1].state is WorkerState.EMPTY  # the other rows are read as usual
+    w.publish(queued_prefill_tokens=13)  # the writer resumes: fresh values again
+    assert table.snapshot()[0].queued_prefill_tokens == 13
+
+
+def test_a_torn_row_never_read_before_is_unknown_not_dead() -> None:
+    buf, table = _table(1)
+    table.writer(0).claim(Role.DECODE, 2, pid=55)
+    _tear(buf, 0)
+    row = LoadTable(buf, 1).snapshot()[0]  # a reader with no earlier copy
+    assert row.state is WorkerState.UNKNOWN and row.state is not WorkerState.DEAD
+    assert (row.role, row.index) == (Role.DECODE, 2)  # still listed by /health
+
+
+def test_a_row_left_mid_write_is_dead_once_the_launcher_marks_it() -> None:
     buf, table = _table(2)
     table.writer(0).claim(Role.PREFILL, 0)
     table.writer(0).set_state(WorkerState.READY)
-    seq_offset = lt.HEADER_NBYTES  # slot 0's seq word
-    (seq,) = struct.unpack_from("<Q", buf, seq_offset)
-    struct.pack_into("<Q", buf, seq_offset, seq + 1)  # odd: what a SIGKILL mid-write leaves
+    _tear(buf, 0)  # what a SIGKILL mid-write leaves
+    LoadTable(buf, 2).writer(0).set_state(WorkerState.DEAD)  # the launcher, after reaping
     assert table.snapshot()[0].state is WorkerState.DEAD
     LoadTable(buf, 2).writer(0).claim(Role.PREFILL, 0)
     assert table.snapshot()[0].state is WorkerState.STARTING
