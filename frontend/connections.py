@@ -77,6 +77,7 @@ class ConnectionLimiter:
         self.per_peer: Counter[str] = Counter()
         self.total = 0
         self.refused = 0
+        self.timed_out = 0  # counted by the protocol
         self._next_log_at = 0.0
 
     def admit(self, peer: str) -> str | None:
@@ -95,6 +96,10 @@ class ConnectionLimiter:
             logger.warning("refusing connections: %s (%d refused so far)", reason, self.refused)
             self._next_log_at = now + 1.0
         return reason
+
+    def stats(self) -> tuple[int, int, int]:
+        """(connections held, refused, closed for a late head or body)."""
+        return self.total, self.refused, self.timed_out
 
     def release(self, peer: str) -> None:
         self.total -= 1
@@ -204,6 +209,7 @@ class TimedHttpProtocol(HttpToolsProtocol):
             return
         logger.info("%s: %s not received within %g s; closing the connection",
                     self._peer, what, timeout_s)  # fmt: skip
+        self.limiter.timed_out += 1
         if answer:
             message = f"The {what} was not received within {timeout_s:g} s"
             self.transport.write(error_response(408, message, "request_timeout"))

@@ -115,6 +115,26 @@ class _AcceptorCollector(Collector):
         )
 
 
+class _ConnectionsCollector(Collector):
+    def __init__(self, stats: Callable[[], tuple[int, int, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        held, refused, timed_out = self._stats()
+        yield GaugeMetricFamily("pdserve_http_connections_open", "Client connections held",
+                                value=held)  # fmt: skip
+        yield CounterMetricFamily(
+            "pdserve_http_connections_refused",
+            "Connections refused with 503: over --max-connections(-per-peer)",
+            value=refused,
+        )
+        yield CounterMetricFamily(
+            "pdserve_http_request_timeouts",
+            "Connections closed because a request head or body came too slowly",
+            value=timed_out,
+        )
+
+
 class FrontendMetrics:
     """The frontend's registry and the instruments handlers update."""
 
@@ -147,6 +167,10 @@ class FrontendMetrics:
     def add_acceptor(self, stats: Callable[[], tuple[int, int, int]]) -> None:
         """Count what the accept thread did (``HealthAcceptor.stats``)."""
         self.registry.register(_AcceptorCollector(stats))
+
+    def add_connections(self, stats: Callable[[], tuple[int, int, int]]) -> None:
+        """Count connections held, refused and timed out (``ConnectionLimiter.stats``)."""
+        self.registry.register(_ConnectionsCollector(stats))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

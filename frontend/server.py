@@ -61,6 +61,7 @@ class _Server(uvicorn.Server):
                                     self.limits.max_connections_per_peer)  # fmt: skip
         logger.info("at most %d connections (%s per client address)", limiter.max_connections,
                     limiter.max_per_peer or "no cap")  # fmt: skip
+        self.metrics.add_connections(limiter.stats)
 
         def protocol() -> asyncio.Protocol:
             return TimedHttpProtocol(
