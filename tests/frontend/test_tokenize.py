@@ -71,7 +71,7 @@ async def test_the_stats_line_reports_traffic_and_is_silent_when_idle(
     stats = StatsLog(client, app.state.ctx.metrics)
     assert stats.line() is None  # nothing happened yet
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as h:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as h:
         r = await h.post("/v1/completions", json={"model": MODEL, "prompt": "Hello",
                                                   "max_tokens": 5, "temperature": 0})  # fmt: skip
         assert r.status_code == 200
