@@ -10,6 +10,19 @@ a loop stalled for longer than ``STALE_S`` turns the answer into 503 rather than
 Who calls what: ``frontend.server`` binds the socket, starts uvicorn without a listener of
 its own, then ``HealthAcceptor.start`` on the loop; at shutdown ``close`` stops accepting
 before uvicorn closes the connections it has.
+
+Why a thread in C, judged against simpler designs for the figure it exists for (``/health``
+p99 < 100 ms while 500 streaming clients arrive, ``benchmarks/overload.py``):
+- Probes answered first on the loop (a pure-ASGI fast path, which ``frontend.app`` still
+  has for probes that reach it): measured at p99 67-332 ms before this thread existed,
+  because a probe still waits behind every handler queued ahead of it.
+- A Python accept thread: not built. It would need the GIL for every accept, peek and
+  answer, and the loop thread holds the GIL while it works through the burst, handing it
+  over at most every switch interval (5 ms); a probe's latency would be several of those,
+  set by the interpreter's scheduling rather than by us, and the thread would carry the
+  same epoll/peek/handoff logic as the C one, only slower. Same complexity, weaker bound.
+- This thread: p99 21-24 ms in the same benchmark (``benchmarks/results/overload.md``).
+So it stays.
 """
 
 from __future__ import annotations
