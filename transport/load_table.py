@@ -143,11 +143,11 @@ _PAYLOAD_FIELDS = (
     "prefix_hit_tokens",
     "prefix_queried_tokens",
 )
+_FORMATS = ["<u8", *["<i8"] * 4, "<u4", *["<i4"] * 7, "u1", "u1", "<i4", "<i4", "<i8", "<i8"]
 ROW_DTYPE = np.dtype(
     {
         "names": ["seq", *_PAYLOAD_FIELDS],
-        "formats": ["<u8", "<i8", "<i8", "<i8", "<i8", "<u4"] + ["<i4"] * 7
-        + ["u1", "u1", "<i4", "<i4", "<i8", "<i8"],
+        "formats": _FORMATS,
         "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76, 80, 88, 96],
         "itemsize": ROW_NBYTES,
     }
