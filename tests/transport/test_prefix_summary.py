@@ -29,7 +29,7 @@ def test_a_second_view_reads_what_the_writer_counted() -> None:
     assert r.num_counters == 1 << 12
     assert r.count_prefix(chain) == 4
     assert r.count_prefix(chain[:2]) == 2 and r.count_prefix([]) == 0
-    other = block_hashes([7] + list(range(100)), 16)
+    other = block_hashes([7, *range(100)], 16)
     assert r.count_prefix(other) == 0
 
 
