@@ -110,7 +110,7 @@ def _children(
 
 
 def _build_topology(
-    config: ServerConfig, model: Path, gpus: GpuAssignment, backend: KVBackend
+    config: ServerConfig, model: Path, backend: KVBackend, gpus: GpuAssignment | None = None
 ) -> Topology:
     mcfg = ModelConfig.from_pretrained(model)
     topo = Topology(config.prefill if config.disaggregated else 0,
@@ -119,7 +119,8 @@ def _build_topology(
     if config.enable_prefix_caching:
         # A GPU pool is sized by its worker, after the launcher is done: plan for many.
         assert config.kv_cache_tokens is not None, "sized by _size_kv"
-        blocks = -(-config.kv_cache_tokens // config.block_size) if gpus.on_cpu else None
+        on_cpu = gpus is not None and gpus.on_cpu
+        blocks = -(-config.kv_cache_tokens // config.block_size) if on_cpu else None
         topo.add_prefix_summaries(summary_counters(blocks))
     if config.colocated:  # no prefill/decode pools, no KV handoff: nothing more to share
         return topo
@@ -196,7 +197,7 @@ def serve(config: ServerConfig) -> int:
         logger.info("on GPUs: %s; KV transfer: %s", describe(places), backend.value)
     model = _model_path(config)
     config = _size_kv(config, model, gpus, backend)
-    topo = _build_topology(config, model, gpus, backend)
+    topo = _build_topology(config, model, backend, gpus)
     sup = Supervisor(_children(config, topo, gpus, model, backend), topo.load_table(), topo.p)
 
     def on_signal(signum: int, _frame: object) -> None:
