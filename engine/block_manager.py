@@ -95,7 +95,8 @@ class BlockState(enum.Enum):
 
 @dataclass
 class PrefixStats:
-    """Prefix-cache counters since start, recorded by ``ModelRunner.reuse_prefix``."""
+    """Prefix-cache counters since start, recorded by ``ModelRunner.reuse_prefix`` (and by
+    a decode worker's KV imports: tokens handed off, and those it already held)."""
 
     queried_tokens: int = 0  # tokens of sequences looked up (once each per computation)
     hit_tokens: int = 0  # of those, tokens whose KV was reused
