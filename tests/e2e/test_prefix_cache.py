@@ -29,16 +29,21 @@ _ARGS = ["--prefill", "2", "--decode", "2", "--detokenizers", "1", "--device", "
          "--kv-cache-tokens", "16384", "--max-model-len", "1024"]  # fmt: skip
 
 
+@pytest.fixture(scope="session")
+def no_caching() -> Iterator[LaunchedServer]:
+    """A 2P/2D server with caching off, started before the session's ``server`` fixture
+    (same scope, requested first) so the two boot together; not yet ready."""
+    srv = LaunchedServer([*_ARGS, "--no-enable-prefix-caching"])
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="module")
-def servers(server: LaunchedServer) -> Iterator[dict[bool, LaunchedServer]]:
+def servers(no_caching: LaunchedServer, server: LaunchedServer) -> dict[bool, LaunchedServer]:
     """The session's 2P/2D server (prefix caching and cache-aware routing are its
     defaults) and one like it with caching off."""
-    off = LaunchedServer([*_ARGS, "--no-enable-prefix-caching"])
-    try:
-        off.wait_ready()
-        yield {True: server, False: off}
-    finally:
-        off.stop()
+    no_caching.wait_ready()
+    return {True: server, False: no_caching}
 
 
 def _prompts() -> tuple[list[int], list[list[int]]]:
