@@ -8,6 +8,8 @@ Request life on a decode worker:
     offer(KVTransfer) -> pending -> admit(): blocks allocated, KV copied, KVRelease
       -> running: one token per step, every running request in every step
       -> finished (EOS, stop token, length) or aborted: blocks freed the same step
+With prefix caching, a handoff copies only the blocks this pool does not already hold
+(the transfer names its blocks' hashes; the held ones are shared, not copied).
 A request whose next block cannot be had is preempted: its blocks are freed and it is
 recomputed here (one prefill over prompt + output) when room returns — it never goes back
 to a prefill worker, and its output so far is kept. With prefix caching, imported and
@@ -79,27 +81,52 @@ class DecodeScheduler:
         return releases
 
     def admit(self) -> list[tuple[int, KVRelease]]:
-        """Import pending handoffs while there is room; returns releases for prefill."""
+        """Import pending handoffs while there is room; returns releases for prefill.
+
+        With prefix caching only the blocks this pool lacks are copied: the leading full
+        blocks it already holds (found by the transfer's block hashes) are shared.
+        """
         releases = []
         while self.pending and self._has_room():
             t = self.pending[0]
-            seq = Sequence(
-                rid=t.rid, prompt_ids=list(t.prompt_ids), sampling=t.sampling,
-                output_ids=list(t.output_ids), block_size=self.runner.block_size,
-            )  # fmt: skip
-            try:
-                # Blocks for the imported KV plus the one uncomputed token decode runs next.
-                self.runner.ensure_blocks(seq, t.num_tokens + 1)
-            except NoFreeBlocks:
+            seq = self._import(t)
+            if seq is None:
                 break
             self.pending.popleft()
-            n_src = -(-t.num_tokens // self.runner.block_size)
-            self.receiver.fetch(t.prefill_worker, t.src_blocks[:n_src], seq.block_table[:n_src])
-            seq.num_computed_tokens = t.num_tokens
-            self.runner.cache_full_blocks(seq)
             self.running[t.rid] = _Running(seq, t.detok_shard)
             releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=True)))
         return releases
+
+    def _import(self, t: KVTransfer) -> Sequence | None:
+        """``t``'s KV in this pool (held prefix blocks + copies of the rest), or None and
+        nothing held if the blocks for it cannot be had now."""
+        runner, bs = self.runner, self.runner.block_size
+        seq = Sequence(
+            rid=t.rid, prompt_ids=list(t.prompt_ids), sampling=t.sampling,
+            output_ids=list(t.output_ids), block_size=bs,
+        )  # fmt: skip
+        if runner.config.enable_prefix_caching and t.block_hashes:
+            # NOTE: only the KV's full blocks (num_tokens // bs) may be shared: the block
+            # decode writes its next token into must be this sequence's own.
+            seq.block_hashes = list(t.block_hashes[: t.num_tokens // bs])
+            seq.block_table = runner.allocator.acquire(seq.block_hashes)
+            seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
+        held = seq.num_computed_tokens
+        try:
+            # Blocks for the rest of the KV plus the one uncomputed token decode runs next.
+            runner.ensure_blocks(seq, t.num_tokens + 1 - held)
+        except NoFreeBlocks:
+            runner.free_blocks(seq)  # the held prefix goes back to the cache
+            return None
+        first, n_src = held // bs, -(-t.num_tokens // bs)
+        self.receiver.fetch(t.prefill_worker, t.src_blocks[first:n_src],
+                            seq.block_table[first:n_src])  # fmt: skip
+        seq.num_computed_tokens = t.num_tokens
+        runner.cache_full_blocks(seq, start=held)
+        if seq.block_hashes:  # this worker's hit rate: handed-off KV it did not copy
+            runner.allocator.stats.queried_tokens += t.num_tokens
+            runner.allocator.stats.hit_tokens += held
+        return seq
 
     def adopt(self, seq: Sequence, detok_shard: int) -> None:
         """Run ``seq`` from its next step on, its KV already in this runner's blocks.

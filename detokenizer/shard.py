@@ -7,6 +7,9 @@ Who calls what (the shard process, ``detokenizer/worker.py``, is the only caller
     take_outputs()           once per loop iteration: the TextBatch for the frontend and
                              the stop notifications for decode workers
 
+A request's first token (from prefill) also says how many prompt tokens the prefix cache
+supplied; every delta from then on carries that count (``TextDelta.cached_tokens``).
+
 Tokens are applied strictly in output position order. A token that arrives early (out of
 order, or before its request is registered) waits until the gap fills; a token for a
 request that already finished is dropped. A finished request's state is dropped at once.
@@ -51,6 +54,7 @@ class _Token:
     finish: int
     source: int | None  # decode worker index, None for the prefill worker
     logprobs: _RawLogprobs
+    cached_tokens: int = -1  # on a first token: prompt tokens from the prefix cache
 
 
 @dataclass(slots=True)
@@ -70,6 +74,7 @@ class _Request:
     finish: Finish = Finish.NONE
     stop_reason: str | int | None = None
     stop_token_ids: frozenset[int] = frozenset()
+    cached_tokens: int | None = None  # known once the first token arrived
 
 
 class _FifoSet:
@@ -156,6 +161,7 @@ class DetokShard:
         finish = batch.finish.tolist()
         with_logprobs = batch.top_ids.shape[1] > 0 or not bool(np.isnan(batch.logprobs).all())
         reqs, dirty = self._reqs, self._dirty
+        cached = self._cached_rows(batch, reqs)
         for i, rid in enumerate(rids):
             req = reqs.get(rid)
             # Fast path (most tokens): in order, mid-stream, no stops or logprobs to handle.
@@ -172,13 +178,31 @@ class DetokShard:
                 dirty[rid] = req
                 continue
             raw = _raw_logprobs(batch, i) if with_logprobs else None
-            tok = _Token(token_ids[i], text_ids[i], finish[i], source_decode, raw)
+            tok = _Token(token_ids[i], text_ids[i], finish[i], source_decode, raw,
+                         cached.get(i, -1))  # fmt: skip
             if req is None:
                 self._orphan(rid, positions[i], tok)
             elif positions[i] == req.next_pos and not req.pending:
                 self._consume(req, tok)
             else:
                 self._place(req, positions[i], tok)
+
+    @staticmethod
+    def _cached_rows(batch: TokenBatch, reqs: dict[int, _Request]) -> dict[int, int]:
+        """Rows reporting a cached prompt count (first tokens): recorded on registered
+        requests at once; returned by row for tokens that must wait (parked with them)."""
+        col = batch.cached_tokens
+        if col is None:
+            return {}
+        rows = np.flatnonzero(col >= 0)  # a few per batch at most: one column scan
+        out = {}
+        for i in rows.tolist():
+            n = int(col[i])
+            req = reqs.get(int(batch.rids[i]))
+            if req is not None and req.cached_tokens is None:
+                req.cached_tokens = n
+            out[i] = n
+        return out
 
     def take_outputs(self) -> tuple[TextBatch | None, list[tuple[int, AbortRequest]]]:
         items = [self._delta(req) for req in self._dirty.values()]
@@ -217,6 +241,8 @@ class DetokShard:
             return
         req.next_pos += 1
         req.ids.append(tok.token_id)
+        if tok.cached_tokens >= 0 and req.cached_tokens is None:
+            req.cached_tokens = tok.cached_tokens
         if req.num_logprobs is not None and tok.logprobs is not None:
             req.logprobs.append(self._logprob(tok.token_id, tok.logprobs, req.num_logprobs))
         text = req.feed(tok.text_id)
@@ -283,6 +309,7 @@ class DetokShard:
             num_output_tokens=req.next_pos,
             logprobs=logprobs,
             error="the engine failed this request" if req.finish == Finish.ERROR else None,
+            cached_tokens=req.cached_tokens,
         )
 
 

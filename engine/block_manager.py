@@ -28,7 +28,10 @@ Who calls what, when (``engine.runner.ModelRunner`` is the usual caller):
   a finished request's blocks to decode); ``unpin(blocks)`` drops that reference once
   decode has its copy, or gave up, or died.
 - ``lookup(hashes)`` counts the leading hashes held, changing nothing (for planners and
-  load reports). Counts: ``num_free/num_cached/num_used/num_pinned``, ``num_available``
+  load reports).
+- ``watch_hashes()`` once, then ``take_hash_changes()`` every step: the hashes that became
+  held (registered) and stopped being held (evicted) since the last call, for a worker
+  that publishes a summary of what it holds (``transport/prefix_summary.py``). Counts: ``num_free/num_cached/num_used/num_pinned``, ``num_available``
   (what ``allocate`` can hand out), ``num_hashed``; ``stats`` holds prefix-hit counters.
 """
 
@@ -92,7 +95,8 @@ class BlockState(enum.Enum):
 
 @dataclass
 class PrefixStats:
-    """Prefix-cache counters since start, recorded by ``ModelRunner.reuse_prefix``."""
+    """Prefix-cache counters since start, recorded by ``ModelRunner.reuse_prefix`` (and by
+    a decode worker's KV imports: tokens handed off, and those it already held)."""
 
     queried_tokens: int = 0  # tokens of sequences looked up (once each per computation)
     hit_tokens: int = 0  # of those, tokens whose KV was reused
@@ -117,6 +121,9 @@ class BlockAllocator:
         self._by_hash: dict[int, int] = {}
         self._num_pinned = 0  # blocks with pins > 0
         self.stats = PrefixStats()
+        # (registered, evicted) hashes since the last take_hash_changes(); None: unwatched,
+        # so an allocator nobody publishes keeps no journal that would grow forever.
+        self._journal: tuple[list[int], list[int]] | None = None
 
     # ---- counts --------------------------------------------------------------------
 
@@ -174,8 +181,12 @@ class BlockAllocator:
                 b = self._free.popleft()
             else:  # evict the least recently used cached block
                 b, _ = self._cached.popitem(last=False)
-                del self._by_hash[self._hash[b]]  # type: ignore[arg-type]
+                h = self._hash[b]
+                assert h is not None
+                del self._by_hash[h]
                 self._hash[b] = None
+                if self._journal is not None:
+                    self._journal[1].append(h)
             self._refs[b] = 1
             ids.append(b)
         return ids
@@ -211,7 +222,23 @@ class BlockAllocator:
             return False
         self._hash[block_id] = block_hash
         self._by_hash[block_hash] = block_id
+        if self._journal is not None:
+            self._journal[0].append(block_hash)
         return True
+
+    def watch_hashes(self) -> None:
+        """Start journaling hash changes; the journal starts with every hash held now."""
+        self._journal = (list(self._by_hash), [])
+
+    def take_hash_changes(self) -> tuple[list[int], list[int]]:
+        """(registered, evicted) hashes since the last call; a hash may be in both.
+
+        NOTE: applying every registration before every eviction never counts a hash
+        below zero, whatever order they happened in.
+        """
+        assert self._journal is not None, "watch_hashes() first"
+        out, self._journal = self._journal, ([], [])
+        return out
 
     def free(self, ids: Sequence[int]) -> None:
         """Drop one sequence reference per id (all or nothing: a bad id raises first)."""

@@ -33,8 +33,9 @@ from frontend.engine_client import (
 from frontend.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream, shards_alive
 from frontend.worker_status import worker_health, worker_metrics
 from router.router import NoCapacity, Router, RouterConfig
-from runtime.process import ProcessSpec, attach_rings, load_table
+from runtime.process import ProcessSpec, attach_rings, load_table, prefix_summaries
 from transport.errors import PeerDead, RecordTooLarge
+from transport.load_table import Role
 from transport.ring import Ring
 from wire.records import (
     AbortRequest,
@@ -47,7 +48,7 @@ from wire.records import (
     decode,
     encode,
 )
-from wire.ring_names import PeerRole, RingKind
+from wire.ring_names import Peer, PeerRole, RingKind
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,10 @@ class RingEngineClient(EngineClient):
         rings = attach_rings(spec)
         self.doorbell = rings.doorbell
         self.table, self._table_seg = load_table(spec)
-        self.router = Router(self.table, policy, router_config)
+        mapped = prefix_summaries(spec)  # each engine worker's; kept mapped with the client
+        self._summary_segs = [seg for _, seg in mapped.values()]
+        summaries = {_worker_key(name): summary for name, (summary, _) in mapped.items()}
+        self.router = Router(self.table, policy, router_config, summaries)
         self.text_rings = list(rings.sources(RingKind.TEXT).values())
         self.num_shards = len(self.text_rings)
         self.shard_ctl = rings.sinks(RingKind.CTL, PeerRole.DETOK)
@@ -128,7 +132,8 @@ class RingEngineClient(EngineClient):
         self._start()
         shard = self._live_shard(req.rid)
         try:
-            placement = self.router.place(len(req.prompt_ids), req.sampling.max_tokens)
+            hashes = self.router.hash_blocks(req.prompt_ids)  # once per request (cache-aware)
+            placement = self.router.place(len(req.prompt_ids), req.sampling.max_tokens, hashes)
         except NoCapacity as e:
             raise Overloaded(e.retry_after_s, f"server overloaded: {e}") from e
         stream = Stream(req, asyncio.Queue(), req.rid, placement, shard)
@@ -211,3 +216,13 @@ class RingEngineClient(EngineClient):
             self._watchdog.cancel()
         if self._loop is not None:
             self._loop.remove_reader(self.doorbell.fileno())
+
+
+_ROLES = {PeerRole.PREFILL: Role.PREFILL, PeerRole.DECODE: Role.DECODE,
+          PeerRole.COLOCATED: Role.COLOCATED}  # fmt: skip
+
+
+def _worker_key(name: str) -> tuple[Role, int]:
+    """A summary's peer name (``p0``, ``d1``, ``c2``) -> the router's (role, index)."""
+    peer = Peer.parse(name)
+    return _ROLES[peer.role], peer.index

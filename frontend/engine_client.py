@@ -71,7 +71,8 @@ class WorkerMetrics:
     """Scheduler state of one worker for ``/metrics``; kv_usage in [0, 1].
 
     ``assigned_*`` count what the router has placed on the worker since the frontend
-    started (tokens: the prompt for prefill, prompt + max_tokens for decode).
+    started (tokens: the prompt for prefill, prompt + max_tokens for decode). ``cached_*``
+    and ``prefix_*`` are the worker's prefix-cache figures (0 with caching off).
     """
 
     role: str
@@ -81,6 +82,16 @@ class WorkerMetrics:
     kv_usage: float
     assigned_requests: int = 0
     assigned_tokens: int = 0
+    # Prefix caching: blocks holding a reusable prefix, and prompt tokens looked up and
+    # found cached since the worker (re)started (on decode: KV handed off, and not copied).
+    cached_blocks: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_queried_tokens: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        q = self.prefix_queried_tokens
+        return self.prefix_hit_tokens / q if q else 0.0
 
 
 class EngineClientError(Exception):

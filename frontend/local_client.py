@@ -89,7 +89,10 @@ class LocalEngineClient(EngineClient):
     def metrics_snapshot(self) -> list[WorkerMetrics]:
         alloc, s = self.runner.allocator, self.scheduler
         used = 1.0 - alloc.num_available / alloc.num_blocks if alloc.num_blocks else 0.0
-        return [WorkerMetrics("local", 0, s.num_running, s.num_waiting, used)]
+        stats = alloc.stats
+        return [WorkerMetrics("local", 0, s.num_running, s.num_waiting, used,
+                              cached_blocks=alloc.num_hashed, prefix_hit_tokens=stats.hit_tokens,
+                              prefix_queried_tokens=stats.queried_tokens)]  # fmt: skip
 
     async def close(self) -> None:
         self._inbox.put(("stop", None))

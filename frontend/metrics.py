@@ -50,6 +50,27 @@ class _EngineCollector(Collector):
             "Tokens the router placed: prompts on prefill, prompt + max_tokens on decode",
             labels=labels,
         )
+        cached = GaugeMetricFamily(
+            "pdserve_prefix_cache_blocks",
+            "KV blocks holding a reusable prompt prefix (in use or evictable)",
+            labels=labels,
+        )
+        hit_rate = GaugeMetricFamily(
+            "pdserve_prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache / tokens looked up, 0-1, since the "
+            "worker started (decode: handed-off KV tokens it already held)",
+            labels=labels,
+        )
+        hits = GaugeMetricFamily(
+            "pdserve_prefix_cache_hit_tokens",
+            "Tokens found in the prefix cache since the worker started",
+            labels=labels,
+        )
+        queries = GaugeMetricFamily(
+            "pdserve_prefix_cache_queried_tokens",
+            "Tokens looked up in the prefix cache since the worker started",
+            labels=labels,
+        )
         try:
             loads = self._client.metrics_snapshot()
         except Exception:  # a scrape must never take the server down
@@ -62,7 +83,12 @@ class _EngineCollector(Collector):
             kv.add_metric(key, w.kv_usage)
             assigned.add_metric(key, w.assigned_requests)
             assigned_tokens.add_metric(key, w.assigned_tokens)
-        yield from (running, waiting, kv, assigned, assigned_tokens)
+            cached.add_metric(key, w.cached_blocks)
+            hit_rate.add_metric(key, w.prefix_hit_rate)
+            hits.add_metric(key, w.prefix_hit_tokens)
+            queries.add_metric(key, w.prefix_queried_tokens)
+        yield from (running, waiting, kv, assigned, assigned_tokens, cached, hit_rate, hits,
+                    queries)  # fmt: skip
 
 
 class _NvmlCollector(Collector):

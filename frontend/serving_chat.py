@@ -98,7 +98,7 @@ async def create_chat_completion(
         **head,
         "object": "chat.completion",
         "choices": [choice],
-        "usage": usage(len(prompt_ids), len(gen.token_ids)),
+        "usage": usage(len(prompt_ids), len(gen.token_ids), call.cached_tokens),
     }
     if body.return_token_ids:
         response["prompt_token_ids"] = prompt_ids
@@ -131,5 +131,5 @@ async def _stream_chunks(
             extra["error"] = d.error
         yield chunk({"content": d.text} if d.text else {}, **extra)
     if body.include_usage:
-        final = usage(len(call.req.prompt_ids), num_tokens)
+        final = usage(len(call.req.prompt_ids), num_tokens, call.cached_tokens)
         yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": final}

@@ -126,6 +126,9 @@ class EngineCall:
         self._last_token_at: float | None = None
         self._num_tokens = 0
         self.finished = False
+        # Prompt tokens served from the prefix cache, as the first attempt reported them
+        # (a request resumed after a worker death may hit or miss again: not counted).
+        self.cached_tokens: int | None = None
 
     async def start(self, request: Request) -> None:
         """Admit the request and wait for its first delta (aborted if the client leaves)."""
@@ -180,6 +183,8 @@ class EngineCall:
 
     def _observe(self, d: TextDelta) -> None:
         now = time.monotonic()
+        if self.cached_tokens is None:
+            self.cached_tokens = d.cached_tokens
         if d.token_ids:
             if self._last_token_at is None:
                 self.ctx.metrics.ttft.observe(now - self.arrival)
@@ -226,12 +231,18 @@ async def sse_stream(chunks: AsyncIterator[object], rid: int) -> AsyncIterator[b
     yield SSE_DONE
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` once it is known."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def now_s() -> int:

@@ -103,7 +103,7 @@ async def create_completion(
             **head,
             "object": "text_completion",
             "choices": [choice],
-            "usage": usage(len(prompt_ids), len(gen.token_ids)),
+            "usage": usage(len(prompt_ids), len(gen.token_ids), call.cached_tokens),
         }
     )
 
@@ -131,5 +131,5 @@ async def _stream_chunks(
         first = False
         yield {**head, "object": "text_completion", "choices": [choice], "usage": None}
     if body.include_usage:
-        final = usage(len(call.req.prompt_ids), num_tokens)
+        final = usage(len(call.req.prompt_ids), num_tokens, call.cached_tokens)
         yield {**head, "object": "text_completion", "choices": [], "usage": final}

@@ -64,7 +64,7 @@ async def generate(
         "output_ids": gen.token_ids,
         "finish_reason": gen.finish_reason,
         "stop_reason": gen.stop_reason,
-        "usage": usage(len(prompt_ids), len(gen.token_ids)),
+        "usage": usage(len(prompt_ids), len(gen.token_ids), call.cached_tokens),
     }
     if gen.finish == Finish.ERROR:
         out["error"] = gen.error
@@ -82,7 +82,7 @@ async def _stream_chunks(call: EngineCall) -> AsyncIterator[dict[str, Any]]:
         }
         if d.finish:
             chunk["stop_reason"] = d.stop_reason
-            chunk["usage"] = usage(len(call.req.prompt_ids), num_tokens)
+            chunk["usage"] = usage(len(call.req.prompt_ids), num_tokens, call.cached_tokens)
         if d.error:
             chunk["error"] = d.error
         yield chunk

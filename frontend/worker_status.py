@@ -38,6 +38,9 @@ def worker_health(
             "running_requests": float(r.running_requests),
             "free_kv_blocks": float(r.free_kv_blocks),
             "total_kv_blocks": float(r.total_kv_blocks),
+            "cached_blocks": float(r.cached_blocks),
+            "prefix_hit_tokens": float(r.prefix_hit_tokens),
+            "prefix_queried_tokens": float(r.prefix_queried_tokens),
         }
         dead = r.state in (WorkerState.DEAD, WorkerState.FAILED) and r.exit_status != 0
         reason = describe_exit(r.exit_status) if dead else None
@@ -55,7 +58,8 @@ def worker_health(
 def worker_metrics(
     table: LoadTable, assigned: Mapping[tuple[Role, int], tuple[int, int]]
 ) -> list[WorkerMetrics]:
-    """Per-worker running/waiting requests, KV usage and what the router assigned."""
+    """Per-worker running/waiting requests, KV usage, prefix-cache figures and what the
+    router assigned."""
     out = []
     for r in table.snapshot():
         if r.role == Role.NONE:
@@ -64,5 +68,6 @@ def worker_metrics(
         used = (r.total_kv_blocks - r.free_kv_blocks) / total
         n, tokens = assigned.get((r.role, r.index), (0, 0))
         out.append(WorkerMetrics(r.role.name.lower(), r.index, r.running_requests,
-                                 r.waiting_requests, used, n, tokens))  # fmt: skip
+                                 r.waiting_requests, used, n, tokens, r.cached_blocks,
+                                 r.prefix_hit_tokens, r.prefix_queried_tokens))  # fmt: skip
     return out

@@ -41,7 +41,7 @@ class LogLevel(enum.StrEnum):
     ERROR = "error"
 
 
-ROUTER_POLICIES = ("least-load", "power-of-two", "round-robin")
+ROUTER_POLICIES = ("cache-aware", "least-load", "power-of-two", "round-robin")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # engine.kernels.ATTENTION_BACKENDS
 _LIMITS = ConnectionLimits()
 
@@ -76,7 +76,7 @@ class ServerConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False
-    router_policy: str = "least-load"
+    router_policy: str | None = None  # None: cache-aware with prefix caching, else least-load
     served_model_name: str | None = None
     api_key: str | None = None
     metrics_no_auth: bool = False
@@ -106,6 +106,12 @@ class ServerConfig:
             max_connections=self.max_connections,
             max_connections_per_peer=self.max_connections_per_peer,
         )
+
+    @property
+    def resolved_router_policy(self) -> str:
+        if self.router_policy is not None:
+            return self.router_policy
+        return "cache-aware" if self.enable_prefix_caching else "least-load"
 
 
 _DEFAULTS = ServerConfig()
@@ -261,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--router-policy",
         choices=ROUTER_POLICIES,
         default=d.router_policy,
-        help="how requests are spread over workers",
+        help="how requests are spread over workers: cache-aware weighs the prompt tokens a "
+        "worker already holds against its load (default with prefix caching; least-load "
+        "without it)",
     )
     add(
         "--served-model-name",
@@ -402,6 +410,9 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError("--kv-cache-memory must be a positive number of GiB")
     if c.kv_cache_memory is not None and c.kv_cache_tokens is not None:
         raise ConfigError("give --kv-cache-memory or --kv-cache-tokens, not both")
+    if c.router_policy == "cache-aware" and not c.enable_prefix_caching:
+        raise ConfigError("--router-policy cache-aware needs prefix caching: drop "
+                          "--no-enable-prefix-caching or pick another policy")  # fmt: skip
     if c.stall_timeout <= 0:
         raise ConfigError("--stall-timeout must be a positive number of seconds")
     for flag, seconds in (("--timeout-header", c.timeout_header),

@@ -31,6 +31,7 @@ from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
 from transport.errors import TransportError
 from transport.kv import KVLayout
+from transport.prefix_summary import summary_counters
 from transport.segment import sweep_stale
 
 logger = logging.getLogger("launch")
@@ -107,7 +108,7 @@ def _children(
         "allow_special_tokens_in_content": config.allow_special_tokens_in_content,
         "connections": asdict(config.connection_limits),
         "chat_template": config.chat_template, "host": config.host, "port": config.port,
-        "router_policy": config.router_policy,
+        "router_policy": config.resolved_router_policy,
         "max_waiting_requests": config.max_waiting_requests,
         "max_queued_prefill_tokens": config.max_queued_prefill_tokens,
         "stall_timeout_s": config.stall_timeout,
@@ -116,11 +117,21 @@ def _children(
     return out
 
 
-def _build_topology(config: ServerConfig, model: Path, backend: KVBackend) -> Topology:
+def _build_topology(
+    config: ServerConfig, model: Path, backend: KVBackend, gpus: GpuAssignment | None = None
+) -> Topology:
     mcfg = ModelConfig.from_pretrained(model)
+    topo = Topology(config.prefill if config.disaggregated else 0,
+                    config.decode if config.disaggregated else 0, config.detokenizers,
+                    num_colocated=config.colocated)  # fmt: skip
+    if config.enable_prefix_caching:
+        # A GPU pool is sized by its worker, after the launcher is done: plan for many.
+        assert config.kv_cache_tokens is not None, "sized by _size_kv"
+        on_cpu = gpus is not None and gpus.on_cpu
+        blocks = -(-config.kv_cache_tokens // config.block_size) if on_cpu else None
+        topo.add_prefix_summaries(summary_counters(blocks))
     if config.colocated:  # no prefill/decode pools, no KV handoff: nothing more to share
-        return Topology(0, 0, config.detokenizers, num_colocated=config.colocated)
-    topo = Topology(config.prefill, config.decode, config.detokenizers)
+        return topo
     if backend is KVBackend.CUDA_IPC:  # decode workers map the prefill GPU pools
         return topo
     # shm: per prefill worker, the segment decode workers copy from: its pool on CPU, the
@@ -194,7 +205,7 @@ def serve(config: ServerConfig) -> int:
         logger.info("on GPUs: %s; KV transfer: %s", describe(places), backend.value)
     model = _model_path(config)
     config = _size_kv(config, model, gpus, backend)
-    topo = _build_topology(config, model, backend)
+    topo = _build_topology(config, model, backend, gpus)
     sup = Supervisor(_children(config, topo, gpus, model, backend), topo.load_table(), topo.p)
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -1,6 +1,7 @@
 """Every shared resource of one server, created by the launcher before any child starts.
 
-The launcher creates all rings, doorbells, the load table and the prefill KV pools, then
+The launcher creates all rings, doorbells, the load table, the prefill KV pools and the
+engine workers' prefix summaries (``add_prefix_summaries``), then
 hands each child the fds it needs (``subprocess.Popen(pass_fds=...)``) and a JSON
 ``ProcessSpec`` naming them. Segment names are unlinked the moment they are created, so
 nothing of ours is ever visible in /dev/shm, and a restarted child attaches to the very
@@ -18,6 +19,7 @@ from runtime.process import ProcessSpec
 from transport.doorbell import Doorbell
 from transport.kv import KVLayout, create_pool_segment
 from transport.load_table import LoadTable
+from transport.prefix_summary import PrefixSummary, create_summary_segment
 from transport.ring import Ring
 from transport.segment import Segment
 from wire.ring_names import FRONTEND, Peer, PeerRole, RingKind, RingName
@@ -51,6 +53,7 @@ class Topology:
         self.load_segment = Segment.create("load", nbytes)
         LoadTable(self.load_segment.buf, self.num_workers)  # writes the header
         self.kv_segments: dict[str, tuple[Segment, KVLayout]] = {}
+        self.summary_segments: dict[str, Segment] = {}
 
     def _add(self, kind: RingKind, src: Peer, dst: Peer) -> None:
         name = RingName(kind, src, dst)
@@ -88,6 +91,15 @@ class Topology:
         """The shared segment decode workers copy prefill ``prefill``'s blocks from."""
         self.kv_segments[f"p{prefill}"] = (create_pool_segment(f"p{prefill}", layout), layout)
 
+    def add_prefix_summaries(self, num_counters: int) -> None:
+        """One summary segment per engine worker: it writes its own, the frontend reads all."""
+        workers = [Peer(PeerRole.PREFILL, i) for i in range(self.p)]
+        workers += [Peer(PeerRole.DECODE, j) for j in range(self.d)]
+        workers += [Peer(PeerRole.COLOCATED, c) for c in range(self.c)]
+        for w in workers:
+            seg = self.summary_segments[str(w)] = create_summary_segment(str(w), num_counters)
+            PrefixSummary(seg.buf, num_counters)  # writes the header
+
     def spec(self, role: str, index: int, settings: dict[str, Any]) -> ProcessSpec:
         me = FRONTEND if role == "frontend" else Peer(_LETTER[role], index)
         # Slots: prefill workers, then decode workers; a colocated server has only c rows.
@@ -111,6 +123,11 @@ class Topology:
             },
             kv_pools=kv_pools,
             settings=settings,
+            prefix_summaries={
+                name: {"fd": seg.spec.fd, "nbytes": seg.spec.nbytes}
+                for name, seg in self.summary_segments.items()
+                if name == str(me) or role == "frontend"
+            },
         )
 
     def load_table(self) -> LoadTable:

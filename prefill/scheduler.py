@@ -141,8 +141,9 @@ class PrefillScheduler:
             p.seq.append_token(token)
             finish = self.runner.check_stop(p.seq)
             pos = len(p.seq.output_ids) - 1
-            batcher.add(p.detok_shard, p.seq.rid, pos, token, i, logprobs[i], finish)
-            out.cached_tokens[p.seq.rid] = p.seq.num_cached_tokens
+            cached = p.seq.num_cached_tokens
+            batcher.add(p.detok_shard, p.seq.rid, pos, token, i, logprobs[i], finish, cached)
+            out.cached_tokens[p.seq.rid] = cached
             if finish != Finish.NONE:
                 self.runner.free_blocks(p.seq)
             elif self.keep_kv:
@@ -174,10 +175,16 @@ class PrefillScheduler:
         blocks = list(seq.block_table)
         self.runner.allocator.pin(blocks)
         self.pinned.pin(seq.rid, p.decode_worker, blocks)
+        # Prefix caching: the hashes of the full blocks (already computed when they were
+        # published), so decode finds the blocks it holds without rehashing the prompt.
+        bs = self.runner.block_size
+        hashes = (seq.full_block_hashes(seq.num_computed_tokens // bs)
+                  if self.runner.config.enable_prefix_caching else [])  # fmt: skip
         return KVTransfer(
             rid=seq.rid, prefill_worker=self.index, src_blocks=blocks,
             num_tokens=seq.num_computed_tokens, prompt_ids=seq.prompt_ids,
             output_ids=seq.output_ids, sampling=seq.sampling, detok_shard=p.detok_shard,
+            block_hashes=hashes,
         )  # fmt: skip
 
     # ---- load --------------------------------------------------------------------------

@@ -1,7 +1,21 @@
 """Placement policies: which of the routable workers of one role takes a request.
 
-A policy sees candidates (index, cost in tokens, tokens assigned so far) already filtered
-to live workers with room; ``router/router.py`` computes the costs.
+A policy sees candidates (index, cost in tokens, tokens assigned so far, and the tokens
+this request would add there) already filtered to live workers with room;
+``router/router.py`` computes the costs.
+
+cache-aware, on prefill workers (``CacheAware``): the worker that would finish the
+request's prefill soonest, in tokens: its queue (``cost``) plus the prompt tokens still to
+compute once the prefix blocks it holds are reused (``new_tokens``). A worker holding a
+conversation's history wins while its queue is shorter than the history it saves; a
+longer queue sends the turn elsewhere, so load still bounds placement.
+cache-aware, on decode workers (``CacheAffinity``): a decode step costs every running
+request's whole KV whether its blocks are shared or not, so reuse saves decode no time,
+only the handoff's copy and the memory of the blocks it holds. Decode load is therefore
+still balanced first: among the workers within ``band`` of the least loaded (plus one
+request's KV, so an idle pool does not scatter conversations), the one that holds the
+longest prefix takes the request.
+Without shared prefixes every ``new_tokens`` is equal and both are least-load.
 """
 
 from __future__ import annotations
@@ -14,6 +28,7 @@ from typing import Protocol
 
 
 class PolicyName(enum.StrEnum):
+    CACHE_AWARE = "cache-aware"
     LEAST_LOAD = "least-load"
     POWER_OF_TWO = "power-of-two"
     ROUND_ROBIN = "round-robin"
@@ -26,6 +41,9 @@ class Candidate:
     # Tokens assigned to this worker so far: breaks ties between equally loaded workers,
     # so that at low load (every queue empty, every cost 0) work still alternates.
     assigned: int = 0
+    # Tokens this request would add here given the prefix the worker holds: prompt tokens
+    # to compute (prefill), KV tokens to store (decode). Set only for cache-aware routing.
+    new_tokens: int = 0
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -41,6 +59,24 @@ class Policy(Protocol):
 class LeastLoad:
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
         return min(candidates, key=_key)
+
+
+class CacheAware:
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        return min(candidates, key=_cache_key)
+
+
+class CacheAffinity:
+    """Decode: the longest held prefix among the workers near the least loaded."""
+
+    def __init__(self, band: float = 0.25) -> None:
+        self.band = band
+
+    def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        least = min(c.cost for c in candidates)
+        one_request = max(c.new_tokens for c in candidates)  # its KV where nothing is held
+        near = [c for c in candidates if c.cost <= least * (1 + self.band) + one_request]
+        return min(near, key=_affinity_key)
 
 
 class PowerOfTwo:
@@ -69,8 +105,11 @@ class RoundRobin:
         return pick
 
 
-def make_policy(name: PolicyName | str, seed: int | None = None) -> Policy:
+def make_policy(name: PolicyName | str, seed: int | None = None, decode: bool = False) -> Policy:
+    """The policy ``name`` for prefill (or co-located) workers, or for decode workers."""
     name = PolicyName(name)
+    if name is PolicyName.CACHE_AWARE:
+        return CacheAffinity() if decode else CacheAware()
     if name is PolicyName.LEAST_LOAD:
         return LeastLoad()
     if name is PolicyName.POWER_OF_TWO:
@@ -80,3 +119,11 @@ def make_policy(name: PolicyName | str, seed: int | None = None) -> Policy:
 
 def _key(c: Candidate) -> tuple[int, int, int]:
     return c.key
+
+
+def _cache_key(c: Candidate) -> tuple[int, int, int]:
+    return c.cost + c.new_tokens, c.assigned, c.index
+
+
+def _affinity_key(c: Candidate) -> tuple[int, int, int, int]:
+    return c.new_tokens, c.cost, c.assigned, c.index

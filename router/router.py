@@ -18,6 +18,15 @@ Load is measured in tokens:
               is the larger of the two views, so KV the router does not know of (work from
               before a frontend restart) still counts.
 A colocated worker's load is the sum of both.
+
+Cache-aware placement (``PolicyName.CACHE_AWARE``): the frontend hashes the request's
+tokens once (``block_hashes``, the function workers use, so the values agree across
+processes) and passes them to ``place``. Each candidate's prefix summary
+(``transport/prefix_summary.py``, written by the worker every step) says how many
+leading blocks it probably holds; what is left is the request's ``new_tokens`` there:
+prompt tokens to compute on a prefill worker, KV tokens to store (and copy) on a decode
+worker. The policy weighs them against each worker's cost above. Summaries are a guess:
+a wrong one misplaces a request, the worker's own allocator still decides what is reused.
 """
 
 from __future__ import annotations
@@ -25,11 +34,14 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from engine.block_manager import block_hashes
 from router.ledger import Ledger, WorkerKey
 from router.policy import Candidate, PolicyName, make_policy
 from transport.load_table import LoadRow, LoadTable, Role, WorkerState
+from transport.prefix_summary import PrefixSummary
 
 
 class NoCapacity(Exception):
@@ -80,18 +92,34 @@ class Router:
         table: LoadTable,
         policy: PolicyName | str = PolicyName.LEAST_LOAD,
         config: RouterConfig | None = None,
+        summaries: Mapping[WorkerKey, PrefixSummary] | None = None,
     ) -> None:
         self._table = table
         self._config = config or RouterConfig()
+        # Prefix summaries by (role, index); read only by the cache-aware policy.
+        self._summaries = dict(summaries or {})
+        self.cache_aware = PolicyName(policy) is PolicyName.CACHE_AWARE
+        self._block_size = 0  # the workers' KV block size, learnt from the table
         seed = self._config.seed
         self._prefill_policy = make_policy(policy, seed)
-        self._decode_policy = make_policy(policy, None if seed is None else ~seed)
+        self._decode_policy = make_policy(policy, None if seed is None else ~seed, decode=True)
         self.ledger = Ledger()
         self._tickets = itertools.count(1)
 
-    def place(self, prompt_len: int, max_tokens: int) -> Placement:
+    def hash_blocks(self, token_ids: Sequence[int]) -> list[int]:
+        """The block hashes ``place`` wants for a request of ``token_ids``; [] (and no
+        hashing cost) unless the policy is cache-aware."""
+        if not self.cache_aware or not self._summaries:
+            return []
+        if not self._block_size:
+            self._snapshot()
+        return block_hashes(token_ids, self._block_size) if self._block_size else []
+
+    def place(self, prompt_len: int, max_tokens: int, hashes: Sequence[int] = ()) -> Placement:
         """Choose the workers for a request, or raise ``NoCapacity``.
 
+        ``hashes``: ``hash_blocks`` of the tokens prefill will compute (the prompt, plus
+        the output so far for a resumed request); only cache-aware routing reads them.
         The placement is counted as in flight until ``release``; the caller must send it
         to the chosen prefill worker (or call ``release(p, delivered=False)``).
         """
@@ -101,8 +129,9 @@ class Router:
             )
         rows, now = self._snapshot()
         p_role, d_role = _roles(rows)
-        p_row = self._choose(rows, p_role, prompt_len, now)
-        d_row = p_row if p_role is d_role else self._choose(rows, d_role, prompt_len, now)
+        req = _Request(prompt_len, max_tokens, hashes if self.cache_aware else ())
+        p_row = self._choose(rows, p_role, req, now)
+        d_row = p_row if p_role is d_role else self._choose(rows, d_role, req, now)
         return self._commit(p_row, d_row, prompt_len, max_tokens)
 
     def check_capacity(self) -> None:
@@ -115,7 +144,7 @@ class Router:
         """
         rows, now = self._snapshot()
         for role in set(_roles(rows)):
-            self._choose(rows, role, 1, now)
+            self._choose(rows, role, _Request(1, 1), now)
 
     def release(self, placement: Placement, delivered: bool = True) -> None:
         """The request ended (any reason). ``delivered=False``: it was never sent to prefill.
@@ -150,21 +179,25 @@ class Router:
     def _snapshot(self) -> tuple[list[LoadRow], int]:
         rows = self._table.snapshot()
         self.ledger.sync(rows)
+        if not self._block_size:
+            self._block_size = next((r.block_size for r in rows if r.block_size > 0), 0)
         return rows, time.monotonic_ns()
 
-    def _choose(self, rows: list[LoadRow], role: Role, prompt_len: int, now_ns: int) -> LoadRow:
+    def _choose(self, rows: list[LoadRow], role: Role, req: _Request, now_ns: int) -> LoadRow:
         live = [r for r in rows if r.role is role and self._routable(r, now_ns)]
         if not live:
             raise NoCapacity(self._config.retry_after_dead_s, f"no live {role.name.lower()} worker")
-        admitted = sorted((r for r in live if self._admits(r, prompt_len)), key=_index)
+        admitted = sorted((r for r in live if self._admits(r, req.prompt_len)), key=_index)
         if not admitted:
             raise NoCapacity(
                 self._config.retry_after_s, f"every {role.name.lower()} worker is full"
             )
+        assigned = self.ledger.assigned
         candidates = [
-            Candidate(r.index, self._cost(r), self.ledger.assigned[(r.role, r.index)].tokens)
+            Candidate(r.index, self._cost(r), assigned[(r.role, r.index)].tokens,
+                      self._new_tokens(r, req))
             for r in admitted
-        ]
+        ]  # fmt: skip
         policy = self._decode_policy if role is Role.DECODE else self._prefill_policy
         pick = policy.choose(candidates).index
         return next(r for r in admitted if r.index == pick)
@@ -196,6 +229,25 @@ class Router:
         decode = max(used + books.unheld_reserved(r), sum(books.reserved.values()))
         return decode if r.role is Role.DECODE else decode + prefill
 
+    def _new_tokens(self, r: LoadRow, req: _Request) -> int:
+        """Tokens ``req`` adds to ``r`` after reusing the prefix ``r`` probably holds."""
+        if not self.cache_aware:
+            return 0
+        summary = self._summaries.get((r.role, r.index))
+        bs = r.block_size
+        held = 0
+        if summary is not None and req.hashes and bs > 0:
+            held = summary.count_prefix(req.hashes)
+        bs = max(bs, 1)
+        # As the engines reuse: prefill recomputes at least the prompt's last token (so a
+        # prompt ending on a block boundary recomputes that block); decode imports the KV
+        # of the prompt's full blocks, the first output token lies past them.
+        compute = req.prompt_len - min(held, (req.prompt_len - 1) // bs) * bs
+        store = req.prompt_len + req.max_tokens - min(held, req.prompt_len // bs) * bs
+        if r.role is Role.PREFILL:
+            return compute
+        return store if r.role is Role.DECODE else compute + store
+
     def _commit(
         self, p_row: LoadRow, d_row: LoadRow, prompt_len: int, max_tokens: int
     ) -> Placement:
@@ -221,6 +273,15 @@ class Router:
             self.ledger.count(p_key, prompt_len)
             self.ledger.count(d_key, prompt_len + max_tokens)
         return placement
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What placement knows of a request: sizes, and its block hashes (cache-aware)."""
+
+    prompt_len: int
+    max_tokens: int
+    hashes: Sequence[int] = ()
 
 
 def _roles(rows: list[LoadRow]) -> tuple[Role, Role]:

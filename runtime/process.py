@@ -19,6 +19,7 @@ from typing import Any
 
 from transport.doorbell import Doorbell
 from transport.load_table import LoadTable
+from transport.prefix_summary import PrefixSummary
 from transport.ring import Ring, RingSpec
 from transport.segment import Segment, SegmentSpec
 from wire.ring_names import PeerRole, RingKind, RingName
@@ -39,6 +40,9 @@ class ProcessSpec:
     load_table: dict[str, Any] = field(default_factory=dict)  # fd, nbytes, num_workers, slot
     kv_pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # p{i} -> fd, layout
     settings: dict[str, Any] = field(default_factory=dict)  # role-specific configuration
+    # Engine workers' prefix summaries (transport/prefix_summary.py), by peer name (p0, d1,
+    # c0) -> fd, nbytes: a worker gets its own, the frontend every one.
+    prefix_summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -55,6 +59,7 @@ class ProcessSpec:
         if self.load_table:
             out.append(self.load_table["fd"])
         out += [p["fd"] for p in self.kv_pools.values()]
+        out += [p["fd"] for p in self.prefix_summaries.values()]
         return sorted(set(out))
 
 
@@ -134,6 +139,15 @@ def attach_rings(spec: ProcessSpec) -> Rings:
     for ring in inbound.values():
         ring.reset()
     return Rings(inbound, outbound, Doorbell(spec.doorbell_fd))
+
+
+def prefix_summaries(spec: ProcessSpec) -> dict[str, tuple[PrefixSummary, Segment]]:
+    """Map every prefix summary of the spec, by peer name (keep the segments open)."""
+    out = {}
+    for name, s in spec.prefix_summaries.items():
+        seg = Segment.attach(SegmentSpec(f"summary.{name}", s["fd"], s["nbytes"]))
+        out[name] = (PrefixSummary(seg.buf), seg)
+    return out
 
 
 def load_table(spec: ProcessSpec) -> tuple[LoadTable, Segment]:

@@ -21,6 +21,7 @@ class _Columns:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # row of each token in the SampleOutput
 
 
@@ -35,14 +36,17 @@ class TokenBatcher:
 
     def add(
         self, shard: int, rid: int, position: int, token: int, row: int, logprob: float,
-        finish: Finish,
+        finish: Finish, cached_tokens: int = -1,
     ) -> None:  # fmt: skip
+        """``cached_tokens``: on a request's first token, its prompt tokens reused from the
+        prefix cache (-1 on every other token)."""
         cols = self._by_shard.setdefault(shard, _Columns())
         cols.rids.append(rid)
         cols.positions.append(position)
         cols.token_ids.append(token)
         cols.logprobs.append(logprob)
         cols.finish.append(int(finish))
+        cols.cached_tokens.append(cached_tokens)
         cols.rows.append(row)
 
     def batches(self, sample: SampleOutput | None) -> dict[int, TokenBatch]:
@@ -57,7 +61,7 @@ class TokenBatcher:
             out[shard] = TokenBatch.build(
                 c.rids, c.positions, c.token_ids, c.logprobs, c.finish,
                 top_ids[rows] if top_ids is not None else None,
-                top_lps[rows] if top_lps is not None else None,
+                top_lps[rows] if top_lps is not None else None, c.cached_tokens,
             )  # fmt: skip
         self._by_shard.clear()
         return out

@@ -1,8 +1,9 @@
 """The skeleton every engine worker process shares (prefill, decode, co-located).
 
     bootstrap (spec, title, signals) -> attach rings -> claim the load-table row
-      -> build the engine (subclass) -> READY
-      -> loop: take inputs -> step -> publish load -> sleep on the doorbell if idle
+      -> build the engine (subclass) -> empty its prefix summary -> READY
+      -> loop: take inputs -> step -> publish load (and prefix summary changes) -> sleep
+         on the doorbell if idle
       -> DRAINING on SIGTERM/SIGINT
 
 A subclass supplies only what differs: ``take_inputs`` (drain its rings), ``step``
@@ -18,14 +19,17 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from engine.block_manager import BlockAllocator
-from runtime.process import attach_rings, bootstrap, load_table
+from runtime.process import attach_rings, bootstrap, load_table, prefix_summaries
 from runtime.worker_io import IDLE_WAIT_S, drain, engine_config, fail_request
 from transport.load_table import Role, WorkerState
+from transport.prefix_summary import PrefixSummary
 from transport.ring import Ring
 from wire.records import AbortRequest, Finish, GenerateRequest
-from wire.ring_names import RingKind
+from wire.ring_names import Peer, PeerRole, RingKind
 
 logger = logging.getLogger(__name__)
+_PEER_ROLES = {Role.PREFILL: PeerRole.PREFILL, Role.DECODE: PeerRole.DECODE,
+               Role.COLOCATED: PeerRole.COLOCATED}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,7 @@ class Worker(abc.ABC):
         self.row.claim(self.role, self.index, block_size=self.config.block_size)
         # Every engine worker sends tokens to detokenizer shards, by shard index.
         self.tok_out: dict[int, Ring] = self.rings.sinks(RingKind.TOK)
+        self.summary: PrefixSummary | None = None  # opened in run(), once the engine exists
 
     @property
     @abc.abstractmethod
@@ -93,7 +98,19 @@ class Worker(abc.ABC):
             elif isinstance(msg, AbortRequest):
                 sched.abort(msg.rid)
 
+    def _open_summary(self) -> PrefixSummary | None:
+        """This worker's prefix summary, emptied (a predecessor's pool is gone), or None."""
+        me = str(Peer(_PEER_ROLES[self.role], self.index))
+        mapped = prefix_summaries(self.spec).get(me)
+        if mapped is None or not self.config.enable_prefix_caching:
+            return None
+        summary, self._summary_seg = mapped
+        summary.clear()
+        self.allocator.watch_hashes()  # from now on every hash change reaches the summary
+        return summary
+
     def run(self) -> None:
+        self.summary = self._open_summary()
         self.row.set_state(WorkerState.READY)
         logger.info("ready")
         inbound = list(self.rings.inbound.values())
@@ -107,6 +124,8 @@ class Worker(abc.ABC):
 
     def _publish(self) -> None:
         q, a = self.load(), self.allocator
+        if self.summary is not None:
+            self.summary.update(*a.take_hash_changes())
         self.row.publish(
             queued_prefill_tokens=q.queued_prefill_tokens,
             waiting_requests=q.waiting_requests,
@@ -115,4 +134,7 @@ class Worker(abc.ABC):
             total_kv_blocks=a.num_blocks,
             requests_received=q.requests_received,
             prompt_tokens_received=q.prompt_tokens_received,
+            cached_blocks=a.num_hashed,
+            prefix_hit_tokens=a.stats.hit_tokens,
+            prefix_queried_tokens=a.stats.queried_tokens,
         )

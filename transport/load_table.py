@@ -103,6 +103,11 @@ class LoadRow:
     requests_received: int
     prompt_tokens_received: int
     exit_status: int = 0  # of the last exit the launcher saw: a code, or -signal
+    # Prefix caching: blocks holding a hashed prefix (reusable, whether in use or not),
+    # and cumulative prompt tokens looked up / found cached over this generation.
+    cached_blocks: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_queried_tokens: int = 0
 
 
 def describe_exit(status: int) -> str:
@@ -121,11 +126,11 @@ def describe_exit(status: int) -> str:
 HEADER_NBYTES = 64
 ROW_NBYTES = 128
 _MAGIC = 0x7064_6C6F_6164_7462  # "pdloadtb"
-_VERSION = 2
+_VERSION = 3
 _HEADER = struct.Struct("<QII")  # magic, version, num_workers
 # Row payload after the 8-byte seq, packed in one call by the writer. The numpy dtype below
 # names the same bytes for the reader; test_load_table pins that the two agree.
-_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxi")
+_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiixxxxqq")
 _PAYLOAD_FIELDS = (
     "heartbeat_ns",
     "queued_prefill_tokens",
@@ -142,12 +147,16 @@ _PAYLOAD_FIELDS = (
     "role",
     "state",
     "exit_status",
+    "cached_blocks",
+    "prefix_hit_tokens",
+    "prefix_queried_tokens",
 )
+_FORMATS = ["<u8", *["<i8"] * 4, "<u4", *["<i4"] * 7, "u1", "u1", "<i4", "<i4", "<i8", "<i8"]
 ROW_DTYPE = np.dtype(
     {
         "names": ["seq", *_PAYLOAD_FIELDS],
-        "formats": ["<u8", "<i8", "<i8", "<i8", "<i8", "<u4"] + ["<i4"] * 7 + ["u1", "u1", "<i4"],
-        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76],
+        "formats": _FORMATS,
+        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76, 80, 88, 96],
         "itemsize": ROW_NBYTES,
     }
 )
@@ -295,6 +304,9 @@ class RowWriter:
         total_kv_blocks: int | None = None,
         requests_received: int | None = None,
         prompt_tokens_received: int | None = None,
+        cached_blocks: int | None = None,
+        prefix_hit_tokens: int | None = None,
+        prefix_queried_tokens: int | None = None,
     ) -> None:
         """Refresh the heartbeat and any load fields given; others keep their last value."""
         given = {
@@ -305,6 +317,9 @@ class RowWriter:
             "total_kv_blocks": total_kv_blocks,
             "requests_received": requests_received,
             "prompt_tokens_received": prompt_tokens_received,
+            "cached_blocks": cached_blocks,
+            "prefix_hit_tokens": prefix_hit_tokens,
+            "prefix_queried_tokens": prefix_queried_tokens,
         }
         for name, value in given.items():
             if value is not None:

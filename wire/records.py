@@ -90,7 +90,9 @@ class KVTransfer(_Msg, tag="kv", frozen=True):
 
     Carries everything the decode worker needs to continue the request: the tokens the
     KV covers are ``(prompt_ids + output_ids)[:num_tokens]``; the last output token has
-    been sampled but not yet run through the model.
+    been sampled but not yet run through the model. ``block_hashes`` (prefix caching) are
+    the chained hashes of the ``num_tokens // block_size`` full blocks of those tokens, as
+    prefill computed them: decode looks them up to copy only the blocks it lacks.
     """
 
     rid: int
@@ -101,6 +103,7 @@ class KVTransfer(_Msg, tag="kv", frozen=True):
     output_ids: list[int]
     sampling: SamplingParams
     detok_shard: int
+    block_hashes: list[int] = []
 
 
 class KVRelease(_Msg, tag="kvrel", frozen=True):
@@ -150,6 +153,8 @@ class TextDelta(msgspec.Struct, array_like=True, frozen=True):
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    # Prompt tokens whose KV came from the prefix cache, once the first token is out.
+    cached_tokens: int | None = None
 
 
 class TextBatch(_Msg, tag="text", frozen=True):
@@ -182,6 +187,8 @@ class TokenBatch:
                                     failed the request before sampling one
         top_ids      (B, K) int32
         top_logprobs (B, K) float32
+        cached_tokens (B,)  int32   prompt tokens the prefix cache supplied, on the row of
+                                    a request's first token (prefill); -1 on other rows
     """
 
     rids: np.ndarray
@@ -191,6 +198,7 @@ class TokenBatch:
     finish: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+    cached_tokens: np.ndarray | None = None  # None reads as all -1 (built without it)
 
     @property
     def size(self) -> int:
@@ -206,37 +214,40 @@ class TokenBatch:
         finish: list[int] | None = None,
         top_ids: np.ndarray | None = None,
         top_logprobs: np.ndarray | None = None,
+        cached_tokens: list[int] | None = None,
     ) -> TokenBatch:
         b = len(rids)
-        # The five columns are field views of one record array: encode() sends its bytes.
+        # The six columns are field views of one record array: encode() sends its bytes.
         rows = np.empty(b, _TB_ROW)
         rows["rids"] = rids
         rows["positions"] = positions
         rows["token_ids"] = token_ids
         rows["logprobs"] = logprobs if logprobs is not None else np.nan
         rows["finish"] = finish if finish is not None else 0
+        rows["cached_tokens"] = cached_tokens if cached_tokens is not None else -1
         return cls(
             rows["rids"], rows["positions"], rows["token_ids"], rows["logprobs"], rows["finish"],
             _no_top(b, _I32) if top_ids is None else top_ids.astype(_I32, copy=False),
             _no_top(b, _F32) if top_logprobs is None else top_logprobs.astype(_F32, copy=False),
+            rows["cached_tokens"],
         )  # fmt: skip
 
 
 _KIND_TOKENS = 1
 _KIND_CONTROL = 2
 _TB_HEADER = struct.Struct("<BxxxII4x")  # kind, B, K; 16 bytes keep the rows 8-aligned
-# One row per request, the five per-request columns interleaved (24 bytes, aligned):
+# One row per request, the six per-request columns interleaved (32 bytes, aligned):
 # decode is ONE np.frombuffer, the columns are field views of it. On the per-step hot
 # path the cost is per call, not per byte, so fewer numpy calls is what makes it fast.
 _TB_ROW = np.dtype(
     {
-        "names": ["rids", "positions", "token_ids", "logprobs", "finish"],
-        "formats": ["<i8", "<i4", "<i4", "<f4", "i1"],
-        "offsets": [0, 8, 12, 16, 20],
-        "itemsize": 24,
+        "names": ["rids", "positions", "token_ids", "logprobs", "finish", "cached_tokens"],
+        "formats": ["<i8", "<i4", "<i4", "<f4", "i1", "<i4"],
+        "offsets": [0, 8, 12, 16, 20, 24],
+        "itemsize": 32,
     }
 )
-_TB_FIELDS = ("rids", "positions", "token_ids", "logprobs", "finish")
+_TB_FIELDS = ("rids", "positions", "token_ids", "logprobs", "finish", "cached_tokens")
 _I32, _F32 = np.dtype("<i4"), np.dtype("<f4")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Control)
@@ -259,7 +270,8 @@ def _encode_tokens(msg: TokenBatch) -> bytes:
     if rows is None:
         rows, fields = _scratch(b)
         for name, field in zip(_TB_FIELDS, fields, strict=True):
-            field[...] = getattr(msg, name)  # casts, as the build() dtypes do
+            value = getattr(msg, name)
+            field[...] = -1 if value is None else value  # casts, as the build() dtypes do
     head = _TB_HEADER.pack(_KIND_TOKENS, b, k)
     if k == 0:
         return head + rows.tobytes()
@@ -296,12 +308,12 @@ def _decode_tokens(buf: bytes | bytearray | memoryview) -> TokenBatch:
         top_ids, top_logprobs = _no_top(b, _I32), _no_top(b, _F32)
     return TokenBatch(
         rows["rids"], rows["positions"], rows["token_ids"], rows["logprobs"], rows["finish"],
-        top_ids, top_logprobs,
+        top_ids, top_logprobs, rows["cached_tokens"],
     )  # fmt: skip
 
 
 def _shared_rows(msg: TokenBatch) -> np.ndarray | None:
-    """The record array all five columns view (from build() or decode()), else None."""
+    """The record array all six columns view (from build() or decode()), else None."""
     # NOTE: TokenBatch is frozen, so columns that share one record array came from
     # build() or decode() together.
     rows = msg.rids.base
@@ -309,8 +321,8 @@ def _shared_rows(msg: TokenBatch) -> np.ndarray | None:
         return None
     if rows.shape != msg.rids.shape:
         return None
-    others = (msg.positions, msg.token_ids, msg.logprobs, msg.finish)
-    return rows if all(col.base is rows for col in others) else None
+    others = (msg.positions, msg.token_ids, msg.logprobs, msg.finish, msg.cached_tokens)
+    return rows if all(col is not None and col.base is rows for col in others) else None
 
 
 _NO_TOP: dict[tuple[int, np.dtype], np.ndarray] = {}

@@ -17,7 +17,9 @@ from benchmarks.serving.client import ENDPOINTS, RequestConfig
 from benchmarks.serving.datasets import (
     SampleRequest,
     mixed_dataset,
+    multiturn_dataset,
     random_dataset,
+    shared_prefix_dataset,
     sharegpt_dataset,
 )
 from benchmarks.serving.metrics import METRICS, parse_goodput, summarize
@@ -35,13 +37,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--model", required=True, help="model name sent in each request")
     a("--tokenizer", help="tokenizer dir or name (default: --model)")
     a("--api-key", default=None)
-    a("--dataset", default="random", choices=("random", "sharegpt", "mixed"))
+    a("--dataset", default="random",
+      choices=("random", "sharegpt", "mixed", "multiturn", "shared-prefix"))  # fmt: skip
     a("--dataset-path", type=Path, help="ShareGPT JSON file (for --dataset sharegpt)")
     a("--sharegpt-output-len", type=int, default=None, help="override reply lengths")
     a("--num-prompts", type=int, default=100)
     a("--random-input-len", type=int, default=1024)
     a("--random-output-len", type=int, default=128)
     a("--random-range-ratio", type=float, default=0.0)
+    a(
+        "--prefix-len",
+        type=int,
+        default=1024,
+        help="shared-prefix: the shared prefix; multiturn: the system prompt (tokens)",
+    )
+    a("--turns", type=int, default=4, help="multiturn: turns per conversation "
+      "(--num-prompts // turns conversations; --random-input-len tokens per message)")  # fmt: skip
     a("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
       help="send ignore_eos (default: on for random and mixed datasets)")  # fmt: skip
     a("--request-rate", type=float, default=math.inf, help="req/s; inf = all at once")
@@ -67,6 +78,12 @@ def load_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleReques
         return sharegpt_dataset(tokenizer, args.dataset_path, n, seed, args.sharegpt_output_len)
     if args.dataset == "mixed":
         return mixed_dataset(tokenizer, n, args.random_input_len, args.random_output_len, seed)
+    if args.dataset == "multiturn":
+        return multiturn_dataset(tokenizer, n, args.turns, args.prefix_len,
+                                 args.random_input_len, args.random_output_len, seed)  # fmt: skip
+    if args.dataset == "shared-prefix":
+        return shared_prefix_dataset(tokenizer, n, args.prefix_len, args.random_input_len,
+                                     args.random_output_len, seed)  # fmt: skip
     return random_dataset(tokenizer, n, args.random_input_len, args.random_output_len,
                           args.random_range_ratio, seed)  # fmt: skip
 
@@ -89,7 +106,8 @@ def print_summary(result: dict[str, Any], metrics: list[str], percentiles: list[
              f"{'Benchmark duration (s):':<40}{result['duration']:.2f}",
              f"{'Request throughput (req/s):':<40}{result['request_throughput']:.2f}",
              f"{'Output token throughput (tok/s):':<40}{result['output_throughput']:.2f}",
-             f"{'Total token throughput (tok/s):':<40}{result['total_token_throughput']:.2f}"]  # fmt: skip
+             f"{'Total token throughput (tok/s):':<40}{result['total_token_throughput']:.2f}",
+             f"{'Prompt tokens cached (reported):':<40}{result['prefix_cache_hit_rate']:.3f}"]  # fmt: skip
     if result["request_goodput"] is not None:
         lines.append(f"{'Request goodput (req/s):':<40}{result['request_goodput']:.2f}")
     for m in metrics:

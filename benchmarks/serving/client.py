@@ -36,7 +36,8 @@ def build_body(cfg: RequestConfig, req: SampleRequest) -> dict[str, Any]:
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     if cfg.endpoint == "/v1/chat/completions":
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        messages = req.messages or (("user", req.prompt),)
+        body["messages"] = [{"role": role, "content": text} for role, text in messages]
     else:
         body["prompt"] = req.prompt
     return body
@@ -67,6 +68,8 @@ class _Timing:
         if usage:
             self.record.output_tokens = int(usage.get("completion_tokens") or 0)
             self.record.prompt_len = int(usage.get("prompt_tokens") or self.record.prompt_len)
+            details = usage.get("prompt_tokens_details") or {}
+            self.record.cached_tokens = int(details.get("cached_tokens") or 0)
         content = _content(payload)
         if not content:
             return

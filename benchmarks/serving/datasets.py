@@ -13,6 +13,14 @@ benchmark tokenizer's tokens, and the number of output tokens to ask for.
 * ``mixed``: long prompts with short outputs interleaved with short prompts and long
   outputs (prefill-heavy and decode-heavy requests alternating): even requests get
   ``(input_len, output_len // 8)``, odd ones ``(input_len // 8, output_len)``.
+* ``multiturn``: chat conversations of ``turns`` turns that share one system prompt of
+  ``prefix_len`` tokens; each turn's prompt is the history (system prompt, earlier
+  messages and the dataset's own replies of ``output_len`` tokens) plus a new message of
+  ``input_len`` tokens, and is sent only once the conversation's previous turn ended
+  (``SampleRequest.after``). Requests are ordered turn by turn across conversations.
+* ``shared-prefix``: one long prefix of ``prefix_len`` tokens followed by short distinct
+  suffixes of ``input_len`` tokens (a shared document or few-shot prompt).
+Both prefix datasets are random-token text, as ``random`` is.
 """
 
 from __future__ import annotations
@@ -31,6 +39,10 @@ class SampleRequest:
     prompt: str
     prompt_len: int
     output_len: int
+    # Chat messages as (role, content), sent as such to the chat endpoint; ``prompt``
+    # is their plain-text rendering for the completions endpoint.
+    messages: tuple[tuple[str, str], ...] | None = None
+    after: int | None = None  # index of the request that must end before this one starts
 
 
 def _normal_vocab(tokenizer: Any) -> np.ndarray:
@@ -110,4 +122,46 @@ def sharegpt_dataset(
         out.append(SampleRequest(prompt, p_len, o_len))
     if len(out) < n:
         raise ValueError(f"{path} has only {len(out)} usable conversations, {n} requested")
+    return out
+
+
+def _render(messages: list[tuple[str, str]]) -> str:
+    """Plain-text rendering for the completions endpoint; each turn extends the previous."""
+    return "".join(f"{role}: {content}\n\n" for role, content in messages)
+
+
+def multiturn_dataset(
+    tokenizer: Any, n: int, turns: int, prefix_len: int, input_len: int, output_len: int,
+    seed: int,
+) -> list[SampleRequest]:  # fmt: skip
+    """``n // turns`` conversations of ``turns`` turns (see the module docstring)."""
+    if turns < 1 or n < turns:
+        raise ValueError(f"--num-prompts {n} must hold at least one conversation of {turns}")
+    rng = np.random.default_rng(seed)
+    vocab = _normal_vocab(tokenizer)
+    system = random_prompt(tokenizer, vocab, prefix_len, rng)
+    histories: list[list[tuple[str, str]]] = [[("system", system)] for _ in range(n // turns)]
+    out: list[SampleRequest] = []
+    for turn in range(turns):
+        for history in histories:
+            history.append(("user", random_prompt(tokenizer, vocab, input_len, rng)))
+            text = _render(history)
+            after = len(out) - len(histories) if turn else None  # this conversation's last
+            out.append(SampleRequest(text, len(tokenizer.encode(text, add_special_tokens=False)),
+                                     output_len, tuple(history), after))  # fmt: skip
+            history.append(("assistant", random_prompt(tokenizer, vocab, output_len, rng)))
+    return out
+
+
+def shared_prefix_dataset(
+    tokenizer: Any, n: int, prefix_len: int, input_len: int, output_len: int, seed: int
+) -> list[SampleRequest]:
+    rng = np.random.default_rng(seed)
+    vocab = _normal_vocab(tokenizer)
+    prefix = random_prompt(tokenizer, vocab, prefix_len, rng) + "\n\n"
+    out = []
+    for _ in range(n):
+        prompt = prefix + random_prompt(tokenizer, vocab, input_len, rng)
+        p_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+        out.append(SampleRequest(prompt, p_len, output_len))
     return out

@@ -32,6 +32,7 @@ class RequestRecord:
     output_tokens: int = 0
     generated_text: str = ""
     error: str = ""
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, where reported
 
     @property
     def tpot(self) -> float | None:
@@ -88,6 +89,7 @@ def summarize(
     }
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_tokens for r in ok)
+    total_cached = sum(r.cached_tokens for r in ok)
     errors = collections.Counter(r.error for r in records if not r.success)
     result: dict[str, Any] = {
         "duration": duration,
@@ -95,6 +97,8 @@ def summarize(
         "failed": len(records) - len(ok),
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
+        "total_cached_tokens": total_cached,
+        "prefix_cache_hit_rate": total_cached / total_in if total_in else 0.0,
         "request_throughput": len(ok) / duration,
         "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,

@@ -29,14 +29,16 @@ class LoadConfig:
     seed: int = 0
 
 
-async def arrivals(requests: list[SampleRequest], load: LoadConfig) -> AsyncIterator[SampleRequest]:
-    """Yield requests at gamma-distributed intervals with mean 1 / rate."""
+async def arrivals(
+    requests: list[SampleRequest], load: LoadConfig
+) -> AsyncIterator[tuple[int, SampleRequest]]:
+    """Yield (index, request) at gamma-distributed intervals with mean 1 / rate."""
     if load.burstiness <= 0:
         raise ValueError("--burstiness must be positive")
     rng = np.random.default_rng(load.seed)
     theta = 1.0 / (load.request_rate * load.burstiness)
-    for req in requests:
-        yield req
+    for i, req in enumerate(requests):
+        yield i, req
         if math.isfinite(load.request_rate):
             await asyncio.sleep(float(rng.gamma(shape=load.burstiness, scale=theta)))
 
@@ -48,7 +50,13 @@ async def run_load(
     tokenizer: Any,
     disable_tqdm: bool = False,
 ) -> tuple[list[RequestRecord], float]:
-    """Send every request; returns the records (in request order) and the duration."""
+    """Send every request; returns the records (in request order) and the duration.
+
+    A request with ``after`` set (a conversation's next turn) is sent once it has arrived
+    and the request it follows has ended, whichever is later; its latencies count from
+    then.
+    """
+    ended = [asyncio.Event() for _ in requests]
     limit = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     bar = tqdm(total=len(requests), disable=disable_tqdm, desc="requests")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -56,17 +64,20 @@ async def run_load(
 
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
 
-        async def one(req: SampleRequest) -> RequestRecord:
+        async def one(i: int, req: SampleRequest) -> RequestRecord:
             try:
+                if req.after is not None:
+                    await ended[req.after].wait()
                 if limit is None:
                     return await _bounded(http, cfg, req, tokenizer)
                 async with limit:
                     return await _bounded(http, cfg, req, tokenizer)
             finally:
+                ended[i].set()
                 bar.update(1)
 
         start = time.perf_counter()
-        tasks = [asyncio.create_task(one(req)) async for req in arrivals(requests, load)]
+        tasks = [asyncio.create_task(one(i, req)) async for i, req in arrivals(requests, load)]
         records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     bar.close()

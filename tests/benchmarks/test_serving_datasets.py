@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from benchmarks.serving.datasets import mixed_dataset, random_dataset, sharegpt_dataset
+from benchmarks.serving.datasets import (
+    SampleRequest,
+    mixed_dataset,
+    multiturn_dataset,
+    random_dataset,
+    shared_prefix_dataset,
+    sharegpt_dataset,
+)
 
 
 def test_random_prompts_have_the_drawn_lengths(qwen_tokenizer: Any) -> None:
@@ -46,3 +53,42 @@ def test_sharegpt_uses_first_turns_and_filters(qwen_tokenizer: Any, tmp_path: Pa
                                         data[3]["conversations"][0]["value"]}  # fmt: skip
     with pytest.raises(ValueError, match="only 2 usable"):
         sharegpt_dataset(qwen_tokenizer, path, 3, seed=0)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_multiturn_turns_extend_their_history_and_wait_for_it(qwen_tokenizer: Any) -> None:
+    reqs = multiturn_dataset(qwen_tokenizer, 9, turns=3, prefix_len=40, input_len=10,
+                             output_len=12, seed=0)  # fmt: skip
+    assert len(reqs) == 9 and [r.after for r in reqs] == [None] * 3 + list(range(6))
+    system = reqs[0].messages[0] if reqs[0].messages else None
+    for i, r in enumerate(reqs):
+        assert r.messages is not None and r.messages[0] == system  # one shared system prompt
+        assert r.messages[-1][0] == "user" and r.output_len == 12
+        if r.after is None:
+            continue
+        prev = reqs[r.after]
+        assert prev.messages is not None and r.messages[: len(prev.messages)] == prev.messages
+        assert [role for role, _ in r.messages[len(prev.messages) :]] == ["assistant", "user"]
+        # The plain-text prompt extends the previous turn's, and so do its tokens (all but
+        # maybe the last token, which can merge across the boundary).
+        assert r.prompt.startswith(prev.prompt), i
+        ids, prev_ids = (qwen_tokenizer.encode(x.prompt) for x in (r, prev))
+        assert _common_prefix(ids, prev_ids) >= len(prev_ids) - 1
+    with pytest.raises(ValueError, match="at least one conversation"):
+        multiturn_dataset(qwen_tokenizer, 2, 3, 10, 10, 10, 0)
+
+
+def test_shared_prefix_prompts_share_the_prefix_and_differ_after_it(qwen_tokenizer: Any) -> None:
+    reqs = shared_prefix_dataset(qwen_tokenizer, 4, prefix_len=64, input_len=16, output_len=5,
+                                 seed=3)  # fmt: skip
+    ids = [qwen_tokenizer.encode(r.prompt) for r in reqs]
+    assert len({r.prompt for r in reqs}) == 4
+    for other in ids[1:]:
+        assert 63 <= _common_prefix(ids[0], other) < len(other)
+    assert all(isinstance(r, SampleRequest) and 75 <= r.prompt_len <= 85 for r in reqs)

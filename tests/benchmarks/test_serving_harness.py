@@ -83,3 +83,33 @@ def test_stalled_requests_time_out_and_are_counted(
                              "--result-file", str(tmp_path / "t.json")))  # fmt: skip
     result = json.loads((tmp_path / "t.json").read_text())
     assert rc == 1 and result["failed"] == 4
+
+
+def test_a_conversations_next_turn_is_sent_only_after_the_previous_one_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+    import time
+
+    from benchmarks.serving import runner
+    from benchmarks.serving.datasets import SampleRequest
+    from benchmarks.serving.metrics import RequestRecord
+
+    spans: dict[str, tuple[float, float]] = {}
+
+    async def fake_send(http: Any, cfg: Any, req: SampleRequest, tok: Any) -> RequestRecord:
+        start = time.monotonic()
+        await asyncio.sleep(0.05)
+        spans[req.prompt] = (start, time.monotonic())
+        return RequestRecord(prompt_len=req.prompt_len, success=True)
+
+    monkeypatch.setattr(runner, "send_request", fake_send)
+    reqs = [SampleRequest("a0", 1, 1), SampleRequest("b0", 1, 1),
+            SampleRequest("a1", 1, 1, after=0), SampleRequest("b1", 1, 1, after=1),
+            SampleRequest("a2", 1, 1, after=2)]  # fmt: skip
+    cfg = runner.RequestConfig("http://unused", "/v1/completions", "m", True)
+    records, _ = asyncio.run(runner.run_load(reqs, cfg, runner.LoadConfig(), None, True))
+    assert all(r.success for r in records)
+    for first, then in (("a0", "a1"), ("a1", "a2"), ("b0", "b1")):
+        assert spans[then][0] >= spans[first][1]
+    assert spans["b0"][0] < spans["a0"][1]  # conversations run side by side

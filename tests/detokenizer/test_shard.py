@@ -256,3 +256,30 @@ def test_logprob_entries_carry_raw_token_bytes(qwen_tokenizer) -> None:  # type:
     assert entries is not None
     assert b"".join(e.token_bytes for e in entries) == "🫠".encode()
     assert [e.top_bytes[0] for e in entries] == [e.token_bytes for e in entries]
+
+
+def test_the_first_tokens_cached_prompt_count_rides_on_every_later_delta(
+    shard_factory: Any, qwen_tokenizer: Any
+) -> None:
+    ids = qwen_tokenizer.encode("cached prefix, then more")
+    shard, out = shard_factory(), {}
+    shard.register(register(5, DetokParams()))
+    shard.register(register(6, DetokParams(stop=("zzz",))))  # not the fast path
+    # Prefill's batch: two first tokens with their counts; decode's rows report none (-1).
+    shard.on_tokens(TokenBatch.build([5, 6], [0, 0], ids[:2], cached_tokens=[32, 0]), None)
+    collect(shard, out)
+    for pos, tok in enumerate(ids[1:], start=1):
+        fin = [int(Finish.LENGTH)] if pos == len(ids) - 1 else [0]
+        shard.on_tokens(TokenBatch.build([5], [pos], [tok], finish=fin), 0)
+        collect(shard, out)
+    assert [d.cached_tokens for d in out[5]] == [32] * len(out[5]) and out[5][-1].finish
+    assert out[6][0].cached_tokens == 0
+
+
+def test_a_cached_count_that_arrives_before_registration_is_kept(shard_factory: Any) -> None:
+    shard, out = shard_factory(), {}
+    shard.on_tokens(TokenBatch.build([9], [1], [11], finish=[int(Finish.LENGTH)]), 0)
+    shard.on_tokens(TokenBatch.build([9], [0], [10], cached_tokens=[48]), None)
+    shard.register(register(9, DetokParams()))
+    collect(shard, out)
+    assert out[9][-1].cached_tokens == 48 and out[9][-1].finish == Finish.LENGTH

@@ -44,6 +44,13 @@ def test_flags_land_in_typed_fields(tmp_path: Path) -> None:
     assert c.enforce_eager and c.attention_backend == "torch"
 
 
+def test_cache_aware_routing_is_the_default_exactly_when_prefix_caching_is_on() -> None:
+    assert parse_args([]).resolved_router_policy == "cache-aware"
+    assert parse_args(["--no-enable-prefix-caching"]).resolved_router_policy == "least-load"
+    chosen = parse_args(["--router-policy", "least-load"])
+    assert chosen.enable_prefix_caching and chosen.resolved_router_policy == "least-load"
+
+
 def test_api_key_comes_from_the_environment_when_not_given(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -72,6 +79,7 @@ def test_api_key_comes_from_the_environment_when_not_given(
         (["--device", "cpu", "--kv-transfer", "cuda_ipc"], "cuda_ipc needs GPUs"),
         (["--colocated", "2", "--kv-transfer", "shm"], "--kv-transfer does not apply"),
         (["--model", "/nonexistent/model"], "no config.json"),
+        (["--router-policy", "cache-aware", "--no-enable-prefix-caching"], "needs prefix caching"),
     ],
 )
 def test_inconsistent_flags_are_config_errors_naming_the_flag(

@@ -84,3 +84,29 @@ def test_children_on_cpu_are_told_what_they_always_were(default_model_path: Path
     )
     assert "gpu_memory_share" not in prefill.spec.settings
     assert prefill.env["CUDA_VISIBLE_DEVICES"] == "" and "p0" in prefill.spec.kv_pools
+
+
+def test_each_engine_worker_gets_its_prefix_summary_and_the_frontend_all_of_them(
+    default_model_path: Path,
+) -> None:
+    from transport.prefix_summary import summary_nbytes
+
+    argv = ["--device", "cpu", "--model", str(default_model_path), "--kv-cache-tokens", "4096"]
+    for caching in ([], ["--no-enable-prefix-caching"]):
+        cfg = parse_args([*argv, "--prefill", "2", "--decode", "1", *caching])
+        gpus = assign_gpus(cfg, [])
+        topo = _build_topology(cfg, default_model_path, KVBackend.SHM, gpus)
+        kids = {c.name: c for c in _children(cfg, topo, gpus, default_model_path,
+                                             KVBackend.SHM)}  # fmt: skip
+        if caching:
+            assert all(not c.spec.prefix_summaries for c in kids.values())
+            assert kids["frontend"].spec.settings["router_policy"] == "least-load"
+            continue
+        for name, peer in (("prefill-0", "p0"), ("prefill-1", "p1"), ("decode-0", "d0")):
+            summaries = kids[name].spec.prefix_summaries
+            assert summaries.keys() == {peer} and summaries[peer]["fd"] in kids[name].spec.fds()
+            # 256 blocks of 16 tokens, 8 counters each: 2048 -> the 4096 minimum.
+            assert summaries[peer]["nbytes"] == summary_nbytes(4096)
+        assert kids["frontend"].spec.prefix_summaries.keys() == {"p0", "p1", "d0"}
+        assert kids["frontend"].spec.settings["router_policy"] == "cache-aware"
+        assert not kids["detok-0"].spec.prefix_summaries

@@ -4,6 +4,12 @@ A prefill worker drains its FIFO request ring at each step, prefills ``chunk`` t
 its queue per step, and hands finished prompts to their decode worker. A decode worker
 admits transfers while it has KV blocks, grows each running request by one token per step
 and finishes it after ``max_tokens`` outputs, releasing the placement as the frontend would.
+
+Prefix caching, for requests the test lists in ``Cluster.hashes`` (ticket -> block hashes
+prefill computes, block hashes decode ends up holding): a prefill worker skips the leading
+blocks it holds (as ``ModelRunner.reuse_prefix`` does) and holds the prompt's blocks once
+done; a decode worker holds its requests' blocks; both publish what they hold in their
+prefix summary every step, as ``runtime.worker.Worker`` does. Caches never evict here.
 """
 
 from __future__ import annotations
@@ -16,6 +22,36 @@ from dataclasses import dataclass, field
 
 from router.router import Placement, Router
 from transport.load_table import LoadTable, Role, RowWriter, WorkerState
+from transport.prefix_summary import PrefixSummary, summary_nbytes
+
+BLOCK = 16
+Hashes = dict[int, tuple[list[int], list[int]]]  # ticket -> (prefill's, decode's)
+
+
+@dataclass
+class SimCache:
+    """What a simulated worker holds, mirrored into its prefix summary each step."""
+
+    summary: PrefixSummary = field(
+        default_factory=lambda: PrefixSummary(bytearray(summary_nbytes(1 << 16)), 1 << 16)
+    )
+    held: set[int] = field(default_factory=set)
+    new: list[int] = field(default_factory=list)
+
+    def leading(self, hashes: list[int]) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.held:
+            n += 1
+        return n
+
+    def add(self, hashes: list[int]) -> None:
+        fresh = [h for h in hashes if h not in self.held]
+        self.held.update(fresh)
+        self.new += fresh
+
+    def publish(self) -> None:
+        self.summary.update(self.new, [])
+        self.new = []
 
 
 @dataclass
@@ -33,13 +69,16 @@ class SimPrefill:
     queue: deque[_Job] = field(default_factory=deque)
     received: int = 0
     tokens_received: int = 0
+    cache: SimCache = field(default_factory=SimCache)
 
-    def step(self, decoders: list[SimDecode]) -> None:
+    def step(self, decoders: list[SimDecode], hashes: Hashes) -> None:
         while self.ring:
             p = self.ring.popleft()
             self.received += 1
             self.tokens_received += p.prompt_len
-            self.queue.append(_Job(p, p.prompt_len))
+            mine = hashes.get(p.ticket, ([], []))[0]
+            cached = min(self.cache.leading(mine), (p.prompt_len - 1) // BLOCK) * BLOCK
+            self.queue.append(_Job(p, p.prompt_len - cached))
         budget = self.chunk
         while self.queue and budget > 0:
             job = self.queue[0]
@@ -48,7 +87,9 @@ class SimPrefill:
             budget -= done
             if job.left == 0:
                 self.queue.popleft()
+                self.cache.add(hashes.get(job.placement.ticket, ([], []))[0])
                 decoders[job.placement.decode].ring.append(job.placement)
+        self.cache.publish()
         self.writer.publish(
             queued_prefill_tokens=sum(j.left for j in self.queue),
             waiting_requests=len(self.queue),
@@ -64,6 +105,7 @@ class SimDecode:
     block_size: int = 16
     ring: deque[Placement] = field(default_factory=deque)
     running: list[_Job] = field(default_factory=list)
+    cache: SimCache = field(default_factory=SimCache)
 
     def blocks(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
@@ -71,13 +113,15 @@ class SimDecode:
     def used(self) -> int:
         return sum(self.blocks(j.kv_len) for j in self.running)
 
-    def step(self, router: Router) -> None:
+    def step(self, router: Router, hashes: Hashes) -> None:
         while self.ring:
             p = self.ring[0]
             if self.used() + self.blocks(p.prompt_len + 1) > self.total_blocks:
                 break
             self.ring.popleft()
             self.running.append(_Job(p, left=p.max_tokens - 1, kv_len=p.prompt_len + 1))
+            self.cache.add(hashes.get(p.ticket, ([], []))[1])
+        self.cache.publish()
         for j in self.running:
             j.kv_len += 1
             j.left -= 1
@@ -97,12 +141,19 @@ class Cluster:
     table: LoadTable
     prefills: list[SimPrefill]
     decodes: list[SimDecode]
+    hashes: Hashes = field(default_factory=dict)
 
     def step(self, router: Router) -> None:
         for p in self.prefills:
-            p.step(self.decodes)
+            p.step(self.decodes, self.hashes)
         for d in self.decodes:
-            d.step(router)
+            d.step(router, self.hashes)
+
+    def summaries(self) -> dict[tuple[Role, int], PrefixSummary]:
+        """Every worker's prefix summary, as the frontend maps them for its router."""
+        out = {(Role.PREFILL, i): p.cache.summary for i, p in enumerate(self.prefills)}
+        out.update({(Role.DECODE, j): d.cache.summary for j, d in enumerate(self.decodes)})
+        return out
 
 
 def start_cluster(
@@ -114,11 +165,11 @@ def start_cluster(
     decodes: list[SimDecode] = []
     for i in range(n_prefill):
         w = table.writer(i)
-        w.claim(Role.PREFILL, i, pid=os.getpid())
+        w.claim(Role.PREFILL, i, pid=os.getpid(), block_size=BLOCK)
         prefills.append(SimPrefill(w))
     for j in range(n_decode):
         w = table.writer(n_prefill + j)
-        w.claim(Role.DECODE, j, pid=os.getpid(), block_size=16)
+        w.claim(Role.DECODE, j, pid=os.getpid(), block_size=BLOCK)
         decodes.append(SimDecode(w, total_blocks))
     for d in decodes:
         d.writer.publish(free_kv_blocks=total_blocks, total_kv_blocks=total_blocks)

@@ -190,3 +190,14 @@ def test_readers_never_see_a_torn_row_while_other_processes_write(tmp_path: Path
     assert all(r.queued_prefill_tokens == _WRITES for r in final)
     # The check raced real writes, not only the finished rows.
     assert len(seen) > 2
+
+
+def test_prefix_cache_figures_travel_in_the_row_after_offset_80() -> None:
+    buf, table = _table(1)
+    w = table.writer(0)
+    w.claim(Role.PREFILL, 0, pid=1)
+    w.publish(cached_blocks=77, prefix_hit_tokens=1 << 40, prefix_queried_tokens=(1 << 41) + 5)
+    row = LoadTable(buf, 1).snapshot()[0]
+    assert (row.cached_blocks, row.prefix_hit_tokens, row.prefix_queried_tokens) == (
+        77, 1 << 40, (1 << 41) + 5)  # fmt: skip
+    assert lt.ROW_DTYPE.fields is not None and lt.ROW_DTYPE.fields["cached_blocks"][1] == 80
