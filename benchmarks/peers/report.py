@@ -1,0 +1,120 @@
+"""The head-to-head's tables: figures side by side, then pdserve / vLLM ratios. Pure: no I/O.
+
+A ``Point`` is one server measured at one (workload, concurrency); the baseline server's
+point at the same (workload, concurrency) is what every other server's ratios divide by.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# (column heading, key in a benchmarks.serving summary); throughputs first, then latencies
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("out tok/s", "output_throughput"),
+    ("req/s", "request_throughput"),
+    ("TTFT p50 ms", "median_ttft_ms"),
+    ("TTFT p99 ms", "p99_ttft_ms"),
+    ("ITL p50 ms", "median_itl_ms"),
+    ("ITL p99 ms", "p99_itl_ms"),
+    ("TPOT p50 ms", "median_tpot_ms"),
+)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One server at one load: the figures ``benchmarks.serving.metrics.summarize`` gave."""
+
+    server: str
+    workload: str
+    concurrency: int
+    figures: dict[str, float]
+    completed: int
+    failed: int
+    load_avg: float  # 1-minute load average when the point finished: the machine is shared
+
+
+def ratio(ours: float, theirs: float) -> float:
+    """``ours / theirs``; NaN when either side has no figure (a failed or empty run)."""
+    if not (math.isfinite(ours) and math.isfinite(theirs)) or theirs <= 0 or ours <= 0:
+        return math.nan
+    return ours / theirs
+
+
+def _fmt(x: float, digits: int = 1) -> str:
+    return "–" if not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def _key(p: Point) -> tuple[str, int]:
+    return p.workload, p.concurrency
+
+
+def _head(*extra: str) -> list[str]:
+    names = ["concurrency", "server", *(c[0] for c in COLUMNS), *extra]
+    return ["| " + " | ".join(names) + " |", "|" + " --- |" * len(names)]
+
+
+def figure_rows(points: Sequence[Point], workload: str) -> list[str]:
+    """One row per (concurrency, server) of ``workload``; servers in order of first appearance."""
+    order = {s: i for i, s in enumerate(dict.fromkeys(p.server for p in points))}
+    rows = _head("ok / failed", "load")
+    mine = [p for p in points if p.workload == workload]
+    for p in sorted(mine, key=lambda p: (p.concurrency, order[p.server])):
+        cells = [_fmt(p.figures.get(key, math.nan)) for _, key in COLUMNS]
+        rows.append(f"| {p.concurrency} | {p.server} | " + " | ".join(cells)
+                    + f" | {p.completed} / {p.failed} | {p.load_avg:.1f} |")  # fmt: skip
+    return rows
+
+
+def ratio_rows(points: Sequence[Point], workload: str, baseline: str) -> list[str]:
+    """pdserve / baseline for every non-baseline server of ``workload``, by concurrency."""
+    base = {_key(p): p for p in points if p.server == baseline and p.workload == workload}
+    rows = _head()
+    ours = [p for p in points if p.server != baseline and p.workload == workload]
+    for p in sorted(ours, key=lambda p: (p.concurrency, p.server)):
+        theirs = base[_key(p)].figures if _key(p) in base else {}
+        nan = math.nan
+        cells = [_fmt(ratio(p.figures.get(k, nan), theirs.get(k, nan)), 2) for _, k in COLUMNS]
+        rows.append(f"| {p.concurrency} | {p.server} | " + " | ".join(cells) + " |")
+    return rows
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything the results file says besides the tables' figures."""
+
+    title: str
+    command: str
+    machine: str
+    setup: Sequence[str]  # one markdown bullet per line: model, dtype, each server's flags
+    workloads: Sequence[tuple[str, str]]  # (name, how it is made)
+    baseline: str
+    baseline_failure: str | None = None  # why the baseline could not run, verbatim
+
+
+def render(report: Report, points: Iterable[Point]) -> str:
+    pts = list(points)
+    out = [f"# {report.title}", "", f"Command: `{report.command}`", "", "Machine:", "", "```",
+           report.machine, "```", "", "Setup:", "", *(f"- {s}" for s in report.setup), ""]  # fmt: skip
+    if report.baseline_failure is not None:
+        out += [f"**{report.baseline} could not run here**, so there are no ratios:", "",
+                "```", report.baseline_failure.rstrip(), "```", ""]  # fmt: skip
+    else:
+        out += [f"Ratios are pdserve / {report.baseline}: above 1.00 is better for pdserve in "
+                "the throughput columns (out tok/s, req/s), below 1.00 is better in the latency "
+                "columns.", ""]  # fmt: skip
+    out += ["`load` is the machine's 1-minute load average as the point finished (the cores "
+            "are shared with other jobs).", ""]  # fmt: skip
+    for name, how in report.workloads:
+        out += [f"## {name}", "", how, "", *figure_rows(pts, name), ""]
+        if report.baseline_failure is None:
+            ratios = ratio_rows(pts, name, report.baseline)
+            out += [f"pdserve / {report.baseline}:", "", *ratios, ""]
+    return "\n".join(out)
+
+
+def summary_figures(summary: dict[str, Any]) -> dict[str, float]:
+    """The scalar figures of a ``summarize`` result (drops the per-request lists)."""
+    return {k: float(v) for k, v in summary.items() if isinstance(v, int | float)}
