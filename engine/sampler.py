@@ -12,10 +12,13 @@ Semantics (OpenAI / vLLM):
   only on (seed, p, logits): not on the batch, the worker, or an earlier resume.
 - Logprobs are of the raw model distribution (log_softmax of the logits before
   penalties, temperature and filters), as vLLM reports by default.
+- A grammar (``constrain``) masks the penalised logits of its rows before any of that:
+  greedy and sampled picks alike only see tokens the grammar allows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +26,8 @@ import torch
 from wire.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+# Masks disallowed tokens of (B, V) logits in place (a grammar's bitmask).
+Constraint = Callable[[torch.Tensor], None]
 
 
 def mix_seed(seed: int, position: int) -> int:
@@ -169,11 +174,19 @@ def draw(
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SampleRequest], generator: torch.Generator
-) -> SampleOutput:
-    """logits: (B, V) float32 -> one token per row, with logprobs where asked."""
+    logits: torch.Tensor, rows: list[SampleRequest], generator: torch.Generator,
+    constrain: Constraint | None = None,
+) -> SampleOutput:  # fmt: skip
+    """logits: (B, V) float32 -> one token per row, with logprobs where asked.
+
+    ``constrain`` masks disallowed tokens of a (B, V) tensor in place (a grammar).
+    """
     b = logits.shape[0]
     penalised = apply_penalties(logits, rows)
+    if constrain is not None:
+        # NOTE: never in ``logits`` itself: the raw logprobs below are read from it.
+        penalised = penalised.clone() if penalised is logits else penalised
+        constrain(penalised)
     token_ids = penalised.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:

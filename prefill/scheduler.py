@@ -12,6 +12,11 @@ Request life on a prefill worker:
       otherwise: blocks pinned, KVTransfer to the decode worker -> release() unpins them
 Freed and unpinned blocks that hold a full prefix block stay cached for later requests
 until the pool needs the room (engine/block_manager.py).
+
+A request with a grammar has it compiled on arrival (``grammars.prepare``, on a thread);
+its prompt is prefilled meanwhile, all but the last token, whose logits are sampled at
+once and so wait for the grammar. A grammar that does not compile ends the request with
+an error row (the frontend validated it, so that takes a library mismatch).
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.block_manager import NoFreeBlocks
+from engine.grammar import GrammarError
 from engine.runner import ModelRunner
+from engine.sampler import SampleOutput
 from engine.sequence import Sequence
 from runtime.step_output import TokenBatcher
 from transport.kv import PinnedBlocks
@@ -72,6 +81,7 @@ class PrefillScheduler:
         self.chunk_budget = chunk_budget
         self.waiting: deque[_Pending] = deque()
         self.pinned = PinnedBlocks()
+        self._failed: list[_Pending] = []  # dropped this step: their grammar failed
         self.requests_received = 0
         self.prompt_tokens_received = 0
 
@@ -87,6 +97,8 @@ class PrefillScheduler:
             rid=req.rid, prompt_ids=list(req.prompt_ids), sampling=req.sampling,
             output_ids=list(req.output_ids), block_size=self.runner.block_size,
         )  # fmt: skip
+        if req.sampling.grammar is not None:
+            self.runner.grammars.prepare(req.sampling.grammar)
         self.waiting.append(_Pending(seq, req.decode_worker, req.detok_shard))
         return Finish.NONE
 
@@ -124,16 +136,29 @@ class PrefillScheduler:
         """Run one batched prefill over as many waiting chunks as the budget and KV allow."""
         chunks = self._plan()
         out = PrefillStep()
-        if not chunks:
-            return out
-        logits = self.runner.prefill([(p.seq, n) for p, n in chunks])
-        out.ran_tokens = sum(n for _, n in chunks)
-        done = [(row, p) for row, (p, _) in enumerate(chunks) if p.seq.num_uncomputed_tokens == 0]
-        if not done:
-            return out
+        batcher = TokenBatcher()
+        for p in self._failed:  # an error row: no token, the request ends
+            batcher.add(p.detok_shard, p.seq.rid, len(p.seq.output_ids), -1, 0, float("nan"),
+                        Finish.ERROR)  # fmt: skip
+        self._failed = []
+        sample = None
+        if chunks:
+            logits = self.runner.prefill([(p.seq, n) for p, n in chunks])
+            out.ran_tokens = sum(n for _, n in chunks)
+            done = [(row, p) for row, (p, _) in enumerate(chunks)
+                    if p.seq.num_uncomputed_tokens == 0]  # fmt: skip
+            if done:
+                sample = self._sample_done(logits, done, batcher, out)
+        out.tokens = batcher.batches(sample)
+        return out
+
+    def _sample_done(
+        self, logits: torch.Tensor, done: list[tuple[int, _Pending]], batcher: TokenBatcher,
+        out: PrefillStep,
+    ) -> SampleOutput:  # fmt: skip
+        """First tokens of the requests whose prompt is computed; their KV goes on."""
         rows = [row for row, _ in done]
         sample = self.runner.sample(logits[rows], [p.seq for _, p in done])
-        batcher = TokenBatcher()
         tokens, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
         for i, (_, p) in enumerate(done):
             self.waiting.remove(p)
@@ -149,17 +174,23 @@ class PrefillScheduler:
                 out.handovers.append((p.seq, p.detok_shard))
             else:
                 out.transfers.append((p.decode_worker, self._export(p)))
-        out.tokens = batcher.batches(sample)
-        return out
+        return sample
 
     def _plan(self) -> list[tuple[_Pending, int]]:
         """FCFS chunks within the token budget; stops at the first request KV cannot hold."""
         budget, chunks = self.chunk_budget, []
-        for p in self.waiting:
+        for p in list(self.waiting):
             if budget <= 0:
                 break
+            ready = self._grammar_ready(p)
+            if ready is None:
+                continue
             self.runner.reuse_prefix(p.seq)  # no-op unless this is its first chunk
             n = min(p.seq.num_uncomputed_tokens, budget)
+            if not ready and n == p.seq.num_uncomputed_tokens:
+                n -= 1  # the last token's logits are sampled: that waits for the grammar
+            if n == 0:
+                continue
             try:
                 self.runner.ensure_blocks(p.seq, n)
             except NoFreeBlocks:
@@ -167,6 +198,17 @@ class PrefillScheduler:
             chunks.append((p, n))
             budget -= n
         return chunks
+
+    def _grammar_ready(self, p: _Pending) -> bool | None:
+        """Is ``p``'s grammar (if any) compiled; None: it failed, ``p`` is dropped."""
+        try:
+            return self.runner.grammar_ready(p.seq)
+        except GrammarError as e:
+            logger.error("rid %d: its grammar does not compile: %s", p.seq.rid, e)
+            self.waiting.remove(p)
+            self.runner.free_blocks(p.seq)
+            self._failed.append(p)
+            return None
 
     def _export(self, p: _Pending) -> KVTransfer:
         seq = p.seq
