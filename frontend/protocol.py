@@ -15,7 +15,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from frontend.errors import InvalidRequest, NotImplementedField
-from wire.params import DetokParams, SamplingParams
+from wire.params import DetokParams, GrammarSpec, SamplingParams
 
 # NOTE: these caps keep every record a request becomes within the smallest ring it
 # crosses (a detokenizer control ring holds 256 KiB; see launcher/topology.py). Without
@@ -86,6 +86,13 @@ class OpenAIFields(SamplingFields):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False
+    # Structured output (frontend/structured.py): OpenAI's, vLLM's current and older names.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def reject_common(self) -> None:
         if self.n not in (None, 1):
@@ -162,7 +169,6 @@ class ChatCompletionRequest(OpenAIFields):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     def reject_unsupported(self) -> None:
         self.reject_common()
@@ -170,8 +176,6 @@ class ChatCompletionRequest(OpenAIFields):
             raise NotImplementedField("tools", "tool and function calling are not implemented")
         if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
             raise NotImplementedField("tool_choice", "tool calling is not implemented")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise NotImplementedField("response_format", "structured output is not implemented")
         if not self.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
@@ -258,6 +262,7 @@ def to_engine_params(
     logprobs: int | None,
     vocab_size: int,
     max_logprobs: int,
+    grammar: GrammarSpec | None = None,
 ) -> tuple[SamplingParams, DetokParams]:
     """Translate validated fields into the engine's and the detokenizer's parameters."""
     defaults = SamplingParams()
@@ -275,6 +280,7 @@ def to_engine_params(
         stop_token_ids=body.checked_stop_token_ids(),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        grammar=grammar,
     )
     try:
         sampling.validate(vocab_size, max_logprobs)

@@ -76,6 +76,7 @@ def main() -> None:
         chat_template=s.get("chat_template"),
         host=s["host"],
         port=s["port"],
+        eos_token_ids=tuple(s.get("eos_token_ids", ())),
     )
     router_config = RouterConfig(
         max_waiting_requests=s["max_waiting_requests"],

@@ -26,6 +26,7 @@ from frontend.serving_common import (
     usage,
 )
 from frontend.serving_completions import check_model
+from frontend.structured import checked_grammar
 from wire.records import Finish, TokenLogprob
 
 
@@ -79,7 +80,10 @@ async def create_chat_completion(
     check_prompt_ids(prompt_ids, s.vocab_size, "messages")
     max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(prompt_ids), s.max_model_len)
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling, detok = to_engine_params(body, max_tokens, num_logprobs, s.vocab_size, s.max_logprobs)
+    grammar = await checked_grammar(ctx.grammars, body)
+    sampling, detok = to_engine_params(
+        body, max_tokens, num_logprobs, s.vocab_size, s.max_logprobs, grammar
+    )
     req = EngineRequest(rid=ctx.next_rid(), prompt_ids=prompt_ids, sampling=sampling, detok=detok)
     call = EngineCall(ctx, req, arrival)
     await call.start(request)

@@ -22,6 +22,7 @@ import anyio
 import msgspec
 from starlette.requests import Request
 
+from engine.grammar import GrammarCache
 from frontend.engine_client import EngineClient, EngineRequest, EngineUnavailable, Overloaded
 from frontend.errors import APIError, InternalError, ServiceUnavailable
 from frontend.metrics import FrontendMetrics
@@ -49,6 +50,7 @@ class ServingContext:
     tokenizer: Any
     settings: FrontendSettings
     metrics: FrontendMetrics
+    grammars: GrammarCache
     # NOTE: random start so rids of a restarted frontend do not collide with stale
     # records of the previous one still sitting in worker rings.
     _rids: Iterator[int] = field(default_factory=lambda: itertools.count(secrets.randbits(40)))

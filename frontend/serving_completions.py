@@ -24,6 +24,7 @@ from frontend.serving_common import (
     sse_stream,
     usage,
 )
+from frontend.structured import checked_grammar
 from wire.records import Finish, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -73,8 +74,9 @@ async def create_completion(
     requested = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), ctx.settings.max_model_len)
     s = ctx.settings
+    grammar = await checked_grammar(ctx.grammars, body)
     sampling, detok = to_engine_params(
-        body, max_tokens, body.logprobs, s.vocab_size, s.max_logprobs
+        body, max_tokens, body.logprobs, s.vocab_size, s.max_logprobs, grammar
     )
     req = EngineRequest(rid=ctx.next_rid(), prompt_ids=prompt_ids, sampling=sampling, detok=detok)
     call = EngineCall(ctx, req, arrival)

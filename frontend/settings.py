@@ -13,6 +13,7 @@ class FrontendSettings:
 
     ``vocab_size`` is the model's (possibly padded) embedding size: token ids in prompts
     and ``stop_token_ids`` must lie below it. ``chat_template`` overrides the tokenizer's.
+    ``eos_token_ids`` are the model's (its grammars end on them, as in the workers).
     """
 
     model_name: str
@@ -24,3 +25,4 @@ class FrontendSettings:
     max_logprobs: int = 20
     host: str = "127.0.0.1"
     port: int = 8000
+    eos_token_ids: tuple[int, ...] = ()

@@ -187,8 +187,6 @@ def test_unknown_model_is_a_404(http: httpx.Client, path: str) -> None:
         (CHAT, {"n": 4}, "n"),
         (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (CHAT, {"tool_choice": "required"}, "tool_choice"),
-        (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         (
             CHAT,

@@ -102,7 +102,6 @@ def test_unimplemented_completion_fields_are_rejected(fields: dict[str, Any], pa
         ({"n": 3}, "n"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages.0.content",
