@@ -168,6 +168,28 @@ class ModelRunner:
             stats.queried_tokens += seq.num_tokens
         return seq.num_cached_tokens
 
+    def fork(self, parent: Sequence, child: Sequence, copy_tail: bool) -> None:
+        """Give fresh ``child`` (same tokens as ``parent``) the parent's computed KV.
+
+        Full blocks are shared (one more reference each). The partial last block is
+        shared too unless ``copy_tail``: then the child, which will write its next token
+        there (co-located decode), gets a copy of its own (``NoFreeBlocks`` if none is
+        free; ``child`` is then unchanged).
+        """
+        assert not child.block_table and child.all_ids == parent.all_ids, child.rid
+        bs, computed = self.block_size, parent.num_computed_tokens
+        blocks = parent.block_table[: -(-computed // bs)]
+        tail: list[int] = []
+        if copy_tail and computed % bs:
+            tail = self.allocator.allocate(1)
+            self.kv_pool[tail[0]].copy_(self.kv_pool[blocks[-1]])
+            blocks = blocks[:-1]
+        self.allocator.share(blocks)
+        child.block_table = blocks + tail
+        child.num_computed_tokens = computed
+        child.num_cached_tokens = computed  # none of it was computed for the child
+        child.block_hashes = list(parent.block_hashes)
+
     def cache_full_blocks(self, seq: Sequence, start: int = 0) -> None:
         """Publish ``seq``'s blocks filled between position ``start`` and its computed end.
 

@@ -50,6 +50,12 @@ class _EngineCollector(Collector):
             "Tokens the router placed: prompts on prefill, prompt + max_tokens on decode",
             labels=labels,
         )
+        computed = CounterMetricFamily(
+            "pdserve_prefill_computed_tokens",
+            "Prompt tokens run through the model (below the tokens sent when prompts share "
+            "KV: n > 1 choices, cached prefixes)",
+            labels=labels,
+        )
         try:
             loads = self._client.metrics_snapshot()
         except Exception:  # a scrape must never take the server down
@@ -62,7 +68,9 @@ class _EngineCollector(Collector):
             kv.add_metric(key, w.kv_usage)
             assigned.add_metric(key, w.assigned_requests)
             assigned_tokens.add_metric(key, w.assigned_tokens)
-        yield from (running, waiting, kv, assigned, assigned_tokens)
+            if w.role != "decode":
+                computed.add_metric(key, w.computed_prefill_tokens)
+        yield from (running, waiting, kv, assigned, assigned_tokens, computed)
 
 
 class _NvmlCollector(Collector):

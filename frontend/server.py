@@ -77,6 +77,7 @@ def main() -> None:
         host=s["host"],
         port=s["port"],
         eos_token_ids=tuple(s.get("eos_token_ids", ())),
+        tool_call_parser=s.get("tool_call_parser"),
     )
     router_config = RouterConfig(
         max_waiting_requests=s["max_waiting_requests"],

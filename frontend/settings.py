@@ -14,6 +14,8 @@ class FrontendSettings:
     ``vocab_size`` is the model's (possibly padded) embedding size: token ids in prompts
     and ``stop_token_ids`` must lie below it. ``chat_template`` overrides the tokenizer's.
     ``eos_token_ids`` are the model's (its grammars end on them, as in the workers).
+    ``tool_call_parser`` reads tool calls out of chat output (frontend/tool_parsers.py);
+    None: ``tool_choice: auto`` is refused.
     """
 
     model_name: str
@@ -26,3 +28,4 @@ class FrontendSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     eos_token_ids: tuple[int, ...] = ()
+    tool_call_parser: str | None = None

@@ -103,7 +103,7 @@ def _spec(key: str, value: Any, param: str) -> GrammarSpec:
     """One vLLM-style constraint (``json``/``regex``/``choice``/``grammar``) as a spec."""
     if key == "json":
         schema = _schema(value, param)
-        _check_enforceable(schema, param)
+        check_enforceable(schema, param)
         return GrammarSpec(kind=GrammarKind.JSON_SCHEMA, text=json.dumps(schema))
     if key == "choice":
         ok = isinstance(value, list) and value and all(isinstance(c, str) for c in value)
@@ -128,7 +128,7 @@ def _schema(value: Any, param: str) -> Any:
     return value
 
 
-def _check_enforceable(schema: Any, param: str) -> None:
+def check_enforceable(schema: Any, param: str) -> None:
     """Refuse keywords the grammar engine would ignore, and references it cannot follow."""
     if not isinstance(schema, dict):
         return
@@ -142,15 +142,15 @@ def _check_enforceable(schema: Any, param: str) -> None:
     for key in _SUBSCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for sub in schema[key].values():
-                _check_enforceable(sub, param)
+                check_enforceable(sub, param)
     for key in _SUBSCHEMA_LISTS:
         if isinstance(schema.get(key), list):
             for sub in schema[key]:
-                _check_enforceable(sub, param)
+                check_enforceable(sub, param)
     for key in _SUBSCHEMAS:
         subs = schema.get(key)
         for sub in subs if isinstance(subs, list) else [subs]:
-            _check_enforceable(sub, param)
+            check_enforceable(sub, param)
 
 
 async def checked_grammar(grammars: GrammarCache, body: Any) -> GrammarSpec | None:
@@ -160,8 +160,13 @@ async def checked_grammar(grammars: GrammarCache, body: Any) -> GrammarSpec | No
     if found is None:
         return None
     param, spec = found
+    await compile_checked(grammars, spec, param)
+    return spec
+
+
+async def compile_checked(grammars: GrammarCache, spec: GrammarSpec, param: str) -> None:
+    """Compile ``spec`` off the event loop (cached by key); a 400 naming ``param`` if bad."""
     try:
         await asyncio.wrap_future(grammars.prepare(spec))
     except GrammarError as e:
         raise InvalidRequest(str(e), param=param) from e
-    return spec

@@ -38,6 +38,7 @@ def worker_health(
             "running_requests": float(r.running_requests),
             "free_kv_blocks": float(r.free_kv_blocks),
             "total_kv_blocks": float(r.total_kv_blocks),
+            "computed_prefill_tokens": float(r.computed_prefill_tokens),
         }
         dead = r.state in (WorkerState.DEAD, WorkerState.FAILED) and r.exit_status != 0
         reason = describe_exit(r.exit_status) if dead else None
@@ -64,5 +65,6 @@ def worker_metrics(
         used = (r.total_kv_blocks - r.free_kv_blocks) / total
         n, tokens = assigned.get((r.role, r.index), (0, 0))
         out.append(WorkerMetrics(r.role.name.lower(), r.index, r.running_requests,
-                                 r.waiting_requests, used, n, tokens))  # fmt: skip
+                                 r.waiting_requests, used, n, tokens,
+                                 r.computed_prefill_tokens))  # fmt: skip
     return out

@@ -123,7 +123,8 @@ class PrefillWorker(Worker):
         s = self.sched
         return QueueLoad(queued_prefill_tokens=s.queued_tokens, waiting_requests=s.num_waiting,
                          requests_received=s.requests_received,
-                         prompt_tokens_received=s.prompt_tokens_received)  # fmt: skip
+                         prompt_tokens_received=s.prompt_tokens_received,
+                         computed_prefill_tokens=s.computed_tokens)  # fmt: skip
 
 
 def main() -> None:

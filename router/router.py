@@ -89,11 +89,13 @@ class Router:
         self.ledger = Ledger()
         self._tickets = itertools.count(1)
 
-    def place(self, prompt_len: int, max_tokens: int) -> Placement:
+    def place(self, prompt_len: int, max_tokens: int, *, prefill: int | None = None) -> Placement:
         """Choose the workers for a request, or raise ``NoCapacity``.
 
         The placement is counted as in flight until ``release``; the caller must send it
         to the chosen prefill worker (or call ``release(p, delivered=False)``).
+        ``prefill``: only that prefill (or co-located) worker will do, e.g. the one the
+        other choices of an ``n > 1`` request went to, which shares their prompt's KV.
         """
         if prompt_len < 1 or max_tokens < 1:
             raise ValueError(
@@ -101,7 +103,7 @@ class Router:
             )
         rows, now = self._snapshot()
         p_role, d_role = _roles(rows)
-        p_row = self._choose(rows, p_role, prompt_len, now)
+        p_row = self._choose(rows, p_role, prompt_len, now, only=prefill)
         d_row = p_row if p_role is d_role else self._choose(rows, d_role, prompt_len, now)
         return self._commit(p_row, d_row, prompt_len, max_tokens)
 
@@ -152,8 +154,12 @@ class Router:
         self.ledger.sync(rows)
         return rows, time.monotonic_ns()
 
-    def _choose(self, rows: list[LoadRow], role: Role, prompt_len: int, now_ns: int) -> LoadRow:
-        live = [r for r in rows if r.role is role and self._routable(r, now_ns)]
+    def _choose(
+        self, rows: list[LoadRow], role: Role, prompt_len: int, now_ns: int,
+        only: int | None = None,
+    ) -> LoadRow:  # fmt: skip
+        live = [r for r in rows if r.role is role and self._routable(r, now_ns)
+                and (only is None or r.index == only)]  # fmt: skip
         if not live:
             raise NoCapacity(self._config.retry_after_dead_s, f"no live {role.name.lower()} worker")
         admitted = sorted((r for r in live if self._admits(r, prompt_len)), key=_index)

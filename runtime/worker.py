@@ -41,6 +41,7 @@ class QueueLoad:
     running_requests: int = 0
     requests_received: int = 0
     prompt_tokens_received: int = 0
+    computed_prefill_tokens: int = 0
 
 
 class TakesRequests(Protocol):
@@ -115,4 +116,5 @@ class Worker(abc.ABC):
             total_kv_blocks=a.num_blocks,
             requests_received=q.requests_received,
             prompt_tokens_received=q.prompt_tokens_received,
+            computed_prefill_tokens=q.computed_prefill_tokens,
         )

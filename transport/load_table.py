@@ -95,6 +95,9 @@ class LoadRow:
     requests_received: int
     prompt_tokens_received: int
     exit_status: int = 0  # of the last exit the launcher saw: a code, or -signal
+    # Prompt tokens the worker ran through the model, cumulative over the generation:
+    # below prompt_tokens_received when prompts share KV (n > 1 choices, cached prefixes).
+    computed_prefill_tokens: int = 0
 
 
 def describe_exit(status: int) -> str:
@@ -113,11 +116,11 @@ def describe_exit(status: int) -> str:
 HEADER_NBYTES = 64
 ROW_NBYTES = 128
 _MAGIC = 0x7064_6C6F_6164_7462  # "pdloadtb"
-_VERSION = 2
+_VERSION = 3
 _HEADER = struct.Struct("<QII")  # magic, version, num_workers
 # Row payload after the 8-byte seq, packed in one call by the writer. The numpy dtype below
 # names the same bytes for the reader; test_load_table pins that the two agree.
-_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxi")
+_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiq")
 _PAYLOAD_FIELDS = (
     "heartbeat_ns",
     "queued_prefill_tokens",
@@ -134,12 +137,15 @@ _PAYLOAD_FIELDS = (
     "role",
     "state",
     "exit_status",
+    "computed_prefill_tokens",
 )
 ROW_DTYPE = np.dtype(
     {
         "names": ["seq", *_PAYLOAD_FIELDS],
-        "formats": ["<u8", "<i8", "<i8", "<i8", "<i8", "<u4"] + ["<i4"] * 7 + ["u1", "u1", "<i4"],
-        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76],
+        "formats": ["<u8", "<i8", "<i8", "<i8", "<i8", "<u4"]
+        + ["<i4"] * 7
+        + ["u1", "u1", "<i4", "<i8"],
+        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76, 80],
         "itemsize": ROW_NBYTES,
     }
 )
@@ -271,6 +277,7 @@ class RowWriter:
         total_kv_blocks: int | None = None,
         requests_received: int | None = None,
         prompt_tokens_received: int | None = None,
+        computed_prefill_tokens: int | None = None,
     ) -> None:
         """Refresh the heartbeat and any load fields given; others keep their last value."""
         given = {
@@ -281,6 +288,7 @@ class RowWriter:
             "total_kv_blocks": total_kv_blocks,
             "requests_received": requests_received,
             "prompt_tokens_received": prompt_tokens_received,
+            "computed_prefill_tokens": computed_prefill_tokens,
         }
         for name, value in given.items():
             if value is not None:
