@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
+from msgspec.structs import replace
 from starlette.requests import Request
 
 from frontend.engine_client import EngineRequest
