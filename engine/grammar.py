@@ -14,7 +14,8 @@ Who calls what, when:
 - ``state(spec, output_ids)``: a fresh matcher that has accepted ``output_ids`` (a request
   resumed after a worker death, or handed from prefill to decode). Waits if the compile
   is still running.
-- per step: ``GrammarState.fill`` writes each row's allowed-token bitmask, then
+- per step: ``fill_bitmask`` writes each row's allowed-token bitmask (``GrammarState.fill``,
+  the rows of a batch on several threads), then
   ``apply_bitmask`` puts -inf on the rest; ``GrammarState.accept`` advances the matcher by
   the sampled token (``Sequence.append_token`` calls it).
 - ``compile_now(spec)``: compile synchronously (the frontend validates off its loop).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -103,13 +105,39 @@ class GrammarState:
         return True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write this sequence's allowed next tokens into ``bitmask[row]``."""
-        if not self.failed:
-            self._matcher.fill_next_token_bitmask(bitmask, row)
+        """Write this sequence's allowed next tokens into ``bitmask[row]``.
+
+        A failed or complete grammar leaves the row as it is (check_stop ends the
+        request at once: the row is not sampled under a grammar again).
+        """
+        if self.failed or self._matcher.is_terminated():
+            return
+        self._matcher.fill_next_token_bitmask(bitmask, row)
 
     @property
     def terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
+
+
+def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
+    """``states[k].fill(bitmask, rows[k])`` for every k, on several threads at once."""
+    import xgrammar as xgr
+
+    live = [(s, r) for s, r in zip(states, rows, strict=True)
+            if not s.failed and not s._matcher.is_terminated()]  # fmt: skip
+    if len(live) < 2:
+        for s, r in live:
+            s.fill(bitmask, r)
+        return
+    global _batch_matcher
+    if _batch_matcher is None:
+        _batch_matcher = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+    _batch_matcher.batch_fill_next_token_bitmask(
+        [s._matcher for s, _ in live], bitmask, indices=[r for _, r in live]
+    )
+
+
+_batch_matcher: Any = None
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

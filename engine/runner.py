@@ -31,7 +31,7 @@ from engine.attention import AttentionMetadata, DenseDecodeKV
 from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.gpu_memory import gpu_kv_blocks
-from engine.grammar import GrammarCache, apply_bitmask, new_bitmask
+from engine.grammar import GrammarCache, apply_bitmask, fill_bitmask, new_bitmask
 from engine.kernels import use_kernels
 from engine.kv_cache import GpuMemoryError, allocate_kv_pool, block_nbytes, check_kv_pool
 from engine.loader import load_weights
@@ -381,13 +381,15 @@ class ModelRunner:
         rows = [i for i, s in enumerate(seqs) if s.sampling.grammar is not None]
         if not rows:
             return None
-        bitmask = new_bitmask(len(seqs), self.grammars.vocab_size)
+        states = []
         for i in rows:
             seq = seqs[i]
             if seq.grammar is None:  # first sample here: replay what it has produced
                 assert seq.sampling.grammar is not None
                 seq.grammar = self.grammars.state(seq.sampling.grammar, seq.output_ids, seq.rid)
-            seq.grammar.fill(bitmask, i)
+            states.append(seq.grammar)
+        bitmask = new_bitmask(len(seqs), self.grammars.vocab_size)
+        fill_bitmask(states, bitmask, rows)
         return lambda logits: apply_bitmask(logits, bitmask, rows)
 
     def check_stop(self, seq: Sequence) -> Finish:

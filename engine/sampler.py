@@ -179,13 +179,17 @@ def sample(
 ) -> SampleOutput:  # fmt: skip
     """logits: (B, V) float32 -> one token per row, with logprobs where asked.
 
-    ``constrain`` masks disallowed tokens of a (B, V) tensor in place (a grammar).
+    ``constrain`` masks disallowed tokens of a (B, V) tensor in place (a grammar); it may
+    mask ``logits`` itself, which the caller must not read again.
     """
     b = logits.shape[0]
     penalised = apply_penalties(logits, rows)
+    wants_logprobs = any(r.params.logprobs is not None for r in rows)
     if constrain is not None:
-        # NOTE: never in ``logits`` itself: the raw logprobs below are read from it.
-        penalised = penalised.clone() if penalised is logits else penalised
+        # NOTE: ``logits`` itself is masked only when no row reads raw logprobs from it
+        # below (a (B, V) copy costs more than the mask); the caller's logits are spent.
+        if penalised is logits and wants_logprobs:
+            penalised = penalised.clone()
         constrain(penalised)
     token_ids = penalised.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -196,7 +200,7 @@ def sample(
     logprobs = torch.full((b,), float("nan"), device=logits.device)
     top_ids = torch.zeros((b, k), dtype=torch.long, device=logits.device)
     top_logprobs = torch.zeros((b, k), device=logits.device)
-    if any(r.params.logprobs is not None for r in rows):
+    if wants_logprobs:
         raw = logits.float().log_softmax(dim=-1)
         wanted = torch.tensor([r.params.logprobs is not None for r in rows], device=logits.device)
         chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
