@@ -52,7 +52,8 @@ class ColocatedWorker(Worker):
     def load(self) -> QueueLoad:
         s = self.sched
         return QueueLoad(s.queued_tokens, s.num_waiting, s.num_running,
-                         s.requests_received, s.prompt_tokens_received)  # fmt: skip
+                         s.requests_received, s.prompt_tokens_received,
+                         s.prefill.computed_tokens)  # fmt: skip
 
 
 def main() -> None:

@@ -15,6 +15,10 @@ recomputed here (one prefill over prompt + output) when room returns — it neve
 to a prefill worker, and its output so far is kept. With prefix caching, imported and
 generated blocks are published as they fill, so a preempted request reuses whichever
 of its blocks were not evicted meanwhile.
+
+A handoff whose grammar is not compiled here yet waits aside (``compiling``) while it
+compiles on the grammar thread, so it holds up no other handoff; the matcher is rebuilt
+by replaying the request's output so far when it is first sampled here.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import NoFreeBlocks
+from engine.grammar import GrammarError
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
 from runtime.step_output import TokenBatcher
@@ -56,6 +61,8 @@ class DecodeScheduler:
         self.running: dict[int, _Running] = {}
         self.preempted: deque[_Running] = deque()
         self._aborted: OrderedDict[int, None] = OrderedDict()
+        self.compiling: list[KVTransfer] = []  # offered; their grammar is compiling here
+        self._failed: list[KVTransfer] = []  # their grammar failed: error rows next step
 
     # ---- inputs ------------------------------------------------------------------------
 
@@ -63,8 +70,29 @@ class DecodeScheduler:
         """A prefill worker has KV ready for ``t.rid``; refused at once if already aborted."""
         if t.rid in self._aborted:
             return [(t.prefill_worker, KVRelease(rid=t.rid, accepted=False))]
+        if t.sampling.grammar is not None:
+            self.runner.grammars.prepare(t.sampling.grammar)
+            self.compiling.append(t)
+            return self._promote_compiled()
         self.pending.append(t)
         return []
+
+    def _promote_compiled(self) -> list[tuple[int, KVRelease]]:
+        """Move handoffs whose grammar is compiled to ``pending``; refuse failed ones."""
+        releases: list[tuple[int, KVRelease]] = []
+        waiting: list[KVTransfer] = []
+        for t in self.compiling:
+            assert t.sampling.grammar is not None
+            try:
+                ready = self.runner.grammars.ready(t.sampling.grammar)
+            except GrammarError as e:
+                logger.error("rid %d: its grammar does not compile: %s", t.rid, e)
+                releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=False)))
+                self._failed.append(t)
+                continue
+            (self.pending if ready else waiting).append(t)
+        self.compiling = waiting
+        return releases
 
     def abort(self, rid: int) -> list[tuple[int, KVRelease]]:
         """Stop ``rid`` wherever it is here; its blocks are free when this returns."""
@@ -72,8 +100,9 @@ class DecodeScheduler:
         while len(self._aborted) > _ABORT_MEMORY:
             self._aborted.popitem(last=False)
         releases = [(t.prefill_worker, KVRelease(rid=rid, accepted=False))
-                    for t in self.pending if t.rid == rid]  # fmt: skip
+                    for t in (*self.pending, *self.compiling) if t.rid == rid]  # fmt: skip
         self.pending = deque(t for t in self.pending if t.rid != rid)
+        self.compiling = [t for t in self.compiling if t.rid != rid]
         self.preempted = deque(r for r in self.preempted if r.seq.rid != rid)
         r = self.running.pop(rid, None)
         if r is not None:
@@ -86,7 +115,7 @@ class DecodeScheduler:
         With prefix caching only the blocks this pool lacks are copied: the leading full
         blocks it already holds (found by the transfer's block hashes) are shared.
         """
-        releases = []
+        releases = self._promote_compiled() if self.compiling else []
         while self.pending and self._has_room():
             t = self.pending[0]
             seq = self._import(t)
@@ -153,15 +182,19 @@ class DecodeScheduler:
         """One decode token for every running request (after recomputing preempted ones)."""
         out = DecodeStep()
         batcher = TokenBatcher()
+        for t in self._failed:  # an error row: no token, the request ends
+            batcher.add(t.detok_shard, t.rid, len(t.output_ids), -1, 0, float("nan"),
+                        Finish.ERROR)  # fmt: skip
+        self._failed = []
         self._resume_preempted()
         batch = self._reserve_blocks()
-        if not batch:
-            return out
-        logits = self.runner.decode([r.seq for r in batch])
-        sample = self.runner.sample(logits, [r.seq for r in batch])
-        tokens, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
-        for i, r in enumerate(batch):
-            self._emit(r, tokens[i], i, logprobs[i], batcher, out)
+        sample = None
+        if batch:
+            logits = self.runner.decode([r.seq for r in batch])
+            sample = self.runner.sample(logits, [r.seq for r in batch])
+            tokens, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
+            for i, r in enumerate(batch):
+                self._emit(r, tokens[i], i, logprobs[i], batcher, out)
         out.tokens = batcher.batches(sample)
         return out
 
@@ -219,4 +252,4 @@ class DecodeScheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.pending) + len(self.preempted)
+        return len(self.pending) + len(self.preempted) + len(self.compiling)

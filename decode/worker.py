@@ -14,6 +14,7 @@ and accepts transfers only from pools it has mapped (transport/kv_handles.py).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -32,6 +33,9 @@ from wire.records import AbortRequest, KVPoolHandle, KVRelease, KVTransfer
 from wire.ring_names import RingKind
 
 logger = logging.getLogger(__name__)
+# While only handoffs waiting for their grammar to compile are here: poll, do not spin
+# (the compile thread needs the core) and do not sleep on the doorbell (nothing rings it).
+_GRAMMAR_POLL_S = 0.002
 
 
 class DecodeWorker(Worker):
@@ -73,7 +77,9 @@ class DecodeWorker(Worker):
         self._release(self.sched.admit())
         for shard, batch in self.sched.step().tokens.items():
             send(self.tok_out[shard], batch)
-        return bool(self.sched.running)
+        if self.sched.compiling and not self.sched.running:
+            time.sleep(_GRAMMAR_POLL_S)
+        return bool(self.sched.running or self.sched.compiling)
 
     def take_inputs(self) -> None:
         for ring in self.ctl_in:

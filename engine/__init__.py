@@ -15,5 +15,9 @@ KV memory and requests:
 Running:
     runner.py   ModelRunner: prefill / decode / sample / check_stop (what workers call)
     sampler.py  penalties, temperature, top-k/p, min-p, seeded draws, logprobs
+Structured output:
+    grammar.py        GrammarCache (compile on a thread, cache by spec), GrammarState
+                      (a sequence's matcher), the token bitmask per step
+    grammar_vocab.py  the vocabulary as xgrammar sees it, cached on disk per model
     llm.py      LLM: in-process continuous batching, the co-located baseline
 """

@@ -22,6 +22,8 @@ Who calls what, when (``engine.runner.ModelRunner`` is the usual caller):
 - ``register(block, hash)`` once a block's last slot is computed: from now on a sequence
   whose prefix has that hash may ``acquire`` it. If another block already holds the hash
   this one stays private (the first copy wins; the duplicate is freed as FREE later).
+- ``share(blocks)`` takes one more sequence reference on blocks already in use: a
+  sequence forked from the one holding them (the choices of an ``n > 1`` request).
 - ``free(blocks)`` drops one reference per id; a block losing its last one becomes CACHED
   if hashed (its chain's tail is evicted first), else FREE.
 - ``pin(blocks)`` turns a sequence's reference into a transfer's (the prefill worker hands
@@ -239,6 +241,16 @@ class BlockAllocator:
         assert self._journal is not None, "watch_hashes() first"
         out, self._journal = self._journal, ([], [])
         return out
+
+    def share(self, ids: Sequence[int]) -> None:
+        """One more sequence reference on each of ``ids``, which must be in use already.
+
+        NOTE: a shared block is written by nobody: it is full, or the tail of a prompt
+        whose sharers all write their next tokens elsewhere (their own copy of it).
+        """
+        self._check(ids, lambda b, k: self._refs[b] > 0, "in use")
+        for b in ids:
+            self._refs[b] += 1
 
     def free(self, ids: Sequence[int]) -> None:
         """Drop one sequence reference per id (all or nothing: a bad id raises first)."""

@@ -10,6 +10,10 @@ Who calls what:
 - ``prefill`` / ``decode`` run one batched forward, write KV into the pool and advance
   ``num_computed_tokens``; ``sample`` picks next tokens; the caller appends them and
   asks ``check_stop``; ``free_blocks`` returns a finished sequence's blocks.
+- a sequence with a grammar (``sampling.grammar``) is sampled only once
+  ``grammar_ready`` says its grammar is compiled (``grammars.prepare`` starts that on
+  arrival); ``sample`` then masks its row and ``check_stop`` ends it when the grammar is
+  complete.
 - ``prefill`` / ``decode`` publish every block they fill (``cache_full_blocks``), so the
   next sequence sharing the prefix reuses it; a caller that writes KV some other way (a
   decode worker importing a transfer) calls ``cache_full_blocks`` itself.
@@ -27,11 +31,12 @@ from engine.attention import AttentionMetadata, DenseDecodeKV
 from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.gpu_memory import gpu_kv_blocks
+from engine.grammar import GrammarCache, apply_bitmask, fill_bitmask, new_bitmask
 from engine.kernels import use_kernels
 from engine.kv_cache import GpuMemoryError, allocate_kv_pool, block_nbytes, check_kv_pool
 from engine.loader import load_weights
 from engine.model import CausalLM
-from engine.sampler import SampleOutput, SampleRequest, sample
+from engine.sampler import Constraint, SampleOutput, SampleRequest, sample
 from engine.sequence import Sequence
 from wire.records import Finish
 
@@ -58,6 +63,10 @@ class ModelRunner:
         load_weights(self.model, Path(config.model))
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
+        self.grammars = GrammarCache(
+            lambda: _load_tokenizer(config.model), self.model_config.vocab_size,
+            self.eos_token_ids, model_dir=config.model,
+        )  # fmt: skip
         # CPU only: on CUDA gathering is cheap and a second copy of the KV would cost memory.
         self._dense = DenseDecodeKV() if self.device.type == "cpu" else None
         self._kernels: KernelPath | None = None
@@ -158,6 +167,28 @@ class ModelRunner:
             seq.prefix_queried = True
             stats.queried_tokens += seq.num_tokens
         return seq.num_cached_tokens
+
+    def fork(self, parent: Sequence, child: Sequence, copy_tail: bool) -> None:
+        """Give fresh ``child`` (same tokens as ``parent``) the parent's computed KV.
+
+        Full blocks are shared (one more reference each). The partial last block is
+        shared too unless ``copy_tail``: then the child, which will write its next token
+        there (co-located decode), gets a copy of its own (``NoFreeBlocks`` if none is
+        free; ``child`` is then unchanged).
+        """
+        assert not child.block_table and child.all_ids == parent.all_ids, child.rid
+        bs, computed = self.block_size, parent.num_computed_tokens
+        blocks = parent.block_table[: -(-computed // bs)]
+        tail: list[int] = []
+        if copy_tail and computed % bs:
+            tail = self.allocator.allocate(1)
+            self.kv_pool[tail[0]].copy_(self.kv_pool[blocks[-1]])
+            blocks = blocks[:-1]
+        self.allocator.share(blocks)
+        child.block_table = blocks + tail
+        child.num_computed_tokens = computed
+        child.num_cached_tokens = computed  # none of it was computed for the child
+        child.block_hashes = list(parent.block_hashes)
 
     def cache_full_blocks(self, seq: Sequence, start: int = 0) -> None:
         """Publish ``seq``'s blocks filled between position ``start`` and its computed end.
@@ -329,13 +360,37 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         """Pick each sequence's next token (output position ``len(seq.output_ids)``)."""
         rows = [SampleRequest(s.sampling, s.prompt_ids, s.output_ids) for s in seqs]
-        out = sample(logits, rows, self.generator)
+        out = sample(logits, rows, self.generator, self._grammar_constraint(seqs))
         if out.token_ids.is_cuda:
             # Every caller reads the sample on the host (token lists, numpy batches):
             # one copy per step, not one sync per element.
             out = SampleOutput(out.token_ids.cpu(), out.logprobs.cpu(), out.top_ids.cpu(),
                                out.top_logprobs.cpu())  # fmt: skip
         return out
+
+    def grammar_ready(self, seq: Sequence) -> bool:
+        """May ``seq`` be sampled: no grammar, or its grammar is compiled.
+
+        Raises ``GrammarError`` if its grammar failed to compile.
+        """
+        spec = seq.sampling.grammar
+        return spec is None or seq.grammar is not None or self.grammars.ready(spec)
+
+    def _grammar_constraint(self, seqs: list[Sequence]) -> Constraint | None:
+        """The mask of this batch's constrained rows, or None when no row has a grammar."""
+        rows = [i for i, s in enumerate(seqs) if s.sampling.grammar is not None]
+        if not rows:
+            return None
+        states = []
+        for i in rows:
+            seq = seqs[i]
+            if seq.grammar is None:  # first sample here: replay what it has produced
+                assert seq.sampling.grammar is not None
+                seq.grammar = self.grammars.state(seq.sampling.grammar, seq.output_ids, seq.rid)
+            states.append(seq.grammar)
+        bitmask = new_bitmask(len(seqs), self.grammars.vocab_size)
+        fill_bitmask(states, bitmask, rows)
+        return lambda logits: apply_bitmask(logits, bitmask, rows)
 
     def check_stop(self, seq: Sequence) -> Finish:
         """Why ``seq`` must stop after its newest token, or ``Finish.NONE``."""
@@ -346,9 +401,17 @@ class ModelRunner:
             return Finish.STOP
         if not params.ignore_eos and last in self.eos_token_ids:
             return Finish.STOP
+        if seq.grammar is not None and seq.grammar.terminated:
+            return Finish.STOP
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return Finish.LENGTH
         return Finish.NONE
+
+
+def _load_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer  # only when a grammar first needs it
+
+    return AutoTokenizer.from_pretrained(model)
 
 
 def _token_span(seq: Sequence, start: int, n: int) -> list[int]:

@@ -12,10 +12,13 @@ Semantics (OpenAI / vLLM):
   only on (seed, p, logits): not on the batch, the worker, or an earlier resume.
 - Logprobs are of the raw model distribution (log_softmax of the logits before
   penalties, temperature and filters), as vLLM reports by default.
+- A grammar (``constrain``) masks the penalised logits of its rows before any of that:
+  greedy and sampled picks alike only see tokens the grammar allows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +26,8 @@ import torch
 from wire.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+# Masks disallowed tokens of (B, V) logits in place (a grammar's bitmask).
+Constraint = Callable[[torch.Tensor], None]
 
 
 def mix_seed(seed: int, position: int) -> int:
@@ -169,11 +174,23 @@ def draw(
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SampleRequest], generator: torch.Generator
-) -> SampleOutput:
-    """logits: (B, V) float32 -> one token per row, with logprobs where asked."""
+    logits: torch.Tensor, rows: list[SampleRequest], generator: torch.Generator,
+    constrain: Constraint | None = None,
+) -> SampleOutput:  # fmt: skip
+    """logits: (B, V) float32 -> one token per row, with logprobs where asked.
+
+    ``constrain`` masks disallowed tokens of a (B, V) tensor in place (a grammar); it may
+    mask ``logits`` itself, which the caller must not read again.
+    """
     b = logits.shape[0]
     penalised = apply_penalties(logits, rows)
+    wants_logprobs = any(r.params.logprobs is not None for r in rows)
+    if constrain is not None:
+        # NOTE: ``logits`` itself is masked only when no row reads raw logprobs from it
+        # below (a (B, V) copy costs more than the mask); the caller's logits are spent.
+        if penalised is logits and wants_logprobs:
+            penalised = penalised.clone()
+        constrain(penalised)
     token_ids = penalised.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
@@ -183,7 +200,7 @@ def sample(
     logprobs = torch.full((b,), float("nan"), device=logits.device)
     top_ids = torch.zeros((b, k), dtype=torch.long, device=logits.device)
     top_logprobs = torch.zeros((b, k), device=logits.device)
-    if any(r.params.logprobs is not None for r in rows):
+    if wants_logprobs:
         raw = logits.float().log_softmax(dim=-1)
         wanted = torch.tensor([r.params.logprobs is not None for r in rows], device=logits.device)
         chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.block_manager import block_hashes
+from engine.grammar import GrammarState
 from wire.params import SamplingParams
 from wire.records import Finish
 
@@ -40,6 +41,9 @@ class Sequence:
     prefix_queried: bool = False
     block_hashes: list[int] = field(default_factory=list)
     hash_extra: bytes | None = None
+    # ``sampling.grammar``'s matcher, built when the sequence is first sampled (its
+    # compile may still be running before that); it has accepted every output token.
+    grammar: GrammarState | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -71,3 +75,5 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.output_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)

@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from engine.grammar import GrammarCache
 from frontend.engine_client import EngineClient, Overloaded
 from frontend.errors import (
     APIError,
@@ -221,7 +222,11 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
     """The HTTP app over ``client``; the app closes the client when it shuts down."""
     _warn_if_exposed(settings)
     settings = replace(settings, chat_template=load_chat_template(settings.chat_template))
-    ctx = ServingContext(client, tokenizer, settings, FrontendMetrics(client))
+    grammars = GrammarCache(
+        lambda: tokenizer, settings.vocab_size, settings.eos_token_ids or None,
+        model_dir=getattr(tokenizer, "name_or_path", None),
+    )  # fmt: skip
+    ctx = ServingContext(client, tokenizer, settings, FrontendMetrics(client), grammars)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

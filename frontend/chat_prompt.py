@@ -25,7 +25,7 @@ import re
 import secrets
 from typing import Any
 
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]  # role, content, and for tool turns their fields
 
 
 def control_tokens(tokenizer: Any, template: str) -> tuple[str, ...]:
@@ -42,20 +42,21 @@ def _pattern(tokens: tuple[str, ...]) -> re.Pattern[str]:
 
 
 def encode_chat(
-    tokenizer: Any, template: str, conversation: Conversation, add_generation_prompt: bool
-) -> list[int]:
+    tokenizer: Any, template: str, conversation: Conversation, add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:  # fmt: skip
     """Render ``conversation`` with ``template`` and tokenize it, content as text.
 
     Raises what the template raises (``raise_exception`` in Jinja: roles must alternate).
     """
     pattern = _pattern(control_tokens(tokenizer, template))
     if not any(pattern.search(m["content"]) for m in conversation):
-        return encode_rendered(tokenizer, template, conversation, add_generation_prompt)
+        return encode_rendered(tokenizer, template, conversation, add_generation_prompt, tools)
     nonce = secrets.token_hex(8)
     start, end = f"\ue000{nonce}", f"\ue001{nonce}"  # private-use characters: no token's text
     marked = [{**m, "content": pattern.sub(lambda t: start + t.group(0) + end, m["content"])}
               for m in conversation]  # fmt: skip
-    text = render(tokenizer, template, marked, add_generation_prompt)
+    text = render(tokenizer, template, marked, add_generation_prompt, tools)
     s, e = re.escape(start), re.escape(end)
     # [text, wrapped token, text, wrapped token, ..., text]; None for a lone marker.
     pieces = re.split(f"{s}({pattern.pattern}){e}|{s}|{e}", text)
@@ -67,10 +68,12 @@ def encode_chat(
 
 
 def render(
-    tokenizer: Any, template: str, conversation: Conversation, add_generation_prompt: bool
-) -> str:
+    tokenizer: Any, template: str, conversation: Conversation, add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:  # fmt: skip
     text = tokenizer.apply_chat_template(
         conversation,
+        tools=tools,
         chat_template=template,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
@@ -80,11 +83,12 @@ def render(
 
 
 def encode_rendered(
-    tokenizer: Any, template: str, conversation: Conversation, add_generation_prompt: bool
-) -> list[int]:
+    tokenizer: Any, template: str, conversation: Conversation, add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:  # fmt: skip
     """The rendered prompt tokenized whole: control-token text in content becomes tokens
     (``--allow-special-tokens-in-content``, and the path for content with none)."""
-    text = render(tokenizer, template, conversation, add_generation_prompt)
+    text = render(tokenizer, template, conversation, add_generation_prompt, tools)
     # The template writes BOS and role markers itself: no special tokens added again.
     return list(tokenizer.encode(text, add_special_tokens=False))
 

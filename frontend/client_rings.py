@@ -32,7 +32,7 @@ from frontend.engine_client import (
 )
 from frontend.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream, shards_alive
 from frontend.worker_status import worker_health, worker_metrics
-from router.router import NoCapacity, Router, RouterConfig
+from router.router import NoCapacity, Placement, Router, RouterConfig
 from runtime.process import ProcessSpec, attach_rings, load_table, prefix_summaries
 from transport.errors import PeerDead, RecordTooLarge
 from transport.load_table import Role
@@ -132,8 +132,7 @@ class RingEngineClient(EngineClient):
         self._start()
         shard = self._live_shard(req.rid)
         try:
-            hashes = self.router.hash_blocks(req.prompt_ids)  # once per request (cache-aware)
-            placement = self.router.place(len(req.prompt_ids), req.sampling.max_tokens, hashes)
+            placement = self._place(req)
         except NoCapacity as e:
             raise Overloaded(e.retry_after_s, f"server overloaded: {e}") from e
         stream = Stream(req, asyncio.Queue(), req.rid, placement, shard)
@@ -156,6 +155,19 @@ class RingEngineClient(EngineClient):
             # A request that never reached prefill must not count as sent to it.
             self.router.release(stream.placement, delivered=submitted)
 
+    def _place(self, req: EngineRequest) -> Placement:
+        """A fork (``n > 1``) goes to its leader's prefill worker if that one can take it."""
+        hashes = self.router.hash_blocks(req.prompt_ids)  # once per request (cache-aware)
+        leader = self.by_origin.get(req.fork_of) if req.fork_of >= 0 else None
+        if leader is not None and not leader.resumes:
+            try:
+                prefill = leader.placement.prefill
+                return self.router.place(len(req.prompt_ids), req.sampling.max_tokens, hashes,
+                                         prefill=prefill)  # fmt: skip
+            except NoCapacity:
+                pass  # it runs as an ordinary request, wherever the router puts it
+        return self.router.place(len(req.prompt_ids), req.sampling.max_tokens, hashes)
+
     async def submit(self, s: Stream) -> None:
         """Register with the shard, then send to prefill (continuing after ``token_ids``)."""
         register = DetokRegister(
@@ -163,9 +175,11 @@ class RingEngineClient(EngineClient):
             num_logprobs=s.req.num_logprobs, output_ids=list(s.token_ids),
         )  # fmt: skip
         await self._put(self.shard_ctl[s.shard], register)
+        first = not s.resumes  # a resumed choice has output of its own: nothing to share
         gen = GenerateRequest(
             rid=s.rid, prompt_ids=s.req.prompt_ids, sampling=s.req.sampling,
             decode_worker=s.placement.decode, detok_shard=s.shard, output_ids=list(s.token_ids),
+            forks=s.req.forks if first else 0, fork_of=s.req.fork_of if first else -1,
         )  # fmt: skip
         await self._put(self.req_rings[s.placement.prefill], gen)
 

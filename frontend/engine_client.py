@@ -36,12 +36,17 @@ class EngineRequest:
     """One admitted request, tokenized and validated by the frontend.
 
     ``rid`` is unique for the life of the server; the engine uses it in every record.
+    ``forks``/``fork_of``: the choices of an ``n > 1`` request (GenerateRequest's fields):
+    the first expects ``forks`` more, which name its rid and go to the same prefill
+    worker, after it, to share the prompt's KV.
     """
 
     rid: int
     prompt_ids: list[int]
     sampling: SamplingParams
     detok: DetokParams
+    forks: int = 0
+    fork_of: int = -1
 
     @property
     def num_logprobs(self) -> int | None:
@@ -73,6 +78,8 @@ class WorkerMetrics:
     ``assigned_*`` count what the router has placed on the worker since the frontend
     started (tokens: the prompt for prefill, prompt + max_tokens for decode). ``cached_*``
     and ``prefix_*`` are the worker's prefix-cache figures (0 with caching off).
+    ``computed_prefill_tokens``: prompt tokens the worker ran through its model since it
+    started (fewer than it was sent when prompts share KV: n > 1, cached prefixes).
     """
 
     role: str
@@ -87,6 +94,8 @@ class WorkerMetrics:
     cached_blocks: int = 0
     prefix_hit_tokens: int = 0
     prefix_queried_tokens: int = 0
+
+    computed_prefill_tokens: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -152,7 +152,7 @@ class LocalEngineClient(EngineClient):
         self.shard.register(DetokRegister(req.rid, req.detok, len(req.prompt_ids),
                                           req.num_logprobs))  # fmt: skip
         gen = GenerateRequest(req.rid, req.prompt_ids, req.sampling, decode_worker=0,
-                              detok_shard=0)  # fmt: skip
+                              detok_shard=0, forks=req.forks, fork_of=req.fork_of)  # fmt: skip
         verdict = self.scheduler.add(gen)
         assert verdict == Finish.NONE, "check_request() let through what cannot fit"
         self._active.add(req.rid)

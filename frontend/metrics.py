@@ -71,6 +71,12 @@ class _EngineCollector(Collector):
             "Tokens looked up in the prefix cache since the worker started",
             labels=labels,
         )
+        computed = CounterMetricFamily(
+            "pdserve_prefill_computed_tokens",
+            "Prompt tokens run through the model (below the tokens sent when prompts share "
+            "KV: n > 1 choices, cached prefixes)",
+            labels=labels,
+        )
         try:
             loads = self._client.metrics_snapshot()
         except Exception:  # a scrape must never take the server down
@@ -87,8 +93,10 @@ class _EngineCollector(Collector):
             hit_rate.add_metric(key, w.prefix_hit_rate)
             hits.add_metric(key, w.prefix_hit_tokens)
             queries.add_metric(key, w.prefix_queried_tokens)
+            if w.role != "decode":
+                computed.add_metric(key, w.computed_prefill_tokens)
         yield from (running, waiting, kv, assigned, assigned_tokens, cached, hit_rate, hits,
-                    queries)  # fmt: skip
+                    queries, computed)  # fmt: skip
 
 
 class _NvmlCollector(Collector):

@@ -15,7 +15,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from frontend.errors import InvalidRequest, NotImplementedField
-from wire.params import DetokParams, SamplingParams
+from wire.params import DetokParams, GrammarSpec, SamplingParams
 
 # NOTE: these caps keep every record a request becomes within the smallest ring it
 # crosses (a detokenizer control ring holds 256 KiB; see launcher/topology.py). Without
@@ -86,10 +86,15 @@ class OpenAIFields(SamplingFields):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False
+    # Structured output (frontend/structured.py): OpenAI's, vLLM's current and older names.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def reject_common(self) -> None:
-        if self.n not in (None, 1):
-            raise NotImplementedField("n", "only one choice per request (n=1)")
         if self.logit_bias:
             raise NotImplementedField("logit_bias", "logit biasing is not implemented")
         if self.stream_options is not None:
@@ -115,10 +120,10 @@ class CompletionRequest(OpenAIFields):
 
     def reject_unsupported(self) -> None:
         self.reject_common()
-        if self.echo:
-            raise NotImplementedField("echo", "the prompt is not echoed back")
-        if self.best_of not in (None, 1):
-            raise NotImplementedField("best_of", "only best_of=1")
+        if self.echo and self.logprobs is not None:
+            raise NotImplementedField(
+                "echo", "echo with logprobs needs prompt logprobs, which are not computed"
+            )
         if self.suffix:
             raise NotImplementedField("suffix", "insertion (suffix) is not implemented")
         nested = isinstance(self.prompt, list) and not isinstance(next(iter(self.prompt), 0), int)
@@ -131,10 +136,25 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(_Body):
+    """A call in an assistant message of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -159,19 +179,13 @@ class ChatCompletionRequest(OpenAIFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
-    tool_choice: Any = None
+    tool_choice: Any = None  # checked by frontend/tools.py
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     def reject_unsupported(self) -> None:
         self.reject_common()
-        if self.tools or self.functions:
-            raise NotImplementedField("tools", "tool and function calling are not implemented")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            raise NotImplementedField("tool_choice", "tool calling is not implemented")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise NotImplementedField("response_format", "structured output is not implemented")
         if not self.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
@@ -258,6 +272,7 @@ def to_engine_params(
     logprobs: int | None,
     vocab_size: int,
     max_logprobs: int,
+    grammar: GrammarSpec | None = None,
 ) -> tuple[SamplingParams, DetokParams]:
     """Translate validated fields into the engine's and the detokenizer's parameters."""
     defaults = SamplingParams()
@@ -275,6 +290,7 @@ def to_engine_params(
         stop_token_ids=body.checked_stop_token_ids(),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        grammar=grammar,
     )
     try:
         sampling.validate(vocab_size, max_logprobs)

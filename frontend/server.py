@@ -98,6 +98,8 @@ def main() -> None:
         model_aliases=tuple(s.get("model_aliases", ())),
         host=s["host"],
         port=s["port"],
+        eos_token_ids=tuple(s.get("eos_token_ids", ())),
+        tool_call_parser=s.get("tool_call_parser"),
     )
     limits = ConnectionLimits(**s.get("connections", {}))
     router_config = RouterConfig(

@@ -22,6 +22,7 @@ import anyio
 import msgspec
 from starlette.requests import Request
 
+from engine.grammar import GrammarCache
 from frontend.engine_client import EngineClient, EngineRequest, EngineUnavailable, Overloaded
 from frontend.errors import APIError, InternalError, ServiceUnavailable
 from frontend.metrics import FrontendMetrics
@@ -49,6 +50,7 @@ class ServingContext:
     tokenizer: Any
     settings: FrontendSettings
     metrics: FrontendMetrics
+    grammars: GrammarCache
     # NOTE: random start so rids of a restarted frontend do not collide with stale
     # records of the previous one still sitting in worker rings.
     _rids: Iterator[int] = field(default_factory=lambda: itertools.count(secrets.randbits(40)))
@@ -132,8 +134,12 @@ class EngineCall:
 
     async def start(self, request: Request) -> None:
         """Admit the request and wait for its first delta (aborted if the client leaves)."""
+        await start_all([self], request)
+
+    async def admit(self) -> None:
+        """Admit the request and wait for its first delta; ``start_all`` aborts on failure."""
         try:
-            self._first = await until_disconnect(request, self._agen.__anext__())
+            self._first = await self._agen.__anext__()
         except Overloaded as e:
             self.ctx.metrics.refused.inc()
             raise ServiceUnavailable(e.retry_after_s, str(e)) from e
@@ -142,10 +148,8 @@ class EngineCall:
             raise InternalError(f"engine failure: {e}") from e
         except StopAsyncIteration as e:
             raise InternalError("the engine ended the request without a final delta") from e
-        except BaseException:
-            await self._abort()
-            raise
-        self.ctx.metrics.prompt_tokens.inc(len(self.req.prompt_ids))
+        if self.req.fork_of < 0:  # the choices of one request share one prompt
+            self.ctx.metrics.prompt_tokens.inc(len(self.req.prompt_ids))
         self._observe(self._first)
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
@@ -168,18 +172,7 @@ class EngineCall:
 
     async def collect(self, request: Request) -> Generation:
         """Run to completion for a non-streaming response."""
-
-        async def run() -> Generation:
-            gen = Generation()
-            async for d in self.deltas():
-                gen.add(d)
-            return gen
-
-        try:
-            return await until_disconnect(request, run())
-        finally:
-            if not self.finished:
-                await self._abort()
+        return (await collect_all([self], request))[0]
 
     def _observe(self, d: TextDelta) -> None:
         now = time.monotonic()
@@ -210,6 +203,42 @@ class EngineCall:
             except Exception:
                 logger.exception("rid=%d abort failed", self.req.rid)
         logger.info("rid=%d aborted", self.req.rid)
+
+
+async def start_all(calls: list[EngineCall], request: Request) -> None:
+    """Admit every call and wait for each one's first delta; if one fails, or the client
+    leaves, every call is aborted. The calls are submitted in order (``n > 1``: the
+    first choice, which the others fork from, goes first)."""
+    work = calls[0].admit() if len(calls) == 1 else asyncio.gather(*(c.admit() for c in calls))
+    try:
+        await until_disconnect(request, work)
+    except BaseException:
+        for c in calls:
+            if not c.finished:
+                await c._abort()
+        raise
+
+
+async def collect_all(calls: list[EngineCall], request: Request) -> list[Generation]:
+    """Run every started call to completion (non-streaming); aborts all on early exit."""
+
+    async def run(call: EngineCall) -> Generation:
+        gen = Generation()
+        async for d in call.deltas():
+            gen.add(d)
+        return gen
+
+    async def run_all() -> list[Generation]:
+        if len(calls) == 1:
+            return [await run(calls[0])]
+        return list(await asyncio.gather(*(run(c) for c in calls)))
+
+    try:
+        return await until_disconnect(request, run_all())
+    finally:
+        for c in calls:
+            if not c.finished:
+                await c._abort()
 
 
 def sse(payload: object) -> bytes:

@@ -8,7 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.engine_client import EngineRequest
+from frontend.choices import best, check_choices, merged, start_choices
 from frontend.errors import ModelNotFound
 from frontend.protocol import (
     CompletionRequest,
@@ -19,11 +19,14 @@ from frontend.protocol import (
 from frontend.serving_common import (
     FINISH_REASONS,
     EngineCall,
+    Generation,
     ServingContext,
+    collect_all,
     now_s,
     sse_stream,
     usage,
 )
+from frontend.structured import checked_grammar
 from wire.records import Finish, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -70,24 +73,56 @@ async def create_completion(
 ) -> Response:
     body.reject_unsupported()
     check_model(ctx, body.model)
+    n, runs = check_choices(body.n, body.best_of, body.stream)
     prompt_ids = await _prompt_ids(ctx, body.prompt)
     requested = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), ctx.settings.max_model_len)
     s = ctx.settings
+    grammar = await checked_grammar(ctx.grammars, body)
+    # best_of ranks the choices by cumulative logprob: the engine must report them.
+    logprobs = 0 if body.logprobs is None and runs > n else body.logprobs
     sampling, detok = to_engine_params(
-        body, max_tokens, body.logprobs, s.vocab_size, s.max_logprobs
+        body, max_tokens, logprobs, s.vocab_size, s.max_logprobs, grammar
     )
-    req = EngineRequest(rid=ctx.next_rid(), prompt_ids=prompt_ids, sampling=sampling, detok=detok)
-    call = EngineCall(ctx, req, arrival)
-    await call.start(request)
-    head = {"id": f"cmpl-{req.rid:x}", "created": now_s(), "model": s.model_name}
+    calls = await start_choices(ctx, request, prompt_ids, sampling, detok, runs, arrival)
+    head = {"id": f"cmpl-{calls[0].req.rid:x}", "created": now_s(), "model": s.model_name}
+    echo = _echo_text(ctx, body, prompt_ids)
     if body.stream:
-        chunks = _stream_chunks(call, body, head)
-        return StreamingResponse(sse_stream(chunks, req.rid), media_type="text/event-stream")
-    gen = await call.collect(request)
+        chunks = _stream_chunks(calls, body, head, echo)
+        return StreamingResponse(sse_stream(chunks, calls[0].req.rid),
+                                 media_type="text/event-stream")  # fmt: skip
+    gens = await collect_all(calls, request)
+    choices = [_choice(i, gen, body, prompt_ids, echo) for i, gen in enumerate(best(gens, n))]
+    return JSONResponse(
+        {
+            **head,
+            "object": "text_completion",
+            "choices": choices,
+            "usage": usage(
+                len(prompt_ids), sum(len(g.token_ids) for g in gens), calls[0].cached_tokens
+            ),
+        }
+    )
+
+
+def _echo_text(ctx: ServingContext, body: CompletionRequest, prompt_ids: list[int]) -> str:
+    """The prompt as ``echo`` returns it: the text given, or the ids decoded."""
+    if not body.echo:
+        return ""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    return str(ctx.tokenizer.decode(prompt_ids, skip_special_tokens=False))
+
+
+def _choice(
+    index: int, gen: Generation, body: CompletionRequest, prompt_ids: list[int], echo: str
+) -> dict[str, Any]:
     choice: dict[str, Any] = {
-        "index": 0,
-        "text": gen.text,
+        "index": index,
+        "text": echo + gen.text,
         "logprobs": CompletionLogprobs().render(gen.logprobs)
         if body.logprobs is not None
         else None,
@@ -98,38 +133,33 @@ async def create_completion(
         choice.update(prompt_token_ids=prompt_ids, token_ids=gen.token_ids)
     if gen.finish == Finish.ERROR:
         choice["error"] = gen.error
-    return JSONResponse(
-        {
-            **head,
-            "object": "text_completion",
-            "choices": [choice],
-            "usage": usage(len(prompt_ids), len(gen.token_ids), call.cached_tokens),
-        }
-    )
+    return choice
 
 
 async def _stream_chunks(
-    call: EngineCall, body: CompletionRequest, head: dict[str, Any]
+    calls: list[EngineCall], body: CompletionRequest, head: dict[str, Any], echo: str
 ) -> AsyncIterator[dict[str, Any]]:
-    logprobs = CompletionLogprobs() if body.logprobs is not None else None
-    num_tokens, first = 0, True
-    async for d in call.deltas():
+    logprobs = [CompletionLogprobs() if body.logprobs is not None else None for _ in calls]
+    first = [True] * len(calls)
+    num_tokens = 0
+    async for i, d in merged(calls):
         num_tokens += len(d.token_ids)
+        lp = logprobs[i]
         choice: dict[str, Any] = {
-            "index": 0,
-            "text": d.text,
-            "logprobs": logprobs.render(d.logprobs or []) if logprobs else None,
+            "index": i,
+            "text": echo + d.text if first[i] else d.text,
+            "logprobs": lp.render(d.logprobs or []) if lp is not None else None,
             "finish_reason": FINISH_REASONS.get(Finish(d.finish)),
             "stop_reason": d.stop_reason,
         }
         if body.return_token_ids:
             choice["token_ids"] = list(d.token_ids)
-            if first:
-                choice["prompt_token_ids"] = call.req.prompt_ids
+            if first[i]:
+                choice["prompt_token_ids"] = calls[i].req.prompt_ids
         if d.error:
             choice["error"] = d.error
-        first = False
+        first[i] = False
         yield {**head, "object": "text_completion", "choices": [choice], "usage": None}
     if body.include_usage:
-        final = usage(len(call.req.prompt_ids), num_tokens, call.cached_tokens)
+        final = usage(len(calls[0].req.prompt_ids), num_tokens, calls[0].cached_tokens)
         yield {**head, "object": "text_completion", "choices": [], "usage": final}

@@ -39,6 +39,9 @@ class FrontendSettings:
     server in their Host header (``allowed_hosts`` adds names; ``"*"`` allows any).
     ``allow_special_tokens_in_content`` lets control-token text in chat messages become
     control tokens (the old behaviour; a user can then forge a system turn).
+    ``eos_token_ids`` are the model's (its grammars end on them, as in the workers).
+    ``tool_call_parser`` reads tool calls out of chat output (frontend/tool_parsers.py);
+    None: ``tool_choice: auto`` is refused.
     """
 
     model_name: str
@@ -54,3 +57,5 @@ class FrontendSettings:
     allowed_hosts: tuple[str, ...] = ()
     metrics_no_auth: bool = False
     allow_special_tokens_in_content: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    tool_call_parser: str | None = None

@@ -41,6 +41,7 @@ def worker_health(
             "cached_blocks": float(r.cached_blocks),
             "prefix_hit_tokens": float(r.prefix_hit_tokens),
             "prefix_queried_tokens": float(r.prefix_queried_tokens),
+            "computed_prefill_tokens": float(r.computed_prefill_tokens),
         }
         dead = r.state in (WorkerState.DEAD, WorkerState.FAILED) and r.exit_status != 0
         reason = describe_exit(r.exit_status) if dead else None
@@ -69,5 +70,6 @@ def worker_metrics(
         n, tokens = assigned.get((r.role, r.index), (0, 0))
         out.append(WorkerMetrics(r.role.name.lower(), r.index, r.running_requests,
                                  r.waiting_requests, used, n, tokens, r.cached_blocks,
-                                 r.prefix_hit_tokens, r.prefix_queried_tokens))  # fmt: skip
+                                 r.prefix_hit_tokens, r.prefix_queried_tokens,
+                                 r.computed_prefill_tokens))  # fmt: skip
     return out

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from frontend.settings import ConnectionLimits
+from frontend.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 
@@ -83,6 +84,7 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
     allow_special_tokens_in_content: bool = False
     chat_template: str | None = None
+    tool_call_parser: str | None = None
     max_waiting_requests: int = 1024
     max_queued_prefill_tokens: int = 262_144
     stall_timeout: float = 20.0  # seconds without a heartbeat before a worker's requests move
@@ -306,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template",
         default=d.chat_template,
         help="Jinja chat template file or text overriding the tokenizer's",
+    )
+    add(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        default=d.tool_call_parser,
+        help="how tool calls are read out of chat output (vLLM's names); without one, "
+        "tool_choice 'auto' is refused ('required' and named choices need none)",
     )
     add(
         "--max-waiting-requests",

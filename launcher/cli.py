@@ -112,6 +112,8 @@ def _children(
         "max_waiting_requests": config.max_waiting_requests,
         "max_queued_prefill_tokens": config.max_queued_prefill_tokens,
         "stall_timeout_s": config.stall_timeout,
+        "eos_token_ids": list(mcfg.eos_token_ids),
+        "tool_call_parser": config.tool_call_parser,
     }  # fmt: skip
     out.insert(0, Child(topo.spec("frontend", 0, frontend), dict(cpu_only)))
     return out

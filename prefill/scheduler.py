@@ -12,6 +12,11 @@ Request life on a prefill worker:
       otherwise: blocks pinned, KVTransfer to the decode worker -> release() unpins them
 Freed and unpinned blocks that hold a full prefix block stay cached for later requests
 until the pool needs the room (engine/block_manager.py).
+
+A request with a grammar has it compiled on arrival (``grammars.prepare``, on a thread);
+its prompt is prefilled meanwhile, all but the last token, whose logits are sampled at
+once and so wait for the grammar. A grammar that does not compile ends the request with
+an error row (the frontend validated it, so that takes a library mismatch).
 """
 
 from __future__ import annotations
@@ -20,9 +25,14 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.block_manager import NoFreeBlocks
+from engine.grammar import GrammarError
 from engine.runner import ModelRunner
+from engine.sampler import SampleOutput
 from engine.sequence import Sequence
+from prefill.forks import Forks, Pending
 from runtime.step_output import TokenBatcher
 from transport.kv import PinnedBlocks
 from wire.records import Finish, GenerateRequest, KVTransfer, TokenBatch
@@ -38,13 +48,6 @@ def fits(runner: ModelRunner, req: GenerateRequest) -> bool:
         logger.error("rid %d: %d tokens can never fit; rejected", req.rid, total)
         return False
     return True
-
-
-@dataclass
-class _Pending:
-    seq: Sequence
-    decode_worker: int
-    detok_shard: int
 
 
 @dataclass
@@ -70,8 +73,11 @@ class PrefillScheduler:
         self.keep_kv = keep_kv
         self.index = worker_index
         self.chunk_budget = chunk_budget
-        self.waiting: deque[_Pending] = deque()
+        self.waiting: deque[Pending] = deque()
         self.pinned = PinnedBlocks()
+        self._failed: list[Pending] = []  # dropped this step: their grammar failed
+        self.forks = Forks()
+        self.computed_tokens = 0  # prompt tokens run through the model, cumulative
         self.requests_received = 0
         self.prompt_tokens_received = 0
 
@@ -87,7 +93,12 @@ class PrefillScheduler:
             rid=req.rid, prompt_ids=list(req.prompt_ids), sampling=req.sampling,
             output_ids=list(req.output_ids), block_size=self.runner.block_size,
         )  # fmt: skip
-        self.waiting.append(_Pending(seq, req.decode_worker, req.detok_shard))
+        if req.sampling.grammar is not None:
+            self.runner.grammars.prepare(req.sampling.grammar)
+        p = Pending(seq, req.decode_worker, req.detok_shard)
+        if req.fork_of < 0 or not self.forks.join(req, p):
+            self.waiting.append(p)
+            self.forks.lead(p, req)
         return Finish.NONE
 
     def abort(self, rid: int) -> None:
@@ -96,6 +107,7 @@ class PrefillScheduler:
             if p.seq.rid == rid:
                 self.waiting.remove(p)
                 self.runner.free_blocks(p.seq)
+        self.waiting.extend(self.forks.abort(rid))  # a leader's forks go on alone
 
     def preempt_newest(self) -> bool:
         """Free the blocks of the newest partly prefilled request; it stays queued and is
@@ -124,19 +136,36 @@ class PrefillScheduler:
         """Run one batched prefill over as many waiting chunks as the budget and KV allow."""
         chunks = self._plan()
         out = PrefillStep()
-        if not chunks:
-            return out
-        logits = self.runner.prefill([(p.seq, n) for p, n in chunks])
-        out.ran_tokens = sum(n for _, n in chunks)
-        done = [(row, p) for row, (p, _) in enumerate(chunks) if p.seq.num_uncomputed_tokens == 0]
-        if not done:
-            return out
+        batcher = TokenBatcher()
+        for p in self._failed:  # an error row: no token, the request ends
+            batcher.add(p.detok_shard, p.seq.rid, len(p.seq.output_ids), -1, 0, float("nan"),
+                        Finish.ERROR)  # fmt: skip
+        self._failed = []
+        sample = None
+        if chunks:
+            logits = self.runner.prefill([(p.seq, n) for p, n in chunks])
+            out.ran_tokens = sum(n for _, n in chunks)
+            self.computed_tokens += out.ran_tokens
+            done = [(row, p) for row, (p, _) in enumerate(chunks)
+                    if p.seq.num_uncomputed_tokens == 0]  # fmt: skip
+            if done:
+                sample = self._sample_done(logits, done, batcher, out)
+        out.tokens = batcher.batches(sample)
+        return out
+
+    def _sample_done(
+        self, logits: torch.Tensor, done: list[tuple[int, Pending]], batcher: TokenBatcher,
+        out: PrefillStep,
+    ) -> SampleOutput:  # fmt: skip
+        """First tokens of the requests whose prompt is computed (and of their forks, from
+        the same logits row); their KV goes on."""
+        for _, p in done:
+            self.waiting.remove(p)
+        done = self._with_forks(done)
         rows = [row for row, _ in done]
         sample = self.runner.sample(logits[rows], [p.seq for _, p in done])
-        batcher = TokenBatcher()
         tokens, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
         for i, (_, p) in enumerate(done):
-            self.waiting.remove(p)
             token = tokens[i]
             p.seq.append_token(token)
             finish = self.runner.check_stop(p.seq)
@@ -150,17 +179,42 @@ class PrefillScheduler:
                 out.handovers.append((p.seq, p.detok_shard))
             else:
                 out.transfers.append((p.decode_worker, self._export(p)))
-        out.tokens = batcher.batches(sample)
+        return sample
+
+    def _with_forks(self, done: list[tuple[int, Pending]]) -> list[tuple[int, Pending]]:
+        """``done`` plus each leader's forks on the leader's row, given its prompt's KV."""
+        out = []
+        for row, p in done:
+            out.append((row, p))
+            for f in self.forks.take(p):
+                try:
+                    # Co-located decode writes its next token into the prompt's last
+                    # block: each fork needs its own copy of it there.
+                    self.runner.fork(p.seq, f.seq, copy_tail=self.keep_kv)
+                except NoFreeBlocks:
+                    self.waiting.append(f)  # it computes its prompt itself, later
+                    continue
+                out.append((row, f))
         return out
 
-    def _plan(self) -> list[tuple[_Pending, int]]:
+    def _plan(self) -> list[tuple[Pending, int]]:
         """FCFS chunks within the token budget; stops at the first request KV cannot hold."""
         budget, chunks = self.chunk_budget, []
-        for p in self.waiting:
+        for p in list(self.waiting):
             if budget <= 0:
                 break
+            ready = self._grammar_ready(p)
+            if ready is None:
+                continue
+            ready = self._forks_ready(p) and ready
             self.runner.reuse_prefix(p.seq)  # no-op unless this is its first chunk
             n = min(p.seq.num_uncomputed_tokens, budget)
+            if not ready and n == p.seq.num_uncomputed_tokens:
+                # The last token's logits are sampled at once: that waits for the grammar
+                # and for the forks that share them.
+                n -= 1
+            if n == 0:
+                continue
             try:
                 self.runner.ensure_blocks(p.seq, n)
             except NoFreeBlocks:
@@ -169,7 +223,29 @@ class PrefillScheduler:
             budget -= n
         return chunks
 
-    def _export(self, p: _Pending) -> KVTransfer:
+    def _grammar_ready(self, p: Pending, fork: bool = False) -> bool | None:
+        """Is ``p``'s grammar (if any) compiled; None: it failed, ``p`` is dropped."""
+        try:
+            return self.runner.grammar_ready(p.seq)
+        except GrammarError as e:
+            logger.error("rid %d: its grammar does not compile: %s", p.seq.rid, e)
+            if fork:
+                self.forks.abort(p.seq.rid)
+            else:
+                self.waiting.remove(p)
+                self.waiting.extend(self.forks.abort(p.seq.rid))
+            self.runner.free_blocks(p.seq)
+            self._failed.append(p)
+            return None
+
+    def _forks_ready(self, leader: Pending) -> bool:
+        """Are ``leader``'s forks all in, with their grammars compiled?"""
+        if self.forks.holds_back(leader):
+            return False
+        ready = [self._grammar_ready(f, fork=True) for f in list(self.forks.of(leader))]
+        return all(r is not False for r in ready)
+
+    def _export(self, p: Pending) -> KVTransfer:
         seq = p.seq
         # NOTE: the newest token has no KV yet; decode computes it in its first step.
         blocks = list(seq.block_table)
@@ -195,4 +271,4 @@ class PrefillScheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + self.forks.num_forks

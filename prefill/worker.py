@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -32,6 +33,9 @@ from wire.records import KVPoolHandle, KVRelease
 from wire.ring_names import RingKind
 
 logger = logging.getLogger(__name__)
+# A step that could run nothing while requests wait (a grammar compiling, no free KV):
+# poll, leaving the core to the compile thread and to decode workers.
+_STALLED_POLL_S = 0.001
 _LIVE = (WorkerState.STARTING, WorkerState.READY)  # a decode process that has reset its rings
 
 
@@ -81,7 +85,10 @@ class PrefillWorker(Worker):
         for j, ring in self.rel_rings.items():
             if not ring.peer_alive() and self.sched.pinned.rids_for(j):
                 self.sched.decode_worker_died(j)
-        self._ship(self.sched.step())
+        out = self.sched.step()
+        self._ship(out)
+        if self.sched.waiting and not out.ran_tokens and not out.tokens:
+            time.sleep(_STALLED_POLL_S)
         return bool(self.sched.waiting)
 
     def take_inputs(self) -> None:
@@ -116,7 +123,8 @@ class PrefillWorker(Worker):
         s = self.sched
         return QueueLoad(queued_prefill_tokens=s.queued_tokens, waiting_requests=s.num_waiting,
                          requests_received=s.requests_received,
-                         prompt_tokens_received=s.prompt_tokens_received)  # fmt: skip
+                         prompt_tokens_received=s.prompt_tokens_received,
+                         computed_prefill_tokens=s.computed_tokens)  # fmt: skip
 
 
 def main() -> None:

@@ -115,13 +115,18 @@ class Router:
             self._snapshot()
         return block_hashes(token_ids, self._block_size) if self._block_size else []
 
-    def place(self, prompt_len: int, max_tokens: int, hashes: Sequence[int] = ()) -> Placement:
+    def place(
+        self, prompt_len: int, max_tokens: int, hashes: Sequence[int] = (), *,
+        prefill: int | None = None,
+    ) -> Placement:  # fmt: skip
         """Choose the workers for a request, or raise ``NoCapacity``.
 
         ``hashes``: ``hash_blocks`` of the tokens prefill will compute (the prompt, plus
         the output so far for a resumed request); only cache-aware routing reads them.
         The placement is counted as in flight until ``release``; the caller must send it
         to the chosen prefill worker (or call ``release(p, delivered=False)``).
+        ``prefill``: only that prefill (or co-located) worker will do, e.g. the one the
+        other choices of an ``n > 1`` request went to, which shares their prompt's KV.
         """
         if prompt_len < 1 or max_tokens < 1:
             raise ValueError(
@@ -130,7 +135,7 @@ class Router:
         rows, now = self._snapshot()
         p_role, d_role = _roles(rows)
         req = _Request(prompt_len, max_tokens, hashes if self.cache_aware else ())
-        p_row = self._choose(rows, p_role, req, now)
+        p_row = self._choose(rows, p_role, req, now, only=prefill)
         d_row = p_row if p_role is d_role else self._choose(rows, d_role, req, now)
         return self._commit(p_row, d_row, prompt_len, max_tokens)
 
@@ -183,8 +188,12 @@ class Router:
             self._block_size = next((r.block_size for r in rows if r.block_size > 0), 0)
         return rows, time.monotonic_ns()
 
-    def _choose(self, rows: list[LoadRow], role: Role, req: _Request, now_ns: int) -> LoadRow:
-        live = [r for r in rows if r.role is role and self._routable(r, now_ns)]
+    def _choose(
+        self, rows: list[LoadRow], role: Role, req: _Request, now_ns: int,
+        only: int | None = None,
+    ) -> LoadRow:  # fmt: skip
+        live = [r for r in rows if r.role is role and self._routable(r, now_ns)
+                and (only is None or r.index == only)]  # fmt: skip
         if not live:
             raise NoCapacity(self._config.retry_after_dead_s, f"no live {role.name.lower()} worker")
         admitted = sorted((r for r in live if self._admits(r, req.prompt_len)), key=_index)

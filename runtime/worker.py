@@ -45,6 +45,7 @@ class QueueLoad:
     running_requests: int = 0
     requests_received: int = 0
     prompt_tokens_received: int = 0
+    computed_prefill_tokens: int = 0
 
 
 class TakesRequests(Protocol):
@@ -137,4 +138,5 @@ class Worker(abc.ABC):
             cached_blocks=a.num_hashed,
             prefix_hit_tokens=a.stats.hit_tokens,
             prefix_queried_tokens=a.stats.queried_tokens,
+            computed_prefill_tokens=q.computed_prefill_tokens,
         )

@@ -108,6 +108,9 @@ class LoadRow:
     cached_blocks: int = 0
     prefix_hit_tokens: int = 0
     prefix_queried_tokens: int = 0
+    # Prompt tokens the worker ran through the model, cumulative over the generation:
+    # below prompt_tokens_received when prompts share KV (n > 1 choices, cached prefixes).
+    computed_prefill_tokens: int = 0
 
 
 def describe_exit(status: int) -> str:
@@ -126,11 +129,11 @@ def describe_exit(status: int) -> str:
 HEADER_NBYTES = 64
 ROW_NBYTES = 128
 _MAGIC = 0x7064_6C6F_6164_7462  # "pdloadtb"
-_VERSION = 3
+_VERSION = 4
 _HEADER = struct.Struct("<QII")  # magic, version, num_workers
 # Row payload after the 8-byte seq, packed in one call by the writer. The numpy dtype below
 # names the same bytes for the reader; test_load_table pins that the two agree.
-_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiixxxxqq")
+_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiixxxxqqq")
 _PAYLOAD_FIELDS = (
     "heartbeat_ns",
     "queued_prefill_tokens",
@@ -150,13 +153,14 @@ _PAYLOAD_FIELDS = (
     "cached_blocks",
     "prefix_hit_tokens",
     "prefix_queried_tokens",
+    "computed_prefill_tokens",
 )
-_FORMATS = ["<u8", *["<i8"] * 4, "<u4", *["<i4"] * 7, "u1", "u1", "<i4", "<i4", "<i8", "<i8"]
+_FORMATS = ["<u8", *["<i8"] * 4, "<u4", *["<i4"] * 7, "u1", "u1", "<i4", "<i4", *["<i8"] * 3]
 ROW_DTYPE = np.dtype(
     {
         "names": ["seq", *_PAYLOAD_FIELDS],
         "formats": _FORMATS,
-        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76, 80, 88, 96],
+        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76, 80, 88, 96, 104],
         "itemsize": ROW_NBYTES,
     }
 )
@@ -307,6 +311,7 @@ class RowWriter:
         cached_blocks: int | None = None,
         prefix_hit_tokens: int | None = None,
         prefix_queried_tokens: int | None = None,
+        computed_prefill_tokens: int | None = None,
     ) -> None:
         """Refresh the heartbeat and any load fields given; others keep their last value."""
         given = {
@@ -320,6 +325,7 @@ class RowWriter:
             "cached_blocks": cached_blocks,
             "prefix_hit_tokens": prefix_hit_tokens,
             "prefix_queried_tokens": prefix_queried_tokens,
+            "computed_prefill_tokens": computed_prefill_tokens,
         }
         for name, value in given.items():
             if value is not None:

@@ -7,7 +7,55 @@ never as pickled objects.
 
 from __future__ import annotations
 
+import enum
+import hashlib
+
 import msgspec
+
+
+class GrammarKind(enum.StrEnum):
+    """What a ``GrammarSpec.text`` holds."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON schema, as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object; ``text`` is empty
+    REGEX = "regex"
+    CHOICE = "choice"  # a JSON list of the allowed strings
+    EBNF = "ebnf"  # a GBNF/EBNF grammar whose start rule is ``root``
+
+
+class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A constraint on a request's output, as the frontend validated it.
+
+    Plain data: every worker compiles it itself (and caches the result by ``key``), so
+    the spec, not a compiled grammar, is what crosses the P->D boundary and recovery.
+    """
+
+    kind: GrammarKind
+    text: str = ""
+
+    @property
+    def key(self) -> str:
+        """A stable name for the compiled grammar (the same in every process)."""
+        digest = hashlib.blake2b(f"{self.kind}\0{self.text}".encode(), digest_size=16)
+        return digest.hexdigest()
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded ``seed`` (n > 1, best_of).
+
+    Choice 0 keeps ``seed``, so ``n=1`` and the first of ``n`` choices agree; the others
+    get a splitmix64 mix of (seed, index), a signed 64-bit value like any user seed.
+    """
+    if index == 0:
+        return seed
+    z = ((seed & _MASK64) + index * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z - (1 << 64) if z >= 1 << 63 else z
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -24,6 +72,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     - ``logprobs``: None = none; 0 = the sampled token's logprob; N = plus the top N.
       Logprobs are of the raw model distribution (before temperature and filters).
     - ``max_tokens`` counts output tokens, the first (sampled by prefill) included.
+    - ``grammar``: every output token, the first (sampled by prefill) included, must keep
+      the output a prefix of the grammar's language; reaching its end stops the request.
     """
 
     max_tokens: int = 16
@@ -38,6 +88,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     def validate(self, vocab_size: int, max_logprobs: int = 20) -> None:
         """Raise ``ValueError`` naming the offending field if any value is out of range."""

@@ -56,6 +56,11 @@ class GenerateRequest(_Msg, tag="gen", frozen=True):
     ``output_ids`` is non-empty only when a request is resumed after its decode worker
     died: prefill then recomputes KV for prompt + output_ids and samples output
     position ``len(output_ids)``.
+
+    The choices of an ``n > 1`` request share their prompt's KV: the first says how many
+    ``forks`` follow it on the same ring, each of those names it in ``fork_of`` and has
+    the same prompt. Prefill computes the prompt once and samples every choice from its
+    logits (a fork whose leader is gone is an ordinary request).
     """
 
     rid: int
@@ -64,6 +69,8 @@ class GenerateRequest(_Msg, tag="gen", frozen=True):
     decode_worker: int
     detok_shard: int
     output_ids: list[int] = []
+    forks: int = 0
+    fork_of: int = -1
 
 
 class AbortRequest(_Msg, tag="abort", frozen=True):

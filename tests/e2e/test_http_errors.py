@@ -182,17 +182,12 @@ def test_unknown_model_is_a_404(http: httpx.Client, path: str) -> None:
 @pytest.mark.parametrize(
     ("path", "fields", "param"),
     [
-        (COMPLETIONS, {"n": 2}, "n"),
-        (COMPLETIONS, {"best_of": 3}, "best_of"),
         (COMPLETIONS, {"suffix": "tail"}, "suffix"),
-        (COMPLETIONS, {"echo": True}, "echo"),
+        (COMPLETIONS, {"echo": True, "logprobs": 2}, "echo"),
         (COMPLETIONS, {"logit_bias": {"1": 5.0}}, "logit_bias"),
         (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt"),
-        (CHAT, {"n": 4}, "n"),
-        (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        (CHAT, {"tool_choice": "required"}, "tool_choice"),
-        (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        (CHAT, {"tools": [{"type": "code_interpreter"}]}, "tools.0"),
+        (CHAT, {"functions": [{"name": "f"}]}, "functions"),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         (
             CHAT,

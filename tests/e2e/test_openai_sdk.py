@@ -205,7 +205,8 @@ def test_return_token_ids_in_completion_and_chat(
 def test_sdk_raises_typed_errors(sdk: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         sdk.completions.create(model="gpt-4", prompt="x", max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="'n' is not supported"):
-        sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=1, n=2)
+    with pytest.raises(openai.BadRequestError, match="'logit_bias' is not supported"):
+        sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=1,
+                                    logit_bias={"5": 1})  # fmt: skip
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         sdk.completions.create(model=model, prompt=[1] * 1000, max_tokens=100)

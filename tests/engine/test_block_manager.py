@@ -290,3 +290,17 @@ def test_block_hashes_are_the_same_in_every_process() -> None:
 
 
 EXPECTED_RANGE40_BS16 = [15925503794245111985, 4606966321359326692]
+
+
+def test_shared_blocks_live_until_every_sharer_frees_them() -> None:
+    a = BlockAllocator(4)
+    blocks = a.allocate(2)
+    a.share(blocks)  # a fork of the sequence holding them
+    a.pin(blocks)  # one sharer's transfer
+    a.free(blocks)  # the other sharer is done
+    assert a.num_pinned == 2 and a.num_free == 2
+    a.unpin(blocks)
+    assert a.num_free == 4
+    a.check_invariants()
+    with pytest.raises(ValueError, match="in use"):
+        a.share([3])  # only blocks in use can be shared

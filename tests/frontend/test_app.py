@@ -175,7 +175,7 @@ async def test_native_generate(http: httpx.AsyncClient) -> None:
         (b"{not json", 400, None),
         (b'{"prompt": "x", "max_tokens": "3"}', 400, "max_tokens"),
         (b'{"prompt": "x", "model": "gpt-4"}', 404, "model"),
-        (b'{"prompt": "x", "n": 2}', 400, "n"),
+        (b'{"prompt": "x", "n": 17}', 400, "n"),
         (b'{"prompt": "x", "max_tokens": 300}', 400, "max_tokens"),
         (b'{"prompt": [151936]}', 400, "prompt"),
         (b'{"prompt": ""}', 400, "prompt"),

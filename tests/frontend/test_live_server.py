@@ -34,8 +34,8 @@ async def _exercise_sdk(sdk: openai.AsyncOpenAI) -> None:
     chunks = [chunk async for chunk in stream]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
     assert chunks[-2].choices[0].finish_reason == "length"
-    with pytest.raises(openai.BadRequestError, match="'n' is not supported"):
-        await sdk.completions.create(model=MODEL, prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="'suffix' is not supported"):
+        await sdk.completions.create(model=MODEL, prompt="x", suffix="y")
     with pytest.raises(openai.NotFoundError):
         await sdk.completions.create(model="gpt-4", prompt="x")
     models = await sdk.models.list()

@@ -1,0 +1,226 @@
+"""Grammar-constrained decoding: compiled grammars, per-sequence matchers, token masks.
+
+Backed by xgrammar (the grammar engine vLLM and SGLang use; its CPU path needs nothing
+but the wheel). A ``GrammarSpec`` (wire/params.py) is plain data; each process compiles
+it against its tokenizer and keeps the result by ``spec.key``.
+
+Who calls what, when:
+- one ``GrammarCache`` per process (``ModelRunner.grammars``; the frontend has its own to
+  validate requests). Nothing is loaded until the first grammar arrives.
+- ``prepare(spec)`` as a constrained request arrives: compilation starts on the cache's
+  thread. xgrammar releases the GIL while it compiles, so the worker's steps go on.
+- ``ready(spec)``: is it compiled? Raises ``GrammarError`` if compilation failed.
+  Schedulers do not sample a constrained request before it is ready.
+- ``state(spec, output_ids)``: a fresh matcher that has accepted ``output_ids`` (a request
+  resumed after a worker death, or handed from prefill to decode). Waits if the compile
+  is still running.
+- per step: ``fill_bitmask`` writes each row's allowed-token bitmask (``GrammarState.fill``,
+  the rows of a batch on several threads), then
+  ``apply_bitmask`` puts -inf on the rest; ``GrammarState.accept`` advances the matcher by
+  the sampled token (``Sequence.append_token`` calls it).
+- ``compile_now(spec)``: compile synchronously (the frontend validates off its loop).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from engine.errors import EngineError
+from engine.grammar_vocab import tokenizer_info
+from wire.params import GrammarKind, GrammarSpec
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 256
+# xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: "; users need the rest.
+_CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s*\S+:\d+:\s*")
+
+
+class GrammarError(EngineError, ValueError):
+    """A grammar spec that does not compile; the message says what is wrong with it."""
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """The grammar whose language is exactly ``choices``."""
+    # JSON string literals are valid EBNF string literals (same escapes).
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _clean(e: BaseException) -> str:
+    lines = [_CPP_PREFIX.sub("", line) for line in str(e).strip().splitlines()]
+    return " ".join(line for line in lines if line) or type(e).__name__
+
+
+def compile_spec(compiler: Any, spec: GrammarSpec) -> Any:
+    """``spec`` compiled by an ``xgrammar.GrammarCompiler``; ``GrammarError`` if it cannot."""
+    try:
+        if spec.kind is GrammarKind.JSON_SCHEMA:
+            # Compact whitespace: an unconstrained model may otherwise pad JSON forever.
+            return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=True)
+        if spec.kind is GrammarKind.JSON_OBJECT:
+            return compiler.compile_builtin_json_grammar()
+        if spec.kind is GrammarKind.REGEX:
+            return compiler.compile_regex(spec.text)
+        if spec.kind is GrammarKind.CHOICE:
+            return compiler.compile_grammar(choice_ebnf(json.loads(spec.text)))
+        return compiler.compile_grammar(spec.text)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise GrammarError(f"invalid {spec.kind.value}: {_clean(e)}") from e
+
+
+class GrammarState:
+    """One sequence's position in its grammar (an xgrammar ``GrammarMatcher``)."""
+
+    def __init__(self, compiled: Any, output_ids: Sequence[int], rid: int) -> None:
+        import xgrammar as xgr
+
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self.rid = rid
+        self.failed = False
+        for token in output_ids:
+            if not self.accept(token):
+                break
+
+    def accept(self, token: int) -> bool:
+        """Advance by ``token``; False (and ``failed``) if the grammar forbids it."""
+        if self.failed or self._matcher.is_terminated():
+            return False
+        if not self._matcher.accept_token(token):
+            # NOTE: the mask makes this unreachable for tokens sampled here; a replayed
+            # output from elsewhere could still disagree. The request then runs on
+            # unconstrained rather than dying (check_stop ends it as soon as it can).
+            logger.error("rid %d: token %d is outside the grammar", self.rid, token)
+            self.failed = True
+            return False
+        return True
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write this sequence's allowed next tokens into ``bitmask[row]``.
+
+        A failed or complete grammar leaves the row as it is (check_stop ends the
+        request at once: the row is not sampled under a grammar again).
+        """
+        if self.failed or self._matcher.is_terminated():
+            return
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
+    """``states[k].fill(bitmask, rows[k])`` for every k, on several threads at once."""
+    import xgrammar as xgr
+
+    live = [(s, r) for s, r in zip(states, rows, strict=True)
+            if not s.failed and not s._matcher.is_terminated()]  # fmt: skip
+    if len(live) < 2:
+        for s, r in live:
+            s.fill(bitmask, r)
+        return
+    global _batch_matcher
+    if _batch_matcher is None:
+        _batch_matcher = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+    _batch_matcher.batch_fill_next_token_bitmask(
+        [s._matcher for s, _ in live], bitmask, indices=[r for _, r in live]
+    )
+
+
+_batch_matcher: Any = None
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """(rows, ceil(V / 32)) int32, every bit set (every token allowed)."""
+    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set ``logits[r, t] = -inf`` for every ``r`` in ``rows`` and token ``t`` not allowed.
+
+    ``logits`` (B, V) float32 in place; ``bitmask`` (B, ceil(V / 32)) int32 on the host.
+    """
+    import xgrammar as xgr
+
+    mask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=rows)
+
+
+class GrammarCache:
+    """This process's compiled grammars by spec key, compiled on one background thread.
+
+    ``load_tokenizer`` returns the Hugging Face tokenizer; it is called at most once, on
+    the thread, when the first grammar arrives and the vocabulary is not cached on disk
+    for ``model_dir`` (engine/grammar_vocab.py). ``vocab_size`` is the logits' width (the
+    padded embedding size); ``stop_token_ids`` end a grammar that is complete.
+    """
+
+    def __init__(
+        self, load_tokenizer: Callable[[], Any], vocab_size: int,
+        stop_token_ids: Sequence[int] | None = None, model_dir: str | None = None,
+        max_cached: int = MAX_CACHED_GRAMMARS,
+    ) -> None:  # fmt: skip
+        self._load_tokenizer = load_tokenizer
+        self._model_dir = model_dir
+        self.vocab_size = vocab_size
+        self._stop_ids = list(stop_token_ids) if stop_token_ids else None
+        self._max_cached = max_cached
+        self._compiler: Any = None
+        self._compiler_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._entries: OrderedDict[str, Future[Any]] = OrderedDict()  # LRU first
+        self.compiled = 0  # compilations run (cache misses), for tests and logs
+
+    def prepare(self, spec: GrammarSpec) -> Future[Any]:
+        """Start compiling ``spec`` unless it is cached or under way; its future."""
+        fut = self._entries.get(spec.key)
+        if fut is not None:
+            self._entries.move_to_end(spec.key)
+            return fut
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        fut = self._pool.submit(self.compile_now, spec)
+        self._entries[spec.key] = fut
+        while len(self._entries) > self._max_cached:
+            self._entries.popitem(last=False)  # matchers keep what they use alive
+        return fut
+
+    def ready(self, spec: GrammarSpec) -> bool:
+        """Compiled (True) or still compiling (False); ``GrammarError`` if it failed."""
+        fut = self.prepare(spec)
+        if not fut.done():
+            return False
+        fut.result()  # raises the compile error, if any
+        return True
+
+    def state(self, spec: GrammarSpec, output_ids: Sequence[int], rid: int) -> GrammarState:
+        """A matcher for a sequence that has produced ``output_ids`` (waits for compile)."""
+        return GrammarState(self.prepare(spec).result(), output_ids, rid)
+
+    def compile_now(self, spec: GrammarSpec) -> Any:
+        """Compile ``spec`` in the calling thread (no caching); ``GrammarError`` if bad."""
+        self.compiled += 1
+        return compile_spec(self._get_compiler(), spec)
+
+    def _get_compiler(self) -> Any:
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = tokenizer_info(
+                    self._load_tokenizer, self.vocab_size, self._stop_ids, self._model_dir
+                )
+                # xgrammar's own cache is off: ours bounds memory and is keyed the same
+                # way in every process.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler

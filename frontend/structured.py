@@ -1,0 +1,172 @@
+"""Structured output: a request's constraint fields -> one ``GrammarSpec``, validated.
+
+Accepted spellings (OpenAI's, then vLLM's current and older ones); at most one per request:
+    response_format   {"type": "json_object"} | {"type": "json_schema", "json_schema":
+                      {"name": ..., "schema": {...}, "strict": ...}} | {"type": "text"}
+    structured_outputs {"json": schema | JSON text} | {"regex": str} | {"choice": [str]}
+                      | {"grammar": EBNF} | {"json_object": true}
+    guided_json, guided_regex, guided_choice, guided_grammar
+
+The spec is compiled once here, off the event loop (on the frontend's grammar thread),
+so a schema the grammar engine rejects, or one using a keyword it would silently not
+enforce, is a 400 that says what is wrong before any worker sees the request. Workers
+compile it again for themselves (engine/grammar.py); both sides cache by the spec's key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from engine.grammar import GrammarCache, GrammarError
+from frontend.errors import InvalidRequest, NotImplementedField
+from wire.params import GrammarKind, GrammarSpec
+
+# NOTE: a spec travels in GenerateRequest and KVTransfer records: this keeps them well
+# inside the smallest ring they cross.
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+# JSON-schema keywords xgrammar accepts but does not enforce (checked against 0.2.8):
+# an output "valid" under them could violate the schema, so they are refused instead.
+UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "uniqueItems", "dependentSchemas")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "propertyNames", "contains")
+
+
+def grammar_spec(body: Any) -> tuple[str, GrammarSpec] | None:
+    """(the field, its spec) of the one constraint ``body`` asks for, or None; 400 if
+    several."""
+    found: list[tuple[str, GrammarSpec]] = []
+    if body.response_format is not None:
+        spec = _from_response_format(body.response_format)
+        if spec is not None:
+            found.append(("response_format", spec))
+    if body.structured_outputs is not None:
+        found += _from_structured_outputs(body.structured_outputs)
+    legacy = {
+        "guided_json": body.guided_json, "guided_regex": body.guided_regex,
+        "guided_choice": body.guided_choice, "guided_grammar": body.guided_grammar,
+    }  # fmt: skip
+    for name, value in legacy.items():
+        if value is not None:
+            found.append((name, _spec(name.removeprefix("guided_"), value, name)))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise InvalidRequest(f"give one output constraint, not several ({names})",
+                             param=found[1][0])  # fmt: skip
+    if not found:
+        return None
+    param, spec = found[0]
+    if len(spec.text) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(f"the output constraint exceeds {MAX_GRAMMAR_CHARS} characters",
+                             param=param)  # fmt: skip
+    return param, spec
+
+
+def _from_response_format(fmt: dict[str, Any]) -> GrammarSpec | None:
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return GrammarSpec(kind=GrammarKind.JSON_OBJECT)
+    if kind != "json_schema":
+        raise InvalidRequest(
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', not {kind!r}",
+            param="response_format.type",
+        )
+    inner = fmt.get("json_schema")
+    if not isinstance(inner, dict) or "schema" not in inner:
+        raise InvalidRequest("response_format json_schema needs json_schema.schema",
+                             param="response_format.json_schema")  # fmt: skip
+    return _spec("json", inner["schema"], "response_format.json_schema.schema")
+
+
+def _from_structured_outputs(so: dict[str, Any]) -> list[tuple[str, GrammarSpec]]:
+    out = []
+    for key, value in so.items():
+        param = f"structured_outputs.{key}"
+        if value is None or (key == "json_object" and value is False):
+            continue
+        if key in ("json", "regex", "choice", "grammar"):
+            out.append((param, _spec(key, value, param)))
+        elif key == "json_object":
+            out.append((param, GrammarSpec(kind=GrammarKind.JSON_OBJECT)))
+        else:
+            raise NotImplementedField(param, "only json, regex, choice, grammar and "
+                                             "json_object constraints are implemented")  # fmt: skip
+    return out
+
+
+def _spec(key: str, value: Any, param: str) -> GrammarSpec:
+    """One vLLM-style constraint (``json``/``regex``/``choice``/``grammar``) as a spec."""
+    if key == "json":
+        schema = _schema(value, param)
+        check_enforceable(schema, param)
+        return GrammarSpec(kind=GrammarKind.JSON_SCHEMA, text=json.dumps(schema))
+    if key == "choice":
+        ok = isinstance(value, list) and value and all(isinstance(c, str) for c in value)
+        if not ok or len(value) > MAX_CHOICES:
+            raise InvalidRequest(f"{param} must be a list of 1 to {MAX_CHOICES} strings",
+                                 param=param)  # fmt: skip
+        return GrammarSpec(kind=GrammarKind.CHOICE, text=json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{param} must be a non-empty string", param=param)
+    kind = GrammarKind.REGEX if key == "regex" else GrammarKind.EBNF
+    return GrammarSpec(kind=kind, text=value)
+
+
+def _schema(value: Any, param: str) -> Any:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidRequest(f"{param} is not valid JSON: {e}", param=param) from e
+    if not isinstance(value, dict | bool):
+        raise InvalidRequest(f"{param} must be a JSON schema (an object)", param=param)
+    return value
+
+
+def check_enforceable(schema: Any, param: str) -> None:
+    """Refuse keywords the grammar engine would ignore, and references it cannot follow."""
+    if not isinstance(schema, dict):
+        return
+    for word in UNENFORCED_KEYWORDS:
+        if word in schema:
+            raise NotImplementedField(param, f"the JSON-schema keyword '{word}' is not "
+                                             "enforced by the grammar engine")  # fmt: skip
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise NotImplementedField(param, f"only local $ref ('#/...') is supported, not {ref!r}")
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                check_enforceable(sub, param)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for sub in schema[key]:
+                check_enforceable(sub, param)
+    for key in _SUBSCHEMAS:
+        subs = schema.get(key)
+        for sub in subs if isinstance(subs, list) else [subs]:
+            check_enforceable(sub, param)
+
+
+async def checked_grammar(grammars: GrammarCache, body: Any) -> GrammarSpec | None:
+    """``body``'s constraint, compiled once off the event loop (cached by key); 400 if it
+    does not compile."""
+    found = grammar_spec(body)
+    if found is None:
+        return None
+    param, spec = found
+    await compile_checked(grammars, spec, param)
+    return spec
+
+
+async def compile_checked(grammars: GrammarCache, spec: GrammarSpec, param: str) -> None:
+    """Compile ``spec`` off the event loop (cached by key); a 400 naming ``param`` if bad."""
+    try:
+        await asyncio.wrap_future(grammars.prepare(spec))
+    except GrammarError as e:
+        raise InvalidRequest(str(e), param=param) from e
