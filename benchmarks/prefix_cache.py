@@ -44,14 +44,15 @@ SERVER = ["--prefill", "2", "--decode", "2", "--detokenizers", "1", "--device", 
           "--kv-cache-tokens", "65536", "--max-model-len", "4096", "--log-level", "warning"]  # fmt: skip
 CONFIGS = {"on": [], "off": ["--no-enable-prefix-caching"],
            "on-ll": ["--router-policy", "least-load"]}  # fmt: skip
-# (dataset, endpoint, benchmarks.serving flags): ~80 % of each prompt is shared.
+# (dataset, endpoint, benchmarks.serving flags). shared-prefix: 80 % of each prompt is
+# the shared prefix; multiturn: 16 conversations of 4 turns on one system prompt.
 DATASETS = {
-    "shared-prefix": ("/v1/completions", ["--num-prompts", "64", "--prefix-len", "1024",
-                      "--random-input-len", "256", "--random-output-len", "16",
-                      "--request-rate", "6"]),
+    "shared-prefix": ("/v1/completions", ["--num-prompts", "48", "--prefix-len", "3072",
+                      "--random-input-len", "768", "--random-output-len", "16",
+                      "--request-rate", "1.5"]),
     "multiturn": ("/v1/chat/completions", ["--num-prompts", "64", "--turns", "4",
-                  "--prefix-len", "512", "--random-input-len", "64",
-                  "--random-output-len", "64", "--request-rate", "6"]),
+                  "--prefix-len", "1024", "--random-input-len", "128",
+                  "--random-output-len", "64", "--request-rate", "4"]),
 }  # fmt: skip
 _SAMPLE = re.compile(r'^(pdserve_\w+)\{index="(\d+)",role="(\w+)"\} (\S+)$')
 
@@ -97,9 +98,12 @@ def _prompt_ids(tokenizer: Any, dataset: str, extra: list[str]) -> list[list[int
     reqs = load_requests(args, tokenizer)
     if dataset != "multiturn":
         return [tokenizer.encode(r.prompt, add_special_tokens=False) for r in reqs]
-    return [tokenizer.apply_chat_template([{"role": x, "content": c} for x, c in r.messages or ()],
-                                          add_generation_prompt=True, tokenize=True)
-            for r in reqs]  # fmt: skip
+    out = []
+    for r in reqs:  # rendered, then encoded, as the frontend does (serving_chat.py)
+        chat = [{"role": role, "content": text} for role, text in r.messages or ()]
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
 
 
 def run_one(config: str, dataset: str, tokenizer_dir: Path, out_dir: Path) -> dict[str, Any]:
@@ -126,7 +130,7 @@ def run_one(config: str, dataset: str, tokenizer_dir: Path, out_dir: Path) -> di
         "duration_s": res["duration"], "reported_cached": res["prefix_cache_hit_rate"],
         "prefill_hit_rate": hit_rate(before, after, "prefill"),
         "decode_hit_rate": hit_rate(before, after, "decode"),
-        "prefill_tokens": _delta(before, after, "pdserve_router_assigned_tokens", "prefill"),
+        "prefill_tokens": _delta(before, after, "pdserve_router_assigned_tokens_total", "prefill"),
     }  # fmt: skip
 
 
