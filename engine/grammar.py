@@ -210,7 +210,13 @@ class GrammarCache:
     def compile_now(self, spec: GrammarSpec) -> Any:
         """Compile ``spec`` in the calling thread (no caching); ``GrammarError`` if bad."""
         self.compiled += 1
-        return compile_spec(self._get_compiler(), spec)
+        try:
+            return compile_spec(self._get_compiler(), spec)
+        except GrammarError:
+            raise
+        except Exception as e:  # the library's own failure: the request fails, not the worker
+            logger.exception("the grammar engine failed on a %s", spec.kind.value)
+            raise GrammarError(f"the grammar engine failed: {_clean(e)}") from e
 
     def _get_compiler(self) -> Any:
         with self._compiler_lock:

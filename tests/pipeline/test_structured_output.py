@@ -164,3 +164,38 @@ def test_unconstrained_rows_are_untouched_by_a_constrained_neighbour(
         return _run(prefill, decode)[0][0]
 
     assert run(True) == run(False)
+
+
+def test_a_slow_compile_stalls_no_other_request(default_model_path: Path, monkeypatch: Any) -> None:
+    """While one request's grammar compiles (here: 3 s), a plain request runs to its end;
+    the constrained one waits for its grammar, then parses."""
+    prefill, decode = _pair(default_model_path)
+    grammars = prefill.runner.grammars
+    real = grammars.compile_now
+
+    def slow(spec: GrammarSpec) -> Any:
+        time.sleep(3.0)
+        return real(spec)
+
+    monkeypatch.setattr(grammars, "compile_now", slow)
+    slow_spec = GrammarSpec(kind=GrammarKind.REGEX, text="[0-9]{4}")
+    prefill.add(_req(0, slow_spec, seed=1))
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prefill.add(GenerateRequest(rid=1, prompt_ids=[9707, 1879], sampling=plain,
+                                decode_worker=0, detok_shard=0))  # fmt: skip
+    finished_at: dict[int, float] = {}
+    t0 = time.monotonic()
+    while len(finished_at) < 2 and time.monotonic() - t0 < 60:
+        time.sleep(0.001)
+        out = prefill.step()
+        batches = list(out.tokens.values())
+        for _, transfer in out.transfers:
+            decode.offer(transfer)
+        for _, release in decode.admit():
+            prefill.release(release.rid)
+        batches += decode.step().tokens.values()
+        for b in batches:
+            for rid, fin in zip(b.rids.tolist(), b.finish.tolist()):
+                if fin:
+                    finished_at[rid] = time.monotonic() - t0
+    assert finished_at[1] < 2.0 < finished_at[0]
