@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,22 @@ def test_seeded_sampling_is_the_same_alone_and_batched_with_logprobs(
     for lp, top in zip(alone.logprobs, alone.top_logprobs):
         assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] >= lp - 1e-6
     assert batch[0].logprobs is None
+
+
+def test_cpu_pools_commit_memory_only_as_blocks_are_written(default_model_path: Path) -> None:
+    """A pool is not zero-filled up front: a 1 GiB pool costs (almost) no RSS until used,
+    and reads as zeros (padded attention reads slots no token wrote)."""
+    from engine.config import ModelConfig
+    from engine.kv_cache import allocate_kv_pool, block_nbytes
+
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    m = ModelConfig.from_pretrained(default_model_path)
+    blocks = (1 << 30) // block_nbytes(m, 16, torch.float32)
+    before = rss()
+    pool = allocate_kv_pool(m, blocks, 16, torch.float32)
+    assert rss() - before < 64 << 20
+    assert float(pool[blocks // 2].abs().sum()) == 0.0
+    pool[:4].fill_(1.0)  # writing commits what is written, no more
+    assert rss() - before < (64 << 20) + 4 * block_nbytes(m, 16, torch.float32)
