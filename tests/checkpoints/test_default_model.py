@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from engine.llm import LLM
 from safetensors.torch import load_file
 
 from checkpoints.default_model import (
@@ -26,6 +25,7 @@ from checkpoints.default_model import (
     resolve_model,
 )
 from checkpoints.tiny import tiny_model_dir
+from colocated.llm import LLM
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
