@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # (column heading, key in a benchmarks.serving summary); throughputs first, then latencies
@@ -34,6 +34,7 @@ class Point:
     completed: int
     failed: int
     load_avg: float  # 1-minute load average when the point finished: the machine is shared
+    errors: dict[str, int] = field(default_factory=dict)  # error text -> failed requests
 
 
 def ratio(ours: float, theirs: float) -> float:
@@ -66,6 +67,13 @@ def figure_rows(points: Sequence[Point], workload: str) -> list[str]:
         rows.append(f"| {p.concurrency} | {p.server} | " + " | ".join(cells)
                     + f" | {p.completed} / {p.failed} | {p.load_avg:.1f} |")  # fmt: skip
     return rows
+
+
+def failure_lines(points: Sequence[Point], workload: str) -> list[str]:
+    """What failed requests said, per server and concurrency (empty when none failed)."""
+    return [f"- {p.server}, concurrency {p.concurrency}: {n} x `{error[:200]}`"
+            for p in points if p.workload == workload
+            for error, n in p.errors.items()]  # fmt: skip
 
 
 def ratio_rows(points: Sequence[Point], workload: str, baseline: str) -> list[str]:
@@ -109,6 +117,8 @@ def render(report: Report, points: Iterable[Point]) -> str:
             "are shared with other jobs).", ""]  # fmt: skip
     for name, how in report.workloads:
         out += [f"## {name}", "", how, "", *figure_rows(pts, name), ""]
+        if failed := failure_lines(pts, name):
+            out += ["Failed requests:", "", *failed, ""]
         if report.baseline_failure is None:
             ratios = ratio_rows(pts, name, report.baseline)
             out += [f"pdserve / {report.baseline}:", "", *ratios, ""]

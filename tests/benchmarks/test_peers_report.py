@@ -47,6 +47,14 @@ def test_render_puts_figures_ratios_and_the_command_in_the_file() -> None:
     assert "| 1 | pd | 2.00 |" in text
 
 
+def test_render_lists_what_failed_requests_said() -> None:
+    report = Report("t", "cmd", "m", [], [("random", "")], "vLLM")
+    failed = Point("pd", "random", 8, {}, 8, 8, 1.0, {"RuntimeError: HTTP 503: busy": 8})
+    text = render(report, [point("vLLM", 8, 1.0), failed])
+    assert "- pd, concurrency 8: 8 x `RuntimeError: HTTP 503: busy`" in text
+    assert "| 8 | pd | – |" in text  # no figures: a dash, not a zero
+
+
 def test_render_says_why_the_baseline_is_missing_and_leaves_out_ratios() -> None:
     report = Report("t", "cmd", "m", [], [("random", "")], "vLLM",
                     baseline_failure="ImportError: no AVX512\n")  # fmt: skip
