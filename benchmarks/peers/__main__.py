@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--no-vllm", action="store_true", help="pdserve rows only (development)")
     a("--request-timeout", type=float, default=300.0, help="seconds per request")
     a("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peers_cpu.md")
+    a("--render", type=Path, default=None, metavar="JSON",
+      help="rewrite --out from a results JSON this command wrote (no servers, no load)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -142,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a timeout, a CI runner) unwinds like Ctrl-C, so every server is still stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = parse_args(argv)
+    if args.render is not None:
+        doc = json.loads(args.render.read_text())
+        report = Report(**doc["report"])
+        args.out.write_text(render(report, [Point(**p) for p in doc["points"]]) + "\n")
+        return 0
     command = "python -m benchmarks.peers " + shlex.join(sys.argv[1:] if argv is None else argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     workloads = [w for w in args.workloads.split(",") if w]

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-# (column heading, key in a benchmarks.serving summary); throughputs first, then latencies
-COLUMNS: tuple[tuple[str, str], ...] = (
-    ("out tok/s", "output_throughput"),
-    ("req/s", "request_throughput"),
-    ("TTFT p50 ms", "median_ttft_ms"),
-    ("TTFT p99 ms", "p99_ttft_ms"),
-    ("ITL p50 ms", "median_itl_ms"),
-    ("ITL p99 ms", "p99_itl_ms"),
-    ("TPOT p50 ms", "median_tpot_ms"),
+# (column heading, key in a benchmarks.serving summary, digits); throughputs, then latencies
+COLUMNS: tuple[tuple[str, str, int], ...] = (
+    ("out tok/s", "output_throughput", 1),
+    ("req/s", "request_throughput", 3),
+    ("TTFT p50 ms", "median_ttft_ms", 0),
+    ("TTFT p99 ms", "p99_ttft_ms", 0),
+    ("ITL p50 ms", "median_itl_ms", 1),
+    ("ITL p99 ms", "p99_itl_ms", 1),
+    ("TPOT p50 ms", "median_tpot_ms", 1),
 )
 
 
@@ -34,6 +34,7 @@ class Point:
     completed: int
     failed: int
     load_avg: float  # 1-minute load average when the point finished: the machine is shared
+    errors: dict[str, int] = field(default_factory=dict)  # error text -> failed requests
 
 
 def ratio(ours: float, theirs: float) -> float:
@@ -51,6 +52,12 @@ def _key(p: Point) -> tuple[str, int]:
     return p.workload, p.concurrency
 
 
+def _server(p: Point) -> str:
+    # NOTE: figures of a point with failures cover only its completed requests, and its
+    # throughput divides them by the whole run: a reader must see that in every row.
+    return p.server if not p.failed else f"{p.server} ({p.failed} failed)"
+
+
 def _head(*extra: str) -> list[str]:
     names = ["concurrency", "server", *(c[0] for c in COLUMNS), *extra]
     return ["| " + " | ".join(names) + " |", "|" + " --- |" * len(names)]
@@ -62,10 +69,17 @@ def figure_rows(points: Sequence[Point], workload: str) -> list[str]:
     rows = _head("ok / failed", "load")
     mine = [p for p in points if p.workload == workload]
     for p in sorted(mine, key=lambda p: (p.concurrency, order[p.server])):
-        cells = [_fmt(p.figures.get(key, math.nan)) for _, key in COLUMNS]
-        rows.append(f"| {p.concurrency} | {p.server} | " + " | ".join(cells)
+        cells = [_fmt(p.figures.get(key, math.nan), d) for _, key, d in COLUMNS]
+        rows.append(f"| {p.concurrency} | {_server(p)} | " + " | ".join(cells)
                     + f" | {p.completed} / {p.failed} | {p.load_avg:.1f} |")  # fmt: skip
     return rows
+
+
+def failure_lines(points: Sequence[Point], workload: str) -> list[str]:
+    """What failed requests said, per server and concurrency (empty when none failed)."""
+    return [f"- {p.server}, concurrency {p.concurrency}: {n} x `{error[:200]}`"
+            for p in points if p.workload == workload
+            for error, n in p.errors.items()]  # fmt: skip
 
 
 def ratio_rows(points: Sequence[Point], workload: str, baseline: str) -> list[str]:
@@ -76,8 +90,8 @@ def ratio_rows(points: Sequence[Point], workload: str, baseline: str) -> list[st
     for p in sorted(ours, key=lambda p: (p.concurrency, p.server)):
         theirs = base[_key(p)].figures if _key(p) in base else {}
         nan = math.nan
-        cells = [_fmt(ratio(p.figures.get(k, nan), theirs.get(k, nan)), 2) for _, k in COLUMNS]
-        rows.append(f"| {p.concurrency} | {p.server} | " + " | ".join(cells) + " |")
+        cells = [_fmt(ratio(p.figures.get(k, nan), theirs.get(k, nan)), 2) for _, k, _ in COLUMNS]
+        rows.append(f"| {p.concurrency} | {_server(p)} | " + " | ".join(cells) + " |")
     return rows
 
 
@@ -109,6 +123,8 @@ def render(report: Report, points: Iterable[Point]) -> str:
             "are shared with other jobs).", ""]  # fmt: skip
     for name, how in report.workloads:
         out += [f"## {name}", "", how, "", *figure_rows(pts, name), ""]
+        if failed := failure_lines(pts, name):
+            out += ["Failed requests:", "", *failed, ""]
         if report.baseline_failure is None:
             ratios = ratio_rows(pts, name, report.baseline)
             out += [f"pdserve / {report.baseline}:", "", *ratios, ""]

@@ -75,4 +75,4 @@ def measure(server: str, url: str, model: str, tokenizer: Any, workload: str,
     requests = w.requests(tokenizer, n, seed)
     result = _run(url, model, tokenizer, w, requests, concurrency, timeout_s)
     return Point(server, workload, concurrency, summary_figures(result), result["completed"],
-                 result["failed"], os.getloadavg()[0])  # fmt: skip
+                 result["failed"], os.getloadavg()[0], dict(result["errors_summary"]))  # fmt: skip

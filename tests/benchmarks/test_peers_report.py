@@ -10,7 +10,7 @@ from benchmarks.peers.report import COLUMNS, Point, Report, ratio, ratio_rows, r
 
 
 def point(server: str, concurrency: int, scale: float, workload: str = "random") -> Point:
-    figures = {key: scale * (i + 1) for i, (_, key) in enumerate(COLUMNS)}
+    figures = {key: scale * (i + 1) for i, (_, key, _) in enumerate(COLUMNS)}
     return Point(server, workload, concurrency, figures, completed=8, failed=0, load_avg=1.5)
 
 
@@ -44,7 +44,16 @@ def test_render_puts_figures_ratios_and_the_command_in_the_file() -> None:
     figures = text.split("## random")[1].split("pdserve / vLLM:")[0]
     servers = [cells(r)[1] for r in figures.splitlines() if r.startswith("| 1 ")]
     assert servers == ["pd", "vLLM"]  # order of first appearance
-    assert "| 1 | pd | 2.00 |" in text
+    assert "| 1 | pd | 2.0 | 4.000 | 6 |" in text  # digits per column
+    assert "| 1 | pd | 2.00 | 2.00 |" in text
+
+
+def test_render_lists_what_failed_requests_said() -> None:
+    report = Report("t", "cmd", "m", [], [("random", "")], "vLLM")
+    failed = Point("pd", "random", 8, {}, 8, 8, 1.0, {"RuntimeError: HTTP 503: busy": 8})
+    text = render(report, [point("vLLM", 8, 1.0), failed])
+    assert "- pd, concurrency 8: 8 x `RuntimeError: HTTP 503: busy`" in text
+    assert "| 8 | pd (8 failed) | – |" in text  # no figures: a dash, not a zero
 
 
 def test_render_says_why_the_baseline_is_missing_and_leaves_out_ratios() -> None:
