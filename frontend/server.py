@@ -105,6 +105,7 @@ def main() -> None:
     router_config = RouterConfig(
         max_waiting_requests=s["max_waiting_requests"],
         max_queued_prefill_tokens=s["max_queued_prefill_tokens"],
+        stale_after_s=s["stall_timeout_s"] / 4,  # when /health starts to call it stalled
     )
     client = RingEngineClient(spec, s["router_policy"], router_config, s["stall_timeout_s"])
     app = build_app(client, tokenizer, settings)

@@ -57,7 +57,11 @@ class NoCapacity(Exception):
 class RouterConfig:
     """Admission bounds are per worker; None disables one (not recommended in production)."""
 
-    stale_after_s: float = 1.0  # a row whose heartbeat is older than this is not routable
+    # A row whose heartbeat is older than this is not routable. Workers publish once per step,
+    # and one CPU step of a larger model (a long prefill chunk, a loaded machine) can take
+    # over a second: a tight bound turned such workers away as if dead (503s). The launcher
+    # sets it to the bound after which /health reports the worker stalled.
+    stale_after_s: float = 5.0
     max_waiting_requests: int | None = 1024
     max_queued_prefill_tokens: int | None = 262_144
     retry_after_s: float = 1.0  # when workers are busy
