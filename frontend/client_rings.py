@@ -30,8 +30,8 @@ from frontend.engine_client import (
     WorkerHealth,
     WorkerMetrics,
 )
-from frontend.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream, shards_alive
-from frontend.worker_status import worker_health, worker_metrics
+from frontend.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream
+from frontend.worker_status import shards_alive, worker_health, worker_metrics
 from router.router import NoCapacity, Placement, Router, RouterConfig
 from runtime.process import ProcessSpec, attach_rings, load_table, prefix_summaries
 from transport.errors import PeerDead, RecordTooLarge

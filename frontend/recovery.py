@@ -29,6 +29,7 @@ from typing import Protocol
 
 from detokenizer.routing import live_shard_for
 from frontend.engine_client import EngineRequest, EngineUnavailable
+from frontend.worker_status import shards_alive
 from router.router import NoCapacity, Placement, Router
 from transport.load_table import LoadTable, Role, WorkerState
 from transport.ring import Ring
@@ -70,11 +71,6 @@ class Resubmitter(Protocol):
 
     async def submit(self, s: Stream) -> None: ...
     async def abort_everywhere(self, s: Stream) -> None: ...
-
-
-def shards_alive(text_rings: Sequence[Ring]) -> list[bool]:
-    # A shard attaches its rings only once its tokenizer is loaded: pid 0 = starting.
-    return [ring.peer_alive() and ring.peer_pid != 0 for ring in text_rings]
 
 
 def stalled(row_heartbeat_ns: int, now_ns: int, timeout_s: float) -> bool:

@@ -14,6 +14,12 @@ from transport.load_table import LoadTable, Role, WorkerState, describe_exit
 from transport.ring import Ring
 
 
+def shards_alive(text_rings: Sequence[Ring]) -> list[bool]:
+    """Which detokenizer shards serve. ``peer_alive()`` also refreshes ``peer_pid``, and a
+    shard attaches its rings only once its tokenizer is loaded: pid 0 = starting."""
+    return [ring.peer_alive() and ring.peer_pid != 0 for ring in text_rings]
+
+
 def worker_health(
     table: LoadTable, text_rings: Sequence[Ring], active_per_shard: Mapping[int, int],
     stall_report_s: float,
@@ -47,9 +53,7 @@ def worker_health(
         reason = describe_exit(r.exit_status) if dead else None
         out.append(WorkerHealth(r.role.name.lower(), r.index, r.pid, alive, load, state,
                                 reason))  # fmt: skip
-    for k, ring in enumerate(text_rings):
-        # A shard attaches its rings only once its tokenizer is loaded: pid 0 = starting.
-        alive = ring.peer_alive() and ring.peer_pid != 0  # alive() refreshes the pid
+    for k, (ring, alive) in enumerate(zip(text_rings, shards_alive(text_rings), strict=True)):
         load = {"active_requests": float(active_per_shard.get(k, 0))}
         state = "ready" if alive else "dead"
         out.append(WorkerHealth("detokenizer", k, ring.peer_pid, alive, load, state))
