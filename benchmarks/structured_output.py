@@ -2,13 +2,14 @@
 step costs over an unconstrained one once its grammar is compiled.
 
 The decode step is what a decode worker runs each step: one batched forward
-(``ModelRunner.decode``), then ``ModelRunner.sample``, then appending each row's token
-(which advances its grammar matcher). The same 32 sequences are timed unconstrained, with
-every row under a JSON schema, and with half of them constrained; steps interleave the
-three so background load hits all alike, and medians are reported. The schema keeps
-rows inside the grammar for every timed step (long strings in a long array), so no
-row ends early. Compile times are cold (no cache) per schema, plus the one-off
-vocabulary build a process pays on its first grammar (cold and from the disk cache).
+(``ModelRunner.decode``), then ``ModelRunner.sample`` (greedy), then appending each row's
+token (which advances its grammar matcher). The same batch is timed with no row
+constrained, half and all of them under a JSON schema whose strings have a maxLength
+(xgrammar's costly case), and all under one whose strings have none; each case has a
+runner of its own, steps interleave the cases so background load hits all alike, and
+medians are reported. Both schemas keep every row inside the grammar for every timed
+step. Compile times are cold (no cache) per schema, plus the one-off vocabulary build a
+process pays on its first grammar (cold and from the disk cache).
 
     python -m benchmarks.structured_output [--batch 32] [--steps 48] [--threads 2]
 
