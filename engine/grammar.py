@@ -31,13 +31,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from engine.errors import EngineError
 from engine.grammar_vocab import tokenizer_info
-from wire.params import GrammarKind, GrammarSpec
+from engine.sampler import Constraint
+from wire.params import GrammarKind, GrammarSpec, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,37 @@ class GrammarState:
     @property
     def terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
+
+
+class Constrained(Protocol):
+    """What ``batch_constraint`` reads and sets on a sequence (engine/sequence.py's)."""
+
+    rid: int
+    sampling: SamplingParams
+    output_ids: list[int]
+    grammar: GrammarState | None
+
+
+def batch_constraint(cache: GrammarCache, seqs: Sequence[Constrained]) -> Constraint | None:
+    """The mask of a batch's constrained rows, or None when no row has a grammar.
+
+    A sequence sampled here for the first time gets its matcher now, replaying what it
+    has produced (a handoff from prefill, a resumed request); its grammar is compiled,
+    as the schedulers wait for ``ready`` (else this waits for the compile).
+    """
+    rows = [i for i, s in enumerate(seqs) if s.sampling.grammar is not None]
+    if not rows:
+        return None
+    states = []
+    for i in rows:
+        seq = seqs[i]
+        if seq.grammar is None:
+            assert seq.sampling.grammar is not None
+            seq.grammar = cache.state(seq.sampling.grammar, seq.output_ids, seq.rid)
+        states.append(seq.grammar)
+    bitmask = new_bitmask(len(seqs), cache.vocab_size)
+    fill_bitmask(states, bitmask, rows)
+    return lambda logits: apply_bitmask(logits, bitmask, rows)
 
 
 def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
