@@ -2,13 +2,14 @@
 step costs over an unconstrained one once its grammar is compiled.
 
 The decode step is what a decode worker runs each step: one batched forward
-(``ModelRunner.decode``), then ``ModelRunner.sample``, then appending each row's token
-(which advances its grammar matcher). The same 32 sequences are timed unconstrained, with
-every row under a JSON schema, and with half of them constrained; steps interleave the
-three so background load hits all alike, and medians are reported. The schema keeps
-rows inside the grammar for every timed step (long strings in a long array), so no
-row ends early. Compile times are cold (no cache) per schema, plus the one-off
-vocabulary build a process pays on its first grammar (cold and from the disk cache).
+(``ModelRunner.decode``), then ``ModelRunner.sample`` (greedy), then appending each row's
+token (which advances its grammar matcher). The same batch is timed with no row
+constrained, half and all of them under a JSON schema whose strings have a maxLength
+(xgrammar's costly case), and all under one whose strings have none; each case has a
+runner of its own, steps interleave the cases so background load hits all alike, and
+medians are reported. Both schemas keep every row inside the grammar for every timed
+step. Compile times are cold (no cache) per schema, plus the one-off vocabulary build a
+process pays on its first grammar (cold and from the disk cache).
 
     python -m benchmarks.structured_output [--batch 32] [--steps 48] [--threads 2]
 
@@ -37,10 +38,14 @@ from wire.params import GrammarKind, GrammarSpec, SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "structured_output.md"
 CONTEXT = 64
-# Stays open for every timed step: 64 strings (each at least `"", ` = 3 tokens) of up to
-# 32 characters.
-STEP_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 32},
-               "minItems": 64, "maxItems": 64}  # fmt: skip
+# Both stay open for every timed step: 64 strings, each at least `"", ` (3 tokens). The
+# first bounds its strings (xgrammar's costly case: a counted repetition), the second not.
+STEP_SCHEMAS: dict[str, Any] = {
+    "strings with maxLength": {"type": "array", "items": {"type": "string", "maxLength": 32},
+                               "minItems": 64, "maxItems": 64},
+    "strings, no maxLength": {"type": "array", "items": {"type": "string"},
+                              "minItems": 64, "maxItems": 64},
+}  # fmt: skip
 COMPILE_SCHEMAS: dict[str, Any] = {
     "flat object (2 fields)": {
         "type": "object",
@@ -77,18 +82,18 @@ def _spec(schema: Any) -> GrammarSpec:
     return GrammarSpec(kind=GrammarKind.JSON_SCHEMA, text=json.dumps(schema))
 
 
-def _batch(runner: ModelRunner, n: int, constrained: int, rid0: int) -> list[Sequence]:
-    """``n`` prefilled sequences; the first ``constrained`` under STEP_SCHEMA."""
-    g = torch.Generator().manual_seed(rid0)
+def _batch(runner: ModelRunner, n: int, constrained: int, schema: Any) -> list[Sequence]:
+    """``n`` prefilled sequences; the first ``constrained`` under ``schema``."""
+    g = torch.Generator().manual_seed(n + constrained)
     seqs = []
     for i in range(n):
-        grammar = _spec(STEP_SCHEMA) if i < constrained else None
+        grammar = _spec(schema) if i < constrained else None
         # Greedy: the step's sampling costs the same in every case, so the difference
         # between them is the grammar's (mask fill, mask apply, matcher advance).
         params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True,
                                 grammar=grammar)  # fmt: skip
         prompt = torch.randint(0, 150_000, (CONTEXT,), generator=g).tolist()
-        seqs.append(Sequence(rid=rid0 + i, prompt_ids=prompt, sampling=params,
+        seqs.append(Sequence(rid=i, prompt_ids=prompt, sampling=params,
                              block_size=runner.block_size))  # fmt: skip
     logits = runner.prefill([(s, CONTEXT) for s in seqs])
     out = runner.sample(logits, seqs)  # builds the matchers (compiled once, then cached)
@@ -107,16 +112,27 @@ def _step(runner: ModelRunner, seqs: list[Sequence]) -> float:
 
 
 def bench_steps(batch: int, steps: int) -> dict[str, list[float]]:
-    kv_tokens = 3 * batch * (CONTEXT + steps + 8)
-    runner = ModelRunner(EngineConfig(model=str(tiny.tiny_model_dir()), dtype="float32",
-                                      num_kv_blocks=kv_tokens // 16 + 1, max_model_len=1024))  # fmt: skip
-    runner.grammars.prepare(_spec(STEP_SCHEMA)).result()  # compiled before anything is timed
-    cases = {"unconstrained": 0, "half constrained": batch // 2, "all constrained": batch}
-    groups = {name: _batch(runner, batch, k, 1000 * j) for j, (name, k) in enumerate(cases.items())}
+    bounded, unbounded = STEP_SCHEMAS.values()
+    cases = {
+        "none": (0, bounded),
+        "half, strings with maxLength": (batch // 2, bounded),
+        "all, strings with maxLength": (batch, bounded),
+        "all, strings without maxLength": (batch, unbounded),
+    }
+    kv_tokens = batch * (CONTEXT + steps + 8)
+    runners, groups = {}, {}
+    for name, (k, schema) in cases.items():
+        # NOTE: a runner per case: on CPU a runner keeps its batch's K/V dense between
+        # steps, and alternating batches on one runner would rebuild it every step.
+        runner = ModelRunner(EngineConfig(model=str(tiny.tiny_model_dir()), dtype="float32",
+                                          num_kv_blocks=kv_tokens // 16 + batch,
+                                          max_model_len=1024))  # fmt: skip
+        runner.grammars.prepare(_spec(schema)).result()  # compiled before timing
+        runners[name], groups[name] = runner, _batch(runner, batch, k, schema)
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(steps):
         for name, seqs in groups.items():
-            times[name].append(_step(runner, seqs))
+            times[name].append(_step(runners[name], seqs))
     for name, seqs in groups.items():  # every constrained row stayed inside its grammar
         assert all(s.grammar is None or not (s.grammar.failed or s.grammar.terminated)
                    for s in seqs), name  # fmt: skip
@@ -153,7 +169,7 @@ def bench_compile() -> tuple[dict[str, float], float, float]:
 
 def render(times: dict[str, list[float]], compiles: tuple[dict[str, float], float, float],
            args: argparse.Namespace, command: str) -> str:  # fmt: skip
-    base = statistics.median(times["unconstrained"]) * 1e3
+    base = statistics.median(times["none"]) * 1e3
     lines = [
         "# Structured output: constrained decode step and grammar compile time",
         "",
@@ -167,7 +183,9 @@ def render(times: dict[str, list[float]], compiles: tuple[dict[str, float], floa
         "",
         f"Median over {args.steps} interleaved steps (forward + greedy sample + matcher "
         "advance); "
-        f"{CONTEXT}-token prompts; schema `{json.dumps(STEP_SCHEMA)}`.",
+        f"{CONTEXT}-token prompts. Schemas: "
+        + "; ".join(f"{k} `{json.dumps(v)}`" for k, v in STEP_SCHEMAS.items())
+        + ".",
         "",
         "| rows constrained | step (ms, median) | p90 (ms) | overhead vs unconstrained |",
         "| --- | ---: | ---: | ---: |",

@@ -31,12 +31,12 @@ from engine.attention import AttentionMetadata, DenseDecodeKV
 from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.gpu_memory import gpu_kv_blocks
-from engine.grammar import GrammarCache, apply_bitmask, fill_bitmask, new_bitmask
+from engine.grammar import GrammarCache, batch_constraint
 from engine.kernels import use_kernels
 from engine.kv_cache import GpuMemoryError, allocate_kv_pool, block_nbytes, check_kv_pool
 from engine.loader import load_weights
 from engine.model import CausalLM
-from engine.sampler import Constraint, SampleOutput, SampleRequest, sample
+from engine.sampler import SampleOutput, SampleRequest, sample
 from engine.sequence import Sequence
 from wire.records import Finish
 
@@ -360,7 +360,7 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         """Pick each sequence's next token (output position ``len(seq.output_ids)``)."""
         rows = [SampleRequest(s.sampling, s.prompt_ids, s.output_ids) for s in seqs]
-        out = sample(logits, rows, self.generator, self._grammar_constraint(seqs))
+        out = sample(logits, rows, self.generator, batch_constraint(self.grammars, seqs))
         if out.token_ids.is_cuda:
             # Every caller reads the sample on the host (token lists, numpy batches):
             # one copy per step, not one sync per element.
@@ -375,22 +375,6 @@ class ModelRunner:
         """
         spec = seq.sampling.grammar
         return spec is None or seq.grammar is not None or self.grammars.ready(spec)
-
-    def _grammar_constraint(self, seqs: list[Sequence]) -> Constraint | None:
-        """The mask of this batch's constrained rows, or None when no row has a grammar."""
-        rows = [i for i, s in enumerate(seqs) if s.sampling.grammar is not None]
-        if not rows:
-            return None
-        states = []
-        for i in rows:
-            seq = seqs[i]
-            if seq.grammar is None:  # first sample here: replay what it has produced
-                assert seq.sampling.grammar is not None
-                seq.grammar = self.grammars.state(seq.sampling.grammar, seq.output_ids, seq.rid)
-            states.append(seq.grammar)
-        bitmask = new_bitmask(len(seqs), self.grammars.vocab_size)
-        fill_bitmask(states, bitmask, rows)
-        return lambda logits: apply_bitmask(logits, bitmask, rows)
 
     def check_stop(self, seq: Sequence) -> Finish:
         """Why ``seq`` must stop after its newest token, or ``Finish.NONE``."""

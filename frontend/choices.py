@@ -72,8 +72,12 @@ async def merged(calls: list[EngineCall]) -> AsyncIterator[tuple[int, TextDelta]
     """(choice index, delta) of every call as they arrive; every call is aborted if the
     consumer stops early (client gone) or a call fails."""
     if len(calls) == 1:  # the common case, without a task per delta
-        async for d in calls[0].deltas():
-            yield 0, d
+        only = calls[0].deltas()
+        try:
+            async for d in only:
+                yield 0, d
+        finally:
+            await only.aclose()  # type: ignore[attr-defined]  # aborts it if unfinished
         return
     iters = [c.deltas() for c in calls]
     pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iters)}

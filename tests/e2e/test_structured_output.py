@@ -45,8 +45,9 @@ SCHEMAS: list[dict[str, Any]] = [
                 "maxItems": 3,
             },
             "ok": {"type": "boolean"},
+            "weight": {"type": "number", "minimum": 0, "maximum": 100},
         },
-        "required": ["colour", "tags", "ok"],
+        "required": ["colour", "tags", "ok", "weight"],
         "additionalProperties": False,
     },
     {

@@ -99,3 +99,21 @@ async def test_client_gone_mid_upload_is_quiet(
         async with httpx.AsyncClient(base_url=srv.base_url) as http:  # still serving
             assert (await http.get("/v1/models")).status_code == 200
     assert loud_records(caplog) == []
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_disconnect_aborts_every_choice(
+    live_server: Callable[..., LiveServer], make_client: Callable[..., Any], stream: bool
+) -> None:
+    engine = make_client(step_delay_s=0.05)
+    with live_server(client=engine) as srv:
+        body = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "stream": stream, "n": 3}
+        async with httpx.AsyncClient(base_url=srv.base_url) as http:
+            task = asyncio.create_task(http.post("/v1/completions", json=body))
+            assert await wait_for(lambda: len(engine.running) == 3, timeout_s=10)
+            rids = set(engine.running)
+            await asyncio.sleep(0.2)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert await wait_for(lambda: rids <= set(engine.aborted), timeout_s=1.0)
+        assert await wait_for(lambda: not engine.running, timeout_s=5)
