@@ -128,7 +128,8 @@ def test_every_endpoint_reports_cached_prompt_tokens(servers: dict[bool, Launche
     # other tests' traffic); this test's own requests repeat one prompt, so most of what
     # they queried was a hit.
     assert sorted(float(r) for r in rates) == pytest.approx(
-        sorted(h / max(q, 1) for h, q in after.values()))
+        sorted(h / max(q, 1) for h, q in after.values())
+    )
     hit = sum(after[k][0] - before[k][0] for k in after)
     queried = sum(after[k][1] - before[k][1] for k in after)
     assert queried > 0 and hit / queried > 0.5, (hit, queried)
