@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from detokenizer.shard import DetokShard
+from engine.hf_tokenizer import load_tokenizer
 from runtime.process import ProcessSpec, bootstrap
 from transport.doorbell import Doorbell, DoorbellSpec
 from transport.ring import Ring, RingSpec
@@ -92,9 +93,7 @@ class DetokWorker:
 
 def main(cfg: DetokWorkerConfig, should_stop: Callable[[], bool]) -> None:
     """Process entry point (the launcher passes the config and its shutdown flag)."""
-    from transformers import AutoTokenizer
-
-    worker = DetokWorker(cfg, AutoTokenizer.from_pretrained(cfg.tokenizer_path))
+    worker = DetokWorker(cfg, load_tokenizer(cfg.tokenizer_path))
     logger.info("detokenizer shard %d ready", cfg.index)
     try:
         worker.run(should_stop)

@@ -31,7 +31,9 @@ from engine.attention import AttentionMetadata, DenseDecodeKV
 from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.gpu_memory import gpu_kv_blocks
-from engine.grammar import GrammarCache, batch_constraint
+from engine.grammar import GrammarCache
+from engine.grammar_mask import batch_constraint
+from engine.hf_tokenizer import load_tokenizer
 from engine.kernels import use_kernels
 from engine.kv_cache import GpuMemoryError, allocate_kv_pool, block_nbytes, check_kv_pool
 from engine.loader import load_weights
@@ -64,7 +66,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.grammars = GrammarCache(
-            lambda: _load_tokenizer(config.model), self.model_config.vocab_size,
+            lambda: load_tokenizer(config.model),  # when a grammar first needs it
+            self.model_config.vocab_size,
             self.eos_token_ids, model_dir=config.model,
         )  # fmt: skip
         # CPU only: on CUDA gathering is cheap and a second copy of the KV would cost memory.
@@ -390,12 +393,6 @@ class ModelRunner:
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return Finish.LENGTH
         return Finish.NONE
-
-
-def _load_tokenizer(model: str) -> Any:
-    from transformers import AutoTokenizer  # only when a grammar first needs it
-
-    return AutoTokenizer.from_pretrained(model)
 
 
 def _token_span(seq: Sequence, start: int, n: int) -> list[int]:

@@ -14,8 +14,8 @@ import logging
 import socket
 
 import uvicorn
-from transformers import AutoTokenizer
 
+from engine.hf_tokenizer import load_tokenizer
 from frontend.acceptor import HealthAcceptor
 from frontend.app import build_app, health_report
 from frontend.client_rings import RingEngineClient
@@ -85,7 +85,7 @@ class _Server(uvicorn.Server):
 def main() -> None:
     spec, _ = bootstrap()
     s = spec.settings
-    tokenizer = AutoTokenizer.from_pretrained(s["model"])
+    tokenizer = load_tokenizer(s["model"])
     settings = FrontendSettings(
         model_name=s["served_model_name"],
         max_model_len=s["max_model_len"],

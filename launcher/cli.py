@@ -59,6 +59,14 @@ def _model_path(config: ServerConfig) -> Path:
         raise ConfigError(f"--model: {e}") from e
 
 
+def _aliases(model: Path | None) -> list[str]:
+    """Names besides the served one that requests may use: the ``--model`` path as typed
+    (a directory's with or without its trailing slash, which ``Path`` drops)."""
+    if model is None:
+        return []
+    return [str(model), f"{model}/"] if model.is_dir() else [str(model)]
+
+
 def _engine_settings(
     config: ServerConfig, model: Path, place: WorkerPlace, backend: KVBackend | None
 ) -> dict[str, Any]:
@@ -101,7 +109,7 @@ def _children(
     frontend = {
         **common,
         "served_model_name": config.served_model_name or model.name,
-        "model_aliases": [str(config.model)] if config.model is not None else [],
+        "model_aliases": _aliases(config.model),
         "max_model_len": engine.resolve_max_model_len(mcfg),
         "vocab_size": mcfg.vocab_size, "api_key": config.api_key,
         "metrics_no_auth": config.metrics_no_auth, "allowed_hosts": list(config.allowed_hosts),

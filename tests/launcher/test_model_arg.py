@@ -37,11 +37,12 @@ def test_an_unsupported_gguf_is_refused_naming_what_is_supported(
 
 
 def test_the_frontend_accepts_the_model_path_as_a_name(default_model_path: Path) -> None:
-    cfg = parse_args(["--device", "cpu", "--model", str(default_model_path)])
+    # Shell completion leaves a trailing slash on a directory; requests may name it so.
+    cfg = parse_args(["--device", "cpu", "--model", f"{default_model_path}/"])
     gpus = assign_gpus(cfg, [])
     cfg = _size_kv(cfg, default_model_path, gpus, KVBackend.SHM)
     topo = _build_topology(cfg, default_model_path, KVBackend.SHM)
     kids = _children(cfg, topo, gpus, default_model_path, KVBackend.SHM)
     frontend = next(c.spec.settings for c in kids if c.spec.role == "frontend")
     assert frontend["served_model_name"] == default_model_path.name
-    assert frontend["model_aliases"] == [str(default_model_path)]
+    assert frontend["model_aliases"] == [str(default_model_path), f"{default_model_path}/"]

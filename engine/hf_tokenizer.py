@@ -1,0 +1,54 @@
+"""The model's Hugging Face tokenizer, loaded without importing torch where that is exact.
+
+``AutoTokenizer.from_pretrained`` always builds the model's config class first, which
+imports torch and the model's modules: ~5 s of CPU per process on a small host, paid by
+the frontend and every detokenizer shard at startup, none of which run a model. When the
+files already name the generic fast tokenizer class for a model type whose tokenizer
+AutoTokenizer does not replace, AutoTokenizer would return that same class loaded from
+the same files, so it is loaded directly (~1 s, no torch). Anything else goes through
+AutoTokenizer. tests/engine/test_hf_tokenizer.py holds the two paths equal.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Classes AutoTokenizer resolves to the generic tokenizers-backed class in transformers 5.
+GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+# Model types for which AutoTokenizer keeps a generic class named by the files (it swaps
+# in a model-specific class for some others, e.g. qwen2 -> Qwen2Tokenizer).
+GENERIC_MODEL_TYPES = frozenset({"llama", "mistral"})
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def loads_directly(model_dir: str | Path) -> bool:
+    """Whether ``load_tokenizer`` can skip AutoTokenizer for this checkpoint."""
+    root = Path(model_dir)
+    tok_cfg = _read_json(root / "tokenizer_config.json")
+    model_type = _read_json(root / "config.json").get("model_type")
+    return (
+        tok_cfg.get("tokenizer_class") in GENERIC_CLASSES
+        and "auto_map" not in tok_cfg
+        and model_type in GENERIC_MODEL_TYPES
+        and (root / "tokenizer.json").is_file()
+    )
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """What ``AutoTokenizer.from_pretrained(model_dir)`` returns."""
+    if loads_directly(model_dir):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
