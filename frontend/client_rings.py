@@ -75,6 +75,10 @@ class RingEngineClient(EngineClient):
         colocated = rings.sinks(RingKind.REQ, PeerRole.COLOCATED)
         # Under ``launch --colocated`` a placement's prefill == decode == the worker c.
         self.req_rings = colocated or rings.sinks(RingKind.REQ, PeerRole.PREFILL)
+        self.expected_workers = (
+            [(Role.COLOCATED, i) for i in colocated] if colocated
+            else [(Role.PREFILL, i) for i in self.req_rings] + [(Role.DECODE, i) for i in self.decode_ctl]
+        )  # fmt: skip
         self.streams: dict[int, Stream] = {}  # by current rid
         self.by_origin: dict[int, Stream] = {}  # by the rid the frontend gave the request
         self.recovery = Recovery(self, self.router, self.table, self.text_rings, stall_timeout_s)
@@ -220,7 +224,8 @@ class RingEngineClient(EngineClient):
         active: dict[int, int] = {}
         for st in self.streams.values():
             active[st.shard] = active.get(st.shard, 0) + 1
-        return worker_health(self.table, self.text_rings, active, self.stall_timeout_s / 4)
+        return worker_health(self.table, self.expected_workers, self.text_rings, active,
+                             self.stall_timeout_s / 4)  # fmt: skip
 
     def metrics_snapshot(self) -> list[WorkerMetrics]:
         return worker_metrics(self.table, self.router.assigned())

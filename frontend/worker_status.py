@@ -21,19 +21,25 @@ def shards_alive(text_rings: Sequence[Ring]) -> list[bool]:
 
 
 def worker_health(
-    table: LoadTable, text_rings: Sequence[Ring], active_per_shard: Mapping[int, int],
-    stall_report_s: float,
+    table: LoadTable, expected: Sequence[tuple[Role, int]], text_rings: Sequence[Ring],
+    active_per_shard: Mapping[int, int], stall_report_s: float,
 ) -> list[WorkerHealth]:  # fmt: skip
     """Every worker's role, index, pid, liveness and load; then every detokenizer shard.
 
-    A READY worker whose heartbeat is older than ``stall_report_s`` is reported
-    ``stalled`` and not alive: stopped, wedged, or in a step that long.
+    ``expected`` lists the engine workers the launch started (the frontend has a ring to
+    each): one that has not claimed its load-table row yet is reported ``starting``, so a
+    role is never taken as served because none of its workers has shown up. A READY
+    worker whose heartbeat is older than ``stall_report_s`` is reported ``stalled`` and
+    not alive: stopped, wedged, or in a step that long.
     """
     out = []
     now_ns = time.monotonic_ns()
-    for r in table.snapshot():
-        if r.role == Role.NONE:
-            continue
+    rows = [r for r in table.snapshot() if r.role != Role.NONE]
+    claimed = {(r.role, r.index) for r in rows}
+    for role, index in expected:
+        if (role, index) not in claimed:
+            out.append(WorkerHealth(role.name.lower(), index, 0, False, {}, "starting"))
+    for r in rows:
         state = r.state.name.lower()
         if r.state == WorkerState.READY and now_ns - r.heartbeat_ns > stall_report_s * 1e9:
             state = "stalled"
