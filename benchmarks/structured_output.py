@@ -11,7 +11,7 @@ medians are reported. Both schemas keep every row inside the grammar for every t
 step. Compile times are cold (no cache) per schema, plus the one-off vocabulary build a
 process pays on its first grammar (cold and from the disk cache).
 
-    python -m benchmarks.structured_output [--batch 32] [--steps 48] [--threads 2]
+    python -m benchmarks.structured_output [--batch 32] [--steps 48] [--threads 2] [--models tiny,smollm2]
 
 Writes benchmarks/results/structured_output.md.
 """
@@ -30,6 +30,7 @@ import torch
 
 from benchmarks.machine import describe as describe_machine
 from checkpoints import tiny
+from checkpoints.default_model import default_model_dir
 from engine.config import EngineConfig
 from engine.grammar import GrammarCache
 from engine.runner import ModelRunner
@@ -111,7 +112,7 @@ def _step(runner: ModelRunner, seqs: list[Sequence]) -> float:
     return time.perf_counter() - t0
 
 
-def bench_steps(batch: int, steps: int) -> dict[str, list[float]]:
+def bench_steps(model_dir: Path, batch: int, steps: int) -> dict[str, list[float]]:
     bounded, unbounded = STEP_SCHEMAS.values()
     cases = {
         "none": (0, bounded),
@@ -124,7 +125,7 @@ def bench_steps(batch: int, steps: int) -> dict[str, list[float]]:
     for name, (k, schema) in cases.items():
         # NOTE: a runner per case: on CPU a runner keeps its batch's K/V dense between
         # steps, and alternating batches on one runner would rebuild it every step.
-        runner = ModelRunner(EngineConfig(model=str(tiny.tiny_model_dir()), dtype="float32",
+        runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32",
                                           num_kv_blocks=kv_tokens // 16 + batch,
                                           max_model_len=1024))  # fmt: skip
         runner.grammars.prepare(_spec(schema)).result()  # compiled before timing
@@ -167,9 +168,13 @@ def bench_compile() -> tuple[dict[str, float], float, float]:
     return compile_s, cold_vocab, cached_vocab
 
 
-def render(times: dict[str, list[float]], compiles: tuple[dict[str, float], float, float],
-           args: argparse.Namespace, command: str) -> str:  # fmt: skip
-    base = statistics.median(times["none"]) * 1e3
+MODELS = {"tiny": ("tiny Qwen2 (random weights, 152k vocabulary)", tiny.tiny_model_dir),
+          "smollm2": ("SmolLM2-135M-Instruct (49k vocabulary)", default_model_dir)}  # fmt: skip
+
+
+def render(times: dict[str, dict[str, list[float]]],
+           compiles: tuple[dict[str, float], float, float], args: argparse.Namespace,
+           command: str) -> str:  # fmt: skip
     lines = [
         "# Structured output: constrained decode step and grammar compile time",
         "",
@@ -179,7 +184,17 @@ def render(times: dict[str, list[float]], compiles: tuple[dict[str, float], floa
         describe_machine(),
         "```",
         "",
-        f"## Decode step, batch {args.batch}, tiny Qwen2 on CPU ({args.threads} torch threads)",
+    ]
+    for model, model_times in times.items():
+        lines += _step_table(MODELS[model][0], model_times, args)
+    lines += _compile_lines(compiles)
+    return "\n".join(lines)
+
+
+def _step_table(label: str, times: dict[str, list[float]], args: argparse.Namespace) -> list[str]:
+    base = statistics.median(times["none"]) * 1e3
+    lines = [
+        f"## Decode step, batch {args.batch}, {label} on CPU ({args.threads} torch threads)",
         "",
         f"Median over {args.steps} interleaved steps (forward + greedy sample + matcher "
         "advance); "
@@ -195,10 +210,13 @@ def render(times: dict[str, list[float]], compiles: tuple[dict[str, float], floa
         p90 = sorted(ts)[int(0.9 * (len(ts) - 1))] * 1e3
         lines.append(f"| {name} | {med:.2f} | {p90:.2f} | {med - base:+.2f} ms "
                      f"({(med / base - 1) * 100:+.0f} %) |")  # fmt: skip
+    return [*lines, ""]
+
+
+def _compile_lines(compiles: tuple[dict[str, float], float, float]) -> list[str]:
     compile_s, cold_vocab, cached_vocab = compiles
-    lines += [
-        "",
-        "## Compile time per schema (cold, median of 3)",
+    return [
+        "## Compile time per schema (tiny Qwen2's vocabulary; cold, median of 3)",
         "",
         "| schema | compile (ms) |",
         "| --- | ---: |",
@@ -210,7 +228,6 @@ def render(times: dict[str, list[float]], compiles: tuple[dict[str, float], floa
         "their own (the GIL is released), so other requests' steps go on meanwhile.",
         "",
     ]
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -218,10 +235,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--models", default="tiny,smollm2", help="of " + ",".join(MODELS))
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    times = bench_steps(args.batch, args.steps)
+    times = {m: bench_steps(MODELS[m][1](), args.batch, args.steps)
+             for m in args.models.split(",")}  # fmt: skip
     compiles = bench_compile()
     command = "python -m benchmarks.structured_output " + " ".join(sys.argv[1:])
     text = render(times, compiles, args, command.strip())
