@@ -131,8 +131,10 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log: 
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise ServerFailed(f"exited with {proc.returncode} before serving:\n{_tail_file(log)}")
+        # /health: both servers answer 200 only once they can serve (pdserve's
+        # /v1/models answers as soon as its frontend is up, before the workers load).
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 return
         time.sleep(1.0)
     raise ServerFailed(f"not serving after {timeout_s:.0f} s:\n{_tail_file(log)}")
