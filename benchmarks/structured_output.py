@@ -93,7 +93,7 @@ def _batch(runner: ModelRunner, n: int, constrained: int, schema: Any) -> list[S
         # between them is the grammar's (mask fill, mask apply, matcher advance).
         params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True,
                                 grammar=grammar)  # fmt: skip
-        prompt = torch.randint(0, 150_000, (CONTEXT,), generator=g).tolist()
+        prompt = torch.randint(0, runner.model_config.vocab_size, (CONTEXT,), generator=g).tolist()
         seqs.append(Sequence(rid=i, prompt_ids=prompt, sampling=params,
                              block_size=runner.block_size))  # fmt: skip
     logits = runner.prefill([(s, CONTEXT) for s in seqs])
