@@ -19,11 +19,8 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +29,7 @@ import httpx
 import torch
 
 from benchmarks.machine import describe as describe_machine
+from benchmarks.soak import launch
 
 RESULTS = Path(__file__).parent / "results" / "single_stream.md"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -76,26 +74,9 @@ def hf_runs(model_dir: Path, threads: int, tokens: int, runs: int) -> list[Timin
     return out
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def served_runs(model_dir: Path, layout: str, tokens: int, runs: int) -> list[Timing]:
-    port = _port()
-    cmd = [sys.executable, "-m", "launcher.cli", "--model", str(model_dir), "--port", str(port),
-           "--device", "cpu", "--dtype", "float32", *LAYOUTS[layout]]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "pdserve is serving" in line:
-            break
-    else:
-        raise RuntimeError(f"launch exited with {proc.wait()} before serving")
-    threading.Thread(target=lambda: [None for _ in proc.stdout or ()], daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
+    args = ["--model", str(model_dir), "--device", "cpu", "--dtype", "float32", *LAYOUTS[layout]]
+    proc, url = launch(args)
     try:
         with httpx.Client(base_url=url, timeout=600) as c:
             model = c.get("/v1/models").json()["data"][0]["id"]
@@ -105,7 +86,7 @@ def served_runs(model_dir: Path, layout: str, tokens: int, runs: int) -> list[Ti
             _stream(c, {**body, "max_tokens": 8})  # warm-up
             return [_stream(c, body, tokens) for _ in range(runs)]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # the launcher stops its whole tree
         proc.wait(60)
 
 
