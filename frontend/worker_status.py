@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from frontend.engine_client import WorkerHealth, WorkerMetrics
-from transport.load_table import LoadTable, Role, WorkerState, describe_exit
+from transport.load_table import LoadRow, LoadTable, Role, WorkerState, describe_exit
 from transport.ring import Ring
 
 
@@ -18,6 +18,12 @@ def shards_alive(text_rings: Sequence[Ring]) -> list[bool]:
     """Which detokenizer shards serve. ``peer_alive()`` also refreshes ``peer_pid``, and a
     shard attaches its rings only once its tokenizer is loaded: pid 0 = starting."""
     return [ring.peer_alive() and ring.peer_pid != 0 for ring in text_rings]
+
+
+# An engine worker's load as /health shows it (LoadRow fields).
+_LOAD_FIELDS = ("queued_prefill_tokens", "waiting_requests", "running_requests",
+                "free_kv_blocks", "total_kv_blocks", "cached_blocks", "prefix_hit_tokens",
+                "prefix_queried_tokens", "computed_prefill_tokens")  # fmt: skip
 
 
 def worker_health(
@@ -34,27 +40,20 @@ def worker_health(
     """
     out = []
     now_ns = time.monotonic_ns()
-    rows = [r for r in table.snapshot() if r.role != Role.NONE]
-    claimed = {(r.role, r.index) for r in rows}
-    for role, index in expected:
-        if (role, index) not in claimed:
-            out.append(WorkerHealth(role.name.lower(), index, 0, False, {}, "starting"))
-    for r in rows:
+    rows: dict[tuple[Role, int], LoadRow] = {
+        (r.role, r.index): r for r in table.snapshot() if r.role != Role.NONE
+    }
+    for role, index in sorted({*expected, *rows}):
+        r = rows.get((role, index))
+        if r is None:  # spawned, not yet in the table
+            load = dict.fromkeys(_LOAD_FIELDS, 0.0)
+            out.append(WorkerHealth(role.name.lower(), index, 0, False, load, "starting"))
+            continue
         state = r.state.name.lower()
         if r.state == WorkerState.READY and now_ns - r.heartbeat_ns > stall_report_s * 1e9:
             state = "stalled"
         alive = state == "ready"  # a (re)starting worker is not serving yet
-        load = {
-            "queued_prefill_tokens": float(r.queued_prefill_tokens),
-            "waiting_requests": float(r.waiting_requests),
-            "running_requests": float(r.running_requests),
-            "free_kv_blocks": float(r.free_kv_blocks),
-            "total_kv_blocks": float(r.total_kv_blocks),
-            "cached_blocks": float(r.cached_blocks),
-            "prefix_hit_tokens": float(r.prefix_hit_tokens),
-            "prefix_queried_tokens": float(r.prefix_queried_tokens),
-            "computed_prefill_tokens": float(r.computed_prefill_tokens),
-        }
+        load = {f: float(getattr(r, f)) for f in _LOAD_FIELDS}
         dead = r.state in (WorkerState.DEAD, WorkerState.FAILED) and r.exit_status != 0
         reason = describe_exit(r.exit_status) if dead else None
         out.append(WorkerHealth(r.role.name.lower(), r.index, r.pid, alive, load, state,

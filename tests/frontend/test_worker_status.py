@@ -28,3 +28,6 @@ def test_workers_that_have_not_claimed_a_row_are_starting_not_absent() -> None:
     assert states[("prefill", 1)] == ("ready", True)
     # The decode worker has not shown up yet: its role is not served.
     assert states[("decode", 0)] == ("starting", False) and states[("prefill", 0)][1] is False
+    report = worker_health(table, _EXPECTED, [], {}, stall_report_s=5.0)
+    assert [(w.role, w.index) for w in report] == [("prefill", 0), ("prefill", 1), ("decode", 0)]
+    assert {tuple(w.load) for w in report} == {tuple(report[1].load)}  # same keys for all
