@@ -28,7 +28,7 @@ from frontend.connections import (
 )
 from frontend.engine_client import EngineClient
 from frontend.metrics import FrontendMetrics
-from frontend.settings import ConnectionLimits, FrontendSettings
+from frontend.settings import ConnectionLimits, FrontendLaunch
 from router.router import RouterConfig
 from runtime.process import bootstrap
 
@@ -84,36 +84,21 @@ class _Server(uvicorn.Server):
 
 def main() -> None:
     spec, _ = bootstrap()
-    s = spec.settings
-    tokenizer = load_tokenizer(s["model"])
-    settings = FrontendSettings(
-        model_name=s["served_model_name"],
-        max_model_len=s["max_model_len"],
-        vocab_size=s["vocab_size"],
-        api_key=s.get("api_key"),
-        metrics_no_auth=s.get("metrics_no_auth", False),
-        allowed_hosts=tuple(s.get("allowed_hosts", ())),
-        allow_special_tokens_in_content=s.get("allow_special_tokens_in_content", False),
-        chat_template=s.get("chat_template"),
-        model_aliases=tuple(s.get("model_aliases", ())),
-        host=s["host"],
-        port=s["port"],
-        eos_token_ids=tuple(s.get("eos_token_ids", ())),
-        tool_call_parser=s.get("tool_call_parser"),
-    )
-    limits = ConnectionLimits(**s.get("connections", {}))
+    launch = FrontendLaunch.from_json(spec.settings)
+    tokenizer = load_tokenizer(launch.model)
+    settings, limits = launch.http, launch.connections
     router_config = RouterConfig(
-        max_waiting_requests=s["max_waiting_requests"],
-        max_queued_prefill_tokens=s["max_queued_prefill_tokens"],
-        stale_after_s=s["stall_timeout_s"] / 4,  # when /health starts to call it stalled
+        max_waiting_requests=launch.max_waiting_requests,
+        max_queued_prefill_tokens=launch.max_queued_prefill_tokens,
+        stale_after_s=launch.stall_timeout_s / 4,  # when /health starts to call it stalled
     )
-    client = RingEngineClient(spec, s["router_policy"], router_config, s["stall_timeout_s"])
+    client = RingEngineClient(spec, launch.router_policy, router_config, launch.stall_timeout_s)
     app = build_app(client, tokenizer, settings)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        log_level=s.get("log_level", "info").lower(),
+        log_level=launch.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=3,
         timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]  # a float is fine

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -59,3 +60,34 @@ class FrontendSettings:
     allow_special_tokens_in_content: bool = False
     eos_token_ids: tuple[int, ...] = ()
     tool_call_parser: str | None = None
+
+
+@dataclass(frozen=True)
+class FrontendLaunch:
+    """Everything ``launch`` hands the frontend process, as one typed record.
+
+    It travels as the JSON ``settings`` of the frontend's ``ProcessSpec`` (``to_json`` /
+    ``from_json``); ``model`` and ``log_level`` sit at the top level, where every role's
+    bootstrap reads them. A key one side does not know is a TypeError at startup, not a
+    setting silently lost.
+    """
+
+    model: str  # checkpoint directory: the tokenizer and chat template
+    http: FrontendSettings
+    connections: ConnectionLimits
+    router_policy: str
+    max_waiting_requests: int | None
+    max_queued_prefill_tokens: int | None
+    stall_timeout_s: float
+    log_level: str = "INFO"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> FrontendLaunch:
+        http = dict(d["http"])
+        for name in ("model_aliases", "allowed_hosts", "eos_token_ids"):  # JSON lists
+            http[name] = tuple(http.get(name, ()))
+        return cls(**{**d, "http": FrontendSettings(**http),
+                      "connections": ConnectionLimits(**d["connections"])})  # fmt: skip

@@ -18,11 +18,12 @@ import signal
 import socket
 import sys
 import urllib.request
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig, ModelConfig, parse_dtype
+from frontend.settings import FrontendLaunch, FrontendSettings
 from launcher.args import ConfigError, KVBackend, ServerConfig, parse_args
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
 from launcher.memory import Demand, MemoryBudgetError, plan_kv, weight_bytes
@@ -59,12 +60,12 @@ def _model_path(config: ServerConfig) -> Path:
         raise ConfigError(f"--model: {e}") from e
 
 
-def _aliases(model: Path | None) -> list[str]:
+def _aliases(model: Path | None) -> tuple[str, ...]:
     """Names besides the served one that requests may use: the ``--model`` path as typed
     (a directory's with or without its trailing slash, which ``Path`` drops)."""
     if model is None:
-        return []
-    return [str(model), f"{model}/"] if model.is_dir() else [str(model)]
+        return ()
+    return (str(model), f"{model}/") if model.is_dir() else (str(model),)
 
 
 def _engine_settings(
@@ -106,23 +107,22 @@ def _children(
     cpu_only = {"OMP_NUM_THREADS": "1", **cuda_env(None)}  # frontend and shards: no GPU
     for k in range(config.detokenizers):
         out.append(Child(topo.spec("detok", k, common), dict(cpu_only)))
-    frontend = {
-        **common,
-        "served_model_name": config.served_model_name or model.name,
-        "model_aliases": _aliases(config.model),
-        "max_model_len": engine.resolve_max_model_len(mcfg),
-        "vocab_size": mcfg.vocab_size, "api_key": config.api_key,
-        "metrics_no_auth": config.metrics_no_auth, "allowed_hosts": list(config.allowed_hosts),
-        "allow_special_tokens_in_content": config.allow_special_tokens_in_content,
-        "connections": asdict(config.connection_limits),
-        "chat_template": config.chat_template, "host": config.host, "port": config.port,
-        "router_policy": config.resolved_router_policy,
-        "max_waiting_requests": config.max_waiting_requests,
-        "max_queued_prefill_tokens": config.max_queued_prefill_tokens,
-        "stall_timeout_s": config.stall_timeout,
-        "eos_token_ids": list(mcfg.eos_token_ids),
-        "tool_call_parser": config.tool_call_parser,
-    }  # fmt: skip
+    http = FrontendSettings(
+        model_name=config.served_model_name or model.name, model_aliases=_aliases(config.model),
+        max_model_len=engine.resolve_max_model_len(mcfg), vocab_size=mcfg.vocab_size,
+        api_key=config.api_key, metrics_no_auth=config.metrics_no_auth,
+        allowed_hosts=tuple(config.allowed_hosts),
+        allow_special_tokens_in_content=config.allow_special_tokens_in_content,
+        chat_template=config.chat_template, host=config.host, port=config.port,
+        eos_token_ids=mcfg.eos_token_ids, tool_call_parser=config.tool_call_parser,
+    )  # fmt: skip
+    frontend = FrontendLaunch(
+        model=str(model), log_level=config.log_level.value, http=http,
+        connections=config.connection_limits, router_policy=config.resolved_router_policy,
+        max_waiting_requests=config.max_waiting_requests,
+        max_queued_prefill_tokens=config.max_queued_prefill_tokens,
+        stall_timeout_s=config.stall_timeout,
+    ).to_json()  # fmt: skip
     out.insert(0, Child(topo.spec("frontend", 0, frontend), dict(cpu_only)))
     return out
 

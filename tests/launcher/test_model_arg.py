@@ -8,6 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
+from frontend.settings import FrontendLaunch
 from launcher.args import ConfigError, KVBackend, parse_args
 from launcher.cli import _build_topology, _children, _model_path, _size_kv
 from launcher.gpus import assign_gpus
@@ -43,6 +44,8 @@ def test_the_frontend_accepts_the_model_path_as_a_name(default_model_path: Path)
     cfg = _size_kv(cfg, default_model_path, gpus, KVBackend.SHM)
     topo = _build_topology(cfg, default_model_path, KVBackend.SHM)
     kids = _children(cfg, topo, gpus, default_model_path, KVBackend.SHM)
-    frontend = next(c.spec.settings for c in kids if c.spec.role == "frontend")
-    assert frontend["served_model_name"] == default_model_path.name
-    assert frontend["model_aliases"] == [str(default_model_path), f"{default_model_path}/"]
+    frontend = FrontendLaunch.from_json(
+        next(c.spec.settings for c in kids if c.spec.role == "frontend")
+    )
+    assert frontend.http.model_name == default_model_path.name
+    assert frontend.http.model_aliases == (str(default_model_path), f"{default_model_path}/")
