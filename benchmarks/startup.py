@@ -62,8 +62,12 @@ def one_run(launch_args: list[str]) -> Run:
     threading.Thread(target=lambda: log.extend(proc.stdout or ()), daemon=True).start()
     first_200: float | None = None
     all_ready: float | None = None
+    deadline = t0 + 600
     with httpx.Client(base_url=url, timeout=5) as c:
         while all_ready is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("not every worker ready after 600 s:\n" + "".join(log[-30:]))
             if proc.poll() is not None:
                 raise RuntimeError("launch exited before serving:\n" + "".join(log[-30:]))
             try:

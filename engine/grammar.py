@@ -23,6 +23,7 @@ Who calls what, when:
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import re
@@ -36,7 +37,7 @@ from engine.errors import EngineError
 from engine.grammar_vocab import tokenizer_info
 from wire.params import GrammarKind, GrammarSpec
 
-if TYPE_CHECKING:  # torch is not imported here: the frontend compiles without it
+if TYPE_CHECKING:  # not at import: xgrammar brings torch with it, when a grammar first needs it
     import torch
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,17 @@ class GrammarCache:
         while len(self._entries) > self._max_cached:
             self._entries.popitem(last=False)  # matchers keep what they use alive
         return fut
+
+    def warm(self) -> None:
+        """Import the grammar library now, on the cache's thread.
+
+        xgrammar imports torch: seconds of CPU, in stretches that hold the GIL. A process
+        that serves HTTP calls this once it is up, so its first constrained request does
+        not pay that in the middle of traffic.
+        """
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._pool.submit(importlib.import_module, "xgrammar")
 
     def ready(self, spec: GrammarSpec) -> bool:
         """Compiled (True) or still compiling (False); ``GrammarError`` if it failed."""

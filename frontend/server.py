@@ -94,6 +94,7 @@ def main() -> None:
     )
     client = RingEngineClient(spec, launch.router_policy, router_config, launch.stall_timeout_s)
     app = build_app(client, tokenizer, settings)
+    app.state.ctx.grammars.warm()  # imports torch off the loop, while workers still load
     config = uvicorn.Config(
         app,
         host=settings.host,

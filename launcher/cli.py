@@ -61,8 +61,9 @@ def _model_path(config: ServerConfig) -> Path:
 
 
 def _aliases(model: Path | None) -> tuple[str, ...]:
-    """Names besides the served one that requests may use: the ``--model`` path as typed
-    (a directory's with or without its trailing slash, which ``Path`` drops)."""
+    """Names besides the served one that requests may use: the ``--model`` path as
+    ``Path`` normalises it, and a directory's also with a trailing slash (which shell
+    completion leaves and ``Path`` drops)."""
     if model is None:
         return ()
     return (str(model), f"{model}/") if model.is_dir() else (str(model),)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.process import SPEC_ENV, ProcessSpec
-from transport.load_table import LoadTable, WorkerState, describe_exit
+from transport.load_table import LoadTable, Role, WorkerState, describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,8 @@ class Supervisor:
 
     def _mark(self, child: Child, state: WorkerState, code: int) -> None:
         if child.slot >= 0:
-            self.table.writer(child.slot).mark_exited(state, code)
+            role = Role[child.spec.role.upper()]  # slots belong to engine workers only
+            self.table.writer(child.slot).mark_exited(state, code, role, child.spec.index)
 
     def _check_roles(self) -> None:
         """A role all of whose workers failed can serve nothing: give up."""

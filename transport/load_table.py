@@ -336,8 +336,15 @@ class RowWriter:
         self._values["state"] = int(state)
         self._write()
 
-    def mark_exited(self, state: WorkerState, status: int) -> None:
-        """The launcher's record of a death: DEAD (restarting) or FAILED, and how it died."""
+    def mark_exited(self, state: WorkerState, status: int, role: Role, index: int) -> None:
+        """The launcher's record of a death: DEAD (restarting) or FAILED, and how it died.
+
+        A worker that died before claiming its row (in its imports or bootstrap) left the
+        row unnamed; the launcher names it here, so readers see that death rather than a
+        worker that is still starting.
+        """
+        if self._values["role"] == Role.NONE:
+            self._values.update(role=int(role), index=index)
         self._values["exit_status"] = status
         self.set_state(state)
 

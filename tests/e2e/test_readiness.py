@@ -39,7 +39,9 @@ def test_the_first_200_of_health_already_serves() -> None:
                 seen.append(r.status_code)
                 if r.status_code == 200:
                     break
-                assert r.status_code == 503 and r.json()["status"] == "unavailable", r.text
+                # "unresponsive": the accept thread answers before the loop's first report.
+                assert r.status_code == 503, r.text
+                assert r.json()["status"] in ("unavailable", "unresponsive"), r.text
                 time.sleep(0.02)
             assert seen and seen[-1] == 200, seen
             body = r.json()

@@ -201,3 +201,16 @@ def test_prefix_cache_figures_travel_in_the_row_after_offset_80() -> None:
     assert (row.cached_blocks, row.prefix_hit_tokens, row.prefix_queried_tokens) == (
         77, 1 << 40, (1 << 41) + 5)  # fmt: skip
     assert lt.ROW_DTYPE.fields is not None and lt.ROW_DTYPE.fields["cached_blocks"][1] == 80
+
+
+def test_a_worker_that_died_before_claiming_its_row_is_named_by_the_launcher() -> None:
+    buf, table = _table(2)
+    table.writer(1).mark_exited(WorkerState.FAILED, -9, Role.DECODE, 1)  # SIGKILL
+    row = LoadTable(buf, 2).snapshot()[1]
+    assert (row.role, row.index, row.state) == (Role.DECODE, 1, WorkerState.FAILED)
+    assert row.exit_status == -9
+    w = table.writer(0)  # a claimed row keeps its own name
+    w.claim(Role.PREFILL, 0, pid=1234)
+    w.mark_exited(WorkerState.DEAD, 1, Role.DECODE, 5)
+    row = LoadTable(buf, 2).snapshot()[0]
+    assert (row.role, row.index, row.state) == (Role.PREFILL, 0, WorkerState.DEAD)
