@@ -12,7 +12,7 @@ from pathlib import Path
 from colocated.scheduler import ColocatedScheduler
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
-from tests.pipeline.test_structured_output import _pair, _run
+from tests.pipeline.drive import pair, run
 from wire.params import SamplingParams, choice_seed
 from wire.records import Finish, GenerateRequest
 
@@ -32,14 +32,14 @@ def _choices(n: int, seed: int, first_rid: int = 0) -> list[GenerateRequest]:
 
 
 def _alone(model: Path, req: GenerateRequest) -> list[int]:
-    prefill, decode = _pair(model)
+    prefill, decode = pair(model)
     prefill.add(GenerateRequest(rid=req.rid, prompt_ids=req.prompt_ids, sampling=req.sampling,
                                 decode_worker=0, detok_shard=0))  # fmt: skip
-    return _run(prefill, decode)[req.rid][0]
+    return run(prefill, decode)[req.rid][0]
 
 
 def test_the_prompt_is_computed_and_allocated_once_for_n_choices(default_model_path: Path) -> None:
-    prefill, decode = _pair(default_model_path)
+    prefill, decode = pair(default_model_path)
     alloc = prefill.runner.allocator
     choices = _choices(3, seed=42)
     for req in choices:
@@ -57,7 +57,7 @@ def test_the_prompt_is_computed_and_allocated_once_for_n_choices(default_model_p
         prefill.release(release.rid)
     assert alloc.num_pinned == 0
     alloc.check_invariants()
-    outs = _run(prefill, decode)
+    outs = run(prefill, decode)
     got = {rid: ids for rid, (ids, _) in outs.items()}
     firsts = {rid: step.tokens[0].token_ids[i] for i, rid in enumerate(step.tokens[0].rids)}
     full = {rid: [int(firsts[rid]), *got[rid]] for rid in got}
@@ -67,23 +67,23 @@ def test_the_prompt_is_computed_and_allocated_once_for_n_choices(default_model_p
 
 
 def test_a_fork_whose_leader_is_gone_runs_alone(default_model_path: Path) -> None:
-    prefill, decode = _pair(default_model_path)
+    prefill, decode = pair(default_model_path)
     leader, fork = _choices(2, seed=1)
     prefill.add(leader)
     prefill.abort(leader.rid)
     prefill.add(fork)
-    out = _run(prefill, decode)
+    out = run(prefill, decode)
     assert set(out) == {fork.rid} and out[fork.rid][1] == Finish.LENGTH
     prefill.runner.allocator.check_invariants()
 
 
 def test_an_aborted_leader_hands_its_forks_on(default_model_path: Path) -> None:
-    prefill, decode = _pair(default_model_path)
+    prefill, decode = pair(default_model_path)
     choices = _choices(3, seed=2)
     for req in choices:
         prefill.add(req)
     prefill.abort(choices[0].rid)
-    out = _run(prefill, decode)
+    out = run(prefill, decode)
     assert set(out) == {1, 2}
     assert prefill.runner.allocator.num_used == 0
 

@@ -14,51 +14,19 @@ import pytest
 import torch
 
 from decode.scheduler import DecodeScheduler
-from engine.config import EngineConfig
-from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler
-from transport.kv_backends import ShmReceiver
+from tests.pipeline.drive import pair, run
 from wire.params import SamplingParams
-from wire.records import Finish, GenerateRequest, TokenBatch
+from wire.records import Finish, GenerateRequest
 
 
 def _pair(model: Path, decode_blocks: int = 256) -> tuple[PrefillScheduler, DecodeScheduler]:
-    p_runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=256))
-    d_runner = ModelRunner(
-        EngineConfig(model=str(model), dtype="float32", num_kv_blocks=decode_blocks)
-    )
-    prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=48)
-    receiver = ShmReceiver({0: p_runner.kv_pool}, d_runner.kv_pool)
-    return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=64)
+    return pair(model, chunk_budget=48, decode_blocks=decode_blocks)
 
 
 def _run(prefill: PrefillScheduler, decode: DecodeScheduler) -> dict[int, list[int]]:
-    """Drive both schedulers until every request finished; rid -> output ids by position."""
-    outputs: dict[int, dict[int, int]] = {}
-    finished: set[int] = set()
-
-    def collect(batches: dict[int, TokenBatch]) -> None:
-        for batch in batches.values():
-            for rid, pos, tok, fin in zip(
-                batch.rids.tolist(), batch.positions.tolist(), batch.token_ids.tolist(),
-                batch.finish.tolist(),
-            ):  # fmt: skip
-                outputs.setdefault(rid, {})[pos] = tok
-                if fin != Finish.NONE:
-                    finished.add(rid)
-
-    for _ in range(10_000):
-        p = prefill.step()
-        collect(p.tokens)
-        for _, transfer in p.transfers:
-            assert decode.offer(transfer) == []
-        for _, release in decode.admit():
-            prefill.release(release.rid)
-        collect(decode.step().tokens)
-        if not prefill.waiting and not decode.pending and not decode.running:
-            break
-    assert set(outputs) == finished
-    return {rid: [toks[i] for i in range(len(toks))] for rid, toks in outputs.items()}
+    """rid -> output ids by position."""
+    return {rid: ids for rid, (ids, _) in run(prefill, decode).items()}
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

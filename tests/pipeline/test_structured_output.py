@@ -18,12 +18,10 @@ import jsonschema
 import pytest
 
 from decode.scheduler import DecodeScheduler
-from engine.config import EngineConfig
-from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler
-from transport.kv_backends import ShmReceiver
+from tests.pipeline.drive import pair, run
 from wire.params import GrammarKind, GrammarSpec, SamplingParams
-from wire.records import Finish, GenerateRequest, TokenBatch
+from wire.records import Finish, GenerateRequest
 
 SCHEMA = {
     "type": "object",
@@ -43,41 +41,8 @@ REGEX = r"[a-z]{2,5}-[0-9]{3}"
 CHOICES = ["red", "green", "blue"]
 
 
-def _pair(model: Path) -> tuple[PrefillScheduler, DecodeScheduler]:
-    cfg = EngineConfig(model=str(model), dtype="float32", num_kv_blocks=256)
-    p_runner, d_runner = ModelRunner(cfg), ModelRunner(cfg)
-    receiver = ShmReceiver({0: p_runner.kv_pool}, d_runner.kv_pool)
-    prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=64)
-    return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=64)
-
-
 def _run(prefill: PrefillScheduler, decode: DecodeScheduler) -> dict[int, tuple[list[int], int]]:
-    """Drive both until every request finished: rid -> (output ids, finish)."""
-    outputs: dict[int, dict[int, int]] = {}
-    finish: dict[int, int] = {}
-
-    def collect(batches: dict[int, TokenBatch]) -> None:
-        for b in batches.values():
-            for rid, pos, tok, fin in zip(b.rids.tolist(), b.positions.tolist(),
-                                          b.token_ids.tolist(), b.finish.tolist()):  # fmt: skip
-                outputs.setdefault(rid, {})[pos] = tok
-                if fin:
-                    finish[rid] = fin
-
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        time.sleep(0.001)  # leave the core to the grammar thread
-        p = prefill.step()
-        collect(p.tokens)
-        for _, transfer in p.transfers:
-            assert decode.offer(transfer) == []
-        for _, release in decode.admit():
-            prefill.release(release.rid)
-        collect(decode.step().tokens)
-        if not (prefill.waiting or decode.pending or decode.running or decode.compiling):
-            break
-    assert set(outputs) == set(finish)
-    return {r: ([tok for _, tok in sorted(t.items())], finish[r]) for r, t in outputs.items()}
+    return run(prefill, decode, pause_s=0.001)  # leave the core to the grammar thread
 
 
 def _req(rid: int, spec: GrammarSpec, seed: int, output_ids: list[int] | None = None,
@@ -107,7 +72,7 @@ SPECS = [
 def test_constrained_outputs_parse_across_the_handoff(
     default_model_path: Path, qwen_tokenizer: Any
 ) -> None:
-    prefill, decode = _pair(default_model_path)
+    prefill, decode = pair(default_model_path)
     for rid in range(12):
         assert prefill.add(_req(rid, SPECS[rid % 3], seed=rid)) == Finish.NONE
     out = _run(prefill, decode)
@@ -122,7 +87,7 @@ def test_a_resumed_request_continues_inside_its_grammar(
     default_model_path: Path, qwen_tokenizer: Any
 ) -> None:
     """Recovery re-prefills prompt + tokens so far: the matcher replays them first."""
-    prefill, decode = _pair(default_model_path)
+    prefill, decode = pair(default_model_path)
     spec = SPECS[0]
     prefill.add(_req(0, spec, seed=5))
     ((ids, _),) = _run(prefill, decode).values()
@@ -137,7 +102,7 @@ def test_a_resumed_request_continues_inside_its_grammar(
 
 
 def test_a_grammar_that_does_not_compile_ends_with_an_error(default_model_path: Path) -> None:
-    prefill, decode = _pair(default_model_path)
+    prefill, decode = pair(default_model_path)
     prefill.add(_req(0, GrammarSpec(kind=GrammarKind.REGEX, text="(unclosed"), seed=1))
     prefill.add(_req(1, SPECS[1], seed=1))
     out = _run(prefill, decode)
@@ -156,7 +121,7 @@ def test_unconstrained_rows_are_untouched_by_a_constrained_neighbour(
     plain = SamplingParams(max_tokens=12, temperature=temp, seed=3, ignore_eos=True)
 
     def run(with_grammar: bool) -> list[int]:
-        prefill, decode = _pair(default_model_path)
+        prefill, decode = pair(default_model_path)
         prefill.add(GenerateRequest(rid=0, prompt_ids=[9707, 1879], sampling=plain,
                                     decode_worker=0, detok_shard=0))  # fmt: skip
         if with_grammar:
@@ -169,7 +134,7 @@ def test_unconstrained_rows_are_untouched_by_a_constrained_neighbour(
 def test_a_slow_compile_stalls_no_other_request(default_model_path: Path, monkeypatch: Any) -> None:
     """While one request's grammar compiles (here: 3 s), a plain request runs to its end;
     the constrained one waits for its grammar, then parses."""
-    prefill, decode = _pair(default_model_path)
+    prefill, decode = pair(default_model_path)
     grammars = prefill.runner.grammars
     real = grammars.compile_now
 
