@@ -366,13 +366,10 @@ def launch(args: list[str]) -> tuple[subprocess.Popen[str], str]:
     Without ``--model`` in ``args`` it serves the tiny random Qwen2 model, on which the
     recorded figures were taken: these benchmarks measure the serving stack, not a model.
     """
-    import socket
-
+    from benchmarks.peers.servers import free_port
     from checkpoints.tiny import tiny_model_dir
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     if "--model" not in args:
         args = ["--model", str(tiny_model_dir()), *args]
     cmd = [sys.executable, "-m", "launcher.cli", "--port", str(port), *args]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,16 +26,11 @@ from pathlib import Path
 import httpx
 
 from benchmarks.machine import describe as describe_machine
+from benchmarks.peers.servers import free_port
 from benchmarks.soak import process_tree, rss_bytes
 
 _KV_LINE = re.compile(r"KV cache: ([\d.]+) GiB = \d+ tokens per pool x (\d+) pools; "
                       r"weights ([\d.]+) GiB per replica")  # fmt: skip
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -53,7 +47,7 @@ class Run:
 
 
 def one_run(launch_args: list[str]) -> Run:
-    port = _port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "launcher.cli", "--port", str(port), *launch_args]
     t0 = time.monotonic()
