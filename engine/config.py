@@ -140,6 +140,8 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"
+    # auto | none | int8 | int4: weight storage (engine/weights/plan.py)
+    quantization: str = "auto"
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None

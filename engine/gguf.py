@@ -37,6 +37,8 @@ from engine.errors import UnsupportedModelError
 from engine.gguf_config import GGUF_ARCHITECTURES, generation_config, hf_config
 from engine.gguf_reader import GGUFHeader
 from engine.gguf_tokenizer import check_tokenizer, save_tokenizer
+from engine.weights.plan import GGUF_SOURCE_FILE
+from engine.weights.quant import PACKABLE_GGUF_TYPES, from_gguf_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -127,18 +129,30 @@ class GGUFCheckpoint:
         return "float16" if kinds == {Q.F16} else "float32"
 
 
-def hf_tensors(ckpt: GGUFCheckpoint, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every weight, de-quantized, in file order."""
+def hf_tensors(
+    ckpt: GGUFCheckpoint, config: dict[str, Any], packed: bool = False
+) -> Iterator[tuple[str, Any, str]]:
+    """(HF name, value, GGUF type name) for every weight, in file order.
+
+    The value is a float tensor, de-quantized; with ``packed``, a Q4_0/Q4_1/Q8_0 tensor
+    comes as its blocks' exact ``QuantRows`` instead (``engine/weights/quant.py``).
+    """
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    for name in ckpt.tensors:
+    for name, info in ckpt.tensors.items():
         if name == "rope_freqs.weight":
             continue  # already folded into config.json's rope_scaling
         hf_name = _hf_name(name)
         assert hf_name is not None, name  # GGUFCheckpoint refused unknown names
-        tensor = ckpt.tensor(name)
+        value: Any
+        if packed and info.qtype in PACKABLE_GGUF_TYPES:
+            value = from_gguf_blocks(ckpt.header.data(info), info.qtype, info.shape)
+        else:
+            value = ckpt.tensor(name)
         if ckpt.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            tensor = unpermute_rows(tensor, heads if "attn_q" in name else kv_heads)
-        yield hf_name, tensor
+            n_head = heads if "attn_q" in name else kv_heads
+            rows = unpermute_rows(torch.arange(info.shape[0]), n_head)
+            value = value[rows] if isinstance(value, torch.Tensor) else value.rows(rows)
+        yield hf_name, value, info.qtype.name
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -173,7 +187,9 @@ def convert_gguf(path: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(generation_config(ids), indent=2))
-    _save_sharded(hf_tensors(ckpt, config), out)
+    _save_sharded(((n, t) for n, t, _ in hf_tensors(ckpt, config)), out)
+    # Where the blocks came from: a quantized serving path reads them from there.
+    (out / GGUF_SOURCE_FILE).write_text(json.dumps({"path": str(path.resolve())}))
     save_tokenizer(path, out, config["model_type"], config["max_position_embeddings"])
     logger.info("converted %s (%s, %d tensors) into %s", path, ckpt.arch, len(shapes), out)
 

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.weights.linear import Linear
+
 
 def weight(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     """An uninitialised inference parameter; the loader fills it."""
@@ -26,18 +28,15 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up are one (2 * inter, hidden) matrix."""
+    """down(silu(gate(x)) * up(x)); gate and up are one (2 * inter, hidden) linear."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.inter = inter
-        self.gate_up = weight(2 * inter, hidden, dtype=dtype, device=device)
-        self.down = weight(hidden, inter, dtype=dtype, device=device)
+        self.gate_up = Linear(hidden, 2 * inter, False, dtype, device)
+        self.down = Linear(inter, hidden, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Two GEMMs on row views of the fused weight, not one: each output is contiguous
-        # and half the size, which CPU GEMM and the in-place silu/mul both handle faster
-        # for long prefills (and no slower for decode).
-        gate = F.linear(x, self.gate_up[: self.inter])  # (T, inter)
-        up = F.linear(x, self.gate_up[self.inter :])  # (T, inter)
-        return F.linear(F.silu(gate, inplace=True).mul_(up), self.down)
+        gate_up = self.gate_up(x)  # (T, 2 * inter)
+        gate, up = gate_up[:, : self.inter], gate_up[:, self.inter :]
+        return self.down(F.silu(gate).mul_(up))

@@ -8,13 +8,13 @@ per-architecture differences are two flags of ``ModelConfig``: ``qkv_bias`` (Qwe
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.layers import GatedMLP, RMSNorm, weight
+from engine.layers import GatedMLP, RMSNorm
 from engine.rope import RotaryEmbedding, apply_rotary
+from engine.weights.linear import Embedding, Linear
 
 
 class SelfAttention(nn.Module):
@@ -27,11 +27,8 @@ class SelfAttention(nn.Module):
         self.q_size = m.num_heads * m.head_dim
         self.kv_size = m.num_kv_heads * m.head_dim
         out_features = self.q_size + 2 * self.kv_size
-        self.qkv = weight(out_features, m.hidden_size, dtype=dtype, device=device)
-        self.qkv_bias: nn.Parameter | None = (
-            weight(out_features, dtype=dtype, device=device) if m.qkv_bias else None
-        )
-        self.o = weight(m.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.qkv = Linear(m.hidden_size, out_features, m.qkv_bias, dtype, device)
+        self.o = Linear(self.q_size, m.hidden_size, False, dtype, device)
         self.q_norm: RMSNorm | None = (
             RMSNorm(m.head_dim, m.rms_norm_eps, dtype, device) if m.qk_norm else None
         )
@@ -47,7 +44,7 @@ class SelfAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv, self.qkv_bias)  # (T, q_size + 2 * kv_size)
+        qkv = self.qkv(x)  # (T, q_size + 2 * kv_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -56,7 +53,7 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         out = paged_attention(pool, self.layer, meta, q, k, v)  # (T, heads, D)
-        return F.linear(out.reshape(t, self.q_size), self.o)
+        return self.o(out.reshape(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):
@@ -86,16 +83,11 @@ class CausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = m
-        self.embed = weight(m.vocab_size, m.hidden_size, dtype=dtype, device=device)
+        self.embed = Embedding(m.vocab_size, m.hidden_size, dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(m, i, dtype, device) for i in range(m.num_layers))
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps, dtype, device)
-        self.lm_head: torch.Tensor
-        # Tied checkpoints share the embedding matrix as the output projection.
-        self.lm_head = (
-            self.embed
-            if m.tie_word_embeddings
-            else weight(m.vocab_size, m.hidden_size, dtype=dtype, device=device)
-        )
+        # Tied checkpoints: the loader builds the head from the embedding's matrix.
+        self.lm_head = Linear(m.hidden_size, m.vocab_size, False, dtype, device)
         self.rotary = RotaryEmbedding(
             m.head_dim, max_positions, m.rope_theta, m.rope_scaling, device, dtype
         )
@@ -115,10 +107,10 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """input_ids, positions: (T,); logits_indices: (N,) -> float32 logits (N, vocab)."""
-        x = F.embedding(input_ids, self.embed)  # (T, hidden)
+        x = self.embed(input_ids)  # (T, hidden)
         cos_sin = self.rotary.lookup(positions)
         for layer in self.layers:
             x = layer(x, cos_sin, pool, meta)
         # Only the rows that will be sampled go through the (large) vocabulary projection.
         x = self.norm(x[logits_indices])
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()

@@ -29,17 +29,18 @@ import torch
 
 from engine.attention import AttentionMetadata, DenseDecodeKV
 from engine.block_manager import BlockAllocator
-from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.config import EngineConfig, ModelConfig
 from engine.gpu_memory import gpu_kv_blocks
 from engine.grammar import GrammarCache
 from engine.grammar_mask import batch_constraint
 from engine.hf_tokenizer import load_tokenizer
 from engine.kernels import use_kernels
 from engine.kv_cache import GpuMemoryError, allocate_kv_pool, block_nbytes, check_kv_pool
-from engine.loader import load_weights
 from engine.model import CausalLM
 from engine.sampler import SampleOutput, SampleRequest, sample
 from engine.sequence import Sequence
+from engine.weights.loader import load_weights
+from engine.weights.plan import activation_dtype, resolve_quantization
 from wire.records import Finish
 
 if TYPE_CHECKING:
@@ -53,7 +54,10 @@ class ModelRunner:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = torch.device(config.device)
-        self.dtype = parse_dtype(config.dtype, self.model_config.dtype)
+        self.quantization = resolve_quantization(
+            config.quantization, Path(config.model), config.device
+        )
+        self.dtype = activation_dtype(config.dtype, self.model_config.dtype, self.quantization)
         self.block_size = config.block_size
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         self.eos_token_ids = self.model_config.eos_token_ids
@@ -62,7 +66,7 @@ class ModelRunner:
             torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         )
         self.model = CausalLM(self.model_config, self.max_model_len, self.dtype, self.device)
-        load_weights(self.model, Path(config.model))
+        load_weights(self.model, Path(config.model), self.quantization)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.grammars = GrammarCache(
@@ -89,9 +93,9 @@ class ModelRunner:
                 self._kernels.enable_graphs()  # the pool is final: graphs may hold it
         self.allocator = BlockAllocator(int(self.kv_pool.shape[0]))
         logger.info(
-            "%s: %d KV blocks of %d tokens, max_model_len %d, %s on %s",
+            "%s: %d KV blocks of %d tokens, max_model_len %d, %s weights, %s on %s",
             self.model_config.architecture, self.allocator.num_blocks, self.block_size,
-            self.max_model_len, self.dtype, self.device,
+            self.max_model_len, self.quantization, self.dtype, self.device,
         )  # fmt: skip
 
     def _make_pool(self, kv_pool: torch.Tensor | None) -> torch.Tensor:

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from engine.weights.plan import QUANTIZATIONS
 from frontend.settings import ConnectionLimits
 from frontend.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
@@ -71,6 +72,7 @@ class ServerConfig:
     kv_transfer: KVBackend = KVBackend.AUTO
     block_size: int = 16
     dtype: DType = DType.AUTO
+    quantization: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
     chunked_prefill_size: int = 2048
@@ -226,6 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(DType),
         default=d.dtype,
         help="weight and activation precision; auto uses the checkpoint's (float32 on CPU)",
+    )
+    add(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=d.quantization,
+        help="weight storage: auto serves a GGUF's Q4_0/Q4_1/Q8_0 blocks packed (the default "
+        "model's Q4_1 included) and any other checkpoint as stored; none serves dense "
+        "weights (--dtype; float32 on CPU); int8/int4 quantize at load (groups of 32). "
+        "Quantized weights run with bfloat16 activations (CPU only)",
     )
     add(
         "--max-model-len",

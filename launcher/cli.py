@@ -22,7 +22,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig, ModelConfig, parse_dtype
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.weights.plan import QuantizationError, activation_dtype, resolve_quantization
 from frontend.settings import FrontendLaunch, FrontendSettings
 from launcher.args import ConfigError, KVBackend, ServerConfig, parse_args
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
@@ -75,6 +78,7 @@ def _engine_settings(
     assert config.kv_cache_tokens is not None, "sized by _size_kv"
     settings: dict[str, Any] = {
         "model": str(model), "dtype": config.dtype.value, "device": place.device,
+        "quantization": config.quantization,
         "block_size": config.block_size, "kv_cache_tokens": config.kv_cache_tokens,
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
@@ -128,6 +132,20 @@ def _children(
     return out
 
 
+def _serving(
+    config: ServerConfig, model: Path, gpus: GpuAssignment | None
+) -> tuple[str, torch.dtype]:
+    """The weight storage and activation (and KV) dtype every engine worker will use."""
+    device = "cpu" if gpus is None or gpus.on_cpu else "cuda"
+    try:
+        quantization = resolve_quantization(config.quantization, model, device)
+    except QuantizationError as e:
+        raise ConfigError(f"--quantization: {e}") from e
+    dtype = activation_dtype(config.dtype.value, ModelConfig.from_pretrained(model).dtype,
+                             quantization)  # fmt: skip
+    return quantization, dtype
+
+
 def _build_topology(
     config: ServerConfig, model: Path, backend: KVBackend, gpus: GpuAssignment | None = None
 ) -> Topology:
@@ -147,7 +165,7 @@ def _build_topology(
         return topo
     # shm: per prefill worker, the segment decode workers copy from: its pool on CPU, the
     # pinned staging mirror of its GPU pool (same layout, same block ids) on GPU.
-    dtype = _DTYPE_NAMES[str(parse_dtype(config.dtype.value, mcfg.dtype))]
+    dtype = _DTYPE_NAMES[str(_serving(config, model, gpus)[1])]
     assert config.kv_cache_tokens is not None, "sized by _size_kv"
     layout = KVLayout(
         num_blocks=-(-config.kv_cache_tokens // config.block_size),
@@ -164,7 +182,7 @@ def _size_kv(
 ) -> ServerConfig:
     """``config`` with ``kv_cache_tokens`` set from the host-memory budget (or checked)."""
     mcfg = ModelConfig.from_pretrained(model)
-    dtype = parse_dtype(config.dtype.value, mcfg.dtype)
+    quantization, dtype = _serving(config, model, gpus)
     workers = config.colocated or config.prefill + config.decode
     if gpus.on_cpu:
         engines = pools = workers
@@ -177,7 +195,9 @@ def _size_kv(
                     chunk=config.chunked_prefill_size,
                     max_model_len=engine.resolve_max_model_len(mcfg))  # fmt: skip
     try:
-        plan = plan_kv(mcfg, weight_bytes(model, dtype), dtype, demand,
+        # Packed weights take at most a byte a parameter (int8: one, int4: about 0.6).
+        weights = weight_bytes(model, torch.int8 if quantization != "none" else dtype)
+        plan = plan_kv(mcfg, weights, dtype, demand,
                        config.kv_cache_memory, config.kv_cache_tokens)  # fmt: skip
     except (MemoryBudgetError, ValueError) as e:
         raise ConfigError(str(e)) from e

@@ -2,7 +2,7 @@
 
     bootstrap (spec, title, signals) -> attach rings -> claim the load-table row
       -> build the engine (subclass) -> empty its prefix summary -> READY
-      -> loop: take inputs -> step -> publish load (and prefix summary changes) -> sleep
+      -> loop: take inputs -> step (on the cores it leases, if on CPU) -> publish load (and prefix summary changes) -> sleep
          on the doorbell if idle
       -> DRAINING on SIGTERM/SIGINT
 
@@ -18,9 +18,12 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+import torch
+
 from engine.block_manager import BlockAllocator
 from runtime.process import attach_rings, bootstrap, load_table, prefix_summaries
 from runtime.worker_io import IDLE_WAIT_S, drain, engine_config, fail_request
+from transport.core_lease import CoreLease, host_cores
 from transport.load_table import Role, WorkerState
 from transport.prefix_summary import PrefixSummary
 from transport.ring import Ring
@@ -68,6 +71,11 @@ class Worker(abc.ABC):
         self.row = self.table.writer(self.spec.load_table["slot"])
         self.config = engine_config(self.spec.settings)
         self.row.claim(self.role, self.index, block_size=self.config.block_size)
+        # CPU workers lease cores per step (transport/core_lease.py); on a GPU the host
+        # threads only feed the device.
+        self.cores: CoreLease | None = None
+        if torch.device(self.config.device).type == "cpu":
+            self.cores = self.table.core_lease(self.spec.load_table["slot"], host_cores())
         # Every engine worker sends tokens to detokenizer shards, by shard index.
         self.tok_out: dict[int, Ring] = self.rings.sinks(RingKind.TOK)
         self.summary: PrefixSummary | None = None  # opened in run(), once the engine exists
@@ -117,11 +125,22 @@ class Worker(abc.ABC):
         inbound = list(self.rings.inbound.values())
         while not self.stopping:
             self.take_inputs()
-            busy = self.step()
+            busy = self._leased_step() if self.cores is not None else self.step()
             self._publish()
             if not busy:
                 self.rings.doorbell.wait(inbound, IDLE_WAIT_S)
         self.row.set_state(WorkerState.DRAINING)
+
+    def _leased_step(self) -> bool:
+        """``step`` on as many cores as the lease gives, when there is work to compute."""
+        assert self.cores is not None
+        q = self.load()
+        if not (q.waiting_requests or q.running_requests):
+            return self.step()
+        with self.cores.hold(self.cores.cores) as granted:
+            if granted != torch.get_num_threads():
+                torch.set_num_threads(granted)
+            return self.step()
 
     def _publish(self) -> None:
         q, a = self.load(), self.allocator

@@ -14,7 +14,8 @@ reported from the reader's last consistent copy of it, or as UNKNOWN if it has n
 launcher marks a reaped worker DEAD, and that write makes the row readable again.
 
 Layout: a 64-byte header, then ``num_workers`` rows of 128 bytes (two cache lines, so a
-worker's stores never share a line with its neighbours'). Every row is guarded by its own
+worker's stores never share a line with its neighbours'), then the engine workers' core
+lease (``transport/core_lease.py``). Every row is guarded by its own
 seqlock: the writer makes ``seq`` odd, writes the payload, makes ``seq`` even; a reader
 accepts a copy only if ``seq`` was even and unchanged around it, so it never sees a torn row.
 
@@ -44,6 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from transport.core_lease import CoreLease, lease_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +188,7 @@ class LoadTable:
     def layout_nbytes(num_workers: int) -> int:
         if num_workers < 1:
             raise LoadTableError(f"a load table needs at least one row, got {num_workers}")
-        return HEADER_NBYTES + num_workers * ROW_NBYTES
+        return HEADER_NBYTES + num_workers * ROW_NBYTES + lease_nbytes(num_workers)
 
     def __init__(self, buf: Any, num_workers: int) -> None:
         view = memoryview(buf).cast("B")
@@ -214,6 +217,12 @@ class LoadTable:
             raise LoadTableError(f"not a v{_VERSION} load table (magic {magic:#x}, v{version})")
         if n != self.num_workers:
             raise LoadTableError(f"table has {n} rows, caller expects {self.num_workers}")
+
+    def core_lease(self, slot: int, cores: int) -> CoreLease:
+        """Slot ``slot``'s handle on the engine workers' shared core lease (after the rows)."""
+        start = HEADER_NBYTES + self.num_workers * ROW_NBYTES
+        region = self._view[start : start + lease_nbytes(self.num_workers)]
+        return CoreLease(region, self.num_workers, slot, cores)
 
     def writer(self, slot: int) -> RowWriter:
         if not 0 <= slot < self.num_workers:

@@ -4,7 +4,7 @@ Same weights and the same math as ``engine.model.CausalLM.forward``, in a differ
 order of operations: the residual stream is carried separately and each sublayer's
 output is added to it by the next norm (``rmsnorm(..., residual=)``); gate and up are one
 GEMM over the fused ``gate_up`` weight; rotary and the KV write are one kernel; attention
-reads the pool in place. Only ``F.linear`` / ``F.embedding`` remain torch calls.
+reads the pool in place. The linear layers and the embedding are the model's own modules.
 
 NOTE: nothing here syncs with the host or allocates on the host, so a decode forward can
 be captured in a CUDA graph: every per-step input is a view of ``engine.cuda_graphs
@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.kernels.decode_attention import decode_attention
 from engine.kernels.extend_attention import extend_attention
@@ -50,15 +49,15 @@ def forward_hidden(model: CausalLM, pool: torch.Tensor, batch: KernelBatch) -> t
     a graph's outputs stay allocated per batch-size bucket, and (bucket, vocab) float32
     logits for every bucket would be gigabytes.
     """
-    residual = F.embedding(batch.token_ids, model.embed)  # (T, hidden)
+    residual = model.embed(batch.token_ids)  # (T, hidden)
     layers = [model.layer(i) for i in range(len(model.layers))]
     h = rmsnorm(residual, layers[0].input_norm.weight, layers[0].input_norm.eps)
     for i, layer in enumerate(layers):
         out = _attention(layer, h, model, pool, batch)
         norm = layer.post_attn_norm
         h = rmsnorm(out, norm.weight, norm.eps, residual=residual)
-        gate_up = F.linear(h, layer.mlp.gate_up)  # (T, 2 * inter): one GEMM
-        out = F.linear(silu_mul(gate_up), layer.mlp.down)
+        gate_up = layer.mlp.gate_up(h)  # (T, 2 * inter): one GEMM
+        out = layer.mlp.down(silu_mul(gate_up))
         norm = layers[i + 1].input_norm if i + 1 < len(layers) else model.norm
         h = rmsnorm(out, norm.weight, norm.eps, residual=residual)
     return h if batch.logits_rows is None else h[batch.logits_rows]
@@ -67,7 +66,7 @@ def forward_hidden(model: CausalLM, pool: torch.Tensor, batch: KernelBatch) -> t
 def logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
     """(N, hidden) -> float32 logits (N, vocab), as ``CausalLM.forward`` returns them."""
     with torch.inference_mode():
-        return F.linear(hidden, model.lm_head).float()
+        return model.lm_head(hidden).float()
 
 
 def _attention(
@@ -76,7 +75,7 @@ def _attention(
     """Self-attention sublayer: (T, hidden) normed input -> (T, hidden) output projection."""
     attn = layer.attn
     t = x.shape[0]
-    qkv = F.linear(x, attn.qkv, attn.qkv_bias)  # (T, q_size + 2 * kv_size)
+    qkv = attn.qkv(x)  # (T, q_size + 2 * kv_size)
     q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
     q = q.view(t, attn.num_heads, attn.head_dim)  # strided views of qkv: no copies
     k = k.view(t, attn.num_kv_heads, attn.head_dim)
@@ -95,4 +94,4 @@ def _attention(
             q, pool, attn.layer, batch.block_tables, batch.seq_rows, batch.ctx_lens,
             batch.q_starts, batch.max_q_len,
         )  # fmt: skip
-    return F.linear(o.view(t, attn.q_size), attn.o)  # (T, H, D) -> (T, hidden)
+    return attn.o(o.view(t, attn.q_size))  # (T, H, D) -> (T, hidden)

@@ -29,6 +29,7 @@ from colocated.llm import LLM
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
+from engine.weights.linear import Linear
 from wire.params import SamplingParams
 
 TEXTS = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):"]
@@ -86,7 +87,8 @@ def test_engine_logits_match_transformers_on_the_gguf(
     model_dir: Path, reference: Any, tokenizer: Any
 ) -> None:
     prompts = [tokenizer(t).input_ids for t in TEXTS]
-    runner = ModelRunner(EngineConfig(model=str(model_dir), num_kv_blocks=32))
+    # float32 serving is the exactness reference; the default packs the GGUF's blocks.
+    runner = ModelRunner(EngineConfig(model=str(model_dir), num_kv_blocks=32, quantization="none"))
     seqs = [Sequence(i, p, sampling=SamplingParams()) for i, p in enumerate(prompts)]
     got = runner.prefill([(s, s.num_tokens) for s in seqs])
     for step in range(DECODE_STEPS + 1):
@@ -102,11 +104,22 @@ def test_engine_logits_match_transformers_on_the_gguf(
         got = runner.decode(seqs)
 
 
-def test_default_model_answers_a_question(model_dir: Path, tokenizer: Any) -> None:
+def test_default_model_serves_its_q4_1_blocks_packed(model_dir: Path) -> None:
+    runner = ModelRunner(EngineConfig(model=str(model_dir), num_kv_blocks=8))
+    assert runner.quantization == "gguf"
+    kinds = {m.kind for m in runner.model.modules() if isinstance(m, Linear)}
+    assert kinds == {"int4", "int8"}  # Q4_1 blocks; the Q8_0 embedding as the tied head
+    assert runner.model.lm_head.kind == "int8"
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_default_model_answers_a_question(
+    model_dir: Path, tokenizer: Any, quantization: str
+) -> None:
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(prompt, add_special_tokens=False).input_ids
-    llm = LLM(EngineConfig(model=str(model_dir), num_kv_blocks=32))
+    llm = LLM(EngineConfig(model=str(model_dir), num_kv_blocks=32, quantization=quantization))
     [result] = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=16))
     text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
     assert "Paris" in text, text

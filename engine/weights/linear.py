@@ -1,0 +1,191 @@
+"""The model's linear layers and token embedding, with their storage chosen at load.
+
+The model code calls ``Linear`` and ``Embedding`` and never asks how the weight is held:
+the loader gives each one a kernel (``engine/weights/loader.py``), one class per kind:
+
+* ``DenseKernel``: the weight in the activation dtype, ``F.linear``;
+* ``Int4Kernel``: int4 codes packed for torch's CPU weight-only kernel
+  (``_weight_int4pack_mm_for_cpu``), a scale and zero per group of 32 inputs;
+* ``Int8Kernel``: int8 codes in groups of 32 (Q8_0) on the same int4 kernel, exactly:
+  ``q = 16 h + l`` with ``h = q >> 4`` in [-8, 7] and ``l = q & 15`` in [0, 15], so
+  ``x . (q d) = x . (h 16d) + x . (l d)``: two nibble planes side by side along the input
+  dimension (``[hi | lo]``, 2K columns) with the input repeated, one kernel call.
+  torch's own int8 kernel takes one scale per output channel, not per group.
+
+Packed kernels run on CPU only (torch's CUDA int4 layout differs and is untested here):
+``check_device`` refuses them elsewhere with a clear error.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.weights.quant import GROUP, Int4Rows, Int8Rows, QuantRows
+
+# torch's CPU int4 packing wants output rows in multiples of 16.
+_ROW_MULTIPLE = 16
+
+
+class QuantizationUnsupported(ValueError):
+    """A quantized kind was asked for where no kernel of that kind runs."""
+
+
+class DenseKernel(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.weight: torch.Tensor
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+
+class Int4Kernel(nn.Module):
+    """``y = x W^T`` with ``W = (c - 8) * scale + zero`` per group; x: (T, K) -> (T, N)."""
+
+    def __init__(self, rows: Int4Rows, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        if device.type != "cpu":
+            raise QuantizationUnsupported(f"packed int4 weights run on CPU only, not {device}")
+        n, k = rows.codes.shape
+        if k % GROUP:
+            raise QuantizationUnsupported(f"input width {k} is not a multiple of {GROUP}")
+        pad = -n % _ROW_MULTIPLE
+        codes, scale, zero = rows.codes.to(torch.int32), rows.scale, rows.zero
+        if pad:  # padded rows: code 8, scale 0, zero 0 -> weight 0; sliced off the output
+            codes = F.pad(codes, (0, 0, 0, pad), value=8)
+            scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+        self.out_features = n
+        self.register_buffer(
+            "packed", torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1),
+            persistent=False,
+        )  # fmt: skip
+        # (K / GROUP, N, 2): the kernel's layout, in the activation dtype it requires.
+        sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(dtype)
+        self.register_buffer("scales_zeros", sz, persistent=False)
+        self.packed: torch.Tensor
+        self.scales_zeros: torch.Tensor
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # The kernel computes in its scales' dtype (bfloat16 when serving: it is 10-50x
+        # slower fed float32); the model's residual stream keeps its own dtype around it.
+        dtype = x.dtype
+        out = torch._weight_int4pack_mm_for_cpu(
+            x.to(self.scales_zeros.dtype), self.packed, GROUP, self.scales_zeros
+        )
+        if out.shape[1] != self.out_features:
+            out = out[:, : self.out_features]
+        out = out.to(dtype)
+        return out if bias is None else out.add_(bias)
+
+
+class Int8Kernel(nn.Module):
+    """Group-wise int8 (``W = q * scale``) as two int4 nibble planes; x: (T, K) -> (T, N)."""
+
+    def __init__(self, rows: Int8Rows, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        q = rows.codes.to(torch.int16)
+        hi, lo = q >> 4, q & 15  # arithmetic shift: hi in [-8, 7]; q == 16 * hi + lo
+        d = rows.scale
+        planes = Int4Rows(
+            codes=torch.cat((hi + 8, lo), dim=1).to(torch.uint8),  # (N, 2K)
+            scale=torch.cat((16.0 * d, d), dim=1),
+            zero=torch.cat((torch.zeros_like(d), 8.0 * d), dim=1),
+        )
+        self.planes = Int4Kernel(planes, dtype, device)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.planes(torch.cat((x, x), dim=1), bias)
+
+
+class RefinedHead(nn.Module):
+    """An LM head on a packed kernel whose leading logits are recomputed in float32.
+
+    The packed kernel returns bfloat16 logits: near 25, one step of bfloat16 is 0.125,
+    more than the margin between SmolLM2's two best first tokens on a plain question, so
+    greedy decoding would follow rounding, not the model. Every logit within
+    ``_MARGIN_STEPS`` bfloat16 steps of its row's maximum (at most ``_MAX_REFINED``) is
+    recomputed exactly: float32 activations times the exact de-quantized rows. The rest
+    keep their bfloat16 values, which only sampling at a temperature sees.
+    """
+
+    _MARGIN_STEPS = 4
+    _MAX_REFINED = 64
+
+    def __init__(self, packed: nn.Module, rows: QuantRows) -> None:
+        super().__init__()
+        self.packed, self.rows = packed, rows
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = self.packed(x, bias).float()  # (T, vocab)
+        if x.dtype != torch.float32:
+            return out
+        k = min(self._MAX_REFINED, out.shape[1])
+        top, idx = out.topk(k, dim=1)  # (T, k)
+        # One bfloat16 step at the row maximum: 2^(exponent - 7).
+        step = torch.exp2(torch.floor(torch.log2(top[:, :1].abs().clamp_min(1e-30))) - 7)
+        near = top >= top[:, :1] - self._MARGIN_STEPS * step  # (T, k), sorted: a prefix
+        n = int(near.sum(dim=1).max())
+        idx = idx[:, :n]
+        w = self.rows.rows(idx.flatten()).dequantize().view(*idx.shape, -1)  # (T, n, K)
+        exact = torch.einsum("tk,tnk->tn", x, w)
+        if bias is not None:
+            exact += bias[idx]
+        return out.scatter_(1, idx, exact)
+
+
+def packed_kernel(rows: QuantRows, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    if isinstance(rows, Int4Rows):
+        return Int4Kernel(rows, dtype, device)
+    return Int8Kernel(rows, dtype, device)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` for x: (T, in_features); W's storage is the loader's choice."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias: nn.Parameter | None = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False)
+            if bias
+            else None
+        )
+        self.kernel: nn.Module | None = None  # set once by the loader
+
+    @property
+    def kind(self) -> str:
+        kernel = self.kernel.packed if isinstance(self.kernel, RefinedHead) else self.kernel
+        return type(kernel).__name__.removesuffix("Kernel").lower()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.kernel is not None, "weights not loaded"
+        return self.kernel(x, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token ids (T,) -> rows (T, dim) in the activation dtype; dense or group-quantized."""
+
+    def __init__(self, num: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = num, dim, dtype
+        self.weight: torch.Tensor | None = None  # dense storage, or
+        self.quant: QuantRows | None = None  # quantized rows, de-quantized per lookup
+
+    def set_dense(self, weight: torch.Tensor) -> None:
+        self.weight, self.quant = weight, None
+
+    def set_quantized(self, rows: QuantRows) -> None:
+        self.weight, self.quant = None, rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.embedding(ids, self.weight)
+        assert self.quant is not None, "weights not loaded"
+        # Exact rows in float32, then the activation dtype: as a dense float32 table would.
+        return self.quant.rows(ids).dequantize().to(self.dtype)
