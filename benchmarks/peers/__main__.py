@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import logging
@@ -13,12 +14,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.machine import describe as describe_machine
+from benchmarks.peers import llama_cpp
 from benchmarks.peers.report import Point, Report, render
 from benchmarks.peers.servers import (
     OFFLINE,
@@ -34,24 +37,68 @@ from benchmarks.peers.workloads import WORKLOADS, measure, warm_up
 
 logger = logging.getLogger("benchmarks.peers")
 ROOT = Path(__file__).resolve().parents[2]
-BASELINE = "vLLM"
+VLLM = "vLLM"
+LLAMA = "llama.cpp"
 TOPOLOGIES = {"pdserve 1P+1D": ("--prefill", "1", "--decode", "1"),
               "pdserve co-located": ("--colocated", "1")}  # fmt: skip
+# The precision groups, in the order they run. Servers are compared only within a group:
+# unquantized weights, 8-bit weights, 4-bit weights.
+UNQUANTIZED = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+PRECISIONS = ("F32", "Q8_0", "Q4_1")
+
+
+@dataclass(frozen=True)
+class Quant:
+    """One way pdserve serves the model's weights: a ``--quantization`` value and a file."""
+
+    precision: str  # the group it is compared in: "F32" (the --dtype), "Q8_0", "Q4_1"
+    label: str  # in the server's name
+    flag: str  # launch --quantization
+    gguf: str | None = None  # serve this GGUF (the one llama.cpp serves) instead of the dir
+
+
+PDSERVE_QUANTS = {
+    "none": Quant("F32", "F32", "none"),
+    # pdserve's own 8- and 4-bit weights, quantized from the checkpoint dir at load
+    "int8": Quant("Q8_0", "int8", "int8"),
+    "int4": Quant("Q4_1", "int4", "int4"),
+    # the same GGUF file llama.cpp serves, its blocks served packed (`auto`)
+    "gguf-q8_0": Quant("Q8_0", "GGUF Q8_0", "auto", "Q8_0"),
+    "gguf-q4_1": Quant("Q4_1", "GGUF Q4_1", "auto", "Q4_1"),
+}
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What both servers share, so neither gets a setting the other lacks."""
+    """What all servers share, so none gets a setting the others lack."""
 
     model: Path
     dtype: str
     kv_gib: int  # vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB
     max_model_len: int
     cores: int
+    parallel: int = 8  # llama.cpp's slots: the highest concurrency measured
 
     @property
     def served_name(self) -> str:
         return self.model.name
+
+    @property
+    def unquantized(self) -> str:
+        return UNQUANTIZED.get(self.dtype, self.dtype.upper())
+
+
+@dataclass
+class Group:
+    """The servers measured together: one precision, pdserve's variants and the peers."""
+
+    precision: str
+    ours: list[ServerSpec] = field(default_factory=list)
+    peers: list[ServerSpec] = field(default_factory=list)
+
+    @property
+    def specs(self) -> list[ServerSpec]:
+        return [*self.peers, *self.ours]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.add_argument
     a("--model", type=Path, default=None,
       help="HF checkpoint dir (default: pdserve's cached default model, where that exists)")  # fmt: skip
-    a("--dtype", default="float32", help="for both servers")
+    a("--dtype", default="float32", help="for every server")
     a("--concurrency", default="1,4,8", help="comma-separated levels")
     a("--workloads", default=",".join(WORKLOADS), help=f"of {','.join(WORKLOADS)}")
     a("--rounds", type=int, default=2, help="prompts per point = max(--min-prompts, rounds x c)")
@@ -70,14 +117,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "threads, unpinned)")  # fmt: skip
     a("--max-model-len", type=int, default=2048)
     a("--pdserve", default=",".join(TOPOLOGIES), help=f"of {','.join(TOPOLOGIES)}")
+    a("--pdserve-quant", default="none,int8,int4,gguf-q4_1",
+      help=f"pdserve's weight variants, of {','.join(PDSERVE_QUANTS)}; each is run in every "
+           "--pdserve topology")  # fmt: skip
+    a("--precisions", default=",".join(PRECISIONS),
+      help="groups to run (F32 stands for the unquantized --dtype); the peers run in each")  # fmt: skip
     a("--venv", type=Path, default=ROOT / ".peers-venv", help="where vllm-cpu is installed")
     a("--vllm-spec", default=VLLM_SPEC)
-    a("--no-vllm", action="store_true", help="pdserve rows only (development)")
+    a("--no-vllm", action="store_true", help="leave vLLM out")
+    a("--llama-dir", type=Path, default=llama_cpp.LLAMA_DIR,
+      help="where llama.cpp is built and its GGUFs are made")  # fmt: skip
+    a("--llama-spec", default=llama_cpp.LLAMA_CPP_SPEC, help="the sdist carrying its source")
+    a("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
+    a("--dry-run", action="store_true",
+      help="print every server's command line and exit (builds and converts nothing)")  # fmt: skip
     a("--request-timeout", type=float, default=300.0, help="seconds per request")
     a("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peers_cpu.md")
     a("--render", type=Path, default=None, metavar="JSON",
       help="rewrite --out from a results JSON this command wrote (no servers, no load)")  # fmt: skip
     return p.parse_args(argv)
+
+
+def _names(value: str, known: Sequence[str], flag: str) -> list[str]:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in known]:
+        raise SystemExit(f"{flag}: unknown {unknown} (known: {', '.join(known)})")
+    return names
 
 
 def resolve_model(model: Path | None) -> Path:
@@ -94,6 +159,21 @@ def resolve_model(model: Path | None) -> Path:
         raise SystemExit(f"--model DIR is required: {e}") from None
 
 
+def shipped_q4_1(model: Path) -> Path | None:
+    """The Q4_1 GGUF pdserve's default model is made from, when ``model`` is that model.
+
+    Its float32 checkpoint dir is de-quantized from this file, so the Q4_1 rows of every
+    server use exactly the weights the F32 rows were made from.
+    """
+    try:
+        module = importlib.import_module("checkpoints.default_model")
+        if Path(module.default_model_dir()).resolve() == model.resolve():
+            return Path(module.bundled_gguf())
+    except (ImportError, AttributeError, FileNotFoundError):
+        pass
+    return None
+
+
 def vllm_server(python: Path, s: Settings, bind: str | None) -> ServerSpec:
     bind = bind or f"0-{s.cores - 1}"  # one model worker on every core, pinned: vLLM's advice
     argv = [str(python), "-m", VLLM_ENTRY, "--model", str(s.model),
@@ -106,22 +186,56 @@ def vllm_server(python: Path, s: Settings, bind: str | None) -> ServerSpec:
         env["OMP_NUM_THREADS"] = str(s.cores)
     # The first start compiles the model (torch.compile, minutes on 2 cores); later ones
     # load vLLM's compile cache.
-    return ServerSpec(BASELINE, argv, env, start_timeout_s=1200.0)
+    return ServerSpec(f"{VLLM} {s.unquantized}", argv, env, start_timeout_s=1200.0)
 
 
-def pdserve_server(name: str, topology: tuple[str, ...], s: Settings) -> ServerSpec:
-    argv = [sys.executable, "-m", "launcher.cli", "--model", str(s.model),
+def llama_server(build: llama_cpp.LlamaBuild, gguf: Path, precision: str,
+                 s: Settings) -> ServerSpec:  # fmt: skip
+    argv = llama_cpp.server_argv(build, gguf, threads=s.cores, parallel=s.parallel,
+                                 max_model_len=s.max_model_len, alias=s.served_name)  # fmt: skip
+    return ServerSpec(f"{LLAMA} {precision}", argv, {}, start_timeout_s=300.0)
+
+
+class MissingQuantizationFlag(SystemExit):
+    """launch has no --quantization yet, and the variant is not the unquantized default."""
+
+
+def pdserve_server(topology: str, quant: Quant, s: Settings, gguf: Path | None,
+                   has_quant_flag: bool) -> ServerSpec:  # fmt: skip
+    """``launch`` serving ``quant``'s weights in ``topology``.
+
+    ``--served-model-name`` is the checkpoint dir's name for a GGUF too: it is the name
+    every workload sends. Without ``--quantization`` in launch (older trees) only the
+    unquantized variant can run: launch's default then serves float weights, which would
+    mislabel a quantized row.
+    """
+    model = s.model if quant.gguf is None else gguf
+    if model is None:
+        raise ValueError(f"{quant.label}: no {quant.gguf} GGUF given")
+    if has_quant_flag:
+        flags = ["--quantization", quant.flag]
+    elif quant.flag == "none" and quant.gguf is None:
+        flags = []
+    else:
+        raise MissingQuantizationFlag(
+            f"pdserve {quant.label}: `launch --help` has no --quantization yet; run "
+            "--pdserve-quant none, or --dry-run to see the command lines")  # fmt: skip
+    argv = [sys.executable, "-m", "launcher.cli", "--model", str(model),
             "--served-model-name", s.served_name, "--device", "cpu", "--dtype", s.dtype,
             "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", str(s.max_model_len),
-            *_kv_flags(s), *topology]  # fmt: skip
-    return ServerSpec(name, argv, OFFLINE, start_timeout_s=300.0, cwd=ROOT)
+            *_kv_flags(s), *flags, *TOPOLOGIES[topology]]  # fmt: skip
+    return ServerSpec(f"{topology} {quant.label}", argv, OFFLINE, start_timeout_s=300.0, cwd=ROOT)
+
+
+@functools.cache
+def launch_help() -> str:
+    return subprocess.run([sys.executable, "-m", "launcher.cli", "--help"], cwd=ROOT,
+                          capture_output=True, text=True).stdout  # fmt: skip
 
 
 def _kv_flags(s: Settings) -> list[str]:
     """``--kv-cache-memory GiB`` where launch has it, else the same bytes in tokens."""
-    help_text = subprocess.run([sys.executable, "-m", "launcher.cli", "--help"], cwd=ROOT,
-                               capture_output=True, text=True).stdout  # fmt: skip
-    if "--kv-cache-memory" in help_text:
+    if "--kv-cache-memory" in launch_help():
         return ["--kv-cache-memory", str(s.kv_gib)]
     cfg = json.loads((s.model / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -138,6 +252,20 @@ def pdserve_commit() -> str:
     return git("log", "-1", "--format=%h %s").strip()[:100] + dirty
 
 
+def vector_line() -> str:
+    """The vector extensions that decide which kernels the servers can use, and the load."""
+    cpu = llama_cpp.cpu_flags()
+    wanted = sorted({f for need in llama_cpp.VECTOR_OPTIONS.values() for f in need}
+                    | {"amx_tile", "amx_int8", "amx_bf16", "avx512_fp16"})  # fmt: skip
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
+                  .splitlines() if ln.startswith("model name")), "unknown")  # fmt: skip
+    return (
+        f"CPU {model}; vector flags: {' '.join(f for f in wanted if f in cpu) or 'none'}; "
+        f"load average at start {load}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -151,78 +279,177 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command = "python -m benchmarks.peers " + shlex.join(sys.argv[1:] if argv is None else argv)
     levels = [int(c) for c in args.concurrency.split(",")]
-    workloads = [w for w in args.workloads.split(",") if w]
-    if unknown := set(workloads) - set(WORKLOADS):
-        raise SystemExit(f"--workloads: unknown {sorted(unknown)}")
+    workloads = _names(args.workloads, list(WORKLOADS), "--workloads")
     settings = Settings(resolve_model(args.model), args.dtype, args.kv_cache_gib,
-                        args.max_model_len, os.cpu_count() or 1)  # fmt: skip
-    specs, failure, vllm_line = servers(args, settings)
-    setup = [f"model: `{settings.model}` ({settings.served_name}), dtype {settings.dtype} on "
-             f"both sides, max model len {settings.max_model_len}", vllm_line,
-             f"pdserve at {pdserve_commit()}",
-             *(f"{s.name}: `{s.describe()}`" for s in specs)]  # fmt: skip
-    machine, notes = describe_machine(), []
+                        args.max_model_len, os.cpu_count() or 1, max(levels))  # fmt: skip
+    groups, failures, setup = plan(args, settings)
+    if args.dry_run:
+        for g in groups:
+            print(f"# {g.precision}")
+            for spec in g.specs:
+                print(f"{spec.name}: {spec.describe()}")
+        return 0
+    setup = [f"model: `{settings.model}` ({settings.served_name}), activations "
+             f"{settings.dtype} in pdserve and vLLM, max model len {settings.max_model_len}",
+             *setup, f"pdserve at {pdserve_commit()}",
+             *(f"{s.name}: `{s.describe()}`" for g in groups for s in g.specs)]  # fmt: skip
+    machine, notes = f"{describe_machine()}\n{vector_line()}", []
     points: list[Point] = []
     try:
-        failure = run_all(specs, settings, workloads, levels, args, failure, points)
+        for g in groups:
+            logger.info("group %s: %s", g.precision, ", ".join(s.name for s in g.specs))
+            run_group(g, settings, workloads, levels, args, failures, points)
     except BaseException as e:  # keep what was measured: the tables say it is partial
         notes.append(f"**Stopped early** ({type(e).__name__}: {e}); only the points "
                      "measured before that are below.")  # fmt: skip
         raise
     finally:
         if points:
-            report = Report(f"pdserve vs vLLM (CPU) on {settings.served_name}", command,
-                            machine, [*setup, *notes],
-                            [(w, WORKLOADS[w].describe()) for w in workloads], BASELINE,
-                            failure)  # fmt: skip
+            peers = [n for n in (VLLM, LLAMA) if n not in skipped(args)]
+            report = Report(f"pdserve vs {' and '.join(peers) or 'itself'} (CPU) on "
+                            f"{settings.served_name}", command, machine, [*setup, *notes],
+                            [(w, WORKLOADS[w].describe()) for w in workloads], "peers",
+                            groups=[(g.precision, [s.name for s in g.ours],
+                                     [s.name for s in g.peers]) for g in groups],
+                            peer_failures=failures)  # fmt: skip
             write(args.out, report, points)
-    return 0 if failure is None and all(p.failed == 0 for p in points) else 1
+    return 0 if not failures and all(p.failed == 0 for p in points) else 1
 
 
-def servers(args: argparse.Namespace, s: Settings) -> tuple[list[ServerSpec], str | None, str]:
-    """The servers to run, vLLM first; a failed vLLM install is returned, not raised."""
-    specs = [pdserve_server(n, TOPOLOGIES[n], s) for n in args.pdserve.split(",") if n]
-    if args.no_vllm:
-        return specs, None, "vLLM: not run (--no-vllm)"
+def skipped(args: argparse.Namespace) -> set[str]:
+    return {n for n, off in ((VLLM, args.no_vllm), (LLAMA, args.no_llama_cpp)) if off}
+
+
+def plan(args: argparse.Namespace, s: Settings) -> tuple[list[Group], dict[str, str], list[str]]:
+    """Every group's servers; a peer that cannot be installed is a failure, not an error.
+
+    Returns the groups, {peer: why it is missing} and setup lines for the report.
+    """
+    precisions = _names(args.precisions, PRECISIONS, "--precisions")
+    topologies = _names(args.pdserve, list(TOPOLOGIES), "--pdserve")
+    quants = [PDSERVE_QUANTS[q] for q in _names(args.pdserve_quant, list(PDSERVE_QUANTS),
+                                                "--pdserve-quant")]  # fmt: skip
+    failures: dict[str, str] = {}
+    setup: list[str] = []
+    by_precision = {p: Group(s.unquantized if p == "F32" else p) for p in precisions}
+    # vLLM: the unquantized group only (its CPU build has no kernels for these GGUF blocks)
+    if args.no_vllm or "F32" not in by_precision:
+        setup.append("vLLM: not run" + (" (--no-vllm)" if args.no_vllm else ""))
+    else:
+        try:
+            python = args.venv / "bin" / "python"
+            if not args.dry_run:
+                python = ensure_vllm(args.venv, args.vllm_spec)
+                setup.append(f"vLLM {vllm_version(python)} ({args.vllm_spec}, in "
+                             f"{args.venv.name}/)")  # fmt: skip
+            by_precision["F32"].peers.append(vllm_server(python, s, args.vllm_bind))
+        except ServerFailed as e:
+            failures[VLLM] = f"installing {args.vllm_spec}: {e}"
+            setup.append(f"vLLM: {args.vllm_spec} (could not be installed)")
+    # llama.cpp: one server per group, on the GGUF of that precision
+    ggufs = gguf_files(args, s, precisions, quants, failures, setup)
+    if args.no_llama_cpp:
+        setup.append(f"{LLAMA}: not run (--no-llama-cpp)")
+    elif LLAMA not in failures:
+        try:
+            build = llama_cpp.LlamaBuild(args.llama_dir, Path(), ())  # a dry run's paths
+            if not args.dry_run:
+                build = llama_cpp.ensure_llama_cpp(args.llama_dir, args.llama_spec)
+                setup.append(f"{LLAMA}: {build.describe()}; `{llama_cpp.version(build)}`")
+            for p, g in by_precision.items():
+                g.peers.append(llama_server(build, ggufs[p], g.precision, s))
+        except ServerFailed as e:
+            failures[LLAMA] = f"building {args.llama_spec}: {e}"
+            setup.append(f"{LLAMA}: {args.llama_spec} (could not be built)")
+    # pdserve: every topology x every variant of a chosen precision
+    has_flag = args.dry_run or "--quantization" in launch_help()
+    for q in quants:
+        for t in topologies if q.precision in by_precision else ():
+            gguf = ggufs.get(q.gguf) if q.gguf else None
+            by_precision[q.precision].ours.append(pdserve_server(t, q, s, gguf, has_flag))
+    return list(by_precision.values()), failures, setup
+
+
+def gguf_files(args: argparse.Namespace, s: Settings, precisions: list[str],
+               quants: list[Quant], failures: dict[str, str],
+               setup: list[str]) -> dict[str, Path]:  # fmt: skip
+    """The GGUF of each precision some server needs, made if missing (where it would be,
+    in a dry run).
+
+    F32 and Q8_0 are made by llama.cpp's own converter from the checkpoint dir; Q4_1 is
+    the file pdserve's default model ships (else ``llama-quantize`` of the F32 one). A
+    failure is the llama.cpp peer's, unless a pdserve variant needs the file too.
+    """
+    need = set() if args.no_llama_cpp else set(precisions)
+    need |= {q.gguf for q in quants if q.gguf and q.precision in precisions}
+    outtype = {"F32": {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(s.dtype, "f32"),
+               "Q8_0": "q8_0"}  # fmt: skip
+    root, model = args.llama_dir, s.model
+    out: dict[str, Path] = {}
+    shipped = shipped_q4_1(model) if "Q4_1" in need else None
+    if shipped is not None:
+        out["Q4_1"] = shipped
+    todo = sorted(need - set(out), key=PRECISIONS.index)
     try:
-        python = ensure_vllm(args.venv, args.vllm_spec)
+        for p in todo:
+            if args.dry_run:
+                tag = llama_cpp.OUTTYPES[outtype.get(p, "f32")]
+                path = llama_cpp.gguf_path(root, model, tag)
+                out[p] = (
+                    path.with_name(path.name.replace(".F32.", ".Q4_1.")) if p == "Q4_1" else path
+                )
+                continue
+            source = llama_cpp.ensure_source(root, args.llama_spec)
+            if p == "Q4_1":
+                build = llama_cpp.ensure_llama_cpp(root, args.llama_spec)
+                f32 = llama_cpp.ensure_gguf(root, source, model, "f32")
+                out[p] = llama_cpp.ensure_quantized(build, f32, "Q4_1")
+            else:
+                out[p] = llama_cpp.ensure_gguf(root, source, model, outtype[p])
     except ServerFailed as e:
-        return specs, f"installing {args.vllm_spec}: {e}", f"vLLM: {args.vllm_spec}"
-    line = f"vLLM {vllm_version(python)} ({args.vllm_spec}, in {args.venv.name}/)"
-    return [vllm_server(python, s, args.vllm_bind), *specs], None, line
+        if any(q.gguf in todo for q in quants):
+            raise
+        failures[LLAMA] = f"making the GGUFs: {e}"
+        setup.append(f"{LLAMA}: GGUFs could not be made")
+        return out
+    if out:
+        made = "F32/Q8_0 made by llama.cpp's convert_hf_to_gguf.py from the checkpoint dir"
+        setup.append("GGUFs: " + ", ".join(f"{p} `{path.name}`" for p, path in out.items())
+                     + f" ({made})")  # fmt: skip
+    return out
 
 
-def run_all(
-    specs: list[ServerSpec], s: Settings, workloads: list[str], levels: list[int],
-    args: argparse.Namespace, failure: str | None, points: list[Point],
-) -> str | None:  # fmt: skip
-    """Start every server, warm each, then measure every point on each in turn, appending
-    to ``points`` as they finish.
+def run_group(
+    g: Group, s: Settings, workloads: list[str], levels: list[int],
+    args: argparse.Namespace, failures: dict[str, str], points: list[Point],
+) -> None:  # fmt: skip
+    """Start every server of ``g``, warm each, then measure every point on each in turn,
+    appending to ``points`` as they finish.
 
-    A baseline that does not start or warm up is left out (its failure is returned, for
-    the report); a pdserve server that does not is an error.
+    A peer that does not start or warm up is left out (its failure goes into
+    ``failures``, for the report); a pdserve server that does not is an error.
     """
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(s.model)
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-peers-"))
+    peers = {spec.name for spec in g.peers}
     urls: dict[str, str] = {}
     with ExitStack() as stack:
-        for spec in specs:
+        for spec in g.specs:
             try:
                 urls[spec.name] = stack.enter_context(running(spec, log_dir))
                 logger.info("warming up %s", spec.name)
                 warm_up(urls[spec.name], s.served_name, tokenizer, max(levels), workloads)
             except (ServerFailed, RuntimeError) as e:
-                if spec.name != BASELINE:
+                if spec.name not in peers:
                     raise
                 logger.error("%s left out: %s", spec.name, e)
-                failure = f"{spec.describe()}\n{e}"
+                failures[spec.name] = f"{spec.describe()}\n{e}"
                 urls.pop(spec.name, None)
         for i, (w, c) in enumerate((w, c) for w in workloads for c in levels):
             points += _one_point(urls, i, s, tokenizer, w, c, args)
-    logger.info("servers stopped; logs in %s", log_dir)
-    return failure
+    logger.info("group %s: servers stopped; logs in %s", g.precision, log_dir)
 
 
 def _one_point(urls: dict[str, str], i: int, s: Settings, tokenizer: Any, w: str, c: int,

@@ -1,13 +1,15 @@
-"""The head-to-head's tables: figures side by side, then pdserve / vLLM ratios. Pure: no I/O.
+"""The head-to-head's tables: figures side by side, then pdserve / peer ratios. Pure: no I/O.
 
-A ``Point`` is one server measured at one (workload, concurrency); the baseline server's
-point at the same (workload, concurrency) is what every other server's ratios divide by.
+A ``Point`` is one server measured at one (workload, concurrency). Servers come in groups,
+one per weight precision (unquantized, 8-bit, 4-bit); within a group every pdserve
+server's point is divided by each peer's point at the same (workload, concurrency).
+Reports written before groups existed have one baseline and no groups, and render as then.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +22,12 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("ITL p50 ms", "median_itl_ms", 1),
     ("ITL p99 ms", "p99_itl_ms", 1),
     ("TPOT p50 ms", "median_tpot_ms", 1),
+)
+# the ratios against each peer: throughput, time to first token, inter-token latency
+PEER_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("out tok/s", "output_throughput"),
+    ("TTFT p50", "median_ttft_ms"),
+    ("ITL p50", "median_itl_ms"),
 )
 
 
@@ -95,6 +103,29 @@ def ratio_rows(points: Sequence[Point], workload: str, baseline: str) -> list[st
     return rows
 
 
+def peer_ratio_rows(points: Sequence[Point], workload: str, ours: Sequence[str],
+                    peers: Sequence[str]) -> list[str]:  # fmt: skip
+    """Each pdserve server / each peer of one group, by concurrency (a dash where either
+    side has no figure)."""
+    at = {(p.server, p.concurrency): p for p in points if p.workload == workload}
+    levels = sorted({c for (s, c) in at if s in ours or s in peers})
+    names = ["concurrency", "pdserve", "peer", *(c[0] for c in PEER_COLUMNS)]
+    rows = ["| " + " | ".join(names) + " |", "|" + " --- |" * len(names)]
+    for c in levels:
+        for name in ours:
+            for peer in peers:
+                mine, theirs = at.get((name, c)), at.get((peer, c))
+                if mine is None and theirs is None:
+                    continue
+                cells = [_fmt(ratio(mine.figures.get(k, math.nan) if mine else math.nan,
+                                    theirs.figures.get(k, math.nan) if theirs else math.nan), 2)
+                         for _, k in PEER_COLUMNS]  # fmt: skip
+                shown = _server(mine) if mine else name
+                rows.append(f"| {c} | {shown} | {_server(theirs) if theirs else peer} | "
+                            + " | ".join(cells) + " |")  # fmt: skip
+    return rows
+
+
 @dataclass(frozen=True)
 class Report:
     """Everything the results file says besides the tables' figures."""
@@ -106,10 +137,15 @@ class Report:
     workloads: Sequence[tuple[str, str]]  # (name, how it is made)
     baseline: str
     baseline_failure: str | None = None  # why the baseline could not run, verbatim
+    # (precision, pdserve servers, peer servers): each group gets its own tables
+    groups: Sequence[tuple[str, Sequence[str], Sequence[str]]] = ()
+    peer_failures: Mapping[str, str] = field(default_factory=dict)  # peer -> why it is missing
 
 
 def render(report: Report, points: Iterable[Point]) -> str:
     pts = list(points)
+    if report.groups:
+        return _render_groups(report, pts)
     out = [f"# {report.title}", "", f"Command: `{report.command}`", "", "Machine:", "", "```",
            report.machine, "```", "", "Setup:", "", *(f"- {s}" for s in report.setup), ""]  # fmt: skip
     if report.baseline_failure is not None:
@@ -128,6 +164,29 @@ def render(report: Report, points: Iterable[Point]) -> str:
         if report.baseline_failure is None:
             ratios = ratio_rows(pts, name, report.baseline)
             out += [f"pdserve / {report.baseline}:", "", *ratios, ""]
+    return "\n".join(out)
+
+
+def _render_groups(report: Report, pts: list[Point]) -> str:
+    out = [f"# {report.title}", "", f"Command: `{report.command}`", "", "Machine:", "", "```",
+           report.machine, "```", "", "Setup:", "", *(f"- {s}" for s in report.setup), ""]  # fmt: skip
+    for peer, why in report.peer_failures.items():
+        out += [f"**{peer} could not run here**, so its rows and ratios are missing:", "",
+                "```", why.rstrip(), "```", ""]  # fmt: skip
+    out += ["Servers are compared within a precision group (the same weights, as each "
+            "server stores them). Ratios are pdserve / peer: above 1.00 is better for "
+            "pdserve in out tok/s, below 1.00 is better in TTFT and ITL.", "",
+            "`load` is the machine's 1-minute load average as the point finished (the cores "
+            "are shared with other jobs).", ""]  # fmt: skip
+    for name, how in report.workloads:
+        out += [f"## {name}", "", how, ""]
+        for precision, ours, peers in report.groups:
+            mine = [p for p in pts if p.server in ours or p.server in peers]
+            out += [f"### {precision}", "", *figure_rows(mine, name), ""]
+            if failed := failure_lines(mine, name):
+                out += ["Failed requests:", "", *failed, ""]
+            if ours and peers:
+                out += ["pdserve / peer:", "", *peer_ratio_rows(mine, name, ours, peers), ""]
     return "\n".join(out)
 
 
