@@ -19,9 +19,26 @@ def describe(lscpu_lines: int = 20) -> str:
     except (OSError, subprocess.CalledProcessError):
         head = platform.processor() or platform.machine()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    lines = [head, f"os.cpu_count() = {os.cpu_count()}, load average {load}"]
+    lines = [head, f"vector flags: {' '.join(vector_flags()) or 'none found'}"]
+    lines.append(f"os.cpu_count() = {os.cpu_count()}, load average {load}")
     lines.append(f"python {platform.python_version()}, {_torch()}")
     return "\n".join(lines)
+
+
+# The flags that decide which CPU kernels are fast (bfloat16 and int8 dot products, AMX).
+VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")  # fmt: skip
+
+
+def vector_flags() -> list[str]:
+    """Which of ``VECTOR_FLAGS`` this CPU reports (``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])  # fmt: skip
+    except OSError:
+        return []
+    return [flag for flag in VECTOR_FLAGS if flag in flags]
 
 
 def _torch() -> str:

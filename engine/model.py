@@ -45,13 +45,15 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(x)  # (T, q_size + 2 * kv_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        h, d = self.num_heads, self.head_dim
+        v = qkv[:, self.q_size + self.kv_size :].unflatten(1, (self.num_kv_heads, d))
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(self.q_norm(q.unflatten(1, (h, d))), *cos_sin)
+            k = apply_rotary(self.k_norm(k.unflatten(1, (self.num_kv_heads, d))), *cos_sin)
+        else:  # q and k heads side by side: one rotation for both (T, heads + kv_heads, D)
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].unflatten(1, (-1, d)), *cos_sin)
+            q, k = qk[:, :h], qk[:, h:]
         out = paged_attention(pool, self.layer, meta, q, k, v)  # (T, heads, D)
         return self.o(out.reshape(t, self.q_size))
 

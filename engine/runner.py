@@ -224,11 +224,13 @@ class ModelRunner:
         seq.prefix_queried = False  # recomputing it, if ever, starts with a new lookup
 
     def prefill(
-        self, chunks: list[tuple[Sequence, int]], pool: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self, chunks: list[tuple[Sequence, int]], pool: torch.Tensor | None = None,
+        every_position: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         """Run the next ``n`` uncomputed tokens of each sequence in one forward.
 
-        Returns float32 logits (len(chunks), vocab) at each chunk's last position.
+        Returns float32 logits (len(chunks), vocab) at each chunk's last position, or with
+        ``every_position`` at every token of every chunk (sum of n, vocab): scoring a text.
         ``pool``: a pool to use instead of the runner's; its sequences' block tables must
         already cover the chunks (the GPU memory profile runs on a scratch pool this way).
         NOTE: blocks are ensured chunk by chunk; if a later one raises ``NoFreeBlocks``
@@ -251,7 +253,7 @@ class ModelRunner:
             for b in seq.block_table[start // bs : (start + n - 1) // bs + 1]
         ), "a prefill would write into a shared or cached block"  # fmt: skip
         tokens = [t for seq, start, n in spans for t in _token_span(seq, start, n)]
-        logits = self._forward(spans, tokens, False, pool)
+        logits = self._forward(spans, tokens, False, pool, every_position)
         self._advance(spans, publish=pool is None)
         return logits
 
@@ -280,16 +282,18 @@ class ModelRunner:
 
     def _forward(
         self, spans: list[tuple[Sequence, int, int]], tokens: list[int], is_decode: bool,
-        pool: torch.Tensor | None,
+        pool: torch.Tensor | None, every_position: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         kv_pool = self.kv_pool if pool is None else pool
         for seq, start, n in spans:
             if start + n > self.max_model_len:
                 raise ValueError(f"rid {seq.rid}: {start + n} tokens exceed max_model_len "
                                  f"{self.max_model_len}")  # fmt: skip
-        if self._kernels is not None:
+        if self._kernels is not None and not every_position:
             return self._kernels.forward(spans, tokens, is_decode, kv_pool)
         meta, positions, last = self._metadata(spans, is_decode, kv_pool)
+        if every_position:
+            last = torch.arange(len(tokens), device=self.device)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
             return self.model(ids, positions, kv_pool, meta, last)

@@ -1,0 +1,107 @@
+"""Teacher-forced perplexity of the served model under each weight storage.
+
+    python -m benchmarks.perplexity [--model DIR|FILE.gguf] [--window 512] [--threads N]
+
+The text is ``benchmarks/data/perplexity.txt`` (about 2.9k SmolLM2 tokens of this project's
+own prose, frozen: a copy, not the live docs). It is cut into windows of ``--window``
+tokens; each window is one prefill through the engine (``ModelRunner.prefill`` with
+``every_position``), and every token after a window's first is scored by the logits of the
+position before it. Reported per storage: perplexity, its ratio to float32, and the share
+of positions whose greedy (argmax) token equals float32's.
+
+Storages, all of the same checkpoint: ``none`` (float32, the reference: for the default
+model that is its GGUF de-quantized exactly), ``auto`` (a GGUF's blocks served packed),
+``int8`` and ``int4`` (quantized at load). Targets (issue #21): packed GGUF within 0.5 % of
+the float32 reference; int8 within 1 %, int4 within 3 %. Writes
+``benchmarks/results/perplexity.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.machine import describe as describe_machine
+from checkpoints.default_model import resolve_model
+from engine.config import EngineConfig
+from engine.hf_tokenizer import load_tokenizer
+from engine.runner import ModelRunner
+from engine.sequence import Sequence
+from wire.params import SamplingParams
+
+TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+RESULTS = Path(__file__).parent / "results" / "perplexity.md"
+STORAGES = ("none", "auto", "int8", "int4")
+TARGETS = {"auto": 0.005, "int8": 0.01, "int4": 0.03}
+
+
+def score(model: Path, quantization: str, ids: list[int], window: int) -> tuple[float, list[int]]:
+    """(mean negative log-likelihood per scored token, the argmax token at each position)."""
+    runner = ModelRunner(EngineConfig(model=str(model), quantization=quantization,
+                                      kv_cache_tokens=window + 64))  # fmt: skip
+    nll, count, argmax = 0.0, 0, []
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window + 1]  # the extra token is the last target
+        seq = Sequence(start, chunk[:-1], sampling=SamplingParams())
+        logits = runner.prefill([(seq, seq.num_tokens)], every_position=True)  # (n, vocab)
+        runner.free_blocks(seq)
+        logp = torch.log_softmax(logits, dim=-1)
+        targets = torch.tensor(chunk[1:])
+        nll -= float(logp[torch.arange(len(targets)), targets].sum())
+        count += len(targets)
+        argmax += logits.argmax(-1).tolist()
+    return nll / count, argmax
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.perplexity", description=__doc__)
+    p.add_argument("--model", type=Path, default=None, help="default: the embedded SmolLM2")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--storages", default=",".join(STORAGES))
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model = resolve_model(args.model)
+    ids = load_tokenizer(str(model))(TEXT.read_text()).input_ids
+    rows, ref_nll, ref_argmax = [], None, None
+    for storage in args.storages.split(","):
+        t0 = time.perf_counter()
+        nll, argmax = score(model, storage, ids, args.window)
+        if ref_nll is None:
+            ref_nll, ref_argmax = nll, argmax
+        assert ref_argmax is not None
+        agree = sum(a == b for a, b in zip(argmax, ref_argmax, strict=True)) / len(argmax)
+        ratio = math.exp(nll) / math.exp(ref_nll)
+        target = TARGETS.get(storage)
+        verdict = "" if target is None else ("met" if ratio - 1 <= target else "NOT met")
+        rows.append((storage, math.exp(nll), ratio, agree, target, verdict))
+        print(f"{storage}: ppl {math.exp(nll):.4f} ({ratio:.4f}x), argmax agreement "
+              f"{agree:.1%} [{time.perf_counter() - t0:.0f} s]", flush=True)  # fmt: skip
+    lines = [
+        "# Perplexity by weight storage",
+        "",
+        f"Model: `{model.name}`; text: `benchmarks/data/perplexity.txt`, {len(ids)} tokens, "
+        f"windows of {args.window}; threads {args.threads}.",
+        "",
+        "Command: `python -m benchmarks.perplexity"
+        + (f" --model {args.model.name}" if args.model else "")
+        + "`",
+        "",
+        "| storage | perplexity | vs float32 | target | | argmax = float32's |",
+        "|---|---:|---:|---:|---|---:|",
+    ]
+    for storage, ppl, ratio, agree, target, verdict in rows:
+        tgt = "" if target is None else f"<= +{target:.1%}"
+        lines.append(f"| {storage} | {ppl:.4f} | {ratio:.4f}x | {tgt} | {verdict} | {agree:.1%} |")
+    lines += ["", "Machine:", "", "```", describe_machine(), "```", ""]
+    args.out.write_text("\n".join(lines))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
