@@ -100,10 +100,10 @@ def main() -> None:
     for quantization in args.quantization.split(","):
         runner = ModelRunner(EngineConfig(model=str(model), quantization=quantization,
                                           kv_cache_tokens=16 * (args.context + 64) * 8))  # fmt: skip
-        kinds = sorted({m.kind for m in runner.model.modules() if isinstance(m, Linear)})
+        kind_names = sorted({m.kind for m in runner.model.modules() if isinstance(m, Linear)})
         for b in (int(x) for x in args.batches.split(",")):
             step, bare = measure(runner, b, args.context, args.rounds)
-            rows.append((quantization, runner.quantization, "/".join(kinds), b, step, bare))
+            rows.append((quantization, runner.quantization, "/".join(kind_names), b, step, bare))
             print(f"{quantization} B={b}: step {step:.2f} ms, bare {bare:.2f} ms, "
                   f"{step / bare:.2f}x", flush=True)  # fmt: skip
     cmd = "python -m benchmarks.engine_step" + (f" --model {args.model.name}" if args.model else "")
