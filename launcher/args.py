@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from frontend.openai.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from frontend.settings import ConnectionLimits
-from frontend.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 

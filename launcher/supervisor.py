@@ -32,7 +32,7 @@ from transport.load_table import LoadTable, Role, WorkerState, describe_exit
 logger = logging.getLogger(__name__)
 
 MODULES = {
-    "frontend": "frontend.server",
+    "frontend": "frontend.http.server",
     "prefill": "prefill.worker",
     "decode": "decode.worker",
     "colocated": "colocated.worker",

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from detokenizer.routing import live_shard_for
-from frontend.engine_client import EngineRequest, EngineUnavailable
-from frontend.worker_status import shards_alive
+from frontend.engine_link.engine_client import EngineRequest, EngineUnavailable
+from frontend.engine_link.worker_status import shards_alive
 from router.router import NoCapacity, Placement, Router
 from transport.load_table import LoadTable, Role, WorkerState
 from transport.ring import Ring

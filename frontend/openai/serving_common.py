@@ -23,10 +23,15 @@ import msgspec
 from starlette.requests import Request
 
 from engine.grammar import GrammarCache
-from frontend.engine_client import EngineClient, EngineRequest, EngineUnavailable, Overloaded
+from frontend.engine_link.engine_client import (
+    EngineClient,
+    EngineRequest,
+    EngineUnavailable,
+    Overloaded,
+)
 from frontend.errors import APIError, InternalError, ServiceUnavailable
-from frontend.metrics import FrontendMetrics
 from frontend.settings import FrontendSettings
+from frontend.telemetry.metrics import FrontendMetrics
 from wire.records import Finish, TextDelta, TokenLogprob
 
 logger = logging.getLogger(__name__)

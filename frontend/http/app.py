@@ -4,7 +4,7 @@ Handlers live in ``serving_*.py``; this module only gets a request to them and t
 every failure into an OpenAI-shaped error. No input reaches a handler unparsed, and no
 exception escapes as anything but a JSON error (500 for our bugs, logged with traceback).
 Who may call at all (Host, API key, Content-Type) is decided before, by
-``frontend.guard.Guard``.
+``frontend.http.guard.Guard``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.grammar import GrammarCache
-from frontend.engine_client import EngineClient, Overloaded
+from frontend.engine_link.engine_client import EngineClient, Overloaded
 from frontend.errors import (
     APIError,
     InternalError,
@@ -35,9 +35,8 @@ from frontend.errors import (
     PayloadTooLarge,
     ServiceUnavailable,
 )
-from frontend.guard import JSON_PATHS, Guard
-from frontend.metrics import FrontendMetrics
-from frontend.protocol import (
+from frontend.http.guard import JSON_PATHS, Guard
+from frontend.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -45,13 +44,14 @@ from frontend.protocol import (
     TokenizeRequest,
     parse_body,
 )
-from frontend.serving_chat import create_chat_completion
-from frontend.serving_common import ClientGone, ServingContext
-from frontend.serving_completions import create_completion
-from frontend.serving_generate import generate
-from frontend.serving_tokenize import detokenize, tokenize, version_response
+from frontend.openai.serving_chat import create_chat_completion
+from frontend.openai.serving_common import ClientGone, ServingContext
+from frontend.openai.serving_completions import create_completion
+from frontend.openai.serving_generate import generate
+from frontend.openai.serving_tokenize import detokenize, tokenize, version_response
 from frontend.settings import FrontendSettings
-from frontend.stats_log import StatsLog
+from frontend.telemetry.metrics import FrontendMetrics
+from frontend.telemetry.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
 B = TypeVar(

@@ -2,7 +2,7 @@
 
 Who calls what, when:
 
-* The HTTP handlers (``frontend/serving_*.py``) build an ``EngineRequest`` after
+* The HTTP handlers (``frontend/openai/serving_*.py``) build an ``EngineRequest`` after
   tokenizing and validating, then iterate ``generate(req)``. The first ``__anext__``
   admits the request: it raises ``Overloaded`` (answered with 503 + Retry-After) or
   ``EngineUnavailable`` before any delta is yielded, never after.
@@ -17,8 +17,8 @@ Who calls what, when:
   scrapes on the event loop: they must be cheap and must not block (read a load table,
   not a round trip to every worker).
 
-Implementations: ``frontend/client_rings.py`` (workers over shared-memory rings) and
-``frontend/local_client.py`` (one in-process engine, for tests and single-process runs).
+Implementations: ``frontend/engine_link/client_rings.py`` (workers over shared-memory
+rings) and, in tests, ``tests/frontend/reference_client.py``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from frontend.engine_client import EngineClient
+from frontend.engine_link.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 

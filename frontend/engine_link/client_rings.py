@@ -10,8 +10,8 @@ Reading: the frontend's doorbell fd is registered with the event loop
 on every text ring, then re-checks), so a producer rings it only when the frontend is
 actually waiting — no polling, no busy loop.
 
-Worker deaths are ``frontend/recovery.py``'s (a watchdog task started with the first
-request); ``/health`` and ``/metrics`` views are ``frontend/worker_status.py``'s.
+Worker deaths are ``frontend/engine_link/recovery.py``'s (a watchdog task started with the first
+request); ``/health`` and ``/metrics`` views are ``frontend/engine_link/worker_status.py``'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from detokenizer.routing import live_shard_for
-from frontend.engine_client import (
+from frontend.engine_link.engine_client import (
     EngineClient,
     EngineRequest,
     EngineUnavailable,
@@ -30,8 +30,8 @@ from frontend.engine_client import (
     WorkerHealth,
     WorkerMetrics,
 )
-from frontend.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream
-from frontend.worker_status import shards_alive, worker_health, worker_metrics
+from frontend.engine_link.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream
+from frontend.engine_link.worker_status import shards_alive, worker_health, worker_metrics
 from router.router import NoCapacity, Placement, Router, RouterConfig
 from runtime.process import ProcessSpec, attach_rings, load_table, prefix_summaries
 from transport.errors import PeerDead, RecordTooLarge

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from frontend.engine_client import WorkerHealth, WorkerMetrics
+from frontend.engine_link.engine_client import WorkerHealth, WorkerMetrics
 from transport.load_table import LoadRow, LoadTable, Role, WorkerState, describe_exit
 from transport.ring import Ring
 

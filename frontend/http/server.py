@@ -1,9 +1,9 @@
-"""The frontend process: ``python -m frontend.server`` (started by the launcher).
+"""The frontend process: ``python -m frontend.http.server`` (started by the launcher).
 
 Builds the tokenizer, the ring engine client and the FastAPI app, then serves HTTP with
 uvicorn on the configured host and port. The listening socket itself belongs to the C
-accept thread of ``frontend.acceptor``: it answers health probes off the event loop and
-hands every other connection to uvicorn, through ``frontend.connections``' protocol
+accept thread of ``frontend.http.acceptor``: it answers health probes off the event loop and
+hands every other connection to uvicorn, through ``frontend.http.connections``' protocol
 (deadlines for slow clients, caps on connections).
 """
 
@@ -16,19 +16,19 @@ import socket
 import uvicorn
 
 from engine.hf_tokenizer import load_tokenizer
-from frontend.acceptor import HealthAcceptor
-from frontend.app import build_app, health_report
-from frontend.client_rings import RingEngineClient
-from frontend.connections import (
+from frontend.engine_link.client_rings import RingEngineClient
+from frontend.engine_link.engine_client import EngineClient
+from frontend.http.acceptor import HealthAcceptor
+from frontend.http.app import build_app, health_report
+from frontend.http.connections import (
     ConnectionLimiter,
     TimedHttpProtocol,
     connection_budget,
     fds_open,
     raise_fd_limit,
 )
-from frontend.engine_client import EngineClient
-from frontend.metrics import FrontendMetrics
 from frontend.settings import ConnectionLimits, FrontendLaunch
+from frontend.telemetry.metrics import FrontendMetrics
 from router.router import RouterConfig
 from runtime.process import bootstrap
 
