@@ -80,6 +80,7 @@ class FrontendLaunch:
     max_queued_prefill_tokens: int | None
     stall_timeout_s: float
     log_level: str = "INFO"
+    api_workers: int = 1  # frontend processes sharing the port (this is one of them)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -24,7 +24,7 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.grammar import GrammarCache
 from frontend.engine_link.engine_client import EngineClient, Overloaded
@@ -198,6 +198,29 @@ class FastPaths:
         await self.app(scope, receive, send)
 
 
+FRONTEND_HEADER = b"x-pdserve-frontend"
+
+
+class NameFrontend:
+    """Pure ASGI: every response says which frontend process served it (``launch
+    --api-workers``), so a client or a test can tell them apart behind the shared port."""
+
+    def __init__(self, app: ASGIApp, index: int) -> None:
+        self.app, self._header = app, (FRONTEND_HEADER, str(index).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self._header]
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
 def _warn_if_exposed(settings: FrontendSettings) -> None:
     try:
         loopback = settings.host == "localhost" or ipaddress.ip_address(settings.host).is_loopback
@@ -230,15 +253,19 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        stats = asyncio.create_task(StatsLog(client, ctx.metrics).run())
+        tasks = [asyncio.create_task(ctx.metrics.publish_every())]
+        if client.owner == 0:  # one stats line per server, of the server-wide figures
+            tasks.append(asyncio.create_task(StatsLog(client, ctx.metrics).run()))
         yield
-        stats.cancel()
+        for task in tasks:
+            task.cancel()
         await client.close()
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     app.add_middleware(FastPaths, client=client, metrics=ctx.metrics)
-    app.add_middleware(Guard, settings=settings)  # added last: outermost
+    app.add_middleware(Guard, settings=settings)
+    app.add_middleware(NameFrontend, index=client.owner)  # added last: outermost
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
