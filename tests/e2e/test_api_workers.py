@@ -8,6 +8,9 @@ tests, then a frontend's death; a second, small one the shared admission bound.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,20 +149,21 @@ def test_a_frontend_death_fails_only_its_own_streams_and_it_comes_back(
     assert seen == {"0", "1"}
 
 
-# Admission: decode-0 runs 2 sequences and admits while fewer than 2 wait, so at most
-# 2 + 2 requests are in flight at once, whichever frontend placed them (one more when both
-# frontends decide in the same instant). Two frontends each keeping their own books would
-# admit up to twice that.
-SEQS, WAITING = 2, 2
-BOUND = SEQS + WAITING
+# Admission, where only the routers' books can hold it: decode-0 is stopped (SIGSTOP) with
+# nothing running, so it reports nothing new while the requests arrive, and it admits while
+# fewer than WAITING requests wait for it. Two frontends that each kept their own books
+# would admit WAITING each; shared, the bound is the server's (one more at most, when both
+# decide in the same instant).
+WAITING = 2
 
 
 @pytest.fixture(scope="module")
 def bounded() -> Iterator[LaunchedServer]:
     srv = LaunchedServer(
         ["--api-workers", "2", "--prefill", "1", "--decode", "1", "--detokenizers", "1",
-         "--device", "cpu", "--kv-cache-tokens", "16384", "--max-model-len", "2048",
-         "--max-num-seqs", str(SEQS), "--max-waiting-requests", str(WAITING)]
+         "--device", "cpu", "--kv-cache-tokens", "8192", "--max-model-len", "1024",
+         "--max-num-seqs", "2", "--max-waiting-requests", str(WAITING),
+         "--stall-timeout", "60"]
     )  # fmt: skip
     srv.wait_ready()
     yield srv
@@ -169,31 +173,44 @@ def bounded() -> Iterator[LaunchedServer]:
 def test_the_admission_bound_holds_across_both_frontends(bounded: LaunchedServer) -> None:
     clients = 32
     body = {"input_ids": [7] * 8, "stream": True,
-            "sampling_params": {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+            "sampling_params": {"max_tokens": 20, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    decode = pid_of(bounded, "pdserve:decode-0")
 
-    async def main() -> list[tuple[int, str]]:
+    async def main() -> tuple[list[tuple[int, str]], list[str | None]]:
         answered = asyncio.Event()
         statuses: list[tuple[int, str]] = []
         limits = httpx.Limits(max_connections=clients)
         async with httpx.AsyncClient(base_url=bounded.url, timeout=60, limits=limits) as client:
 
-            async def one() -> None:
+            async def one() -> str | None:
                 async with client.stream("POST", "/generate", json=body) as r:
                     statuses.append((r.status_code, r.headers[HEADER]))
                     if len(statuses) == clients:
                         answered.set()
+                    finish = None
                     if r.status_code == 200:
-                        await answered.wait()  # hold the stream open until all have answers
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                finish = json.loads(line[6:]).get("finish_reason") or finish
+                    return finish
 
-            await asyncio.wait_for(asyncio.gather(*(one() for _ in range(clients))), 120)
-        return statuses
+            tasks = [asyncio.create_task(one()) for _ in range(clients)]
+            await asyncio.wait_for(answered.wait(), 60)
+            os.kill(decode, signal.SIGCONT)  # the admitted ones may now run
+            finishes = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return statuses, finishes
 
-    statuses = asyncio.run(main())
+    os.kill(decode, signal.SIGSTOP)
+    try:
+        statuses, finishes = asyncio.run(main())
+    finally:
+        os.kill(decode, signal.SIGCONT)
     admitted = [f for code, f in statuses if code == 200]
     refused = [f for code, f in statuses if code == 503]
     assert len(admitted) + len(refused) == clients, statuses
-    assert 1 <= len(admitted) <= BOUND + 1, statuses
-    assert set(refused) == {"0", "1"}, statuses  # refused by both, the bound is the server's
+    assert 1 <= len(admitted) <= WAITING + 1, statuses
+    assert set(refused) == {"0", "1"}, statuses  # refused by both: the bound is the server's
+    assert sorted(f for f in finishes if f) == ["length"] * len(admitted)
     deadline = time.monotonic() + 10
     while kv_in_use(bounded) and time.monotonic() < deadline:
         time.sleep(0.1)
