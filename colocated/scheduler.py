@@ -1,8 +1,8 @@
 """The co-located scheduler: one runner, prefill and decode of the same requests.
 
 The baseline that disaggregation is measured against, and the one scheduling loop of
-co-located serving: ``launch --colocated`` workers, the in-process ``LLM``
-(``colocated/llm.py``) and the frontend's ``LocalEngineClient`` all drive it. It composes the two existing
+co-located serving: ``launch --colocated`` workers and the in-process ``LLM``
+(``colocated/llm.py``) both drive it. It composes the two existing
 schedulers over one ``ModelRunner`` (one model, one KV pool) instead of re-implementing
 them: a request's prefill ends with its blocks handed straight to the decode scheduler
 (``PrefillScheduler(keep_kv=True)`` -> ``DecodeScheduler.adopt``), so there is no pin, no

@@ -30,7 +30,6 @@ class ColocatedWorker(Worker):
         runner = ModelRunner(cfg)
         self.sched = ColocatedScheduler(runner, self.index, cfg.chunked_prefill_size,
                                         cfg.max_num_seqs)  # fmt: skip
-        self.req_ring = self.rings.one_in(RingKind.REQ)
         self.stop_in = list(self.rings.sources(RingKind.STOP).values())
 
     @property
@@ -38,7 +37,7 @@ class ColocatedWorker(Worker):
         return self.sched.runner.allocator
 
     def take_inputs(self) -> None:
-        self.take_requests(self.req_ring, self.sched)
+        self.take_requests(self.sched)
         for ring in self.stop_in:
             for msg in drain(ring):
                 if isinstance(msg, AbortRequest):

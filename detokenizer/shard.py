@@ -4,6 +4,8 @@ Who calls what (the shard process, ``detokenizer/worker.py``, is the only caller
     register(msg)            a request is admitted (always before its tokens, in practice)
     on_tokens(batch, j)      an engine step's tokens; j = decode worker, None = prefill
     abort(rid)               the frontend cancelled the request
+    abandon(owner)           frontend ``owner`` died or restarted: its requests have no
+                             client any more
     take_outputs()           once per loop iteration: the TextBatch for the frontend and
                              the stop notifications for decode workers
 
@@ -36,6 +38,7 @@ from wire.records import (
     TokenBatch,
     TokenLogprob,
 )
+from wire.rids import owner_of
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +153,16 @@ class DetokShard:
             self._finished.add(rid)
             return
         self._finish(req, Finish.ABORT, None)
+
+    def abandon(self, owner: int) -> list[int]:
+        """End every request of frontend ``owner`` (``wire/rids.py``), and tell each one's
+        decode worker to stop it at its next token (as for a stop string matched on a
+        prefill token), so its KV is freed; the rids abandoned."""
+        rids = [rid for rid in self._reqs if owner_of(rid) == owner]
+        for rid in rids:
+            self.abort(rid)
+            self._unnotified.add(rid)
+        return rids
 
     def on_tokens(self, batch: TokenBatch, source_decode: int | None) -> None:
         rids = batch.rids.tolist()

@@ -1,6 +1,6 @@
 """HTTP errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
-Handlers raise ``APIError`` (or a subclass); ``frontend.app`` turns it into a JSON
+Handlers raise ``APIError`` (or a subclass); ``frontend.http.app`` turns it into a JSON
 response. Anything else that escapes a handler becomes a 500 with a generic message and
 a logged traceback, never a crashed server.
 """

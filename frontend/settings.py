@@ -10,7 +10,7 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """Deadlines for slow clients and caps on connections (``frontend/connections.py``).
+    """Deadlines for slow clients and caps on connections (``frontend/http/connections.py``).
 
     Defaults, and why: a request head is one packet for any real client, so 10 s for all
     of it is slack for a very slow link (Apache allows 20-40 s, nginx 60 s between reads);
@@ -35,13 +35,13 @@ class FrontendSettings:
     and ``stop_token_ids`` must lie below it. ``chat_template`` overrides the tokenizer's.
     ``model_aliases``: other names requests may use (``launch`` adds its ``--model`` path).
 
-    Exposure (``frontend/guard.py``): with ``api_key`` every path but /health needs it
+    Exposure (``frontend/http/guard.py``): with ``api_key`` every path but /health needs it
     (/metrics too, unless ``metrics_no_auth``); without one, requests must name this
     server in their Host header (``allowed_hosts`` adds names; ``"*"`` allows any).
     ``allow_special_tokens_in_content`` lets control-token text in chat messages become
     control tokens (the old behaviour; a user can then forge a system turn).
     ``eos_token_ids`` are the model's (its grammars end on them, as in the workers).
-    ``tool_call_parser`` reads tool calls out of chat output (frontend/tool_parsers.py);
+    ``tool_call_parser`` reads tool calls out of chat output (frontend/openai/tool_parsers.py);
     None: ``tool_choice: auto`` is refused.
     """
 
@@ -80,6 +80,7 @@ class FrontendLaunch:
     max_queued_prefill_tokens: int | None
     stall_timeout_s: float
     log_level: str = "INFO"
+    api_workers: int = 1  # frontend processes sharing the port (this is one of them)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

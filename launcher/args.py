@@ -9,8 +9,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from engine.weights.plan import QUANTIZATIONS
+from frontend.openai.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from frontend.settings import ConnectionLimits
-from frontend.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+from wire.rids import MAX_FRONTENDS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 
@@ -60,6 +61,7 @@ class ServerConfig:
     prefill: int = 1
     decode: int = 1
     detokenizers: int = 1
+    api_workers: int = 1  # HTTP frontend processes sharing the port
     colocated: int = 0
     host: str = "127.0.0.1"
     port: int = 8000
@@ -164,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prefill", type=int, default=d.prefill, help="number of prefill workers")
     add("--decode", type=int, default=d.decode, help="number of decode workers")
     add("--detokenizers", type=int, default=d.detokenizers, help="number of detokenizer processes")
+    add(
+        "--api-workers",
+        type=int,
+        default=d.api_workers,
+        help="number of HTTP frontend processes (tokenization, chat templates, streaming) "
+        f"sharing the port; admission limits stay server-wide (at most {MAX_FRONTENDS})",
+    )
     add(
         "--colocated",
         type=int,
@@ -404,11 +413,14 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
 
 def validate(config: ServerConfig) -> None:
     c = config
-    _positive(("--detokenizers", c.detokenizers), ("--block-size", c.block_size),
+    _positive(("--detokenizers", c.detokenizers), ("--api-workers", c.api_workers),
+              ("--block-size", c.block_size),
               ("--max-num-seqs", c.max_num_seqs),
               ("--chunked-prefill-size", c.chunked_prefill_size),
               ("--max-waiting-requests", c.max_waiting_requests),
               ("--max-queued-prefill-tokens", c.max_queued_prefill_tokens))  # fmt: skip
+    if c.api_workers > MAX_FRONTENDS:
+        raise ConfigError(f"--api-workers must be at most {MAX_FRONTENDS}, got {c.api_workers}")
     if c.colocated < 0:
         raise ConfigError("--colocated must be >= 0")
     if c.colocated > 0:

@@ -126,10 +126,11 @@ def _children(
         connections=config.connection_limits, router_policy=config.resolved_router_policy,
         max_waiting_requests=config.max_waiting_requests,
         max_queued_prefill_tokens=config.max_queued_prefill_tokens,
-        stall_timeout_s=config.stall_timeout,
+        stall_timeout_s=config.stall_timeout, api_workers=config.api_workers,
     ).to_json()  # fmt: skip
-    out.insert(0, Child(topo.spec("frontend", 0, frontend), dict(cpu_only)))
-    return out
+    frontends = [Child(topo.spec("frontend", n, frontend), dict(cpu_only))
+                 for n in range(config.api_workers)]  # fmt: skip
+    return frontends + out
 
 
 def _serving(
@@ -152,7 +153,8 @@ def _build_topology(
     mcfg = ModelConfig.from_pretrained(model)
     topo = Topology(config.prefill if config.disaggregated else 0,
                     config.decode if config.disaggregated else 0, config.detokenizers,
-                    num_colocated=config.colocated)  # fmt: skip
+                    num_colocated=config.colocated,
+                    num_frontends=config.api_workers)  # fmt: skip
     if config.enable_prefix_caching:
         # A GPU pool is sized by its worker, after the launcher is done: plan for many.
         assert config.kv_cache_tokens is not None, "sized by _size_kv"
@@ -191,7 +193,7 @@ def _size_kv(
     if pools == 0:
         return replace(config, kv_cache_tokens=config.kv_cache_tokens or DEFAULT_GPU_KV_TOKENS)
     engine = EngineConfig(model=str(model), max_model_len=config.max_model_len)
-    demand = Demand(engines=engines, others=1 + config.detokenizers, pools=pools,
+    demand = Demand(engines=engines, others=config.api_workers + config.detokenizers, pools=pools,
                     chunk=config.chunked_prefill_size,
                     max_model_len=engine.resolve_max_model_len(mcfg))  # fmt: skip
     try:
@@ -237,7 +239,9 @@ def serve(config: ServerConfig) -> int:
     model = _model_path(config)
     config = _size_kv(config, model, gpus, backend)
     topo = _build_topology(config, model, backend, gpus)
-    sup = Supervisor(_children(config, topo, gpus, model, backend), topo.load_table(), topo.p)
+    board = topo.board()
+    sup = Supervisor(_children(config, topo, gpus, model, backend), topo.load_table(), topo.p,
+                     board)  # fmt: skip
 
     def on_signal(signum: int, _frame: object) -> None:
         sup.stopping = True
@@ -247,7 +251,9 @@ def serve(config: ServerConfig) -> int:
     url = f"http://{config.host}:{config.port}"
     try:
         sup.start_all()
-        sup.wait_ready(STARTUP_TIMEOUT_S, lambda: _http_ready(url + "/health"))
+        # Every frontend serving (any one of them may answer the probe).
+        sup.wait_ready(STARTUP_TIMEOUT_S,
+                       lambda: board.all_ready() and _http_ready(url + "/health"))  # fmt: skip
         if not sup.stopping:
             print(f"pdserve is serving {model} at {url}  (Ctrl-C stops)", flush=True)
         code = sup.monitor()

@@ -11,6 +11,10 @@ the last ``CRASH_WINDOW_S`` (at most ``RESTART_MAX_S``), so a worker that dies a
 ``MAX_CRASHES`` deaths in the window it is left FAILED, with how it died in its row for
 ``/health``, and logged once. The server serves on while every role has a live worker; a
 role whose every worker failed ends it (and ends a startup at once).
+
+Frontends (``--api-workers``) are children like any other: a dead one is marked DEAD on
+the frontends' board (the others stop counting its reservations) and restarted with the
+same back-off. Its clients' streams died with it; the other frontends' go on.
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from frontend.engine_link.board import FrontendBoard
 from runtime.process import SPEC_ENV, ProcessSpec
 from transport.load_table import LoadTable, Role, WorkerState, describe_exit
 
 logger = logging.getLogger(__name__)
 
 MODULES = {
-    "frontend": "frontend.server",
+    "frontend": "frontend.http.server",
     "prefill": "prefill.worker",
     "decode": "decode.worker",
     "colocated": "colocated.worker",
@@ -52,7 +57,7 @@ def restart_delay(recent_deaths: int) -> float:
 
 
 class ChildFailed(RuntimeError):
-    """A child died during startup, or the frontend died: the server cannot go on."""
+    """Every worker of a role failed, or startup timed out: the server cannot go on."""
 
 
 @dataclass
@@ -73,11 +78,7 @@ class Child:
 
     @property
     def name(self) -> str:
-        return (
-            self.spec.role
-            if self.spec.role == "frontend"
-            else f"{self.spec.role}-{self.spec.index}"
-        )
+        return f"{self.spec.role}-{self.spec.index}"
 
     def start(self) -> None:
         env = {**os.environ, **self.env, SPEC_ENV: self.spec.to_json()}
@@ -102,10 +103,14 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, children: list[Child], table: LoadTable, num_prefill: int) -> None:
+    def __init__(
+        self, children: list[Child], table: LoadTable, num_prefill: int,
+        board: FrontendBoard | None = None,
+    ) -> None:  # fmt: skip
         self.children = children
         self.table = table
         self.num_prefill = num_prefill
+        self.board = board  # the frontends' (their rows' states are the launcher's word too)
         self.stopping = False
 
     def start_all(self) -> None:
@@ -116,7 +121,7 @@ class Supervisor:
         """Until every engine role has a READY worker and ``frontend_ready()`` is true.
 
         Workers that die meanwhile are restarted with back-off, as later on; startup fails
-        when the frontend dies or a role has no worker left that could become ready.
+        when a role has no worker left that could become ready.
         """
         deadline = time.monotonic() + timeout_s
         roles = {c.spec.role for c in self.children if c.spec.role in ENGINE_ROLES}
@@ -160,8 +165,6 @@ class Supervisor:
 
     def _on_death(self, child: Child, code: int) -> None:
         how = describe_exit(code)
-        if child.spec.role == "frontend":
-            raise ChildFailed(f"the frontend {how}")
         now = time.monotonic()
         child.deaths = [t for t in child.deaths if now - t < CRASH_WINDOW_S] + [now]
         if len(child.deaths) >= MAX_CRASHES:
@@ -176,6 +179,8 @@ class Supervisor:
         child.restart_at = now + delay
 
     def _mark(self, child: Child, state: WorkerState, code: int) -> None:
+        if child.spec.role == "frontend" and self.board is not None:
+            self.board.mark_dead(child.spec.index, failed=state == WorkerState.FAILED)
         if child.slot >= 0:
             role = Role[child.spec.role.upper()]  # slots belong to engine workers only
             self.table.writer(child.slot).mark_exited(state, code, role, child.spec.index)

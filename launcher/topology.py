@@ -1,7 +1,8 @@
 """Every shared resource of one server, created by the launcher before any child starts.
 
-The launcher creates all rings, doorbells, the load table, the prefill KV pools and the
-engine workers' prefix summaries (``add_prefix_summaries``), then
+The launcher creates all rings, doorbells, the load table, the frontends' board
+(``frontend/engine_link/board.py``), the prefill KV pools and the engine workers' prefix
+summaries (``add_prefix_summaries``), then
 hands each child the fds it needs (``subprocess.Popen(pass_fds=...)``) and a JSON
 ``ProcessSpec`` naming them. Segment names are unlinked the moment they are created, so
 nothing of ours is ever visible in /dev/shm, and a restarted child attaches to the very
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from frontend.engine_link.board import FrontendBoard
 from runtime.process import ProcessSpec
 from transport.doorbell import Doorbell
 from transport.kv import KVLayout, create_pool_segment
@@ -22,7 +24,7 @@ from transport.load_table import LoadTable
 from transport.prefix_summary import PrefixSummary, create_summary_segment
 from transport.ring import Ring
 from transport.segment import Segment
-from wire.ring_names import FRONTEND, Peer, PeerRole, RingKind, RingName
+from wire.ring_names import Peer, PeerRole, RingKind, RingName
 
 MiB = 1 << 20
 # Capacities: a request ring holds long prompts; token rings a few steps of a full batch
@@ -31,17 +33,20 @@ RING_BYTES = {RingKind.REQ: 8 * MiB, RingKind.KV: 4 * MiB, RingKind.TOK: 4 * MiB
               RingKind.TEXT: 8 * MiB}  # fmt: skip
 SMALL_RING_BYTES = 256 * 1024
 _LETTER = {"prefill": PeerRole.PREFILL, "decode": PeerRole.DECODE, "detok": PeerRole.DETOK,
-           "colocated": PeerRole.COLOCATED}  # fmt: skip
+           "colocated": PeerRole.COLOCATED, "frontend": PeerRole.FRONTEND}  # fmt: skip
 
 
 class Topology:
     """Creates and owns (keeps open) every ring, doorbell and segment of a server."""
 
     def __init__(
-        self, num_prefill: int, num_decode: int, num_detok: int, num_colocated: int = 0
-    ) -> None:
+        self, num_prefill: int, num_decode: int, num_detok: int, num_colocated: int = 0,
+        num_frontends: int = 1,
+    ) -> None:  # fmt: skip
         self.p, self.d, self.k, self.c = num_prefill, num_decode, num_detok, num_colocated
-        peers = [FRONTEND] + [Peer(PeerRole.PREFILL, i) for i in range(self.p)]
+        self.f = num_frontends
+        self.frontends = [Peer(PeerRole.FRONTEND, n) for n in range(self.f)]
+        peers = [*self.frontends] + [Peer(PeerRole.PREFILL, i) for i in range(self.p)]
         peers += [Peer(PeerRole.DECODE, j) for j in range(self.d)]
         peers += [Peer(PeerRole.DETOK, k) for k in range(self.k)]
         peers += [Peer(PeerRole.COLOCATED, c) for c in range(self.c)]
@@ -52,6 +57,9 @@ class Topology:
         nbytes = LoadTable.layout_nbytes(self.num_workers)
         self.load_segment = Segment.create("load", nbytes)
         LoadTable(self.load_segment.buf, self.num_workers)  # writes the header
+        nbytes = FrontendBoard.layout_nbytes(self.f, self.k, self.num_workers)
+        self.board_segment = Segment.create("frontends", nbytes)
+        FrontendBoard.format(self.board_segment.buf, self.f, self.k, self.num_workers)
         self.kv_segments: dict[str, tuple[Segment, KVLayout]] = {}
         self.summary_segments: dict[str, Segment] = {}
 
@@ -61,10 +69,12 @@ class Topology:
         self.rings[name] = Ring.create(str(name), capacity, self.doorbells[dst])
 
     def _build_rings(self) -> None:
+        """Every ring of ``wire/ring_names.py``; each frontend has its own to every peer."""
         shards = [Peer(PeerRole.DETOK, k) for k in range(self.k)]
         for i in range(self.p):
             p = Peer(PeerRole.PREFILL, i)
-            self._add(RingKind.REQ, FRONTEND, p)
+            for f in self.frontends:
+                self._add(RingKind.REQ, f, p)
             for k in shards:
                 self._add(RingKind.TOK, p, k)
             for j in range(self.d):
@@ -73,19 +83,22 @@ class Topology:
                 self._add(RingKind.REL, d, p)
         for j in range(self.d):
             d = Peer(PeerRole.DECODE, j)
-            self._add(RingKind.CTL, FRONTEND, d)
+            for f in self.frontends:
+                self._add(RingKind.CTL, f, d)
             for k in shards:
                 self._add(RingKind.TOK, d, k)
                 self._add(RingKind.STOP, k, d)
         for c in range(self.c):
             w = Peer(PeerRole.COLOCATED, c)
-            self._add(RingKind.REQ, FRONTEND, w)
+            for f in self.frontends:
+                self._add(RingKind.REQ, f, w)
             for k in shards:
                 self._add(RingKind.TOK, w, k)
                 self._add(RingKind.STOP, k, w)
         for k in shards:
-            self._add(RingKind.CTL, FRONTEND, k)
-            self._add(RingKind.TEXT, k, FRONTEND)
+            for f in self.frontends:
+                self._add(RingKind.CTL, f, k)
+                self._add(RingKind.TEXT, k, f)
 
     def add_kv_pool(self, prefill: int, layout: KVLayout) -> None:
         """The shared segment decode workers copy prefill ``prefill``'s blocks from."""
@@ -101,7 +114,10 @@ class Topology:
             PrefixSummary(seg.buf, num_counters)  # writes the header
 
     def spec(self, role: str, index: int, settings: dict[str, Any]) -> ProcessSpec:
-        me = FRONTEND if role == "frontend" else Peer(_LETTER[role], index)
+        me = Peer(_LETTER[role], index)
+        board = self.board_segment.spec
+        segments = {"frontends": {"fd": board.fd, "nbytes": board.nbytes}}
+        segments = segments if role == "frontend" else {}
         # Slots: prefill workers, then decode workers; a colocated server has only c rows.
         slot = {"prefill": index, "decode": self.p + index, "colocated": index}.get(role, -1)
         kv_pools = {
@@ -128,7 +144,12 @@ class Topology:
                 for name, seg in self.summary_segments.items()
                 if name == str(me) or role == "frontend"
             },
+            segments=segments,
         )
 
     def load_table(self) -> LoadTable:
         return LoadTable(self.load_segment.buf, self.num_workers)
+
+    def board(self) -> FrontendBoard:
+        """The launcher's view of the frontends' board (no row of its own)."""
+        return FrontendBoard(self.board_segment.buf)

@@ -53,7 +53,6 @@ class PrefillWorker(Worker):
         else:
             runner = self._shm_runner(config)
         self.sched = PrefillScheduler(runner, self.index, config.chunked_prefill_size)
-        self.req_ring = self.rings.one_in(RingKind.REQ)
         self.rel_rings = self.rings.sources(RingKind.REL)
         self.kv_out = self.rings.sinks(RingKind.KV)
 
@@ -92,7 +91,7 @@ class PrefillWorker(Worker):
         return bool(self.sched.waiting)
 
     def take_inputs(self) -> None:
-        self.take_requests(self.req_ring, self.sched)
+        self.take_requests(self.sched)
         for ring in self.rel_rings.values():
             for msg in drain(ring):
                 if isinstance(msg, KVRelease):

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.block_manager import block_hashes
-from router.ledger import Ledger, WorkerKey
+from router.ledger import Ledger, PeerBooks, WorkerKey
 from router.policy import Candidate, PolicyName, make_policy
 from transport.load_table import LoadRow, LoadTable, Role, WorkerState
 from transport.prefix_summary import PrefixSummary
@@ -97,7 +97,10 @@ class Router:
         policy: PolicyName | str = PolicyName.LEAST_LOAD,
         config: RouterConfig | None = None,
         summaries: Mapping[WorkerKey, PrefixSummary] | None = None,
+        peers: PeerBooks | None = None,
     ) -> None:
+        """``peers``: the other frontends' books (``router/ledger.py``), when several
+        frontends route over the same workers; admission bounds then hold for their sum."""
         self._table = table
         self._config = config or RouterConfig()
         # Prefix summaries by (role, index); read only by the cache-aware policy.
@@ -107,7 +110,7 @@ class Router:
         seed = self._config.seed
         self._prefill_policy = make_policy(policy, seed)
         self._decode_policy = make_policy(policy, None if seed is None else ~seed, decode=True)
-        self.ledger = Ledger()
+        self.ledger = Ledger(peers)
         self._tickets = itertools.count(1)
 
     def hash_blocks(self, token_ids: Sequence[int]) -> list[int]:
@@ -165,6 +168,7 @@ class Router:
         decode = self.ledger.current(d_key, placement.decode_generation)
         if decode is not None:
             decode.reserved.pop(placement.ticket, None)
+            self.ledger.publish(d_key)
         if delivered:
             return
         # Nobody worked on it: it was never sent, nor assigned, after all.
@@ -178,10 +182,16 @@ class Router:
         else:
             self.ledger.count(p_key, -placement.prompt_len, -1)
             self.ledger.count(d_key, -kv, -1)
+        self.ledger.publish(p_key)
+        self.ledger.publish(d_key)
 
     def assigned(self) -> dict[WorkerKey, tuple[int, int]]:
-        """(requests, tokens) assigned per (role, index) since the router started."""
-        return {key: (a.requests, a.tokens) for key, a in self.ledger.assigned.items()}
+        """(requests, tokens) assigned per (role, index) since the router started; with
+        peers, by every frontend since the server started."""
+        peers = self.ledger.peers
+        if peers is None:
+            return {key: (a.requests, a.tokens) for key, a in self.ledger.assigned.items()}
+        return {key: peers.assigned(b.slot) for key, b in self.ledger.books.items()}
 
     # -- internals ---------------------------------------------------------------------
 
@@ -239,7 +249,7 @@ class Router:
         if r.role is Role.PREFILL:
             return prefill
         used = (r.total_kv_blocks - r.free_kv_blocks) * r.block_size
-        decode = max(used + books.unheld_reserved(r), sum(books.reserved.values()))
+        decode = max(used + books.unheld_reserved(r), books.reserved_tokens)
         return decode if r.role is Role.DECODE else decode + prefill
 
     def _new_tokens(self, r: LoadRow, req: _Request) -> int:
@@ -285,6 +295,8 @@ class Router:
         else:
             self.ledger.count(p_key, prompt_len)
             self.ledger.count(d_key, prompt_len + max_tokens)
+        self.ledger.publish(p_key)
+        self.ledger.publish(d_key)
         return placement
 
 

@@ -43,6 +43,8 @@ class ProcessSpec:
     # Engine workers' prefix summaries (transport/prefix_summary.py), by peer name (p0, d1,
     # c0) -> fd, nbytes: a worker gets its own, the frontend every one.
     prefix_summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Other shared segments by tag -> fd, nbytes (the frontends' board, to frontends).
+    segments: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -60,6 +62,7 @@ class ProcessSpec:
             out.append(self.load_table["fd"])
         out += [p["fd"] for p in self.kv_pools.values()]
         out += [p["fd"] for p in self.prefix_summaries.values()]
+        out += [s["fd"] for s in self.segments.values()]
         return sorted(set(out))
 
 
@@ -76,7 +79,7 @@ class Stopping:
 def bootstrap() -> tuple[ProcessSpec, Stopping]:
     """Parse the spec, set the process title and logging, and die with the parent."""
     spec = ProcessSpec.from_json(os.environ[SPEC_ENV])
-    name = f"pdserve:{spec.role}" + (f"-{spec.index}" if spec.role != "frontend" else "")
+    name = f"pdserve:{spec.role}-{spec.index}"
     try:
         import setproctitle
 
@@ -148,6 +151,12 @@ def prefix_summaries(spec: ProcessSpec) -> dict[str, tuple[PrefixSummary, Segmen
         seg = Segment.attach(SegmentSpec(f"summary.{name}", s["fd"], s["nbytes"]))
         out[name] = (PrefixSummary(seg.buf), seg)
     return out
+
+
+def shared_segment(spec: ProcessSpec, tag: str) -> Segment | None:
+    """Map the spec's segment ``tag`` (keep it open), or None if the spec has none."""
+    s = spec.segments.get(tag)
+    return None if s is None else Segment.attach(SegmentSpec(tag, s["fd"], s["nbytes"]))
 
 
 def load_table(spec: ProcessSpec) -> tuple[LoadTable, Segment]:

@@ -78,6 +78,8 @@ class Worker(abc.ABC):
             self.cores = self.table.core_lease(self.spec.load_table["slot"], host_cores())
         # Every engine worker sends tokens to detokenizer shards, by shard index.
         self.tok_out: dict[int, Ring] = self.rings.sinks(RingKind.TOK)
+        # Prefill and co-located workers: one request ring from each frontend.
+        self.req_in: list[Ring] = list(self.rings.sources(RingKind.REQ).values())
         self.summary: PrefixSummary | None = None  # opened in run(), once the engine exists
 
     @property
@@ -97,15 +99,18 @@ class Worker(abc.ABC):
     def load(self) -> QueueLoad:
         """This step's queue figures for the router."""
 
-    def take_requests(self, ring: Ring, sched: TakesRequests) -> None:
-        """Drain the frontend's request ring into ``sched``; a request that can never run
-        here ends at once with an error (its shard tells the client)."""
-        for msg in drain(ring):
-            if isinstance(msg, GenerateRequest):
-                if sched.add(msg) == Finish.ERROR:
-                    fail_request(self.tok_out, msg.rid, msg.detok_shard, len(msg.output_ids))
-            elif isinstance(msg, AbortRequest):
-                sched.abort(msg.rid)
+    def take_requests(self, sched: TakesRequests) -> None:
+        """Drain every frontend's request ring into ``sched``; a request that can never run
+        here ends at once with an error (its shard tells the client). Each ring is FIFO,
+        so the forks of an ``n > 1`` request still follow their leader."""
+        for ring in self.req_in:
+            for msg in drain(ring):
+                if isinstance(msg, GenerateRequest):
+                    if sched.add(msg) == Finish.ERROR:
+                        fail_request(self.tok_out, msg.rid, msg.detok_shard,
+                                     len(msg.output_ids))  # fmt: skip
+                elif isinstance(msg, AbortRequest):
+                    sched.abort(msg.rid)
 
     def _open_summary(self) -> PrefixSummary | None:
         """This worker's prefix summary, emptied (a predecessor's pool is gone), or None."""

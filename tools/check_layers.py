@@ -1,5 +1,8 @@
 """Checks the house rules of imports: no circle, and no import from a lower package to a
-higher one or across packages on the same floor.
+higher one or across packages on the same floor. Inside a package that has rooms
+(``ROOMS``), the same rule holds between its rooms: each room (a sub-package or a
+top-level module of the package) imports only rooms on lower sub-floors, and every
+module of the package must sit in a listed room.
 
     python tools/check_layers.py        # exit 1 and a list of offences, or a one-line OK
 
@@ -24,6 +27,23 @@ FLOORS: list[tuple[str, ...]] = [
     ("benchmarks",),
 ]
 FLOOR = {pkg: level for level, pkgs in enumerate(FLOORS) for pkg in pkgs}
+
+# Sub-floors inside a package, bottom up, named by the second part of a module's dotted
+# name (``frontend.http.app`` is in room ``http``). The package's own ``__init__`` is no
+# room: it holds only its docstring.
+ROOMS: dict[str, list[tuple[str, ...]]] = {
+    "frontend": [
+        ("settings", "errors"),
+        ("engine_link",),
+        ("telemetry",),
+        ("openai",),
+        ("http",),
+    ],
+}
+ROOM_FLOOR = {
+    pkg: {room: level for level, rooms in enumerate(floors) for room in rooms}
+    for pkg, floors in ROOMS.items()
+}
 
 
 def imports_of(path: Path, root: Path) -> set[str]:
@@ -66,7 +86,40 @@ def layer_offences(graph: dict[str, set[str]]) -> list[str]:
             b = dst.split(".")[0]
             if a != b and FLOOR[b] >= FLOOR[a]:
                 bad.append(f"{src} imports {dst}: {b} is not below {a}")
+            elif a == b and a in ROOMS:
+                bad += room_offence(src, dst)
     return bad
+
+
+def room_of(module: str) -> str | None:
+    """``frontend.http.app`` -> ``http``; the package itself has no room."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def room_offence(src: str, dst: str) -> list[str]:
+    """An import between two modules of one package with rooms, if it breaks their order."""
+    pkg = src.split(".")[0]
+    floors = ROOM_FLOOR[pkg]
+    a, b = room_of(src), room_of(dst)
+    if a is None or b is None or a == b:
+        return []
+    if b not in floors:
+        return []  # reported once, by unplaced_modules
+    if a in floors and floors[b] < floors[a]:
+        return []
+    return [f"{src} imports {dst}: room {pkg}.{b} is not below {pkg}.{a}"]
+
+
+def unplaced_modules(graph: dict[str, set[str]]) -> list[str]:
+    """Modules of a package with rooms that sit in no listed room."""
+    return [
+        f"{name} is in no room of {name.split('.')[0]}: add it to ROOMS in tools/check_layers.py"
+        for name in sorted(graph)
+        if name.split(".")[0] in ROOMS
+        and (room := room_of(name)) is not None
+        and room not in ROOM_FLOOR[name.split(".")[0]]
+    ]
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -109,7 +162,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def main() -> int:
     root = Path(__file__).resolve().parent.parent
     graph = module_graph(root)
-    problems = layer_offences(graph)
+    problems = layer_offences(graph) + unplaced_modules(graph)
     problems += ["import circle: " + " -> ".join(c) for c in circles(graph)]
     for line in problems:
         print(line)

@@ -1,23 +1,26 @@
 """Ring names: the only place a ring's name is formatted or parsed.
 
 A ring is named for what it carries and its two ends, ``kind.src.dst``; an end is a role
-letter and an index (``p0``, ``d1``, ``k0``, ``c2``) or ``f`` for the frontend. The
-launcher creates rings under these names and every process finds its rings by them.
+letter and an index (``f0``, ``p0``, ``d1``, ``k0``, ``c2``). The launcher creates rings
+under these names and every process finds its rings by them.
 
-Rings (i = prefill, j = decode, c = co-located worker, k = detokenizer shard):
-    req.f.p{i}      frontend -> prefill i     GenerateRequest, AbortRequest
-    ctl.f.d{j}      frontend -> decode j      AbortRequest
-    ctl.f.k{k}      frontend -> detok k       DetokRegister, AbortRequest
+Rings (n = frontend, i = prefill, j = decode, c = co-located worker, k = detokenizer shard):
+    req.f{n}.p{i}   frontend n -> prefill i   GenerateRequest, AbortRequest
+    ctl.f{n}.d{j}   frontend n -> decode j    AbortRequest
+    ctl.f{n}.k{k}   frontend n -> detok k     DetokRegister, AbortRequest
     kv.p{i}.d{j}    prefill i -> decode j     KVTransfer, KVPoolHandle
     rel.d{j}.p{i}   decode j -> prefill i     KVRelease
     tok.p{i}.k{k}   prefill i -> detok k      TokenBatch (first tokens)
     tok.d{j}.k{k}   decode j -> detok k       TokenBatch
     stop.k{k}.d{j}  detok k -> decode j       AbortRequest (a stop string matched)
-    text.k{k}.f     detok k -> frontend       TextBatch
+    text.k{k}.f{n}  detok k -> frontend n     TextBatch (of the requests frontend n owns)
 With ``--colocated N`` there are no prefill/decode rings; instead:
-    req.f.c{c}      frontend -> colocated c   GenerateRequest, AbortRequest
+    req.f{n}.c{c}   frontend n -> colocated c GenerateRequest, AbortRequest
     tok.c{c}.k{k}   colocated c -> detok k    TokenBatch (first and later tokens)
     stop.k{k}.c{c}  detok k -> colocated c    AbortRequest (a stop string matched)
+Every frontend (``launch --api-workers N``) has its own rings to every worker and shard:
+rings stay single-producer, single-consumer. Which frontend owns a request is in its id
+(``wire/rids.py``).
 """
 
 from __future__ import annotations
@@ -47,25 +50,20 @@ class PeerRole(enum.StrEnum):
 
 @dataclass(frozen=True, order=True, slots=True)
 class Peer:
-    """One end of a ring; the frontend is ``Peer(FRONTEND, 0)``, written ``f``."""
+    """One end of a ring: a role and its index, written ``p0``, ``f1``, ..."""
 
     role: PeerRole
     index: int = 0
 
     def __str__(self) -> str:
-        return "f" if self.role is PeerRole.FRONTEND else f"{self.role}{self.index}"
+        return f"{self.role}{self.index}"
 
     @classmethod
     def parse(cls, text: str) -> Peer:
         role = PeerRole(text[0])
-        if role is PeerRole.FRONTEND:
-            if text != "f":
-                raise ValueError(f"bad ring end {text!r}")
-            return FRONTEND
+        if not text[1:].isdigit():
+            raise ValueError(f"bad ring end {text!r}")
         return cls(role, int(text[1:]))
-
-
-FRONTEND = Peer(PeerRole.FRONTEND)
 
 
 class RingName(NamedTuple):

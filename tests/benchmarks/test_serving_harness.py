@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from benchmarks.serving.__main__ import main
-from frontend.app import build_app
+from frontend.http.app import build_app
 from tests.frontend.conftest import MODEL, LiveServer, make_settings
 from tests.frontend.reference_client import ReferenceEngineClient
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +14,8 @@ from tests.detokenizer.helpers import one_batch, register, stream_batches
 from transport.doorbell import Doorbell
 from transport.ring import Ring
 from wire.params import DetokParams
-from wire.records import AbortRequest, TextBatch, decode, encode
+from wire.records import AbortRequest, TextBatch, TokenBatch, decode, encode
+from wire.rids import owned_rids
 
 
 @pytest.fixture
@@ -27,11 +30,11 @@ def shard(qwen_tokenizer: Any) -> Iterator[tuple[DetokWorker, dict[str, Ring]]]:
         index=0,
         tokenizer_path="",
         doorbell=bell.spec,
-        control=made["c"].spec,
+        control=(made["c"].spec,),
         prefill_rings=(made["p"].spec,),
         decode_rings=(made["d"].spec,),
         stop_rings=(made["s"].spec,),
-        frontend=made["f"].spec,
+        frontends=(made["f"].spec,),
     )
     worker = DetokWorker(cfg, qwen_tokenizer)
     peers = {
@@ -83,3 +86,51 @@ def test_prefill_token_text_goes_out_in_its_own_step(
         2: ("Hello", [first]),
         3: ("", [first]),  # "Hello" may be the start of "Hello!": held, correctly
     }
+
+
+def _attach_elsewhere_and_exit(ring: Ring) -> None:
+    """Attach ``ring``'s reading side from a process that exits at once: a dead frontend."""
+    code = ("import json, sys; from transport.ring import Ring, RingSpec\n"
+            "Ring.attach(RingSpec(**json.loads(sys.argv[1])), 'consumer')")  # fmt: skip
+    spec = ring.spec
+    subprocess.run([sys.executable, "-c", code, spec.to_json()], check=True,
+                   pass_fds=(spec.fd, spec.doorbell_fd, spec.space_fd))  # fmt: skip
+
+
+def test_text_goes_to_the_owning_frontend_and_a_dead_ones_requests_are_stopped(
+    qwen_tokenizer: Any,
+) -> None:
+    bell = Doorbell.create()
+    names = ("c0", "c1", "d", "s", "f0", "f1")
+    made = {n: Ring.create(f"test-detok2-{n}", 1 << 16, bell if n[0] in "cd" else None)
+            for n in names}  # fmt: skip
+    cfg = DetokWorkerConfig(
+        index=0, tokenizer_path="", doorbell=bell.spec,
+        control=(made["c0"].spec, made["c1"].spec), prefill_rings=(),
+        decode_rings=(made["d"].spec,), stop_rings=(made["s"].spec,),
+        frontends=(made["f0"].spec, made["f1"].spec),
+    )  # fmt: skip
+    worker = DetokWorker(cfg, qwen_tokenizer)
+    peers = {n: Ring.attach(made[n].spec, "producer" if n[0] in "cd" else "consumer")
+             for n in ("c0", "c1", "d", "s", "f0")}  # fmt: skip
+    mine, theirs = next(owned_rids(0)), next(owned_rids(1))
+    try:
+        peers["c0"].put(encode(register(mine, DetokParams())))
+        peers["c1"].put(encode(register(theirs, DetokParams())))
+        ids = qwen_tokenizer.encode("one two three four")
+        for pos in range(2):
+            peers["d"].put(encode(TokenBatch.build([mine, theirs], [pos, pos], [ids[pos]] * 2)))
+        _attach_elsewhere_and_exit(made["f1"])  # frontend 1 is gone
+        while worker.step():
+            pass
+        texts = [decode(r) for r in peers["f0"].drain(16)]
+        assert {d.rid for t in texts for d in t.items} == {mine}  # theirs went nowhere
+        # Its request ended here; its decode worker hears so with its next token.
+        peers["d"].put(encode(one_batch(theirs, 2, ids[2])))
+        while worker.step():
+            pass
+        assert [decode(r) for r in peers["s"].drain(16)] == [AbortRequest(rid=theirs)]
+    finally:
+        worker.close()
+        for ring in [*peers.values(), *made.values()]:
+            ring.close()

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import time
 from pathlib import Path
 
 import httpx
+import torch
 
 from benchmarks.soak import parents
 from tests.conftest import LaunchedServer
@@ -63,3 +67,98 @@ def children(pid: int) -> list[int]:
 def title(pid: int) -> str:
     """A process's title (its argv[0], as setproctitle sets it)."""
     return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode().strip()
+
+
+def pid_of(server: LaunchedServer, name: str) -> int:
+    """The pid of the server's child titled ``name`` (``pdserve:decode-0``, ...)."""
+    for pid in children(server.proc.pid):
+        if title(pid) == name:
+            return pid
+    raise AssertionError(f"no process titled {name}")
+
+
+GREEDY_TOKENS = 120  # what greedy_stream asks for, and want_greedy computes
+
+
+def want_greedy(
+    reference: dict[tuple[int, ...], list[int]], model: Path, prompt: list[int]
+) -> list[int]:
+    """Greedy continuation from transformers, computed once per prompt into ``reference``."""
+    key = tuple(prompt)
+    if key not in reference:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_TOKENS, do_sample=False,
+                          eos_token_id=None)  # fmt: skip
+        reference[key] = out[0, len(prompt) :].tolist()
+    return reference[key]
+
+
+async def greedy_stream(
+    client: httpx.AsyncClient, prompt: list[int], started: asyncio.Event
+) -> dict:  # type: ignore[type-arg]
+    """One streamed greedy /generate; ``started`` is set once 8 tokens have come. The
+    result says which frontend served it, and the error if the connection broke."""
+    body = {"input_ids": prompt, "stream": True,
+            "sampling_params": {"max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    out: dict = {"text": "", "ids": [], "finish": None, "frontend": None, "error": None}  # type: ignore[type-arg]
+    try:
+        async with client.stream("POST", "/generate", json=body) as r:
+            out["frontend"] = r.headers.get("x-pdserve-frontend")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                out["text"] += chunk["text"]
+                out["ids"] += chunk["output_ids"]
+                out["finish"] = chunk.get("finish_reason") or out["finish"]
+                if len(out["ids"]) >= 8:
+                    started.set()
+    except httpx.TransportError as e:
+        out["error"] = repr(e)
+    return out
+
+
+def run_with_kill(server: LaunchedServer, prompts: list[list[int]], *titles: str) -> list[dict]:  # type: ignore[type-arg]
+    """Stream every prompt at once; SIGKILL the processes titled ``titles`` once tokens
+    flow; every stream's result."""
+
+    async def main() -> list[dict]:  # type: ignore[type-arg]
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            started = asyncio.Event()
+            tasks = [asyncio.create_task(greedy_stream(client, p, started)) for p in prompts]
+            await asyncio.wait_for(started.wait(), 60)
+            for name in titles:
+                os.kill(pid_of(server, name), signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 100)
+
+    return asyncio.run(main())
+
+
+def check_exact(results: list[dict], prompts: list[list[int]], reference: dict,  # type: ignore[type-arg]
+                model: Path, tokenizer: object, log: list[str]) -> None:  # fmt: skip
+    """Each result is the whole greedy continuation of its prompt: nothing lost or repeated."""
+    events = [line for line in log if "resumed" in line or "exited" in line or "failed" in line]
+    for prompt, result in zip(prompts, results, strict=True):
+        want = want_greedy(reference, model, prompt)
+        assert result["finish"] == "length", (result, events[-20:])
+        assert result["ids"] == want, f"prompt of {len(prompt)}: {events[-20:]}"
+        assert result["text"] == tokenizer.decode(want, skip_special_tokens=True)  # type: ignore[attr-defined]
+
+
+def wait_all_alive(server: LaunchedServer, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if all(w["alive"] for w in server.health()["workers"]):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"workers not all back: {server.health()}")
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 150_000, (5 + 9 * i,), generator=g).tolist() for i in range(n)]

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.conftest import LaunchedServer
-from tests.e2e.test_faults import _pid_of
+from tests.e2e.helpers import pid_of
 
 SMALL = ["--prefill", "1", "--decode", "1", "--detokenizers", "1", "--device", "cpu",
          "--kv-cache-tokens", "4096", "--max-model-len", "512"]  # fmt: skip
@@ -97,7 +97,7 @@ def test_slow_header_and_slow_body_clients_are_closed_while_health_answers(
 
 
 def test_one_peer_cannot_take_the_descriptors_health_needs(srv: LaunchedServer) -> None:
-    frontend = _pid_of(srv, "pdserve:frontend")
+    frontend = pid_of(srv, "pdserve:frontend-0")
     fds_before = len(list(Path(f"/proc/{frontend}/fd").iterdir()))
     probe = HealthProbe(srv.url)
     socks = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(3 * PER_PEER)]

@@ -21,7 +21,7 @@ import pytest
 from benchmarks.overload import CLIENTS, LAUNCH_ARGS, Probe, percentile, storm
 from benchmarks.soak import rss_bytes
 from tests.conftest import LaunchedServer
-from tests.e2e.test_faults import _pid_of
+from tests.e2e.helpers import pid_of
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def small() -> Iterator[LaunchedServer]:
 def test_500_streams_beyond_the_bound_get_503_and_health_keeps_answering(
     small: LaunchedServer,
 ) -> None:
-    frontend = _pid_of(small, "pdserve:frontend")
+    frontend = pid_of(small, "pdserve:frontend-0")
     rss_before = rss_bytes(frontend)
     probe = Probe(small.port)
     results = asyncio.run(storm(small.url, CLIENTS))
@@ -82,4 +82,4 @@ def test_after_the_storm_the_server_serves_and_holds_no_kv(small: LaunchedServer
     body = {"prompt": "hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
     r = httpx.post(small.url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-    assert Path(f"/proc/{_pid_of(small, 'pdserve:frontend')}").exists()
+    assert Path(f"/proc/{pid_of(small, 'pdserve:frontend-0')}").exists()

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.conftest import LaunchedServer
-from tests.e2e.helpers import children, title
+from tests.e2e.helpers import pid_of
 
 # Bounded so that every schema ends well within MAX_TOKENS, whatever the model picks.
 SCHEMAS: list[dict[str, Any]] = [
@@ -212,10 +212,6 @@ def test_bad_constraints_are_400s_that_say_what_is_wrong(
     assert needle in info.value.message
 
 
-def _pid_of(server: LaunchedServer, name: str) -> int:
-    return next(pid for pid in children(server.proc.pid) if title(pid) == name)
-
-
 def test_constraints_survive_a_decode_worker_death_mid_stream(victim: LaunchedServer) -> None:
     """SIGKILL decode-0 while constrained streams run: they resume elsewhere and the
     matcher replays the tokens already streamed, so every output still validates."""
@@ -239,7 +235,7 @@ def test_constraints_survive_a_decode_worker_death_mid_stream(victim: LaunchedSe
         started = asyncio.Event()
         tasks = [asyncio.create_task(stream(sdk, i, started)) for i in range(12)]
         await asyncio.wait_for(started.wait(), 60)
-        os.kill(_pid_of(victim, "pdserve:decode-0"), signal.SIGKILL)
+        os.kill(pid_of(victim, "pdserve:decode-0"), signal.SIGKILL)
         return await asyncio.wait_for(asyncio.gather(*tasks), 100)
 
     results = _run(victim, main)

@@ -82,7 +82,7 @@ def test_frontend_and_detokenizer_do_not_import_torch() -> None:
     grammar thread imports it later, with xgrammar: ``GrammarCache.warm``.)"""
     code = (
         "import sys\n"
-        "import frontend.server, detokenizer.worker\n"
+        "import frontend.http.server, detokenizer.worker\n"
         "from engine.hf_tokenizer import load_tokenizer\n"
         f"load_tokenizer({str(default_model_dir())!r})\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

@@ -15,7 +15,7 @@ import pytest
 import torch
 import uvicorn
 
-from frontend.app import build_app
+from frontend.http.app import build_app
 from frontend.settings import FrontendSettings
 from tests.frontend.reference_client import ReferenceEngineClient
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from frontend.engine_client import (
+from frontend.engine_link.engine_client import (
     EngineClient,
     EngineRequest,
     EngineUnavailable,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from frontend.acceptor import HealthAcceptor
+from frontend.http.acceptor import HealthAcceptor
 
 
 class _Echo(asyncio.Protocol):

@@ -124,7 +124,7 @@ async def test_chat_stream_starts_with_the_role_and_ends_with_usage(
 
 
 async def test_chat_template_override_is_used(make_client: Any) -> None:
-    from frontend.app import build_app
+    from frontend.http.app import build_app
 
     client = make_client()
     template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[bot]"
@@ -139,7 +139,7 @@ async def test_chat_template_override_is_used(make_client: Any) -> None:
 
 
 async def test_chat_template_file_is_loaded(make_client: Any, tmp_path: Any) -> None:
-    from frontend.app import build_app
+    from frontend.http.app import build_app
 
     client = make_client()
     (tmp_path / "t.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
@@ -214,14 +214,14 @@ async def test_unknown_route_has_openai_error_shape(http: httpx.AsyncClient) -> 
 async def test_unknown_fields_are_ignored_and_logged(
     http: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="frontend.app"):
+    with caplog.at_level(logging.INFO, logger="frontend.http.app"):
         r = await complete(http, prompt="Hi", max_tokens=1, frobnicate=True)
     assert r.status_code == 200
     assert "frobnicate" in caplog.text
 
 
 async def test_api_key_is_required_when_set(make_client: Any) -> None:
-    from frontend.app import build_app
+    from frontend.http.app import build_app
 
     client = make_client()
     app = build_app(client, client.tokenizer, make_settings(api_key="s3cret"))
@@ -240,7 +240,7 @@ async def test_api_key_is_required_when_set(make_client: Any) -> None:
 
 
 async def test_overload_is_503_with_retry_after(make_client: Any) -> None:
-    from frontend.app import build_app
+    from frontend.http.app import build_app
 
     client = make_client(max_running=0)
     app = build_app(client, client.tokenizer, make_settings())
@@ -255,7 +255,7 @@ async def test_overload_is_503_with_retry_after(make_client: Any) -> None:
 
 
 async def test_under_overload_a_request_without_the_key_is_still_401(make_client: Any) -> None:
-    from frontend.app import build_app
+    from frontend.http.app import build_app
 
     client = make_client(max_running=0)
     app = build_app(client, client.tokenizer, make_settings(api_key="s3cret"))
@@ -297,10 +297,10 @@ async def test_models_health_and_metrics(http: httpx.AsyncClient) -> None:
 def test_binding_beyond_loopback_without_a_key_warns(
     make_client: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from frontend.app import build_app
+    from frontend.http.app import build_app
 
     client = make_client()
-    with caplog.at_level(logging.WARNING, logger="frontend.app"):
+    with caplog.at_level(logging.WARNING, logger="frontend.http.app"):
         build_app(client, client.tokenizer, make_settings(host="127.0.0.1"))
         build_app(client, client.tokenizer, make_settings(host="0.0.0.0", api_key="k"))
         assert "without an API key" not in caplog.text

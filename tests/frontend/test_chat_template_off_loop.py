@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from frontend.app import build_app
+from frontend.http.app import build_app
 from tests.frontend.conftest import MODEL, make_settings
 
 pytestmark = pytest.mark.anyio

@@ -20,8 +20,8 @@ import httpx
 import pytest
 import uvicorn
 
-from frontend.app import build_app
-from frontend.connections import ConnectionLimiter, TimedHttpProtocol, connection_budget
+from frontend.http.app import build_app
+from frontend.http.connections import ConnectionLimiter, TimedHttpProtocol, connection_budget
 from frontend.settings import ConnectionLimits
 from tests.frontend.conftest import make_settings
 

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from frontend.app import build_app
-from frontend.guard import host_name
+from frontend.http.app import build_app
+from frontend.http.guard import host_name
 from tests.frontend.conftest import MODEL, make_settings
 
 pytestmark = pytest.mark.anyio

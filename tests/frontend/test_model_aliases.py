@@ -8,8 +8,8 @@ from typing import Any, cast
 import pytest
 
 from frontend.errors import ModelNotFound
-from frontend.serving_common import ServingContext
-from frontend.serving_completions import check_model
+from frontend.openai.serving_common import ServingContext
+from frontend.openai.serving_completions import check_model
 from tests.frontend.conftest import MODEL, make_settings
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from frontend.errors import InvalidRequest, NotImplementedField
-from frontend.protocol import (
+from frontend.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     NativeGenerateRequest,

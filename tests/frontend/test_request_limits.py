@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from frontend.errors import InvalidRequest
-from frontend.protocol import (
+from frontend.openai.protocol import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from frontend.errors import InvalidRequest, NotImplementedField
-from frontend.structured import grammar_spec
+from frontend.openai.structured import grammar_spec
 from tests.frontend.test_protocol import chat, completion
 from wire.params import GrammarKind, choice_seed
 

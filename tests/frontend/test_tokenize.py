@@ -62,8 +62,8 @@ async def test_version(http: httpx.AsyncClient) -> None:
 async def test_the_stats_line_reports_traffic_and_is_silent_when_idle(
     make_client: Any,
 ) -> None:
-    from frontend.app import build_app
-    from frontend.stats_log import StatsLog
+    from frontend.http.app import build_app
+    from frontend.telemetry.stats_log import StatsLog
     from tests.frontend.conftest import make_settings
 
     client = make_client()

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from frontend.tool_parsers import HermesParser, Llama3JsonParser, NamedCall, RequiredCalls
-from frontend.tools import ToolCallDeltas, parse_output
+from frontend.openai.tool_parsers import HermesParser, Llama3JsonParser, NamedCall, RequiredCalls
+from frontend.openai.tools import ToolCallDeltas, parse_output
 
 HERMES = (
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'

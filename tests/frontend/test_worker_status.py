@@ -5,7 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 
-from frontend.worker_status import worker_health
+from frontend.engine_link.worker_status import worker_health
 from transport.load_table import LoadTable, Role, WorkerState
 
 _EXPECTED = [(Role.PREFILL, 0), (Role.PREFILL, 1), (Role.DECODE, 0)]

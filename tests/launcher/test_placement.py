@@ -56,9 +56,9 @@ def test_children_on_one_shared_gpu_with_cuda_ipc(default_model_path: Path) -> N
         assert settings["device"] == "cuda" and settings["kv_transfer"] == "cuda_ipc"
         assert settings["gpu_memory_share"] == pytest.approx(0.85 / 2)
         assert env["CUDA_VISIBLE_DEVICES"] == "0" and kv_pools == {}  # no shared KV segment
-    for name in ("frontend", "detok-0"):
+    for name in ("frontend-0", "detok-0"):
         assert kids[name][1]["CUDA_VISIBLE_DEVICES"] == ""  # CPU-only processes
-    assert kids["frontend"][0]["max_queued_prefill_tokens"] == 5000
+    assert kids["frontend-0"][0]["max_queued_prefill_tokens"] == 5000
 
 
 def test_children_with_shm_on_gpus_get_a_staging_mirror(default_model_path: Path) -> None:
@@ -100,13 +100,13 @@ def test_each_engine_worker_gets_its_prefix_summary_and_the_frontend_all_of_them
                                              KVBackend.SHM)}  # fmt: skip
         if caching:
             assert all(not c.spec.prefix_summaries for c in kids.values())
-            assert kids["frontend"].spec.settings["router_policy"] == "least-load"
+            assert kids["frontend-0"].spec.settings["router_policy"] == "least-load"
             continue
         for name, peer in (("prefill-0", "p0"), ("prefill-1", "p1"), ("decode-0", "d0")):
             summaries = kids[name].spec.prefix_summaries
             assert summaries.keys() == {peer} and summaries[peer]["fd"] in kids[name].spec.fds()
             # 256 blocks of 16 tokens, 8 counters each: 2048 -> the 4096 minimum.
             assert summaries[peer]["nbytes"] == summary_nbytes(4096)
-        assert kids["frontend"].spec.prefix_summaries.keys() == {"p0", "p1", "d0"}
-        assert kids["frontend"].spec.settings["router_policy"] == "cache-aware"
+        assert kids["frontend-0"].spec.prefix_summaries.keys() == {"p0", "p1", "d0"}
+        assert kids["frontend-0"].spec.settings["router_policy"] == "cache-aware"
         assert not kids["detok-0"].spec.prefix_summaries

@@ -10,11 +10,9 @@ request is recorded in the metrics exactly once.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,10 +21,15 @@ import msgspec
 from starlette.requests import Request
 
 from engine.grammar import GrammarCache
-from frontend.engine_client import EngineClient, EngineRequest, EngineUnavailable, Overloaded
+from frontend.engine_link.engine_client import (
+    EngineClient,
+    EngineRequest,
+    EngineUnavailable,
+    Overloaded,
+)
 from frontend.errors import APIError, InternalError, ServiceUnavailable
-from frontend.metrics import FrontendMetrics
 from frontend.settings import FrontendSettings
+from frontend.telemetry.metrics import FrontendMetrics
 from wire.records import Finish, TextDelta, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -51,12 +54,9 @@ class ServingContext:
     settings: FrontendSettings
     metrics: FrontendMetrics
     grammars: GrammarCache
-    # NOTE: random start so rids of a restarted frontend do not collide with stale
-    # records of the previous one still sitting in worker rings.
-    _rids: Iterator[int] = field(default_factory=lambda: itertools.count(secrets.randbits(40)))
 
     def next_rid(self) -> int:
-        return next(self._rids)
+        return self.client.next_rid()
 
     async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         if len(text) <= INLINE_ENCODE_CHARS:

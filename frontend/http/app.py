@@ -4,7 +4,7 @@ Handlers live in ``serving_*.py``; this module only gets a request to them and t
 every failure into an OpenAI-shaped error. No input reaches a handler unparsed, and no
 exception escapes as anything but a JSON error (500 for our bugs, logged with traceback).
 Who may call at all (Host, API key, Content-Type) is decided before, by
-``frontend.guard.Guard``.
+``frontend.http.guard.Guard``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.grammar import GrammarCache
-from frontend.engine_client import EngineClient, Overloaded
+from frontend.engine_link.engine_client import EngineClient, Overloaded
 from frontend.errors import (
     APIError,
     InternalError,
@@ -35,9 +35,8 @@ from frontend.errors import (
     PayloadTooLarge,
     ServiceUnavailable,
 )
-from frontend.guard import JSON_PATHS, Guard
-from frontend.metrics import FrontendMetrics
-from frontend.protocol import (
+from frontend.http.guard import JSON_PATHS, Guard
+from frontend.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -45,13 +44,14 @@ from frontend.protocol import (
     TokenizeRequest,
     parse_body,
 )
-from frontend.serving_chat import create_chat_completion
-from frontend.serving_common import ClientGone, ServingContext
-from frontend.serving_completions import create_completion
-from frontend.serving_generate import generate
-from frontend.serving_tokenize import detokenize, tokenize, version_response
+from frontend.openai.serving_chat import create_chat_completion
+from frontend.openai.serving_common import ClientGone, ServingContext
+from frontend.openai.serving_completions import create_completion
+from frontend.openai.serving_generate import generate
+from frontend.openai.serving_tokenize import detokenize, tokenize, version_response
 from frontend.settings import FrontendSettings
-from frontend.stats_log import StatsLog
+from frontend.telemetry.metrics import FrontendMetrics
+from frontend.telemetry.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
 B = TypeVar(
@@ -198,6 +198,29 @@ class FastPaths:
         await self.app(scope, receive, send)
 
 
+FRONTEND_HEADER = b"x-pdserve-frontend"
+
+
+class NameFrontend:
+    """Pure ASGI: every response says which frontend process served it (``launch
+    --api-workers``), so a client or a test can tell them apart behind the shared port."""
+
+    def __init__(self, app: ASGIApp, index: int) -> None:
+        self.app, self._header = app, (FRONTEND_HEADER, str(index).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self._header]
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
 def _warn_if_exposed(settings: FrontendSettings) -> None:
     try:
         loopback = settings.host == "localhost" or ipaddress.ip_address(settings.host).is_loopback
@@ -230,15 +253,19 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        stats = asyncio.create_task(StatsLog(client, ctx.metrics).run())
+        tasks = [asyncio.create_task(ctx.metrics.publish_every())]
+        if client.owner == 0:  # one stats line per server, of the server-wide figures
+            tasks.append(asyncio.create_task(StatsLog(client, ctx.metrics).run()))
         yield
-        stats.cancel()
+        for task in tasks:
+            task.cancel()
         await client.close()
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     app.add_middleware(FastPaths, client=client, metrics=ctx.metrics)
-    app.add_middleware(Guard, settings=settings)  # added last: outermost
+    app.add_middleware(Guard, settings=settings)
+    app.add_middleware(NameFrontend, index=client.owner)  # added last: outermost
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:

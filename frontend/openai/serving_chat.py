@@ -10,17 +10,17 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.chat_prompt import encode_chat, encode_rendered
-from frontend.choices import check_choices, merged, start_choices
 from frontend.errors import InvalidRequest
-from frontend.protocol import (
+from frontend.openai.chat_prompt import encode_chat, encode_rendered
+from frontend.openai.choices import check_choices, merged, start_choices
+from frontend.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     check_prompt_ids,
     resolve_max_tokens,
     to_engine_params,
 )
-from frontend.serving_common import (
+from frontend.openai.serving_common import (
     FINISH_REASONS,
     EngineCall,
     Generation,
@@ -30,9 +30,9 @@ from frontend.serving_common import (
     sse_stream,
     usage,
 )
-from frontend.serving_completions import check_model
-from frontend.structured import checked_grammar, compile_checked
-from frontend.tools import ToolCallDeltas, ToolPlan, parse_output, plan_tools
+from frontend.openai.serving_completions import check_model
+from frontend.openai.structured import checked_grammar, compile_checked
+from frontend.openai.tools import ToolCallDeltas, ToolPlan, parse_output, plan_tools
 from wire.params import GrammarSpec
 from wire.records import Finish, TokenLogprob
 
@@ -54,7 +54,7 @@ def chat_prompt_ids(
     ctx: ServingContext, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
 ) -> list[int]:
     """The messages (and ``tools``) through the chat template, tokenized; content stays
-    text unless the server allows special tokens in it (``frontend/chat_prompt.py``)."""
+    text unless the server allows special tokens in it (``frontend/openai/chat_prompt.py``)."""
     template = ctx.settings.chat_template or getattr(ctx.tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequest(

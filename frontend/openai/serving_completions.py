@@ -8,15 +8,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.choices import best, check_choices, merged, start_choices
 from frontend.errors import ModelNotFound
-from frontend.protocol import (
+from frontend.openai.choices import best, check_choices, merged, start_choices
+from frontend.openai.protocol import (
     CompletionRequest,
     check_prompt_ids,
     resolve_max_tokens,
     to_engine_params,
 )
-from frontend.serving_common import (
+from frontend.openai.serving_common import (
     FINISH_REASONS,
     EngineCall,
     Generation,
@@ -26,7 +26,7 @@ from frontend.serving_common import (
     sse_stream,
     usage,
 )
-from frontend.structured import checked_grammar
+from frontend.openai.structured import checked_grammar
 from wire.records import Finish, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint

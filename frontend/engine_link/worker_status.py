@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from frontend.engine_client import WorkerHealth, WorkerMetrics
+from frontend.engine_link.board import FrontendBoard
+from frontend.engine_link.engine_client import WorkerHealth, WorkerMetrics
 from transport.load_table import LoadRow, LoadTable, Role, WorkerState, describe_exit
 from transport.ring import Ring
 
@@ -62,6 +63,17 @@ def worker_health(
         load = {"active_requests": float(active_per_shard.get(k, 0))}
         state = "ready" if alive else "dead"
         out.append(WorkerHealth("detokenizer", k, ring.peer_pid, alive, load, state))
+    return out
+
+
+def frontend_health(board: FrontendBoard) -> list[WorkerHealth]:
+    """Every frontend process, from the board: alive while READY (the launcher marks a
+    reaped one DEAD; a restarted one is STARTING until it serves)."""
+    out = []
+    for f in board.frontends():
+        load = {"active_requests": float(f.active)}
+        alive = f.state == WorkerState.READY
+        out.append(WorkerHealth("frontend", f.index, f.pid, alive, load, f.state.name.lower()))
     return out
 
 

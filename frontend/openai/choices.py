@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator
 from msgspec.structs import replace
 from starlette.requests import Request
 
-from frontend.engine_client import EngineRequest
+from frontend.engine_link.engine_client import EngineRequest
 from frontend.errors import InvalidRequest
-from frontend.serving_common import EngineCall, Generation, ServingContext, start_all
+from frontend.openai.serving_common import EngineCall, Generation, ServingContext, start_all
 from wire.params import DetokParams, SamplingParams, choice_seed
 from wire.records import TextDelta
 

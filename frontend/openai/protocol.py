@@ -86,7 +86,7 @@ class OpenAIFields(SamplingFields):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False
-    # Structured output (frontend/structured.py): OpenAI's, vLLM's current and older names.
+    # Structured output (frontend/openai/structured.py): OpenAI's, vLLM's current and older names.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -179,7 +179,7 @@ class ChatCompletionRequest(OpenAIFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
-    tool_choice: Any = None  # checked by frontend/tools.py
+    tool_choice: Any = None  # checked by frontend/openai/tools.py
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None

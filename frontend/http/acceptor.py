@@ -1,4 +1,4 @@
-"""The frontend's listening socket, served by a C accept thread (``frontend/_acceptor.c``).
+"""The frontend's listening socket, served by a C accept thread (``frontend/http/_acceptor.c``).
 
 The thread answers ``GET /health`` itself and hands every other connection to the loop,
 where uvicorn serves it as if it had accepted it. For each probe the thread asks the loop
@@ -7,13 +7,13 @@ hundreds of arrivals queued ahead) has its probe answered from the last report, 
 loop also renews every ``REFRESH_S``. So a probe never waits behind the loop's queue, and
 a loop stalled for longer than ``STALE_S`` turns the answer into 503 rather than a hang.
 
-Who calls what: ``frontend.server`` binds the socket, starts uvicorn without a listener of
+Who calls what: ``frontend.http.server`` binds the socket, starts uvicorn without a listener of
 its own, then ``HealthAcceptor.start`` on the loop; at shutdown ``close`` stops accepting
 before uvicorn closes the connections it has.
 
 Why a thread in C, judged against simpler designs for the figure it exists for (``/health``
 p99 < 100 ms while 500 streaming clients arrive, ``benchmarks/overload.py``):
-- Probes answered first on the loop (a pure-ASGI fast path, which ``frontend.app`` still
+- Probes answered first on the loop (a pure-ASGI fast path, which ``frontend.http.app`` still
   has for probes that reach it): measured at p99 67-332 ms before this thread existed,
   because a probe still waits behind every handler queued ahead of it.
 - A Python accept thread: not built. It would need the GIL for every accept, peek and
@@ -36,7 +36,7 @@ import socket
 import sys
 from collections.abc import Callable
 
-from frontend import _acceptor
+from frontend.http import _acceptor
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ Reading: the frontend's doorbell fd is registered with the event loop
 on every text ring, then re-checks), so a producer rings it only when the frontend is
 actually waiting — no polling, no busy loop.
 
-Worker deaths are ``frontend/recovery.py``'s (a watchdog task started with the first
-request); ``/health`` and ``/metrics`` views are ``frontend/worker_status.py``'s.
+Worker deaths are ``frontend/engine_link/recovery.py``'s (a watchdog task started with the first
+request); ``/health`` and ``/metrics`` views are ``frontend/engine_link/worker_status.py``'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import logging
 from collections.abc import AsyncIterator
 
 from detokenizer.routing import live_shard_for
-from frontend.engine_client import (
+from frontend.engine_link.board import FrontendBoard
+from frontend.engine_link.engine_client import (
     EngineClient,
     EngineRequest,
     EngineUnavailable,
@@ -30,10 +31,21 @@ from frontend.engine_client import (
     WorkerHealth,
     WorkerMetrics,
 )
-from frontend.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream
-from frontend.worker_status import shards_alive, worker_health, worker_metrics
+from frontend.engine_link.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream
+from frontend.engine_link.worker_status import (
+    frontend_health,
+    shards_alive,
+    worker_health,
+    worker_metrics,
+)
 from router.router import NoCapacity, Placement, Router, RouterConfig
-from runtime.process import ProcessSpec, attach_rings, load_table, prefix_summaries
+from runtime.process import (
+    ProcessSpec,
+    attach_rings,
+    load_table,
+    prefix_summaries,
+    shared_segment,
+)
 from transport.errors import PeerDead, RecordTooLarge
 from transport.load_table import Role
 from transport.ring import Ring
@@ -64,12 +76,20 @@ class RingEngineClient(EngineClient):
         rings = attach_rings(spec)
         self.doorbell = rings.doorbell
         self.table, self._table_seg = load_table(spec)
+        self.text_rings = list(rings.sources(RingKind.TEXT).values())  # by shard
+        self.num_shards = len(self.text_rings)
+        self.owner = spec.index
+        self._board_seg = shared_segment(spec, "frontends")
+        self.shared = (
+            FrontendBoard(self._board_seg.buf, me=spec.index) if self._board_seg is not None
+            else FrontendBoard.private(self.num_shards, self.table.num_workers)
+        )  # fmt: skip
+        self.shared.claim()
+        self.board = self.shared
         mapped = prefix_summaries(spec)  # each engine worker's; kept mapped with the client
         self._summary_segs = [seg for _, seg in mapped.values()]
         summaries = {_worker_key(name): summary for name, (summary, _) in mapped.items()}
-        self.router = Router(self.table, policy, router_config, summaries)
-        self.text_rings = list(rings.sources(RingKind.TEXT).values())
-        self.num_shards = len(self.text_rings)
+        self.router = Router(self.table, policy, router_config, summaries, peers=self.shared)
         self.shard_ctl = rings.sinks(RingKind.CTL, PeerRole.DETOK)
         self.decode_ctl = rings.sinks(RingKind.CTL, PeerRole.DECODE)
         colocated = rings.sinks(RingKind.REQ, PeerRole.COLOCATED)
@@ -221,11 +241,15 @@ class RingEngineClient(EngineClient):
     # ---- observation -------------------------------------------------------------------
 
     def health(self) -> list[WorkerHealth]:
-        active: dict[int, int] = {}
+        """The same from every frontend: shard loads are every frontend's, summed."""
+        mine = [0] * self.num_shards
         for st in self.streams.values():
-            active[st.shard] = active.get(st.shard, 0) + 1
-        return worker_health(self.table, self.expected_workers, self.text_rings, active,
-                             self.stall_timeout_s / 4)  # fmt: skip
+            mine[st.shard] += 1
+        self.shared.set_active(mine)
+        active = dict(enumerate(self.shared.active_per_shard()))
+        workers = worker_health(self.table, self.expected_workers, self.text_rings, active,
+                                self.stall_timeout_s / 4)  # fmt: skip
+        return workers + frontend_health(self.shared)
 
     def metrics_snapshot(self) -> list[WorkerMetrics]:
         return worker_metrics(self.table, self.router.assigned())

@@ -12,15 +12,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.engine_client import EngineRequest
+from frontend.engine_link.engine_client import EngineRequest
 from frontend.errors import InvalidRequest
-from frontend.protocol import (
+from frontend.openai.protocol import (
     NativeGenerateRequest,
     check_prompt_ids,
     resolve_max_tokens,
     to_engine_params,
 )
-from frontend.serving_common import (
+from frontend.openai.serving_common import (
     FINISH_REASONS,
     EngineCall,
     ServingContext,

@@ -2,8 +2,8 @@
 
 Who calls what, when:
 
-* The HTTP handlers (``frontend/serving_*.py``) build an ``EngineRequest`` after
-  tokenizing and validating, then iterate ``generate(req)``. The first ``__anext__``
+* The HTTP handlers (``frontend/openai/serving_*.py``) build an ``EngineRequest`` after
+  tokenizing and validating (its rid from ``next_rid()``), then iterate ``generate(req)``. The first ``__anext__``
   admits the request: it raises ``Overloaded`` (answered with 503 + Retry-After) or
   ``EngineUnavailable`` before any delta is yielded, never after.
 * Deltas arrive in order; the last one has ``finish != Finish.NONE`` and the iterator
@@ -17,18 +17,20 @@ Who calls what, when:
   scrapes on the event loop: they must be cheap and must not block (read a load table,
   not a round trip to every worker).
 
-Implementations: ``frontend/client_rings.py`` (workers over shared-memory rings) and
-``frontend/local_client.py`` (one in-process engine, for tests and single-process runs).
+Implementations: ``frontend/engine_link/client_rings.py`` (workers over shared-memory
+rings) and, in tests, ``tests/frontend/reference_client.py``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
+from frontend.engine_link.board import FrontendBoard
 from wire.params import DetokParams, SamplingParams
 from wire.records import TextDelta
+from wire.rids import owned_rids
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,22 @@ class EngineUnavailable(EngineClientError):
 
 
 class EngineClient(ABC):
-    """Abstract engine connection shared by every HTTP handler of one frontend process."""
+    """Abstract engine connection shared by every HTTP handler of one frontend process.
+
+    ``owner`` is this frontend's index (``launch --api-workers``): every rid it hands out
+    names it (``wire/rids.py``), so the request's output comes back to this process.
+    """
+
+    owner: int = 0
+    # What this frontend shares with the others (None: it is the only one, in tests).
+    board: FrontendBoard | None = None
+    _rids: Iterator[int] | None = None
+
+    def next_rid(self) -> int:
+        """A request id of this frontend, unique for the life of the server."""
+        if self._rids is None:
+            self._rids = owned_rids(self.owner)
+        return next(self._rids)
 
     @abstractmethod
     def generate(self, req: EngineRequest) -> AsyncIterator[TextDelta]:

@@ -17,7 +17,7 @@ the accept thread could not even take /health probes any more. Now:
   and answer it, whatever clients hold.
 
 ``TimedHttpProtocol`` is uvicorn's httptools protocol with these deadlines and caps; the
-server builds one per connection the accept thread hands over (``frontend/server.py``).
+server builds one per connection the accept thread hands over (``frontend/http/server.py``).
 Hooks used (uvicorn 0.29+): the parser callbacks ``on_message_begin``,
 ``on_headers_complete`` and ``on_message_complete``, and ``cycle`` (the request in flight).
 """
@@ -42,7 +42,7 @@ from frontend.settings import ConnectionLimits
 logger = logging.getLogger(__name__)
 
 # Descriptors kept back from connections: the accept thread may hold up to 1024 undecided
-# connections (frontend/_acceptor.c, MAX_PENDING) plus what sits in its hand-off pipe.
+# connections (frontend/http/_acceptor.c, MAX_PENDING) plus what sits in its hand-off pipe.
 FD_RESERVE = 1024 + 256
 
 

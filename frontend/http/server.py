@@ -1,9 +1,9 @@
-"""The frontend process: ``python -m frontend.server`` (started by the launcher).
+"""The frontend process: ``python -m frontend.http.server`` (started by the launcher).
 
 Builds the tokenizer, the ring engine client and the FastAPI app, then serves HTTP with
 uvicorn on the configured host and port. The listening socket itself belongs to the C
-accept thread of ``frontend.acceptor``: it answers health probes off the event loop and
-hands every other connection to uvicorn, through ``frontend.connections``' protocol
+accept thread of ``frontend.http.acceptor``: it answers health probes off the event loop and
+hands every other connection to uvicorn, through ``frontend.http.connections``' protocol
 (deadlines for slow clients, caps on connections).
 """
 
@@ -16,21 +16,22 @@ import socket
 import uvicorn
 
 from engine.hf_tokenizer import load_tokenizer
-from frontend.acceptor import HealthAcceptor
-from frontend.app import build_app, health_report
-from frontend.client_rings import RingEngineClient
-from frontend.connections import (
+from frontend.engine_link.client_rings import RingEngineClient
+from frontend.engine_link.engine_client import EngineClient
+from frontend.http.acceptor import HealthAcceptor
+from frontend.http.app import build_app, health_report
+from frontend.http.connections import (
     ConnectionLimiter,
     TimedHttpProtocol,
     connection_budget,
     fds_open,
     raise_fd_limit,
 )
-from frontend.engine_client import EngineClient
-from frontend.metrics import FrontendMetrics
 from frontend.settings import ConnectionLimits, FrontendLaunch
+from frontend.telemetry.metrics import FrontendMetrics
 from router.router import RouterConfig
 from runtime.process import bootstrap
+from transport.load_table import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +74,13 @@ class _Server(uvicorn.Server):
         self.acceptor.start()
         self.metrics.add_acceptor(self.acceptor.stats)
         host, port = self.sock.getsockname()[:2]
+        if self.client.board is not None:
+            self.client.board.set_state(WorkerState.READY)
         logger.info("serving HTTP on %s:%d", host, port)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.client.board is not None:
+            self.client.board.set_state(WorkerState.DRAINING)
         if self.acceptor is not None:
             self.acceptor.close()  # first stop taking new connections
             await self.acceptor.wait_adopted()  # so that uvicorn's sweep below sees them all
@@ -105,8 +110,10 @@ def main() -> None:
         timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]  # a float is fine
     )
     # Bound here, before the model-sized work is done, so a taken port fails fast; backlog
-    # as uvicorn's default, enough for a burst of thousands of clients.
-    sock = socket.create_server((settings.host, settings.port), backlog=2048)
+    # as uvicorn's default, enough for a burst of thousands of clients. SO_REUSEPORT only
+    # with several frontends: it would let another process of this user share the port.
+    sock = socket.create_server((settings.host, settings.port), backlog=2048,
+                                reuse_port=launch.api_workers > 1)  # fmt: skip
     _Server(config, sock, client, app.state.ctx.metrics, limits).run()
 
 

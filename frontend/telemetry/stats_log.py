@@ -12,8 +12,8 @@ import asyncio
 import logging
 import time
 
-from frontend.engine_client import EngineClient
-from frontend.metrics import FrontendMetrics
+from frontend.engine_link.engine_client import EngineClient
+from frontend.telemetry.metrics import FrontendMetrics
 
 logger = logging.getLogger("pdserve.stats")
 

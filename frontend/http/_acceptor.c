@@ -6,7 +6,8 @@
  * probe is answered without waiting for that queue and without the GIL. The thread asks
  * the loop for a fresh report (`want_fd`) and waits up to `wait_ms` for it (`fresh_fd`,
  * written by set_health); a loop too busy to answer that fast gets its probe answered from
- * the last report, which the loop also renews a few times a second (frontend/acceptor.py).
+ * the last report, which the loop also renews a few times a second
+ * (frontend/http/acceptor.py).
  * A report older than `stale_ms` means the loop itself has stopped turning: the probe then
  * gets 503, so a wedged frontend is not hidden.
  *
@@ -417,7 +418,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "frontend._acceptor", NULL, -1, methods,
+    PyModuleDef_HEAD_INIT, "frontend.http._acceptor", NULL, -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__acceptor(void) { return PyModule_Create(&module); }

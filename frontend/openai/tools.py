@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend.errors import InvalidRequest, NotImplementedField
-from frontend.structured import check_enforceable
-from frontend.tool_parsers import (
+from frontend.openai.structured import check_enforceable
+from frontend.openai.tool_parsers import (
     PARSERS,
     CallArgs,
     CallStart,

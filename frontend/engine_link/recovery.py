@@ -20,7 +20,6 @@ then ends with ``finish = ERROR`` and a message, never a hang. A request resumed
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -28,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from detokenizer.routing import live_shard_for
-from frontend.engine_client import EngineRequest, EngineUnavailable
-from frontend.worker_status import shards_alive
+from frontend.engine_link.engine_client import EngineRequest, EngineUnavailable
+from frontend.engine_link.worker_status import shards_alive
 from router.router import NoCapacity, Placement, Router
 from transport.load_table import LoadTable, Role, WorkerState
 from transport.ring import Ring
@@ -43,7 +42,6 @@ RESUME_WINDOW_S = 60.0
 RETRY_FIRST_S = 0.25
 RETRY_MAX_S = 4.0
 DEFAULT_STALL_TIMEOUT_S = 20.0
-RESUME_RID_BASE = 1 << 62  # resumed requests get rids the frontend never hands out
 
 # (role, index, generation) of a dead or stalled process; a dead shard is (None, k, 0).
 DeadSet = set[tuple[Role | None, int, int]]
@@ -69,6 +67,7 @@ class Resubmitter(Protocol):
 
     streams: dict[int, Stream]  # by current rid
 
+    def next_rid(self) -> int: ...
     async def submit(self, s: Stream) -> None: ...
     async def abort_everywhere(self, s: Stream) -> None: ...
 
@@ -85,7 +84,6 @@ class Recovery:
         self.client, self.router, self.table = client, router, table
         self.text_rings = text_rings
         self.stall_timeout_s = stall_timeout_s
-        self._rids = itertools.count(RESUME_RID_BASE)
 
     async def watch(self) -> None:
         while True:
@@ -129,7 +127,7 @@ class Recovery:
         assert s.lost_since is not None
         if s.resumes >= MAX_RESUMES:
             return self.fail(s, "request failed: its workers died repeatedly")
-        rid = next(self._rids)
+        rid = self.client.next_rid()  # the owner's: its text must come back here
         shard = live_shard_for(rid, shards_alive(self.text_rings))
         try:
             if shard is None:

@@ -9,15 +9,15 @@ from importlib.metadata import PackageNotFoundError, version
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.protocol import (
+from frontend.openai.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     check_prompt_ids,
 )
-from frontend.serving_chat import chat_prompt_ids
-from frontend.serving_common import ServingContext
-from frontend.serving_completions import check_model
+from frontend.openai.serving_chat import chat_prompt_ids
+from frontend.openai.serving_common import ServingContext
+from frontend.openai.serving_completions import check_model
 
 
 async def tokenize(

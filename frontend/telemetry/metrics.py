@@ -1,0 +1,344 @@
+"""Prometheus metrics of the server, as any of its frontends shows them.
+
+Latencies are measured here, at the HTTP boundary, so they include queueing, transfer
+and detokenization. Engine load (running/waiting/KV usage per worker) is read from the
+engine client at scrape time; GPU utilisation and memory come from NVML when a driver is
+present. Each app owns its registry, so several apps can live in one process (tests).
+
+Several frontends (``launch --api-workers N``), one server: each frontend counts into its
+own row of the frontends' board (``frontend/engine_link/board.py``, shared memory), and
+``/metrics`` from any of them shows the sum over all rows: one server, whichever process
+the scrape reaches. Counters and histograms are summed (a restarted frontend goes on from
+its predecessor's row, so they never go backwards); the connection gauge sums the live
+frontends. ``pdserve_frontend_requests{frontend}`` alone is per frontend: how the
+requests spread over them. The instruments are plain ``+=`` on float64 words of that row
+(one writer per row), not prometheus_client objects, which live in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from frontend.engine_link.board import METRIC_WORDS, FrontendBoard
+from frontend.engine_link.engine_client import EngineClient
+from transport.load_table import WorkerState
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0)  # fmt: skip
+
+
+class _EngineCollector(Collector):
+    def __init__(self, client: EngineClient) -> None:
+        self._client = client
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "index"]
+        running = GaugeMetricFamily(
+            "pdserve_num_requests_running", "Requests running", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            "pdserve_num_requests_waiting", "Requests queued", labels=labels
+        )
+        kv = GaugeMetricFamily(
+            "pdserve_kv_cache_usage_perc", "KV blocks in use, 0-1", labels=labels
+        )
+        assigned = CounterMetricFamily(
+            "pdserve_router_assigned_requests", "Requests the router placed", labels=labels
+        )
+        assigned_tokens = CounterMetricFamily(
+            "pdserve_router_assigned_tokens",
+            "Tokens the router placed: prompts on prefill, prompt + max_tokens on decode",
+            labels=labels,
+        )
+        cached = GaugeMetricFamily(
+            "pdserve_prefix_cache_blocks",
+            "KV blocks holding a reusable prompt prefix (in use or evictable)",
+            labels=labels,
+        )
+        hit_rate = GaugeMetricFamily(
+            "pdserve_prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache / tokens looked up, 0-1, since the "
+            "worker started (decode: handed-off KV tokens it already held)",
+            labels=labels,
+        )
+        hits = GaugeMetricFamily(
+            "pdserve_prefix_cache_hit_tokens",
+            "Tokens found in the prefix cache since the worker started",
+            labels=labels,
+        )
+        queries = GaugeMetricFamily(
+            "pdserve_prefix_cache_queried_tokens",
+            "Tokens looked up in the prefix cache since the worker started",
+            labels=labels,
+        )
+        computed = CounterMetricFamily(
+            "pdserve_prefill_computed_tokens",
+            "Prompt tokens run through the model (below the tokens sent when prompts share "
+            "KV: n > 1 choices, cached prefixes)",
+            labels=labels,
+        )
+        try:
+            loads = self._client.metrics_snapshot()
+        except Exception:  # a scrape must never take the server down
+            logger.exception("engine metrics snapshot failed")
+            loads = []
+        for w in loads:
+            key = [w.role, str(w.index)]
+            running.add_metric(key, w.running)
+            waiting.add_metric(key, w.waiting)
+            kv.add_metric(key, w.kv_usage)
+            assigned.add_metric(key, w.assigned_requests)
+            assigned_tokens.add_metric(key, w.assigned_tokens)
+            cached.add_metric(key, w.cached_blocks)
+            hit_rate.add_metric(key, w.prefix_hit_rate)
+            hits.add_metric(key, w.prefix_hit_tokens)
+            queries.add_metric(key, w.prefix_queried_tokens)
+            if w.role != "decode":
+                computed.add_metric(key, w.computed_prefill_tokens)
+        yield from (running, waiting, kv, assigned, assigned_tokens, cached, hit_rate, hits,
+                    queries, computed)  # fmt: skip
+
+
+class _NvmlCollector(Collector):
+    """GPU utilisation and memory per device; registered only if NVML initialises."""
+
+    def __init__(self, nvml: Any) -> None:
+        self._nvml = nvml
+
+    @classmethod
+    def try_create(cls) -> _NvmlCollector | None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception as e:  # no driver, no GPU, or no nvidia-ml-py: no GPU metrics
+            logger.info("NVML unavailable, GPU metrics disabled: %s", e)
+            return None
+        return cls(pynvml)
+
+    def collect(self) -> Iterator[Metric]:
+        nv = self._nvml
+        util = GaugeMetricFamily("pdserve_gpu_utilization_perc", "GPU busy, 0-100", labels=["gpu"])
+        used = GaugeMetricFamily("pdserve_gpu_memory_used_bytes", "GPU memory", labels=["gpu"])
+        total = GaugeMetricFamily("pdserve_gpu_memory_total_bytes", "GPU memory", labels=["gpu"])
+        try:
+            for i in range(nv.nvmlDeviceGetCount()):
+                handle = nv.nvmlDeviceGetHandleByIndex(i)
+                mem = nv.nvmlDeviceGetMemoryInfo(handle)
+                util.add_metric([str(i)], nv.nvmlDeviceGetUtilizationRates(handle).gpu)
+                used.add_metric([str(i)], mem.used)
+                total.add_metric([str(i)], mem.total)
+        except Exception:
+            logger.exception("NVML query failed")
+        yield from (util, used, total)
+
+
+FINISH_REASONS = ("stop", "length", "abort", "error", "unknown")
+
+
+class _Words:
+    """Hands out consecutive words of a frontend's metric row."""
+
+    def __init__(self) -> None:
+        self.used = 0
+
+    def take(self, n: int) -> int:
+        first, self.used = self.used, self.used + n
+        return first
+
+
+class SharedCounter:
+    __slots__ = ("_words", "index")
+
+    def __init__(self, words: memoryview[float], index: int) -> None:
+        self._words, self.index = words, index
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._words[self.index] += amount
+
+
+class SharedHistogram:
+    """Bucket counts (not cumulative), then sum, then count."""
+
+    __slots__ = ("_bounds", "_count", "_first", "_sum", "_words")
+
+    def __init__(self, words: memoryview[float], first: int, bounds: Sequence[float]) -> None:
+        self._words, self._first, self._bounds = words, first, tuple(bounds)
+        self._sum = first + len(bounds) + 1
+        self._count = self._sum + 1
+
+    def observe(self, value: float) -> None:
+        w = self._words
+        w[self._first + bisect.bisect_left(self._bounds, value)] += 1  # le: value <= bound
+        w[self._sum] += value
+        w[self._count] += 1
+
+
+class _Labelled:
+    def __init__(self, counters: dict[str, SharedCounter]) -> None:
+        self._counters = counters
+
+    def labels(self, finish_reason: str) -> SharedCounter:
+        return self._counters[finish_reason]
+
+
+@dataclass(frozen=True)
+class _Family:
+    name: str
+    doc: str
+    first: int
+    bounds: tuple[float, ...] = ()  # histograms only
+
+
+class FrontendMetrics:
+    """The server's registry and the instruments this frontend's handlers update."""
+
+    def __init__(self, client: EngineClient, *, nvml: bool = True) -> None:
+        self.board = client.board if client.board is not None else FrontendBoard.private()
+        w, words = _Words(), self.board.my_metrics()
+        self._histograms: list[_Family] = []
+        self._counters: list[_Family] = []
+
+        def histogram(name: str, doc: str, bounds: tuple[float, ...]) -> SharedHistogram:
+            f = _Family(name, doc, w.take(len(bounds) + 3), bounds)
+            self._histograms.append(f)
+            return SharedHistogram(words, f.first, bounds)
+
+        def counter(name: str, doc: str) -> SharedCounter:
+            f = _Family(name, doc, w.take(1))
+            self._counters.append(f)
+            return SharedCounter(words, f.first)
+
+        self.ttft = histogram("pdserve_time_to_first_token_seconds", "Arrival to first token",
+                              _LATENCY_BUCKETS)  # fmt: skip
+        self.itl = histogram("pdserve_inter_token_latency_seconds",
+                             "Gap between output deltas", _LATENCY_BUCKETS)  # fmt: skip
+        self.e2e = histogram("pdserve_e2e_request_latency_seconds", "Arrival to last token",
+                             _E2E_BUCKETS)  # fmt: skip
+        self.prompt_tokens = counter("pdserve_prompt_tokens", "Prompt tokens admitted")
+        self.generation_tokens = counter("pdserve_generation_tokens", "Output tokens")
+        self.refused = counter("pdserve_requests_refused",
+                               "Requests answered 503: no worker could take them")  # fmt: skip
+        self._requests = w.take(len(FINISH_REASONS))
+        self.requests = _Labelled({r: SharedCounter(words, self._requests + i)
+                                   for i, r in enumerate(FINISH_REASONS)})  # fmt: skip
+        # Process-local figures, copied in by ``publish`` (the accept thread counts in C).
+        self._accepted = counter("pdserve_http_connections_accepted", "TCP connections accepted")
+        self._answered = counter("pdserve_health_probes_answered",
+                                 "GET /health probes answered by the accept thread, off the "
+                                 "event loop")  # fmt: skip
+        self._conn_refused = counter("pdserve_http_connections_refused",
+                                     "Connections refused with 503: over "
+                                     "--max-connections(-per-peer)")  # fmt: skip
+        self._timeouts = counter("pdserve_http_request_timeouts",
+                                 "Connections closed because a request head or body came "
+                                 "too slowly")  # fmt: skip
+        self._held = w.take(1)
+        assert w.used <= METRIC_WORDS, f"{w.used} metric words; the board has {METRIC_WORDS}"
+        self._words = words
+        # A restarted frontend's copied counters start from its predecessor's totals.
+        copied = (self._accepted, self._answered, self._conn_refused, self._timeouts)
+        self._base = {c.index: words[c.index] for c in copied}
+        self._acceptor: Callable[[], tuple[int, int, int]] | None = None
+        self._connections: Callable[[], tuple[int, int, int]] | None = None
+        self.registry = CollectorRegistry()
+        self.registry.register(_SharedCollector(self))
+        self.registry.register(_EngineCollector(client))
+        gpu = _NvmlCollector.try_create() if nvml else None
+        if gpu is not None:
+            self.registry.register(gpu)
+
+    def add_acceptor(self, stats: Callable[[], tuple[int, int, int]]) -> None:
+        """Count what the accept thread did (``HealthAcceptor.stats``)."""
+        self._acceptor = stats
+
+    def add_connections(self, stats: Callable[[], tuple[int, int, int]]) -> None:
+        """Count connections held, refused and timed out (``ConnectionLimiter.stats``)."""
+        self._connections = stats
+
+    def publish(self) -> None:
+        """Copy this process's own figures (accept thread, connections) into its row."""
+        w, base = self._words, self._base
+        copies: list[tuple[SharedCounter, int]] = []
+        if self._acceptor is not None:
+            accepted, answered, _ = self._acceptor()
+            copies += [(self._accepted, accepted), (self._answered, answered)]
+        if self._connections is not None:
+            held, refused, timed_out = self._connections()
+            w[self._held] = held
+            copies += [(self._conn_refused, refused), (self._timeouts, timed_out)]
+        for counter, value in copies:
+            w[counter.index] = base[counter.index] + value
+
+    async def publish_every(self, interval_s: float = 1.0) -> None:
+        """Keep this row's copied figures fresh for scrapes another frontend answers."""
+        while True:
+            self.publish()
+            await asyncio.sleep(interval_s)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _SharedCollector(Collector):
+    """The frontends' rows, summed: one server."""
+
+    def __init__(self, m: FrontendMetrics) -> None:
+        self._m = m
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        m.publish()
+        rows = m.board.metrics.copy()  # (frontends, words)
+        total = rows.sum(axis=0)
+        for f in m._histograms:
+            n = len(f.bounds) + 1
+            cumulative = np.cumsum(total[f.first : f.first + n])
+            buckets = [(_le(b), float(c)) for b, c in zip((*f.bounds, None), cumulative,
+                                                          strict=True)]  # fmt: skip
+            yield HistogramMetricFamily(f.name, f.doc, buckets=buckets,
+                                        sum_value=float(total[f.first + n]))  # fmt: skip
+        for f in m._counters:
+            yield CounterMetricFamily(f.name, f.doc, value=float(total[f.first]))
+        requests = CounterMetricFamily("pdserve_requests", "Finished requests",
+                                       labels=["finish_reason"])  # fmt: skip
+        for i, reason in enumerate(FINISH_REASONS):
+            if total[m._requests + i]:
+                requests.add_metric([reason], float(total[m._requests + i]))
+        yield requests
+        per_frontend = CounterMetricFamily("pdserve_frontend_requests",
+                                           "Finished requests, by the frontend that served them",
+                                           labels=["frontend"])  # fmt: skip
+        done = rows[:, m._requests : m._requests + len(FINISH_REASONS)].sum(axis=1)
+        for n, count in enumerate(done):
+            per_frontend.add_metric([str(n)], float(count))
+        yield per_frontend
+        live = [r.state == WorkerState.READY or r.index == m.board.me
+                for r in m.board.frontends()]  # fmt: skip
+        yield GaugeMetricFamily("pdserve_http_connections_open", "Client connections held",
+                                value=float(rows[live, m._held].sum()))  # fmt: skip
+
+
+def _le(bound: float | None) -> str:
+    return "+Inf" if bound is None else floatToGoString(bound)
