@@ -23,6 +23,9 @@ import enum
 from wire.params import ReasoningMode
 
 OPEN, CLOSE = "<think>", "</think>"
+# ``--reasoning-parser`` names (vLLM's) of the models that write this block. They read
+# alike here: whether the block starts open is the prompt's to say, not the parser's.
+PARSERS = ("deepseek_r1", "qwen3")
 
 
 class _State(enum.Enum):

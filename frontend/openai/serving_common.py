@@ -80,6 +80,8 @@ class Generation:
     """Everything a non-streaming response needs, accumulated from the deltas."""
 
     text: str = ""
+    reasoning: str = ""  # with --reasoning-parser; ``text`` is then the answer
+    reasoning_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: Finish = Finish.NONE
@@ -88,6 +90,8 @@ class Generation:
 
     def add(self, d: TextDelta) -> None:
         self.text += d.text
+        self.reasoning += d.reasoning
+        self.reasoning_tokens = d.reasoning_tokens or self.reasoning_tokens
         self.token_ids.extend(d.token_ids)
         self.logprobs.extend(d.logprobs or ())
         if d.finish:
@@ -266,9 +270,11 @@ async def sse_stream(chunks: AsyncIterator[object], rid: int) -> AsyncIterator[b
 
 
 def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
-) -> dict[str, Any]:
-    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` once it is known."""
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+    reasoning_tokens: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` once it is known,
+    ``completion_tokens_details.reasoning_tokens`` with a reasoning parser."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -276,6 +282,8 @@ def usage(
     }
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out
 
 
