@@ -45,11 +45,13 @@ from frontend.openai.protocol import (
     TokenizeRequest,
     parse_body,
 )
+from frontend.openai.responses_request import ResponsesRequest
 from frontend.openai.serving_chat import create_chat_completion
 from frontend.openai.serving_common import ClientGone, ServingContext
 from frontend.openai.serving_completions import create_completion
 from frontend.openai.serving_generate import generate
 from frontend.openai.serving_messages import count_tokens, create_message
+from frontend.openai.serving_responses import create_response
 from frontend.openai.serving_tokenize import detokenize, tokenize, version_response
 from frontend.settings import FrontendSettings
 from frontend.telemetry.metrics import FrontendMetrics
@@ -65,6 +67,7 @@ B = TypeVar(
     DetokenizeRequest,
     MessagesRequest,
     CountTokensRequest,
+    ResponsesRequest,
 )
 Handler = Callable[[ServingContext, Request, B, float], Awaitable[Response]]
 
@@ -264,6 +267,10 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> Response:
         return await _serve(ctx, request, CountTokensRequest, count_tokens)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _serve(ctx, request, ResponsesRequest, create_response)
 
     @app.post("/generate")
     async def native_generate(request: Request) -> Response:

@@ -16,6 +16,7 @@ life in the engine are the chat path's own. What maps onto what:
     tool_choice auto / any / tool / none   auto / required / that function / none
     disable_parallel_tool_use              parallel_tool_calls: false
     stop_sequences, temperature, top_p, top_k, max_tokens: the same sampling fields
+    output_config.format (json_schema)     response_format json_schema (structured output)
 
 Refused with a 400 that names the block or field: content no model here can read (images,
 documents), a block type nobody knows, a ``tool_result`` answering no earlier ``tool_use``,
@@ -105,8 +106,15 @@ class MessagesRequest(CountTokensRequest):
     service_tier: str | None = None
     container: Any = None
     mcp_servers: list[Any] | None = None
+    output_config: dict[str, Any] | None = None
 
     def reject_unsupported(self) -> None:
+        config = self.output_config or {}
+        if config.get("effort") is not None:
+            raise NotImplementedField("output_config.effort", "how long a model reasons is "
+                                      "its own (and its chat template's) choice here")  # fmt: skip
+        if unknown := sorted(set(config) - {"effort", "format"}):
+            raise NotImplementedField(f"output_config.{unknown[0]}", "only 'format' is served")
         if self.container is not None:
             raise NotImplementedField("container", "code-execution containers are not hosted here")
         if self.mcp_servers:
@@ -162,6 +170,13 @@ def _sampling(body: MessagesRequest) -> dict[str, Any]:
             out[name] = getattr(body, name)
     if body.stop_sequences:
         out["stop"] = body.stop_sequences
+    fmt = (body.output_config or {}).get("format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
+            raise InvalidRequest('output_config.format must be {"type": "json_schema", '
+                                 '"schema": {...}}', param="output_config.format")  # fmt: skip
+        out["response_format"] = {"type": "json_schema",
+                                  "json_schema": {"name": "output", "schema": fmt["schema"]}}  # fmt: skip
     return out
 
 
