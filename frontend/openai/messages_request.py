@@ -254,9 +254,10 @@ def _tool(i: int, raw: dict[str, Any]) -> dict[str, Any]:
                                   "tools run on its servers; only client tools (name, "
                                   "description, input_schema) are served here")  # fmt: skip
     tool = parse_body(ToolParam, {k: v for k, v in raw.items() if k != "type"}, f"tools.{i}")
-    function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+    function: dict[str, Any] = {"name": tool.name}
     if tool.description is not None:
         function["description"] = tool.description
+    function["parameters"] = tool.input_schema  # after the description, as OpenAI's tools have it
     return {"type": "function", "function": function}
 
 
