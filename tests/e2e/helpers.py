@@ -57,6 +57,17 @@ def check_abort_mid_stream_frees_kv(server: LaunchedServer) -> None:
         assert kv_in_use(server) == 0
 
 
+def reported_pids(server: LaunchedServer, timeout_s: float = 30.0) -> dict[tuple[str, int], int]:
+    """Every worker's pid, once each has reported one (a detokenizer shard may report
+    its pid a moment after the server says it is serving)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = {(w["role"], w["index"]): w["pid"] for w in server.health()["workers"]}
+        if all(pids.values()) or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.1)
+
+
 def computed_prefill_tokens(server: LaunchedServer) -> int:
     """Prompt tokens the prefill workers have run through the model (from /metrics)."""
     text = httpx.get(server.url + "/metrics", timeout=10).text

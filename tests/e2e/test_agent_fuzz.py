@@ -10,7 +10,6 @@ short. Afterwards every worker must be the same process as before.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import LaunchedServer
+from tests.e2e.helpers import reported_pids
 
 FUZZ = settings(max_examples=40, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
@@ -116,13 +116,8 @@ def responses_body(wild: bool) -> st.SearchStrategy[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def worker_pids(server: LaunchedServer) -> dict[tuple[str, int], int]:
-    """Every worker's pid before the first fuzzed request (once each has reported one)."""
-    deadline = time.monotonic() + 30
-    while True:
-        pids = {(w["role"], w["index"]): w["pid"] for w in server.health()["workers"]}
-        if all(pids.values()) or time.monotonic() > deadline:
-            return pids
-        time.sleep(0.1)
+    """Every worker's pid before the first fuzzed request."""
+    return reported_pids(server)
 
 
 @pytest.fixture(scope="module")
