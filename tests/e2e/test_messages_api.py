@@ -146,6 +146,20 @@ def test_count_tokens_renders_tools_and_history(
     assert got.input_tokens == len(want)
 
 
+def test_a_final_assistant_turn_is_continued(
+    claude: anthropic.Anthropic, qwen_tokenizer: Any, template: str
+) -> None:
+    """Anthropic's prefill: the prompt ends inside the assistant's turn, after its text."""
+    messages: list[Any] = [*ASK, {"role": "assistant", "content": "The weather is"}]
+    text = qwen_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                              continue_final_message=True)  # fmt: skip
+    assert text.endswith("The weather is")
+    want = len(qwen_tokenizer.encode(text, add_special_tokens=False))
+    assert claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens == want
+    reply = claude.messages.create(model=MODEL, max_tokens=4, messages=messages)
+    assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) == want
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_forced_tool_call_validates_and_its_result_continues(
     claude: anthropic.Anthropic, qwen_tokenizer: Any, template: str, stream: bool

@@ -178,3 +178,13 @@ def test_a_forced_tool_call_skips_the_reasoning(claude: anthropic.Anthropic) -> 
     (use,) = message.content
     assert use.type == "tool_use"
     jsonschema.validate(use.input, schema)
+
+
+def test_a_continued_reply_resumes_inside_its_reasoning(claude: anthropic.Anthropic) -> None:
+    """A final assistant turn is continued (Anthropic's prefill); one that opened a block is
+    continued as reasoning."""
+    message = claude.messages.create(model=MODEL, max_tokens=64, messages=[
+        *ASK, {"role": "assistant", "content": "<think>\nLet me"}])  # type: ignore[list-item]  # fmt: skip
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == "think it over."  # type: ignore[union-attr]
+    assert message.content[1].text == ANSWER  # type: ignore[union-attr]
