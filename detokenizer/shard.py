@@ -9,6 +9,10 @@ Who calls what (the shard process, ``detokenizer/worker.py``, is the only caller
     take_outputs()           once per loop iteration: the TextBatch for the frontend and
                              the stop notifications for decode workers
 
+With a reasoning split (``DetokParams.reasoning``, ``detokenizer/reasoning.py``) the text
+goes through the splitter before the stop matcher: reasoning leaves in
+``TextDelta.reasoning``, and stop strings see only the answer.
+
 A request's first token (from prefill) also says how many prompt tokens the prefix cache
 supplied; every delta from then on carries that count (``TextDelta.cached_tokens``).
 
@@ -28,7 +32,9 @@ from typing import Any
 import numpy as np
 
 from detokenizer.incremental import Detokenizer, TokenTable
+from detokenizer.reasoning import ReasoningSplitter
 from detokenizer.stop_strings import StopMatcher
+from wire.params import ReasoningMode
 from wire.records import (
     AbortRequest,
     DetokRegister,
@@ -66,12 +72,14 @@ class _Request:
     detok: Detokenizer
     feed: Callable[[int], str]  # detok.feed, bound once: it is called per token
     stop: StopMatcher | None
+    reasoning: ReasoningSplitter | None
     num_logprobs: int | None
-    plain: bool  # no stop strings, no logprobs: the on_tokens fast path applies
+    plain: bool  # no stop strings, logprobs or reasoning split: on_tokens' fast path applies
     next_pos: int = 0
     pending: dict[int, _Token] = field(default_factory=dict)  # position -> early token
     # Output since the last take_outputs():
     text: str = ""
+    reasoning_text: str = ""
     ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: Finish = Finish.NONE
@@ -123,10 +131,12 @@ class DetokShard:
         params = msg.params
         detok = self.table.new_stream(params.skip_special_tokens)
         stop = StopMatcher(params.stop, params.include_stop_str_in_output)
-        plain = not stop.active and msg.num_logprobs is None
+        split = ReasoningMode(params.reasoning) != ReasoningMode.OFF
+        reasoning = ReasoningSplitter(ReasoningMode(params.reasoning)) if split else None
+        plain = not stop.active and msg.num_logprobs is None and reasoning is None
         req = _Request(
-            msg.rid, detok, detok.feed, stop if stop.active else None, msg.num_logprobs, plain,
-            stop_token_ids=frozenset(params.stop_token_ids),
+            msg.rid, detok, detok.feed, stop if stop.active else None, reasoning,
+            msg.num_logprobs, plain, stop_token_ids=frozenset(params.stop_token_ids),
         )  # fmt: skip
         self._reqs[msg.rid] = req
         self._replay(req, msg.output_ids)
@@ -142,7 +152,7 @@ class DetokShard:
             self._consume(req, _Token(token_id, text_id, 0, None, None))
             if req.finish != Finish.NONE:
                 return
-        req.text = ""
+        req.text = req.reasoning_text = ""
         req.ids.clear()
         self._dirty.pop(req.rid, None)
 
@@ -248,7 +258,7 @@ class DetokShard:
     def _consume(self, req: _Request, tok: _Token) -> None:
         """Apply the token at ``req.next_pos``."""
         if tok.finish == Finish.ERROR:  # the engine failed the request: the row has no token
-            req.text += req.detok.flush()
+            req.text += self._answer(req, req.detok.flush(), final=True, token=False)
             self._dirty[req.rid] = req
             self._finish(req, Finish.ERROR, None)
             return
@@ -261,6 +271,8 @@ class DetokShard:
         text = req.feed(tok.text_id)
         if tok.finish:
             text += req.detok.flush()
+        if req.reasoning is not None:
+            text = self._answer(req, text, final=bool(tok.finish), token=True)
         if req.stop is not None:
             text, match = req.stop.feed(text)
             if match is not None:
@@ -276,6 +288,20 @@ class DetokShard:
             # The engine stops on stop_token_ids before EOS, so a listed token was the cause.
             reason = tok.token_id if tok.token_id in req.stop_token_ids else None
             self._finish(req, Finish(tok.finish), reason)
+
+    @staticmethod
+    def _answer(req: _Request, text: str, final: bool, token: bool) -> str:
+        """Split ``text`` (one token's, or a flush's): the reasoning is kept on ``req``,
+        the answer returned for the stop matcher."""
+        if req.reasoning is None:
+            return text
+        split = req.reasoning.feed_token if token else req.reasoning.feed
+        reasoning, answer = split(text)
+        if final:
+            more_reasoning, more_answer = req.reasoning.flush()
+            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        req.reasoning_text += reasoning
+        return answer
 
     def _stop_decode(self, req: _Request, tok: _Token) -> None:
         """A stop string matched: tell the decode worker to stop and free the KV."""
@@ -310,6 +336,7 @@ class DetokShard:
 
     def _delta(self, req: _Request) -> TextDelta:
         text, ids, req.text, req.ids = req.text, req.ids, "", []
+        reasoning, req.reasoning_text = req.reasoning_text, ""
         logprobs: list[TokenLogprob] | None = None
         if req.num_logprobs is not None:
             logprobs, req.logprobs = req.logprobs, []
@@ -323,6 +350,8 @@ class DetokShard:
             logprobs=logprobs,
             error="the engine failed this request" if req.finish == Finish.ERROR else None,
             cached_tokens=req.cached_tokens,
+            reasoning=reasoning,
+            reasoning_tokens=req.reasoning.tokens if req.reasoning is not None else 0,
         )
 
 

@@ -8,7 +8,8 @@
   the ``/health`` and ``/metrics`` views of the workers.
 - ``telemetry/``: Prometheus metrics and the periodic stats line.
 - ``openai/``: the API surface: request shapes, chat prompts, tools, structured output,
-  ``n`` choices and the handlers of every endpoint (OpenAI's and vLLM's native ones).
+  ``n`` choices and the handlers of every endpoint (OpenAI's, Anthropic's Messages API
+  and vLLM's native ones).
 - ``http/``: the edge and the process: the C accept thread, connection deadlines and
   caps, the guard (key, Host, Content-Type), the FastAPI app and ``server`` (the
   process's ``main``, started by the launcher).

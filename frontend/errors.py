@@ -1,4 +1,6 @@
-"""HTTP errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""HTTP errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, and
+on Anthropic's paths (``/v1/messages...``) in Anthropic's: ``{"type": "error", "error":
+{"type", "message"}}``, its type named by the status as Anthropic names it.
 
 Handlers raise ``APIError`` (or a subclass); ``frontend.http.app`` turns it into a JSON
 response. Anything else that escapes a handler becomes a 500 with a generic message and
@@ -11,6 +13,13 @@ import math
 from typing import Any
 
 from fastapi.responses import JSONResponse
+
+ANTHROPIC_PATHS = "/v1/messages"  # the prefix of every path that answers in Anthropic's shape
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    500: "api_error", 503: "overloaded_error", 529: "overloaded_error",
+}  # fmt: skip
 
 
 class APIError(Exception):
@@ -44,11 +53,24 @@ class APIError(Exception):
             }
         }
 
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = _ANTHROPIC_TYPES.get(self.status)
+        if kind is None:
+            kind = "invalid_request_error" if self.status < 500 else "api_error"
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
     def headers(self) -> dict[str, str] | None:
         return None
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
+
+    def response_for(self, path: str) -> JSONResponse:
+        """The response in the shape of the API ``path`` belongs to."""
+        if not path.startswith(ANTHROPIC_PATHS):
+            return self.response()
+        return JSONResponse(self.anthropic_body(), status_code=self.status,
+                            headers=self.headers())  # fmt: skip
 
 
 class InvalidRequest(APIError):
@@ -83,7 +105,8 @@ class Unauthorized(APIError):
 
     def __init__(self) -> None:
         super().__init__(
-            "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+            "Missing or invalid API key: send 'Authorization: Bearer <key>' "
+            "(or 'x-api-key: <key>')",
             code="invalid_api_key",
         )
 

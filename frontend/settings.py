@@ -42,7 +42,9 @@ class FrontendSettings:
     control tokens (the old behaviour; a user can then forge a system turn).
     ``eos_token_ids`` are the model's (its grammars end on them, as in the workers).
     ``tool_call_parser`` reads tool calls out of chat output (frontend/openai/tool_parsers.py);
-    None: ``tool_choice: auto`` is refused.
+    None: ``tool_choice: auto`` is refused. ``reasoning_parser`` (``qwen3``, ``deepseek_r1``:
+    the ``<think>…</think>`` family) keeps reasoning apart from the answer in the chat-shaped
+    APIs (``frontend/openai/chat_run.py``); None: the output is all answer.
     """
 
     model_name: str
@@ -60,6 +62,7 @@ class FrontendSettings:
     allow_special_tokens_in_content: bool = False
     eos_token_ids: tuple[int, ...] = ()
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True)

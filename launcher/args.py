@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from detokenizer.reasoning import PARSERS as REASONING_PARSERS
 from engine.weights.plan import QUANTIZATIONS
 from frontend.openai.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from frontend.settings import ConnectionLimits
@@ -89,6 +90,7 @@ class ServerConfig:
     allow_special_tokens_in_content: bool = False
     chat_template: str | None = None
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     max_waiting_requests: int = 1024
     max_queued_prefill_tokens: int = 262_144
     stall_timeout: float = 20.0  # seconds without a heartbeat before a worker's requests move
@@ -335,6 +337,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.tool_call_parser,
         help="how tool calls are read out of chat output (vLLM's names); without one, "
         "tool_choice 'auto' is refused ('required' and named choices need none)",
+    )
+    add(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=d.reasoning_parser,
+        help="keep a model's <think>…</think> reasoning apart from its answer (vLLM's "
+        "names): reasoning_content in chat completions, thinking blocks in /v1/messages, "
+        "reasoning items in /v1/responses",
     )
     add(
         "--max-waiting-requests",

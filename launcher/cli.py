@@ -120,6 +120,7 @@ def _children(
         allow_special_tokens_in_content=config.allow_special_tokens_in_content,
         chat_template=config.chat_template, host=config.host, port=config.port,
         eos_token_ids=mcfg.eos_token_ids, tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
     )  # fmt: skip
     frontend = FrontendLaunch(
         model=str(model), log_level=config.log_level.value, http=http,

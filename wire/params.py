@@ -123,6 +123,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return self.temperature == 0.0
 
 
+class ReasoningMode(enum.IntEnum):
+    """Whether, and from where, the detokenizer splits reasoning from the answer
+    (``--reasoning-parser``; ``detokenizer/reasoning.py``)."""
+
+    OFF = 0  # the output is all answer
+    AT_START = 1  # a <think> block the output opens at its start is reasoning
+    OPEN = 2  # the prompt opened the block: the output starts inside it
+
+
 class DetokParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The detokenizer's half of a request's options."""
 
@@ -132,3 +141,5 @@ class DetokParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     spaces_between_special_tokens: bool = True
     # An engine stop on one of these reports the token as stop_reason; on EOS it is None.
     stop_token_ids: tuple[int, ...] = ()
+    # Reasoning goes to TextDelta.reasoning; stop strings then see only the answer.
+    reasoning: ReasoningMode = ReasoningMode.OFF

@@ -150,6 +150,9 @@ class TextDelta(msgspec.Struct, array_like=True, frozen=True):
     ``token_ids`` are the output tokens this delta covers; ``text`` may lag them while a
     partial UTF-8 sequence or a possible stop-string prefix is held back.
     ``stop_reason`` is the matched stop string or stop token id when finish is STOP.
+    With a reasoning split (``DetokParams.reasoning``), ``text`` is the answer and
+    ``reasoning`` the reasoning; ``reasoning_tokens`` counts, so far, the output tokens
+    that wrote the reasoning block (its tags included).
     """
 
     rid: int
@@ -162,6 +165,8 @@ class TextDelta(msgspec.Struct, array_like=True, frozen=True):
     error: str | None = None
     # Prompt tokens whose KV came from the prefix cache, once the first token is out.
     cached_tokens: int | None = None
+    reasoning: str = ""
+    reasoning_tokens: int = 0
 
 
 class TextBatch(_Msg, tag="text", frozen=True):

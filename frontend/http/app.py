@@ -36,6 +36,7 @@ from frontend.errors import (
     ServiceUnavailable,
 )
 from frontend.http.guard import JSON_PATHS, Guard
+from frontend.openai.messages_request import CountTokensRequest, MessagesRequest
 from frontend.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,10 +45,13 @@ from frontend.openai.protocol import (
     TokenizeRequest,
     parse_body,
 )
+from frontend.openai.responses_request import ResponsesRequest
 from frontend.openai.serving_chat import create_chat_completion
 from frontend.openai.serving_common import ClientGone, ServingContext
 from frontend.openai.serving_completions import create_completion
 from frontend.openai.serving_generate import generate
+from frontend.openai.serving_messages import count_tokens, create_message
+from frontend.openai.serving_responses import create_response
 from frontend.openai.serving_tokenize import detokenize, tokenize, version_response
 from frontend.settings import FrontendSettings
 from frontend.telemetry.metrics import FrontendMetrics
@@ -61,6 +65,9 @@ B = TypeVar(
     NativeGenerateRequest,
     TokenizeRequest,
     DetokenizeRequest,
+    MessagesRequest,
+    CountTokensRequest,
+    ResponsesRequest,
 )
 Handler = Callable[[ServingContext, Request, B, float], Awaitable[Response]]
 
@@ -126,14 +133,14 @@ async def _serve(
     except APIError as e:
         if e.status >= 500:
             _server_errors.warning("%s: %d %s", request.url.path, e.status, e.message)
-        return e.response()
+        return e.response_for(request.url.path)
     except (ClientGone, ClientDisconnect):
         # Ordinary client behaviour (a timeout, a cancelled upload): nothing to log loudly.
         logger.info("%s: the client disconnected before the response", request.url.path)
         return Response(status_code=499)  # nobody is listening; nginx's code for it
     except Exception:
         logger.exception("%s: unhandled error", request.url.path)
-        return InternalError().response()
+        return InternalError().response_for(request.url.path)
 
 
 def health_report(client: EngineClient) -> tuple[int, bytes]:
@@ -192,7 +199,8 @@ class FastPaths:
                     self.client.check_admission()
                 except Overloaded as e:
                     self.metrics.refused.inc()
-                    response = ServiceUnavailable(e.retry_after_s, str(e)).response()
+                    refusal = ServiceUnavailable(e.retry_after_s, str(e))
+                    response = refusal.response_for(path)
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)
@@ -269,7 +277,7 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        return APIError(str(exc.detail), status=exc.status_code).response()
+        return APIError(str(exc.detail), status=exc.status_code).response_for(request.url.path)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -278,6 +286,18 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _serve(ctx, request, ChatCompletionRequest, create_chat_completion)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await _serve(ctx, request, MessagesRequest, create_message)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Response:
+        return await _serve(ctx, request, CountTokensRequest, count_tokens)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _serve(ctx, request, ResponsesRequest, create_response)
 
     @app.post("/generate")
     async def native_generate(request: Request) -> Response:

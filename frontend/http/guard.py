@@ -14,7 +14,8 @@ shape:
   loopback themselves), the name ``--host`` binds, and ``--allowed-hosts``. Else 421. A
   request with no Host header comes from no browser and passes.
 * API key: with ``--api-key`` every path but /health (and /metrics with
-  ``--metrics-no-auth``) needs ``Authorization: Bearer <key>``. Else 401.
+  ``--metrics-no-auth``) needs ``Authorization: Bearer <key>``, or ``x-api-key: <key>``
+  (how Anthropic's clients send it). Else 401.
 * Content-Type: a POST to a JSON endpoint must say ``application/json``. A cross-site form
   or ``fetch`` can send ``text/plain`` (or no type) without the CORS preflight a JSON body
   needs, so this closes the remaining way for a page to make a keyless server generate.
@@ -35,8 +36,9 @@ from frontend.errors import APIError, MisdirectedRequest, Unauthorized, Unsuppor
 from frontend.settings import FrontendSettings
 
 JSON_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize"}
-)
+    {"/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize",
+     "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"}
+)  # fmt: skip
 
 
 class Guard:
@@ -44,6 +46,7 @@ class Guard:
         self.app = app
         key = settings.api_key
         self._auth = None if key is None else b"bearer " + key.encode()
+        self._key = None if key is None else key.encode()
         self._open = {"/health"} | ({"/metrics"} if settings.metrics_no_auth else set())
         self._hosts: frozenset[str] | None = None  # None: any Host
         if key is None and "*" not in settings.allowed_hosts:
@@ -54,7 +57,7 @@ class Guard:
         if scope["type"] == "http" and scope["path"] != "/health":
             error = self._check(scope)
             if error is not None:
-                await error.response()(scope, receive, send)
+                await error.response_for(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -65,7 +68,7 @@ class Guard:
             if not self._host_allowed(name):
                 return MisdirectedRequest(name)
         needs_key = self._auth is not None and scope["path"] not in self._open
-        if needs_key and not self._authorized(headers.get(b"authorization", b"")):
+        if needs_key and not self._authorized(headers):
             return Unauthorized()
         if scope["method"] == "POST" and scope["path"] in JSON_PATHS:
             content_type = headers.get(b"content-type")
@@ -84,10 +87,12 @@ class Guard:
             return False
         return True
 
-    def _authorized(self, value: bytes) -> bool:
-        assert self._auth is not None
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        assert self._auth is not None and self._key is not None
+        value = headers.get(b"authorization", b"")
         # The scheme is case-insensitive ("Bearer", "bearer"); the key is not.
-        return hmac.compare_digest(value[:7].lower() + value[7:], self._auth)
+        bearer = hmac.compare_digest(value[:7].lower() + value[7:], self._auth)
+        return bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), self._key)
 
 
 def host_name(host: str) -> str:

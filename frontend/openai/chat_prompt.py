@@ -43,20 +43,24 @@ def _pattern(tokens: tuple[str, ...]) -> re.Pattern[str]:
 
 def encode_chat(
     tokenizer: Any, template: str, conversation: Conversation, add_generation_prompt: bool,
-    tools: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
 ) -> list[int]:  # fmt: skip
     """Render ``conversation`` with ``template`` and tokenize it, content as text.
 
-    Raises what the template raises (``raise_exception`` in Jinja: roles must alternate).
+    ``continue_final_message``: the last (assistant) message is left open, so that the
+    reply continues it. Raises what the template raises (``raise_exception`` in Jinja:
+    roles must alternate).
     """
     pattern = _pattern(control_tokens(tokenizer, template))
     if not any(pattern.search(m["content"]) for m in conversation):
-        return encode_rendered(tokenizer, template, conversation, add_generation_prompt, tools)
+        return encode_rendered(tokenizer, template, conversation, add_generation_prompt, tools,
+                               continue_final_message=continue_final_message)  # fmt: skip
     nonce = secrets.token_hex(8)
     start, end = f"\ue000{nonce}", f"\ue001{nonce}"  # private-use characters: no token's text
     marked = [{**m, "content": pattern.sub(lambda t: start + t.group(0) + end, m["content"])}
               for m in conversation]  # fmt: skip
-    text = render(tokenizer, template, marked, add_generation_prompt, tools)
+    text = render(tokenizer, template, marked, add_generation_prompt, tools,
+                  continue_final_message=continue_final_message)  # fmt: skip
     s, e = re.escape(start), re.escape(end)
     # [text, wrapped token, text, wrapped token, ..., text]; None for a lone marker.
     pieces = re.split(f"{s}({pattern.pattern}){e}|{s}|{e}", text)
@@ -69,7 +73,7 @@ def encode_chat(
 
 def render(
     tokenizer: Any, template: str, conversation: Conversation, add_generation_prompt: bool,
-    tools: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
 ) -> str:  # fmt: skip
     text = tokenizer.apply_chat_template(
         conversation,
@@ -77,6 +81,7 @@ def render(
         chat_template=template,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
     )
     assert isinstance(text, str)
     return text
@@ -84,11 +89,12 @@ def render(
 
 def encode_rendered(
     tokenizer: Any, template: str, conversation: Conversation, add_generation_prompt: bool,
-    tools: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
 ) -> list[int]:  # fmt: skip
     """The rendered prompt tokenized whole: control-token text in content becomes tokens
     (``--allow-special-tokens-in-content``, and the path for content with none)."""
-    text = render(tokenizer, template, conversation, add_generation_prompt, tools)
+    text = render(tokenizer, template, conversation, add_generation_prompt, tools,
+                  continue_final_message=continue_final_message)  # fmt: skip
     # The template writes BOS and role markers itself: no special tokens added again.
     return list(tokenizer.encode(text, add_special_tokens=False))
 

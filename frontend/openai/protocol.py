@@ -15,7 +15,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from frontend.errors import InvalidRequest, NotImplementedField
-from wire.params import DetokParams, GrammarSpec, SamplingParams
+from wire.params import DetokParams, GrammarSpec, ReasoningMode, SamplingParams
 
 # NOTE: these caps keep every record a request becomes within the smallest ring it
 # crosses (a detokenizer control ring holds 256 KiB; see launcher/topology.py). Without
@@ -25,19 +25,22 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
+    """Strict: a JSON string is no number, a number no bool; unknown fields are kept for
+    the handler to log."""
+
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(_Body):
+class SamplingFields(Body):
     """Options shared by /v1/completions, /v1/chat/completions and /generate."""
 
     temperature: float | None = None
@@ -131,17 +134,17 @@ class CompletionRequest(OpenAIFields):
             raise NotImplementedField("prompt", "one prompt per request, not a batch")
 
 
-class ContentPart(_Body):
+class ContentPart(Body):
     type: str
     text: str | None = None
 
 
-class ToolCallFunction(_Body):
+class ToolCallFunction(Body):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCallParam(_Body):
+class ToolCallParam(Body):
     """A call in an assistant message of the history."""
 
     id: str
@@ -149,7 +152,7 @@ class ToolCallParam(_Body):
     function: ToolCallFunction
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -178,6 +181,7 @@ class ChatCompletionRequest(OpenAIFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply continues the last message
     tools: list[Any] | None = None
     tool_choice: Any = None  # checked by frontend/openai/tools.py
     parallel_tool_calls: bool | None = None
@@ -188,6 +192,11 @@ class ChatCompletionRequest(OpenAIFields):
         self.reject_common()
         if not self.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
+        if self.continue_final_message and (
+            self.add_generation_prompt or self.messages[-1].role != "assistant"
+        ):
+            raise InvalidRequest("continue_final_message needs add_generation_prompt=false "
+                                 "and an assistant message last", param="continue_final_message")  # fmt: skip
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs=true", param="top_logprobs")
 
@@ -203,7 +212,7 @@ class NativeSampling(SamplingFields):
     logprobs: int | None = None
 
 
-class NativeGenerateRequest(_Body):
+class NativeGenerateRequest(Body):
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: NativeSampling = NativeSampling()
@@ -214,16 +223,19 @@ class NativeGenerateRequest(_Body):
             raise InvalidRequest("give exactly one of 'text' and 'input_ids'", param="text")
 
 
-def parse_body(model: type[_Body], obj: object) -> Any:
-    """Validate a decoded JSON body; a ``ValidationError`` becomes a 400 naming the field."""
+def parse_body(model: type[BaseModel], obj: object, prefix: str = "") -> Any:
+    """Validate a decoded JSON body (or, under ``prefix``, a part of one); a
+    ``ValidationError`` becomes a 400 naming the field."""
     if not isinstance(obj, dict):
-        raise InvalidRequest("the request body must be a JSON object")
+        what = f"'{prefix}'" if prefix else "the request body"
+        raise InvalidRequest(f"{what} must be a JSON object", param=prefix or None)
     try:
         return model.model_validate(obj)
     except ValidationError as e:
         err = e.errors()[0]
         # Union members appear in ``loc`` as type names ("list[int]"); they are noise.
         loc = [str(p) for p in err["loc"] if isinstance(p, int) or _is_field_name(p)]
+        loc = [prefix, *loc] if prefix else loc
         param = ".".join(loc) or None
         raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}", param=param) from e
 
@@ -273,6 +285,7 @@ def to_engine_params(
     vocab_size: int,
     max_logprobs: int,
     grammar: GrammarSpec | None = None,
+    reasoning: ReasoningMode = ReasoningMode.OFF,
 ) -> tuple[SamplingParams, DetokParams]:
     """Translate validated fields into the engine's and the detokenizer's parameters."""
     defaults = SamplingParams()
@@ -303,6 +316,7 @@ def to_engine_params(
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         stop_token_ids=tuple(sampling.stop_token_ids),
+        reasoning=reasoning,
     )
     return sampling, detok
 
@@ -315,7 +329,7 @@ def to_json(obj: object) -> bytes:
     return msgspec.json.encode(obj)
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     """POST /tokenize, as vLLM shapes it: a ``prompt``, or chat ``messages``."""
 
     model: str | None = None
@@ -330,6 +344,6 @@ class TokenizeRequest(_Body):
             raise InvalidRequest("give exactly one of 'prompt' and 'messages'", param="prompt")
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[int]

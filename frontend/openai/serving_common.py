@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -75,6 +75,8 @@ class Generation:
     """Everything a non-streaming response needs, accumulated from the deltas."""
 
     text: str = ""
+    reasoning: str = ""  # with --reasoning-parser; ``text`` is then the answer
+    reasoning_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: Finish = Finish.NONE
@@ -83,6 +85,8 @@ class Generation:
 
     def add(self, d: TextDelta) -> None:
         self.text += d.text
+        self.reasoning += d.reasoning
+        self.reasoning_tokens = d.reasoning_tokens or self.reasoning_tokens
         self.token_ids.extend(d.token_ids)
         self.logprobs.extend(d.logprobs or ())
         if d.finish:
@@ -260,10 +264,61 @@ async def sse_stream(chunks: AsyncIterator[object], rid: int) -> AsyncIterator[b
     yield SSE_DONE
 
 
+def typed_sse(payload: dict[str, Any]) -> bytes:
+    """An SSE event named by its payload's ``type`` (Anthropic's and Responses' framing)."""
+    name = str(payload["type"]).encode()
+    return b"event: " + name + b"\ndata: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+async def typed_sse_stream(
+    events: AsyncIterator[dict[str, Any]], rid: int,
+    error_event: Callable[[APIError], dict[str, Any]],
+) -> AsyncIterator[bytes]:  # fmt: skip
+    """Frame ``events`` as named SSE events; an engine failure mid-stream becomes the
+    API's error event (there is no ``[DONE]`` in these APIs)."""
+    try:
+        async for event in events:
+            yield typed_sse(event)
+    except (EngineUnavailable, APIError) as e:
+        logger.error("rid=%d failed mid-stream: %s", rid, e)
+        err = e if isinstance(e, APIError) else InternalError(f"engine failure: {e}")
+        yield typed_sse(error_event(err))
+
+
+async def with_keepalive(source: AsyncIterator[T], interval_s: float) -> AsyncIterator[T | None]:
+    """``source``'s items, and None whenever ``interval_s`` passes without one (a
+    keep-alive for streams whose clients or proxies drop a quiet connection)."""
+    pending = asyncio.ensure_future(anext(source))
+    try:
+        while True:
+            done, _ = await asyncio.wait([pending], timeout=interval_s)
+            if not done:
+                yield None
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            pending = asyncio.ensure_future(anext(source))
+    finally:
+        # Shielded: we are often here because the client left and our task was cancelled;
+        # closing ``source`` is what aborts the request in the engine.
+        with anyio.CancelScope(shield=True):
+            if not pending.done():
+                pending.cancel()
+                # NOTE: let the cancelled step unwind before closing the generator, or
+                # aclose() finds it still running (see until_disconnect).
+                await asyncio.wait([pending])
+            await source.aclose()  # type: ignore[attr-defined]
+
+
 def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
-) -> dict[str, Any]:
-    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` once it is known."""
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+    reasoning_tokens: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` once it is known,
+    ``completion_tokens_details.reasoning_tokens`` with a reasoning parser."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -271,6 +326,8 @@ def usage(
     }
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -57,6 +59,49 @@ def check_abort_mid_stream_frees_kv(server: LaunchedServer) -> None:
         while kv_in_use(server) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert kv_in_use(server) == 0
+
+
+def reported_pids(server: LaunchedServer, timeout_s: float = 30.0) -> dict[tuple[str, int], int]:
+    """Every worker's pid, once each has reported one (a detokenizer shard may report
+    its pid a moment after the server says it is serving)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = {(w["role"], w["index"]): w["pid"] for w in server.health()["workers"]}
+        if all(pids.values()) or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.1)
+
+
+def computed_prefill_tokens(server: LaunchedServer) -> int:
+    """Prompt tokens the prefill workers have run through the model (from /metrics)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    found = re.findall(r'^pdserve_prefill_computed_tokens_total\{[^}]*role="prefill"[^}]*\} (\S+)$',
+                       text, re.M)  # fmt: skip
+    assert found, text
+    return int(sum(float(v) for v in found))
+
+
+def wait_kv_free(server: LaunchedServer, timeout_s: float = 5.0) -> None:
+    """Every worker's KV blocks back (a request that left was aborted everywhere)."""
+    deadline = time.monotonic() + timeout_s
+    while kv_in_use(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kv_in_use(server) == 0
+
+
+def wait_logged(server: LaunchedServer, needle: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(needle in line for line in server.log) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert any(needle in line for line in server.log), needle
+
+
+def render_ids(tokenizer: Any, template: str, messages: list[dict[str, Any]],
+               tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+    """A conversation as the server's chat template renders and tokenizes it."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
+                                         tokenize=False, add_generation_prompt=True)  # fmt: skip
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def children(pid: int) -> list[int]:

@@ -9,17 +9,16 @@ parses comes from ``tool_choice`` being enforced with structured output.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
 
 from tests.conftest import LaunchedServer
+from tests.e2e.helpers import computed_prefill_tokens
 from wire.params import choice_seed
 
 TEMPLATE = Path(__file__).parent / "data" / "qwen2_5_tools.jinja"
@@ -72,15 +71,6 @@ def sdk(srv: LaunchedServer) -> Iterator[openai.OpenAI]:
         yield client
 
 
-def _computed_prefill_tokens(srv: LaunchedServer) -> int:
-    """Prompt tokens the prefill workers have run through the model (from /metrics)."""
-    text = httpx.get(srv.url + "/metrics", timeout=10).text
-    found = re.findall(r'^pdserve_prefill_computed_tokens_total\{[^}]*role="prefill"[^}]*\} (\S+)$',
-                       text, re.M)  # fmt: skip
-    assert len(found) == 2, text
-    return int(sum(float(v) for v in found))
-
-
 # ---- n > 1 ---------------------------------------------------------------------------
 
 
@@ -90,11 +80,11 @@ def test_n_choices_are_distinct_reproducible_and_share_the_prompt(
     prompt = "A unique prompt for the n test: " + "lorem ipsum " * 20  # 40+ tokens, uncached
     args: dict[str, Any] = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0,
                                 seed=1234, extra_body={"ignore_eos": True})  # fmt: skip
-    before = _computed_prefill_tokens(srv)
+    before = computed_prefill_tokens(srv)
     first = sdk.completions.create(n=3, **args)
     prompt_len = first.usage.prompt_tokens
     # The prompt's KV was computed (and allocated) once for the three choices.
-    assert _computed_prefill_tokens(srv) - before == prompt_len
+    assert computed_prefill_tokens(srv) - before == prompt_len
     texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
     assert [c.index for c in sorted(first.choices, key=lambda c: c.index)] == [0, 1, 2]
     assert len(set(texts)) == 3

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import pytest
 import torch
 from openai import OpenAI
@@ -70,3 +71,34 @@ def test_greedy_outputs_equal_transformers_through_2p2d(
     # No worker died: every process is the one that became ready.
     assert not [line for line in smol.log if "restarting in" in line or "exited" in line]
     assert all(w["alive"] for w in smol.health()["workers"])
+
+
+def test_an_anthropic_client_gets_the_answer(smol: LaunchedServer) -> None:
+    """/v1/messages through the official SDK: the answer, streamed as it is whole."""
+    claude = anthropic.Anthropic(base_url=smol.url, api_key="unused", max_retries=0, timeout=120)
+    args: dict[str, Any] = dict(
+        model=NAME, max_tokens=24, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )  # fmt: skip
+    whole = claude.messages.create(**args)
+    (block,) = whole.content
+    assert block.type == "text" and "Paris" in block.text
+    assert whole.stop_reason in ("end_turn", "max_tokens")
+    counted = claude.messages.count_tokens(model=NAME, messages=args["messages"])
+    prompt = whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0)
+    assert prompt == counted.input_tokens
+    events = list(claude.messages.create(stream=True, **args))
+    streamed = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+    assert streamed == block.text and events[-2].delta.stop_reason == whole.stop_reason
+
+
+def test_a_responses_client_gets_the_answer(client: OpenAI) -> None:
+    """/v1/responses through the official SDK: the answer, streamed as it is whole."""
+    args: dict[str, Any] = dict(model=NAME, input="What is the capital of France?",
+                                max_output_tokens=24, temperature=0)  # fmt: skip
+    whole = client.responses.create(**args)
+    assert "Paris" in whole.output_text and whole.status in ("completed", "incomplete")
+    events = list(client.responses.create(stream=True, **args))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == whole.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens  # type: ignore[union-attr]

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import LaunchedServer
+from tests.e2e.helpers import reported_pids
 
 FUZZ = settings(
     max_examples=50,
@@ -195,7 +196,7 @@ def bodies(path: str) -> st.SearchStrategy[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def worker_pids(server: LaunchedServer) -> dict[tuple[str, int], int]:
     """Every worker's pid before the first fuzzed request."""
-    return {(w["role"], w["index"]): w["pid"] for w in server.health()["workers"]}
+    return reported_pids(server)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,159 @@
+"""The one internal request behind every chat-shaped API: prompt, constraints, admission.
+
+Chat completions, Anthropic's Messages and OpenAI's Responses differ only in their
+shapes. Each handler translates its body into a ``ChatCompletionRequest`` and calls
+``start_chat``, which does everything once: the chat template, tools and their grammar,
+structured output, sampling and detokenizer parameters (the reasoning split included),
+and admission into the engine (``EngineCall``: abort on client disconnect, metrics;
+recovery lives below, in the engine client). The output comes back through
+``frontend/openai/answer.py``; each API writes it in its own format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from detokenizer.reasoning import CLOSE, OPEN
+from frontend.errors import InvalidRequest
+from frontend.openai.chat_prompt import encode_chat, encode_rendered
+from frontend.openai.choices import start_choices
+from frontend.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    check_prompt_ids,
+    resolve_max_tokens,
+    to_engine_params,
+)
+from frontend.openai.serving_common import EngineCall, ServingContext
+from frontend.openai.structured import checked_grammar, compile_checked
+from frontend.openai.tools import ToolPlan, plan_tools
+from wire.params import GrammarSpec, ReasoningMode
+
+# Prompt tokens decoded to see whether the template left a <think> block open.
+_TAIL_TOKENS = 8
+
+
+@dataclass
+class ChatRun:
+    """A started chat request: its engine calls (one per choice), tools and prompt."""
+
+    calls: list[EngineCall]
+    plan: ToolPlan
+    prompt_ids: list[int]
+
+    @property
+    def rid(self) -> int:
+        return self.calls[0].req.rid
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the prefix cache supplied (None until the engine said)."""
+        return self.calls[0].cached_tokens
+
+
+def chat_prompt_ids(
+    ctx: ServingContext, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """The messages (and ``tools``) through the chat template, tokenized; content stays
+    text unless the server allows special tokens in it (``frontend/openai/chat_prompt.py``)."""
+    template = ctx.settings.chat_template or getattr(ctx.tokenizer, "chat_template", None)
+    if not template:
+        raise InvalidRequest(
+            "this model has no chat template; use /v1/completions or start the server "
+            "with --chat-template",
+            param="messages",
+        )
+    conversation = [_template_message(i, m) for i, m in enumerate(body.messages)]
+    encode = encode_rendered if ctx.settings.allow_special_tokens_in_content else encode_chat
+    try:
+        return encode(ctx.tokenizer, template, conversation, body.add_generation_prompt, tools,
+                      continue_final_message=body.continue_final_message)  # fmt: skip
+    except Exception as e:  # jinja's raise_exception: e.g. roles must alternate
+        raise InvalidRequest(
+            f"the chat template rejected the messages: {e}", param="messages"
+        ) from e
+
+
+def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
+    """A history message as chat templates read it."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        # Templates render arguments with ``tojson``: they want the object, not its text.
+        out["tool_calls"] = [
+            {"id": c.id, "type": c.type,
+             "function": {"name": c.function.name,
+                          "arguments": _arguments(c.function.arguments, i)}}
+            for c in m.tool_calls
+        ]  # fmt: skip
+    return out
+
+
+def _arguments(text: str, i: int) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise InvalidRequest("tool call arguments must be JSON text",
+                             param=f"messages.{i}.tool_calls") from e  # fmt: skip
+
+
+async def start_chat(
+    ctx: ServingContext, request: Request, body: ChatCompletionRequest, arrival: float, n: int = 1
+) -> ChatRun:
+    """Plan, tokenize, constrain and admit ``body`` (``n`` choices); returns once each
+    choice's first delta is in, so admission errors are raised before any byte is sent."""
+    plan = plan_tools(body, ctx.settings.tool_call_parser)
+    # Jinja over a long conversation takes seconds: off the loop, or every stream stalls.
+    prompt_ids = await asyncio.to_thread(chat_prompt_ids, ctx, body, plan.template_tools)
+    s = ctx.settings
+    check_prompt_ids(prompt_ids, s.vocab_size, "messages")
+    grammar = await _grammar(ctx, body, plan)
+    mode = ReasoningMode.OFF
+    if s.reasoning_parser is not None:
+        opened = _leaves_block_open(ctx, body, prompt_ids)
+        if grammar is not None and opened:
+            # A grammar shapes the whole output, so the model cannot reason first: close the
+            # block the template opened, as templates do when thinking is turned off.
+            prompt_ids += ctx.tokenizer.encode(CLOSE + "\n\n", add_special_tokens=False)
+        elif grammar is None:
+            mode = ReasoningMode.OPEN if opened else ReasoningMode.AT_START
+    max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(prompt_ids), s.max_model_len)
+    num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    sampling, detok = to_engine_params(body, max_tokens, num_logprobs, s.vocab_size,
+                                       s.max_logprobs, grammar, mode)  # fmt: skip
+    calls = await start_choices(ctx, request, prompt_ids, sampling, detok, n, arrival)
+    return ChatRun(calls, plan, prompt_ids)
+
+
+def _leaves_block_open(
+    ctx: ServingContext, body: ChatCompletionRequest, prompt_ids: list[int]
+) -> bool:
+    """Whether the prompt ends inside a ``<think>`` block: the generation prompt of a
+    template that always reasons, or a reply being continued inside its reasoning."""
+    if body.continue_final_message:
+        last = body.messages[-1].text(len(body.messages) - 1)
+        return last.lstrip().startswith(OPEN) and CLOSE not in last
+    tail: str = ctx.tokenizer.decode(prompt_ids[-_TAIL_TOKENS:], skip_special_tokens=False)
+    return tail.rstrip().endswith(OPEN)
+
+
+async def _grammar(
+    ctx: ServingContext, body: ChatCompletionRequest, plan: ToolPlan
+) -> GrammarSpec | None:
+    """The output constraint: the request's own, or the one its tool_choice needs."""
+    own = await checked_grammar(ctx.grammars, body)
+    if plan.grammar is None:
+        return own
+    if own is not None:
+        raise InvalidRequest("tool_choice 'required' or a named function cannot be combined "
+                             "with another output constraint", param="tool_choice")  # fmt: skip
+    await compile_checked(ctx.grammars, plan.grammar, "tools")
+    return plan.grammar
