@@ -51,6 +51,29 @@ def test_a_worker_that_always_dies_at_startup_ends_failed(
     sup.shutdown()
 
 
+def test_frontends_are_restarted_like_workers_and_marked_on_their_board(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dying frontend no longer ends the server: it is restarted (its board row DEAD
+    meanwhile), and only when every frontend has failed does the server give up."""
+    monkeypatch.setattr(supervisor, "RESTART_BASE_S", 0.01)
+    topo = Topology(0, 1, 1, num_frontends=2)
+    settings = {"model": str(tmp_path / "missing"), "log_level": "error"}  # dies at startup
+    kids = [Child(topo.spec("frontend", n, settings), {}) for n in range(2)]
+    board = topo.board()
+    sup = Supervisor(kids, topo.load_table(), 0, board)
+    sup.start_all()
+    seen = set()
+    with pytest.raises(ChildFailed, match="every frontend worker failed"):
+        for _ in range(400):
+            sup._tend(0.5)
+            seen |= {f.state for f in board.frontends()}
+    assert WorkerState.DEAD in seen
+    assert [f.state for f in board.frontends()] == [WorkerState.FAILED] * 2
+    assert all(k.restarts == supervisor.MAX_CRASHES - 1 for k in kids)
+    sup.shutdown()
+
+
 def test_launch_whose_every_worker_dies_exits_with_the_reason(
     default_model_path: Path, tmp_path: Path
 ) -> None:
