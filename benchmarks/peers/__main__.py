@@ -289,11 +289,15 @@ def main(argv: list[str] | None = None) -> int:
             for spec in g.specs:
                 print(f"{spec.name}: {spec.describe()}")
         return 0
-    setup = [f"model: `{settings.model}` ({settings.served_name}), activations "
-             f"{settings.dtype} in pdserve and vLLM, max model len {settings.max_model_len}",
+    setup = [f"model: `{settings.model}` ({settings.served_name}), `--dtype {settings.dtype}` "
+             "for pdserve and vLLM (pdserve's quantized rows compute as `launch "
+             "--quantization` says), llama.cpp's GGUFs as each row names them, max model "
+             f"len {settings.max_model_len}",
              *setup, f"pdserve at {pdserve_commit()}",
              *(f"{s.name}: `{s.describe()}`" for g in groups for s in g.specs)]  # fmt: skip
-    machine, notes = f"{describe_machine()}\n{vector_line()}", []
+    machine, notes = describe_machine(), []
+    if "vector flags" not in machine:  # benchmarks.machine names them itself on newer trees
+        machine += f"\n{vector_line()}"
     points: list[Point] = []
     try:
         for g in groups:
@@ -414,7 +418,8 @@ def gguf_files(args: argparse.Namespace, s: Settings, precisions: list[str],
         return out
     if out:
         made = "F32/Q8_0 made by llama.cpp's convert_hf_to_gguf.py from the checkpoint dir"
-        setup.append("GGUFs: " + ", ".join(f"{p} `{path.name}`" for p, path in out.items())
+        ordered = sorted(out.items(), key=lambda item: PRECISIONS.index(item[0]))
+        setup.append("GGUFs: " + ", ".join(f"{p} `{path.name}`" for p, path in ordered)
                      + f" ({made})")  # fmt: skip
     return out
 
