@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.machine import describe as describe_machine
 from checkpoints.default_model import resolve_model
+from engine.attention import grouped_decode_sdpa
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
@@ -43,7 +43,7 @@ def _bare(runner: ModelRunner, b: int, context: int) -> object:
     layers = [model.layer(i) for i in range(m.num_layers)]
     inter = torch.randn(b, m.intermediate_size, dtype=dtype)
     attn_out = torch.randn(b, m.num_heads * m.head_dim, dtype=dtype)
-    q = torch.randn(b, m.num_heads, 1, m.head_dim, dtype=dtype)
+    q = torch.randn(b, m.num_heads, m.head_dim, dtype=dtype)
     kv = torch.randn(2, b, m.num_kv_heads, context, m.head_dim, dtype=dtype)
     bias = torch.zeros(b, 1, 1, context, dtype=dtype)
 
@@ -51,7 +51,7 @@ def _bare(runner: ModelRunner, b: int, context: int) -> object:
         with torch.inference_mode():
             for layer in layers:
                 layer.attn.qkv(x)
-                F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=bias, enable_gqa=True)
+                grouped_decode_sdpa(q, kv[0], kv[1], bias)
                 layer.attn.o(attn_out)
                 layer.mlp.gate_up(x)
                 layer.mlp.down(inter)

@@ -21,6 +21,8 @@ class RMSNorm(nn.Module):
         self.weight = weight(dim, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; equal to the lines below to ~1e-7
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 whatever the model dtype, as the reference does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
