@@ -55,6 +55,7 @@ def write_kv(
     """k, v: (T, kv_heads, head_dim) into their slots of ``layer``."""
     rows = pool.view(-1, pool.shape[4] * pool.shape[5])  # (NB * L * 2 * bs, KVH * D)
     t = k.shape[0]
+    k, v = k.to(pool.dtype), v.to(pool.dtype)  # the cache may be narrower than activations
     rows.index_copy_(0, meta.write_rows[layer][0], k.reshape(t, -1))
     rows.index_copy_(0, meta.write_rows[layer][1], v.reshape(t, -1))
     if meta.dense_kv is not None and meta.dense_rows is not None:
@@ -74,7 +75,8 @@ def paged_attention(
     """q: (T, heads, D); k, v: (T, kv_heads, D) of the new tokens -> (T, heads, D)."""
     write_kv(pool, layer, meta, k, v)
     if meta.is_decode:
-        return _decode_attention(pool, layer, meta, q)
+        # In the cache's dtype (the bias is made in it too), back to the activations'.
+        return _decode_attention(pool, layer, meta, q.to(pool.dtype)).to(q.dtype)
     return _prefill_attention(pool, layer, meta, q, k, v)
 
 
@@ -92,6 +94,7 @@ def _prefill_attention(
         n = meta.q_lens[i]
         if n != meta.ctx_lens[i]:
             ki, vi = _gather_context(pool, layer, meta.block_tables[i], meta.ctx_lens[i])
+            ki, vi = ki.to(q.dtype), vi.to(q.dtype)
             outputs.append(_causal_sdpa(q[start : start + n], ki, vi))
             start, i = start + n, i + 1
             continue
@@ -112,7 +115,7 @@ def _gather_context(
     n_blocks = -(-ctx_len // pool.shape[3])
     kv = pool[block_table[:n_blocks], layer]  # (n, 2, block_size, kv_heads, D)
     kv = kv.transpose(0, 1).flatten(1, 2)[:, :ctx_len]  # (2, ctx_len, kv_heads, D)
-    return kv[0], kv[1]
+    return kv[0], kv[1]  # in the cache's dtype
 
 
 def _fresh_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ from engine.model import CausalLM
 from engine.sampler import SampleOutput, SampleRequest, sample
 from engine.sequence import Sequence
 from engine.weights.loader import load_weights
-from engine.weights.plan import activation_dtype, resolve_quantization
+from engine.weights.plan import activation_dtype, cache_dtype, resolve_quantization
 from wire.records import Finish
 
 if TYPE_CHECKING:
@@ -58,6 +58,7 @@ class ModelRunner:
             config.quantization, Path(config.model), config.device
         )
         self.dtype = activation_dtype(config.dtype, self.model_config.dtype, self.quantization)
+        self.kv_dtype = cache_dtype(self.dtype, self.quantization)
         self.block_size = config.block_size
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         self.eos_token_ids = self.model_config.eos_token_ids
@@ -101,8 +102,8 @@ class ModelRunner:
     def _make_pool(self, kv_pool: torch.Tensor | None) -> torch.Tensor:
         if kv_pool is not None:
             check_kv_pool(kv_pool, self.model_config, self.block_size)
-            if kv_pool.dtype != self.dtype or kv_pool.device.type != self.device.type:
-                raise ValueError(f"kv_pool must be {self.dtype} on {self.device}")
+            if kv_pool.dtype != self.kv_dtype or kv_pool.device.type != self.device.type:
+                raise ValueError(f"kv_pool must be {self.kv_dtype} on {self.device}")
             return kv_pool
         try:
             num_blocks = self.num_blocks_to_allocate()  # on CUDA: runs a profiling forward
@@ -114,10 +115,10 @@ class ModelRunner:
             ) from e
         try:
             return allocate_kv_pool(
-                self.model_config, num_blocks, self.block_size, self.dtype, self.device
+                self.model_config, num_blocks, self.block_size, self.kv_dtype, self.device
             )
         except torch.cuda.OutOfMemoryError as e:
-            nbytes = num_blocks * block_nbytes(self.model_config, self.block_size, self.dtype)
+            nbytes = num_blocks * block_nbytes(self.model_config, self.block_size, self.kv_dtype)
             raise GpuMemoryError(
                 f"a KV cache of {num_blocks} blocks ({nbytes / (1 << 30):.2f} GiB) does not "
                 f"fit on {self.device}: another process may hold its memory; lower "
@@ -352,7 +353,7 @@ class ModelRunner:
             width = block_tables.shape[1] * self.block_size
         slots = torch.arange(width, device=dev)
         ctx = torch.tensor(ctx_lens, device=dev)
-        bias = torch.zeros(len(spans), 1, 1, width, dtype=self.dtype, device=dev)
+        bias = torch.zeros(len(spans), 1, 1, width, dtype=self.kv_dtype, device=dev)
         bias.masked_fill_((slots.unsqueeze(0) >= ctx.unsqueeze(1))[:, None, None, :], float("-inf"))
         fields["attn_bias"] = bias  # (B, 1, 1, S)
         return fields

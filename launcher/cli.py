@@ -25,7 +25,12 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.weights.plan import QuantizationError, activation_dtype, resolve_quantization
+from engine.weights.plan import (
+    QuantizationError,
+    activation_dtype,
+    cache_dtype,
+    resolve_quantization,
+)
 from frontend.settings import FrontendLaunch, FrontendSettings
 from launcher.args import ConfigError, KVBackend, ServerConfig, parse_args
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
@@ -137,7 +142,7 @@ def _children(
 def _serving(
     config: ServerConfig, model: Path, gpus: GpuAssignment | None
 ) -> tuple[str, torch.dtype]:
-    """The weight storage and activation (and KV) dtype every engine worker will use."""
+    """The weight storage and KV cache dtype every engine worker will use."""
     device = "cpu" if gpus is None or gpus.on_cpu else "cuda"
     try:
         quantization = resolve_quantization(config.quantization, model, device)
@@ -145,7 +150,7 @@ def _serving(
         raise ConfigError(f"--quantization: {e}") from e
     dtype = activation_dtype(config.dtype.value, ModelConfig.from_pretrained(model).dtype,
                              quantization)  # fmt: skip
-    return quantization, dtype
+    return quantization, cache_dtype(dtype, quantization)
 
 
 def _build_topology(

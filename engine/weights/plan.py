@@ -15,7 +15,8 @@ fed float32. Only the linear layers do: each casts its input to bfloat16 and its
 back, while the residual stream, norms, rotary, attention and the KV cache stay in the
 model's dtype (float32 on CPU). Running the whole model in bfloat16 (``--dtype bfloat16``)
 is possible, but on SmolLM2 it changed greedy answers that bfloat16 at the linear layers
-alone keeps. Packed kernels run on CPU only for now.
+alone keeps. The KV cache is bfloat16 too (``cache_dtype``). Packed kernels run on CPU only
+for now.
 """
 
 from __future__ import annotations
@@ -78,6 +79,16 @@ def activation_dtype(dtype: str, checkpoint_dtype: torch.dtype, quantization: st
     one (kept in the signature: every caller decides the pair together)."""
     del quantization  # the packed layers cast at their own boundary (kernel_dtype)
     return parse_dtype(dtype, checkpoint_dtype)
+
+
+def cache_dtype(activations: torch.dtype, quantization: str) -> torch.dtype:
+    """The KV cache's dtype. Quantized serving keeps K and V in bfloat16 beside a float32
+    residual stream: decode attention reads the whole context every step, from memory
+    (the weights streamed in between evict it from cache), so half the bytes is most of
+    its time; K and V are rounded once, on the way in."""
+    if quantization != "none" and activations == torch.float32:
+        return torch.bfloat16
+    return activations
 
 
 def kernel_dtype(activations: torch.dtype) -> torch.dtype:
