@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from benchmarks.machine import describe as describe_machine
 from checkpoints.default_model import resolve_model
 from engine.config import EngineConfig
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
 from engine.weights.linear import Linear
 from wire.params import SamplingParams
 

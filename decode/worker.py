@@ -19,7 +19,6 @@ import time
 import torch
 
 from decode.scheduler import DecodeScheduler
-from engine.block_manager import BlockAllocator
 from engine.runner import ModelRunner
 from runtime.worker import QueueLoad, Worker
 from runtime.worker_io import drain, fail_request, send
@@ -68,8 +67,8 @@ class DecodeWorker(Worker):
         return ShmReceiver(sources, runner.kv_pool)
 
     @property
-    def allocator(self) -> BlockAllocator:
-        return self.sched.runner.allocator
+    def runner(self) -> ModelRunner:
+        return self.sched.runner
 
     def step(self) -> bool:
         if self.imports is not None:

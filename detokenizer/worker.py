@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from detokenizer.shard import DetokShard
-from engine.hf_tokenizer import load_tokenizer
+from engine.tokenizer.hf_tokenizer import load_tokenizer
 from runtime.process import ProcessSpec, bootstrap
 from transport.doorbell import Doorbell, DoorbellSpec
 from transport.errors import PeerDead

@@ -18,7 +18,6 @@ import time
 
 import torch
 
-from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler, PrefillStep
@@ -75,8 +74,8 @@ class PrefillWorker(Worker):
         return runner
 
     @property
-    def allocator(self) -> BlockAllocator:
-        return self.sched.runner.allocator
+    def runner(self) -> ModelRunner:
+        return self.sched.runner
 
     def step(self) -> bool:
         if self.handles is not None:

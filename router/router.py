@@ -37,7 +37,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from engine.block_manager import block_hashes
+from engine.kv.block_manager import block_hashes
 from router.ledger import Ledger, PeerBooks, WorkerKey
 from router.policy import Candidate, PolicyName, make_policy
 from transport.load_table import LoadRow, LoadTable, Role, WorkerState

@@ -20,7 +20,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from engine.block_manager import BlockAllocator
+from engine.runner import ModelRunner
 from runtime.process import attach_rings, bootstrap, load_table, prefix_summaries
 from runtime.worker_io import IDLE_WAIT_S, drain, engine_config, fail_request
 from transport.core_lease import CoreLease, host_cores
@@ -37,7 +37,7 @@ _PEER_ROLES = {Role.PREFILL: PeerRole.PREFILL, Role.DECODE: PeerRole.DECODE,
 
 @dataclass(frozen=True, slots=True)
 class QueueLoad:
-    """A worker's queue figures for its load-table row (KV figures come from the allocator).
+    """A worker's queue figures for its load-table row (KV figures come from the runner).
 
     ``requests_received``/``prompt_tokens_received`` are cumulative: what the worker took
     off its request ring (the router compares them with what it sent).
@@ -84,8 +84,8 @@ class Worker(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def allocator(self) -> BlockAllocator:
-        """The KV block allocator whose figures the load table carries."""
+    def runner(self) -> ModelRunner:
+        """The engine whose KV figures the load table carries."""
 
     @abc.abstractmethod
     def take_inputs(self) -> None:
@@ -120,7 +120,7 @@ class Worker(abc.ABC):
             return None
         summary, self._summary_seg = mapped
         summary.clear()
-        self.allocator.watch_hashes()  # from now on every hash change reaches the summary
+        self.runner.watch_prefix_hashes()  # from now on every hash change reaches the summary
         return summary
 
     def run(self) -> None:
@@ -148,19 +148,19 @@ class Worker(abc.ABC):
             return self.step()
 
     def _publish(self) -> None:
-        q, a = self.load(), self.allocator
+        q, kv = self.load(), self.runner.kv_figures()
         if self.summary is not None:
-            self.summary.update(*a.take_hash_changes())
+            self.summary.update(*self.runner.take_prefix_hash_changes())
         self.row.publish(
             queued_prefill_tokens=q.queued_prefill_tokens,
             waiting_requests=q.waiting_requests,
             running_requests=q.running_requests,
-            free_kv_blocks=a.num_available,  # cached blocks are evictable room
-            total_kv_blocks=a.num_blocks,
+            free_kv_blocks=kv.free_blocks,  # cached blocks are evictable room
+            total_kv_blocks=kv.total_blocks,
             requests_received=q.requests_received,
             prompt_tokens_received=q.prompt_tokens_received,
-            cached_blocks=a.num_hashed,
-            prefix_hit_tokens=a.stats.hit_tokens,
-            prefix_queried_tokens=a.stats.queried_tokens,
+            cached_blocks=kv.hashed_blocks,
+            prefix_hit_tokens=kv.hit_tokens,
+            prefix_queried_tokens=kv.queried_tokens,
             computed_prefill_tokens=q.computed_prefill_tokens,
         )

@@ -15,7 +15,7 @@ import socket
 
 import uvicorn
 
-from engine.hf_tokenizer import load_tokenizer
+from engine.tokenizer.hf_tokenizer import load_tokenizer
 from frontend.engine_link.client_rings import RingEngineClient
 from frontend.engine_link.engine_client import EngineClient
 from frontend.http.acceptor import HealthAcceptor
