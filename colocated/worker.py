@@ -15,9 +15,9 @@ from colocated.scheduler import ColocatedScheduler
 from engine.runner import ModelRunner
 from runtime.worker import QueueLoad, Worker
 from runtime.worker_io import drain, send
-from transport.load_table import Role
 from wire.records import AbortRequest
 from wire.ring_names import RingKind
+from wire.roles import Role
 
 
 class ColocatedWorker(Worker):

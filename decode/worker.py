@@ -26,10 +26,10 @@ from transport.errors import KVTransferError
 from transport.kv import KVLayout, KVReceiver, pool_view
 from transport.kv_backends import CudaIpcReceiver, ShmReceiver, register_host_memory
 from transport.kv_handles import PoolImports, Verdict
-from transport.load_table import Role
 from transport.segment import Segment, SegmentSpec
 from wire.records import AbortRequest, KVPoolHandle, KVRelease, KVTransfer
-from wire.ring_names import RingKind
+from wire.ring_names import Peer, RingKind
+from wire.roles import Role
 
 logger = logging.getLogger(__name__)
 # While only handoffs waiting for their grammar to compile are here: poll, do not spin
@@ -61,9 +61,10 @@ class DecodeWorker(Worker):
         for name, pool in self.spec.kv_pools.items():
             seg = Segment.attach(SegmentSpec(f"kv.{name}", pool["fd"], pool["nbytes"]))
             self._pool_segs.append(seg)
-            sources[int(name[1:])] = pool_view(seg, KVLayout(**pool["layout"]))
+            i = Peer.parse(name).index  # the prefill worker whose pool it is
+            sources[i] = pool_view(seg, KVLayout(**pool["layout"]))
             if runner.device.type == "cuda":
-                register_host_memory(sources[int(name[1:])])  # host -> GPU copies by DMA
+                register_host_memory(sources[i])  # host -> GPU copies by DMA
         return ShmReceiver(sources, runner.kv_pool)
 
     @property

@@ -37,6 +37,7 @@ from transport.errors import TransportError
 from transport.kv import KVLayout
 from transport.prefix_summary import summary_counters
 from transport.segment import sweep_stale
+from wire.roles import Role
 
 logger = logging.getLogger("launch")
 
@@ -104,14 +105,14 @@ def _children(
     threads = str(max(1, cores // max(1, num_workers)))
     out: list[Child] = []
     for place in placements(gpus, config.gpu_memory_utilization):
-        handoff = None if place.role == "colocated" else backend
+        handoff = None if place.role is Role.COLOCATED else backend
         settings = _engine_settings(config, model, place, handoff)
         env = {"OMP_NUM_THREADS": threads, **place.env()}
         out.append(Child(topo.spec(place.role, place.index, settings), env))
     common = {"model": str(model), "log_level": config.log_level.value}
     cpu_only = {"OMP_NUM_THREADS": "1", **cuda_env(None)}  # frontend and shards: no GPU
     for k in range(config.detokenizers):
-        out.append(Child(topo.spec("detok", k, common), dict(cpu_only)))
+        out.append(Child(topo.spec(Role.DETOK, k, common), dict(cpu_only)))
     http = FrontendSettings(
         model_name=config.served_model_name or model.name, model_aliases=_aliases(config.model),
         max_model_len=engine.resolve_max_model_len(mcfg), vocab_size=mcfg.vocab_size,
@@ -129,7 +130,7 @@ def _children(
         max_queued_prefill_tokens=config.max_queued_prefill_tokens,
         stall_timeout_s=config.stall_timeout, api_workers=config.api_workers,
     ).to_json()  # fmt: skip
-    frontends = [Child(topo.spec("frontend", n, frontend), dict(cpu_only))
+    frontends = [Child(topo.spec(Role.FRONTEND, n, frontend), dict(cpu_only))
                  for n in range(config.api_workers)]  # fmt: skip
     return frontends + out
 

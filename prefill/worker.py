@@ -26,10 +26,11 @@ from runtime.worker_io import drain, fail_request, send
 from transport.kv import KVExporter, KVLayout, pool_view
 from transport.kv_backends import CudaIpcExporter, ShmExporter, register_host_memory
 from transport.kv_handles import HandleSender
-from transport.load_table import Role, WorkerState
+from transport.load_table import WorkerState
 from transport.segment import Segment, SegmentSpec
 from wire.records import KVPoolHandle, KVRelease
-from wire.ring_names import RingKind
+from wire.ring_names import Peer, RingKind
+from wire.roles import Role
 
 logger = logging.getLogger(__name__)
 # A step that could run nothing while requests wait (a grammar compiling, no free KV):
@@ -57,7 +58,7 @@ class PrefillWorker(Worker):
 
     def _shm_runner(self, config: EngineConfig) -> ModelRunner:
         """The pool on CPU is the shared segment; on GPU the segment is its pinned mirror."""
-        pool = self.spec.kv_pools[f"p{self.index}"]
+        pool = self.spec.kv_pools[str(Peer(Role.PREFILL, self.index))]
         layout = KVLayout(**pool["layout"])
         self._pool_seg = Segment.attach(
             SegmentSpec(f"kv.p{self.index}", pool["fd"], pool["nbytes"])

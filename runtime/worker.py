@@ -24,15 +24,14 @@ from engine.runner import ModelRunner
 from runtime.process import attach_rings, bootstrap, load_table, prefix_summaries
 from runtime.worker_io import IDLE_WAIT_S, drain, engine_config, fail_request
 from transport.core_lease import CoreLease, host_cores
-from transport.load_table import Role, WorkerState
+from transport.load_table import WorkerState
 from transport.prefix_summary import PrefixSummary
 from transport.ring import Ring
 from wire.records import AbortRequest, Finish, GenerateRequest
-from wire.ring_names import Peer, PeerRole, RingKind
+from wire.ring_names import Peer, RingKind
+from wire.roles import Role
 
 logger = logging.getLogger(__name__)
-_PEER_ROLES = {Role.PREFILL: PeerRole.PREFILL, Role.DECODE: PeerRole.DECODE,
-               Role.COLOCATED: PeerRole.COLOCATED}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +113,7 @@ class Worker(abc.ABC):
 
     def _open_summary(self) -> PrefixSummary | None:
         """This worker's prefix summary, emptied (a predecessor's pool is gone), or None."""
-        me = str(Peer(_PEER_ROLES[self.role], self.index))
+        me = str(Peer(self.role, self.index))
         mapped = prefix_summaries(self.spec).get(me)
         if mapped is None or not self.config.enable_prefix_caching:
             return None

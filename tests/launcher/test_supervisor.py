@@ -13,7 +13,8 @@ import pytest
 from launcher import supervisor
 from launcher.supervisor import Child, ChildFailed, Supervisor, restart_delay
 from launcher.topology import Topology
-from transport.load_table import Role, WorkerState, describe_exit
+from transport.load_table import WorkerState, describe_exit
+from wire.roles import Role
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +39,7 @@ def test_a_worker_that_always_dies_at_startup_ends_failed(
     topo = Topology(0, 1, 1)
     # A decode worker whose checkpoint does not exist dies in its first second, every time.
     settings = {"model": str(tmp_path / "missing"), "log_level": "error"}
-    child = Child(topo.spec("decode", 0, settings), {})
+    child = Child(topo.spec(Role.DECODE, 0, settings), {})
     sup = Supervisor([child], topo.load_table(), 0)
     sup.start_all()
     with pytest.raises(ChildFailed, match="every decode worker failed"):
