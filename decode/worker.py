@@ -45,7 +45,7 @@ class DecodeWorker(Worker):
         runner = ModelRunner(self.config)
         self.imports: PoolImports | None = None
         self.receiver: KVReceiver
-        if self.spec.settings.get("kv_transfer", "shm") == "cuda_ipc":
+        if self.settings.kv_transfer == "cuda_ipc":
             self.imports, self.receiver = PoolImports(), CudaIpcReceiver({}, runner.kv_pool)
         else:
             self.receiver = self._shm_receiver(runner)

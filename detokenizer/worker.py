@@ -22,6 +22,7 @@ from typing import Any
 from detokenizer.shard import DetokShard
 from engine.tokenizer.hf_tokenizer import load_tokenizer
 from runtime.process import ProcessSpec, bootstrap
+from runtime.worker_spec import DetokWorkerSpec, exit_on_bad_spec
 from transport.doorbell import Doorbell, DoorbellSpec
 from transport.errors import PeerDead
 from transport.ring import Ring, RingSpec
@@ -168,7 +169,7 @@ def config_from_spec(spec: ProcessSpec) -> DetokWorkerConfig:
 
     return DetokWorkerConfig(
         index=spec.index,
-        tokenizer_path=spec.settings["model"],
+        tokenizer_path=exit_on_bad_spec(spec.settings, DetokWorkerSpec).model,
         doorbell=DoorbellSpec(spec.doorbell_fd),
         control=sources(RingKind.CTL, Role.FRONTEND),  # by frontend index
         prefill_rings=sources(RingKind.TOK, Role.PREFILL),

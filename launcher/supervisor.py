@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from frontend.engine_link.board import FrontendBoard
 from runtime.process import SPEC_ENV, ProcessSpec
+from runtime.worker_spec import EXIT_BAD_SPEC
 from transport.load_table import LoadTable, WorkerState, describe_exit
 from wire.roles import Role
 
@@ -166,6 +167,12 @@ class Supervisor:
     def _on_death(self, child: Child, code: int) -> None:
         how = describe_exit(code)
         now = time.monotonic()
+        if code == EXIT_BAD_SPEC:  # the same spec would be refused again: no restart
+            child.failed = "refused its spec (its log line above names the field)"
+            logger.error("%s %s: not restarted", child.name, child.failed)
+            self._mark(child, WorkerState.FAILED, code)
+            self._check_roles()
+            return
         child.deaths = [t for t in child.deaths if now - t < CRASH_WINDOW_S] + [now]
         if len(child.deaths) >= MAX_CRASHES:
             child.failed = f"{how}; died {len(child.deaths)} times in {CRASH_WINDOW_S:.0f} s"

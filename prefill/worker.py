@@ -46,7 +46,7 @@ class PrefillWorker(Worker):
         super().__init__()
         config = self.config
         self.handles: HandleSender | None = None
-        if self.spec.settings.get("kv_transfer", "shm") == "cuda_ipc":
+        if self.settings.kv_transfer == "cuda_ipc":
             runner = ModelRunner(config)  # the pool is sized from this worker's GPU share
             self.exporter: KVExporter = CudaIpcExporter(runner.kv_pool)
             self.handles, self._handle = HandleSender(), self.exporter.handle()

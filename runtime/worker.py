@@ -22,7 +22,8 @@ import torch
 
 from engine.runner import ModelRunner
 from runtime.process import attach_rings, bootstrap, load_table, prefix_summaries
-from runtime.worker_io import IDLE_WAIT_S, drain, engine_config, fail_request
+from runtime.worker_io import IDLE_WAIT_S, drain, fail_request
+from runtime.worker_spec import EngineWorkerSpec, exit_on_bad_spec
 from transport.core_lease import CoreLease, host_cores
 from transport.load_table import WorkerState
 from transport.prefix_summary import PrefixSummary
@@ -65,10 +66,13 @@ class Worker(abc.ABC):
     def __init__(self) -> None:
         self.spec, self.stopping = bootstrap()
         self.index = self.spec.index
+        # A spec this worker cannot read stops it here, before it claims its row or maps
+        # anything: the launcher reports the exit and does not restart it.
+        self.settings = exit_on_bad_spec(self.spec.settings, EngineWorkerSpec)
+        self.config = self.settings.engine
         self.rings = attach_rings(self.spec)
         self.table, self._load_seg = load_table(self.spec)
         self.row = self.table.writer(self.spec.load_table["slot"])
-        self.config = engine_config(self.spec.settings)
         self.row.claim(self.role, self.index, block_size=self.config.block_size)
         # CPU workers lease cores per step (transport/core_lease.py); on a GPU the host
         # threads only feed the device.

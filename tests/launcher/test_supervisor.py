@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import EngineConfig
 from launcher import supervisor
 from launcher.supervisor import Child, ChildFailed, Supervisor, restart_delay
 from launcher.topology import Topology
+from runtime.worker_spec import EngineWorkerSpec, encode_spec
 from transport.load_table import WorkerState, describe_exit
 from wire.roles import Role
 
@@ -38,7 +40,8 @@ def test_a_worker_that_always_dies_at_startup_ends_failed(
     monkeypatch.setattr(supervisor, "RESTART_BASE_S", 0.01)
     topo = Topology(0, 1, 1)
     # A decode worker whose checkpoint does not exist dies in its first second, every time.
-    settings = {"model": str(tmp_path / "missing"), "log_level": "error"}
+    spec = EngineWorkerSpec("error", EngineConfig(model=str(tmp_path / "missing")), "shm")
+    settings = encode_spec(spec)
     child = Child(topo.spec(Role.DECODE, 0, settings), {})
     sup = Supervisor([child], topo.load_table(), 0)
     sup.start_all()
