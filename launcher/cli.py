@@ -33,7 +33,8 @@ from launcher.memory import Demand, MemoryBudgetError, plan_kv, weight_bytes
 from launcher.placement import WorkerPlace, describe, kv_transfer_backend, placements
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
-from runtime.worker_spec import DetokWorkerSpec, EngineWorkerSpec, KVTransferName, encode_spec
+from runtime.spec_decode import DetokWorkerSpec, encode_spec
+from runtime.worker_spec import EngineWorkerSpec, KVTransferName
 from transport.errors import TransportError
 from transport.kv import KVLayout
 from transport.prefix_summary import summary_counters

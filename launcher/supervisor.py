@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from frontend.engine_link.board import FrontendBoard
 from runtime.process import SPEC_ENV, ProcessSpec
-from runtime.worker_spec import EXIT_BAD_SPEC
+from runtime.spec_decode import EXIT_BAD_SPEC
 from transport.load_table import LoadTable, WorkerState, describe_exit
 from wire.roles import Role
 

@@ -22,8 +22,9 @@ import torch
 
 from engine.runner import ModelRunner
 from runtime.process import attach_rings, bootstrap, load_table, prefix_summaries
+from runtime.spec_decode import exit_on_bad_spec
 from runtime.worker_io import IDLE_WAIT_S, drain, fail_request
-from runtime.worker_spec import EngineWorkerSpec, exit_on_bad_spec
+from runtime.worker_spec import EngineWorkerSpec
 from transport.core_lease import CoreLease, host_cores
 from transport.load_table import WorkerState
 from transport.prefix_summary import PrefixSummary

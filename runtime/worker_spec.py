@@ -1,38 +1,22 @@
-"""What ``launch`` tells each worker process: one typed record per kind, decoded strictly.
+"""What ``launch`` tells each worker process: one typed record per kind.
 
 The launcher builds the record (``EngineWorkerSpec`` for prefill, decode and co-located
-workers, ``DetokWorkerSpec`` for detokenizer shards; the frontend's is
-``frontend.settings.FrontendLaunch``) and sends it as the ``settings`` of the process's
-``ProcessSpec``. The worker decodes it with ``decode_spec``: a field it does not know, one
-that is missing, or one of the wrong type stops it at startup with ``SpecError`` naming
-the field, and ``exit_on_bad_spec`` turns that into exit status ``EXIT_BAD_SPEC``, which
-the launcher reports and does not restart (a restart would refuse the same spec).
-
-NOTE: every field travels, defaults included: a setting one side added and the other does
-not know is an error, never a value silently dropped or silently defaulted.
+workers; ``runtime.spec_decode.DetokWorkerSpec`` for detokenizer shards, which must not
+import torch as this module does; the frontend's is
+``frontend.settings.FrontendLaunch``) and sends it, ``encode_spec``-ed, as the ``settings``
+of the process's ``ProcessSpec``; the process reads it back with
+``runtime.spec_decode.exit_on_bad_spec``, strictly.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import typing
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 import msgspec
 
 from engine.config import EngineConfig
 
-logger = logging.getLogger(__name__)
-
-EXIT_BAD_SPEC = 78  # EX_CONFIG (sysexits.h): the process was configured wrongly
-
-T = TypeVar("T")
 KVTransferName = Literal["shm", "cuda_ipc"]
-
-
-class SpecError(ValueError):
-    """A worker's settings do not match its spec; the message names the field."""
 
 
 class EngineWorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -42,55 +26,3 @@ class EngineWorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine: EngineConfig
     # How KV moves between prefill and decode workers; None for a co-located worker.
     kv_transfer: KVTransferName | None
-
-
-class DetokWorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A detokenizer shard's settings."""
-
-    log_level: str
-    model: str  # checkpoint directory: the tokenizer
-
-
-def encode_spec(spec: msgspec.Struct) -> dict[str, Any]:
-    return msgspec.to_builtins(spec)
-
-
-def decode_spec(raw: dict[str, Any], kind: type[T]) -> T:
-    """``raw`` as a ``kind``; ``SpecError`` naming the first field that does not fit."""
-    _check_fields(raw, kind, "settings")
-    try:
-        return msgspec.convert(raw, kind, strict=True)
-    except msgspec.ValidationError as e:
-        raise SpecError(f"{kind.__name__}: {e}") from None
-
-
-def exit_on_bad_spec(raw: dict[str, Any], kind: type[T]) -> T:
-    """``decode_spec``, or log why and exit with ``EXIT_BAD_SPEC`` (a worker's startup)."""
-    try:
-        return decode_spec(raw, kind)
-    except SpecError as e:
-        logger.critical("refusing my spec: %s", e)
-        raise SystemExit(EXIT_BAD_SPEC) from None
-
-
-def _check_fields(raw: object, kind: Any, path: str) -> None:
-    """Exactly ``kind``'s fields, recursively into dataclasses, which msgspec checks less
-    strictly than Structs (it ignores unknown keys and fills in defaults)."""
-    if not isinstance(kind, type):
-        return
-    if issubclass(kind, msgspec.Struct):
-        names = {f.name: f.type for f in msgspec.structs.fields(kind)}
-    elif dataclasses.is_dataclass(kind):
-        hints = typing.get_type_hints(kind)
-        names = {f.name: hints[f.name] for f in dataclasses.fields(kind)}
-    else:
-        return
-    if not isinstance(raw, dict):
-        return  # msgspec names the type error
-    for key in raw:
-        if key not in names:
-            raise SpecError(f"{kind.__name__}: unknown field `{key}` at `{path}.{key}`")
-    for name, typ in names.items():
-        if name not in raw:
-            raise SpecError(f"{kind.__name__}: missing field `{name}` at `{path}.{name}`")
-        _check_fields(raw[name], typ, f"{path}.{name}")

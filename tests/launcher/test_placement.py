@@ -10,7 +10,8 @@ from launcher.args import ConfigError, KVBackend, parse_args
 from launcher.cli import _build_topology, _children, _size_kv
 from launcher.gpus import GpuInfo, assign_gpus
 from launcher.placement import kv_transfer_backend, placements
-from runtime.worker_spec import EngineWorkerSpec, decode_spec
+from runtime.spec_decode import decode_spec
+from runtime.worker_spec import EngineWorkerSpec
 
 GIB = 1 << 30
 GPUS = [GpuInfo(i, "NVIDIA H100 80GB HBM3", 80 * GIB, 80 * GIB) for i in range(4)]

@@ -14,7 +14,8 @@ from engine.config import EngineConfig
 from launcher import supervisor
 from launcher.supervisor import Child, ChildFailed, Supervisor, restart_delay
 from launcher.topology import Topology
-from runtime.worker_spec import EngineWorkerSpec, encode_spec
+from runtime.spec_decode import encode_spec
+from runtime.worker_spec import EngineWorkerSpec
 from transport.load_table import WorkerState, describe_exit
 from wire.roles import Role
 

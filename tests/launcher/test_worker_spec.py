@@ -11,14 +11,8 @@ import pytest
 from engine.config import EngineConfig
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
-from runtime.worker_spec import (
-    EXIT_BAD_SPEC,
-    DetokWorkerSpec,
-    EngineWorkerSpec,
-    SpecError,
-    decode_spec,
-    encode_spec,
-)
+from runtime.spec_decode import EXIT_BAD_SPEC, DetokWorkerSpec, SpecError, decode_spec, encode_spec
+from runtime.worker_spec import EngineWorkerSpec
 from transport.load_table import WorkerState
 from wire.roles import Role
 
