@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # A python interpreter (``python``, ``python3``, ``.venv/bin/python``, ``"$PY"``) run with -m.
 _PYTHON_M = re.compile(r"""(?:python[\d.]*|\$\{?PY\}?)["']?\s+-m\s+([A-Za-z_][\w.]*)""")
-# /work/, /root/, /home/ at the start of a path: not ``~/``, not inside a relative path.
+# A path that starts at the machine's work, root or home directory (not ``~``, not relative).
 _ABSOLUTE = re.compile(r"(?<![\w.~/-])/(?:work|root|home)/")
 # A cited document with a directory part (``docs/design.md``); bare names are files a
 # benchmark writes (``engine_cuda.md`` before any GPU run), not citations.

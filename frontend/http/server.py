@@ -72,11 +72,11 @@ class _Server(uvicorn.Server):
             )  # fmt: skip
 
         self.acceptor = HealthAcceptor(self.sock, protocol, lambda: health_report(self.client))
+        if self.client.board is not None:  # before the first report the acceptor publishes
+            self.client.board.set_state(WorkerState.READY)
         self.acceptor.start()
         self.metrics.add_acceptor(self.acceptor.stats)
         host, port = self.sock.getsockname()[:2]
-        if self.client.board is not None:
-            self.client.board.set_state(WorkerState.READY)
         logger.info("serving HTTP on %s:%d", host, port)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

@@ -1,7 +1,8 @@
 """What `make run` serves: SmolLM2-135M-Instruct on CPU, 2P/2D/2K with default flags.
 
-It answers a question a person can judge, its greedy outputs equal transformers' on the
-same weights, and no worker dies on the way (the memory budget holds).
+It answers a question a person can judge; its greedy outputs equal the in-process engine's
+on the same packed weights, and served in float32 (--quantization none) transformers'; no
+worker dies on the way (the memory budget holds).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import torch
 from openai import OpenAI
 
 from checkpoints.default_model import default_model_dir
+from colocated.llm import LLM
+from engine.config import EngineConfig
 from tests.conftest import LaunchedServer
+from wire.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 NAME = "SmolLM2-135M-Instruct"
@@ -44,33 +48,75 @@ def test_the_default_model_names_the_capital_of_france(client: OpenAI) -> None:
     assert "Paris" in (out.choices[0].message.content or "")
 
 
-def test_greedy_outputs_equal_transformers_through_2p2d(
+QUESTIONS = ["Name three colours.", "What is 2 + 2?", "Write a haiku about the sea.",
+             "Who wrote Hamlet?"]  # fmt: skip
+
+
+def _served_greedy(client: OpenAI, messages: list[dict[str, str]]) -> list[int]:
+    got = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=32, temperature=0,  # type: ignore[arg-type]
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    return got.choices[0].model_extra["token_ids"]  # type: ignore[index, no-any-return]
+
+
+def _prompt_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)  # type: ignore[no-any-return]
+
+
+def test_the_packed_default_serves_what_the_engine_computes_in_process(
     smol: LaunchedServer, client: OpenAI
 ) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The default serves the GGUF's Q4_1 blocks packed; through 2P/2D it gives the greedy
+    tokens one in-process engine computes on the same packed weights.
+
+    Each question opens with its own system line, so no prompt reuses another's cached
+    prefix: the packed layers compute in bfloat16, whose rounding depends on how a prompt
+    was split (a prefix-cache hit on one prefill worker and not on another), and two runs
+    of differently split prompts may part after a near tie many tokens in. Served
+    float32 is exact whatever the split (the next test).
+    """
+    from transformers import AutoTokenizer
 
     path = default_model_dir()
     tok: Any = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    questions = ["Name three colours.", "What is 2 + 2?", "Write a haiku about the sea.",
-                 "Who wrote Hamlet?"]  # fmt: skip
-    for q in questions:
-        messages = [{"role": "user", "content": q}]
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tok.encode(text, add_special_tokens=False)  # as the server tokenizes it
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
-        want = ref[0, len(ids) :].tolist()
-        got = client.chat.completions.create(
-            model=NAME, messages=messages, max_tokens=32, temperature=0,  # type: ignore[arg-type]
-            extra_body={"return_token_ids": True},
-        )  # fmt: skip
-        ids_out = got.choices[0].model_extra["token_ids"]  # type: ignore[index]
-        n = len(ids_out)
-        assert ids_out == want[:n] and (n == len(want) or want[n - 1] in tok.all_special_ids), q
+    llm = LLM(EngineConfig(model=str(path), num_kv_blocks=64))
+    assert llm.runner.quantization == "gguf"
+    for i, q in enumerate(QUESTIONS):
+        messages = [{"role": "system", "content": f"Question {i + 1}: answer briefly."},
+                    {"role": "user", "content": q}]  # fmt: skip
+        ids = _prompt_ids(tok, messages)
+        [want] = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=32))
+        assert _served_greedy(client, messages) == want.output_ids, q
     # No worker died: every process is the one that became ready.
     assert not [line for line in smol.log if "restarting in" in line or "exited" in line]
     assert all(w["alive"] for w in smol.health()["workers"])
+
+
+def test_float32_serving_equals_transformers_through_1p1d() -> None:
+    """--quantization none: the float32 weights de-quantized from the GGUF, exact."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    srv = LaunchedServer(["--prefill", "1", "--decode", "1", "--device", "cpu",
+                          "--quantization", "none"], tiny_model=False)  # fmt: skip
+    srv.wait_ready()
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        path = default_model_dir()
+        tok: Any = AutoTokenizer.from_pretrained(path)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        for q in QUESTIONS:
+            messages = [{"role": "user", "content": q}]
+            ids = _prompt_ids(tok, messages)
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
+            want = ref[0, len(ids) :].tolist()
+            got = _served_greedy(client, messages)
+            n = len(got)
+            assert got == want[:n] and (n == len(want) or want[n - 1] in tok.all_special_ids), q
+    finally:
+        srv.stop()
 
 
 def test_an_anthropic_client_gets_the_answer(smol: LaunchedServer) -> None:

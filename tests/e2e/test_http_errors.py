@@ -265,5 +265,5 @@ def test_server_still_serves_after_the_error_suite(
     health = http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     workers = health.json()["workers"]
-    assert {w["role"] for w in workers} == {"prefill", "decode", "detokenizer"}
-    assert len(workers) == 6 and all(w["alive"] for w in workers)
+    assert {w["role"] for w in workers} == {"prefill", "decode", "detokenizer", "frontend"}
+    assert len(workers) == 7 and all(w["alive"] for w in workers)

@@ -46,7 +46,7 @@ def test_the_first_200_of_health_already_serves() -> None:
             assert seen and seen[-1] == 200, seen
             body = r.json()
             served = {w["role"] for w in body["workers"] if w["alive"]}
-            assert served == {"prefill", "decode", "detokenizer"}, body
+            assert served == {"prefill", "decode", "detokenizer", "frontend"}, body
             model = c.get("/v1/models").json()["data"][0]["id"]
             reply = c.post("/v1/completions", json={"model": model, "prompt": "Hello",
                                                     "max_tokens": 4, "temperature": 0,

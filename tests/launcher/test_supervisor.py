@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
+from frontend.settings import ConnectionLimits, FrontendLaunch, FrontendSettings
 from launcher import supervisor
 from launcher.supervisor import Child, ChildFailed, Supervisor, restart_delay
 from launcher.topology import Topology
@@ -53,6 +54,34 @@ def test_a_worker_that_always_dies_at_startup_ends_failed(
     assert child.restarts == supervisor.MAX_CRASHES - 1
     (row,) = [r for r in topo.load_table().snapshot() if r.index == 0 and r.role is Role.DECODE]
     assert row.state is WorkerState.FAILED and row.exit_status == 1
+    sup.shutdown()
+
+
+def test_frontends_are_restarted_like_workers_and_marked_on_their_board(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dying frontend no longer ends the server: it is restarted (its board row DEAD
+    meanwhile), and only when every frontend has failed does the server give up."""
+    monkeypatch.setattr(supervisor, "RESTART_BASE_S", 0.01)
+    topo = Topology(0, 1, 1, num_frontends=2)
+    # A well-formed spec whose checkpoint does not exist: it dies loading the tokenizer.
+    http = FrontendSettings(model_name="m", max_model_len=64, vocab_size=64)
+    settings = FrontendLaunch(model=str(tmp_path / "missing"), http=http,
+                              connections=ConnectionLimits(), router_policy="least-load",
+                              max_waiting_requests=None, max_queued_prefill_tokens=None,
+                              stall_timeout_s=5.0, log_level="error").to_json()  # fmt: skip
+    kids = [Child(topo.spec(Role.FRONTEND, n, settings), {}) for n in range(2)]
+    board = topo.board()
+    sup = Supervisor(kids, topo.load_table(), 0, board)
+    sup.start_all()
+    seen = set()
+    with pytest.raises(ChildFailed, match="every frontend worker failed"):
+        for _ in range(400):
+            sup._tend(0.5)
+            seen |= {f.state for f in board.frontends()}
+    assert WorkerState.DEAD in seen
+    assert [f.state for f in board.frontends()] == [WorkerState.FAILED] * 2
+    assert all(k.restarts == supervisor.MAX_CRASHES - 1 for k in kids)
     sup.shutdown()
 
 
