@@ -28,8 +28,8 @@ import torch
 from benchmarks.machine import describe as describe_machine
 from checkpoints import tiny
 from engine.config import EngineConfig
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
 from wire.params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "engine_cpu.md"

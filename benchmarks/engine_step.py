@@ -24,10 +24,10 @@ import torch
 
 from benchmarks.machine import describe as describe_machine
 from checkpoints.default_model import resolve_model
-from engine.attention import grouped_decode_sdpa
 from engine.config import EngineConfig
+from engine.kv.sequence import Sequence
+from engine.model.attention import grouped_decode_sdpa
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
 from engine.weights.linear import Linear
 from wire.params import SamplingParams
 

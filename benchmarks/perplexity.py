@@ -28,9 +28,9 @@ import torch
 from benchmarks.machine import describe as describe_machine
 from checkpoints.default_model import resolve_model
 from engine.config import EngineConfig
-from engine.hf_tokenizer import load_tokenizer
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
+from engine.tokenizer.hf_tokenizer import load_tokenizer
 from wire.params import SamplingParams
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"

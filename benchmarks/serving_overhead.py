@@ -48,8 +48,8 @@ from benchmarks.machine import describe as describe_machine
 from benchmarks.soak import launch
 from checkpoints import tiny
 from engine.config import EngineConfig
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
 from wire.params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "serving_overhead.md"

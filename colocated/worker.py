@@ -12,13 +12,12 @@ around it is ``runtime.worker.Worker``'s.
 from __future__ import annotations
 
 from colocated.scheduler import ColocatedScheduler
-from engine.block_manager import BlockAllocator
 from engine.runner import ModelRunner
 from runtime.worker import QueueLoad, Worker
 from runtime.worker_io import drain, send
-from transport.load_table import Role
 from wire.records import AbortRequest
 from wire.ring_names import RingKind
+from wire.roles import Role
 
 
 class ColocatedWorker(Worker):
@@ -33,8 +32,8 @@ class ColocatedWorker(Worker):
         self.stop_in = list(self.rings.sources(RingKind.STOP).values())
 
     @property
-    def allocator(self) -> BlockAllocator:
-        return self.sched.runner.allocator
+    def runner(self) -> ModelRunner:
+        return self.sched.runner
 
     def take_inputs(self) -> None:
         self.take_requests(self.sched)

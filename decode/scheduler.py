@@ -27,10 +27,10 @@ import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import NoFreeBlocks
-from engine.grammar import GrammarError
+from engine.kv.block_manager import NoFreeBlocks
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
+from engine.sampling.grammar import GrammarError
 from runtime.step_output import TokenBatcher
 from transport.kv import KVReceiver
 from wire.records import Finish, KVRelease, KVTransfer, TokenBatch
@@ -138,7 +138,7 @@ class DecodeScheduler:
             # NOTE: only the KV's full blocks (num_tokens // bs) may be shared: the block
             # decode writes its next token into must be this sequence's own.
             seq.block_hashes = list(t.block_hashes[: t.num_tokens // bs])
-            seq.block_table = runner.allocator.acquire(seq.block_hashes)
+            seq.block_table = runner.acquire_cached(seq.block_hashes)
             seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
         held = seq.num_computed_tokens
         try:
@@ -153,8 +153,7 @@ class DecodeScheduler:
         seq.num_computed_tokens = t.num_tokens
         runner.cache_full_blocks(seq, start=held)
         if seq.block_hashes:  # this worker's hit rate: handed-off KV it did not copy
-            runner.allocator.stats.queried_tokens += t.num_tokens
-            runner.allocator.stats.hit_tokens += held
+            runner.count_prefix_lookup(t.num_tokens, held)
         return seq
 
     def adopt(self, seq: Sequence, detok_shard: int) -> None:
@@ -173,7 +172,7 @@ class DecodeScheduler:
         return (
             len(self.running) < self.max_num_seqs
             and not self.preempted
-            and self.runner.allocator.num_available > len(self.running)
+            and self.runner.num_free_kv_blocks > len(self.running)
         )
 
     # ---- one step ----------------------------------------------------------------------
@@ -235,7 +234,7 @@ class DecodeScheduler:
         while self.preempted:
             r = self.preempted[0]
             need = r.seq.blocks_needed(r.seq.num_tokens)  # as if nothing were cached
-            if self.runner.allocator.num_available < need + len(self.running):
+            if self.runner.num_free_kv_blocks < need + len(self.running):
                 return
             self.preempted.popleft()
             self.runner.reuse_prefix(r.seq)

@@ -19,7 +19,6 @@ import time
 import torch
 
 from decode.scheduler import DecodeScheduler
-from engine.block_manager import BlockAllocator
 from engine.runner import ModelRunner
 from runtime.worker import QueueLoad, Worker
 from runtime.worker_io import drain, fail_request, send
@@ -27,10 +26,10 @@ from transport.errors import KVTransferError
 from transport.kv import KVLayout, KVReceiver, pool_view
 from transport.kv_backends import CudaIpcReceiver, ShmReceiver, register_host_memory
 from transport.kv_handles import PoolImports, Verdict
-from transport.load_table import Role
 from transport.segment import Segment, SegmentSpec
 from wire.records import AbortRequest, KVPoolHandle, KVRelease, KVTransfer
-from wire.ring_names import RingKind
+from wire.ring_names import Peer, RingKind
+from wire.roles import Role
 
 logger = logging.getLogger(__name__)
 # While only handoffs waiting for their grammar to compile are here: poll, do not spin
@@ -46,7 +45,7 @@ class DecodeWorker(Worker):
         runner = ModelRunner(self.config)
         self.imports: PoolImports | None = None
         self.receiver: KVReceiver
-        if self.spec.settings.get("kv_transfer", "shm") == "cuda_ipc":
+        if self.settings.kv_transfer == "cuda_ipc":
             self.imports, self.receiver = PoolImports(), CudaIpcReceiver({}, runner.kv_pool)
         else:
             self.receiver = self._shm_receiver(runner)
@@ -62,14 +61,15 @@ class DecodeWorker(Worker):
         for name, pool in self.spec.kv_pools.items():
             seg = Segment.attach(SegmentSpec(f"kv.{name}", pool["fd"], pool["nbytes"]))
             self._pool_segs.append(seg)
-            sources[int(name[1:])] = pool_view(seg, KVLayout(**pool["layout"]))
+            i = Peer.parse(name).index  # the prefill worker whose pool it is
+            sources[i] = pool_view(seg, KVLayout(**pool["layout"]))
             if runner.device.type == "cuda":
-                register_host_memory(sources[int(name[1:])])  # host -> GPU copies by DMA
+                register_host_memory(sources[i])  # host -> GPU copies by DMA
         return ShmReceiver(sources, runner.kv_pool)
 
     @property
-    def allocator(self) -> BlockAllocator:
-        return self.sched.runner.allocator
+    def runner(self) -> ModelRunner:
+        return self.sched.runner
 
     def step(self) -> bool:
         if self.imports is not None:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from detokenizer.shard import DetokShard
-from engine.hf_tokenizer import load_tokenizer
+from engine.tokenizer.hf_tokenizer import load_tokenizer
 from runtime.process import ProcessSpec, bootstrap
+from runtime.spec_decode import DetokWorkerSpec, exit_on_bad_spec
 from transport.doorbell import Doorbell, DoorbellSpec
 from transport.errors import PeerDead
 from transport.ring import Ring, RingSpec
@@ -35,7 +36,8 @@ from wire.records import (
     encode,
 )
 from wire.rids import owner_of
-from wire.ring_names import PeerRole, RingKind, RingName
+from wire.ring_names import RingKind, RingName
+from wire.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -161,19 +163,19 @@ def config_from_spec(spec: ProcessSpec) -> DetokWorkerConfig:
     inbound = {RingName.parse(n): RingSpec(**s) for n, s in spec.rings_in.items()}
     outbound = {RingName.parse(n): RingSpec(**s) for n, s in spec.rings_out.items()}
 
-    def sources(kind: RingKind, *roles: PeerRole) -> tuple[RingSpec, ...]:
+    def sources(kind: RingKind, *roles: Role) -> tuple[RingSpec, ...]:
         names = sorted(n for n in inbound if n.kind is kind and n.src.role in roles)
         return tuple(inbound[n] for n in names)
 
     return DetokWorkerConfig(
         index=spec.index,
-        tokenizer_path=spec.settings["model"],
+        tokenizer_path=exit_on_bad_spec(spec.settings, DetokWorkerSpec).model,
         doorbell=DoorbellSpec(spec.doorbell_fd),
-        control=sources(RingKind.CTL, PeerRole.FRONTEND),  # by frontend index
-        prefill_rings=sources(RingKind.TOK, PeerRole.PREFILL),
+        control=sources(RingKind.CTL, Role.FRONTEND),  # by frontend index
+        prefill_rings=sources(RingKind.TOK, Role.PREFILL),
         # A server has decode workers or co-located ones, never both: either way ring j
         # here pairs with stop ring j (co-located workers send first tokens on it too).
-        decode_rings=sources(RingKind.TOK, PeerRole.DECODE, PeerRole.COLOCATED),
+        decode_rings=sources(RingKind.TOK, Role.DECODE, Role.COLOCATED),
         stop_rings=tuple(outbound[n] for n in sorted(outbound) if n.kind is RingKind.STOP),
         frontends=tuple(outbound[n] for n in sorted(outbound) if n.kind is RingKind.TEXT),
     )

@@ -153,12 +153,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None -> min(max_position_embeddings, 8192)
     max_num_seqs: int = 256
     chunked_prefill_size: int = 2048
-    # Reuse the KV of a prompt's longest cached prefix (engine/block_manager.py); off,
+    # Reuse the KV of a prompt's longest cached prefix (engine/kv/block_manager.py); off,
     # no block is ever hashed and every prompt is computed in full.
     enable_prefix_caching: bool = True
     seed: int = 0
-    # "auto": Triton kernels over the paged pool on CUDA (engine/kernels/), torch SDPA
-    # elsewhere; "torch" or "triton" force one (see engine.kernels.use_kernels).
+    # "auto": Triton kernels over the paged pool on CUDA (engine/cuda/kernels/), torch SDPA
+    # elsewhere; "torch" or "triton" force one (see engine.cuda.kernels.use_kernels).
     attention_backend: str = "auto"
     enforce_eager: bool = False  # kernel path: no decode CUDA graphs
 

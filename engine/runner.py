@@ -17,6 +17,9 @@ Who calls what:
 - ``prefill`` / ``decode`` publish every block they fill (``cache_full_blocks``), so the
   next sequence sharing the prefix reuses it; a caller that writes KV some other way (a
   decode worker importing a transfer) calls ``cache_full_blocks`` itself.
+- schedulers and workers see the pool only through the KV interface below
+  (``num_free_kv_blocks``, ``acquire_cached``, ``pin_blocks``, ``kv_figures`` ...), never
+  through ``allocator``, which tests may inspect.
 """
 
 from __future__ import annotations
@@ -27,24 +30,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.attention import AttentionMetadata, DenseDecodeKV
-from engine.block_manager import BlockAllocator
+from engine.checkpoint.loader import load_weights
 from engine.config import EngineConfig, ModelConfig
-from engine.gpu_memory import gpu_kv_blocks
-from engine.grammar import GrammarCache
-from engine.grammar_mask import batch_constraint
-from engine.hf_tokenizer import load_tokenizer
-from engine.kernels import use_kernels
-from engine.kv_cache import GpuMemoryError, allocate_kv_pool, block_nbytes, check_kv_pool
-from engine.model import CausalLM
-from engine.sampler import SampleOutput, SampleRequest, sample
-from engine.sequence import Sequence
-from engine.weights.loader import load_weights
+from engine.cuda.gpu_memory import gpu_kv_blocks
+from engine.cuda.kernels import use_kernels
+from engine.kv.block_manager import BlockAllocator, KVFigures
+from engine.kv.kv_cache import GpuMemoryError, allocate_kv_pool, block_nbytes, check_kv_pool
+from engine.kv.sequence import Sequence
+from engine.model.attention import AttentionMetadata, DenseDecodeKV
+from engine.model.causal_lm import CausalLM
+from engine.sampling.grammar import GrammarCache
+from engine.sampling.grammar_mask import batch_constraint
+from engine.sampling.sampler import SampleOutput, SampleRequest, sample
+from engine.tokenizer.hf_tokenizer import load_tokenizer
 from engine.weights.plan import activation_dtype, cache_dtype, resolve_quantization
 from wire.records import Finish
 
 if TYPE_CHECKING:
-    from engine.kernel_path import KernelPath
+    from engine.cuda.kernel_path import KernelPath
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +82,7 @@ class ModelRunner:
         self._dense = DenseDecodeKV() if self.device.type == "cpu" else None
         self._kernels: KernelPath | None = None
         if use_kernels(config.attention_backend, self.device.type):
-            from engine.kernel_path import KernelPath  # imports triton: only when used
+            from engine.cuda.kernel_path import KernelPath  # imports triton: only when used
 
             self._kernels = KernelPath(self.model, self.model_config, config, self.max_model_len)
         if self.device.type == "cuda":
@@ -223,6 +226,47 @@ class ModelRunner:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.prefix_queried = False  # recomputing it, if ever, starts with a new lookup
+
+    # ---- the KV interface of schedulers and workers (the allocator stays inside) -------
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in the whole pool: a sequence needing more can never run here."""
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        """Blocks ``ensure_blocks`` can have now: free ones plus evictable cached ones."""
+        return self.allocator.num_available
+
+    def acquire_cached(self, hashes: list[int]) -> list[int]:
+        """The pool's blocks of the longest prefix of ``hashes``, one reference each taken
+        (a decode worker's lookup for handed-off KV; ``reuse_prefix`` is the usual way)."""
+        return self.allocator.acquire(hashes)
+
+    def count_prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Record a lookup made outside ``reuse_prefix`` in the prefix-cache counters."""
+        self.allocator.stats.queried_tokens += queried_tokens
+        self.allocator.stats.hit_tokens += hit_tokens
+
+    def pin_blocks(self, ids: list[int]) -> None:
+        """Hand a sequence's references on ``ids`` to an outgoing transfer (prefill)."""
+        self.allocator.pin(ids)
+
+    def unpin_blocks(self, ids: list[int]) -> None:
+        """The transfer's reader is done with ``ids`` (or dead): release them."""
+        self.allocator.unpin(ids)
+
+    def watch_prefix_hashes(self) -> None:
+        """Journal every prefix-hash change from now on (for a worker's prefix summary)."""
+        self.allocator.watch_hashes()
+
+    def take_prefix_hash_changes(self) -> tuple[list[int], list[int]]:
+        """(registered, evicted) hashes since the last call; ``watch_prefix_hashes`` first."""
+        return self.allocator.take_hash_changes()
+
+    def kv_figures(self) -> KVFigures:
+        return self.allocator.figures()
 
     def prefill(
         self, chunks: list[tuple[Sequence, int]], pool: torch.Tensor | None = None,

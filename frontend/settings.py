@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from runtime.spec_decode import decode_spec
+
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
@@ -71,8 +73,8 @@ class FrontendLaunch:
 
     It travels as the JSON ``settings`` of the frontend's ``ProcessSpec`` (``to_json`` /
     ``from_json``); ``model`` and ``log_level`` sit at the top level, where every role's
-    bootstrap reads them. A key one side does not know is a TypeError at startup, not a
-    setting silently lost.
+    bootstrap reads them. A key one side does not know, or one it lacks, is an error, not a
+    setting silently lost: ``SpecError`` names it at startup.
     """
 
     model: str  # checkpoint directory: the tokenizer and chat template
@@ -90,8 +92,5 @@ class FrontendLaunch:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> FrontendLaunch:
-        http = dict(d["http"])
-        for name in ("model_aliases", "allowed_hosts", "eos_token_ids"):  # JSON lists
-            http[name] = tuple(http.get(name, ()))
-        return cls(**{**d, "http": FrontendSettings(**http),
-                      "connections": ConnectionLimits(**d["connections"])})  # fmt: skip
+        """Strictly, as every worker reads its spec (``runtime/worker_spec.py``)."""
+        return decode_spec(d, cls)

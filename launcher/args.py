@@ -46,7 +46,7 @@ class LogLevel(enum.StrEnum):
 
 
 ROUTER_POLICIES = ("cache-aware", "least-load", "power-of-two", "round-robin")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # engine.kernels.ATTENTION_BACKENDS
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # engine.cuda.kernels.ATTENTION_BACKENDS
 _LIMITS = ConnectionLimits()
 
 

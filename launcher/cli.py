@@ -20,7 +20,7 @@ import sys
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import torch
 
@@ -38,10 +38,13 @@ from launcher.memory import Demand, MemoryBudgetError, plan_kv, weight_bytes
 from launcher.placement import WorkerPlace, describe, kv_transfer_backend, placements
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
+from runtime.spec_decode import DetokWorkerSpec, encode_spec
+from runtime.worker_spec import EngineWorkerSpec, KVTransferName
 from transport.errors import TransportError
 from transport.kv import KVLayout
 from transport.prefix_summary import summary_counters
 from transport.segment import sweep_stale
+from wire.roles import Role
 
 logger = logging.getLogger("launch")
 
@@ -77,26 +80,24 @@ def _aliases(model: Path | None) -> tuple[str, ...]:
     return (str(model), f"{model}/") if model.is_dir() else (str(model),)
 
 
-def _engine_settings(
+def _engine_spec(
     config: ServerConfig, model: Path, place: WorkerPlace, backend: KVBackend | None
-) -> dict[str, Any]:
+) -> EngineWorkerSpec:
     assert config.kv_cache_tokens is not None, "sized by _size_kv"
-    settings: dict[str, Any] = {
-        "model": str(model), "dtype": config.dtype.value, "device": place.device,
-        "quantization": config.quantization,
-        "block_size": config.block_size, "kv_cache_tokens": config.kv_cache_tokens,
-        "gpu_memory_utilization": config.gpu_memory_utilization,
-        "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
-        "chunked_prefill_size": config.chunked_prefill_size,
-        "enable_prefix_caching": config.enable_prefix_caching,
-        "attention_backend": config.attention_backend, "enforce_eager": config.enforce_eager,
-        "log_level": config.log_level.value,
-    }  # fmt: skip
-    if place.gpu is not None:
-        settings["gpu_memory_share"] = place.gpu_memory_share
-    if backend is not None:  # prefill and decode workers: how KV moves between them
-        settings["kv_transfer"] = backend.value
-    return settings
+    engine = EngineConfig(
+        model=str(model), dtype=config.dtype.value, device=place.device,
+        quantization=config.quantization,
+        block_size=config.block_size, kv_cache_tokens=config.kv_cache_tokens,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        gpu_memory_share=place.gpu_memory_share,  # None on CPU
+        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+        chunked_prefill_size=config.chunked_prefill_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+        attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
+    )  # fmt: skip
+    # Prefill and decode workers: how KV moves between them; co-located workers: None.
+    kv_transfer = None if backend is None else cast(KVTransferName, backend.value)
+    return EngineWorkerSpec(config.log_level.value, engine, kv_transfer)
 
 
 def _children(
@@ -109,14 +110,14 @@ def _children(
     threads = str(max(1, cores // max(1, num_workers)))
     out: list[Child] = []
     for place in placements(gpus, config.gpu_memory_utilization):
-        handoff = None if place.role == "colocated" else backend
-        settings = _engine_settings(config, model, place, handoff)
+        handoff = None if place.role is Role.COLOCATED else backend
+        settings = encode_spec(_engine_spec(config, model, place, handoff))
         env = {"OMP_NUM_THREADS": threads, **place.env()}
         out.append(Child(topo.spec(place.role, place.index, settings), env))
-    common = {"model": str(model), "log_level": config.log_level.value}
+    common = encode_spec(DetokWorkerSpec(config.log_level.value, str(model)))
     cpu_only = {"OMP_NUM_THREADS": "1", **cuda_env(None)}  # frontend and shards: no GPU
     for k in range(config.detokenizers):
-        out.append(Child(topo.spec("detok", k, common), dict(cpu_only)))
+        out.append(Child(topo.spec(Role.DETOK, k, common), dict(cpu_only)))
     http = FrontendSettings(
         model_name=config.served_model_name or model.name, model_aliases=_aliases(config.model),
         max_model_len=engine.resolve_max_model_len(mcfg), vocab_size=mcfg.vocab_size,
@@ -134,7 +135,7 @@ def _children(
         max_queued_prefill_tokens=config.max_queued_prefill_tokens,
         stall_timeout_s=config.stall_timeout, api_workers=config.api_workers,
     ).to_json()  # fmt: skip
-    frontends = [Child(topo.spec("frontend", n, frontend), dict(cpu_only))
+    frontends = [Child(topo.spec(Role.FRONTEND, n, frontend), dict(cpu_only))
                  for n in range(config.api_workers)]  # fmt: skip
     return frontends + out
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from launcher.args import ConfigError, Device, ServerConfig
+from wire.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -147,13 +148,13 @@ def assign_gpus(config: ServerConfig, inventory: Sequence[GpuInfo] | None = None
         return _all_cpu(config)
     found = {g.index: g for g in gpus}
     if config.colocated:
-        colocated = _default_slice(config.colocated, (), found, "colocated")
+        colocated = _default_slice(config.colocated, (), found, Role.COLOCATED)
         _warn_busy(found, colocated, config.gpu_memory_utilization)
         return GpuAssignment(Device.CUDA, (), (), tuple(colocated))
     prefill = config.prefill_gpus or _default_slice(
-        config.prefill, config.decode_gpus or (), found, "prefill"
+        config.prefill, config.decode_gpus or (), found, Role.PREFILL
     )
-    decode = config.decode_gpus or _default_slice(config.decode, prefill, found, "decode")
+    decode = config.decode_gpus or _default_slice(config.decode, prefill, found, Role.DECODE)
     _check_exist(prefill, found, "--prefill-gpus")
     _check_exist(decode, found, "--decode-gpus")
     _warn_busy(found, (*prefill, *decode), config.gpu_memory_utilization)
@@ -174,7 +175,7 @@ def _all_cpu(config: ServerConfig) -> GpuAssignment:
 
 
 def _default_slice(
-    count: int, taken: Sequence[int], found: dict[int, GpuInfo], role: str
+    count: int, taken: Sequence[int], found: dict[int, GpuInfo], role: Role
 ) -> tuple[int, ...]:
     """The first ``count`` GPUs not already taken by the other role."""
     free = [i for i in sorted(found) if i not in set(taken)]

@@ -10,15 +10,14 @@ from dataclasses import dataclass
 
 from launcher.args import ConfigError, KVBackend, ServerConfig
 from launcher.gpus import GpuAssignment, cuda_env
-
-WORKER_ROLES = ("prefill", "decode", "colocated")
+from wire.roles import ENGINE_ROLES, Role
 
 
 @dataclass(frozen=True)
 class WorkerPlace:
     """One worker's place: ``gpu`` is the NVML index (None on CPU)."""
 
-    role: str
+    role: Role
     index: int
     gpu: int | None
     gpu_memory_share: float | None  # fraction of the GPU's total memory; None on CPU
@@ -54,7 +53,7 @@ def placements(gpus: GpuAssignment, utilization: float) -> list[WorkerPlace]:
     per_gpu = Counter(g for pool in pools for g in pool if g is not None)
     return [
         WorkerPlace(role, index, gpu, None if gpu is None else utilization / per_gpu[gpu])
-        for role, pool in zip(WORKER_ROLES, pools, strict=True)
+        for role, pool in zip(ENGINE_ROLES, pools, strict=True)
         for index, gpu in enumerate(pool)
     ]
 
@@ -62,7 +61,7 @@ def placements(gpus: GpuAssignment, utilization: float) -> list[WorkerPlace]:
 def describe(places: list[WorkerPlace]) -> str:
     """One line for the launch log: where each worker runs and its memory share."""
     return ", ".join(
-        f"{p.role}-{p.index}: "
+        f"{p.role.worker_name(p.index)}: "
         + ("CPU" if p.gpu is None else f"GPU{p.gpu} ({p.gpu_memory_share:.0%} of memory)")
         for p in places
     )

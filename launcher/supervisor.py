@@ -32,23 +32,24 @@ from dataclasses import dataclass, field
 
 from frontend.engine_link.board import FrontendBoard
 from runtime.process import SPEC_ENV, ProcessSpec
-from transport.load_table import LoadTable, Role, WorkerState, describe_exit
+from runtime.spec_decode import EXIT_BAD_SPEC
+from transport.load_table import LoadTable, WorkerState, describe_exit
+from wire.roles import Role
 
 logger = logging.getLogger(__name__)
 
 MODULES = {
-    "frontend": "frontend.http.server",
-    "prefill": "prefill.worker",
-    "decode": "decode.worker",
-    "colocated": "colocated.worker",
-    "detok": "detokenizer.worker",
+    Role.FRONTEND: "frontend.http.server",
+    Role.PREFILL: "prefill.worker",
+    Role.DECODE: "decode.worker",
+    Role.COLOCATED: "colocated.worker",
+    Role.DETOK: "detokenizer.worker",
 }
 SHUTDOWN_GRACE_S = 8.0  # SIGTERM, then SIGKILL: everything is gone within 10 s
 RESTART_BASE_S = 0.5
 RESTART_MAX_S = 30.0
 CRASH_WINDOW_S = 60.0
 MAX_CRASHES = 5
-ENGINE_ROLES = ("prefill", "decode", "colocated")
 
 
 def restart_delay(recent_deaths: int) -> float:
@@ -78,7 +79,7 @@ class Child:
 
     @property
     def name(self) -> str:
-        return f"{self.spec.role}-{self.spec.index}"
+        return self.spec.role.worker_name(self.spec.index)
 
     def start(self) -> None:
         env = {**os.environ, **self.env, SPEC_ENV: self.spec.to_json()}
@@ -124,10 +125,10 @@ class Supervisor:
         when a role has no worker left that could become ready.
         """
         deadline = time.monotonic() + timeout_s
-        roles = {c.spec.role for c in self.children if c.spec.role in ENGINE_ROLES}
+        roles = {c.spec.role for c in self.children if c.spec.role.is_engine}
         while time.monotonic() < deadline and not self.stopping:
             self._tend(0.1)
-            ready = {r.role.name.lower() for r in self.table.snapshot()
+            ready = {r.role for r in self.table.snapshot()
                      if r.state == WorkerState.READY}  # fmt: skip
             if roles <= ready and frontend_ready():
                 return
@@ -166,6 +167,12 @@ class Supervisor:
     def _on_death(self, child: Child, code: int) -> None:
         how = describe_exit(code)
         now = time.monotonic()
+        if code == EXIT_BAD_SPEC:  # the same spec would be refused again: no restart
+            child.failed = "refused its spec (its log line above names the field)"
+            logger.error("%s %s: not restarted", child.name, child.failed)
+            self._mark(child, WorkerState.FAILED, code)
+            self._check_roles()
+            return
         child.deaths = [t for t in child.deaths if now - t < CRASH_WINDOW_S] + [now]
         if len(child.deaths) >= MAX_CRASHES:
             child.failed = f"{how}; died {len(child.deaths)} times in {CRASH_WINDOW_S:.0f} s"
@@ -179,15 +186,16 @@ class Supervisor:
         child.restart_at = now + delay
 
     def _mark(self, child: Child, state: WorkerState, code: int) -> None:
-        if child.spec.role == "frontend" and self.board is not None:
+        if child.spec.role is Role.FRONTEND and self.board is not None:
             self.board.mark_dead(child.spec.index, failed=state == WorkerState.FAILED)
         if child.slot >= 0:
-            role = Role[child.spec.role.upper()]  # slots belong to engine workers only
-            self.table.writer(child.slot).mark_exited(state, code, role, child.spec.index)
+            # slots belong to engine workers only
+            self.table.writer(child.slot).mark_exited(state, code, child.spec.role,
+                                                      child.spec.index)  # fmt: skip
 
     def _check_roles(self) -> None:
         """A role all of whose workers failed can serve nothing: give up."""
-        roles: dict[str, list[Child]] = {}
+        roles: dict[Role, list[Child]] = {}
         for c in self.children:
             roles.setdefault(c.spec.role, []).append(c)
         for role, group in roles.items():

@@ -24,7 +24,8 @@ from transport.load_table import LoadTable
 from transport.prefix_summary import PrefixSummary, create_summary_segment
 from transport.ring import Ring
 from transport.segment import Segment
-from wire.ring_names import Peer, PeerRole, RingKind, RingName
+from wire.ring_names import Peer, RingKind, RingName
+from wire.roles import Role
 
 MiB = 1 << 20
 # Capacities: a request ring holds long prompts; token rings a few steps of a full batch
@@ -32,8 +33,6 @@ MiB = 1 << 20
 RING_BYTES = {RingKind.REQ: 8 * MiB, RingKind.KV: 4 * MiB, RingKind.TOK: 4 * MiB,
               RingKind.TEXT: 8 * MiB}  # fmt: skip
 SMALL_RING_BYTES = 256 * 1024
-_LETTER = {"prefill": PeerRole.PREFILL, "decode": PeerRole.DECODE, "detok": PeerRole.DETOK,
-           "colocated": PeerRole.COLOCATED, "frontend": PeerRole.FRONTEND}  # fmt: skip
 
 
 class Topology:
@@ -45,11 +44,11 @@ class Topology:
     ) -> None:  # fmt: skip
         self.p, self.d, self.k, self.c = num_prefill, num_decode, num_detok, num_colocated
         self.f = num_frontends
-        self.frontends = [Peer(PeerRole.FRONTEND, n) for n in range(self.f)]
-        peers = [*self.frontends] + [Peer(PeerRole.PREFILL, i) for i in range(self.p)]
-        peers += [Peer(PeerRole.DECODE, j) for j in range(self.d)]
-        peers += [Peer(PeerRole.DETOK, k) for k in range(self.k)]
-        peers += [Peer(PeerRole.COLOCATED, c) for c in range(self.c)]
+        self.frontends = [Peer(Role.FRONTEND, n) for n in range(self.f)]
+        peers = [*self.frontends] + [Peer(Role.PREFILL, i) for i in range(self.p)]
+        peers += [Peer(Role.DECODE, j) for j in range(self.d)]
+        peers += [Peer(Role.DETOK, k) for k in range(self.k)]
+        peers += [Peer(Role.COLOCATED, c) for c in range(self.c)]
         self.doorbells = {peer: Doorbell.create() for peer in peers}
         self.rings: dict[RingName, Ring] = {}
         self._build_rings()
@@ -70,26 +69,26 @@ class Topology:
 
     def _build_rings(self) -> None:
         """Every ring of ``wire/ring_names.py``; each frontend has its own to every peer."""
-        shards = [Peer(PeerRole.DETOK, k) for k in range(self.k)]
+        shards = [Peer(Role.DETOK, k) for k in range(self.k)]
         for i in range(self.p):
-            p = Peer(PeerRole.PREFILL, i)
+            p = Peer(Role.PREFILL, i)
             for f in self.frontends:
                 self._add(RingKind.REQ, f, p)
             for k in shards:
                 self._add(RingKind.TOK, p, k)
             for j in range(self.d):
-                d = Peer(PeerRole.DECODE, j)
+                d = Peer(Role.DECODE, j)
                 self._add(RingKind.KV, p, d)
                 self._add(RingKind.REL, d, p)
         for j in range(self.d):
-            d = Peer(PeerRole.DECODE, j)
+            d = Peer(Role.DECODE, j)
             for f in self.frontends:
                 self._add(RingKind.CTL, f, d)
             for k in shards:
                 self._add(RingKind.TOK, d, k)
                 self._add(RingKind.STOP, k, d)
         for c in range(self.c):
-            w = Peer(PeerRole.COLOCATED, c)
+            w = Peer(Role.COLOCATED, c)
             for f in self.frontends:
                 self._add(RingKind.REQ, f, w)
             for k in shards:
@@ -102,28 +101,31 @@ class Topology:
 
     def add_kv_pool(self, prefill: int, layout: KVLayout) -> None:
         """The shared segment decode workers copy prefill ``prefill``'s blocks from."""
-        self.kv_segments[f"p{prefill}"] = (create_pool_segment(f"p{prefill}", layout), layout)
+        name = str(Peer(Role.PREFILL, prefill))
+        self.kv_segments[name] = (create_pool_segment(name, layout), layout)
 
     def add_prefix_summaries(self, num_counters: int) -> None:
         """One summary segment per engine worker: it writes its own, the frontend reads all."""
-        workers = [Peer(PeerRole.PREFILL, i) for i in range(self.p)]
-        workers += [Peer(PeerRole.DECODE, j) for j in range(self.d)]
-        workers += [Peer(PeerRole.COLOCATED, c) for c in range(self.c)]
+        workers = [Peer(Role.PREFILL, i) for i in range(self.p)]
+        workers += [Peer(Role.DECODE, j) for j in range(self.d)]
+        workers += [Peer(Role.COLOCATED, c) for c in range(self.c)]
         for w in workers:
             seg = self.summary_segments[str(w)] = create_summary_segment(str(w), num_counters)
             PrefixSummary(seg.buf, num_counters)  # writes the header
 
-    def spec(self, role: str, index: int, settings: dict[str, Any]) -> ProcessSpec:
-        me = Peer(_LETTER[role], index)
+    def spec(self, role: Role, index: int, settings: dict[str, Any]) -> ProcessSpec:
+        me = Peer(role, index)
         board = self.board_segment.spec
         segments = {"frontends": {"fd": board.fd, "nbytes": board.nbytes}}
-        segments = segments if role == "frontend" else {}
+        segments = segments if role is Role.FRONTEND else {}
         # Slots: prefill workers, then decode workers; a colocated server has only c rows.
-        slot = {"prefill": index, "decode": self.p + index, "colocated": index}.get(role, -1)
+        slot = {Role.PREFILL: index, Role.DECODE: self.p + index, Role.COLOCATED: index}.get(
+            role, -1
+        )
         kv_pools = {
             name: {"fd": seg.spec.fd, "nbytes": seg.spec.nbytes, "layout": asdict(layout)}
             for name, (seg, layout) in self.kv_segments.items()
-            if name == str(me) or role == "decode"
+            if name == str(me) or role is Role.DECODE
         }
         return ProcessSpec(
             role=role,
@@ -142,7 +144,7 @@ class Topology:
             prefix_summaries={
                 name: {"fd": seg.spec.fd, "nbytes": seg.spec.nbytes}
                 for name, seg in self.summary_segments.items()
-                if name == str(me) or role == "frontend"
+                if name == str(me) or role is Role.FRONTEND
             },
             segments=segments,
         )

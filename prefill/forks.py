@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.sequence import Sequence
+from engine.kv.sequence import Sequence
 from wire.records import GenerateRequest
 
 FORK_WAIT_S = 0.05

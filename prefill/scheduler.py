@@ -11,7 +11,7 @@ Request life on a prefill worker:
       finished at once (EOS / max_tokens 1): blocks freed, token sent with its finish
       otherwise: blocks pinned, KVTransfer to the decode worker -> release() unpins them
 Freed and unpinned blocks that hold a full prefix block stay cached for later requests
-until the pool needs the room (engine/block_manager.py).
+until the pool needs the room (engine/kv/block_manager.py).
 
 A request with a grammar has it compiled on arrival (``grammars.prepare``, on a thread);
 its prompt is prefilled meanwhile, all but the last token, whose logits are sampled at
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_manager import NoFreeBlocks
-from engine.grammar import GrammarError
+from engine.kv.block_manager import NoFreeBlocks
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sampler import SampleOutput
-from engine.sequence import Sequence
+from engine.sampling.grammar import GrammarError
+from engine.sampling.sampler import SampleOutput
 from prefill.forks import Forks, Pending
 from runtime.step_output import TokenBatcher
 from transport.kv import PinnedBlocks
@@ -44,7 +44,7 @@ def fits(runner: ModelRunner, req: GenerateRequest) -> bool:
     """Could ``req`` ever run here (max_model_len, the whole KV pool)? Logs when not."""
     total = len(req.prompt_ids) + len(req.output_ids) + 1  # + the token it will sample
     blocks = -(-total // runner.block_size)
-    if total > runner.max_model_len or blocks > runner.allocator.num_blocks:
+    if total > runner.max_model_len or blocks > runner.num_kv_blocks:
         logger.error("rid %d: %d tokens can never fit; rejected", req.rid, total)
         return False
     return True
@@ -125,10 +125,10 @@ class PrefillScheduler:
 
     def release(self, rid: int) -> None:
         """Decode no longer needs ``rid``'s pinned blocks."""
-        self.runner.allocator.unpin(self.pinned.on_release(rid))
+        self.runner.unpin_blocks(self.pinned.on_release(rid))
 
     def decode_worker_died(self, decode_worker: int) -> None:
-        self.runner.allocator.unpin(self.pinned.on_peer_dead(decode_worker))
+        self.runner.unpin_blocks(self.pinned.on_peer_dead(decode_worker))
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -249,7 +249,7 @@ class PrefillScheduler:
         seq = p.seq
         # NOTE: the newest token has no KV yet; decode computes it in its first step.
         blocks = list(seq.block_table)
-        self.runner.allocator.pin(blocks)
+        self.runner.pin_blocks(blocks)
         self.pinned.pin(seq.rid, p.decode_worker, blocks)
         # Prefix caching: the hashes of the full blocks (already computed when they were
         # published), so decode finds the blocks it holds without rehashing the prompt.

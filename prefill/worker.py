@@ -18,7 +18,6 @@ import time
 
 import torch
 
-from engine.block_manager import BlockAllocator
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler, PrefillStep
@@ -27,10 +26,11 @@ from runtime.worker_io import drain, fail_request, send
 from transport.kv import KVExporter, KVLayout, pool_view
 from transport.kv_backends import CudaIpcExporter, ShmExporter, register_host_memory
 from transport.kv_handles import HandleSender
-from transport.load_table import Role, WorkerState
+from transport.load_table import WorkerState
 from transport.segment import Segment, SegmentSpec
 from wire.records import KVPoolHandle, KVRelease
-from wire.ring_names import RingKind
+from wire.ring_names import Peer, RingKind
+from wire.roles import Role
 
 logger = logging.getLogger(__name__)
 # A step that could run nothing while requests wait (a grammar compiling, no free KV):
@@ -46,7 +46,7 @@ class PrefillWorker(Worker):
         super().__init__()
         config = self.config
         self.handles: HandleSender | None = None
-        if self.spec.settings.get("kv_transfer", "shm") == "cuda_ipc":
+        if self.settings.kv_transfer == "cuda_ipc":
             runner = ModelRunner(config)  # the pool is sized from this worker's GPU share
             self.exporter: KVExporter = CudaIpcExporter(runner.kv_pool)
             self.handles, self._handle = HandleSender(), self.exporter.handle()
@@ -58,7 +58,7 @@ class PrefillWorker(Worker):
 
     def _shm_runner(self, config: EngineConfig) -> ModelRunner:
         """The pool on CPU is the shared segment; on GPU the segment is its pinned mirror."""
-        pool = self.spec.kv_pools[f"p{self.index}"]
+        pool = self.spec.kv_pools[str(Peer(Role.PREFILL, self.index))]
         layout = KVLayout(**pool["layout"])
         self._pool_seg = Segment.attach(
             SegmentSpec(f"kv.p{self.index}", pool["fd"], pool["nbytes"])
@@ -75,8 +75,8 @@ class PrefillWorker(Worker):
         return runner
 
     @property
-    def allocator(self) -> BlockAllocator:
-        return self.sched.runner.allocator
+    def runner(self) -> ModelRunner:
+        return self.sched.runner
 
     def step(self) -> bool:
         if self.handles is not None:

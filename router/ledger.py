@@ -25,7 +25,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from transport.load_table import LoadRow, Role
+from transport.load_table import LoadRow
+from wire.roles import Role
 
 WorkerKey = tuple[Role, int]
 
@@ -126,7 +127,7 @@ class Ledger:
         """Open books for every worker generation seen for the first time; with peers,
         read what the other frontends have in flight on every worker."""
         for r in rows:
-            if r.role is Role.NONE:
+            if r.role is None:
                 continue
             b = self.books.get((r.role, r.index))
             if b is None or b.generation != r.generation:
@@ -141,8 +142,8 @@ class Ledger:
             return Books(r.generation, r.requests_received, r.prompt_tokens_received,
                          slot=r.slot)  # fmt: skip
         mine = self.peers.own(r.slot)
-        if mine is not None and (r.role, r.index) not in self.assigned:
-            self.assigned[(r.role, r.index)] = Assigned(mine.assigned_requests,
+        if mine is not None and r.worker not in self.assigned:
+            self.assigned[r.worker] = Assigned(mine.assigned_requests,
                                                         mine.assigned_tokens)  # fmt: skip
         if mine is not None and mine.generation == r.generation:
             # A predecessor of this frontend sent these: they are in what r received.
@@ -160,7 +161,7 @@ class Ledger:
                                         a.requests, a.tokens))  # fmt: skip
 
     def of(self, r: LoadRow) -> Books:
-        return self.books[(r.role, r.index)]
+        return self.books[r.worker]
 
     def current(self, key: WorkerKey, generation: int) -> Books | None:
         """The books of ``key`` if it is still that generation (else a restart voided them)."""

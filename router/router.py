@@ -37,11 +37,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from engine.block_manager import block_hashes
+from engine.kv.block_manager import block_hashes
 from router.ledger import Ledger, PeerBooks, WorkerKey
 from router.policy import Candidate, PolicyName, make_policy
-from transport.load_table import LoadRow, LoadTable, Role, WorkerState
+from transport.load_table import LoadRow, LoadTable, WorkerState
 from transport.prefix_summary import PrefixSummary
+from wire.roles import Role
 
 
 class NoCapacity(Exception):
@@ -209,15 +210,13 @@ class Router:
         live = [r for r in rows if r.role is role and self._routable(r, now_ns)
                 and (only is None or r.index == only)]  # fmt: skip
         if not live:
-            raise NoCapacity(self._config.retry_after_dead_s, f"no live {role.name.lower()} worker")
+            raise NoCapacity(self._config.retry_after_dead_s, f"no live {role} worker")
         admitted = sorted((r for r in live if self._admits(r, req.prompt_len)), key=_index)
         if not admitted:
-            raise NoCapacity(
-                self._config.retry_after_s, f"every {role.name.lower()} worker is full"
-            )
+            raise NoCapacity(self._config.retry_after_s, f"every {role} worker is full")
         assigned = self.ledger.assigned
         candidates = [
-            Candidate(r.index, self._cost(r), assigned[(r.role, r.index)].tokens,
+            Candidate(r.index, self._cost(r), assigned[r.worker].tokens,
                       self._new_tokens(r, req))
             for r in admitted
         ]  # fmt: skip
@@ -256,7 +255,7 @@ class Router:
         """Tokens ``req`` adds to ``r`` after reusing the prefix ``r`` probably holds."""
         if not self.cache_aware:
             return 0
-        summary = self._summaries.get((r.role, r.index))
+        summary = self._summaries.get(r.worker)
         bs = r.block_size
         held = 0
         if summary is not None and req.hashes and bs > 0:

@@ -22,7 +22,8 @@ from transport.load_table import LoadTable
 from transport.prefix_summary import PrefixSummary
 from transport.ring import Ring, RingSpec
 from transport.segment import Segment, SegmentSpec
-from wire.ring_names import PeerRole, RingKind, RingName
+from wire.ring_names import RingKind, RingName
+from wire.roles import Role
 
 SPEC_ENV = "PDSERVE_SPEC"
 _PR_SET_PDEATHSIG = 1
@@ -32,7 +33,7 @@ _PR_SET_PDEATHSIG = 1
 class ProcessSpec:
     """What one child needs, as JSON. Every fd named here is inherited from the launcher."""
 
-    role: str  # frontend | prefill | decode | detok
+    role: Role
     index: int
     doorbell_fd: int
     rings_in: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -51,7 +52,8 @@ class ProcessSpec:
 
     @classmethod
     def from_json(cls, text: str) -> ProcessSpec:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        return cls(**{**fields, "role": Role(fields["role"])})
 
     def fds(self) -> list[int]:
         out = [self.doorbell_fd]
@@ -79,7 +81,7 @@ class Stopping:
 def bootstrap() -> tuple[ProcessSpec, Stopping]:
     """Parse the spec, set the process title and logging, and die with the parent."""
     spec = ProcessSpec.from_json(os.environ[SPEC_ENV])
-    name = f"pdserve:{spec.role}-{spec.index}"
+    name = f"pdserve:{spec.role.worker_name(spec.index)}"
     try:
         import setproctitle
 
@@ -113,12 +115,12 @@ class Rings:
     outbound: dict[RingName, Ring]
     doorbell: Doorbell
 
-    def sources(self, kind: RingKind, role: PeerRole | None = None) -> dict[int, Ring]:
+    def sources(self, kind: RingKind, role: Role | None = None) -> dict[int, Ring]:
         """Inbound rings of ``kind`` (from peers of ``role``), by the sender's index."""
         return {n.src.index: r for n, r in sorted(self.inbound.items())
                 if n.kind is kind and role in (None, n.src.role)}  # fmt: skip
 
-    def sinks(self, kind: RingKind, role: PeerRole | None = None) -> dict[int, Ring]:
+    def sinks(self, kind: RingKind, role: Role | None = None) -> dict[int, Ring]:
         """Outbound rings of ``kind`` (to peers of ``role``), by the receiver's index."""
         return {n.dst.index: r for n, r in sorted(self.outbound.items())
                 if n.kind is kind and role in (None, n.dst.role)}  # fmt: skip

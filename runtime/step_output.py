@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.sampler import SampleOutput
+from engine.sampling.sampler import SampleOutput
 from wire.records import Finish, TokenBatch
 
 

@@ -20,24 +20,25 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from engine.block_manager import BlockAllocator
+from engine.runner import ModelRunner
 from runtime.process import attach_rings, bootstrap, load_table, prefix_summaries
-from runtime.worker_io import IDLE_WAIT_S, drain, engine_config, fail_request
+from runtime.spec_decode import exit_on_bad_spec
+from runtime.worker_io import IDLE_WAIT_S, drain, fail_request
+from runtime.worker_spec import EngineWorkerSpec
 from transport.core_lease import CoreLease, host_cores
-from transport.load_table import Role, WorkerState
+from transport.load_table import WorkerState
 from transport.prefix_summary import PrefixSummary
 from transport.ring import Ring
 from wire.records import AbortRequest, Finish, GenerateRequest
-from wire.ring_names import Peer, PeerRole, RingKind
+from wire.ring_names import Peer, RingKind
+from wire.roles import Role
 
 logger = logging.getLogger(__name__)
-_PEER_ROLES = {Role.PREFILL: PeerRole.PREFILL, Role.DECODE: PeerRole.DECODE,
-               Role.COLOCATED: PeerRole.COLOCATED}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class QueueLoad:
-    """A worker's queue figures for its load-table row (KV figures come from the allocator).
+    """A worker's queue figures for its load-table row (KV figures come from the runner).
 
     ``requests_received``/``prompt_tokens_received`` are cumulative: what the worker took
     off its request ring (the router compares them with what it sent).
@@ -66,10 +67,13 @@ class Worker(abc.ABC):
     def __init__(self) -> None:
         self.spec, self.stopping = bootstrap()
         self.index = self.spec.index
+        # A spec this worker cannot read stops it here, before it claims its row or maps
+        # anything: the launcher reports the exit and does not restart it.
+        self.settings = exit_on_bad_spec(self.spec.settings, EngineWorkerSpec)
+        self.config = self.settings.engine
         self.rings = attach_rings(self.spec)
         self.table, self._load_seg = load_table(self.spec)
         self.row = self.table.writer(self.spec.load_table["slot"])
-        self.config = engine_config(self.spec.settings)
         self.row.claim(self.role, self.index, block_size=self.config.block_size)
         # CPU workers lease cores per step (transport/core_lease.py); on a GPU the host
         # threads only feed the device.
@@ -84,8 +88,8 @@ class Worker(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def allocator(self) -> BlockAllocator:
-        """The KV block allocator whose figures the load table carries."""
+    def runner(self) -> ModelRunner:
+        """The engine whose KV figures the load table carries."""
 
     @abc.abstractmethod
     def take_inputs(self) -> None:
@@ -114,13 +118,13 @@ class Worker(abc.ABC):
 
     def _open_summary(self) -> PrefixSummary | None:
         """This worker's prefix summary, emptied (a predecessor's pool is gone), or None."""
-        me = str(Peer(_PEER_ROLES[self.role], self.index))
+        me = str(Peer(self.role, self.index))
         mapped = prefix_summaries(self.spec).get(me)
         if mapped is None or not self.config.enable_prefix_caching:
             return None
         summary, self._summary_seg = mapped
         summary.clear()
-        self.allocator.watch_hashes()  # from now on every hash change reaches the summary
+        self.runner.watch_prefix_hashes()  # from now on every hash change reaches the summary
         return summary
 
     def run(self) -> None:
@@ -148,19 +152,19 @@ class Worker(abc.ABC):
             return self.step()
 
     def _publish(self) -> None:
-        q, a = self.load(), self.allocator
+        q, kv = self.load(), self.runner.kv_figures()
         if self.summary is not None:
-            self.summary.update(*a.take_hash_changes())
+            self.summary.update(*self.runner.take_prefix_hash_changes())
         self.row.publish(
             queued_prefill_tokens=q.queued_prefill_tokens,
             waiting_requests=q.waiting_requests,
             running_requests=q.running_requests,
-            free_kv_blocks=a.num_available,  # cached blocks are evictable room
-            total_kv_blocks=a.num_blocks,
+            free_kv_blocks=kv.free_blocks,  # cached blocks are evictable room
+            total_kv_blocks=kv.total_blocks,
             requests_received=q.requests_received,
             prompt_tokens_received=q.prompt_tokens_received,
-            cached_blocks=a.num_hashed,
-            prefix_hit_tokens=a.stats.hit_tokens,
-            prefix_queried_tokens=a.stats.queried_tokens,
+            cached_blocks=kv.hashed_blocks,
+            prefix_hit_tokens=kv.hit_tokens,
+            prefix_queried_tokens=kv.queried_tokens,
             computed_prefill_tokens=q.computed_prefill_tokens,
         )

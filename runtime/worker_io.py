@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 
-from engine.config import EngineConfig
 from transport.errors import PeerDead, RecordTooLarge, RingFull
 from transport.ring import Ring
 from wire.records import Control, Finish, TokenBatch, decode, encode
@@ -15,12 +14,6 @@ logger = logging.getLogger(__name__)
 MAX_RECORDS_PER_DRAIN = 256
 PUT_TIMEOUT_S = 5.0  # a consumer that has not made room in this long is stuck or dead
 IDLE_WAIT_S = 0.4  # idle workers still publish a heartbeat this often (router: stale > 1 s)
-
-
-def engine_config(settings: Mapping[str, object]) -> EngineConfig:
-    """The EngineConfig fields present in a spec's settings."""
-    fields = EngineConfig.__dataclass_fields__
-    return EngineConfig(**{k: v for k, v in settings.items() if k in fields})  # type: ignore[arg-type]
 
 
 def drain(ring: Ring) -> Iterator[Control | TokenBatch]:

@@ -32,6 +32,16 @@ FLOOR = {pkg: level for level, pkgs in enumerate(FLOORS) for pkg in pkgs}
 # name (``frontend.http.app`` is in room ``http``). The package's own ``__init__`` is no
 # room: it holds only its docstring.
 ROOMS: dict[str, list[tuple[str, ...]]] = {
+    # engine: model code below the KV pool, both below the loaders and the CUDA path, and
+    # the runner on top, the one room the schedulers call.
+    "engine": [
+        ("errors",),
+        ("config",),
+        ("weights", "tokenizer", "sampling"),
+        ("model", "kv"),
+        ("checkpoint", "cuda"),
+        ("runner",),
+    ],
     "frontend": [
         ("settings", "errors"),
         ("engine_link",),

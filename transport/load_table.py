@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from transport.core_lease import CoreLease, lease_nbytes
+from wire.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +61,6 @@ except ImportError:  # pragma: no cover - depends on whether the C helper was bu
             "be torn; build it (pip install -e .) for correct ordering",
             platform.machine(),
         )
-
-
-class Role(enum.IntEnum):
-    NONE = 0  # a slot no worker has claimed yet
-    PREFILL = 1
-    DECODE = 2
-    COLOCATED = 3  # prefills and decodes its own requests; no KV transfer
 
 
 class WorkerState(enum.IntEnum):
@@ -91,7 +85,7 @@ class LoadRow:
     """
 
     slot: int
-    role: Role
+    role: Role | None  # None: a slot no worker has claimed yet
     index: int
     pid: int
     state: WorkerState
@@ -114,6 +108,12 @@ class LoadRow:
     # Prompt tokens the worker ran through the model, cumulative over the generation:
     # below prompt_tokens_received when prompts share KV (n > 1 choices, cached prefixes).
     computed_prefill_tokens: int = 0
+
+    @property
+    def worker(self) -> tuple[Role, int]:
+        """(role, index) of a claimed row: how the router and /metrics key a worker."""
+        assert self.role is not None, f"load-table slot {self.slot} is unclaimed"
+        return self.role, self.index
 
 
 def describe_exit(status: int) -> str:
@@ -298,7 +298,7 @@ class RowWriter:
         self._values = dict.fromkeys(_PAYLOAD_FIELDS, 0)
         self._values.update(
             generation=gen,
-            role=int(role),
+            role=role.table_code,
             index=index,
             pid=os.getpid() if pid is None else pid,
             block_size=block_size,
@@ -352,8 +352,8 @@ class RowWriter:
         row unnamed; the launcher names it here, so readers see that death rather than a
         worker that is still starting.
         """
-        if self._values["role"] == Role.NONE:
-            self._values.update(role=int(role), index=index)
+        if self._values["role"] == 0:  # unclaimed
+            self._values.update(role=role.table_code, index=index)
         self._values["exit_status"] = status
         self.set_state(state)
 
@@ -367,7 +367,6 @@ class RowWriter:
         _store_release(self._seq_addr, self._seq_view, seq + 1)
 
 
-_ROLES = {int(r): r for r in Role}
 _STATES = {int(st): st for st in WorkerState}
 # Positions in a row tuple (seq first, then the payload) of LoadRow's fields, in order.
 _LOAD_NAMES = list(LoadRow.__dataclass_fields__)[1:]  # all but slot
@@ -377,8 +376,12 @@ _ROLE_COL, _STATE_COL = _LOAD_COLUMNS[_ROLE_AT], _LOAD_COLUMNS[_STATE_AT]
 
 
 def _to_load(slot: int, row: tuple[int, ...]) -> LoadRow:
-    role, state = _ROLES.get(row[_ROLE_COL]), _STATES.get(row[_STATE_COL])
-    if role is None or state is None:
+    state = _STATES.get(row[_STATE_COL])
+    try:
+        role = Role.from_table_code(row[_ROLE_COL])
+    except ValueError:
+        state = None
+    if state is None:
         # Corrupt enum bytes mean a foreign or broken writer: never route to it.
         logger.warning("load-table row %d holds an unknown role/state; reporting it DEAD", slot)
         return _unreadable(slot)
@@ -390,7 +393,7 @@ def _to_load(slot: int, row: tuple[int, ...]) -> LoadRow:
 def _unreadable(slot: int) -> LoadRow:
     zeros = dict.fromkeys(_PAYLOAD_FIELDS, 0)
     del zeros["role"], zeros["state"]
-    return LoadRow(slot=slot, role=Role.NONE, state=WorkerState.DEAD, **zeros)
+    return LoadRow(slot=slot, role=None, state=WorkerState.DEAD, **zeros)
 
 
 def _fence() -> None:

@@ -47,7 +47,7 @@ from transport.errors import PeerDead, RecordTooLarge, RingFull
 from transport.liveness import PeerWatch
 from transport.segment import Segment
 
-Role = Literal["producer", "consumer"]
+RingEnd = Literal["producer", "consumer"]  # which side of a ring a process holds
 
 _MAGIC = 0x70647365_72696E67  # "pdsering"
 _OFF_MAGIC, _OFF_CAP = 0, 8
@@ -84,7 +84,7 @@ def footprint(nbytes: int) -> int:
 class Ring:
     """One side of an SPSC ring. Create in the launcher, attach in each peer."""
 
-    def __init__(self, spec: RingSpec, role: Role | None, doorbell_fd: int) -> None:
+    def __init__(self, spec: RingSpec, role: RingEnd | None, doorbell_fd: int) -> None:
         self.spec = spec
         self.role = role
         self._seg = Segment.attach_fd(spec.fd, _DATA + spec.capacity, spec.tag)
@@ -114,7 +114,7 @@ class Ring:
         return cls(spec, None, bell_fd)
 
     @classmethod
-    def attach(cls, spec: RingSpec, role: Role, doorbell: Doorbell | None = None) -> Ring:
+    def attach(cls, spec: RingSpec, role: RingEnd, doorbell: Doorbell | None = None) -> Ring:
         """Attach as ``role``; ``doorbell`` overrides the consumer doorbell in the spec."""
         return cls(spec, role, doorbell.fd if doorbell is not None else spec.doorbell_fd)
 

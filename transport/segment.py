@@ -1,6 +1,6 @@
 """Shared-memory segments that never outlive their processes.
 
-Lifecycle (DESIGN.md §2): the launcher creates every segment before it spawns workers:
+Lifecycle (docs/design.md §2): the launcher creates every segment before it spawns workers:
 ``shm_open(O_CREAT|O_EXCL, 0600)`` under a unique name ``pdserve.<creator pid>.<tag>``,
 ``posix_fallocate`` of the full size (so a small /dev/shm fails here with a message, not
 with SIGBUS in a worker later; KV pools are only sized, see ``create``), then the name

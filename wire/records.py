@@ -11,7 +11,7 @@ No record is ever pickled: a record is data, never code. Two encodings:
 
 A ring record is ``kind byte`` + body; ``encode``/``decode`` are the only entry points.
 
-Who sends what (see DESIGN.md §1):
+Who sends what (docs/design.md §1 has the processes):
     frontend  -> prefill i   GenerateRequest, AbortRequest
     frontend  -> decode j    AbortRequest
     frontend  -> detok k     DetokRegister, AbortRequest

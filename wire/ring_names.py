@@ -1,7 +1,7 @@
 """Ring names: the only place a ring's name is formatted or parsed.
 
-A ring is named for what it carries and its two ends, ``kind.src.dst``; an end is a role
-letter and an index (``f0``, ``p0``, ``d1``, ``k0``, ``c2``). The launcher creates rings
+A ring is named for what it carries and its two ends, ``kind.src.dst``; an end is a role's
+letter (``Role.letter``) and an index (``f0``, ``p0``, ``d1``, ``k0``, ``c2``). The launcher creates rings
 under these names and every process finds its rings by them.
 
 Rings (n = frontend, i = prefill, j = decode, c = co-located worker, k = detokenizer shard):
@@ -29,6 +29,8 @@ import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from wire.roles import Role
+
 
 class RingKind(enum.StrEnum):
     REQ = "req"
@@ -40,27 +42,19 @@ class RingKind(enum.StrEnum):
     TEXT = "text"
 
 
-class PeerRole(enum.StrEnum):
-    FRONTEND = "f"
-    PREFILL = "p"
-    DECODE = "d"
-    DETOK = "k"
-    COLOCATED = "c"
-
-
 @dataclass(frozen=True, order=True, slots=True)
 class Peer:
     """One end of a ring: a role and its index, written ``p0``, ``f1``, ..."""
 
-    role: PeerRole
+    role: Role
     index: int = 0
 
     def __str__(self) -> str:
-        return f"{self.role}{self.index}"
+        return f"{self.role.letter}{self.index}"
 
     @classmethod
     def parse(cls, text: str) -> Peer:
-        role = PeerRole(text[0])
+        role = Role.from_letter(text[0])
         if not text[1:].isdigit():
             raise ValueError(f"bad ring end {text!r}")
         return cls(role, int(text[1:]))

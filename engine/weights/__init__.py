@@ -1,6 +1,6 @@
-"""How a model's weights are stored and loaded: dense or packed, chosen at load.
+"""How a model's weights are stored: dense or packed, chosen at load.
 
 ``plan`` decides (quantization, activation dtype) from the flags and the checkpoint;
-``loader`` fills a model accordingly; ``linear`` holds the layer kinds the model calls;
+``engine.checkpoint.loader`` fills a model accordingly; ``linear`` holds the layer kinds the model calls;
 ``quant`` the group-quantized representations and where they come from.
 """

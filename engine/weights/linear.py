@@ -1,7 +1,7 @@
 """The model's linear layers and token embedding, with their storage chosen at load.
 
 The model code calls ``Linear`` and ``Embedding`` and never asks how the weight is held:
-the loader gives each one a kernel (``engine/weights/loader.py``), one class per kind:
+the loader gives each one a kernel (``engine/checkpoint/loader.py``), one class per kind:
 
 * ``DenseKernel``: the weight in the activation dtype, ``F.linear``;
 * ``Int4Kernel``: int4 codes packed for torch's CPU weight-only kernel

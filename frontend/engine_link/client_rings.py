@@ -47,7 +47,6 @@ from runtime.process import (
     shared_segment,
 )
 from transport.errors import PeerDead, RecordTooLarge
-from transport.load_table import Role
 from transport.ring import Ring
 from wire.records import (
     AbortRequest,
@@ -60,7 +59,8 @@ from wire.records import (
     decode,
     encode,
 )
-from wire.ring_names import Peer, PeerRole, RingKind
+from wire.ring_names import Peer, RingKind
+from wire.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +90,11 @@ class RingEngineClient(EngineClient):
         self._summary_segs = [seg for _, seg in mapped.values()]
         summaries = {_worker_key(name): summary for name, (summary, _) in mapped.items()}
         self.router = Router(self.table, policy, router_config, summaries, peers=self.shared)
-        self.shard_ctl = rings.sinks(RingKind.CTL, PeerRole.DETOK)
-        self.decode_ctl = rings.sinks(RingKind.CTL, PeerRole.DECODE)
-        colocated = rings.sinks(RingKind.REQ, PeerRole.COLOCATED)
+        self.shard_ctl = rings.sinks(RingKind.CTL, Role.DETOK)
+        self.decode_ctl = rings.sinks(RingKind.CTL, Role.DECODE)
+        colocated = rings.sinks(RingKind.REQ, Role.COLOCATED)
         # Under ``launch --colocated`` a placement's prefill == decode == the worker c.
-        self.req_rings = colocated or rings.sinks(RingKind.REQ, PeerRole.PREFILL)
+        self.req_rings = colocated or rings.sinks(RingKind.REQ, Role.PREFILL)
         self.expected_workers = (
             [(Role.COLOCATED, i) for i in colocated] if colocated
             else [(Role.PREFILL, i) for i in self.req_rings] + [(Role.DECODE, i) for i in self.decode_ctl]
@@ -261,11 +261,7 @@ class RingEngineClient(EngineClient):
             self._loop.remove_reader(self.doorbell.fileno())
 
 
-_ROLES = {PeerRole.PREFILL: Role.PREFILL, PeerRole.DECODE: Role.DECODE,
-          PeerRole.COLOCATED: Role.COLOCATED}  # fmt: skip
-
-
 def _worker_key(name: str) -> tuple[Role, int]:
     """A summary's peer name (``p0``, ``d1``, ``c2``) -> the router's (role, index)."""
     peer = Peer.parse(name)
-    return _ROLES[peer.role], peer.index
+    return peer.role, peer.index

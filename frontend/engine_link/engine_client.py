@@ -64,7 +64,7 @@ class WorkerHealth:
     ``reason`` says how a dead or failed worker died.
     """
 
-    role: str
+    role: str  # Role.health_label
     index: int
     pid: int
     alive: bool
@@ -84,7 +84,7 @@ class WorkerMetrics:
     started (fewer than it was sent when prompts share KV: n > 1, cached prefixes).
     """
 
-    role: str
+    role: str  # a Role's value
     index: int
     running: int
     waiting: int

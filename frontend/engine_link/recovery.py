@@ -30,9 +30,10 @@ from detokenizer.routing import live_shard_for
 from frontend.engine_link.engine_client import EngineRequest, EngineUnavailable
 from frontend.engine_link.worker_status import shards_alive
 from router.router import NoCapacity, Placement, Router
-from transport.load_table import LoadTable, Role, WorkerState
+from transport.load_table import LoadTable, WorkerState
 from transport.ring import Ring
 from wire.records import Finish, TextDelta
+from wire.roles import Role
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 
 from frontend.engine_link.board import FrontendBoard
 from frontend.engine_link.engine_client import WorkerHealth, WorkerMetrics
-from transport.load_table import LoadRow, LoadTable, Role, WorkerState, describe_exit
+from transport.load_table import LoadRow, LoadTable, WorkerState, describe_exit
 from transport.ring import Ring
+from wire.roles import Role
 
 
 def shards_alive(text_rings: Sequence[Ring]) -> list[bool]:
@@ -42,13 +43,13 @@ def worker_health(
     out = []
     now_ns = time.monotonic_ns()
     rows: dict[tuple[Role, int], LoadRow] = {
-        (r.role, r.index): r for r in table.snapshot() if r.role != Role.NONE
+        (r.role, r.index): r for r in table.snapshot() if r.role is not None
     }
-    for role, index in sorted({*expected, *rows}):
+    for role, index in sorted({*expected, *rows}, key=lambda k: (k[0].sort_key, k[1])):
         r = rows.get((role, index))
         if r is None:  # spawned, not yet in the table
             load = dict.fromkeys(_LOAD_FIELDS, 0.0)
-            out.append(WorkerHealth(role.name.lower(), index, 0, False, load, "starting"))
+            out.append(WorkerHealth(role.health_label, index, 0, False, load, "starting"))
             continue
         state = r.state.name.lower()
         if r.state == WorkerState.READY and now_ns - r.heartbeat_ns > stall_report_s * 1e9:
@@ -57,12 +58,12 @@ def worker_health(
         load = {f: float(getattr(r, f)) for f in _LOAD_FIELDS}
         dead = r.state in (WorkerState.DEAD, WorkerState.FAILED) and r.exit_status != 0
         reason = describe_exit(r.exit_status) if dead else None
-        out.append(WorkerHealth(r.role.name.lower(), r.index, r.pid, alive, load, state,
+        out.append(WorkerHealth(role.health_label, r.index, r.pid, alive, load, state,
                                 reason))  # fmt: skip
     for k, (ring, alive) in enumerate(zip(text_rings, shards_alive(text_rings), strict=True)):
         load = {"active_requests": float(active_per_shard.get(k, 0))}
         state = "ready" if alive else "dead"
-        out.append(WorkerHealth("detokenizer", k, ring.peer_pid, alive, load, state))
+        out.append(WorkerHealth(Role.DETOK.health_label, k, ring.peer_pid, alive, load, state))
     return out
 
 
@@ -73,7 +74,11 @@ def frontend_health(board: FrontendBoard) -> list[WorkerHealth]:
     for f in board.frontends():
         load = {"active_requests": float(f.active)}
         alive = f.state == WorkerState.READY
-        out.append(WorkerHealth("frontend", f.index, f.pid, alive, load, f.state.name.lower()))
+        out.append(
+            WorkerHealth(
+                Role.FRONTEND.health_label, f.index, f.pid, alive, load, f.state.name.lower()
+            )
+        )
     return out
 
 
@@ -84,12 +89,12 @@ def worker_metrics(
     router assigned."""
     out = []
     for r in table.snapshot():
-        if r.role == Role.NONE:
+        if r.role is None:
             continue
         total = max(r.total_kv_blocks, 1)
         used = (r.total_kv_blocks - r.free_kv_blocks) / total
         n, tokens = assigned.get((r.role, r.index), (0, 0))
-        out.append(WorkerMetrics(r.role.name.lower(), r.index, r.running_requests,
+        out.append(WorkerMetrics(r.role.value, r.index, r.running_requests,
                                  r.waiting_requests, used, n, tokens, r.cached_blocks,
                                  r.prefix_hit_tokens, r.prefix_queried_tokens,
                                  r.computed_prefill_tokens))  # fmt: skip

@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.grammar import GrammarCache
+from engine.sampling.grammar import GrammarCache
 from frontend.engine_link.engine_client import EngineClient, Overloaded
 from frontend.errors import (
     APIError,

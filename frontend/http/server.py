@@ -15,7 +15,7 @@ import socket
 
 import uvicorn
 
-from engine.hf_tokenizer import load_tokenizer
+from engine.tokenizer.hf_tokenizer import load_tokenizer
 from frontend.engine_link.client_rings import RingEngineClient
 from frontend.engine_link.engine_client import EngineClient
 from frontend.http.acceptor import HealthAcceptor
@@ -31,6 +31,7 @@ from frontend.settings import ConnectionLimits, FrontendLaunch
 from frontend.telemetry.metrics import FrontendMetrics
 from router.router import RouterConfig
 from runtime.process import bootstrap
+from runtime.spec_decode import exit_on_bad_spec
 from transport.load_table import WorkerState
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class _Server(uvicorn.Server):
 
 def main() -> None:
     spec, _ = bootstrap()
-    launch = FrontendLaunch.from_json(spec.settings)
+    launch = exit_on_bad_spec(spec.settings, FrontendLaunch)
     tokenizer = load_tokenizer(launch.model)
     settings, limits = launch.http, launch.connections
     router_config = RouterConfig(

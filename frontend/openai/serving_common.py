@@ -20,7 +20,7 @@ import anyio
 import msgspec
 from starlette.requests import Request
 
-from engine.grammar import GrammarCache
+from engine.sampling.grammar import GrammarCache
 from frontend.engine_link.engine_client import (
     EngineClient,
     EngineRequest,

@@ -10,7 +10,7 @@ Accepted spellings (OpenAI's, then vLLM's current and older ones); at most one p
 The spec is compiled once here, off the event loop (on the frontend's grammar thread),
 so a schema the grammar engine rejects, or one using a keyword it would silently not
 enforce, is a 400 that says what is wrong before any worker sees the request. Workers
-compile it again for themselves (engine/grammar.py); both sides cache by the spec's key.
+compile it again for themselves (engine/sampling/grammar.py); both sides cache by the spec's key.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import asyncio
 import json
 from typing import Any
 
-from engine.grammar import GrammarCache, GrammarError
+from engine.sampling.grammar import GrammarCache, GrammarError
 from frontend.errors import InvalidRequest, NotImplementedField
 from wire.params import GrammarKind, GrammarSpec
 

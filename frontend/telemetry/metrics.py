@@ -39,6 +39,7 @@ from prometheus_client.utils import floatToGoString
 from frontend.engine_link.board import METRIC_WORDS, FrontendBoard
 from frontend.engine_link.engine_client import EngineClient
 from transport.load_table import WorkerState
+from wire.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class _EngineCollector(Collector):
             hit_rate.add_metric(key, w.prefix_hit_rate)
             hits.add_metric(key, w.prefix_hit_tokens)
             queries.add_metric(key, w.prefix_queried_tokens)
-            if w.role != "decode":
+            if w.role != Role.DECODE:  # a StrEnum: equal to its value
                 computed.add_metric(key, w.computed_prefill_tokens)
         yield from (running, waiting, kv, assigned, assigned_tokens, cached, hit_rate, hits,
                     queries, computed)  # fmt: skip

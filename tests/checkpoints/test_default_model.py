@@ -27,8 +27,8 @@ from checkpoints.default_model import (
 from checkpoints.tiny import tiny_model_dir
 from colocated.llm import LLM
 from engine.config import EngineConfig
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
 from engine.weights.linear import Linear
 from wire.params import SamplingParams
 

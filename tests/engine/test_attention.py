@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import _causal_sdpa, grouped_causal_sdpa, grouped_decode_sdpa
+from engine.model.attention import _causal_sdpa, grouped_causal_sdpa, grouped_decode_sdpa
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4), (14, 2)])

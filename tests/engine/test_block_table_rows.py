@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from engine.block_table_rows import PAD_ROW, BlockTableRows
+from engine.kv.block_table_rows import PAD_ROW, BlockTableRows
 
 
 class _Seq:

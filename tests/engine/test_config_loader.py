@@ -12,9 +12,9 @@ import torch
 from checkpoints import tiny
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import UnsupportedModelError
-from engine.rope import inv_frequencies
+from engine.kv.sequence import Sequence
+from engine.model.rope import inv_frequencies
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
 from wire.params import SamplingParams
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.block_table_rows import PAD_ROW
-from engine.cuda_graphs import StepArrays, StepInputs, bucket_for, graph_buckets, pad_decode
+from engine.cuda.graphs import StepArrays, StepInputs, bucket_for, graph_buckets, pad_decode
+from engine.kv.block_table_rows import PAD_ROW
 
 
 def _i32(*values: int) -> np.ndarray:

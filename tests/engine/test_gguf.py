@@ -2,7 +2,7 @@
 
 Each tiny random checkpoint (``checkpoints.tiny``) is written as a GGUF the way
 llama.cpp's converter writes one (``gguf_files.py``: llama's Q/K permutation, Llama 3 rope
-as ``rope_freqs``, padded vocabulary), converted back by ``engine.gguf``, and run by the
+as ``rope_freqs``, padded vocabulary), converted back by ``engine.checkpoint.gguf``, and run by the
 engine next to the source. F32 must give back the very same weights; F16 and Q8_0 the
 source's weights as the GGUF stores them, and logits within what that storage loses.
 """
@@ -20,14 +20,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import engine.gguf as engine_gguf
+import engine.checkpoint.gguf as engine_gguf
 from checkpoints import tiny
+from engine.checkpoint.gguf import convert_gguf
+from engine.checkpoint.gguf_config import llama3_rope_from_factors
 from engine.config import EngineConfig
 from engine.errors import UnsupportedModelError
-from engine.gguf import convert_gguf
-from engine.gguf_config import llama3_rope_from_factors
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
 from tests.engine.gguf_files import Q, llama3_rope_factors, permute, write_gguf
 from wire.params import SamplingParams
 
@@ -128,14 +128,14 @@ def test_tokenizer_and_chat_template_survive(
 
 
 def test_llama_qk_permutation_is_undone() -> None:
-    from engine.gguf import unpermute_rows
+    from engine.checkpoint.gguf import unpermute_rows
 
     w = torch.arange(8 * 3 * 2, dtype=torch.float32).reshape(8 * 3, 2)  # 3 heads of dim 8
     assert torch.equal(unpermute_rows(torch.from_numpy(permute(w.numpy(), 3)), 3), w)
 
 
 def test_llama3_rope_is_recovered_from_rope_freqs() -> None:
-    from engine.rope import inv_frequencies
+    from engine.model.rope import inv_frequencies
 
     # Llama 3.1 8B's rope, as llama.cpp bakes it into rope_freqs.
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.gpu_memory import profile_forward
-from engine.kv_cache import GpuMemoryError, block_nbytes, kv_blocks_for_budget
+from engine.cuda.gpu_memory import profile_forward
+from engine.kv.kv_cache import GpuMemoryError, block_nbytes, kv_blocks_for_budget
 from engine.runner import ModelRunner
 
 GIB = 1 << 30

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.grammar_mask import apply_bitmask, new_bitmask
+from engine.sampling.grammar_mask import apply_bitmask, new_bitmask
 
 
 def _pack(allowed: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 
 from checkpoints import tiny
 from checkpoints.default_model import default_model_dir
-from engine.hf_tokenizer import GENERIC_MODEL_TYPES, load_tokenizer, loads_directly
+from engine.tokenizer.hf_tokenizer import GENERIC_MODEL_TYPES, load_tokenizer, loads_directly
 
 _TEXTS = ["What is the capital of France?", "  leading spaces\tand tabs\n\nnewlines",
           "émigré naïve 北京 🙂", "<|im_start|>user\nhi<|im_end|>", ""]  # fmt: skip
@@ -83,7 +83,7 @@ def test_frontend_and_detokenizer_do_not_import_torch() -> None:
     code = (
         "import sys\n"
         "import frontend.http.server, detokenizer.worker\n"
-        "from engine.hf_tokenizer import load_tokenizer\n"
+        "from engine.tokenizer.hf_tokenizer import load_tokenizer\n"
         f"load_tokenizer({str(default_model_dir())!r})\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kernels import next_power_of_2, triton_available, use_kernels
+from engine.cuda.kernels import next_power_of_2, triton_available, use_kernels
 
 
 def test_cpu_serving_stays_on_torch(monkeypatch: pytest.MonkeyPatch) -> None:

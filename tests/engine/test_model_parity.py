@@ -9,8 +9,8 @@ import torch
 
 from colocated.llm import LLM
 from engine.config import EngineConfig
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
 from wire.params import SamplingParams
 
 PROMPT_LENS = [1, 2, 15, 16, 17, 31, 33, 48, 64, 77, 99, 100]

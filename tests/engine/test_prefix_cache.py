@@ -14,8 +14,8 @@ import torch
 
 from colocated.llm import LLM
 from engine.config import EngineConfig
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
 from wire.params import SamplingParams
 
 BS = 16

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from checkpoints import tiny
+from engine.checkpoint.gguf import GGUFCheckpoint, convert_gguf, hf_tensors
 from engine.config import EngineConfig
-from engine.gguf import GGUFCheckpoint, convert_gguf, hf_tensors
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
 from engine.weights.linear import Embedding, Int4Kernel, Linear, RefinedHead, packed_kernel
 from engine.weights.plan import QuantizationError, resolve_quantization
 from engine.weights.quant import (

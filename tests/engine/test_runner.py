@@ -12,9 +12,9 @@ import torch
 from colocated.llm import LLM
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import NoFreeBlocks, PromptTooLongError
-from engine.kv_cache import block_nbytes, kv_pool_shape
+from engine.kv.kv_cache import block_nbytes, kv_pool_shape
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
 from wire.params import SamplingParams
 from wire.records import Finish
 
@@ -150,7 +150,7 @@ def test_cpu_pools_commit_memory_only_as_blocks_are_written(default_model_path: 
     """A pool is not zero-filled up front: a 1 GiB pool costs (almost) no RSS until used,
     and reads as zeros (padded attention reads slots no token wrote)."""
     from engine.config import ModelConfig
-    from engine.kv_cache import allocate_kv_pool, block_nbytes
+    from engine.kv.kv_cache import allocate_kv_pool, block_nbytes
 
     def rss() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")

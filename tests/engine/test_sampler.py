@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import (
+from engine.sampling.sampler import (
     SampleRequest,
     apply_penalties,
     draw,

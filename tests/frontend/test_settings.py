@@ -8,6 +8,7 @@ import json
 import pytest
 
 from frontend.settings import ConnectionLimits, FrontendLaunch, FrontendSettings
+from runtime.spec_decode import SpecError
 
 
 def _launch() -> FrontendLaunch:
@@ -27,5 +28,12 @@ def test_round_trip_through_json_is_exact() -> None:
 def test_an_unknown_key_fails_at_startup() -> None:
     doc = _launch().to_json()
     doc["http"]["served_model_name"] = "m"  # a spelling the record does not have
-    with pytest.raises(TypeError):
+    with pytest.raises(SpecError, match="unknown field `served_model_name`"):
+        FrontendLaunch.from_json(doc)
+
+
+def test_a_missing_key_fails_at_startup() -> None:
+    doc = _launch().to_json()
+    del doc["connections"]["body_timeout_s"]  # no default is filled in on the way
+    with pytest.raises(SpecError, match="missing field `body_timeout_s`"):
         FrontendLaunch.from_json(doc)

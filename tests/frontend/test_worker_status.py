@@ -6,7 +6,8 @@ import mmap
 import os
 
 from frontend.engine_link.worker_status import worker_health
-from transport.load_table import LoadTable, Role, WorkerState
+from transport.load_table import LoadTable, WorkerState
+from wire.roles import Role
 
 _EXPECTED = [(Role.PREFILL, 0), (Role.PREFILL, 1), (Role.DECODE, 0)]
 

@@ -10,6 +10,8 @@ from launcher.args import ConfigError, KVBackend, parse_args
 from launcher.cli import _build_topology, _children, _size_kv
 from launcher.gpus import GpuInfo, assign_gpus
 from launcher.placement import kv_transfer_backend, placements
+from runtime.spec_decode import decode_spec
+from runtime.worker_spec import EngineWorkerSpec
 
 GIB = 1 << 30
 GPUS = [GpuInfo(i, "NVIDIA H100 80GB HBM3", 80 * GIB, 80 * GIB) for i in range(4)]
@@ -53,8 +55,8 @@ def test_children_on_one_shared_gpu_with_cuda_ipc(default_model_path: Path) -> N
                           "--max-queued-prefill-tokens", "5000"], default_model_path)  # fmt: skip
     for name in ("prefill-0", "decode-0"):
         settings, env, kv_pools = kids[name]
-        assert settings["device"] == "cuda" and settings["kv_transfer"] == "cuda_ipc"
-        assert settings["gpu_memory_share"] == pytest.approx(0.85 / 2)
+        assert settings["engine"]["device"] == "cuda" and settings["kv_transfer"] == "cuda_ipc"
+        assert settings["engine"]["gpu_memory_share"] == pytest.approx(0.85 / 2)
         assert env["CUDA_VISIBLE_DEVICES"] == "0" and kv_pools == {}  # no shared KV segment
     for name in ("frontend-0", "detok-0"):
         assert kids[name][1]["CUDA_VISIBLE_DEVICES"] == ""  # CPU-only processes
@@ -67,7 +69,9 @@ def test_children_with_shm_on_gpus_get_a_staging_mirror(default_model_path: Path
     d_settings, d_env, d_pools = kids["decode-0"]
     assert (p_env["CUDA_VISIBLE_DEVICES"], d_env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
     assert p_settings["kv_transfer"] == d_settings["kv_transfer"] == "shm"
-    assert p_settings["gpu_memory_share"] == d_settings["gpu_memory_share"] == 0.85
+    assert (
+        p_settings["engine"]["gpu_memory_share"] == d_settings["engine"]["gpu_memory_share"] == 0.85
+    )
     assert p_pools["p0"]["layout"]["num_blocks"] == 256 // 16 and d_pools.keys() == {"p0"}
 
 
@@ -79,10 +83,9 @@ def test_children_on_cpu_are_told_what_they_always_were(default_model_path: Path
     kids = _children(cfg, _build_topology(cfg, default_model_path, KVBackend.SHM), gpus,
                      default_model_path, KVBackend.SHM)  # fmt: skip
     prefill = next(c for c in kids if c.name == "prefill-0")
-    assert (
-        prefill.spec.settings["device"] == "cpu" and prefill.spec.settings["kv_transfer"] == "shm"
-    )
-    assert "gpu_memory_share" not in prefill.spec.settings
+    spec = decode_spec(prefill.spec.settings, EngineWorkerSpec)  # as the worker reads it
+    assert spec.engine.device == "cpu" and spec.kv_transfer == "shm"
+    assert spec.engine.gpu_memory_share is None
     assert prefill.env["CUDA_VISIBLE_DEVICES"] == "" and "p0" in prefill.spec.kv_pools
 
 

@@ -10,10 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import EngineConfig
+from frontend.settings import ConnectionLimits, FrontendLaunch, FrontendSettings
 from launcher import supervisor
 from launcher.supervisor import Child, ChildFailed, Supervisor, restart_delay
 from launcher.topology import Topology
-from transport.load_table import Role, WorkerState, describe_exit
+from runtime.spec_decode import encode_spec
+from runtime.worker_spec import EngineWorkerSpec
+from transport.load_table import WorkerState, describe_exit
+from wire.roles import Role
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,8 +42,9 @@ def test_a_worker_that_always_dies_at_startup_ends_failed(
     monkeypatch.setattr(supervisor, "RESTART_BASE_S", 0.01)
     topo = Topology(0, 1, 1)
     # A decode worker whose checkpoint does not exist dies in its first second, every time.
-    settings = {"model": str(tmp_path / "missing"), "log_level": "error"}
-    child = Child(topo.spec("decode", 0, settings), {})
+    spec = EngineWorkerSpec("error", EngineConfig(model=str(tmp_path / "missing")), "shm")
+    settings = encode_spec(spec)
+    child = Child(topo.spec(Role.DECODE, 0, settings), {})
     sup = Supervisor([child], topo.load_table(), 0)
     sup.start_all()
     with pytest.raises(ChildFailed, match="every decode worker failed"):
@@ -58,8 +64,13 @@ def test_frontends_are_restarted_like_workers_and_marked_on_their_board(
     meanwhile), and only when every frontend has failed does the server give up."""
     monkeypatch.setattr(supervisor, "RESTART_BASE_S", 0.01)
     topo = Topology(0, 1, 1, num_frontends=2)
-    settings = {"model": str(tmp_path / "missing"), "log_level": "error"}  # dies at startup
-    kids = [Child(topo.spec("frontend", n, settings), {}) for n in range(2)]
+    # A well-formed spec whose checkpoint does not exist: it dies loading the tokenizer.
+    http = FrontendSettings(model_name="m", max_model_len=64, vocab_size=64)
+    settings = FrontendLaunch(model=str(tmp_path / "missing"), http=http,
+                              connections=ConnectionLimits(), router_policy="least-load",
+                              max_waiting_requests=None, max_queued_prefill_tokens=None,
+                              stall_timeout_s=5.0, log_level="error").to_json()  # fmt: skip
+    kids = [Child(topo.spec(Role.FRONTEND, n, settings), {}) for n in range(2)]
     board = topo.board()
     sup = Supervisor(kids, topo.load_table(), 0, board)
     sup.start_all()

@@ -21,8 +21,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from router.router import Placement, Router
-from transport.load_table import LoadTable, Role, RowWriter, WorkerState
+from transport.load_table import LoadTable, RowWriter, WorkerState
 from transport.prefix_summary import PrefixSummary, summary_nbytes
+from wire.roles import Role
 
 BLOCK = 16
 Hashes = dict[int, tuple[list[int], list[int]]]  # ticket -> (prefill's, decode's)

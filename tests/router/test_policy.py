@@ -14,7 +14,8 @@ import pytest
 from router.policy import Candidate, PolicyName, PowerOfTwo, RoundRobin
 from router.router import NoCapacity, Placement, Router, RouterConfig
 from tests.router.sim import Cluster, mixed_request, start_cluster
-from transport.load_table import LoadTable, Role, WorkerState
+from transport.load_table import LoadTable, WorkerState
+from wire.roles import Role
 
 
 def _cluster(n_prefill: int = 2, n_decode: int = 4, total_blocks: int = 8192) -> Cluster:

@@ -1,4 +1,4 @@
-"""``tools/check_layers.py``: floors between packages, rooms inside ``frontend``."""
+"""``tools/check_layers.py``: floors between packages, rooms inside ``frontend`` and ``engine``."""
 
 from __future__ import annotations
 
@@ -37,3 +37,20 @@ def test_rooms_on_one_floor_do_not_import_each_other() -> None:
 def test_a_module_outside_every_room_is_named() -> None:
     (line,) = unplaced_modules({"frontend.misc.thing": set(), "frontend.http.app": set()})
     assert line.startswith("frontend.misc.thing is in no room of frontend")
+
+
+def test_engine_model_code_knows_nothing_of_kv_cuda_or_the_runner() -> None:
+    graph = {
+        "engine.model.causal_lm": {"engine.weights.linear", "engine.kv.sequence"},
+        "engine.kv.sequence": {"engine.sampling.grammar"},
+        "engine.sampling.sampler": {"engine.cuda.kernels.forward"},
+        "engine.cuda.kernel_path": {"engine.model.causal_lm", "engine.runner"},
+    }
+    assert layer_offences(graph) == [
+        "engine.cuda.kernel_path imports engine.runner: room engine.runner is not below "
+        "engine.cuda",
+        "engine.model.causal_lm imports engine.kv.sequence: room engine.kv is not below "
+        "engine.model",
+        "engine.sampling.sampler imports engine.cuda.kernels.forward: room engine.cuda is not "
+        "below engine.sampling",
+    ]

@@ -10,7 +10,8 @@ import signal
 import time
 
 from transport.core_lease import CoreLease, lease_nbytes
-from transport.load_table import LoadTable, Role
+from transport.load_table import LoadTable
+from wire.roles import Role
 
 
 def _region(slots: int) -> mmap.mmap:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from transport import load_table as lt
-from transport.load_table import LoadTable, LoadTableError, Role, WorkerState
+from transport.load_table import LoadTable, LoadTableError, WorkerState
+from wire.roles import Role
 
 
 def _table(n: int) -> tuple[mmap.mmap, LoadTable]:
@@ -34,7 +35,7 @@ def test_fresh_slots_read_as_empty_and_are_never_ready() -> None:
     _, table = _table(3)
     snap = table.snapshot()
     assert [r.slot for r in snap] == [0, 1, 2]
-    assert all(r.state is WorkerState.EMPTY and r.role is Role.NONE for r in snap)
+    assert all(r.state is WorkerState.EMPTY and r.role is None for r in snap)
 
 
 def test_publish_is_visible_to_a_second_view_of_the_same_buffer() -> None:

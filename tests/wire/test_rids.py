@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from wire.rids import MAX_FRONTENDS, owned_rids, owner_of
-from wire.ring_names import Peer, PeerRole, RingKind, RingName
+from wire.ring_names import Peer, RingKind, RingName
+from wire.roles import Role
 
 
 @pytest.mark.parametrize("owner", [0, 1, 7, MAX_FRONTENDS - 1])
@@ -25,7 +26,7 @@ def test_a_restarted_frontend_starts_elsewhere_and_bad_owners_are_refused() -> N
 
 
 def test_frontend_ring_ends_carry_their_index() -> None:
-    name = RingName(RingKind.TEXT, Peer(PeerRole.DETOK, 0), Peer(PeerRole.FRONTEND, 1))
+    name = RingName(RingKind.TEXT, Peer(Role.DETOK, 0), Peer(Role.FRONTEND, 1))
     assert str(name) == "text.k0.f1" and RingName.parse("text.k0.f1") == name
     with pytest.raises(ValueError):
         Peer.parse("f")

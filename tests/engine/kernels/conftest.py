@@ -19,12 +19,12 @@ import pytest
 import torch
 
 KERNEL_MODULES = (
-    "engine.kernels.decode_attention",
-    "engine.kernels.extend_attention",
-    "engine.kernels.fused_ops",
-    "engine.kernels.rope_store",
-    "engine.kernels.forward",
-    "engine.kernel_path",
+    "engine.cuda.kernels.decode_attention",
+    "engine.cuda.kernels.extend_attention",
+    "engine.cuda.kernels.fused_ops",
+    "engine.cuda.kernels.rope_store",
+    "engine.cuda.kernels.forward",
+    "engine.cuda.kernel_path",
 )
 INTERPRET = not torch.cuda.is_available()
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

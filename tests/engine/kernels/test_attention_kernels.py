@@ -1,4 +1,4 @@
-"""Paged attention kernels equal the torch reference (engine/attention.py) on the pool.
+"""Paged attention kernels equal the torch reference (engine/model/attention.py) on the pool.
 
 Shapes are tiny (the interpreter runs every program in Python) but cover GQA ratios 1, 4
 and 8, contexts of 1..100 tokens across block boundaries, pages smaller than a key tile,
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import _causal_sdpa, _gather_context
-from engine.kernels.decode_attention import MAX_SPLITS, decode_attention, num_kv_splits
-from engine.kernels.extend_attention import extend_attention
+from engine.cuda.kernels.decode_attention import MAX_SPLITS, decode_attention, num_kv_splits
+from engine.cuda.kernels.extend_attention import extend_attention
+from engine.model.attention import _causal_sdpa, _gather_context
 from tests.engine.kernels.conftest import DEVICE, random_pool, random_tables
 
 CTX_LENS = [1, 2, 15, 16, 17, 33, 100]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
 
 pytestmark = [
     pytest.mark.cuda,

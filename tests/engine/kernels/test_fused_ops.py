@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.fused_ops import rmsnorm, silu_mul
-from engine.kernels.rope_store import rope_and_store
-from engine.layers import RMSNorm
-from engine.rope import RotaryEmbedding, apply_rotary
+from engine.cuda.kernels.fused_ops import rmsnorm, silu_mul
+from engine.cuda.kernels.rope_store import rope_and_store
+from engine.model.layers import RMSNorm
+from engine.model.rope import RotaryEmbedding, apply_rotary
 from tests.engine.kernels.conftest import DEVICE
 
 # float16, not bfloat16: the interpreter rounds to bfloat16 by truncation, torch to nearest.

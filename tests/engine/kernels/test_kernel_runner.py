@@ -18,9 +18,9 @@ from torch.overrides import TorchFunctionMode
 from checkpoints import tiny
 from colocated.llm import LLM
 from engine.config import EngineConfig
-from engine.cuda_graphs import StepArrays, StepInputs
+from engine.cuda.graphs import StepArrays, StepInputs
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
 from tests.engine.kernels.conftest import DEVICE
 from wire.params import SamplingParams
 

@@ -1,6 +1,6 @@
 """A batch's grammar mask: which tokens each constrained row may sample next.
 
-The torch half of structured output (engine/grammar.py compiles and tracks grammars and
+The torch half of structured output (engine/sampling/grammar.py compiles and tracks grammars and
 is imported by the frontend, which has no torch): a (B, ceil(V / 32)) int32 bitmask on
 the host, filled by xgrammar's matchers and applied to the (B, V) logits in place.
 """
@@ -13,13 +13,13 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.grammar import GrammarCache, GrammarState
-from engine.sampler import Constraint
+from engine.sampling.grammar import GrammarCache, GrammarState
+from engine.sampling.sampler import Constraint
 from wire.params import SamplingParams
 
 
 class Constrained(Protocol):
-    """What ``batch_constraint`` reads and sets on a sequence (engine/sequence.py's)."""
+    """What ``batch_constraint`` reads and sets on a sequence (engine/kv/sequence.py's)."""
 
     rid: int
     sampling: SamplingParams

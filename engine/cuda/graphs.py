@@ -10,7 +10,7 @@
   context length 0, output ignored).
 * ``DecodeGraphs``: one graph per bucket, captured on first use, replayed after. It
   captures up to the final norm's hidden states; the vocabulary projection and sampling
-  run outside (see ``engine.kernels.forward.forward_hidden``).
+  run outside (see ``engine.cuda.kernels.forward.forward_hidden``).
 
 Bucket choice, padding and staging are plain functions and objects, tested on CPU.
 """
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.block_table_rows import PAD_ROW
+from engine.kv.block_table_rows import PAD_ROW
 
 logger = logging.getLogger(__name__)
 

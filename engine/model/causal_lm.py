@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.layers import GatedMLP, RMSNorm
-from engine.rope import RotaryEmbedding, apply_rotary
+from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.layers import GatedMLP, RMSNorm
+from engine.model.rope import RotaryEmbedding, apply_rotary
 from engine.weights.linear import Embedding, Linear
 
 

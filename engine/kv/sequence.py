@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_manager import block_hashes
-from engine.grammar import GrammarState
+from engine.kv.block_manager import block_hashes
+from engine.sampling.grammar import GrammarState
 from wire.params import SamplingParams
 from wire.records import Finish
 

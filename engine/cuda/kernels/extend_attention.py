@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import next_power_of_2
+from engine.cuda.kernels import next_power_of_2
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from engine.errors import UnsupportedModelError
-from engine.rope import inv_frequencies
+from engine.model.rope import inv_frequencies
 
 # GGUF general.architecture -> (HF architecture, HF model_type). Mistral GGUFs are written
 # as "llama" by llama.cpp (same tensors, same math), so they land on LlamaForCausalLM.

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import next_power_of_2
+from engine.cuda.kernels import next_power_of_2
 
 MAX_SPLITS = 16
 MIN_TOKENS_PER_SPLIT = 256  # below this a split costs more in the reduce than it saves

@@ -4,7 +4,7 @@ Per token (one program each): q's heads are rotated in place; k's heads are rota
 written, with v, straight into the token's pool slot. Rotated k is never written back to
 the activations: attention reads K from the pool only.
 
-Rotation is the "rotate half" form of ``engine/rope.py``: with c, s the cos/sin of the
+Rotation is the "rotate half" form of ``engine/model/rope.py``: with c, s the cos/sin of the
 first half of the head, ``x1' = x1 c - x2 s`` and ``x2' = x2 c + x1 s``.
 """
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import next_power_of_2
+from engine.cuda.kernels import next_power_of_2
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def rope_and_store(
 ) -> None:
     """Rotate q (T, H, D) in place; write rotated k and v (T, KVH, D) to ``layer``'s slots.
 
-    ``cos``/``sin``: (P, D) tables (engine/rope.py); ``positions``, ``slots``: (T,) int32;
+    ``cos``/``sin``: (P, D) tables (engine/model/rope.py); ``positions``, ``slots``: (T,) int32;
     a negative slot (a padding row) stores nothing. q, k, v may be strided views (the
     columns of one qkv projection) as long as each head's D values are contiguous.
     """

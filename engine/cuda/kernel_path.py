@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.block_table_rows import BlockTableRows
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graphs import (
+from engine.cuda.graphs import (
     DecodeGraphs,
     StepArrays,
     StepInputs,
@@ -30,12 +29,13 @@ from engine.cuda_graphs import (
     graph_buckets,
     pad_decode,
 )
-from engine.kernels.decode_attention import num_kv_splits
-from engine.kernels.forward import KernelBatch, forward_hidden, logits
-from engine.model import CausalLM
+from engine.cuda.kernels.decode_attention import num_kv_splits
+from engine.cuda.kernels.forward import KernelBatch, forward_hidden, logits
+from engine.kv.block_table_rows import BlockTableRows
+from engine.model.causal_lm import CausalLM
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence
+    from engine.kv.sequence import Sequence
 
 Span = tuple["Sequence", int, int]  # (sequence, first new position, new tokens)
 

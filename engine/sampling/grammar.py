@@ -14,7 +14,7 @@ Who calls what, when:
 - ``state(spec, output_ids)``: a fresh matcher that has accepted ``output_ids`` (a request
   resumed after a worker death, or handed from prefill to decode). Waits if the compile
   is still running.
-- per step (engine/grammar_mask.py): ``fill_bitmask`` writes each row's allowed-token bitmask (``GrammarState.fill``,
+- per step (engine/sampling/grammar_mask.py): ``fill_bitmask`` writes each row's allowed-token bitmask (``GrammarState.fill``,
   the rows of a batch on several threads), then
   ``apply_bitmask`` puts -inf on the rest; ``GrammarState.accept`` advances the matcher by
   the sampled token (``Sequence.append_token`` calls it).
@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import EngineError
-from engine.grammar_vocab import tokenizer_info
+from engine.sampling.grammar_vocab import tokenizer_info
 from wire.params import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:  # not at import: xgrammar brings torch with it, when a grammar first needs it
@@ -125,7 +125,7 @@ class GrammarCache:
 
     ``load_tokenizer`` returns the Hugging Face tokenizer; it is called at most once, on
     the thread, when the first grammar arrives and the vocabulary is not cached on disk
-    for ``model_dir`` (engine/grammar_vocab.py). ``vocab_size`` is the logits' width (the
+    for ``model_dir`` (engine/sampling/grammar_vocab.py). ``vocab_size`` is the logits' width (the
     padded embedding size); ``stop_token_ids`` end a grammar that is complete.
     """
 

@@ -108,6 +108,17 @@ class PrefixStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class KVFigures:
+    """A pool's figures at one moment, as a worker's load-table row carries them."""
+
+    free_blocks: int  # free plus evictable cached: what allocation can have now
+    total_blocks: int
+    hashed_blocks: int  # blocks a prefix lookup can hit
+    hit_tokens: int
+    queried_tokens: int
+
+
 class BlockAllocator:
     """Ref-counted blocks of a pool of ``num_blocks`` with a hash -> block prefix table."""
 
@@ -155,6 +166,10 @@ class BlockAllocator:
     def num_hashed(self) -> int:
         """Blocks a prefix lookup can hit (cached, or in use and shareable)."""
         return len(self._by_hash)
+
+    def figures(self) -> KVFigures:
+        return KVFigures(self.num_available, self.num_blocks, self.num_hashed,
+                         self.stats.hit_tokens, self.stats.queried_tokens)  # fmt: skip
 
     def state(self, block_id: int) -> BlockState:
         if self._pins[block_id]:

@@ -1,6 +1,6 @@
 """Fused row-wise ops of the decoder around attention: (add +) RMSNorm and SiLU * up.
 
-Each matches its torch counterpart in ``engine/layers.py`` rounding step for rounding step
+Each matches its torch counterpart in ``engine/model/layers.py`` rounding step for rounding step
 where it matters: the residual sum is rounded to the model dtype before it is normalised
 (as ``x + sublayer(x)`` is), the norm is computed in float32 and rounded before the weight
 multiplies it, and silu(gate) is rounded before it multiplies ``up``.
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import next_power_of_2
+from engine.cuda.kernels import next_power_of_2
 
 
 @triton.jit

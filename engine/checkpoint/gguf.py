@@ -5,12 +5,12 @@ offline, and everything downstream (loader, tokenizer, chat template) is unchang
 
     convert_gguf(Path("SmolLM2-135M-Instruct.Q4_1.gguf"), out_dir)
 
-* config.json / generation_config.json from the file's metadata (``engine/gguf_config.py``);
+* config.json / generation_config.json from the file's metadata (``engine/checkpoint/gguf_config.py``);
 * model.safetensors (sharded past ``SHARD_BYTES``): every tensor de-quantized with
   ``gguf.quants.dequantize`` to float32 (F16/BF16 tensors are kept as they are: exact
   either way), renamed to the HF names, and for ``llama`` files with llama.cpp's Q/K row
   permutation undone;
-* tokenizer files with the chat template (``engine/gguf_tokenizer.py``).
+* tokenizer files with the chat template (``engine/tokenizer/gguf_tokenizer.py``).
 
 Architectures and tensor types outside ``GGUF_ARCHITECTURES`` / ``SUPPORTED_TENSOR_TYPES``
 raise ``UnsupportedModelError`` naming what is supported, before anything is written.
@@ -33,10 +33,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from engine.checkpoint.gguf_config import GGUF_ARCHITECTURES, generation_config, hf_config
+from engine.checkpoint.gguf_reader import GGUFHeader
 from engine.errors import UnsupportedModelError
-from engine.gguf_config import GGUF_ARCHITECTURES, generation_config, hf_config
-from engine.gguf_reader import GGUFHeader
-from engine.gguf_tokenizer import check_tokenizer, save_tokenizer
+from engine.tokenizer.gguf_tokenizer import check_tokenizer, save_tokenizer
 from engine.weights.plan import GGUF_SOURCE_FILE
 from engine.weights.quant import PACKABLE_GGUF_TYPES, from_gguf_blocks
 

@@ -4,7 +4,7 @@ The torch path builds a padded (B, max_blocks) table from Python lists every ste
 each sequence owns a row of one ``(rows, width)`` int32 table for as long as it lives;
 a step names its sequences' rows (``seq_rows``) and sends only the block ids that are new
 since the last step, as (flat index, block) pairs that ride in the step's one host ->
-device copy (``engine.cuda_graphs.StepInputs``) and are scattered into the table there.
+device copy (``engine.cuda.graphs.StepInputs``) and are scattered into the table there.
 
 Who calls what: the kernel path calls ``row`` for each sequence of a step (collecting the
 updates), ``release`` when the runner frees a sequence's blocks, ``reset`` after the

@@ -1,13 +1,13 @@
 """The decoder's forward on the kernels of this package (the CUDA path).
 
-Same weights and the same math as ``engine.model.CausalLM.forward``, in a different
+Same weights and the same math as ``engine.model.causal_lm.CausalLM.forward``, in a different
 order of operations: the residual stream is carried separately and each sublayer's
 output is added to it by the next norm (``rmsnorm(..., residual=)``); gate and up are one
 GEMM over the fused ``gate_up`` weight; rotary and the KV write are one kernel; attention
 reads the pool in place. The linear layers and the embedding are the model's own modules.
 
 NOTE: nothing here syncs with the host or allocates on the host, so a decode forward can
-be captured in a CUDA graph: every per-step input is a view of ``engine.cuda_graphs
+be captured in a CUDA graph: every per-step input is a view of ``engine.cuda.graphs
 .StepInputs``'s device buffer, and ``max_q_len`` / ``num_splits`` are launch shapes.
 """
 
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.decode_attention import decode_attention
-from engine.kernels.extend_attention import extend_attention
-from engine.kernels.fused_ops import rmsnorm, silu_mul
-from engine.kernels.rope_store import rope_and_store
-from engine.model import CausalLM, DecoderLayer
+from engine.cuda.kernels.decode_attention import decode_attention
+from engine.cuda.kernels.extend_attention import extend_attention
+from engine.cuda.kernels.fused_ops import rmsnorm, silu_mul
+from engine.cuda.kernels.rope_store import rope_and_store
+from engine.model.causal_lm import CausalLM, DecoderLayer
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class KernelBatch:
     seq_rows: torch.Tensor  # (B,) row of ``block_tables`` holding each sequence's blocks
     ctx_lens: torch.Tensor  # (B,) context length after this step
     q_starts: torch.Tensor  # (B + 1,) sequence b's tokens are [q_starts[b], q_starts[b + 1])
-    block_tables: torch.Tensor  # (R, W) persistent table (engine/block_table_rows.py)
+    block_tables: torch.Tensor  # (R, W) persistent table (engine/kv/block_table_rows.py)
     is_decode: bool  # one token per sequence: T == B
     max_q_len: int  # prefill grid size; 1 for decode
     num_splits: int  # decode only: KV splits per sequence (decode_attention)

@@ -1,7 +1,7 @@
 """Fill a ``CausalLM`` from a checkpoint: dense or packed, as the resolved quantization says.
 
 Sources: a safetensors checkpoint (single file or sharded), or for ``gguf`` the GGUF file a
-converted checkpoint came from, read block by block (``engine/gguf.py``). Checkpoint names
+converted checkpoint came from, read block by block (``engine/checkpoint/gguf.py``). Checkpoint names
 map onto the model's fused layers: q/k/v projections are row ranges of ``qkv``, gate/up of
 ``gate_up``. A ``Linear`` or ``Embedding`` gets its kernel once all its rows have arrived
 (only one layer's parts are held at a time), chosen by ``_build``:
@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.errors import UnsupportedModelError
-from engine.model import CausalLM
+from engine.model.causal_lm import CausalLM
 from engine.weights.linear import (
     DenseKernel,
     Embedding,
@@ -64,7 +64,10 @@ def iter_tensors(root: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _gguf_values(root: Path) -> Iterator[tuple[str, Value]]:
-    from engine.gguf import GGUFCheckpoint, hf_tensors  # the gguf package: only when used
+    from engine.checkpoint.gguf import (  # the gguf package: only when used
+        GGUFCheckpoint,
+        hf_tensors,
+    )
 
     path = gguf_source(root)
     if path is None:

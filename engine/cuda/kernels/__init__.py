@@ -4,9 +4,9 @@ the small fused ops around it (add + RMSNorm, rotary + KV store, SiLU * up).
 Every kernel has a host wrapper in the module that defines it; the wrappers take torch
 tensors and launch on whatever device the tensors live on. On CPU they run only under the
 Triton interpreter (``TRITON_INTERPRET=1`` when the module is first imported), which is
-how the tests check them against the torch reference in ``engine/attention.py``.
+how the tests check them against the torch reference in ``engine/model/attention.py``.
 
-Pool layout, shared by all of them (engine/kv_cache.py): ``(num_blocks, num_layers, 2,
+Pool layout, shared by all of them (engine/kv/kv_cache.py): ``(num_blocks, num_layers, 2,
 block_size, num_kv_heads, head_dim)``, K at index 0 of axis 2, V at 1. Token ``t`` of a
 sequence is at ``block_table[t // block_size]``, slot ``t % block_size``. Block tables are
 rows of one persistent ``(rows, max_blocks)`` int32 table; a batch names its rows by index

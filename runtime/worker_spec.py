@@ -1,0 +1,28 @@
+"""What ``launch`` tells each worker process: one typed record per kind.
+
+The launcher builds the record (``EngineWorkerSpec`` for prefill, decode and co-located
+workers; ``runtime.spec_decode.DetokWorkerSpec`` for detokenizer shards, which must not
+import torch as this module does; the frontend's is
+``frontend.settings.FrontendLaunch``) and sends it, ``encode_spec``-ed, as the ``settings``
+of the process's ``ProcessSpec``; the process reads it back with
+``runtime.spec_decode.exit_on_bad_spec``, strictly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from engine.config import EngineConfig
+
+KVTransferName = Literal["shm", "cuda_ipc"]
+
+
+class EngineWorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A prefill, decode or co-located worker's settings."""
+
+    log_level: str
+    engine: EngineConfig
+    # How KV moves between prefill and decode workers; None for a co-located worker.
+    kv_transfer: KVTransferName | None
