@@ -14,6 +14,7 @@ map onto the model's fused layers: q/k/v projections are row ranges of ``qkv``, 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import re
@@ -254,8 +255,20 @@ def load_weights(model: CausalLM, root: Path, quantization: str = "none") -> Non
     missing = sorted({n for n, x in [*layers, *params] if id(x) not in loader.done})
     if missing:
         raise UnsupportedModelError(f"{root}: checkpoint lacks weights for {missing}")
+    _release_freed_memory()
     logger.info("loaded %s (%s): %s", root.name, quantization,
                 ", ".join(f"{n} {k}" for k, n in sorted(loader.kinds.items())))  # fmt: skip
+
+
+def _release_freed_memory() -> None:
+    """Hand the load's freed buffers back to the OS. Packing goes through float and byte
+    copies several times the packed size; glibc keeps freed heap for reuse, so without
+    this a worker's resident memory stays ~150 MB above what it holds (SmolLM2, packed)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return
+    libc.malloc_trim(0)
 
 
 def weight_nbytes(model: CausalLM) -> int:
