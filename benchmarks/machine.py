@@ -41,6 +41,15 @@ def vector_flags() -> list[str]:
     return [flag for flag in VECTOR_FLAGS if flag in flags]
 
 
+def portable(text: str) -> str:
+    """``text`` with this checkout's root as ``.`` and the home directory as ``~``: results
+    are committed, and name the paths they ran with relative to where a reader stands."""
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    return text.replace(root + "/", "./").replace(root, ".").replace(str(Path.home()), "~")
+
+
 def _torch() -> str:
     try:
         import torch

@@ -39,22 +39,32 @@ STORAGES = ("none", "auto", "int8", "int4")
 TARGETS = {"auto": 0.005, "int8": 0.01, "int4": 0.03}
 
 
-def score(model: Path, quantization: str, ids: list[int], window: int) -> tuple[float, list[int]]:
-    """(mean negative log-likelihood per scored token, the argmax token at each position)."""
+def score(
+    model: Path, quantization: str, ids: list[int], window: int, by_decode: bool
+) -> tuple[float, list[int]]:
+    """(mean negative log-likelihood per scored token, the argmax token at each position).
+
+    ``by_decode``: after a 16-token prefill, every further token of a window is fed by one
+    decode step (teacher forcing: the text's token, not the model's), so the scores come
+    from decode attention over the KV cache as serving reads it (bfloat16 for packed
+    weights); otherwise a window is one prefill, which attends over fresh K and V.
+    """
     runner = ModelRunner(EngineConfig(model=str(model), quantization=quantization,
                                       kv_cache_tokens=window + 64))  # fmt: skip
-    nll, count, argmax = 0.0, 0, []
+    rows: list[torch.Tensor] = []
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window + 1]  # the extra token is the last target
-        seq = Sequence(start, chunk[:-1], sampling=SamplingParams())
-        logits = runner.prefill([(seq, seq.num_tokens)], every_position=True)  # (n, vocab)
+        head = min(16, len(chunk) - 1) if by_decode else len(chunk) - 1
+        seq = Sequence(start, chunk[:head], sampling=SamplingParams())
+        rows.append(runner.prefill([(seq, head)], every_position=True))  # (head, vocab)
+        for token in chunk[head:-1]:
+            seq.output_ids.append(token)
+            rows.append(runner.decode([seq]))  # (1, vocab): the next token's
         runner.free_blocks(seq)
-        logp = torch.log_softmax(logits, dim=-1)
-        targets = torch.tensor(chunk[1:])
-        nll -= float(logp[torch.arange(len(targets)), targets].sum())
-        count += len(targets)
-        argmax += logits.argmax(-1).tolist()
-    return nll / count, argmax
+    logits = torch.cat(rows)  # (len(ids) - 1, vocab): position i predicts token i + 1
+    targets = torch.tensor(ids[1:])
+    nll = -float(torch.log_softmax(logits, dim=-1)[torch.arange(len(targets)), targets].sum())
+    return nll / len(targets), logits.argmax(-1).tolist()
 
 
 def main() -> None:
@@ -63,6 +73,8 @@ def main() -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--storages", default=",".join(STORAGES))
+    p.add_argument("--by-decode", action="store_true",
+                   help="score through decode steps over the KV cache (see score())")  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -71,7 +83,7 @@ def main() -> None:
     rows, ref_nll, ref_argmax = [], None, None
     for storage in args.storages.split(","):
         t0 = time.perf_counter()
-        nll, argmax = score(model, storage, ids, args.window)
+        nll, argmax = score(model, storage, ids, args.window, args.by_decode)
         if ref_nll is None:
             ref_nll, ref_argmax = nll, argmax
         assert ref_argmax is not None
@@ -86,7 +98,8 @@ def main() -> None:
         "# Perplexity by weight storage",
         "",
         f"Model: `{model.name}`; text: `benchmarks/data/perplexity.txt`, {len(ids)} tokens, "
-        f"windows of {args.window}; threads {args.threads}.",
+        f"windows of {args.window}; threads {args.threads}; scored "
+        + ("by decode steps over the KV cache." if args.by_decode else "by one prefill a window."),
         "",
         "Command: `python -m benchmarks.perplexity"
         + (f" --model {args.model.name}" if args.model else "")

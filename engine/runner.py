@@ -70,7 +70,8 @@ class ModelRunner:
             torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         )
         self.model = CausalLM(self.model_config, self.max_model_len, self.dtype, self.device)
-        load_weights(self.model, Path(config.model), self.quantization)
+        load_weights(self.model, Path(config.model), self.quantization,
+                     dense_copies=config.dense_prefill_weights)  # fmt: skip
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.grammars = GrammarCache(

@@ -87,6 +87,8 @@ def _engine_spec(
     engine = EngineConfig(
         model=str(model), dtype=config.dtype.value, device=place.device,
         quantization=config.quantization,
+        # Workers that prefill keep dense copies of packed layers for long batches.
+        dense_prefill_weights=place.role in (Role.PREFILL, Role.COLOCATED),
         block_size=config.block_size, kv_cache_tokens=config.kv_cache_tokens,
         gpu_memory_utilization=config.gpu_memory_utilization,
         gpu_memory_share=place.gpu_memory_share,  # None on CPU

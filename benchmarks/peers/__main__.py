@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.machine import describe as describe_machine
-from benchmarks.machine import vector_flags
+from benchmarks.machine import portable, vector_flags
 from benchmarks.peers import llama_cpp
 from benchmarks.peers.report import Point, Report, render
 from benchmarks.peers.servers import (
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render is not None:
         doc = json.loads(args.render.read_text())
         report = Report(**doc["report"])
-        args.out.write_text(render(report, [Point(**p) for p in doc["points"]]) + "\n")
+        args.out.write_text(portable(render(report, [Point(**p) for p in doc["points"]])) + "\n")
         return 0
     command = "python -m benchmarks.peers " + shlex.join(sys.argv[1:] if argv is None else argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -485,10 +485,10 @@ def _one_point(urls: dict[str, str], i: int, s: Settings, tokenizer: Any, w: str
 
 def write(out: Path, report: Report, points: list[Point]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(report, points) + "\n")
+    out.write_text(portable(render(report, points)) + "\n")
     doc: dict[str, Any] = {"report": asdict(report), "points": [asdict(p) for p in points],
                            "date": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    out.with_suffix(".json").write_text(portable(json.dumps(doc, indent=1)) + "\n")
     print(f"wrote {out} and {out.with_suffix('.json')}")
 
 

@@ -146,8 +146,8 @@ def _shape(value: Value) -> tuple[int, ...]:
 
 
 class _Loader:
-    def __init__(self, model: CausalLM, quantization: str) -> None:
-        self.model, self.quantization = model, quantization
+    def __init__(self, model: CausalLM, quantization: str, dense_copies: bool) -> None:
+        self.model, self.quantization, self.dense_copies = model, quantization, dense_copies
         self.dtype = model.norm.weight.dtype
         self.device = model.norm.weight.device
         self.staged: dict[int, list[tuple[int, Value]]] = {}  # id(layer) -> parts
@@ -204,9 +204,12 @@ class _Loader:
         rows = self._packed_rows(parts, head)
         if rows is not None:
             try:
-                kernel = packed_kernel(rows, kernel_dtype(self.dtype), self.device)
+                packed = packed_kernel(rows, kernel_dtype(self.dtype), self.device)
+                if self.dense_copies and not head:  # the head only ever sees a few rows
+                    packed.with_dense_copy(rows.dequantize())
+                kernel: nn.Module = packed
                 if head and kernel_dtype(self.dtype) != self.dtype:
-                    kernel = RefinedHead(kernel, rows)
+                    kernel = RefinedHead(packed, rows)
                 target.kernel = kernel
                 self.kinds[target.kind] += 1
                 return
@@ -228,12 +231,16 @@ class _Loader:
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, root: Path, quantization: str = "none") -> None:
+def load_weights(
+    model: CausalLM, root: Path, quantization: str = "none", dense_copies: bool = False
+) -> None:
     """Fill every layer of ``model``; unknown or missing tensors are errors.
 
     ``quantization``: a resolved one (``engine.weights.plan.resolve_quantization``).
+    ``dense_copies``: packed layers also keep a dense copy for large batches (prefill;
+    ``Int4Kernel.with_dense_copy``), at two bytes a weight.
     """
-    loader = _Loader(model, quantization)
+    loader = _Loader(model, quantization, dense_copies)
     values = _gguf_values(root) if quantization == "gguf" else iter_tensors(root)
     for name, value in values:
         if name.endswith(_IGNORED):

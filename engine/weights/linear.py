@@ -26,6 +26,8 @@ from engine.weights.quant import GROUP, Int4Rows, Int8Rows, QuantRows
 
 # torch's CPU int4 packing wants output rows in multiples of 16.
 _ROW_MULTIPLE = 16
+# From this many rows (tokens) on, a packed layer with a dense copy uses it.
+DENSE_FROM_ROWS = 16
 
 
 class QuantizationUnsupported(ValueError):
@@ -67,11 +69,24 @@ class Int4Kernel(nn.Module):
         self.register_buffer("scales_zeros", sz, persistent=False)
         self.packed: torch.Tensor
         self.scales_zeros: torch.Tensor
+        self.dense: torch.Tensor | None = None  # see with_dense_copy
+
+    def with_dense_copy(self, weight: torch.Tensor) -> None:
+        """Also hold ``weight`` (N, K) dense, in the compute dtype, for batches of
+        ``DENSE_FROM_ROWS`` rows or more. torch's int4 kernel costs grow with the rows
+        (it de-quantizes per row block: on a 2-core AMX host a SmolLM2 layer set took
+        3.3 ms at 1 row, 21 at 16, 307 at 256), while a dense bfloat16 GEMM is bound by
+        reading the weights until far more rows (17.9 ms at 16, 44 at 256). Prefill wants
+        the dense copy; a decode step of a few rows the packed one."""
+        self.dense = weight.to(self.scales_zeros.dtype).contiguous()
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # The kernel computes in its scales' dtype (bfloat16 when serving: it is 10-50x
         # slower fed float32); the model's residual stream keeps its own dtype around it.
         dtype = x.dtype
+        if self.dense is not None and x.shape[0] >= DENSE_FROM_ROWS:
+            out = F.linear(x.to(self.dense.dtype), self.dense)
+            return out.to(dtype) if bias is None else out.to(dtype).add_(bias)
         out = torch._weight_int4pack_mm_for_cpu(
             x.to(self.scales_zeros.dtype), self.packed, GROUP, self.scales_zeros
         )
@@ -95,8 +110,16 @@ class Int8Kernel(nn.Module):
             zero=torch.cat((torch.zeros_like(d), 8.0 * d), dim=1),
         )
         self.planes = Int4Kernel(planes, dtype, device)
+        self.dense: torch.Tensor | None = None
+
+    def with_dense_copy(self, weight: torch.Tensor) -> None:
+        """As ``Int4Kernel.with_dense_copy``: ``weight`` is the (N, K) de-quantized matrix."""
+        self.dense = weight.to(self.planes.scales_zeros.dtype).contiguous()
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= DENSE_FROM_ROWS:
+            out = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
+            return out if bias is None else out.add_(bias)
         return self.planes(torch.cat((x, x), dim=1), bias)
 
 
@@ -136,7 +159,9 @@ class RefinedHead(nn.Module):
         return out.scatter_(1, idx, exact)
 
 
-def packed_kernel(rows: QuantRows, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def packed_kernel(
+    rows: QuantRows, dtype: torch.dtype, device: torch.device
+) -> Int4Kernel | Int8Kernel:
     if isinstance(rows, Int4Rows):
         return Int4Kernel(rows, dtype, device)
     return Int8Kernel(rows, dtype, device)

@@ -41,7 +41,9 @@ def quantized(request: pytest.FixtureRequest) -> Iterator[tuple[str, LaunchedSer
 
 def _reference(quantization: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     model = tiny.tiny_model_dir(tiny.DEFAULT_ARCH)
-    llm = LLM(EngineConfig(model=str(model), num_kv_blocks=256, quantization=quantization))
+    # As the launched tree runs it: the prefill worker keeps dense copies for long batches.
+    llm = LLM(EngineConfig(model=str(model), num_kv_blocks=256, quantization=quantization,
+                           dense_prefill_weights=True))  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [r.output_ids for r in llm.generate(prompts, params)]
 
