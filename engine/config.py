@@ -142,8 +142,8 @@ class EngineConfig:
     dtype: str = "auto"
     # auto | none | int8 | int4: weight storage (engine/weights/plan.py)
     quantization: str = "auto"
-    # Packed layers also hold a dense bfloat16 copy for batches of 16+ tokens (prefill):
-    # the launcher sets it for the workers that prefill (engine/weights/linear.py).
+    # Packed layers also hold a dense bfloat16 copy for prefill forwards: the launcher
+    # sets it for the workers that prefill (engine/weights/linear.py).
     dense_prefill_weights: bool = False
     device: str = "cpu"
     block_size: int = 16

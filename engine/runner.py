@@ -25,6 +25,7 @@ Who calls what:
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,7 @@ from engine.sampling.grammar import GrammarCache
 from engine.sampling.grammar_mask import batch_constraint
 from engine.sampling.sampler import SampleOutput, SampleRequest, sample
 from engine.tokenizer.hf_tokenizer import load_tokenizer
+from engine.weights.linear import prefill_phase
 from engine.weights.plan import activation_dtype, cache_dtype, resolve_quantization
 from wire.records import Finish
 
@@ -342,7 +344,8 @@ class ModelRunner:
             last = torch.arange(len(tokens), device=self.device)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
-            return self.model(ids, positions, kv_pool, meta, last)
+            with nullcontext() if is_decode else prefill_phase():
+                return self.model(ids, positions, kv_pool, meta, last)
         except BaseException:
             if self._dense is not None:  # some layers may have extended it, others not
                 self._dense.invalidate()

@@ -18,6 +18,10 @@ Packed kernels run on CPU only (torch's CUDA int4 layout differs and is untested
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,8 +30,19 @@ from engine.weights.quant import GROUP, Int4Rows, Int8Rows, QuantRows
 
 # torch's CPU int4 packing wants output rows in multiples of 16.
 _ROW_MULTIPLE = 16
-# From this many rows (tokens) on, a packed layer with a dense copy uses it.
-DENSE_FROM_ROWS = 16
+# Set while a prefill forward runs (``prefill_phase``): packed layers with a dense copy use
+# it then. By phase, not by row count: a layer's result must not depend on which other
+# requests shared its batch, or a request's tokens would depend on the traffic beside it.
+_PREFILL = contextvars.ContextVar("prefill_phase", default=False)
+
+
+@contextmanager
+def prefill_phase() -> Iterator[None]:
+    token = _PREFILL.set(True)
+    try:
+        yield
+    finally:
+        _PREFILL.reset(token)
 
 
 class QuantizationUnsupported(ValueError):
@@ -72,8 +87,8 @@ class Int4Kernel(nn.Module):
         self.dense: torch.Tensor | None = None  # see with_dense_copy
 
     def with_dense_copy(self, weight: torch.Tensor) -> None:
-        """Also hold ``weight`` (N, K) dense, in the compute dtype, for batches of
-        ``DENSE_FROM_ROWS`` rows or more. torch's int4 kernel costs grow with the rows
+        """Also hold ``weight`` (N, K) dense, in the compute dtype, for prefill forwards
+        (``prefill_phase``). torch's int4 kernel costs grow with the rows
         (it de-quantizes per row block: on a 2-core AMX host a SmolLM2 layer set took
         3.3 ms at 1 row, 21 at 16, 307 at 256), while a dense bfloat16 GEMM is bound by
         reading the weights until far more rows (17.9 ms at 16, 44 at 256). Prefill wants
@@ -84,7 +99,7 @@ class Int4Kernel(nn.Module):
         # The kernel computes in its scales' dtype (bfloat16 when serving: it is 10-50x
         # slower fed float32); the model's residual stream keeps its own dtype around it.
         dtype = x.dtype
-        if self.dense is not None and x.shape[0] >= DENSE_FROM_ROWS:
+        if self.dense is not None and _PREFILL.get():
             out = F.linear(x.to(self.dense.dtype), self.dense)
             return out.to(dtype) if bias is None else out.to(dtype).add_(bias)
         out = torch._weight_int4pack_mm_for_cpu(
@@ -117,7 +132,7 @@ class Int8Kernel(nn.Module):
         self.dense = weight.to(self.planes.scales_zeros.dtype).contiguous()
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= DENSE_FROM_ROWS:
+        if self.dense is not None and _PREFILL.get():
             out = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
             return out if bias is None else out.add_(bias)
         return self.planes(torch.cat((x, x), dim=1), bias)

@@ -22,12 +22,12 @@ from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from engine.weights.linear import (
-    DENSE_FROM_ROWS,
     Embedding,
     Int4Kernel,
     Linear,
     RefinedHead,
     packed_kernel,
+    prefill_phase,
 )
 from engine.weights.plan import QuantizationError, resolve_quantization
 from engine.weights.quant import (
@@ -184,15 +184,17 @@ def test_packed_kernels_are_refused_off_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_dense_copy_takes_long_batches_and_leaves_short_ones_packed(bits: int) -> None:
+def test_a_dense_copy_serves_prefill_forwards_and_decode_stays_packed(bits: int) -> None:
     torch.manual_seed(bits)
     rows = quantize_int4(torch.randn(48, 64)) if bits == 4 else quantize_int8(torch.randn(48, 64))
     packed = packed_kernel(rows, torch.bfloat16, CPU)
     both = packed_kernel(rows, torch.bfloat16, CPU)
     both.with_dense_copy(rows.dequantize())
-    short, long = torch.randn(DENSE_FROM_ROWS - 1, 64), torch.randn(DENSE_FROM_ROWS, 64)
-    assert torch.equal(both(short, None), packed(short, None))  # the packed kernel itself
-    exact = long @ rows.dequantize().T
-    got = both(long, None)
-    assert not torch.equal(got, packed(long, None))  # another kernel: the dense GEMM
+    x = torch.randn(20, 64)
+    assert torch.equal(both(x, None), packed(x, None))  # outside a prefill: packed
+    with prefill_phase():
+        got = both(x, None)
+        assert torch.equal(packed(x, None), packed(x, None))  # no copy: packed still
+    assert not torch.equal(got, packed(x, None))  # another kernel: the dense GEMM
+    exact = x @ rows.dequantize().T
     assert ((got - exact).norm() / exact.norm()).item() < 1e-2  # bfloat16 weights
