@@ -32,7 +32,6 @@ a wrong one misplaces a request, the worker's own allocator still decides what i
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from router.ledger import Ledger, PeerBooks, WorkerKey
 from router.policy import Candidate, PolicyName, make_policy
 from transport.load_table import LoadRow, LoadTable, WorkerState
 from transport.prefix_summary import PrefixSummary
+from transport.segment import pid_alive
 from wire.roles import Role
 
 
@@ -229,7 +229,7 @@ class Router:
             return False
         if now_ns - r.heartbeat_ns > self._config.stale_after_s * 1e9:
             return False
-        return _pid_alive(r.pid)
+        return pid_alive(r.pid)
 
     def _admits(self, r: LoadRow, prompt_len: int) -> bool:
         cfg, books = self._config, self.ledger.of(r)
@@ -317,13 +317,3 @@ def _roles(rows: list[LoadRow]) -> tuple[Role, Role]:
 
 def _index(r: LoadRow) -> int:
     return r.index
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by another user
-    return True

@@ -6,6 +6,7 @@ suite needs no network and pays the build cost once per machine.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,16 @@ class LaunchedServer:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("launch did not become ready:\n" + "".join(self.log[-40:]))
+
+    @classmethod
+    def serving(cls, args: list[str]) -> Iterator[LaunchedServer]:
+        """A module fixture's body: ``yield from LaunchedServer.serving([...])``."""
+        srv = cls(args)
+        srv.wait_ready()
+        try:
+            yield srv
+        finally:
+            srv.stop()
 
     def health(self) -> dict:  # type: ignore[type-arg]
         import httpx

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from transport import _atomics
+from transport.segment import pid_alive
 
 HEADER_NBYTES = 16
 SLOT_WORDS = 4  # held, waiting, pid, (pad)
@@ -50,18 +51,6 @@ def host_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class CoreLease:
@@ -94,7 +83,7 @@ class CoreLease:
                 os.sched_yield()
                 continue
             time.sleep(0.00005)
-            if time.monotonic() - since > _STALE_LOCK_S and not _alive(int(self._owner[0])):
+            if time.monotonic() - since > _STALE_LOCK_S and not pid_alive(int(self._owner[0])):
                 # The holder died inside its critical section: the slots it was writing
                 # are whole words, so the table is still consistent; free the lock.
                 _atomics.store_release(self._lock_addr, 0)
@@ -155,5 +144,5 @@ class CoreLease:
     def _reap_dead(self) -> None:
         with self._locked():
             for row in self._slots:
-                if (row[_HELD] or row[_WAITING]) and not _alive(int(row[_PID])):
+                if (row[_HELD] or row[_WAITING]) and not pid_alive(int(row[_PID])):
                     row[_HELD], row[_WAITING] = 0, 0

@@ -124,7 +124,7 @@ def sweep_stale(shm_dir: Path = SHM_DIR) -> list[str]:
     removed = []
     for path in shm_dir.glob(f"{_PREFIX}*"):
         m = _STALE.match(path.name)
-        if m is None or _pid_alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         try:
             path.unlink()
@@ -135,7 +135,8 @@ def sweep_stale(shm_dir: Path = SHM_DIR) -> list[str]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

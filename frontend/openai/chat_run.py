@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from frontend.openai.protocol import (
     to_engine_params,
 )
 from frontend.openai.serving_common import EngineCall, ServingContext
+from frontend.openai.serving_completions import check_model
 from frontend.openai.structured import checked_grammar, compile_checked
 from frontend.openai.tools import ToolPlan, plan_tools
 from wire.params import GrammarSpec, ReasoningMode
@@ -103,6 +105,19 @@ def _arguments(text: str, i: int) -> Any:
     except ValueError as e:
         raise InvalidRequest("tool call arguments must be JSON text",
                              param=f"messages.{i}.tool_calls") from e  # fmt: skip
+
+
+async def start_translated(
+    ctx: ServingContext, request: Request, body: Any,
+    to_chat: Callable[[Any], ChatCompletionRequest], arrival: float,
+) -> ChatRun:  # fmt: skip
+    """Run another API's request as the chat request ``to_chat`` makes of it: what either
+    side cannot serve is refused first (``reject_unsupported``), and the model checked."""
+    body.reject_unsupported()
+    check_model(ctx, body.model)
+    chat = to_chat(body)
+    chat.reject_unsupported()
+    return await start_chat(ctx, request, chat, arrival)
 
 
 async def start_chat(

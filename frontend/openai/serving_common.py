@@ -252,15 +252,24 @@ def sse(payload: object) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def sse_stream(chunks: AsyncIterator[object], rid: int) -> AsyncIterator[bytes]:
-    """Frame ``chunks`` as SSE; an engine failure mid-stream becomes an error event."""
+async def _framed(
+    items: AsyncIterator[Any], rid: int, frame: Callable[[Any], bytes],
+    error_frame: Callable[[APIError], bytes],
+) -> AsyncIterator[bytes]:  # fmt: skip
+    """``items`` framed; an engine failure mid-stream becomes the API's error frame."""
     try:
-        async for chunk in chunks:
-            yield sse(chunk)
+        async for item in items:
+            yield frame(item)
     except (EngineUnavailable, APIError) as e:
         logger.error("rid=%d failed mid-stream: %s", rid, e)
         err = e if isinstance(e, APIError) else InternalError(f"engine failure: {e}")
-        yield sse(err.body())
+        yield error_frame(err)
+
+
+async def sse_stream(chunks: AsyncIterator[object], rid: int) -> AsyncIterator[bytes]:
+    """Frame ``chunks`` as SSE; an engine failure mid-stream becomes an error event."""
+    async for frame in _framed(chunks, rid, sse, lambda err: sse(err.body())):
+        yield frame
     yield SSE_DONE
 
 
@@ -276,13 +285,8 @@ async def typed_sse_stream(
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """Frame ``events`` as named SSE events; an engine failure mid-stream becomes the
     API's error event (there is no ``[DONE]`` in these APIs)."""
-    try:
-        async for event in events:
-            yield typed_sse(event)
-    except (EngineUnavailable, APIError) as e:
-        logger.error("rid=%d failed mid-stream: %s", rid, e)
-        err = e if isinstance(e, APIError) else InternalError(f"engine failure: {e}")
-        yield typed_sse(error_event(err))
+    async for frame in _framed(events, rid, typed_sse, lambda err: typed_sse(error_event(err))):
+        yield frame
 
 
 async def with_keepalive(source: AsyncIterator[T], interval_s: float) -> AsyncIterator[T | None]:

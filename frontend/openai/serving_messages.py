@@ -40,7 +40,7 @@ from frontend.openai.answer import (
     Reasoning,
     read_answer,
 )
-from frontend.openai.chat_run import ChatRun, chat_prompt_ids, start_chat
+from frontend.openai.chat_run import ChatRun, chat_prompt_ids, start_translated
 from frontend.openai.messages_request import CountTokensRequest, MessagesRequest, to_chat
 from frontend.openai.serving_common import (
     ServingContext,
@@ -71,11 +71,7 @@ async def count_tokens(
 async def create_message(
     ctx: ServingContext, request: Request, body: MessagesRequest, arrival: float
 ) -> Response:
-    body.reject_unsupported()
-    check_model(ctx, body.model)
-    chat = to_chat(body)
-    chat.reject_unsupported()
-    run = await start_chat(ctx, request, chat, arrival)
+    run = await start_translated(ctx, request, body, to_chat, arrival)
     head = {"id": f"msg_{run.rid:x}{secrets.token_hex(4)}", "type": "message",
             "role": "assistant", "model": ctx.settings.model_name}  # fmt: skip
     if body.stream:

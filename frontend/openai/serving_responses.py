@@ -39,10 +39,9 @@ from frontend.openai.answer import (
     Reasoning,
     read_answer,
 )
-from frontend.openai.chat_run import ChatRun, start_chat
+from frontend.openai.chat_run import ChatRun, start_translated
 from frontend.openai.responses_request import ResponsesRequest, to_chat
 from frontend.openai.serving_common import ServingContext, collect_all, typed_sse_stream
-from frontend.openai.serving_completions import check_model
 from frontend.openai.tools import new_call_id
 from wire.records import Finish
 
@@ -50,11 +49,7 @@ from wire.records import Finish
 async def create_response(
     ctx: ServingContext, request: Request, body: ResponsesRequest, arrival: float
 ) -> Response:
-    body.reject_unsupported()
-    check_model(ctx, body.model)
-    chat = to_chat(body)
-    chat.reject_unsupported()
-    run = await start_chat(ctx, request, chat, arrival)
+    run = await start_translated(ctx, request, body, to_chat, arrival)
     shell = _shell(ctx, body, run)
     if body.stream:
         return StreamingResponse(typed_sse_stream(_stream(run, shell), run.rid, _error_event),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import benchmarks.peers.__main__ as cli
+from benchmarks.machine import vector_flags
 from benchmarks.peers import llama_cpp
 from benchmarks.peers.report import Point, Report, peer_ratio_rows, render
 from benchmarks.peers.servers import ServerFailed
@@ -92,8 +93,13 @@ def test_plan_groups_servers_by_precision_with_the_peers_of_each(model: Path) ->
     assert names["F32"] == ["vLLM F32", "llama.cpp F32", "pdserve 1P+1D F32",
                             "pdserve co-located F32"]  # fmt: skip
     assert names["Q8_0"] == ["llama.cpp Q8_0", "pdserve 1P+1D int8", "pdserve co-located int8"]
-    assert names["Q4_1"] == ["llama.cpp Q4_1", "pdserve 1P+1D int4", "pdserve co-located int4",
+    # vLLM in bfloat16 joins the Q4_1 group on CPUs with native bfloat16 only.
+    native_bf16 = {"avx512_bf16", "amx_bf16"} & set(vector_flags())
+    assert names["Q4_1"] == [*(["vLLM BF16"] if native_bf16 else []), "llama.cpp Q4_1",
+                             "pdserve 1P+1D int4", "pdserve co-located int4",
                              "pdserve 1P+1D GGUF Q4_1", "pdserve co-located GGUF Q4_1"]  # fmt: skip
+    without = {g.precision: [s.name for s in g.specs] for g in dry_plan(model, "--no-vllm-bf16")}
+    assert "vLLM BF16" not in without["Q4_1"]
 
 
 def test_pdserve_variants_pass_quantization_and_the_peers_gguf(model: Path) -> None:

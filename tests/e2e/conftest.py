@@ -1,15 +1,18 @@
-"""The server the agent-API tests share (``test_messages_api.py``, ``test_responses_api.py``):
-2 prefill, 2 decode, 2 detokenizer processes on CPU, the tiny model with a tool-aware
-(Qwen2.5-style) chat template and the hermes tool-call parser."""
+"""Fixtures of several e2e modules: the server the agent-API tests share
+(``test_messages_api.py``, ``test_responses_api.py``: 2 prefill, 2 decode, 2 detokenizer
+processes on CPU, the tiny model with a tool-aware (Qwen2.5-style) chat template and the
+hermes tool-call parser), and the fuzz tests' client with the worker pids it starts from."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import LaunchedServer
+from tests.e2e.helpers import reported_pids
 
 TOOLS_TEMPLATE = Path(__file__).parent / "data" / "qwen2_5_tools.jinja"
 AGENT_MODEL = "tiny"
@@ -26,3 +29,16 @@ def agent_server() -> Iterator[LaunchedServer]:
     s.wait_ready()
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def worker_pids(server: LaunchedServer) -> dict[tuple[str, int], int]:
+    """Every worker's pid before the first fuzzed request (the fuzz tests check no worker
+    was replaced since)."""
+    return reported_pids(server)
+
+
+@pytest.fixture(scope="module")
+def http(server: LaunchedServer, worker_pids: dict[tuple[str, int], int]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client

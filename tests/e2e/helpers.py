@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +208,35 @@ def wait_all_alive(server: LaunchedServer, timeout_s: float = 90) -> None:
 def random_prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 150_000, (5 + 9 * i,), generator=g).tolist() for i in range(n)]
+
+
+# The tool every tool-calling e2e test offers, in each API's wrapping around it.
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10},
+                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def leave_mid_stream(
+    server: LaunchedServer, path: str, body: dict[str, Any], delta_event: str,
+    rid_of: Callable[[dict[str, Any]], int],
+) -> None:  # fmt: skip
+    """Open a stream, read 5 deltas (KV is in use), close it; the request must be
+    aborted (logged as such, not finished on its own) and its KV freed."""
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as client,
+        client.stream("POST", path, json=body) as r,
+    ):
+        deltas, rid = 0, None
+        for line in r.iter_lines():
+            if line.startswith("data: ") and rid is None:
+                rid = rid_of(json.loads(line[6:]))
+            deltas += line == f"event: {delta_event}"
+            if deltas == 5:
+                assert kv_in_use(server) > 0
+                break  # closing the stream disconnects the client
+    wait_logged(server, f"rid={rid} aborted")
+    wait_kv_free(server)

@@ -10,16 +10,13 @@ short. Afterwards every worker must be the same process as before.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import LaunchedServer
-from tests.e2e.helpers import reported_pids
 
 FUZZ = settings(max_examples=40, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
@@ -114,16 +111,13 @@ def responses_body(wild: bool) -> st.SearchStrategy[dict[str, Any]]:
     return st.fixed_dictionaries(required, optional=optional)
 
 
-@pytest.fixture(scope="module")
-def worker_pids(server: LaunchedServer) -> dict[tuple[str, int], int]:
-    """Every worker's pid before the first fuzzed request."""
-    return reported_pids(server)
-
-
-@pytest.fixture(scope="module")
-def http(server: LaunchedServer, worker_pids: dict[tuple[str, int], int]) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
+def post_never_5xx(http: httpx.Client, path: str, body: dict[str, Any]) -> httpx.Response:
+    """POST a fuzzed body: any answer but a server error (its status counted for the
+    statistics hypothesis prints)."""
+    r = http.post(path, json=body)
+    event(f"HTTP {r.status_code}")
+    assert r.status_code < 500, r.text
+    return r
 
 
 def events_of(r: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
@@ -139,9 +133,7 @@ def events_of(r: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
 @FUZZ
 @given(body=st.booleans().flatmap(messages_body))
 def test_fuzzed_messages_never_5xx(http: httpx.Client, body: dict[str, Any]) -> None:
-    r = http.post("/v1/messages", json=body)
-    event(f"HTTP {r.status_code}")
-    assert r.status_code < 500, r.text
+    r = post_never_5xx(http, "/v1/messages", body)
     if r.status_code >= 400:
         error = r.json()
         assert error["type"] == "error" and error["error"]["message"], error
@@ -156,9 +148,7 @@ def test_fuzzed_messages_never_5xx(http: httpx.Client, body: dict[str, Any]) -> 
 @FUZZ
 @given(body=st.booleans().flatmap(responses_body))
 def test_fuzzed_responses_never_5xx(http: httpx.Client, body: dict[str, Any]) -> None:
-    r = http.post("/v1/responses", json=body)
-    event(f"HTTP {r.status_code}")
-    assert r.status_code < 500, r.text
+    r = post_never_5xx(http, "/v1/responses", body)
     if r.status_code >= 400:
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["message"], error

@@ -35,13 +35,10 @@ HEADER = "x-pdserve-frontend"
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[LaunchedServer]:
-    srv = LaunchedServer(
+    yield from LaunchedServer.serving(
         ["--api-workers", "2", "--prefill", "2", "--decode", "2", "--detokenizers", "2",
          "--device", "cpu", "--kv-cache-tokens", "8192", "--max-model-len", "1024"]
     )  # fmt: skip
-    srv.wait_ready()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +47,11 @@ def reference() -> dict[tuple[int, ...], list[int]]:
 
 
 def test_both_frontends_serve_and_report_the_same_server(pair: LaunchedServer) -> None:
+    # "Serving" means every role has a live worker; wait for the last ones to be ready too
+    # (prefill workers that build dense copies of packed layers come up a little later).
+    deadline = time.monotonic() + 60
+    while pair.health()["status"] != "ok" and time.monotonic() < deadline:
+        time.sleep(0.2)
     frontends = [w for w in pair.health()["workers"] if w["role"] == "frontend"]
     assert [(w["index"], w["alive"]) for w in frontends] == [(0, True), (1, True)]
     assert {pid_of(pair, "pdserve:frontend-0"), pid_of(pair, "pdserve:frontend-1")} == {

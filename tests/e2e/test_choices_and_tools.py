@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from tests.conftest import LaunchedServer
-from tests.e2e.helpers import computed_prefill_tokens
+from tests.e2e.helpers import WEATHER_SCHEMA, computed_prefill_tokens
 from wire.params import choice_seed
 
 TEMPLATE = Path(__file__).parent / "data" / "qwen2_5_tools.jinja"
@@ -28,13 +28,7 @@ WEATHER = {
     "function": {
         "name": "get_weather",
         "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 10},
-                           "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
+        "parameters": WEATHER_SCHEMA,
     },
 }  # fmt: skip
 TIME = {

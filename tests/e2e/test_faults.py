@@ -30,13 +30,10 @@ from tests.e2e.helpers import (
 
 @pytest.fixture(scope="module")
 def victim() -> Iterator[LaunchedServer]:
-    srv = LaunchedServer(
+    yield from LaunchedServer.serving(
         ["--prefill", "2", "--decode", "2", "--detokenizers", "2", "--device", "cpu",
          "--kv-cache-tokens", "8192", "--max-model-len", "1024", "--stall-timeout", "4"]
     )  # fmt: skip
-    srv.wait_ready()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

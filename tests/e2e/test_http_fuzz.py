@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import LaunchedServer
-from tests.e2e.helpers import reported_pids
 
 FUZZ = settings(
     max_examples=50,
@@ -191,18 +188,6 @@ def bodies(path: str) -> st.SearchStrategy[dict[str, Any]]:
     if path == "/generate":
         return st.booleans().flatmap(generate_body)
     return st.booleans().flatmap(lambda is_wild: openai_body(path, is_wild))
-
-
-@pytest.fixture(scope="module")
-def worker_pids(server: LaunchedServer) -> dict[tuple[str, int], int]:
-    """Every worker's pid before the first fuzzed request."""
-    return reported_pids(server)
-
-
-@pytest.fixture(scope="module")
-def http(server: LaunchedServer, worker_pids: dict[tuple[str, int], int]) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
 
 
 def check_answer(r: httpx.Response) -> None:

@@ -22,22 +22,14 @@ from tests.conftest import LaunchedServer
 from tests.e2e.conftest import AGENT_MODEL as MODEL
 from tests.e2e.conftest import TOOLS_TEMPLATE
 from tests.e2e.helpers import (
+    WEATHER_SCHEMA,
     computed_prefill_tokens,
-    kv_in_use,
+    leave_mid_stream,
     render_ids,
-    wait_kv_free,
-    wait_logged,
 )
 
 GREEDY: dict[str, Any] = {"extra_body": {"temperature": 0}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 10},
-                   "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}  # fmt: skip
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
            "input_schema": WEATHER_SCHEMA}  # fmt: skip
 TIME = {"name": "get_time", "input_schema": {
@@ -241,21 +233,9 @@ def test_a_stop_sequence_ends_the_message_and_is_named(
 def test_a_client_that_leaves_mid_stream_frees_its_request(agent_server: LaunchedServer) -> None:
     body = {"model": MODEL, "max_tokens": 900, "stream": True,
             "messages": [{"role": "user", "content": "Talk for a long time."}]}  # fmt: skip
-    with (
-        httpx.Client(base_url=agent_server.url, timeout=60) as client,
-        client.stream("POST", "/v1/messages", json=body) as r,
-    ):
-        deltas, rid = 0, None
-        for line in r.iter_lines():
-            if line.startswith("data: ") and rid is None:
-                message_id = json.loads(line[6:])["message"]["id"]
-                rid = int(message_id[len("msg_") : -8], 16)  # msg_<rid hex><8 hex>
-            deltas += line == "event: content_block_delta"
-            if deltas == 5:
-                assert kv_in_use(agent_server) > 0
-                break  # closing the stream disconnects the client
-    wait_logged(agent_server, f"rid={rid} aborted")  # aborted, not finished on its own
-    wait_kv_free(agent_server)
+    # msg_<rid hex><8 hex>
+    leave_mid_stream(agent_server, "/v1/messages", body, "content_block_delta",
+                     lambda event: int(event["message"]["id"][len("msg_") : -8], 16))  # fmt: skip
 
 
 def _error(r: httpx.Response, status: int, needle: str) -> None:

@@ -20,20 +20,12 @@ from tests.conftest import LaunchedServer
 from tests.e2e.conftest import AGENT_MODEL as MODEL
 from tests.e2e.conftest import TOOLS_TEMPLATE
 from tests.e2e.helpers import (
+    WEATHER_SCHEMA,
     computed_prefill_tokens,
-    kv_in_use,
+    leave_mid_stream,
     render_ids,
-    wait_kv_free,
-    wait_logged,
 )
 
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 10},
-                   "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}  # fmt: skip
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
            "parameters": WEATHER_SCHEMA}  # fmt: skip
 
@@ -164,21 +156,9 @@ def test_a_forced_function_call_validates_and_its_output_continues(
 def test_a_client_that_leaves_mid_stream_frees_its_request(agent_server: LaunchedServer) -> None:
     body = {"model": MODEL, "input": "Talk for a long time.", "max_output_tokens": 900,
             "stream": True}  # fmt: skip
-    with (
-        httpx.Client(base_url=agent_server.url, timeout=60) as client,
-        client.stream("POST", "/v1/responses", json=body) as r,
-    ):
-        deltas, rid = 0, None
-        for line in r.iter_lines():
-            if line.startswith("data: ") and rid is None:
-                response_id = json.loads(line[6:])["response"]["id"]
-                rid = int(response_id[len("resp_") : -8], 16)  # resp_<rid hex><8 hex>
-            deltas += line == "event: response.output_text.delta"
-            if deltas == 5:
-                assert kv_in_use(agent_server) > 0
-                break
-    wait_logged(agent_server, f"rid={rid} aborted")
-    wait_kv_free(agent_server)
+    # resp_<rid hex><8 hex>
+    leave_mid_stream(agent_server, "/v1/responses", body, "response.output_text.delta",
+                     lambda event: int(event["response"]["id"][len("resp_") : -8], 16))  # fmt: skip
 
 
 BASE: dict[str, Any] = {"model": MODEL, "input": "Hi", "max_output_tokens": 4}
