@@ -54,11 +54,16 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def test_served_tokens_equal_the_in_process_engine(quantized: tuple[str, LaunchedServer]) -> None:
+    """One request at a time, against the engine run on each prompt alone: the prefill
+    worker's dense bfloat16 GEMM rounds a prompt's KV a little otherwise when it shares its
+    batch with other prompts (oneDNN blocks by rows), so only the same batches compare
+    exactly. Packed decode steps are the same whatever the batch."""
     quantization, srv = quantized
     prompts = _prompts(4, seed=1)
-    results = asyncio.run(concurrent_greedy(srv.url, prompts, MAX_TOKENS))
-    want = _reference(quantization, prompts, MAX_TOKENS)
-    assert [r["output_ids"] for r in results] == want
+    got = [
+        asyncio.run(concurrent_greedy(srv.url, [p], MAX_TOKENS))[0]["output_ids"] for p in prompts
+    ]
+    assert got == [_reference(quantization, [p], MAX_TOKENS)[0] for p in prompts]
 
 
 def test_a_repeated_prompt_reuses_its_cached_prefix(quantized: tuple[str, LaunchedServer]) -> None:
