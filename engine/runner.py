@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.checkpoint.loader import load_weights
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.cuda.gpu_memory import gpu_kv_blocks
 from engine.cuda.kernels import use_kernels
 from engine.kv.block_manager import BlockAllocator, KVFigures
@@ -45,7 +45,7 @@ from engine.sampling.grammar_mask import batch_constraint
 from engine.sampling.sampler import SampleOutput, SampleRequest, sample
 from engine.tokenizer.hf_tokenizer import load_tokenizer
 from engine.weights.linear import prefill_phase
-from engine.weights.plan import activation_dtype, cache_dtype, resolve_quantization
+from engine.weights.plan import cache_dtype, resolve_quantization
 from wire.records import Finish
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class ModelRunner:
         self.quantization = resolve_quantization(
             config.quantization, Path(config.model), config.device
         )
-        self.dtype = activation_dtype(config.dtype, self.model_config.dtype, self.quantization)
+        self.dtype = parse_dtype(config.dtype, self.model_config.dtype)
         self.kv_dtype = cache_dtype(self.dtype, self.quantization)
         self.block_size = config.block_size
         self.max_model_len = config.resolve_max_model_len(self.model_config)

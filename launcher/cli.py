@@ -24,10 +24,9 @@ from typing import cast
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.weights.plan import (
     QuantizationError,
-    activation_dtype,
     cache_dtype,
     resolve_quantization,
 )
@@ -151,8 +150,7 @@ def _serving(
         quantization = resolve_quantization(config.quantization, model, device)
     except QuantizationError as e:
         raise ConfigError(f"--quantization: {e}") from e
-    dtype = activation_dtype(config.dtype.value, ModelConfig.from_pretrained(model).dtype,
-                             quantization)  # fmt: skip
+    dtype = parse_dtype(config.dtype.value, ModelConfig.from_pretrained(model).dtype)
     return quantization, cache_dtype(dtype, quantization)
 
 

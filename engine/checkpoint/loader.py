@@ -276,17 +276,3 @@ def _release_freed_memory() -> None:
     except OSError:  # not glibc: nothing to trim
         return
     libc.malloc_trim(0)
-
-
-def weight_nbytes(model: CausalLM) -> int:
-    """Bytes the loaded weights occupy, packed or dense."""
-    tensors = [*model.parameters(), *model.buffers()]
-    if model.embed.weight is not None:
-        tensors.append(model.embed.weight)
-    if model.embed.quant is not None:
-        q = model.embed.quant
-        tensors += [q.codes, q.scale, *([q.zero] if hasattr(q, "zero") else [])]
-    seen: dict[int, int] = {}
-    for t in tensors:
-        seen[t.data_ptr()] = t.numel() * t.element_size()
-    return sum(seen.values())

@@ -59,6 +59,13 @@ class DenseKernel(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
+def _on_dense_copy(dense: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A packed layer's prefill path: ``x`` (T, K) times its dense copy (N, K), back in
+    ``x``'s dtype."""
+    out = F.linear(x.to(dense.dtype), dense).to(x.dtype)
+    return out if bias is None else out.add_(bias)
+
+
 class Int4Kernel(nn.Module):
     """``y = x W^T`` with ``W = (c - 8) * scale + zero`` per group; x: (T, K) -> (T, N)."""
 
@@ -100,8 +107,7 @@ class Int4Kernel(nn.Module):
         # slower fed float32); the model's residual stream keeps its own dtype around it.
         dtype = x.dtype
         if self.dense is not None and _PREFILL.get():
-            out = F.linear(x.to(self.dense.dtype), self.dense)
-            return out.to(dtype) if bias is None else out.to(dtype).add_(bias)
+            return _on_dense_copy(self.dense, x, bias)
         out = torch._weight_int4pack_mm_for_cpu(
             x.to(self.scales_zeros.dtype), self.packed, GROUP, self.scales_zeros
         )
@@ -133,8 +139,7 @@ class Int8Kernel(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.dense is not None and _PREFILL.get():
-            out = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
-            return out if bias is None else out.add_(bias)
+            return _on_dense_copy(self.dense, x, bias)
         return self.planes(torch.cat((x, x), dim=1), bias)
 
 

@@ -27,8 +27,6 @@ from pathlib import Path
 
 import torch
 
-from engine.config import parse_dtype
-
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -72,13 +70,6 @@ def resolve_quantization(requested: str, model_dir: Path, device: str) -> str:
             "--quantization none (with --dtype bfloat16 or float16)"
         )
     return requested
-
-
-def activation_dtype(dtype: str, checkpoint_dtype: torch.dtype, quantization: str) -> torch.dtype:
-    """The dtype of the residual stream and of the KV cache. ``quantization``: a resolved
-    one (kept in the signature: every caller decides the pair together)."""
-    del quantization  # the packed layers cast at their own boundary (kernel_dtype)
-    return parse_dtype(dtype, checkpoint_dtype)
 
 
 def cache_dtype(activations: torch.dtype, quantization: str) -> torch.dtype:
