@@ -17,8 +17,11 @@ Layout (a region after the load table's rows, shared by every engine worker):
 ``lock`` u64 (0 free, 1 held), ``owner`` u64 (the lock holder's pid), then per slot
 ``held``, ``waiting``, ``pid`` (i64 each, 32 bytes a slot). The lock is a test-and-set
 word over ``transport._atomics.exchange``; its critical sections are a few microseconds.
-A worker killed while holding the lock or cores is noticed by a waiter (its pid is gone)
-and its share is taken back.
+A worker killed or stopped (SIGSTOP) while holding the lock or cores is noticed by a
+waiter (its pid is gone, or /proc says it is stopped) and its share is taken back: a
+stalled worker must not stall every other worker through the lease. One that resumes
+runs its step on the threads it had (the host is briefly oversubscribed) and then
+releases as usual.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from transport import _atomics
-from transport.segment import pid_alive
+from transport.segment import pid_running
 
 HEADER_NBYTES = 16
 SLOT_WORDS = 4  # held, waiting, pid, (pad)
@@ -83,9 +86,11 @@ class CoreLease:
                 os.sched_yield()
                 continue
             time.sleep(0.00005)
-            if time.monotonic() - since > _STALE_LOCK_S and not pid_alive(int(self._owner[0])):
-                # The holder died inside its critical section: the slots it was writing
-                # are whole words, so the table is still consistent; free the lock.
+            if time.monotonic() - since > _STALE_LOCK_S and not pid_running(int(self._owner[0])):
+                # The holder died (or was stopped) inside its critical section: the
+                # slots it was writing are whole words, so the table is still
+                # consistent; free the lock. A stopped holder that resumes finishes
+                # its section and rewrites only its own slot, so the counts heal.
                 _atomics.store_release(self._lock_addr, 0)
                 since = time.monotonic()
         self._owner[0] = self._pid
@@ -144,5 +149,5 @@ class CoreLease:
     def _reap_dead(self) -> None:
         with self._locked():
             for row in self._slots:
-                if (row[_HELD] or row[_WAITING]) and not pid_alive(int(row[_PID])):
+                if (row[_HELD] or row[_WAITING]) and not pid_running(int(row[_PID])):
                     row[_HELD], row[_WAITING] = 0, 0

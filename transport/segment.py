@@ -144,3 +144,20 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def pid_running(pid: int) -> bool:
+    """Whether this pid is a process that can run now: alive, and neither stopped
+    (SIGSTOP, a debugger) nor a zombie. A stopped process keeps its pid, so
+    ``pid_alive`` alone cannot tell that it will hold what it holds indefinitely."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux) or not ours to read: existence is all we know
+        return pid_alive(pid)
+    # "pid (comm) S ...": comm may itself hold spaces or parentheses, so split after
+    # the last ')'.
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state not in (b"T", b"t", b"Z", b"X", b"x")

@@ -104,6 +104,53 @@ def test_cores_of_a_killed_holder_are_taken_back() -> None:
     assert time.monotonic() - t0 < 5
 
 
+def test_a_stopped_holder_does_not_stall_the_others() -> None:
+    """A SIGSTOPped worker keeps its pid but will not give its cores back until it is
+    continued: the others take its share rather than wait on it, and it releases
+    normally once it runs again."""
+    buf = _region(2)
+    ctx = mp.get_context("fork")
+    ready, done = ctx.Event(), ctx.Event()
+
+    def hold_then_release() -> None:
+        lease = CoreLease(buf, 2, 0, 2)
+        lease.acquire(2)
+        ready.set()
+        done.wait(60)
+        lease.release()
+
+    p = ctx.Process(target=hold_then_release)
+    p.start()
+    assert ready.wait(10)
+    os.kill(p.pid or 0, signal.SIGSTOP)
+    try:
+        b = CoreLease(buf, 2, 1, 2)
+        assert b.acquire(2) == 2  # returns at all: the stopped holder's share came back
+        b.release()
+    finally:
+        os.kill(p.pid or 0, signal.SIGCONT)
+    done.set()
+    p.join(10)
+    assert p.exitcode == 0
+    assert CoreLease(buf, 2, 1, 2).held_total() == 0
+
+
+def test_a_lock_left_by_a_stopped_process_is_freed() -> None:
+    ctx = mp.get_context("fork")
+    sleeper = ctx.Process(target=time.sleep, args=(60,))
+    sleeper.start()
+    os.kill(sleeper.pid or 0, signal.SIGSTOP)
+    try:
+        buf = _region(2)
+        lease = CoreLease(buf, 2, 0, 2)
+        words = memoryview(buf).cast("q")
+        words[0], words[1] = 1, sleeper.pid or 0  # as if stopped inside its critical section
+        assert lease.acquire(1) == 1
+    finally:
+        os.kill(sleeper.pid or 0, signal.SIGKILL)
+        sleeper.join(5)
+
+
 def test_the_lease_lives_after_the_load_table_rows() -> None:
     n = 3
     buf = bytearray(LoadTable.layout_nbytes(n))
