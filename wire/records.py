@@ -308,6 +308,8 @@ def decode(buf: bytes | bytearray | memoryview) -> Control | TokenBatch:
 
 
 def _decode_tokens(buf: bytes | bytearray | memoryview) -> TokenBatch:
+    if len(buf) < _TB_HEADER.size:
+        raise RecordError(f"token batch of {len(buf)} bytes is shorter than its header")
     _, b, k = _TB_HEADER.unpack_from(buf, 0)
     offset = _TB_HEADER.size + b * _TB_ROW.itemsize
     if offset + 8 * b * k != len(buf):

@@ -1,0 +1,347 @@
+"""The ``nixl`` KV backend: a decode worker on another host pulls a handoff's blocks from
+a prefill worker's pool with one NIXL READ, and tells the prefill side it may free them.
+
+Same shape as the in-host backends (``transport/kv.py`` says who calls what, when):
+
+  prefill i, at startup
+      ``NixlExporter(pool, layout, name)`` registers the whole pool with a NIXL agent of
+      its own (DRAM on CPU, VRAM on a GPU, so a fabric with GPUDirect RDMA reads device
+      memory directly). ``handle()`` is what decode workers need to read it: the agent's
+      metadata, the pool's base address and its layout. It travels once per decode
+      process as ``KVPoolHandle``, like a ``cuda_ipc`` handle (``transport/kv_handles.py``
+      keeps that bookkeeping for both).
+  decode j, on that handle
+      ``NixlReceiver.open(i, handle)`` refuses a pool whose layout differs from its own
+      in anything but the block count (``KVLayoutMismatch`` names the fields), adds the
+      remote agent and prepares one descriptor per remote block.
+  decode j, on a KVTransfer
+      ``fetch(i, src_blocks, dst_blocks, notify=...)``: one READ whose descriptors are the
+      block pairs (NIXL merges adjacent ones), waited for with a deadline. A partial
+      handoff (a prefix-cache hit) passes only the blocks it lacks and moves only those.
+      ``notify`` (the encoded ``KVRelease``) is delivered to the prefill agent once the
+      bytes have landed, so the release needs no other channel.
+  prefill i, every loop iteration
+      ``releases()`` returns the ``KVRelease`` records that arrived that way; the worker
+      frees those blocks as it does for one read from a ring.
+
+Descriptors are whole blocks: the pool is block-major, ``(num_blocks, layers, 2,
+block_size, kv_heads, head_dim)``, so block ``b`` is ``block_nbytes`` at ``base + b *
+block_nbytes`` on both sides and the two sides' block counts may differ.
+
+NIXL is an optional extra (``pip install 'pdserve[nixl]'``): nothing on a single host
+imports this module, and constructing either end without it raises ``NixlUnavailable``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from transport.errors import KVTransferError, TransportError
+from transport.kv import KVExporter, KVLayout, KVReceiver, check_ids
+from wire.records import KVRelease, RecordError, decode, encode
+
+logger = logging.getLogger(__name__)
+
+NIXL_EXTRA = "pip install 'pdserve[nixl]'"
+# The wheels name their module for the CUDA they were built against; the ``nixl`` meta
+# package re-exports one of them. Any of them serves DRAM; VRAM needs the matching CUDA.
+_MODULES = ("nixl._api", "nixl_cu13", "nixl_cu12")
+_BACKEND = "UCX"
+_SPIN_POLLS = 64  # state checks before the wait starts sleeping: most reads finish in these
+_POLL_SLEEP_S = 0.0002
+
+
+class NixlUnavailable(TransportError):
+    """NIXL is not installed: the multi-host KV backend cannot run."""
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(
+            "KV transfer between hosts needs NIXL, an optional extra: "
+            f"{NIXL_EXTRA}" + (f" ({detail})" if detail else "")
+        )
+
+
+class KVLayoutMismatch(KVTransferError):
+    """A remote pool whose blocks are not laid out as ours: its bytes cannot be copied."""
+
+
+def load_nixl() -> ModuleType:
+    """The installed NIXL Python API (the module holding ``nixl_agent``)."""
+    errors = []
+    for name in _MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+            continue
+        if hasattr(module, "nixl_agent"):
+            return module
+    raise NixlUnavailable("; ".join(errors))
+
+
+_COMPARED = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+
+
+def check_compatible(local: KVLayout, remote: KVLayout) -> None:
+    """Raise ``KVLayoutMismatch`` unless a block of ``remote`` is a block of ``local``.
+
+    Only the block count may differ. Called when a peer joins (with the layout it
+    announces) and again when its pool handle is opened.
+    """
+    diffs = [
+        f"{f} {getattr(remote, f)} (here {getattr(local, f)})"
+        for f in _COMPARED
+        if getattr(local, f) != getattr(remote, f)
+    ]
+    if diffs:
+        raise KVLayoutMismatch("remote KV pool layout differs: " + ", ".join(diffs))
+
+
+class NixlPool(msgspec.Struct, array_like=True, frozen=True):
+    """What a decode worker needs to read a prefill pool: ``NixlExporter.handle()``."""
+
+    agent: str
+    metadata: bytes
+    layout: str  # KVLayout.to_json()
+    base: int  # address of block 0 in the prefill process
+    mem: str  # "DRAM" or "VRAM"
+    device: int
+
+
+def _pool_region(pool: torch.Tensor, layout: KVLayout) -> tuple[str, int]:
+    if tuple(pool.shape) != layout.shape or pool.dtype != layout.torch_dtype:
+        raise KVTransferError(
+            f"pool {tuple(pool.shape)} {pool.dtype} is not layout {layout.shape} {layout.dtype}"
+        )
+    if not pool.is_contiguous():
+        raise KVTransferError("the nixl backend needs a contiguous pool")
+    return ("VRAM" if pool.is_cuda else "DRAM"), (pool.device.index or 0) if pool.is_cuda else 0
+
+
+def _block_descs(base: int, blocks: int, block_nbytes: int, device: int) -> np.ndarray:
+    """One (address, length, device) row per block: NIXL's Nx3 descriptor list."""
+    addrs = base + np.arange(blocks, dtype=np.uint64) * np.uint64(block_nbytes)
+    out = np.empty((blocks, 3), dtype=np.uint64)
+    out[:, 0], out[:, 1], out[:, 2] = addrs, block_nbytes, device
+    return out
+
+
+def nixl_errors(nixl: ModuleType) -> tuple[type[Exception], ...]:
+    """The exception types NIXL's bindings raise (they share no base class but Exception)."""
+    bindings = getattr(importlib.import_module(nixl.nixl_agent.__module__), "nixlBind", None)
+    found = tuple(
+        obj
+        for name, obj in vars(bindings).items()
+        if name.startswith("nixl") and isinstance(obj, type) and issubclass(obj, Exception)
+    ) if bindings is not None else ()  # fmt: skip
+    return found or (RuntimeError,)
+
+
+def _agent(nixl: ModuleType, name: str) -> Any:
+    config = nixl.nixl_agent_config(enable_prog_thread=True, backends=[_BACKEND])
+    agent = nixl.nixl_agent(name, config)
+    if _BACKEND not in agent.backends:
+        raise NixlUnavailable(f"its {_BACKEND} plugin did not load")
+    return agent
+
+
+class NixlExporter(KVExporter):
+    """Prefill side: the pool registered with this worker's NIXL agent.
+
+    ``name`` must be unique among the agents a decode worker talks to, and differ for a
+    restarted process (decode tells pools apart by the handle's bytes): e.g. the node,
+    role, index and pid.
+    """
+
+    def __init__(
+        self, pool: torch.Tensor, layout: KVLayout, name: str, nixl: ModuleType | None = None
+    ) -> None:
+        nixl = nixl or load_nixl()
+        self.pool, self.layout = pool, layout
+        self.mem, self.device = _pool_region(pool, layout)
+        self.agent = _agent(nixl, name)
+        self._reg = self.agent.register_memory(
+            [(pool.data_ptr(), layout.nbytes, self.device, "")], self.mem
+        )
+        self._handle = msgspec.msgpack.encode(
+            NixlPool(
+                agent=name,
+                metadata=self.agent.get_agent_metadata(),
+                layout=layout.to_json(),
+                base=pool.data_ptr(),
+                mem=self.mem,
+                device=self.device,
+            )
+        )
+
+    def handle(self) -> bytes:
+        return self._handle
+
+    def export(self, blocks: Sequence[int]) -> None:
+        if self.pool.is_cuda:  # the READ may start as soon as the KVTransfer is out
+            torch.cuda.current_stream(self.pool.device).synchronize()
+
+    def releases(self) -> list[KVRelease]:
+        """Releases decode workers sent with their READs since the last call."""
+        out: list[KVRelease] = []
+        for peer, messages in self.agent.get_new_notifs().items():
+            for message in messages:
+                try:
+                    record = decode(message)
+                except RecordError as e:
+                    logger.warning("nixl: unreadable notification from %s: %s", peer, e)
+                    continue
+                if isinstance(record, KVRelease):
+                    out.append(record)
+                else:
+                    logger.warning("nixl: notification from %s is not a KVRelease", peer)
+        return out
+
+    def close(self) -> None:
+        if self._reg is not None:
+            self.agent.deregister_memory(self._reg)
+            self._reg = None
+
+
+@dataclass
+class _Source:
+    agent: str
+    layout: KVLayout
+    descs: Any  # the prepared remote descriptor list, one per remote block
+    handle: bytes
+
+
+class NixlReceiver(KVReceiver):
+    """Decode side: reads blocks of remote prefill pools into the local ``pool``.
+
+    ``bytes_read`` and ``reads`` count what crossed this backend (tests and metrics).
+    ``timeout_s`` bounds one READ: past it (a partitioned or dead peer) the fetch fails
+    and the request is refused, never left hanging.
+    """
+
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        layout: KVLayout,
+        name: str,
+        timeout_s: float = 30.0,
+        nixl: ModuleType | None = None,
+    ) -> None:
+        nixl = nixl or load_nixl()
+        self.pool, self.layout, self.timeout_s = pool, layout, timeout_s
+        self.mem, self.device = _pool_region(pool, layout)
+        self.agent = _agent(nixl, name)
+        self._reg = self.agent.register_memory(
+            [(pool.data_ptr(), layout.nbytes, self.device, "")], self.mem
+        )
+        self._local = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT",
+            _block_descs(pool.data_ptr(), layout.num_blocks, layout.block_nbytes, self.device),
+            self.mem,
+        )
+        self._errors = nixl_errors(nixl)
+        self.sources: dict[int, _Source] = {}
+        self.bytes_read = 0
+        self.reads = 0
+
+    def open(self, src_worker: int, handle: bytes) -> None:
+        """Connect to prefill ``src_worker``'s pool, replacing an earlier one of it."""
+        try:
+            desc = msgspec.msgpack.decode(handle, type=NixlPool)
+            layout = KVLayout.from_json(desc.layout)
+        except (msgspec.DecodeError, ValueError, TypeError) as e:
+            raise KVTransferError(f"prefill {src_worker}: unreadable nixl pool handle: {e}") from e
+        check_compatible(self.layout, layout)
+        self.drop(src_worker)
+        try:
+            name = self.agent.add_remote_agent(desc.metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            descs = self.agent.prep_xfer_dlist(
+                name, _block_descs(desc.base, layout.num_blocks, layout.block_nbytes, desc.device),
+                desc.mem,
+            )  # fmt: skip
+        except self._errors as e:
+            raise KVTransferError(f"prefill {src_worker}: nixl cannot open its pool: {e}") from e
+        self.sources[src_worker] = _Source(name, layout, descs, handle)
+
+    def drop(self, src_worker: int) -> None:
+        """Forget prefill ``src_worker``'s pool (no-op if it is not open)."""
+        src = self.sources.pop(src_worker, None)
+        if src is None:
+            return
+        self.agent.release_dlist_handle(src.descs)
+        if all(s.agent != src.agent for s in self.sources.values()):
+            self.agent.remove_remote_agent(src.agent)
+
+    def fetch(
+        self,
+        src_worker: int,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        notify: bytes = b"",
+    ) -> None:
+        src = self.sources.get(src_worker)
+        if src is None:
+            raise KVTransferError(f"no nixl pool open for prefill worker {src_worker}")
+        if len(src_blocks) != len(dst_blocks):
+            raise KVTransferError(
+                f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks"
+            )
+        check_ids(src_blocks, src.layout.num_blocks, "source")
+        check_ids(dst_blocks, self.layout.num_blocks, "destination")
+        try:
+            if not src_blocks:
+                if notify:
+                    self.agent.send_notif(src.agent, notify)
+                return
+            xfer = self.agent.make_prepped_xfer(
+                "READ", self._local, list(dst_blocks), src.descs, list(src_blocks), notify
+            )
+            try:
+                self._wait(xfer, src_worker)
+            finally:
+                self.agent.release_xfer_handle(xfer)
+        except self._errors as e:  # the peer went away (host down, partition) or refused
+            raise KVTransferError(
+                f"nixl READ from prefill {src_worker} failed: {type(e).__name__}: {e}"
+            ) from e
+        self.bytes_read += len(src_blocks) * self.layout.block_nbytes
+        self.reads += 1
+
+    def _wait(self, xfer: Any, src_worker: int) -> None:
+        state = self.agent.transfer(xfer)
+        polls, deadline = 0, time.monotonic() + self.timeout_s
+        while state == "PROC":
+            polls += 1
+            if polls > _SPIN_POLLS:
+                if time.monotonic() > deadline:
+                    raise KVTransferError(
+                        f"nixl READ from prefill {src_worker} did not finish in {self.timeout_s} s"
+                    )
+                time.sleep(_POLL_SLEEP_S)
+            state = self.agent.check_xfer_state(xfer)
+        if state != "DONE":
+            raise KVTransferError(f"nixl READ from prefill {src_worker} failed ({state})")
+
+    def close(self) -> None:
+        for worker in list(self.sources):
+            self.drop(worker)
+        if self._reg is not None:
+            self.agent.release_dlist_handle(self._local)
+            self.agent.deregister_memory(self._reg)
+            self._reg = None
+
+
+def release_notification(rid: int) -> bytes:
+    """The ``notify`` bytes of a fetch that releases ``rid``'s blocks on the prefill side."""
+    return encode(KVRelease(rid=rid, accepted=True))
