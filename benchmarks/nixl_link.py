@@ -351,7 +351,8 @@ def write_report(results: list[LinkResult], out: Path, command: str, repeats: in
            "results": [{**asdict(r), "gbps": r.gbps, "median_gbps": r.median_gbps}
                        for r in results]}  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    # portable(): the children's stderr tails may name this checkout's paths.
+    out.with_suffix(".json").write_text(portable(json.dumps(doc, indent=2)) + "\n")
     r0 = results[0]
     lines = [
         "# NIXL READ between two processes: across a veth (UCX over TCP) vs one host", "",
@@ -364,7 +365,11 @@ def write_report(results: list[LinkResult], out: Path, command: str, repeats: in
         "`UCX_TLS=tcp`, `UCX_NET_DEVICES` = each side's veth end. `same-host`: both in one "
         "namespace, UCX's default transports. \"veth rx\" is the reader's veth byte counter "
         "over the whole run (warm-up included): the data crossed the link when it is at "
-        "least (1 + repeats) x the buffer.", "",
+        "least (1 + repeats) x the buffer. Both processes share this machine's CPUs and "
+        "memory: `veth-tcp` measures UCX's TCP path through the kernel (UCX's tcp transport "
+        "has no RDMA read, so a READ is emulated by messages), not a network's bandwidth, "
+        "and on a machine with few cores the UCX progress threads of both sides compete "
+        "with the copies.", "",
         "| placement | UCX env (source\\|reader) | READ served by (UCX_PROTO_INFO) "
         "| median GB/s | min / max GB/s | notifications | veth rx MiB |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: |",
