@@ -26,10 +26,9 @@ Authentication from one shared string
 What a refusal looks like
     On the server, each refused connection is one WARNING on the ``transport.cluster_link``
     logger with the peer's address: from the ZAP handler (wrong client key) or from the
-    socket monitor (handshake failed: wrong key, not CURVE, or closed mid-handshake). The
-    monitor reports a failure by file descriptor order, not address, so the address there
-    is the one read when the connection was accepted (best effort, "unknown" if the
-    connection was gone already). On the client, ``connect`` watches its own socket
+    socket monitor (handshake failed: wrong key, not CURVE, or closed mid-handshake). A
+    monitor event names no peer address, so that address is the one read from the socket
+    when the connection was accepted (best effort: "unknown" if it was closed already). On the client, ``connect`` watches its own socket
     monitor and raises ``PeerRefused`` on the first failed handshake instead of waiting
     out its timeout; no answer at all is ``LinkTimeout``.
 
@@ -48,7 +47,10 @@ Liveness
     (beats included) refreshes the sender's ``last_heard``, and ``silent_peers(after_s)``
     lists the peers not heard within ``after_s``. ZMTP heartbeats are also on, so ZeroMQ
     itself drops a dead TCP connection and a send to it raises ``PeerGone``. Liveness is
-    updated by ``recv``: the owner is expected to call it regularly.
+    updated by ``recv``: the owner is expected to call it regularly. A client that
+    reconnects (its server restarted, or ZeroMQ dropped a dead connection) gets a new
+    routing id on the server, so it says Hello again and is a new peer there; the old
+    entry goes silent and the owner ``forget``s it.
 
 Threads: a link object belongs to one thread. The server runs one guard thread of its
 own, which owns only the ZAP and monitor sockets; ``close`` stops it.

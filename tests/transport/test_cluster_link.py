@@ -26,7 +26,7 @@ from transport.cluster_link import (
     LinkServer,
     cluster_keypair,
 )
-from transport.errors import ClusterUnavailable, PeerRefused
+from transport.errors import ClusterUnavailable, LinkTimeout, PeerGone, PeerRefused
 from wire import records
 from wire.params import SamplingParams
 from wire.records import GenerateRequest, KVRelease, TokenBatch
@@ -309,3 +309,31 @@ def test_the_module_imports_without_zmq() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True, cwd=repo, env=env)  # fmt: skip
     assert "pip install 'pdserve[nixl]'" in out.stdout
+
+
+def test_a_server_that_never_answers_is_a_link_timeout(server: LinkServer) -> None:
+    client = LinkClient(server.endpoint, KEY, "impatient")
+    try:  # nobody calls server.recv, so the Hello is never answered
+        with pytest.raises(LinkTimeout, match="no Hello"):
+            client.connect(timeout=0.5)
+    finally:
+        client.close()
+
+
+def test_a_record_for_a_client_that_left_is_peer_gone(server: LinkServer) -> None:
+    client = LinkClient(server.endpoint, KEY, "leaver")
+    try:
+        _connect(server, client)
+        [peer] = server.peers
+    finally:
+        client.close()
+    gone: list[bool] = []
+
+    def step() -> None:
+        try:
+            server.send(peer, KVRelease(rid=3, accepted=True), timeout=0.05)
+        except PeerGone:
+            gone.append(True)
+        time.sleep(0.01)
+
+    _until("PeerGone", lambda: bool(gone), step)
