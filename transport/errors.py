@@ -34,3 +34,27 @@ class PeerDead(TransportError):
 
 class KVTransferError(TransportError):
     """A KV block copy cannot be done as asked (bad block ids, unknown source, layout)."""
+
+
+class ClusterUnavailable(TransportError):
+    """The multi-host link needs pyzmq (with CURVE), which this install lacks."""
+
+
+class LinkError(TransportError):
+    """Base class of the errors of a cross-host link (``transport.cluster_link``)."""
+
+
+class PeerRefused(LinkError):
+    """The other node refused us, or we refused it: wrong cluster key or link version."""
+
+
+class LinkTimeout(LinkError):
+    """A bounded link operation (connect, send) did not finish within its timeout."""
+
+
+class PeerGone(LinkError):
+    """A record was addressed to a peer that is not connected (never was, or left)."""
+
+
+class BadFrame(LinkError):
+    """A message on the link does not decode; only that message is dropped."""
