@@ -94,9 +94,10 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
 
 
 def _agent(name: str) -> Any:
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+    from transport.kv_nixl import load_nixl
 
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    nixl = load_nixl()
+    return nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
 
 
 def _source(inp: IO[bytes], out: IO[bytes], nbytes: int, seed: int, reads: int,

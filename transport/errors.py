@@ -37,7 +37,8 @@ class KVTransferError(TransportError):
 
 
 class ClusterUnavailable(TransportError):
-    """The multi-host link needs pyzmq (with CURVE), which this install lacks."""
+    """Several hosts need the ``nixl`` extra (pyzmq with CURVE for the link, NIXL for KV),
+    and this install lacks part of it."""
 
 
 class LinkError(TransportError):

@@ -46,7 +46,7 @@ import msgspec
 import numpy as np
 import torch
 
-from transport.errors import KVTransferError, TransportError
+from transport.errors import ClusterUnavailable, KVTransferError
 from transport.kv import KVExporter, KVLayout, KVReceiver, check_ids
 from wire.records import KVRelease, RecordError, decode, encode
 
@@ -61,7 +61,7 @@ _SPIN_POLLS = 64  # state checks before the wait starts sleeping: most reads fin
 _POLL_SLEEP_S = 0.0002
 
 
-class NixlUnavailable(TransportError):
+class NixlUnavailable(ClusterUnavailable):
     """NIXL is not installed: the multi-host KV backend cannot run."""
 
     def __init__(self, detail: str = "") -> None:
