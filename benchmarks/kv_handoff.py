@@ -45,7 +45,9 @@ from transport.kv_backends import ShmReceiver
 from transport.segment import Segment
 
 BLOCK = 16
-LINK_BLOCKS = 1024  # 360 MiB pool: room for the longest prompt's blocks scattered, and the link READ
+LINK_BLOCKS = (
+    1024  # 360 MiB pool: room for the longest prompt's blocks scattered, and the link READ
+)
 
 
 def layout(num_blocks: int = LINK_BLOCKS) -> KVLayout:
@@ -147,13 +149,14 @@ def shm_baseline(tokens: list[int], repeats: int) -> dict[int, float]:
 
 
 def measure(tokens: list[int], repeats: int) -> dict[str, Any]:
-    from benchmarks.netns_pair import NetnsPair
+    from benchmarks.netns_pair import NetnsPair, Side
 
     me = [sys.executable, "-m", "benchmarks.kv_handoff"]
     result: dict[str, Any] = {"shm_s": shm_baseline(tokens, repeats)}
     with NetnsPair() as pair:
-        def env(side: str) -> dict[str, str]:  # noqa: E306
-            return {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": pair.dev(side)}  # type: ignore[arg-type]
+
+        def env(side: Side) -> dict[str, str]:
+            return {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": pair.dev(side)}
 
         source = pair.popen("a", [*me, "source"], env=env("a"),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
@@ -161,12 +164,13 @@ def measure(tokens: list[int], repeats: int) -> dict[str, Any]:
         handle = read_frame(source.stdout)
         rx0, _ = pair.link_bytes("b")
         frame = len(handle).to_bytes(4, "big") + handle
-        reader = pair.run("b", [*me, "reader", "--tokens", *map(str, tokens),
-                                "--repeats", str(repeats)],
-                          timeout=600, input=frame, env=env("b"), text=False)  # fmt: skip
+        reader = subprocess.run(pair.argv("b", [*me, "reader", "--tokens", *map(str, tokens),
+                                                "--repeats", str(repeats)]),
+                                timeout=600, input=frame, env=env("b"), capture_output=True)  # fmt: skip
         rx1, _ = pair.link_bytes("b")
         if reader.returncode != 0:
-            raise RuntimeError(f"reader failed:\n{reader.stderr[-3000:].decode(errors='replace')}")
+            err = reader.stderr[-3000:].decode(errors="replace")
+            raise RuntimeError(f"reader failed:\n{err}")
         source.stdin.close()
         tail = read_json(source.stdout)
         source.wait(30)
@@ -229,7 +233,9 @@ def main(argv: list[str] | None = None) -> None:
         return run_reader(args.tokens, args.repeats)
     if max(args.tokens) > LINK_BLOCKS * BLOCK:
         parser.error(f"--tokens above {LINK_BLOCKS * BLOCK} do not fit the benchmark pool")
-    command = "python -m benchmarks.kv_handoff " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.kv_handoff " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     result = measure(args.tokens, args.repeats)
     text = report(result, args.tokens, portable(command.strip()))
     print(text)
