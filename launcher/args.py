@@ -15,6 +15,8 @@ from frontend.settings import ConnectionLimits
 from wire.rids import MAX_FRONTENDS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
+CLUSTER_KEY_ENV = "PDSERVE_CLUSTER_KEY"
+DEFAULT_CLUSTER_PORT = 7481
 
 
 class Device(enum.StrEnum):
@@ -100,10 +102,21 @@ class ServerConfig:
     max_connections: int = _LIMITS.max_connections
     max_connections_per_peer: int = _LIMITS.max_connections_per_peer
     log_level: LogLevel = LogLevel.INFO
+    # Several hosts (docs/multi_host.md): a head node advertises the cluster link and
+    # reserves rows and rings for the decode workers other nodes bring; a member joins it.
+    node_name: str | None = None  # None: the host name
+    advertise: str | None = None  # head: host[:port] the cluster link listens on
+    remote_decode: int = 0  # head: decode workers other nodes will bring
+    join: str | None = None  # member: the head's host:port
+    cluster_key: str | None = None
 
     @property
     def disaggregated(self) -> bool:
         return self.colocated == 0
+
+    @property
+    def clustered(self) -> bool:
+        return self.advertise is not None or self.join is not None
 
     @property
     def connection_limits(self) -> ConnectionLimits:
@@ -401,6 +414,37 @@ def build_parser() -> argparse.ArgumentParser:
         "(0: no cap; a reverse proxy on this host is one address)",
     )
     add(
+        "--node-name",
+        default=d.node_name,
+        help="this host's name in a cluster (default: its host name)",
+    )
+    add(
+        "--advertise",
+        default=d.advertise,
+        metavar="HOST[:PORT]",
+        help="serve as a cluster's head node: the address (and port, default "
+        f"{DEFAULT_CLUSTER_PORT}) other nodes --join; the link listens on it only",
+    )
+    add(
+        "--remote-decode",
+        type=int,
+        default=d.remote_decode,
+        help="with --advertise: how many decode workers the joining nodes bring in all",
+    )
+    add(
+        "--join",
+        default=d.join,
+        metavar="HOST:PORT",
+        help="join the cluster whose head node advertises HOST:PORT, bringing this "
+        "node's --decode workers (--prefill 0); needs pip install 'pdserve[nixl]'",
+    )
+    add(
+        "--cluster-key",
+        default=d.cluster_key,
+        help=f"the secret every node of a cluster shares (or set {CLUSTER_KEY_ENV}); "
+        "at least 16 characters",
+    )
+    add(
         "--log-level",
         type=LogLevel,
         choices=list(LogLevel),
@@ -416,6 +460,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     values = {f.name: getattr(ns, f.name) for f in fields(ServerConfig)}
     if values["api_key"] is None:
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
+    if values["cluster_key"] is None:
+        values["cluster_key"] = os.environ.get(CLUSTER_KEY_ENV) or None
     config = ServerConfig(**values)
     validate(config)
     return config
@@ -442,8 +488,15 @@ def validate(config: ServerConfig) -> None:
             raise ConfigError("--prefill-gpus/--decode-gpus do not apply with --colocated")
         if c.kv_transfer is not KVBackend.AUTO:
             raise ConfigError("--kv-transfer does not apply with --colocated (no KV handoff)")
+    elif c.join is not None:
+        if c.prefill != 0:
+            raise ConfigError("a node that --joins brings decode workers only: give --prefill 0")
+        _positive(("--decode", c.decode))
     else:
-        _positive(("--prefill", c.prefill), ("--decode", c.decode))
+        _positive(("--prefill", c.prefill))
+        if c.decode < 0 or c.decode + c.remote_decode < 1:
+            raise ConfigError("--decode must be >= 1 (or >= 0 with --remote-decode)")
+    _validate_cluster(c)
     if c.max_model_len is not None and c.max_model_len < 2:
         raise ConfigError("--max-model-len must be >= 2 (one prompt and one output token)")
     if c.kv_cache_tokens is not None and c.kv_cache_tokens < c.block_size:
@@ -483,6 +536,39 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError("--device cpu contradicts --prefill-gpus/--decode-gpus")
     if c.device is Device.CPU and c.kv_transfer is KVBackend.CUDA_IPC:
         raise ConfigError("--kv-transfer cuda_ipc needs GPUs; with --device cpu use shm or auto")
+
+
+def split_host_port(text: str, flag: str, default_port: int | None = None) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = text, "" if default_port is None else str(default_port)
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        want = "HOST:PORT" if default_port is None else "HOST[:PORT]"
+        raise ConfigError(f"{flag} {text!r}: expected {want}")
+    return host.strip("[]"), int(port)
+
+
+def _validate_cluster(c: ServerConfig) -> None:
+    if c.remote_decode < 0:
+        raise ConfigError("--remote-decode must be >= 0")
+    if c.remote_decode and c.advertise is None:
+        raise ConfigError("--remote-decode needs --advertise (the address other nodes join)")
+    if not c.clustered:
+        return
+    if c.advertise is not None and c.join is not None:
+        raise ConfigError("--advertise (head node) and --join (member) exclude each other")
+    if c.colocated:
+        raise ConfigError("--colocated serves on one host; drop --advertise/--join")
+    if c.advertise is not None:
+        split_host_port(c.advertise, "--advertise", DEFAULT_CLUSTER_PORT)
+        if c.remote_decode < 1:
+            raise ConfigError("--advertise needs --remote-decode N: the decode workers "
+                              "other nodes will bring")  # fmt: skip
+    if c.join is not None:
+        split_host_port(c.join, "--join")
+    if not c.cluster_key or len(c.cluster_key) < 16:
+        raise ConfigError(f"several hosts need --cluster-key (or {CLUSTER_KEY_ENV}) of at "
+                          "least 16 characters, the same on every node")  # fmt: skip
 
 
 def _positive(*pairs: tuple[str, int]) -> None:

@@ -31,6 +31,7 @@ from engine.weights.plan import (
     resolve_quantization,
 )
 from frontend.settings import FrontendLaunch, FrontendSettings
+from launcher import cluster
 from launcher.args import ConfigError, KVBackend, ServerConfig, parse_args
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
 from launcher.memory import Demand, MemoryBudgetError, plan_kv, weight_bytes
@@ -80,7 +81,7 @@ def _aliases(model: Path | None) -> tuple[str, ...]:
 
 
 def _engine_spec(
-    config: ServerConfig, model: Path, place: WorkerPlace, backend: KVBackend | None
+    config: ServerConfig, model: Path, place: WorkerPlace, backend: KVBackend | str | None
 ) -> EngineWorkerSpec:
     assert config.kv_cache_tokens is not None, "sized by _size_kv"
     engine = EngineConfig(
@@ -97,8 +98,31 @@ def _engine_spec(
         attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
     )  # fmt: skip
     # Prefill and decode workers: how KV moves between them; co-located workers: None.
-    kv_transfer = None if backend is None else cast(KVTransferName, backend.value)
-    return EngineWorkerSpec(config.log_level.value, engine, kv_transfer)
+    name = backend.value if isinstance(backend, KVBackend) else backend
+    kv_transfer = None if name is None else cast(KVTransferName, name)
+    remote = cluster.remote_decode(config) if place.role is Role.PREFILL else []
+    node = cluster.node_name(config) if config.clustered else ""
+    return EngineWorkerSpec(config.log_level.value, engine, kv_transfer, node, remote)
+
+
+def _engine_children(
+    config: ServerConfig, topo: Topology, gpus: GpuAssignment, model: Path,
+    backend: KVBackend | str, first_decode: int = 0,
+) -> list[Child]:  # fmt: skip
+    """The engine workers of this host; on a cluster member, decode workers are numbered
+    from ``first_decode`` (the cluster's numbering)."""
+    cores = os.cpu_count() or 1
+    num_workers = config.colocated or config.prefill + config.decode
+    threads = str(max(1, cores // max(1, num_workers)))
+    out: list[Child] = []
+    for place in placements(gpus, config.gpu_memory_utilization):
+        if place.role is Role.DECODE:
+            place = replace(place, index=place.index + first_decode)
+        handoff = None if place.role is Role.COLOCATED else backend
+        settings = encode_spec(_engine_spec(config, model, place, handoff))
+        env = {"OMP_NUM_THREADS": threads, **place.env()}
+        out.append(Child(topo.spec(place.role, place.index, settings), env))
+    return out
 
 
 def _children(
@@ -106,15 +130,7 @@ def _children(
 ) -> list[Child]:
     mcfg = ModelConfig.from_pretrained(model)
     engine = EngineConfig(model=str(model), max_model_len=config.max_model_len)
-    cores = os.cpu_count() or 1
-    num_workers = config.colocated or config.prefill + config.decode
-    threads = str(max(1, cores // max(1, num_workers)))
-    out: list[Child] = []
-    for place in placements(gpus, config.gpu_memory_utilization):
-        handoff = None if place.role is Role.COLOCATED else backend
-        settings = encode_spec(_engine_spec(config, model, place, handoff))
-        env = {"OMP_NUM_THREADS": threads, **place.env()}
-        out.append(Child(topo.spec(place.role, place.index, settings), env))
+    out = _engine_children(config, topo, gpus, model, backend)
     common = encode_spec(DetokWorkerSpec(config.log_level.value, str(model)))
     cpu_only = {"OMP_NUM_THREADS": "1", **cuda_env(None)}  # frontend and shards: no GPU
     for k in range(config.detokenizers):
@@ -138,7 +154,14 @@ def _children(
     ).to_json()  # fmt: skip
     frontends = [Child(topo.spec(Role.FRONTEND, n, frontend), dict(cpu_only))
                  for n in range(config.api_workers)]  # fmt: skip
+    if config.advertise is not None:
+        layout = _kv_layout(config, model, gpus)
+        out.append(cluster.head_gateway(config, topo, layout, _model_name(config, model)))
     return frontends + out
+
+
+def _model_name(config: ServerConfig, model: Path) -> str:
+    return config.served_model_name or model.name
 
 
 def _serving(
@@ -157,11 +180,11 @@ def _serving(
 def _build_topology(
     config: ServerConfig, model: Path, backend: KVBackend, gpus: GpuAssignment | None = None
 ) -> Topology:
-    mcfg = ModelConfig.from_pretrained(model)
     topo = Topology(config.prefill if config.disaggregated else 0,
-                    config.decode if config.disaggregated else 0, config.detokenizers,
-                    num_colocated=config.colocated,
-                    num_frontends=config.api_workers)  # fmt: skip
+                    config.decode + config.remote_decode if config.disaggregated else 0,
+                    config.detokenizers, num_colocated=config.colocated,
+                    num_frontends=config.api_workers,
+                    remote=cluster.head_topology_remote(config))  # fmt: skip
     if config.enable_prefix_caching:
         # A GPU pool is sized by its worker, after the launcher is done: plan for many.
         assert config.kv_cache_tokens is not None, "sized by _size_kv"
@@ -174,16 +197,22 @@ def _build_topology(
         return topo
     # shm: per prefill worker, the segment decode workers copy from: its pool on CPU, the
     # pinned staging mirror of its GPU pool (same layout, same block ids) on GPU.
+    layout = _kv_layout(config, model, gpus)
+    for i in range(config.prefill):
+        topo.add_kv_pool(i, layout)
+    return topo
+
+
+def _kv_layout(config: ServerConfig, model: Path, gpus: GpuAssignment | None) -> KVLayout:
+    """A host KV pool's layout (the shm pools, and what a cluster's nodes must share)."""
+    mcfg = ModelConfig.from_pretrained(model)
     dtype = _DTYPE_NAMES[str(_serving(config, model, gpus)[1])]
     assert config.kv_cache_tokens is not None, "sized by _size_kv"
-    layout = KVLayout(
+    return KVLayout(
         num_blocks=-(-config.kv_cache_tokens // config.block_size),
         num_layers=mcfg.num_layers, block_size=config.block_size,
         num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim, dtype=dtype,
     )  # fmt: skip
-    for i in range(config.prefill):
-        topo.add_kv_pool(i, layout)
-    return topo
 
 
 def _size_kv(
@@ -234,12 +263,19 @@ def _http_ready(url: str) -> bool:
 
 
 def serve(config: ServerConfig) -> int:
+    if config.clustered:
+        cluster.require_extra()
+    if config.join is not None:
+        return serve_member(config)
     _check_port_free(config.host, config.port)
     swept = sweep_stale()
     if swept:
         logger.info("removed %d shared-memory leftovers of dead servers", len(swept))
     gpus = assign_gpus(config)
     backend = kv_transfer_backend(config, gpus)
+    if config.advertise is not None and backend is not KVBackend.SHM:
+        raise ConfigError("a head node keeps its local KV handoffs on --kv-transfer shm "
+                          "for now; give --kv-transfer shm with --advertise")  # fmt: skip
     places = placements(gpus, config.gpu_memory_utilization)
     if not gpus.on_cpu:
         logger.info("on GPUs: %s; KV transfer: %s", describe(places), backend.value)
@@ -263,6 +299,47 @@ def serve(config: ServerConfig) -> int:
                        lambda: board.all_ready() and _http_ready(url + "/health"))  # fmt: skip
         if not sup.stopping:
             print(f"pdserve is serving {model} at {url}  (Ctrl-C stops)", flush=True)
+        code = sup.monitor()
+    except ChildFailed as e:
+        logger.error("%s", e)
+        code = 1
+    finally:
+        sup.shutdown()
+    return code
+
+
+def serve_member(config: ServerConfig) -> int:
+    """A node that joins a cluster: its decode workers and its gateway, no frontend."""
+    swept = sweep_stale()
+    if swept:
+        logger.info("removed %d shared-memory leftovers of dead servers", len(swept))
+    gpus = assign_gpus(config)
+    model = _model_path(config)
+    config = _size_kv(config, model, gpus, KVBackend.SHM)
+    layout = _kv_layout(config, model, gpus)
+    base, shape = cluster.join(config, layout, _model_name(config, model))
+    mine = range(base, base + config.decode)
+    topo = Topology(shape["prefill"], shape["decode"], shape["detok"],
+                    num_frontends=shape["frontends"],
+                    remote=cluster.member_remote(shape, mine))  # fmt: skip
+    if config.enable_prefix_caching:
+        topo.add_prefix_summaries(summary_counters(layout.num_blocks))
+    children = _engine_children(config, topo, gpus, model, "nixl", first_decode=base)
+    children.append(cluster.member_gateway(config, topo, layout, _model_name(config, model), mine))
+    sup = Supervisor(children, topo.load_table(), topo.p)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        sup.stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        sup.start_all()
+        sup.wait_ready(STARTUP_TIMEOUT_S, lambda: True)
+        if not sup.stopping:
+            print(f"pdserve node {cluster.node_name(config)} serves decode workers "
+                  f"{list(mine)} of the cluster at {config.join}  (Ctrl-C stops)",
+                  flush=True)  # fmt: skip
         code = sup.monitor()
     except ChildFailed as e:
         logger.error("%s", e)

@@ -44,6 +44,7 @@ MODULES = {
     Role.DECODE: "decode.worker",
     Role.COLOCATED: "colocated.worker",
     Role.DETOK: "detokenizer.worker",
+    Role.GATEWAY: "cluster.gateway",
 }
 SHUTDOWN_GRACE_S = 8.0  # SIGTERM, then SIGKILL: everything is gone within 10 s
 RESTART_BASE_S = 0.5

@@ -36,19 +36,32 @@ SMALL_RING_BYTES = 256 * 1024
 
 
 class Topology:
-    """Creates and owns (keeps open) every ring, doorbell and segment of a server."""
+    """Creates and owns (keeps open) every ring, doorbell and segment of a server.
+
+    On a node of a cluster (``docs/multi_host.md``) the numbering is the cluster's, and
+    ``remote`` names the peers that live on other hosts: this node's gateway
+    (``cluster/gateway.py``) is the local end of every ring that has one of them at the
+    other end, so rings stay single-producer, single-consumer and local. Only the rings
+    with at least one local end are created; a remote peer has no doorbell here.
+    """
+
+    GATEWAY = Peer(Role.GATEWAY, 0)
 
     def __init__(
         self, num_prefill: int, num_decode: int, num_detok: int, num_colocated: int = 0,
-        num_frontends: int = 1,
+        num_frontends: int = 1, remote: frozenset[Peer] = frozenset(),
     ) -> None:  # fmt: skip
         self.p, self.d, self.k, self.c = num_prefill, num_decode, num_detok, num_colocated
         self.f = num_frontends
+        self.remote = remote
         self.frontends = [Peer(Role.FRONTEND, n) for n in range(self.f)]
         peers = [*self.frontends] + [Peer(Role.PREFILL, i) for i in range(self.p)]
         peers += [Peer(Role.DECODE, j) for j in range(self.d)]
         peers += [Peer(Role.DETOK, k) for k in range(self.k)]
         peers += [Peer(Role.COLOCATED, c) for c in range(self.c)]
+        peers = [p for p in peers if p not in remote]
+        if remote:
+            peers.append(self.GATEWAY)
         self.doorbells = {peer: Doorbell.create() for peer in peers}
         self.rings: dict[RingName, Ring] = {}
         self._build_rings()
@@ -63,9 +76,15 @@ class Topology:
         self.summary_segments: dict[str, Segment] = {}
 
     def _add(self, kind: RingKind, src: Peer, dst: Peer) -> None:
+        if src in self.remote and dst in self.remote:
+            return  # between two other hosts: not this node's ring
         name = RingName(kind, src, dst)
         capacity = RING_BYTES.get(kind, SMALL_RING_BYTES)
-        self.rings[name] = Ring.create(str(name), capacity, self.doorbells[dst])
+        bell = self.doorbells[self.GATEWAY if dst in self.remote else dst]
+        self.rings[name] = Ring.create(str(name), capacity, bell)
+
+    def local(self, peer: Peer) -> bool:
+        return peer not in self.remote
 
     def _build_rings(self) -> None:
         """Every ring of ``wire/ring_names.py``; each frontend has its own to every peer."""
@@ -109,9 +128,37 @@ class Topology:
         workers = [Peer(Role.PREFILL, i) for i in range(self.p)]
         workers += [Peer(Role.DECODE, j) for j in range(self.d)]
         workers += [Peer(Role.COLOCATED, c) for c in range(self.c)]
-        for w in workers:
+        # A remote worker's summary lives on its own host; only a frontend would read it,
+        # and a member node has none.
+        frontend_here = any(self.local(f) for f in self.frontends)
+        for w in (w for w in workers if frontend_here or self.local(w)):
+            # A remote worker's summary stays empty on the head: the router then counts
+            # no cached prefix for it (its load still routes it).
             seg = self.summary_segments[str(w)] = create_summary_segment(str(w), num_counters)
             PrefixSummary(seg.buf, num_counters)  # writes the header
+
+    def gateway_spec(self, settings: dict[str, Any]) -> ProcessSpec:
+        """The gateway's spec: every ring with a remote end, and the whole load table (it
+        writes the remote workers' rows and reads the local ones)."""
+        me = self.GATEWAY
+        return ProcessSpec(
+            role=Role.GATEWAY,
+            index=0,
+            doorbell_fd=self.doorbells[me].fd,
+            rings_in={
+                str(n): asdict(r.spec) for n, r in self.rings.items() if n.dst in self.remote
+            },
+            rings_out={
+                str(n): asdict(r.spec) for n, r in self.rings.items() if n.src in self.remote
+            },
+            load_table={
+                "fd": self.load_segment.spec.fd,
+                "nbytes": self.load_segment.spec.nbytes,
+                "num_workers": self.num_workers,
+                "slot": -1,
+            },
+            settings=settings,
+        )
 
     def spec(self, role: Role, index: int, settings: dict[str, Any]) -> ProcessSpec:
         me = Peer(role, index)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 import torch
@@ -52,9 +53,25 @@ class PrefillWorker(Worker):
             self.handles, self._handle = HandleSender(), self.exporter.handle()
         else:
             runner = self._shm_runner(config)
+        self.remote = set(self.settings.remote_decode)
+        self._remote_gen: dict[int, int | None] = {}
+        if self.remote:
+            self._export_to_nixl(runner)
         self.sched = PrefillScheduler(runner, self.index, config.chunked_prefill_size)
         self.rel_rings = self.rings.sources(RingKind.REL)
         self.kv_out = self.rings.sinks(RingKind.KV)
+
+    def _export_to_nixl(self, runner: ModelRunner) -> None:
+        """Decode workers on other hosts read this pool by NIXL: register it and send them
+        its handle (local ones keep reading it as before)."""
+        from transport.kv_nixl import NixlExporter
+
+        layout = KVLayout(**self.spec.kv_pools[str(Peer(Role.PREFILL, self.index))]["layout"])
+        name = f"{self.settings.node}-prefill-{self.index}-{os.getpid()}"
+        self.nixl = NixlExporter(runner.kv_pool, layout, name)
+        self.handles, self._handle = HandleSender(), self.nixl.handle()
+        logger.info("KV pool registered with NIXL as %s for decode workers %s", name,
+                    sorted(self.remote))  # fmt: skip
 
     def _shm_runner(self, config: EngineConfig) -> ModelRunner:
         """The pool on CPU is the shared segment; on GPU the segment is its pinned mirror."""
@@ -98,21 +115,35 @@ class PrefillWorker(Worker):
                     self.sched.release(msg.rid)
 
     def _send_pool_handle(self) -> None:
-        """cuda_ipc: every live decode process gets this pool's handle before any transfer."""
+        """cuda_ipc (or nixl, to other hosts): every live decode process that maps this pool
+        gets its handle before any transfer."""
         assert self.handles is not None
         live = {r.index: r.generation for r in self.table.snapshot()
-                if r.role is Role.DECODE and r.state in _LIVE}  # fmt: skip
+                if r.role is Role.DECODE and r.state in _LIVE
+                and (not self.remote or r.index in self.remote)}  # fmt: skip
+        self._forget_lost_remote(live)
         for j in self.handles.due(live):
             if j in self.kv_out:
                 send(self.kv_out[j], KVPoolHandle(prefill_worker=self.index, handle=self._handle))
                 logger.info("sent the KV pool handle to decode %d", j)
+
+    def _forget_lost_remote(self, live: dict[int, int]) -> None:
+        """A decode worker on another host that died or was restarted will not release
+        what was pinned for it (its ring's producer here is the gateway, which lives on):
+        its load-table row, mirrored by the gateway, says so instead."""
+        for j in self.remote:
+            gen = live.get(j)
+            if gen != self._remote_gen.get(j):
+                if self.sched.pinned.rids_for(j):
+                    self.sched.decode_worker_died(j)
+                self._remote_gen[j] = gen
 
     def _ship(self, out: PrefillStep) -> None:
         # Tokens first: TTFT never waits for the KV handoff.
         for shard, batch in out.tokens.items():
             send(self.tok_out[shard], batch)
         for j, transfer in out.transfers:
-            self.exporter.export(transfer.src_blocks)
+            (self.nixl if j in self.remote else self.exporter).export(transfer.src_blocks)
             if not send(self.kv_out[j], transfer):
                 self.sched.release(transfer.rid)
                 position = len(transfer.output_ids)  # the first token has gone out

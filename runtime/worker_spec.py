@@ -16,7 +16,7 @@ import msgspec
 
 from engine.config import EngineConfig
 
-KVTransferName = Literal["shm", "cuda_ipc"]
+KVTransferName = Literal["shm", "cuda_ipc", "nixl"]
 
 
 class EngineWorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -24,5 +24,11 @@ class EngineWorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     log_level: str
     engine: EngineConfig
-    # How KV moves between prefill and decode workers; None for a co-located worker.
+    # How KV moves between prefill and decode workers; None for a co-located worker. A
+    # decode worker on a node that joined a cluster reads over ``nixl``.
     kv_transfer: KVTransferName | None
+    # Several hosts (docs/multi_host.md): this node's name (NIXL agents are named for it),
+    # and, for a prefill worker, the decode workers on other hosts: it registers its pool
+    # with NIXL and sends them the handle, while local decode workers keep ``kv_transfer``.
+    node: str = ""
+    remote_decode: list[int] = []

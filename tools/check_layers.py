@@ -20,7 +20,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("wire",),
     ("transport", "engine"),
     ("runtime", "checkpoints"),
-    ("prefill", "decode", "detokenizer", "router"),
+    ("prefill", "decode", "detokenizer", "router", "cluster"),
     ("colocated",),
     ("frontend",),
     ("launcher",),

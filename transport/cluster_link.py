@@ -35,7 +35,7 @@ What a refusal looks like
 Framing
     An application record is exactly one frame, ``wire.records.encode(msg)``, so the hot
     path (a ``TokenBatch`` per engine step) costs no extra frame. The link's own records
-    (``Hello``, ``Beat``) are two frames, ``[LINK_TAG, msgpack]``, so they need no kind byte
+    (``Hello``, ``Beat``, and ``Relay``/``Rows`` that a node's gateway uses) are two frames, ``[LINK_TAG, msgpack]``, so they need no kind byte
     in ``wire.records``' space. The ROUTER side adds the peer's routing id in front, as
     ZeroMQ does. Anything else (a frame that does not decode, a wrong frame count, a
     record from a peer that has not said Hello) is logged as ``BadFrame``, counted in
@@ -120,8 +120,47 @@ class Beat(_LinkMsg, tag="beat", frozen=True):
     seq: int
 
 
+class Relay(_LinkMsg, tag="relay", frozen=True):
+    """A ring record crossing hosts: ``payload`` is the record's bytes as the ring holds
+    them (``wire.records.encode``), ``ring`` the ring's name (``wire.ring_names``). The
+    receiving node's gateway checks both before it writes the payload into that ring."""
+
+    ring: str
+    payload: bytes
+
+
+class Rows(_LinkMsg, tag="rows", frozen=True):
+    """A node's engine workers' load-table rows, sent with every heartbeat: each row's
+    fields by name (``LoadRow``), plus ``age_ns``, how old its heartbeat was when sent,
+    since monotonic clocks mean nothing across hosts."""
+
+    node: str
+    rows: list[dict[str, int]]
+
+
+class Join(_LinkMsg, tag="join", frozen=True):
+    """A member node asks the head for rows and rings for its ``decode`` workers; ``layout``
+    (``KVLayout.to_json()``) and ``model`` must match the head's or it is refused."""
+
+    node: str
+    decode: int
+    layout: str
+    model: str
+
+
+class Welcome(_LinkMsg, tag="welcome", frozen=True):
+    """The head's answer to ``Join``: the member's first decode index and the cluster's
+    shape (JSON), or ``refused`` saying why (then nothing else is set)."""
+
+    base: int
+    shape: str
+    refused: str = ""
+
+
+LinkRecord = Relay | Rows | Join | Welcome  # handled by the link's owner (not Hello/Beat)
+
 _link_encoder = msgspec.msgpack.Encoder()
-_link_decoder = msgspec.msgpack.Decoder(Hello | Beat)
+_link_decoder = msgspec.msgpack.Decoder(Hello | Beat | Relay | Rows | Join | Welcome)
 
 
 @dataclass(slots=True)
@@ -204,11 +243,11 @@ def _tune(sock: zmq.Socket[Any], zmq: ModuleType, sndhwm: int, max_bytes: int) -
     sock.setsockopt(zmq.HEARTBEAT_TTL, 5000)
 
 
-def _encode_link(msg: Hello | Beat) -> list[bytes]:
+def _encode_link(msg: Hello | Beat | LinkRecord) -> list[bytes]:
     return [LINK_TAG, _link_encoder.encode(msg)]
 
 
-def _decode_body(frames: list[bytes]) -> Hello | Beat | Record:
+def _decode_body(frames: list[bytes]) -> Hello | Beat | Record | LinkRecord:
     """The record in a message's frames (routing id removed), or BadFrame."""
     try:
         if len(frames) == 1:
@@ -233,6 +272,13 @@ def _send(sock: zmq.Socket[Any], zmq: ModuleType, frames: list[bytes], timeout: 
         if e.errno == zmq.EHOSTUNREACH:
             raise PeerGone("the peer is not connected") from e
         raise LinkError(f"send failed: {e}") from e
+
+
+def _wait_any(zmq: ModuleType, socks: list[Any], fds: list[int], timeout: float) -> None:
+    poller = zmq.Poller()
+    for item in [*socks, *fds]:
+        poller.register(item, zmq.POLLIN)
+    poller.poll(max(0.0, timeout) * 1000)
 
 
 def _check_version(hello: Hello, who: str) -> None:
@@ -307,7 +353,12 @@ class LinkServer:
         """Greeted clients by routing id (a copy)."""
         return dict(self._peers)
 
-    def recv(self, timeout: float) -> tuple[bytes, Record] | None:
+    def wait(self, fds: list[int], timeout: float) -> None:
+        """Sleep until a message is waiting, one of ``fds`` is readable, or ``timeout``
+        passes: lets an owner with rings of its own sleep on both without spinning."""
+        _wait_any(self._zmq, [self._sock], fds, timeout)
+
+    def recv(self, timeout: float) -> tuple[bytes, Record | LinkRecord] | None:
         """The next application record and its sender, or None after ``timeout`` seconds.
 
         Hellos (answered), beats and bad frames are handled here and not returned.
@@ -323,7 +374,7 @@ class LinkServer:
             if time.monotonic() >= deadline:
                 return None
 
-    def _handle(self, frames: list[bytes]) -> tuple[bytes, Record] | None:
+    def _handle(self, frames: list[bytes]) -> tuple[bytes, Record | LinkRecord] | None:
         peer, body = frames[0], frames[1:]
         try:
             msg = _decode_body(body)
@@ -361,6 +412,10 @@ class LinkServer:
     def send(self, peer: bytes, msg: Record, timeout: float = 1.0) -> None:
         """Send one record to ``peer``; PeerGone if it is not connected, LinkTimeout if full."""
         self._send_frames([peer, records.encode(msg)], timeout)
+
+    def send_link(self, peer: bytes, msg: LinkRecord, timeout: float = 1.0) -> None:
+        """Send one of the link's owner records to ``peer`` (errors as ``send``)."""
+        self._send_frames([peer, *_encode_link(msg)], timeout)
 
     def _send_frames(self, frames: list[bytes], timeout: float, quiet: bool = False) -> None:
         try:
@@ -576,7 +631,7 @@ class LinkClient:
             self._poll_once(remaining, refuse=True)
         return self.server
 
-    def _poll_once(self, timeout: float, refuse: bool) -> Record | None:
+    def _poll_once(self, timeout: float, refuse: bool) -> Record | LinkRecord | None:
         ready = dict(self._poller.poll(max(0.0, timeout) * 1000))
         if self._monitor in ready:
             self._on_event(refuse)
@@ -609,7 +664,7 @@ class LinkClient:
             raise PeerRefused(message)
         logger.warning("link %s: %s", self.node, message)
 
-    def _handle(self, frames: list[bytes]) -> Record | None:
+    def _handle(self, frames: list[bytes]) -> Record | LinkRecord | None:
         try:
             msg = _decode_body(frames)
         except BadFrame as e:
@@ -635,7 +690,16 @@ class LinkClient:
         self._require_hello()
         _send(self._sock, self._zmq, [records.encode(msg)], timeout)
 
-    def recv(self, timeout: float) -> Record | None:
+    def send_link(self, msg: LinkRecord, timeout: float = 1.0) -> None:
+        """Send one of the link's owner records to the server (errors as ``send``)."""
+        self._require_hello()
+        _send(self._sock, self._zmq, _encode_link(msg), timeout)
+
+    def wait(self, fds: list[int], timeout: float) -> None:
+        """As ``LinkServer.wait``."""
+        _wait_any(self._zmq, [self._sock, self._monitor], fds, timeout)
+
+    def recv(self, timeout: float) -> Record | LinkRecord | None:
         """The next application record from the server, or None after ``timeout`` seconds."""
         self._require_hello()
         deadline = time.monotonic() + timeout
@@ -675,9 +739,14 @@ __all__ = [
     "LINK_VERSION",
     "Beat",
     "Hello",
+    "Join",
     "LinkClient",
+    "LinkRecord",
     "LinkServer",
     "PeerInfo",
+    "Relay",
+    "Rows",
+    "Welcome",
     "check_cluster_key",
     "cluster_keypair",
 ]

@@ -345,6 +345,15 @@ class RowWriter:
         self._values["state"] = int(state)
         self._write()
 
+    def mirror(self, row: LoadRow, heartbeat_ns: int) -> None:
+        """Copy a row another host's worker published, as that node's gateway does here:
+        the heartbeat is given in this host's clock and the pid is the gateway's own, so a
+        reader's staleness and pid checks keep their meaning for a remote worker (it is
+        reachable while the gateway lives; its state says whether it runs)."""
+        assert row.role is not None, "only claimed rows are mirrored"
+        self._values.update(row_fields(row), pid=os.getpid())
+        self._write(heartbeat_ns)
+
     def mark_exited(self, state: WorkerState, status: int, role: Role, index: int) -> None:
         """The launcher's record of a death: DEAD (restarting) or FAILED, and how it died.
 
@@ -357,8 +366,8 @@ class RowWriter:
         self._values["exit_status"] = status
         self.set_state(state)
 
-    def _write(self) -> None:
-        self._values["heartbeat_ns"] = time.monotonic_ns()
+    def _write(self, heartbeat_ns: int | None = None) -> None:
+        self._values["heartbeat_ns"] = time.monotonic_ns() if heartbeat_ns is None else heartbeat_ns
         # Odd (even -> odd, or a dead writer's odd -> next odd): readers back off.
         seq = (int(self._seq_view[0]) + 1) | 1
         self._seq_view[0] = seq
@@ -388,6 +397,29 @@ def _to_load(slot: int, row: tuple[int, ...]) -> LoadRow:
     values: list[Any] = [row[c] for c in _LOAD_COLUMNS]
     values[_ROLE_AT], values[_STATE_AT] = role, state
     return LoadRow(slot, *values)
+
+
+def row_fields(row: LoadRow) -> dict[str, int]:
+    """A claimed row's stored fields by name (role and state as their stored codes): what
+    crosses hosts in ``transport.cluster_link.Rows``."""
+    assert row.role is not None
+    out = {name: int(getattr(row, name)) for name in _LOAD_NAMES if name not in ("role", "state")}
+    out.update(role=row.role.table_code, state=int(row.state))
+    return out
+
+
+def row_from_fields(slot: int, fields: dict[str, int]) -> LoadRow:
+    """The inverse of ``row_fields``; ``ValueError`` if a field is missing or unknown."""
+    missing = [name for name in _LOAD_NAMES if name not in fields]
+    if missing or set(fields) - set(_LOAD_NAMES):
+        raise ValueError(f"load row fields: missing {missing}, unknown "
+                         f"{sorted(set(fields) - set(_LOAD_NAMES))}")  # fmt: skip
+    role = Role.from_table_code(fields["role"])
+    if role is None:
+        raise ValueError("an unclaimed row")
+    values: dict[str, Any] = dict(fields)
+    values.update(role=role, state=WorkerState(fields["state"]))
+    return LoadRow(slot=slot, **values)
 
 
 def _unreadable(slot: int) -> LoadRow:

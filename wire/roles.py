@@ -20,6 +20,7 @@ class Role(enum.StrEnum):
     DECODE = "decode"
     DETOK = "detok"
     COLOCATED = "colocated"
+    GATEWAY = "gateway"  # a node's end of the rings whose other end is on another host
 
     @property
     def letter(self) -> str:
@@ -71,8 +72,8 @@ class Role(enum.StrEnum):
 # NOTE: the stored codes are part of the load table's layout: never renumber them.
 _TABLE_CODES = {Role.PREFILL: 1, Role.DECODE: 2, Role.COLOCATED: 3}
 _LETTERS = {Role.FRONTEND: "f", Role.PREFILL: "p", Role.DECODE: "d", Role.DETOK: "k",
-            Role.COLOCATED: "c"}  # fmt: skip
+            Role.COLOCATED: "c", Role.GATEWAY: "g"}  # fmt: skip
 _BY_LETTER = {letter: role for role, letter in _LETTERS.items()}
 _BY_CODE = {code: role for role, code in _TABLE_CODES.items()}
 ENGINE_ROLES = tuple(_TABLE_CODES)
-_ORDER = (Role.FRONTEND, Role.PREFILL, Role.DECODE, Role.COLOCATED, Role.DETOK)
+_ORDER = (Role.FRONTEND, Role.PREFILL, Role.DECODE, Role.COLOCATED, Role.DETOK, Role.GATEWAY)

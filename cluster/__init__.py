@@ -1,0 +1,1 @@
+"""A node's part in a cluster of hosts: its gateway process (docs/multi_host.md)."""

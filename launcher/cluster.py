@@ -1,0 +1,117 @@
+"""The launcher's part in a cluster of hosts (``docs/multi_host.md``): what the head node
+reserves for the decode workers other nodes bring, how a member joins, and each node's
+gateway process (``cluster/gateway.py``).
+
+Membership is static: the head is told how many decode workers will join
+(``--remote-decode``) and numbers them after its own; a member asks for rows and rings
+for its ``--decode`` workers with ``Join`` and is told its first index and the cluster's
+shape, or refused with the reason (another model, another KV layout, no room left, a
+wrong ``--cluster-key``). Everything crosses on the authenticated cluster link.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+
+from cluster.gateway import GatewaySpec
+from launcher.args import DEFAULT_CLUSTER_PORT, ConfigError, ServerConfig, split_host_port
+from launcher.supervisor import Child
+from launcher.topology import Topology
+from runtime.spec_decode import encode_spec
+from transport.errors import ClusterUnavailable, LinkError
+from transport.kv import KVLayout
+from wire.ring_names import Peer
+from wire.roles import Role
+
+logger = logging.getLogger("launch")
+
+JOIN_TIMEOUT_S = 30.0
+BEAT_S = 0.2
+
+
+def node_name(config: ServerConfig) -> str:
+    return config.node_name or socket.gethostname()
+
+
+def require_extra() -> None:
+    """Fail at once, naming the extra, when this install cannot join a cluster."""
+    try:
+        from transport.cluster_link import cluster_keypair
+        from transport.kv_nixl import load_nixl
+
+        load_nixl()
+        cluster_keypair("x" * 16)
+    except ClusterUnavailable as e:
+        raise ConfigError(str(e)) from e
+
+
+def remote_decode(config: ServerConfig) -> list[int]:
+    """The head's reserve: decode indices after its own, for the workers that join."""
+    return list(range(config.decode, config.decode + config.remote_decode))
+
+
+def head_topology_remote(config: ServerConfig) -> frozenset[Peer]:
+    return frozenset(Peer(Role.DECODE, j) for j in remote_decode(config))
+
+
+def member_remote(shape: dict[str, int], mine: range) -> frozenset[Peer]:
+    """On a member, every peer but its own decode workers lives on another host."""
+    peers = [Peer(Role.FRONTEND, n) for n in range(shape["frontends"])]
+    peers += [Peer(Role.PREFILL, i) for i in range(shape["prefill"])]
+    peers += [Peer(Role.DETOK, k) for k in range(shape["detok"])]
+    peers += [Peer(Role.DECODE, j) for j in range(shape["decode"]) if j not in mine]
+    return frozenset(peers)
+
+
+def silent_after(config: ServerConfig) -> float:
+    """How long a silent node's workers stay routable: under the frontends' stall timeout,
+    so recovery moves their requests rather than waiting on rows that look alive."""
+    return max(1.0, min(5.0, config.stall_timeout / 2))
+
+
+def head_gateway(config: ServerConfig, topo: Topology, layout: KVLayout, model_name: str) -> Child:
+    host, port = split_host_port(config.advertise or "", "--advertise", DEFAULT_CLUSTER_PORT)
+    shape = {"frontends": topo.f, "prefill": topo.p, "detok": topo.k, "decode": topo.d}
+    spec = GatewaySpec(
+        log_level=config.log_level.value, node=node_name(config),
+        cluster_key=config.cluster_key or "", listen=f"{host}:{port}", join="",
+        num_prefill=topo.p, decode=remote_decode(config), shape=json.dumps(shape),
+        layout=layout.to_json(), model=model_name, beat_s=BEAT_S,
+        silent_after_s=silent_after(config),
+    )  # fmt: skip
+    return Child(topo.gateway_spec(encode_spec(spec)), {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def member_gateway(
+    config: ServerConfig, topo: Topology, layout: KVLayout, model_name: str, mine: range
+) -> Child:
+    spec = GatewaySpec(
+        log_level=config.log_level.value, node=node_name(config),
+        cluster_key=config.cluster_key or "", listen="", join=config.join or "",
+        num_prefill=topo.p, decode=list(mine), shape="", layout=layout.to_json(),
+        model=model_name, beat_s=BEAT_S, silent_after_s=silent_after(config),
+    )  # fmt: skip
+    return Child(topo.gateway_spec(encode_spec(spec)), {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def join(config: ServerConfig, layout: KVLayout, model_name: str) -> tuple[int, dict[str, int]]:
+    """Ask the head for this node's decode indices: (first index, the cluster's shape)."""
+    from transport.cluster_link import Join, LinkClient, Welcome
+
+    assert config.join is not None and config.cluster_key is not None
+    node = node_name(config)
+    try:
+        with LinkClient(config.join, config.cluster_key, node) as client:
+            client.connect(JOIN_TIMEOUT_S)
+            client.send_link(Join(node, config.decode, layout.to_json(), model_name))
+            answer = client.recv(JOIN_TIMEOUT_S)
+    except LinkError as e:
+        raise ConfigError(f"--join {config.join}: {e}") from e
+    if not isinstance(answer, Welcome):
+        raise ConfigError(f"--join {config.join}: the head did not answer the join")
+    if answer.refused:
+        raise ConfigError(f"--join {config.join}: the head refused this node: {answer.refused}")
+    shape = json.loads(answer.shape)
+    return answer.base, {k: int(v) for k, v in shape.items()}

@@ -1,0 +1,192 @@
+"""Several hosts, stood in for by two network namespaces joined by a veth
+(``benchmarks/netns_pair.py``): a head node (frontend, prefill, detokenizer) in ``a`` and
+member nodes (decode) in ``b``. KV crosses by NIXL, UCX over TCP on the veth; records on
+the authenticated cluster link. Traffic stays inside the two namespaces, which are
+deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from benchmarks.netns_pair import NetnsPair, Side, available
+from checkpoints import tiny
+from engine.config import ModelConfig
+from tests.e2e.helpers import check_exact, children, random_prompts, title
+
+ok, why = available()
+if not ok:  # pragma: no cover - root with network namespaces is the norm here and in CI
+    pytest.skip(f"two network namespaces cannot be made here: {why}", allow_module_level=True)
+try:
+    from transport.kv_nixl import load_nixl
+
+    load_nixl()
+except Exception as e:  # pragma: no cover - the test extra installs it
+    pytest.skip(f"NIXL is not installed: {e}", allow_module_level=True)
+
+KEY = "a-shared-cluster-key-for-tests"
+PORT = 8000  # the head's HTTP port, on its namespace's loopback
+CLUSTER_PORT = 7481
+
+
+class Node:
+    """One ``launch`` in a namespace, its output kept."""
+
+    def __init__(self, pair: NetnsPair, side: Side, args: list[str], model: Path) -> None:
+        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": pair.dev(side)}
+        cmd = [sys.executable, "-m", "launcher.cli", "--model", str(model), "--device", "cpu",
+               "--kv-cache-tokens", "4096", "--max-model-len", "1024", *args]  # fmt: skip
+        self.proc = pair.popen(side, cmd, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    def wait_for(self, needle: str, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(needle in line for line in self.log):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no {needle!r}:\n" + "".join(self.log[-40:]))
+            time.sleep(0.2)
+
+    def worker(self, role: str) -> tuple[str, int]:
+        """(title, pid) of this node's one worker of ``role``."""
+        return next((title(p), p) for p in children(self.proc.pid)
+                    if title(p).startswith(f"pdserve:{role}-"))  # fmt: skip
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@dataclass
+class Cluster:
+    pair: NetnsPair
+    model: Path
+    head: Node
+    members: list[Node]
+
+    @property
+    def join(self) -> str:
+        return f"{self.pair.addr('a')}:{CLUSTER_PORT}"
+
+    def stream(self, prompts: list[list[int]], kill: int | None = None) -> list[dict]:  # type: ignore[type-arg]
+        """Greedy streams of ``prompts`` from inside namespace a; SIGKILL ``kill`` once
+        tokens flow."""
+        client = self.pair.popen(
+            "a", [sys.executable, "-m", "tests.e2e.cluster_client", f"http://127.0.0.1:{PORT}"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert client.stdin is not None and client.stdout is not None
+        client.stdin.write(json.dumps(prompts))
+        client.stdin.close()
+        assert client.stdout.readline().strip() == "started"
+        if kill is not None:
+            os.kill(kill, signal.SIGKILL)
+        out = client.stdout.readline()
+        client.wait(30)
+        return json.loads(out)  # type: ignore[no-any-return]
+
+
+def _start(pair: NetnsPair, model: Path, members: int, extra: list[str]) -> Cluster:
+    head = Node(pair, "a", ["--prefill", "1", "--decode", "0", "--remote-decode", str(members),
+                            "--advertise", f"{pair.addr('a')}:{CLUSTER_PORT}",
+                            "--cluster-key", KEY, "--node-name", "a", "--port", str(PORT),
+                            *extra], model)  # fmt: skip
+    join = ["--prefill", "0", "--decode", "1", "--join", f"{pair.addr('a')}:{CLUSTER_PORT}",
+            "--cluster-key", KEY]  # fmt: skip
+    nodes = [
+        Node(pair, "b", [*join, "--node-name", f"b{m}", *extra], model) for m in range(members)
+    ]
+    for node in nodes:
+        node.wait_for("pdserve node")
+    head.wait_for("pdserve is serving")
+    return Cluster(pair, model, head, nodes)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A head (1 prefill) and two decode nodes of one worker each, the tiny model."""
+    with NetnsPair() as pair:
+        c = _start(pair, tiny.tiny_model_dir(tiny.DEFAULT_ARCH), 2, [])
+        try:
+            yield c
+        finally:
+            for node in (*c.members, c.head):
+                node.stop()
+
+
+def _kv_bytes(model: Path, prompts: list[list[int]], block: int = 16) -> int:
+    cfg = ModelConfig.from_pretrained(model)
+    per_block = cfg.num_layers * 2 * block * cfg.num_kv_heads * cfg.head_dim * 4  # float32
+    return sum(-(-len(p) // block) * per_block for p in prompts)
+
+
+def test_prefill_on_one_host_decode_on_another_is_exact(
+    cluster: Cluster,
+    reference: dict,  # type: ignore[type-arg]
+    qwen_tokenizer: object,
+) -> None:
+    prompts = random_prompts(6, seed=11)
+    rx0, _ = cluster.pair.link_bytes("b")
+    results = cluster.stream(prompts)
+    rx1, _ = cluster.pair.link_bytes("b")
+    log = cluster.head.log + [line for m in cluster.members for line in m.log]
+    check_exact(results, prompts, reference, cluster.model, qwen_tokenizer, log)
+    # The handoffs' KV crossed the veth (with headers on top): the decode nodes have no
+    # shared pool to copy from, only the NIXL handle each mapped.
+    assert rx1 - rx0 >= _kv_bytes(cluster.model, prompts)
+    for node in cluster.members:
+        assert any("mapped prefill 0's KV pool" in line for line in node.log)
+
+
+def test_a_killed_decode_worker_on_one_node_its_streams_finish_on_the_other(
+    cluster: Cluster,
+    reference: dict,  # type: ignore[type-arg]
+    qwen_tokenizer: object,
+) -> None:
+    name, victim = cluster.members[0].worker("decode")
+    prompts = random_prompts(8, seed=12)
+    results = cluster.stream(prompts, kill=victim)
+    log = cluster.head.log + [line for m in cluster.members for line in m.log]
+    check_exact(results, prompts, reference, cluster.model, qwen_tokenizer, log)
+    assert any("resumed" in line for line in cluster.head.log)  # it did hold streams
+    restarted = f"started {name.removeprefix('pdserve:')}"
+    cluster.members[0].wait_for(restarted, 30)  # its node restarted it
+
+
+def test_a_node_with_another_cluster_key_is_refused(cluster: Cluster) -> None:
+    intruder = Node(cluster.pair, "b", ["--prefill", "0", "--decode", "1", "--join", cluster.join,
+                                        "--cluster-key", "not-the-cluster-key-at-all",
+                                        "--node-name", "intruder"], cluster.model)  # fmt: skip
+    assert intruder.proc.wait(60) == 2
+    said = "".join(intruder.log)
+    assert "refused" in said or "--cluster-key" in said, said
+    deadline = time.monotonic() + 10
+    while not any("cluster_link" in line and "WARNING" in line for line in cluster.head.log):
+        assert time.monotonic() < deadline, "".join(cluster.head.log[-20:])
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[tuple[int, ...], list[int]]:
+    return {}
