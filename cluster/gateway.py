@@ -40,6 +40,7 @@ from runtime.spec_decode import exit_on_bad_spec
 from transport.cluster_link import Join, LinkClient, LinkServer, Relay, Rows, Welcome
 from transport.errors import KVTransferError, LinkError, RingFull
 from transport.kv import KVLayout
+from transport.kv_nixl import check_compatible
 from transport.load_table import (
     LoadTable,
     WorkerState,
@@ -92,6 +93,32 @@ class _Rings:
     inbound: dict[RingName, Ring]
     outbound: dict[str, Ring]
     stats: dict[str, int] = field(default_factory=lambda: {"out": 0, "in": 0, "dropped": 0})
+
+
+def join_refusal(join: Join, cfg: GatewaySpec, layout: KVLayout,
+                 members: dict[str, Member]) -> str:  # fmt: skip
+    """Why the head refuses ``join`` ("" to admit it): another model, a KV layout whose
+    blocks differ, a count that changed since the node last joined, or no room left in
+    the ``--remote-decode`` reserve."""
+    if join.model != cfg.model:
+        return f"it serves {join.model!r}, this cluster {cfg.model!r}"
+    try:
+        check_compatible(layout, KVLayout.from_json(join.layout))
+    except (KVTransferError, ValueError, TypeError) as e:
+        return str(e)
+    if join.decode < 1:
+        return "it brings no decode worker"
+    member = members.get(join.node)
+    if member is not None:
+        if len(member.decode) != join.decode:
+            return (f"it joined before with {len(member.decode)} decode workers, "
+                    f"now {join.decode}")  # fmt: skip
+        return ""
+    left = len(cfg.decode) - sum(len(m.decode) for m in members.values())
+    if join.decode > left:
+        return (f"it brings {join.decode} decode workers but only {left} of the head's "
+                f"--remote-decode {len(cfg.decode)} are left")  # fmt: skip
+    return ""
 
 
 def _table(spec_table: dict[str, int]) -> tuple[LoadTable, Segment]:
@@ -176,7 +203,7 @@ class Gateway:
 
     def _on_join(self, identity: bytes, join: Join) -> None:
         assert self.server is not None
-        refused = self._check_join(join)
+        refused = join_refusal(join, self.cfg, self.layout, self.members)
         if refused:
             logger.warning("refused node %s: %s", join.node, refused)
             self.server.send_link(identity, Welcome(-1, "", refused), _SEND_TIMEOUT_S)
@@ -188,28 +215,6 @@ class Gateway:
             member = self.members[join.node] = Member(join.node, free[: join.decode])
         logger.info("node %s joined with decode workers %s", join.node, member.decode)
         self.server.send_link(identity, Welcome(member.decode[0], self.cfg.shape), _SEND_TIMEOUT_S)
-
-    def _check_join(self, join: Join) -> str:
-        if join.model != self.cfg.model:
-            return f"it serves {join.model!r}, this cluster {self.cfg.model!r}"
-        try:
-            from transport.kv_nixl import check_compatible
-
-            check_compatible(self.layout, KVLayout.from_json(join.layout))
-        except (KVTransferError, ValueError, TypeError) as e:
-            return str(e)
-        member = self.members.get(join.node)
-        if member is not None:
-            if len(member.decode) != join.decode:
-                return (f"it joined before with {len(member.decode)} decode workers, "
-                        f"now {join.decode}")  # fmt: skip
-            return ""
-        taken = sum(len(m.decode) for m in self.members.values())
-        left = len(self.cfg.decode) - taken
-        if join.decode > left:
-            return (f"it brings {join.decode} decode workers but only {left} of the head's "
-                    f"--remote-decode {len(self.cfg.decode)} are left")  # fmt: skip
-        return ""
 
     def _on_rows(self, identity: bytes, rows: Rows) -> Member | None:
         member = self.members.get(rows.node)

@@ -190,3 +190,38 @@ def test_a_node_with_another_cluster_key_is_refused(cluster: Cluster) -> None:
 @pytest.fixture(scope="module")
 def reference() -> dict[tuple[int, ...], list[int]]:
     return {}
+
+
+@pytest.mark.slow
+def test_smollm2_across_two_hosts_equals_transformers() -> None:
+    """The default model in float32 (--quantization none), prefill on one host and decode
+    on the other: transformers' greedy tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from checkpoints.default_model import default_model_dir
+
+    path = default_model_dir()
+    questions = ["What is the capital of France?", "Name three colours."]
+    conversations = [[{"role": "user", "content": q}] for q in questions]
+    with NetnsPair() as pair:
+        c = _start(pair, path, 1, ["--quantization", "none"])
+        try:
+            client = pair.run("a", [sys.executable, "-m", "tests.e2e.cluster_client",
+                                    f"http://127.0.0.1:{PORT}", "chat", path.name, "24"],
+                              timeout=300, input=json.dumps(conversations))  # fmt: skip
+        finally:
+            for node in (*c.members, c.head):
+                node.stop()
+    assert client.returncode == 0, client.stderr[-2000:]
+    served = json.loads(client.stdout.strip().splitlines()[-1])
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for messages, got in zip(conversations, served, strict=True):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tok.encode(text, add_special_tokens=False)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+        want = ref[0, len(ids) :].tolist()
+        n = len(got)
+        assert got == want[:n] and (n == len(want) or want[n - 1] in tok.all_special_ids)

@@ -1,0 +1,148 @@
+"""The pure parts of several hosts: flags, who a head admits, the rings and rows a node
+builds for peers on other hosts, and load-table rows as they cross."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+import pytest
+
+from cluster.gateway import GatewaySpec, Member, join_refusal
+from launcher import cluster
+from launcher.args import ConfigError, parse_args
+from launcher.cli import main
+from launcher.topology import Topology
+from transport.cluster_link import Join
+from transport.kv import KVLayout
+from transport.load_table import LoadTable, WorkerState, row_fields, row_from_fields
+from wire.ring_names import Peer, RingKind, RingName
+from wire.roles import Role
+
+KEY = ["--cluster-key", "sixteen-chars-or-more"]
+LAYOUT = KVLayout(num_blocks=64, num_layers=2, block_size=16, num_kv_heads=2, head_dim=8)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--advertise", "10.0.0.1", *KEY], "--remote-decode"),
+     (["--remote-decode", "2", *KEY], "needs --advertise"),
+     (["--advertise", "10.0.0.1", "--remote-decode", "1"], "--cluster-key"),
+     (["--advertise", "10.0.0.1", "--remote-decode", "1", "--cluster-key", "short"],
+      "16 characters"),
+     (["--join", "10.0.0.1:7481", "--decode", "2", *KEY], "--prefill 0"),
+     (["--join", "10.0.0.1", "--prefill", "0", *KEY], "HOST:PORT"),
+     (["--join", "h:1", "--advertise", "h", "--prefill", "0", *KEY], "exclude each other"),
+     (["--prefill", "1", "--decode", "0"], "--decode must be >= 1")],
+)  # fmt: skip
+def test_cluster_flags_that_contradict_are_refused_naming_the_flag(
+    argv: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_args(argv)
+
+
+def test_a_head_may_bring_no_decode_worker_of_its_own() -> None:
+    c = parse_args(["--decode", "0", "--remote-decode", "2", "--advertise", "10.0.0.1", *KEY])
+    assert c.clustered and cluster.remote_decode(c) == [0, 1]
+    m = parse_args(["--prefill", "0", "--decode", "3", "--join", "10.0.0.1:7481", *KEY])
+    assert m.clustered and m.join == "10.0.0.1:7481"
+
+
+def test_the_cluster_key_may_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CLUSTER_KEY", "from-the-environment-key")
+    c = parse_args(["--prefill", "0", "--join", "10.0.0.1:7481"])
+    assert c.cluster_key == "from-the-environment-key"
+
+
+def _spec(reserve: list[int]) -> GatewaySpec:
+    return GatewaySpec(log_level="info", node="a", cluster_key="k" * 16, listen="h:1",
+                       join="", num_prefill=1, decode=reserve, shape="{}",
+                       layout=LAYOUT.to_json(), model="m", beat_s=0.2,
+                       silent_after_s=2.0)  # fmt: skip
+
+
+def _join(node: str = "b", decode: int = 1, layout: KVLayout = LAYOUT, model: str = "m") -> Join:
+    return Join(node, decode, layout.to_json(), model)
+
+
+def test_the_head_admits_what_fits_and_refuses_the_rest_saying_why() -> None:
+    spec, members = _spec([2, 3]), {}
+    assert join_refusal(_join(), spec, LAYOUT, members) == ""
+    assert "serves 'other'" in join_refusal(_join(model="other"), spec, LAYOUT, members)
+    bf16 = dataclasses.replace(LAYOUT, dtype="bfloat16")
+    assert "dtype bfloat16" in join_refusal(_join(layout=bf16), spec, LAYOUT, members)
+    heads = dataclasses.replace(LAYOUT, num_kv_heads=4)
+    assert "num_kv_heads 4" in join_refusal(_join(layout=heads), spec, LAYOUT, members)
+    more_blocks = dataclasses.replace(LAYOUT, num_blocks=999)  # pools may differ in size
+    assert join_refusal(_join(layout=more_blocks), spec, LAYOUT, members) == ""
+    assert "only 2 of" in join_refusal(_join(decode=3), spec, LAYOUT, members)
+    members["b"] = Member("b", [2])
+    assert join_refusal(_join(), spec, LAYOUT, members) == ""  # the same node, joining anew
+    assert "joined before with 1" in join_refusal(_join(decode=2), spec, LAYOUT, members)
+    assert "only 1 of" in join_refusal(_join(node="c", decode=2), spec, LAYOUT, members)
+    assert "no decode worker" in join_refusal(_join(node="c", decode=0), spec, LAYOUT, members)
+
+
+def test_a_member_holds_rings_only_with_a_local_end_and_its_gateway_the_remote_ones() -> None:
+    shape = {"frontends": 1, "prefill": 2, "detok": 1, "decode": 3}
+    mine = range(1, 2)
+    topo = Topology(2, 3, 1, remote=cluster.member_remote(shape, mine))
+    names = {str(n) for n in topo.rings}
+    assert names == {"ctl.f0.d1", "kv.p0.d1", "kv.p1.d1", "rel.d1.p0", "rel.d1.p1",
+                     "tok.d1.k0", "stop.k0.d1"}  # fmt: skip
+    gateway = topo.gateway_spec({})
+    assert set(gateway.rings_in) == {"rel.d1.p0", "rel.d1.p1", "tok.d1.k0"}
+    assert set(gateway.rings_out) == {"ctl.f0.d1", "kv.p0.d1", "kv.p1.d1", "stop.k0.d1"}
+    decode = topo.spec(Role.DECODE, 1, {})
+    assert set(decode.rings_in) == set(gateway.rings_out)
+    assert decode.load_table["slot"] == 2 + 1  # the cluster's numbering: prefill rows first
+    # A ring towards the gateway wakes the gateway, not a process that is not here.
+    ring = topo.rings[RingName.parse("tok.d1.k0")]
+    assert ring.spec.doorbell_fd == topo.doorbells[Topology.GATEWAY].fd
+
+
+def test_a_head_relays_only_what_crosses_to_its_reserve() -> None:
+    remote = frozenset({Peer(Role.DECODE, 1)})
+    topo = Topology(1, 2, 1, remote=remote)
+    gateway = topo.gateway_spec({})
+    assert set(gateway.rings_in) == {"ctl.f0.d1", "kv.p0.d1", "stop.k0.d1"}
+    assert set(gateway.rings_out) == {"rel.d1.p0", "tok.d1.k0"}
+    local = {str(n) for n in topo.rings if n.kind is RingKind.KV}
+    assert local == {"kv.p0.d0", "kv.p0.d1"}
+
+
+def test_rows_cross_as_fields_and_are_mirrored_in_this_hosts_clock() -> None:
+    n = 3
+    table = LoadTable(bytearray(LoadTable.layout_nbytes(n)), n)
+    w = table.writer(2)
+    w.claim(Role.DECODE, 5, pid=123)
+    w.publish(running_requests=4, free_kv_blocks=10, total_kv_blocks=64)
+    w.set_state(WorkerState.READY)
+    row = table.snapshot()[2]
+    fields = row_fields(row)
+    again = row_from_fields(2, dict(fields))
+    assert again == row
+    other = LoadTable(bytearray(LoadTable.layout_nbytes(n)), n)
+    beat = time.monotonic_ns() - 1_000_000
+    other.writer(1).mirror(again, beat)
+    mirrored = other.snapshot()[1]
+    assert mirrored.pid == os.getpid() and mirrored.heartbeat_ns == beat
+    assert (mirrored.role, mirrored.index, mirrored.state) == (Role.DECODE, 5, WorkerState.READY)
+    assert (mirrored.running_requests, mirrored.generation) == (4, row.generation)
+    with pytest.raises(ValueError, match="missing"):
+        row_from_fields(0, {"role": 2})
+
+
+def test_without_the_nixl_extra_a_node_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("nixl", "nixl._api", "nixl_cu13", "nixl_cu12"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ConfigError, match=r"pip install 'pdserve\[nixl\]'"):
+        cluster.require_extra()
+    # and launch says so before it starts anything
+    argv = ["--prefill", "0", "--join", "127.0.0.1:7481", *KEY]
+    assert main(argv) == 2
