@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import urllib.request
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import cast
@@ -286,19 +287,25 @@ def serve(config: ServerConfig) -> int:
     sup = Supervisor(_children(config, topo, gpus, model, backend), topo.load_table(), topo.p,
                      board)  # fmt: skip
 
+    url = f"http://{config.host}:{config.port}"
+    # Ready once every frontend serves (any one of them may answer the probe).
+    return _supervise(sup, lambda: board.all_ready() and _http_ready(url + "/health"),
+                      f"pdserve is serving {model} at {url}")  # fmt: skip
+
+
+def _supervise(sup: Supervisor, ready: Callable[[], bool], banner: str) -> int:
+    """Start every child, say ``banner`` once ``ready()``, then tend them until a signal."""
+
     def on_signal(signum: int, _frame: object) -> None:
         sup.stopping = True
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    url = f"http://{config.host}:{config.port}"
     try:
         sup.start_all()
-        # Every frontend serving (any one of them may answer the probe).
-        sup.wait_ready(STARTUP_TIMEOUT_S,
-                       lambda: board.all_ready() and _http_ready(url + "/health"))  # fmt: skip
+        sup.wait_ready(STARTUP_TIMEOUT_S, ready)
         if not sup.stopping:
-            print(f"pdserve is serving {model} at {url}  (Ctrl-C stops)", flush=True)
+            print(f"{banner}  (Ctrl-C stops)", flush=True)
         code = sup.monitor()
     except ChildFailed as e:
         logger.error("%s", e)
@@ -327,26 +334,9 @@ def serve_member(config: ServerConfig) -> int:
     children = _engine_children(config, topo, gpus, model, "nixl", first_decode=base)
     children.append(cluster.member_gateway(config, topo, layout, _model_name(config, model), mine))
     sup = Supervisor(children, topo.load_table(), topo.p)
-
-    def on_signal(signum: int, _frame: object) -> None:
-        sup.stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        sup.start_all()
-        sup.wait_ready(STARTUP_TIMEOUT_S, lambda: True)
-        if not sup.stopping:
-            print(f"pdserve node {cluster.node_name(config)} serves decode workers "
-                  f"{list(mine)} of the cluster at {config.join}  (Ctrl-C stops)",
-                  flush=True)  # fmt: skip
-        code = sup.monitor()
-    except ChildFailed as e:
-        logger.error("%s", e)
-        code = 1
-    finally:
-        sup.shutdown()
-    return code
+    return _supervise(sup, lambda: True,
+                      f"pdserve node {cluster.node_name(config)} serves decode workers "
+                      f"{list(mine)} of the cluster at {config.join}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
