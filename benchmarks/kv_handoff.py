@@ -89,6 +89,7 @@ def run_source() -> None:
     lay = layout()
     pool = torch.randint(-100, 100, lay.shape, dtype=torch.int16).view(lay.torch_dtype)
     exporter = NixlExporter(pool, lay, f"handoff-source-{os.getpid()}")
+    exporter.serve_reads(True)
     write_frame(out, exporter.handle())
     sys.stdin.buffer.read()  # the reader is done when the parent closes our stdin
     releases: list[object] = []

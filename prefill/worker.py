@@ -103,6 +103,8 @@ class PrefillWorker(Worker):
                 self.sched.decode_worker_died(j)
         out = self.sched.step()
         self._ship(out)
+        if self.remote:  # remote decode workers read while blocks are pinned for them
+            self.nixl.serve_reads(any(self.sched.pinned.rids_for(j) for j in self.remote))
         if self.sched.waiting and not out.ran_tokens and not out.tokens:
             time.sleep(_STALLED_POLL_S)
         return bool(self.sched.waiting)

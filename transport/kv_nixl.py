@@ -34,8 +34,10 @@ imports this module, and constructing either end without it raises ``NixlUnavail
 
 from __future__ import annotations
 
+import collections
 import importlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,6 +61,8 @@ _MODULES = ("nixl._api", "nixl_cu13", "nixl_cu12")
 _BACKEND = "UCX"
 _SPIN_POLLS = 64  # state checks before the wait starts sleeping: most reads finish in these
 _POLL_SLEEP_S = 0.0002
+_EXPORT_POLL_S = 0.0005
+_NOTIF_FLUSH_S = 0.05  # how often an exporter serving READs progresses its agent
 
 
 class NixlUnavailable(ClusterUnavailable):
@@ -148,11 +152,66 @@ def nixl_errors(nixl: ModuleType) -> tuple[type[Exception], ...]:
 
 
 def _agent(nixl: ModuleType, name: str) -> Any:
-    config = nixl.nixl_agent_config(enable_prog_thread=True, backends=[_BACKEND])
+    # NOTE: no NIXL progress thread: the Python API starts it with no delay between
+    # polls, a whole core per agent while idle. A receiver progresses its own agent while
+    # it waits for a READ; an exporter runs ``_Progress`` only while READs may come.
+    config = nixl.nixl_agent_config(enable_prog_thread=False, backends=[_BACKEND])
     agent = nixl.nixl_agent(name, config)
     if _BACKEND not in agent.backends:
         raise NixlUnavailable(f"its {_BACKEND} plugin did not load")
     return agent
+
+
+class _Progress:
+    """Progresses an exporter's agent while its owner says READs may come.
+
+    A READ over a transport without remote memory access (UCX over TCP) is served by the
+    source's worker, and connecting needs it too: something must progress the source's
+    agent while a decode worker reads, also while the prefill worker's own thread is busy
+    in a forward. This thread polls every ``_EXPORT_POLL_S`` while ``active`` and sleeps
+    on an event otherwise, so an exporter with nothing pinned costs no CPU. It is the only
+    caller of the agent after construction; releases pass to the owner through a deque.
+    """
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.releases: collections.deque[KVRelease] = collections.deque()
+        self._wanted = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="nixl-progress", daemon=True)
+        self._thread.start()
+
+    def active(self, on: bool) -> None:
+        if on:
+            self._wanted.set()
+        else:
+            self._wanted.clear()
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wanted.wait()
+            while self._wanted.is_set() and not self._stop:
+                self._collect()
+                time.sleep(_EXPORT_POLL_S)
+            self._collect()  # what came with the last READs
+
+    def _collect(self) -> None:
+        for peer, messages in self.agent.get_new_notifs().items():
+            for message in messages:
+                try:
+                    record = decode(message)
+                except RecordError as e:
+                    logger.warning("nixl: unreadable notification from %s: %s", peer, e)
+                    continue
+                if isinstance(record, KVRelease):
+                    self.releases.append(record)
+                else:
+                    logger.warning("nixl: notification from %s is not a KVRelease", peer)
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wanted.set()
+        self._thread.join(5)
 
 
 class NixlExporter(KVExporter):
@@ -160,7 +219,8 @@ class NixlExporter(KVExporter):
 
     ``name`` must be unique among the agents a decode worker talks to, and differ for a
     restarted process (decode tells pools apart by the handle's bytes): e.g. the node,
-    role, index and pid.
+    role, index and pid. The owner calls ``serve_reads(True)`` while any handoff of this
+    pool may be read (blocks pinned for a remote decode worker), ``False`` otherwise.
     """
 
     def __init__(
@@ -183,6 +243,11 @@ class NixlExporter(KVExporter):
                 device=self.device,
             )
         )
+        self._progress = _Progress(self.agent)
+
+    def serve_reads(self, on: bool) -> None:
+        """Progress the agent (reads can be served) or let it sleep (nothing pinned)."""
+        self._progress.active(on)
 
     def handle(self) -> bytes:
         return self._handle
@@ -192,23 +257,16 @@ class NixlExporter(KVExporter):
             torch.cuda.current_stream(self.pool.device).synchronize()
 
     def releases(self) -> list[KVRelease]:
-        """Releases decode workers sent with their READs since the last call."""
-        out: list[KVRelease] = []
-        for peer, messages in self.agent.get_new_notifs().items():
-            for message in messages:
-                try:
-                    record = decode(message)
-                except RecordError as e:
-                    logger.warning("nixl: unreadable notification from %s: %s", peer, e)
-                    continue
-                if isinstance(record, KVRelease):
-                    out.append(record)
-                else:
-                    logger.warning("nixl: notification from %s is not a KVRelease", peer)
+        """Releases decode workers sent with their READs since the last call (collected
+        while ``serve_reads`` is on)."""
+        out = []
+        while self._progress.releases:
+            out.append(self._progress.releases.popleft())
         return out
 
     def close(self) -> None:
         if self._reg is not None:
+            self._progress.stop()
             self.agent.deregister_memory(self._reg)
             self._reg = None
 
@@ -303,6 +361,7 @@ class NixlReceiver(KVReceiver):
             if not src_blocks:
                 if notify:
                     self.agent.send_notif(src.agent, notify)
+                    self._flush_notif()
                 return
             xfer = self.agent.make_prepped_xfer(
                 "READ", self._local, list(dst_blocks), src.descs, list(src_blocks), notify
@@ -317,6 +376,14 @@ class NixlReceiver(KVReceiver):
             ) from e
         self.bytes_read += len(src_blocks) * self.layout.block_nbytes
         self.reads += 1
+
+    def _flush_notif(self) -> None:
+        """A notification with no READ has no completion to wait on: progress this agent
+        a little (no progress thread runs here) so it leaves, connection set-up included."""
+        deadline = time.monotonic() + _NOTIF_FLUSH_S
+        while time.monotonic() < deadline:
+            self.agent.get_new_notifs()
+            time.sleep(_POLL_SLEEP_S)
 
     def _wait(self, xfer: Any, src_worker: int) -> None:
         state = self.agent.transfer(xfer)

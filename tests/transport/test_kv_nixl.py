@@ -48,6 +48,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     exporter = kv_nixl.NixlExporter(src_pool, LAYOUT, f"prefill-{tag}", nixl=NIXL)
     receiver = kv_nixl.NixlReceiver(dst_pool, LAYOUT, f"decode-{tag}", timeout_s=20, nixl=NIXL)
     receiver.open(0, exporter.handle())
+    exporter.serve_reads(True)
     yield exporter, receiver, src_pool, dst_pool
     receiver.close()
     exporter.close()
@@ -123,6 +124,7 @@ def test_only_the_block_count_may_differ() -> None:
     kv_nixl.check_compatible(LAYOUT, bigger)
     src = _pool(bigger)
     exporter = kv_nixl.NixlExporter(src, bigger, "prefill-bigger", nixl=NIXL)
+    exporter.serve_reads(True)
     receiver = kv_nixl.NixlReceiver(_pool(LAYOUT, 0.0), LAYOUT, "decode-bigger", nixl=NIXL)
     try:
         receiver.open(3, exporter.handle())
@@ -153,6 +155,7 @@ def test_a_restarted_prefill_pool_replaces_the_old_one(pair: Pair) -> None:
     _, receiver, _, dst = pair
     fresh_pool = _pool(LAYOUT)
     fresh = kv_nixl.NixlExporter(fresh_pool, LAYOUT, "prefill-restarted", nixl=NIXL)
+    fresh.serve_reads(True)
     try:
         receiver.open(0, fresh.handle())
         receiver.fetch(0, [1], [1])
@@ -173,6 +176,19 @@ def test_an_unreadable_handle_is_a_transfer_error() -> None:
         receiver.close()
 
 
+def test_an_exporter_with_nothing_to_serve_costs_no_cpu() -> None:
+    """Its agent is progressed only while reads may come: idle, the process sleeps."""
+    exporter = kv_nixl.NixlExporter(_pool(LAYOUT), LAYOUT, "prefill-idle", nixl=NIXL)
+    try:
+        exporter.serve_reads(True)
+        exporter.serve_reads(False)
+        before = time.process_time()
+        time.sleep(1.0)
+        assert time.process_time() - before < 0.5  # a polling agent would take the whole second
+    finally:
+        exporter.close()
+
+
 def test_without_nixl_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("nixl", "nixl._api", "nixl_cu13", "nixl_cu12"):
         monkeypatch.setitem(sys.modules, name, None)  # import of each now fails
@@ -186,6 +202,7 @@ def _serve_pool(conn: Connection) -> None:
     """A prefill process: exports a pool, sends its handle, then waits to be killed."""
     torch.manual_seed(0)
     exporter = kv_nixl.NixlExporter(_pool(LAYOUT), LAYOUT, f"prefill-child-{os.getpid()}")
+    exporter.serve_reads(True)
     conn.send_bytes(exporter.handle())
     conn.send_bytes(exporter.pool.view(torch.uint8).numpy().tobytes())
     time.sleep(120)
