@@ -36,12 +36,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.machine import describe, portable
-from benchmarks.netns_pair import NetnsPair, Side
+from benchmarks.netns_pair import NetnsLaunch, NetnsPair, Side
 
 PORT = 8000  # the head's HTTP port, on namespace a's own loopback
 CLUSTER_PORT = 7481
@@ -60,51 +56,22 @@ LAUNCH = ("--device", "cpu", "--kv-cache-tokens", "16384", "--max-model-len", "2
           "--port", str(PORT))  # fmt: skip
 
 
-class Node:
-    """One ``launch`` inside a namespace, its output kept for readiness and the report."""
-
-    def __init__(self, pair: NetnsPair, side: Side, args: list[str]) -> None:
-        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": pair.dev(side)}
-        cmd = [sys.executable, "-m", "launcher.cli", *LAUNCH, *args]
-        self.proc = pair.popen(side, cmd, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        self.log: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.log.append(line)
-
-    def wait_for(self, needle: str, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not any(needle in line for line in self.log):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"no {needle!r}:\n" + "".join(self.log[-40:]))
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        """SIGTERM (the launcher stops its workers), SIGKILL past 30 s."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+def node(pair: NetnsPair, side: Side, args: list[str]) -> NetnsLaunch:
+    """One ``launch`` with this benchmark's settings inside a namespace."""
+    return NetnsLaunch(pair, side, [*LAUNCH, *args])
 
 
-def start(pair: NetnsPair, setup: str) -> list[Node]:
+def start(pair: NetnsPair, setup: str) -> list[NetnsLaunch]:
     """The setup's nodes, serving; the head is first."""
     if setup == "one host":
-        nodes = [Node(pair, "a", ["--prefill", "1", "--decode", "1"])]
+        nodes = [node(pair, "a", ["--prefill", "1", "--decode", "1"])]
     else:
         advertise = f"{pair.addr('a')}:{CLUSTER_PORT}"
         nodes = [
-            Node(pair, "a", ["--prefill", "1", "--decode", "0", "--remote-decode", "1",
+            node(pair, "a", ["--prefill", "1", "--decode", "0", "--remote-decode", "1",
                              "--advertise", advertise, "--cluster-key", KEY,
                              "--node-name", "a"]),
-            Node(pair, "b", ["--prefill", "0", "--decode", "1", "--join", advertise,
+            node(pair, "b", ["--prefill", "0", "--decode", "1", "--join", advertise,
                              "--cluster-key", KEY, "--node-name", "b0"]),
         ]  # fmt: skip
     try:
@@ -117,7 +84,7 @@ def start(pair: NetnsPair, setup: str) -> list[Node]:
     return nodes
 
 
-def stop(nodes: list[Node]) -> None:
+def stop(nodes: list[NetnsLaunch]) -> None:
     for node in reversed(nodes):  # members first, as an operator would take a cluster down
         node.stop()
 

@@ -237,6 +237,45 @@ class NetnsPair:
         return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
 
 
+class NetnsLaunch:
+    """One ``launch`` (``python -m launcher.cli argv``) inside a side of ``pair``, UCX
+    pinned to TCP on that side's veth; its output kept for readiness checks and reports."""
+
+    def __init__(self, pair: NetnsPair, side: Side, argv: Sequence[str]) -> None:
+        import sys
+
+        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": pair.dev(side)}
+        cmd = [sys.executable, "-m", "launcher.cli", *argv]
+        self.proc = pair.popen(side, cmd, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    def wait_for(self, needle: str, timeout_s: float = 300) -> None:
+        """Until a line holds ``needle``; RuntimeError with the log's tail if the process
+        exits or ``timeout_s`` passes first."""
+        deadline = time.monotonic() + timeout_s
+        while not any(needle in line for line in self.log):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"no {needle!r}:\n" + "".join(self.log[-40:]))
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """SIGTERM (the launcher stops its workers), SIGKILL past 30 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
 @atexit.register
 def _close_all() -> None:
     with _live_lock:

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.netns_pair import NetnsPair, Side, available
+from benchmarks.netns_pair import NetnsLaunch, NetnsPair, Side, available
 from checkpoints import tiny
 from engine.config import ModelConfig
 from tests.e2e.helpers import check_exact, children, random_prompts, title
@@ -40,42 +39,18 @@ PORT = 8000  # the head's HTTP port, on its namespace's loopback
 CLUSTER_PORT = 7481
 
 
-class Node:
-    """One ``launch`` in a namespace, its output kept."""
+class Node(NetnsLaunch):
+    """A node of the test's cluster: ``launch`` on CPU with small pools."""
 
     def __init__(self, pair: NetnsPair, side: Side, args: list[str], model: Path) -> None:
-        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": pair.dev(side)}
-        cmd = [sys.executable, "-m", "launcher.cli", "--model", str(model), "--device", "cpu",
-               "--kv-cache-tokens", "4096", "--max-model-len", "1024", *args]  # fmt: skip
-        self.proc = pair.popen(side, cmd, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        self.log: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.log.append(line)
-
-    def wait_for(self, needle: str, timeout_s: float = 180) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not any(needle in line for line in self.log):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"no {needle!r}:\n" + "".join(self.log[-40:]))
-            time.sleep(0.2)
+        super().__init__(pair, side, ["--model", str(model), "--device", "cpu",
+                                      "--kv-cache-tokens", "4096", "--max-model-len", "1024",
+                                      *args])  # fmt: skip
 
     def worker(self, role: str) -> tuple[str, int]:
         """(title, pid) of this node's one worker of ``role``."""
         return next((title(p), p) for p in children(self.proc.pid)
                     if title(p).startswith(f"pdserve:{role}-"))  # fmt: skip
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 @dataclass
