@@ -90,8 +90,10 @@ class Member:
 
 @dataclass
 class _Rings:
-    inbound: dict[RingName, Ring]
-    outbound: dict[str, Ring]
+    """The gateway's rings; a ring's name is parsed and formatted once, not per record."""
+
+    inbound: dict[RingName, tuple[str, Ring]]  # name -> (its text, as a Relay names it)
+    outbound: dict[str, tuple[RingName, Ring]]  # a Relay's ring text -> (name, ring)
     stats: dict[str, int] = field(default_factory=lambda: {"out": 0, "in": 0, "dropped": 0})
 
 
@@ -131,7 +133,8 @@ class Gateway:
         spec, self.stopping = bootstrap()
         self.cfg = exit_on_bad_spec(spec.settings, GatewaySpec)
         rings = attach_rings(spec)
-        self.rings = _Rings(rings.inbound, {str(n): r for n, r in rings.outbound.items()})
+        self.rings = _Rings({n: (str(n), r) for n, r in rings.inbound.items()},
+                            {str(n): (n, r) for n, r in rings.outbound.items()})  # fmt: skip
         self.doorbell = rings.doorbell
         self.table, self._table_seg = _table(spec.load_table)
         self.layout = KVLayout.from_json(self.cfg.layout)
@@ -144,10 +147,10 @@ class Gateway:
     def _pump(self) -> bool:
         """Drain the rings whose other end is remote onto the link; True if any moved."""
         moved = False
-        for name, ring in self.rings.inbound.items():
+        for name, (text, ring) in self.rings.inbound.items():
             batch = ring.drain(_MAX_DRAIN)
             for payload in batch:
-                self._send(name, Relay(str(name), bytes(payload)))
+                self._send(name, Relay(text, bytes(payload)))
             moved |= bool(batch)
         return moved
 
@@ -174,13 +177,14 @@ class Gateway:
         return next((m for m in self.members.values() if remote.index in m.decode), None)
 
     def _deliver(self, relay: Relay, sender: Member | None) -> None:
-        ring = self.rings.outbound.get(relay.ring)
-        if ring is None:
+        held = self.rings.outbound.get(relay.ring)
+        if held is None:
             self.rings.stats["dropped"] += 1
             logger.warning("a record for ring %s, which this node does not relay; dropped",
                            relay.ring)  # fmt: skip
             return
-        if sender is not None and RingName.parse(relay.ring).src.index not in sender.decode:
+        name, ring = held
+        if sender is not None and name.src.index not in sender.decode:
             self.rings.stats["dropped"] += 1
             logger.warning("node %s sent a record for %s, not one of its rings; dropped",
                            sender.node, relay.ring)  # fmt: skip
@@ -324,7 +328,7 @@ class Gateway:
         assert callable(messages) and callable(beat)
         link = self.server if self.server is not None else self.client
         assert link is not None
-        inbound = list(self.rings.inbound.values())
+        inbound = [ring for _, ring in self.rings.inbound.values()]
         next_beat = 0.0
         while not self.stopping:
             busy = self._pump()
