@@ -106,3 +106,20 @@ def test_sweep_removes_a_namespace_named_for_a_dead_pid() -> None:
             subprocess.run(["ip", "netns", "del", mine], timeout=10)
     finally:
         subprocess.run(["ip", "netns", "del", stale], capture_output=True, timeout=10)
+
+
+def test_each_side_has_cores_of_its_own_that_its_processes_run_on() -> None:
+    mine = sorted(os.sched_getaffinity(0))
+    with NetnsPair() as pair:
+        a, b = pair.cores("a"), pair.cores("b")
+        if len(mine) < 2:
+            assert a == b == []
+            return
+        assert a and b and not set(a) & set(b) and sorted(a + b) == mine
+        # What a launched node sees: the affinity set before exec, inherited through
+        # ``ip netns exec`` (the same pin NetnsLaunch applies).
+        probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+        proc = pair.popen("b", probe, stdout=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: os.sched_setaffinity(0, b))  # fmt: skip
+        out, _ = proc.communicate(timeout=30)
+        assert out.strip() == str(b)
