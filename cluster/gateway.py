@@ -38,7 +38,7 @@ import msgspec
 from runtime.process import attach_rings, bootstrap
 from runtime.spec_decode import exit_on_bad_spec
 from transport.cluster_link import Join, LinkClient, LinkServer, Relay, Rows, Welcome
-from transport.errors import KVTransferError, LinkError, RingFull
+from transport.errors import KVTransferError, LinkError, PeerDead, RingFull
 from transport.kv import KVLayout
 from transport.kv_nixl import check_compatible
 from transport.load_table import (
@@ -202,6 +202,11 @@ class Gateway:
             self.rings.stats["dropped"] += 1
             logger.error("ring %s stayed full for %.0f s; a record from the link is lost",
                          relay.ring, _PUT_TIMEOUT_S)  # fmt: skip
+        except PeerDead as e:
+            # The worker it was for died: its successor resets the ring and starts afresh,
+            # and the frontend resumes what the dead one held. The gateway lives on.
+            self.rings.stats["dropped"] += 1
+            logger.warning("ring %s: %s; a record from the link is dropped", relay.ring, e)
 
     # -- the head ----------------------------------------------------------------------
 
