@@ -6,6 +6,8 @@ no I/O: the worker feeds it ``KVTransfer`` offers and aborts, calls ``admit()`` 
 
 Request life on a decode worker:
     offer(KVTransfer) -> pending -> admit(): blocks allocated, KV copied, KVRelease
+      (over a network: the read posted -> reading, polled by each ``admit`` until the KV
+      has landed, while the running requests keep stepping)
       -> running: one token per step, every running request in every step
       -> finished (EOS, stop token, length) or aborted: blocks freed the same step
 With prefix caching, a handoff copies only the blocks this pool does not already hold
@@ -33,7 +35,7 @@ from engine.runner import ModelRunner
 from engine.sampling.grammar import GrammarError
 from runtime.step_output import TokenBatcher
 from transport.errors import KVTransferError
-from transport.kv import KVReceiver
+from transport.kv import KVReceiver, PendingFetch
 from wire.records import Finish, KVRelease, KVTransfer, TokenBatch
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,14 @@ _ABORT_MEMORY = 4096  # aborted rids remembered for transfers still on their way
 class _Running:
     seq: Sequence
     detok_shard: int
+
+
+@dataclass
+class _Reading:
+    t: KVTransfer
+    seq: Sequence
+    held: int  # tokens of KV this pool already held (prefix cache), not read
+    read: PendingFetch
 
 
 @dataclass
@@ -64,6 +74,10 @@ class DecodeScheduler:
         self._aborted: OrderedDict[int, None] = OrderedDict()
         self.compiling: list[KVTransfer] = []  # offered; their grammar is compiling here
         self._failed: list[KVTransfer] = []  # their grammar failed: error rows next step
+        self.reading: dict[int, _Reading] = {}  # rid -> its KV read in flight
+        self._lost: list[KVTransfer] = []  # their KV could not be read: LOST rows next step
+        # Blocks a read that could not be cancelled may still write: never reused.
+        self.quarantined_blocks = 0
 
     # ---- inputs ------------------------------------------------------------------------
 
@@ -108,6 +122,10 @@ class DecodeScheduler:
         r = self.running.pop(rid, None)
         if r is not None:
             self.runner.free_blocks(r.seq)
+        reading = self.reading.pop(rid, None)
+        if reading is not None:
+            self._drop_read(reading)
+            releases.append((reading.t.prefill_worker, KVRelease(rid=rid, accepted=False)))
         return releases
 
     def admit(self) -> list[tuple[int, KVRelease]]:
@@ -117,27 +135,63 @@ class DecodeScheduler:
         blocks it already holds (found by the transfer's block hashes) are shared.
         """
         releases = self._promote_compiled() if self.compiling else []
+        if self.reading:
+            self._poll_reads(releases)
         while self.pending and self._has_room():
             t = self.pending[0]
             try:
-                seq = self._import(t)
-            except KVTransferError as e:  # e.g. a remote prefill host died mid-transfer
-                logger.error("rid %d: KV of prefill %d unreadable (%s); the request fails",
-                             t.rid, t.prefill_worker, e)  # fmt: skip
+                started = self._import(t)
+            except KVTransferError as e:  # refused before anything moved
                 self.pending.popleft()
-                self._failed.append(t)
-                releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=False)))
+                self._lose(t, e, releases)
                 continue
-            if seq is None:
+            if started is None:
                 break
             self.pending.popleft()
-            self.running[t.rid] = _Running(seq, t.detok_shard)
-            releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=True)))
+            if isinstance(started, _Reading):
+                self.reading[t.rid] = started
+            else:
+                self.running[t.rid] = _Running(started, t.detok_shard)
+                releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=True)))
         return releases
 
-    def _import(self, t: KVTransfer) -> Sequence | None:
-        """``t``'s KV in this pool (held prefix blocks + copies of the rest), or None and
-        nothing held if the blocks for it cannot be had now."""
+    def _poll_reads(self, releases: list[tuple[int, KVRelease]]) -> None:
+        """Move the reads that have landed to ``running``; lose the ones that failed."""
+        for rid, r in list(self.reading.items()):
+            try:
+                if not r.read.poll():
+                    continue
+            except KVTransferError as e:
+                del self.reading[rid]
+                self._drop_read(r)
+                self._lose(r.t, e, releases)
+                continue
+            del self.reading[rid]
+            self._imported(r.t, r.seq, r.held)
+            self.running[rid] = _Running(r.seq, r.t.detok_shard)
+            releases.append((r.t.prefill_worker, KVRelease(rid=rid, accepted=True)))
+
+    def _lose(
+        self, t: KVTransfer, e: KVTransferError, releases: list[tuple[int, KVRelease]]
+    ) -> None:
+        """``t``'s KV cannot be had (e.g. its prefill host died or is cut off): a LOST row
+        tells the frontend, which re-prefills the request elsewhere."""
+        logger.error("rid %d: KV of prefill %d unreadable (%s); handed back to be "
+                     "prefilled again", t.rid, t.prefill_worker, e)  # fmt: skip
+        self._lost.append(t)
+        releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=False)))
+
+    def _drop_read(self, r: _Reading) -> None:
+        """Free an abandoned read's blocks, unless the read may still write them."""
+        if r.read.abandon():
+            self.runner.free_blocks(r.seq)
+        else:
+            self.quarantined_blocks += len(r.seq.block_table)
+
+    def _import(self, t: KVTransfer) -> Sequence | _Reading | None:
+        """``t``'s KV in this pool (held prefix blocks + copies of the rest); the read in
+        flight if the copy has not landed yet; None and nothing held if the blocks for it
+        cannot be had now."""
         runner, bs = self.runner, self.runner.block_size
         seq = Sequence(
             rid=t.rid, prompt_ids=list(t.prompt_ids), sampling=t.sampling,
@@ -158,16 +212,22 @@ class DecodeScheduler:
             return None
         first, n_src = held // bs, -(-t.num_tokens // bs)
         try:
-            self.receiver.fetch(t.prefill_worker, t.src_blocks[first:n_src],
-                                seq.block_table[first:n_src])  # fmt: skip
+            read = self.receiver.start_fetch(t.prefill_worker, t.src_blocks[first:n_src],
+                                             seq.block_table[first:n_src])  # fmt: skip
         except KVTransferError:
             runner.free_blocks(seq)
             raise
-        seq.num_computed_tokens = t.num_tokens
-        runner.cache_full_blocks(seq, start=held)
-        if seq.block_hashes:  # this worker's hit rate: handed-off KV it did not copy
-            runner.count_prefix_lookup(t.num_tokens, held)
+        if read is not None:
+            return _Reading(t, seq, held, read)
+        self._imported(t, seq, held)
         return seq
+
+    def _imported(self, t: KVTransfer, seq: Sequence, held: int) -> None:
+        """``t``'s KV has landed in ``seq``'s blocks: they are computed, and cacheable."""
+        seq.num_computed_tokens = t.num_tokens
+        self.runner.cache_full_blocks(seq, start=held)
+        if seq.block_hashes:  # this worker's hit rate: handed-off KV it did not copy
+            self.runner.count_prefix_lookup(t.num_tokens, held)
 
     def adopt(self, seq: Sequence, detok_shard: int) -> None:
         """Run ``seq`` from its next step on, its KV already in this runner's blocks.
@@ -183,7 +243,7 @@ class DecodeScheduler:
     def _has_room(self) -> bool:
         # Keep one free block per running request so the batch can grow a step.
         return (
-            len(self.running) < self.max_num_seqs
+            len(self.running) + len(self.reading) < self.max_num_seqs
             and not self.preempted
             and self.runner.num_free_kv_blocks > len(self.running)
         )
@@ -197,7 +257,10 @@ class DecodeScheduler:
         for t in self._failed:  # an error row: no token, the request ends
             batcher.add(t.detok_shard, t.rid, len(t.output_ids), -1, 0, float("nan"),
                         Finish.ERROR)  # fmt: skip
-        self._failed = []
+        for t in self._lost:  # no token either: the frontend resumes the request
+            batcher.add(t.detok_shard, t.rid, len(t.output_ids), -1, 0, float("nan"),
+                        Finish.LOST)  # fmt: skip
+        self._failed, self._lost = [], []
         self._resume_preempted()
         batch = self._reserve_blocks()
         sample = None
@@ -264,4 +327,4 @@ class DecodeScheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.pending) + len(self.preempted) + len(self.compiling)
+        return len(self.pending) + len(self.preempted) + len(self.compiling) + len(self.reading)

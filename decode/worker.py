@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 # While only handoffs waiting for their grammar to compile are here: poll, do not spin
 # (the compile thread needs the core) and do not sleep on the doorbell (nothing rings it).
 _GRAMMAR_POLL_S = 0.002
+# While only KV reads are in flight: each admit() polls them (and progresses the NIXL
+# agent); a READ of a few MB over TCP lands in about a millisecond or two.
+_READ_POLL_S = 0.0002
 _MAPPED = (CudaIpcReceiver, NixlReceiver)  # receivers that map pools from their handles
 
 
@@ -93,9 +96,12 @@ class DecodeWorker(Worker):
         self._release(self.sched.admit())
         for shard, batch in self.sched.step().tokens.items():
             send(self.tok_out[shard], batch)
-        if self.sched.compiling and not self.sched.running:
-            time.sleep(_GRAMMAR_POLL_S)
-        return bool(self.sched.running or self.sched.compiling)
+        if not self.sched.running:
+            if self.sched.reading:  # nothing to step: poll the reads in flight, gently
+                time.sleep(_READ_POLL_S)
+            elif self.sched.compiling:
+                time.sleep(_GRAMMAR_POLL_S)
+        return bool(self.sched.running or self.sched.compiling or self.sched.reading)
 
     def take_inputs(self) -> None:
         for ring in self.ctl_in:
@@ -154,6 +160,7 @@ class DecodeWorker(Worker):
         self.imports.lost(i)
         self.receiver.drop(i)
         stale = [t.rid for t in self.sched.pending if t.prefill_worker == i]
+        stale += [rid for rid, r in self.sched.reading.items() if r.t.prefill_worker == i]
         for rid in stale:  # no release: the process that pinned the blocks is gone
             self.sched.abort(rid)
         if stale:

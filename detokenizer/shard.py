@@ -257,6 +257,11 @@ class DetokShard:
 
     def _consume(self, req: _Request, tok: _Token) -> None:
         """Apply the token at ``req.next_pos``."""
+        if tok.finish == Finish.LOST:  # no token: the frontend resumes it elsewhere
+            # Nothing held back is flushed: the shard that takes the request over replays
+            # its tokens and holds back the same text.
+            self._finish(req, Finish.LOST, None)
+            return
         if tok.finish == Finish.ERROR:  # the engine failed the request: the row has no token
             req.text += self._answer(req, req.detok.flush(), final=True, token=False)
             self._dirty[req.rid] = req

@@ -139,8 +139,33 @@ class KVExporter(abc.ABC):
         return b""
 
 
+class PendingFetch(abc.ABC):
+    """A copy ``KVReceiver.start_fetch`` began and has not finished: polled, never waited on,
+    so a decode worker keeps stepping its running requests while KV crosses a network."""
+
+    @abc.abstractmethod
+    def poll(self) -> bool:
+        """True once every destination block holds its source's bytes. Raises
+        ``KVTransferError`` if the copy failed or passed its deadline; it is then over, and
+        ``abandon`` says whether its destination blocks may be reused."""
+
+    @abc.abstractmethod
+    def abandon(self) -> bool:
+        """Stop waiting (the request was aborted, or ``poll`` raised). True if nothing can
+        write the destination blocks any more: only then may they be freed."""
+
+
 class KVReceiver(abc.ABC):
     """Decode side: copies blocks from a prefill worker's pool into the local pool."""
+
+    def start_fetch(
+        self, src_worker: int, src_blocks: Sequence[int], dst_blocks: Sequence[int]
+    ) -> PendingFetch | None:
+        """Begin ``fetch``; None when the copy is already complete. In-host backends copy at
+        once (a memory copy costs less than a step); a network backend returns the read
+        in flight. Refusals raise ``KVTransferError`` as ``fetch`` does."""
+        self.fetch(src_worker, src_blocks, dst_blocks)
+        return None
 
     @abc.abstractmethod
     def fetch(self, src_worker: int, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:

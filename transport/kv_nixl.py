@@ -15,8 +15,10 @@ Same shape as the in-host backends (``transport/kv.py`` says who calls what, whe
       in anything but the block count (``KVLayoutMismatch`` names the fields), adds the
       remote agent and prepares one descriptor per remote block.
   decode j, on a KVTransfer
-      ``fetch(i, src_blocks, dst_blocks, notify=...)``: one READ whose descriptors are the
-      block pairs (NIXL merges adjacent ones), waited for with a deadline. A partial
+      ``start_fetch(i, src_blocks, dst_blocks, notify=...)``: one READ whose descriptors
+      are the block pairs (NIXL merges adjacent ones), posted and returned in flight; the
+      decode scheduler polls it between steps until it lands or fails (a deadline bounds
+      it), so decode never stops for a network copy. ``fetch`` waits for it. A partial
       handoff (a prefix-cache hit) passes only the blocks it lacks and moves only those.
       ``notify`` (the encoded ``KVRelease``) is delivered to the prefill agent once the
       bytes have landed, so the release needs no other channel.
@@ -49,7 +51,7 @@ import numpy as np
 import torch
 
 from transport.errors import ClusterUnavailable, KVTransferError
-from transport.kv import KVExporter, KVLayout, KVReceiver, check_ids
+from transport.kv import KVExporter, KVLayout, KVReceiver, PendingFetch, check_ids
 from wire.records import KVRelease, RecordError, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -341,13 +343,15 @@ class NixlReceiver(KVReceiver):
         if all(s.agent != src.agent for s in self.sources.values()):
             self.agent.remove_remote_agent(src.agent)
 
-    def fetch(
+    def start_fetch(
         self,
         src_worker: int,
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
         notify: bytes = b"",
-    ) -> None:
+    ) -> PendingFetch | None:
+        """Post the READ of ``src_blocks`` into ``dst_blocks``; the read in flight, or None
+        if it is already complete (nothing to move, or done at once)."""
         src = self.sources.get(src_worker)
         if src is None:
             raise KVTransferError(f"no nixl pool open for prefill worker {src_worker}")
@@ -362,20 +366,36 @@ class NixlReceiver(KVReceiver):
                 if notify:
                     self.agent.send_notif(src.agent, notify)
                     self._flush_notif()
-                return
+                return None
             xfer = self.agent.make_prepped_xfer(
                 "READ", self._local, list(dst_blocks), src.descs, list(src_blocks), notify
             )
-            try:
-                self._wait(xfer, src_worker)
-            finally:
-                self.agent.release_xfer_handle(xfer)
+            read = _NixlRead(self, xfer, src_worker, len(src_blocks))
         except self._errors as e:  # the peer went away (host down, partition) or refused
             raise KVTransferError(
                 f"nixl READ from prefill {src_worker} failed: {type(e).__name__}: {e}"
             ) from e
-        self.bytes_read += len(src_blocks) * self.layout.block_nbytes
-        self.reads += 1
+        return None if read.poll() else read
+
+    def fetch(
+        self,
+        src_worker: int,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        notify: bytes = b"",
+    ) -> None:
+        read = self.start_fetch(src_worker, src_blocks, dst_blocks, notify)
+        if read is None:
+            return
+        polls = 0
+        try:
+            while not read.poll():
+                polls += 1
+                if polls > _SPIN_POLLS:
+                    time.sleep(_POLL_SLEEP_S)
+        except KVTransferError:
+            read.abandon()
+            raise
 
     def _flush_notif(self) -> None:
         """A notification with no READ has no completion to wait on: progress this agent
@@ -385,21 +405,6 @@ class NixlReceiver(KVReceiver):
             self.agent.get_new_notifs()
             time.sleep(_POLL_SLEEP_S)
 
-    def _wait(self, xfer: Any, src_worker: int) -> None:
-        state = self.agent.transfer(xfer)
-        polls, deadline = 0, time.monotonic() + self.timeout_s
-        while state == "PROC":
-            polls += 1
-            if polls > _SPIN_POLLS:
-                if time.monotonic() > deadline:
-                    raise KVTransferError(
-                        f"nixl READ from prefill {src_worker} did not finish in {self.timeout_s} s"
-                    )
-                time.sleep(_POLL_SLEEP_S)
-            state = self.agent.check_xfer_state(xfer)
-        if state != "DONE":
-            raise KVTransferError(f"nixl READ from prefill {src_worker} failed ({state})")
-
     def close(self) -> None:
         for worker in list(self.sources):
             self.drop(worker)
@@ -407,6 +412,56 @@ class NixlReceiver(KVReceiver):
             self.agent.release_dlist_handle(self._local)
             self.agent.deregister_memory(self._reg)
             self._reg = None
+
+
+class _NixlRead(PendingFetch):
+    """One posted READ. Each ``poll`` also progresses the receiver's agent (no progress
+    thread runs on this side), so a caller that polls between decode steps moves it on."""
+
+    def __init__(self, rx: NixlReceiver, xfer: Any, src_worker: int, blocks: int) -> None:
+        self.rx, self.xfer, self.src_worker, self.blocks = rx, xfer, src_worker, blocks
+        self.deadline = time.monotonic() + rx.timeout_s
+        try:
+            self.state = rx.agent.transfer(xfer)
+        except BaseException:
+            rx.agent.release_xfer_handle(xfer)
+            raise
+
+    def poll(self) -> bool:
+        if self.xfer is None:
+            return True
+        rx = self.rx
+        try:
+            if self.state == "PROC":
+                self.state = rx.agent.check_xfer_state(self.xfer)
+        except rx._errors as e:
+            raise KVTransferError(f"nixl READ from prefill {self.src_worker} failed: "
+                                  f"{type(e).__name__}: {e}") from e  # fmt: skip
+        if self.state == "DONE":
+            rx.agent.release_xfer_handle(self.xfer)
+            self.xfer = None
+            rx.bytes_read += self.blocks * rx.layout.block_nbytes
+            rx.reads += 1
+            return True
+        if self.state != "PROC":
+            raise KVTransferError(f"nixl READ from prefill {self.src_worker} failed ({self.state})")
+        if time.monotonic() > self.deadline:
+            raise KVTransferError(
+                f"nixl READ from prefill {self.src_worker} did not finish in {rx.timeout_s} s"
+            )
+        return False
+
+    def abandon(self) -> bool:
+        if self.xfer is None:
+            return True
+        try:  # NIXL cancels a READ still in flight when its handle is released
+            self.rx.agent.release_xfer_handle(self.xfer)
+        except self.rx._errors as e:
+            logger.error("nixl READ from prefill %d could not be cancelled (%s): its "
+                         "destination blocks stay out of use", self.src_worker, e)  # fmt: skip
+            return False
+        self.xfer = None
+        return True
 
 
 def release_notification(rid: int) -> bytes:

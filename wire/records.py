@@ -44,6 +44,10 @@ class Finish(enum.IntEnum):
     LENGTH = 2  # max_tokens or max_model_len
     ABORT = 3  # the client went away, or the frontend cancelled it
     ERROR = 4  # an unrecoverable failure; the record carries a message
+    # The engine lost what it held of the request (its KV could not be read from the
+    # prefill host): the frontend resumes it elsewhere, as after a worker's death. Never
+    # reaches a client.
+    LOST = 5
 
 
 class _Msg(msgspec.Struct, array_like=True, tag_field="k", frozen=True):

@@ -19,7 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
+
+import msgspec
 
 from detokenizer.routing import live_shard_for
 from frontend.engine_link.board import FrontendBoard
@@ -132,9 +135,23 @@ class RingEngineClient(EngineClient):
                     continue
                 for delta in msg.items:
                     stream = self.streams.get(delta.rid)
-                    if stream is not None:  # else: a finished or superseded rid
-                        stream.token_ids += delta.token_ids
+                    if stream is None:  # a finished or superseded rid
+                        continue
+                    stream.token_ids += delta.token_ids
+                    if delta.finish == Finish.LOST:
+                        self._lost(stream, delta)
+                    else:
                         stream.queue.put_nowait(delta)
+
+    def _lost(self, stream: Stream, delta: TextDelta) -> None:
+        """The engine lost ``stream`` (its KV could not be read): what came with the notice
+        goes to the client, and recovery resumes the rest on its next pass."""
+        if delta.text or delta.token_ids or delta.reasoning:
+            stream.queue.put_nowait(msgspec.structs.replace(delta, finish=int(Finish.NONE)))
+        if stream.lost_since is None:
+            logger.warning("rid %d: the engine lost it after %d tokens; resuming it",
+                           stream.rid, len(stream.token_ids))  # fmt: skip
+            stream.lost_since = time.monotonic()
 
     # ---- requests ----------------------------------------------------------------------
 

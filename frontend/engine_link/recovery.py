@@ -5,7 +5,9 @@ lost when a process it depends on is gone: its decode worker, its detokenizer sh
 (before decode produced anything) its prefill worker is DEAD or FAILED in the table,
 restarted since the request was placed, or stalled — READY but with no heartbeat for
 ``stall_timeout_s`` (a stopped or wedged process; a live worker publishes every step and
-at least every 0.4 s while idle). A lost request is resumed: the old rid is aborted
+at least every 0.4 s while idle). A decode worker that could not read a request's KV
+(its prefill host died or is cut off) says so itself, with a ``Finish.LOST`` row: the
+request is lost from then on, whoever noticed first. A lost request is resumed: the old rid is aborted
 everywhere, the request gets a fresh rid, a fresh placement and a live shard, and prefill
 recomputes prompt + the tokens already streamed. The client's stream continues with no
 lost and no duplicated text; a stalled worker that wakes up finds its rids aborted.

@@ -218,6 +218,27 @@ def test_engine_error_row_ends_the_request_without_a_token(qwen_tokenizer) -> No
     assert delta.error
 
 
+def test_a_lost_row_ends_the_request_holding_back_what_a_stop_string_might_still_take(
+    qwen_tokenizer,  # type: ignore[no-untyped-def]
+) -> None:
+    """The frontend resumes a LOST request on another shard, which replays its tokens and
+    holds back the same text: this shard must not flush it."""
+    from detokenizer.shard import DetokShard
+    from wire.params import DetokParams
+    from wire.records import DetokRegister, Finish, TokenBatch
+
+    ids = qwen_tokenizer.encode("Hello world")
+    shard = DetokShard(qwen_tokenizer)
+    shard.register(DetokRegister(rid=5, params=DetokParams(stop=(" world!",)), prompt_len=3))
+    shard.on_tokens(TokenBatch.build([5] * len(ids), list(range(len(ids))), ids), None)
+    shard.on_tokens(TokenBatch.build([5], [len(ids)], [-1], finish=[int(Finish.LOST)]), None)
+    text, _ = shard.take_outputs()
+    assert text is not None
+    (delta,) = text.items
+    assert delta.finish == Finish.LOST and delta.error is None
+    assert delta.token_ids == ids and delta.text == "Hello"  # " world" may start the stop
+
+
 def test_ids_past_the_vocabulary_are_reported_as_sampled(qwen_tokenizer) -> None:  # type: ignore[no-untyped-def]
     """Padded embedding rows (151646..151935) can be sampled: ids stay exact, text is empty."""
     from detokenizer.shard import DetokShard

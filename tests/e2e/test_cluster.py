@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,11 +82,15 @@ class Cluster:
         return json.loads(out)  # type: ignore[no-any-return]
 
 
-def _start(pair: NetnsPair, model: Path, members: int, extra: list[str]) -> Cluster:
-    head = Node(pair, "a", ["--prefill", "1", "--decode", "0", "--remote-decode", str(members),
-                            "--advertise", f"{pair.addr('a')}:{CLUSTER_PORT}",
-                            "--cluster-key", KEY, "--node-name", "a", "--port", str(PORT),
-                            *extra], model)  # fmt: skip
+def _start(
+    pair: NetnsPair, model: Path, members: int, extra: list[str], head: Sequence[str] = ()
+) -> Cluster:
+    """A head in ``a`` (one prefill worker unless ``head`` says otherwise) and ``members``
+    decode nodes of one worker each in ``b``; ``extra`` flags go to every node."""
+    head_node = Node(pair, "a", ["--prefill", "1", "--decode", "0", "--remote-decode",
+                                 str(members), "--advertise", f"{pair.addr('a')}:{CLUSTER_PORT}",
+                                 "--cluster-key", KEY, "--node-name", "a", "--port", str(PORT),
+                                 *extra, *head], model)  # fmt: skip
     join = ["--prefill", "0", "--decode", "1", "--join", f"{pair.addr('a')}:{CLUSTER_PORT}",
             "--cluster-key", KEY]  # fmt: skip
     nodes = [
@@ -94,8 +98,8 @@ def _start(pair: NetnsPair, model: Path, members: int, extra: list[str]) -> Clus
     ]
     for node in nodes:
         node.wait_for("pdserve node")
-    head.wait_for("pdserve is serving")
-    return Cluster(pair, model, head, nodes)
+    head_node.wait_for("pdserve is serving")
+    return Cluster(pair, model, head_node, nodes)
 
 
 @pytest.fixture(scope="module")

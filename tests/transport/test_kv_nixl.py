@@ -231,3 +231,46 @@ def test_a_read_from_a_dead_prefill_process_fails_cleanly() -> None:
         receiver.close()
         if proc.is_alive():
             proc.kill()
+
+
+def test_a_read_in_flight_is_polled_and_one_from_a_stopped_source_ends_at_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """UCX over TCP, as between hosts: the source's own progress serves a READ, so a read
+    from a stopped prefill process stays in flight until the receiver's deadline; the
+    caller polls it between steps of its own and is never blocked."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read at agent creation, here and in the child
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_pool, args=(child,), daemon=True)
+    proc.start()
+    receiver = kv_nixl.NixlReceiver(_pool(LAYOUT, 0.0), LAYOUT, "decode-inflight", timeout_s=2)
+    try:
+        assert parent.poll(60)
+        receiver.open(0, parent.recv_bytes())
+        src = torch.frombuffer(bytearray(parent.recv_bytes()), dtype=torch.uint8)
+        read = receiver.start_fetch(0, [1, 2, 3], [7, 8, 9])
+        deadline = time.monotonic() + 10
+        while read is not None and not read.poll():  # bounded by the read's own deadline
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        blocks = src.view(LAYOUT.num_blocks, -1)
+        for s, d in ((1, 7), (2, 8), (3, 9)):
+            assert torch.equal(receiver.pool[d].view(torch.uint8).flatten(), blocks[s])
+        assert receiver.reads == 1
+
+        os.kill(proc.pid or 0, signal.SIGSTOP)
+        read = receiver.start_fetch(0, [5], [5])
+        assert read is not None, "a stopped source cannot have served the READ"
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferError, match="did not finish in 2"):
+            while not read.poll():
+                assert time.monotonic() - t0 < 10
+                time.sleep(0.01)
+        assert read.abandon(), "a READ past its deadline is cancelled: its blocks are free"
+        assert receiver.reads == 1 and bool((receiver.pool[5] == 0).all())
+    finally:
+        receiver.close()
+        os.kill(proc.pid or 0, signal.SIGCONT)
+        proc.kill()
+        proc.join(10)

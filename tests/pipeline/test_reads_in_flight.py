@@ -1,0 +1,161 @@
+"""KV reads in flight: a decode scheduler whose receiver copies over a network posts the
+read and polls it from ``admit``, stepping its running requests meanwhile.
+
+A receiver over the shm backend stands for the network: each read it starts lands (the
+copy is made) only when the test says, or fails, or cannot be cancelled. Outputs must
+equal those of the same requests with reads that land at once; a failed read ends its
+request with a ``LOST`` row (the frontend resumes it) and gives its blocks back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from decode.scheduler import DecodeScheduler
+from engine.config import EngineConfig
+from engine.runner import ModelRunner
+from prefill.scheduler import PrefillScheduler
+from tests.pipeline.drive import pair, run
+from transport.errors import KVTransferError
+from transport.kv import PendingFetch
+from transport.kv_backends import ShmReceiver
+from wire.params import SamplingParams
+from wire.records import Finish, GenerateRequest, KVRelease, TokenBatch
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+class HeldRead(PendingFetch):
+    """A read that lands when ``land`` is set, fails when ``fail`` is, and can be
+    cancelled unless ``stuck``."""
+
+    def __init__(self, rx: HeldReceiver, args: tuple[int, list[int], list[int]]) -> None:
+        self.rx, self.args = rx, args
+        self.land = self.fail = self.stuck = False
+
+    def poll(self) -> bool:
+        if self.fail:
+            raise KVTransferError("nixl READ from prefill 0 failed (ERR)")
+        if self.land:
+            ShmReceiver.fetch(self.rx, *self.args)
+        return self.land
+
+    def abandon(self) -> bool:
+        return not self.stuck
+
+
+class HeldReceiver(ShmReceiver):
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.reads: dict[int, HeldRead] = {}  # by the first destination block
+
+    def start_fetch(
+        self, src_worker: int, src_blocks: Sequence[int], dst_blocks: Sequence[int]
+    ) -> PendingFetch | None:
+        read = HeldRead(self, (src_worker, list(src_blocks), list(dst_blocks)))
+        self.reads[len(self.reads)] = read
+        return read
+
+
+def _held_pair(model: Path) -> tuple[PrefillScheduler, DecodeScheduler, HeldReceiver]:
+    p_runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=128))
+    d_runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=128))
+    receiver = HeldReceiver({0: p_runner.kv_pool}, d_runner.kv_pool)
+    prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=512)
+    return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=8), receiver
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 150_000, (n,), generator=g).tolist() for n in (37, 21)]
+
+
+def _prefill(prefill: PrefillScheduler, decode: DecodeScheduler, prompts: list[list[int]],
+             out: dict[int, list[int]]) -> None:  # fmt: skip
+    for rid, p in enumerate(prompts):
+        prefill.add(GenerateRequest(rid=rid, prompt_ids=p, sampling=PARAMS, decode_worker=0,
+                                    detok_shard=0))  # fmt: skip
+    step = prefill.step()
+    for b in step.tokens.values():
+        for rid, tok in zip(b.rids.tolist(), b.token_ids.tolist(), strict=True):
+            out.setdefault(rid, []).append(tok)
+    for _, transfer in step.transfers:
+        assert decode.offer(transfer) == []
+
+
+def _rows(batches: dict[int, TokenBatch]) -> list[tuple[int, int, int]]:
+    """(rid, token, finish) of every row."""
+    return [(rid, tok, fin) for b in batches.values()
+            for rid, tok, fin in zip(b.rids.tolist(), b.token_ids.tolist(),
+                                     b.finish.tolist(), strict=True)]  # fmt: skip
+
+
+def test_running_requests_step_while_a_read_is_in_flight_and_outputs_are_unchanged(
+    default_model_path: Path,
+) -> None:
+    prompts = _prompts()
+    ref_p, ref_d = pair(default_model_path)
+    for rid, p in enumerate(prompts):
+        ref_p.add(GenerateRequest(rid=rid, prompt_ids=p, sampling=PARAMS, decode_worker=0,
+                                  detok_shard=0))  # fmt: skip
+    want = {rid: toks for rid, (toks, _) in run(ref_p, ref_d).items()}
+
+    prefill, decode, rx = _held_pair(default_model_path)
+    out: dict[int, list[int]] = {}
+    _prefill(prefill, decode, prompts, out)
+    assert decode.admit() == [] and set(decode.reading) == {0, 1}
+    rx.reads[0].land = True  # request 0's KV lands; request 1's is still on its way
+    assert decode.admit() == [(0, KVRelease(rid=0, accepted=True))]
+    prefill.release(0)
+    for _ in range(3):
+        for rid, tok, _ in _rows(decode.step().tokens):
+            out[rid].append(tok)
+        assert decode.admit() == []
+    assert set(decode.running) == {0} and set(decode.reading) == {1}
+    assert decode.num_waiting == 1
+    rx.reads[1].land = True
+    assert decode.admit() == [(0, KVRelease(rid=1, accepted=True))]
+    prefill.release(1)
+    while decode.running:
+        for rid, tok, _ in _rows(decode.step().tokens):
+            out[rid].append(tok)
+    assert out == want
+    assert prefill.runner.allocator.num_pinned == 0
+    decode.runner.allocator.check_invariants()
+
+
+def test_a_failed_read_ends_its_request_lost_and_gives_its_blocks_back(
+    default_model_path: Path,
+) -> None:
+    prefill, decode, rx = _held_pair(default_model_path)
+    free = decode.runner.num_free_kv_blocks
+    _prefill(prefill, decode, _prompts()[:1], {})
+    decode.admit()
+    assert decode.runner.num_free_kv_blocks < free
+    rx.reads[0].fail = True
+    assert decode.admit() == [(0, KVRelease(rid=0, accepted=False))]
+    assert not decode.reading and not decode.running
+    assert decode.runner.num_free_kv_blocks == free
+    # No token: the detokenizer passes the LOST row on and the frontend resumes it.
+    assert _rows(decode.step().tokens) == [(0, -1, int(Finish.LOST))]
+    assert _rows(decode.step().tokens) == []
+
+
+def test_an_aborted_read_frees_its_blocks_only_once_nothing_can_write_them(
+    default_model_path: Path,
+) -> None:
+    prefill, decode, rx = _held_pair(default_model_path)
+    free = decode.runner.num_free_kv_blocks
+    _prefill(prefill, decode, _prompts(), {})
+    decode.admit()
+    rx.reads[1].stuck = True  # its READ cannot be cancelled: it may still land
+    held_by_1 = len(decode.reading[1].seq.block_table)
+    assert decode.abort(0) == [(0, KVRelease(rid=0, accepted=False))]
+    assert decode.abort(1) == [(0, KVRelease(rid=1, accepted=False))]
+    assert not decode.reading
+    assert decode.runner.num_free_kv_blocks == free - held_by_1
+    assert decode.quarantined_blocks == held_by_1
+    assert _rows(decode.step().tokens) == []  # aborted, not lost: nothing to report
