@@ -102,7 +102,7 @@ def _engine_spec(
     name = backend.value if isinstance(backend, KVBackend) else backend
     kv_transfer = None if name is None else cast(KVTransferName, name)
     remote = cluster.remote_decode(config) if place.role is Role.PREFILL else []
-    node = cluster.node_name(config) if config.clustered else ""
+    node = cluster.node_name(config)  # one host too: /health names the node of each worker
     return EngineWorkerSpec(config.log_level.value, engine, kv_transfer, node, remote)
 
 
