@@ -152,6 +152,7 @@ def _children(
         max_waiting_requests=config.max_waiting_requests,
         max_queued_prefill_tokens=config.max_queued_prefill_tokens,
         stall_timeout_s=config.stall_timeout, api_workers=config.api_workers,
+        node=cluster.node_name(config), remote_decode=tuple(cluster.remote_decode(config)),
     ).to_json()  # fmt: skip
     frontends = [Child(topo.spec(Role.FRONTEND, n, frontend), dict(cpu_only))
                  for n in range(config.api_workers)]  # fmt: skip
