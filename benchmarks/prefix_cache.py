@@ -58,7 +58,7 @@ DATASETS = {
                   "--prefix-len", "1024", "--random-input-len", "128",
                   "--random-output-len", "64", "--request-rate", "4"]),
 }  # fmt: skip
-_SAMPLE = re.compile(r'^(pdserve_\w+)\{index="(\d+)",role="(\w+)"\} (\S+)$')
+_SAMPLE = re.compile(r'^(pdserve_\w+)\{index="(\d+)",node="[^"]*",role="(\w+)"\} (\S+)$')
 
 
 def scrape(url: str) -> dict[tuple[str, str, int], float]:

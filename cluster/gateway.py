@@ -44,6 +44,7 @@ from transport.kv_nixl import check_compatible
 from transport.load_table import (
     LoadTable,
     WorkerState,
+    encode_node,
     row_fields,
     row_from_fields,
 )
@@ -99,9 +100,16 @@ class _Rings:
 
 def join_refusal(join: Join, cfg: GatewaySpec, layout: KVLayout,
                  members: dict[str, Member]) -> str:  # fmt: skip
-    """Why the head refuses ``join`` ("" to admit it): another model, a KV layout whose
-    blocks differ, a count that changed since the node last joined, or no room left in
-    the ``--remote-decode`` reserve."""
+    """Why the head refuses ``join`` ("" to admit it): a node name the load table cannot
+    hold or that is the head's own (``/health`` names each worker's node by it), another
+    model, a KV layout whose blocks differ, a count that changed since the node last
+    joined, or no room left in the ``--remote-decode`` reserve."""
+    try:
+        encode_node(join.node)
+    except ValueError as e:
+        return str(e)
+    if join.node == cfg.node:
+        return f"its node name {join.node!r} is the head's own: give it another --node-name"
     if join.model != cfg.model:
         return f"it serves {join.model!r}, this cluster {cfg.model!r}"
     try:
@@ -246,7 +254,9 @@ class Gateway:
                 logger.warning("node %s sent a row for %s-%d, not one of its workers",
                                member.node, row.role, row.index)  # fmt: skip
                 continue
-            self.table.writer(self.cfg.num_prefill + row.index).mirror(row, now - max(0, age))
+            # Named after the member that joined, whatever its row says.
+            writer = self.table.writer(self.cfg.num_prefill + row.index)
+            writer.mirror(row, now - max(0, age), member.node)
         return member
 
     def _check_silence(self) -> None:

@@ -84,8 +84,14 @@ class FrontendLaunch:
     max_waiting_requests: int | None
     max_queued_prefill_tokens: int | None
     stall_timeout_s: float
+    # This host's node name (``--node-name`` or the host name): /health and /metrics name
+    # it for the shards, the frontends, and engine workers whose rows name no node.
+    node: str
     log_level: str = "INFO"
     api_workers: int = 1  # frontend processes sharing the port (this is one of them)
+    # A head node's ``--remote-decode`` reserve: decode indices other nodes bring. Until a
+    # node brings one, /health cannot say where it runs (its node reads "").
+    remote_decode: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

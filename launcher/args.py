@@ -12,6 +12,7 @@ from detokenizer.reasoning import PARSERS as REASONING_PARSERS
 from engine.weights.plan import QUANTIZATIONS
 from frontend.openai.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from frontend.settings import ConnectionLimits
+from transport.load_table import NODE_NBYTES
 from wire.rids import MAX_FRONTENDS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
@@ -416,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--node-name",
         default=d.node_name,
-        help="this host's name in a cluster (default: its host name)",
+        help="this host's name in /health, /metrics and a cluster (default: its host "
+        f"name); printable, at most {NODE_NBYTES} bytes of UTF-8",
     )
     add(
         "--advertise",
@@ -548,7 +550,21 @@ def split_host_port(text: str, flag: str, default_port: int | None = None) -> tu
     return host.strip("[]"), int(port)
 
 
+def check_node_name(name: str, what: str) -> None:
+    """A node's name must fit its load-table rows (``NODE_NBYTES`` of UTF-8) and read
+    plainly in /health, /metrics and logs: printable, not empty. ``what`` names its source."""
+    if not name:
+        raise ConfigError(f"{what} is empty: give this node a name")
+    if not name.isprintable():
+        raise ConfigError(f"{what} {name!r} holds characters that are not printable")
+    size = len(name.encode())
+    if size > NODE_NBYTES:
+        raise ConfigError(f"{what} {name!r} is {size} bytes of UTF-8; at most {NODE_NBYTES}")
+
+
 def _validate_cluster(c: ServerConfig) -> None:
+    if c.node_name is not None:  # it names the node on one host too
+        check_node_name(c.node_name, "--node-name")
     if c.remote_decode < 0:
         raise ConfigError("--remote-decode must be >= 0")
     if c.remote_decode and c.advertise is None:

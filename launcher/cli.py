@@ -102,7 +102,7 @@ def _engine_spec(
     name = backend.value if isinstance(backend, KVBackend) else backend
     kv_transfer = None if name is None else cast(KVTransferName, name)
     remote = cluster.remote_decode(config) if place.role is Role.PREFILL else []
-    node = cluster.node_name(config) if config.clustered else ""
+    node = cluster.node_name(config)  # one host too: /health names the node of each worker
     return EngineWorkerSpec(config.log_level.value, engine, kv_transfer, node, remote)
 
 
@@ -152,6 +152,7 @@ def _children(
         max_waiting_requests=config.max_waiting_requests,
         max_queued_prefill_tokens=config.max_queued_prefill_tokens,
         stall_timeout_s=config.stall_timeout, api_workers=config.api_workers,
+        node=cluster.node_name(config), remote_decode=tuple(cluster.remote_decode(config)),
     ).to_json()  # fmt: skip
     frontends = [Child(topo.spec(Role.FRONTEND, n, frontend), dict(cpu_only))
                  for n in range(config.api_workers)]  # fmt: skip

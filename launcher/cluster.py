@@ -16,7 +16,13 @@ import logging
 import socket
 
 from cluster.gateway import GatewaySpec
-from launcher.args import DEFAULT_CLUSTER_PORT, ConfigError, ServerConfig, split_host_port
+from launcher.args import (
+    DEFAULT_CLUSTER_PORT,
+    ConfigError,
+    ServerConfig,
+    check_node_name,
+    split_host_port,
+)
 from launcher.supervisor import Child
 from launcher.topology import Topology
 from runtime.spec_decode import encode_spec
@@ -32,7 +38,16 @@ BEAT_S = 0.2
 
 
 def node_name(config: ServerConfig) -> str:
-    return config.node_name or socket.gethostname()
+    """``--node-name`` (checked by ``parse_args``), or the host name, checked here: a host
+    name that cannot name a node in the load table asks for ``--node-name``."""
+    if config.node_name is not None:
+        return config.node_name
+    host = socket.gethostname()
+    try:
+        check_node_name(host, "the host name")
+    except ConfigError as e:
+        raise ConfigError(f"{e}; give --node-name") from e
+    return host
 
 
 def require_extra() -> None:

@@ -74,7 +74,9 @@ class Worker(abc.ABC):
         self.rings = attach_rings(self.spec)
         self.table, self._load_seg = load_table(self.spec)
         self.row = self.table.writer(self.spec.load_table["slot"])
-        self.row.claim(self.role, self.index, block_size=self.config.block_size)
+        # The node's name travels in the row: /health and /metrics say where a worker runs.
+        self.row.claim(self.role, self.index, block_size=self.config.block_size,
+                       node=self.settings.node)  # fmt: skip
         # CPU workers lease cores per step (transport/core_lease.py); on a GPU the host
         # threads only feed the device.
         self.cores: CoreLease | None = None

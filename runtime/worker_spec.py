@@ -27,8 +27,10 @@ class EngineWorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # How KV moves between prefill and decode workers; None for a co-located worker. A
     # decode worker on a node that joined a cluster reads over ``nixl``.
     kv_transfer: KVTransferName | None
-    # Several hosts (docs/multi_host.md): this node's name (NIXL agents are named for it),
-    # and, for a prefill worker, the decode workers on other hosts: it registers its pool
-    # with NIXL and sends them the handle, while local decode workers keep ``kv_transfer``.
+    # This node's name (``--node-name`` or the host name), claimed with the worker's
+    # load-table row, so /health and /metrics name it; NIXL agents are named for it too.
+    # Several hosts (docs/multi_host.md): for a prefill worker, the decode workers on other
+    # hosts: it registers its pool with NIXL and sends them the handle, while local decode
+    # workers keep ``kv_transfer``.
     node: str = ""
     remote_decode: list[int] = []

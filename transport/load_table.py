@@ -3,8 +3,8 @@
 Who does what:
     launcher   creates the segment and constructs ``LoadTable(buf, n)`` first (that
                writes the header); may mark a slot DEAD after it has reaped the worker.
-    worker     ``w = table.writer(slot)``; ``w.claim(role, index)`` once at start (bumps the
-               slot's generation); then ``w.publish(...)`` every engine step and at least
+    worker     ``w = table.writer(slot)``; ``w.claim(role, index, node=...)`` once at start
+               (bumps the slot's generation); then ``w.publish(...)`` every engine step and at least
                every ~250 ms while idle, and ``w.set_state(...)`` on transitions.
     frontend   ``table.snapshot()`` before each placement (router) and for /health.
 
@@ -13,9 +13,10 @@ the read deadline (its writer preempted, or killed mid-write and not yet reaped)
 reported from the reader's last consistent copy of it, or as UNKNOWN if it has none; the
 launcher marks a reaped worker DEAD, and that write makes the row readable again.
 
-Layout: a 64-byte header, then ``num_workers`` rows of 128 bytes (two cache lines, so a
+Layout: a 64-byte header, then ``num_workers`` rows of 192 bytes (three cache lines, so a
 worker's stores never share a line with its neighbours'), then the engine workers' core
-lease (``transport/core_lease.py``). Every row is guarded by its own
+lease (``transport/core_lease.py``). A row is the seq word, the integer payload, then the
+name of the node the worker runs on (``NODE_NBYTES`` of UTF-8, NUL-padded). Every row is guarded by its own
 seqlock: the writer makes ``seq`` odd, writes the payload, makes ``seq`` even; a reader
 accepts a copy only if ``seq`` was even and unchanged around it, so it never sees a torn row.
 
@@ -108,6 +109,10 @@ class LoadRow:
     # Prompt tokens the worker ran through the model, cumulative over the generation:
     # below prompt_tokens_received when prompts share KV (n > 1 choices, cached prefixes).
     computed_prefill_tokens: int = 0
+    # The node (host) the worker runs on: what its worker claimed with, or, for a row
+    # mirrored from another host, the name that host joined the cluster with. "" from a
+    # writer that named none (a row the launcher marked before its worker claimed it).
+    node: str = ""
 
     @property
     def worker(self) -> tuple[Role, int]:
@@ -130,9 +135,10 @@ def describe_exit(status: int) -> str:
 
 
 HEADER_NBYTES = 64
-ROW_NBYTES = 128
+ROW_NBYTES = 192  # a multiple of 64 (whole cache lines) and of 8 (aligned seq words)
+NODE_NBYTES = 64  # a node name's room in a row: UTF-8, NUL-padded (Linux host names fit)
 _MAGIC = 0x7064_6C6F_6164_7462  # "pdloadtb"
-_VERSION = 4
+_VERSION = 5  # 5: rows of 192 bytes with the node name
 _HEADER = struct.Struct("<QII")  # magic, version, num_workers
 # Row payload after the 8-byte seq, packed in one call by the writer. The numpy dtype below
 # names the same bytes for the reader; test_load_table pins that the two agree.
@@ -158,15 +164,20 @@ _PAYLOAD_FIELDS = (
     "prefix_queried_tokens",
     "computed_prefill_tokens",
 )
+# The node name follows the integers; the writer packs both in one call (``_ROW``).
+_NODE_OFFSET = 8 + _PAYLOAD.size
+_ROW = struct.Struct(f"{_PAYLOAD.format}{NODE_NBYTES}s")
 _FORMATS = ["<u8", *["<i8"] * 4, "<u4", *["<i4"] * 7, "u1", "u1", "<i4", "<i4", *["<i8"] * 3]
+_OFFSETS = [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76, 80, 88, 96, 104]
 ROW_DTYPE = np.dtype(
     {
-        "names": ["seq", *_PAYLOAD_FIELDS],
-        "formats": _FORMATS,
-        "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76, 80, 88, 96, 104],
+        "names": ["seq", *_PAYLOAD_FIELDS, "node"],
+        "formats": [*_FORMATS, f"S{NODE_NBYTES}"],
+        "offsets": [*_OFFSETS, _NODE_OFFSET],
         "itemsize": ROW_NBYTES,
     }
 )
+assert _NODE_OFFSET + NODE_NBYTES <= ROW_NBYTES
 _SPIN_READS = 64  # retries before yielding the CPU to a (possibly preempted) writer
 # A row still torn after this is reported from its last consistent copy. Under load a
 # writer can be preempted mid-write for longer (seen at startup on 2 busy cores).
@@ -175,6 +186,18 @@ _MAX_READ_NS = 2_000_000
 
 class LoadTableError(ValueError):
     """The buffer does not hold a load table of the expected shape."""
+
+
+def encode_node(name: str) -> bytes:
+    """``name`` as a row stores it; ``ValueError`` if its UTF-8 exceeds ``NODE_NBYTES`` or
+    holds a NUL (the padding: a name cut at one would read back as another)."""
+    raw = name.encode()
+    if len(raw) > NODE_NBYTES:
+        raise ValueError(f"node name {name!r} is {len(raw)} bytes of UTF-8; at most "
+                         f"{NODE_NBYTES} fit in a load-table row")  # fmt: skip
+    if b"\0" in raw:
+        raise ValueError(f"node name {name!r} holds a NUL character")
+    return raw
 
 
 class LoadTable:
@@ -256,8 +279,10 @@ class LoadTable:
         loaded = _to_load(slot, row)
         zeros = dict.fromkeys(_PAYLOAD_FIELDS, 0)
         del zeros["role"], zeros["state"], zeros["index"], zeros["pid"], zeros["generation"]
+        # The node, like the role and index, is written once per generation.
         return LoadRow(slot=slot, role=loaded.role, index=loaded.index, pid=loaded.pid,
-                          generation=loaded.generation, state=WorkerState.UNKNOWN, **zeros)  # fmt: skip
+                       generation=loaded.generation, state=WorkerState.UNKNOWN,
+                       node=loaded.node, **zeros)  # fmt: skip
 
     def _read_pass(self, slots: list[int], out: list[LoadRow | None]) -> list[int]:
         """Read ``slots`` under their seqlocks; fill ``out``; return the slots to retry."""
@@ -281,19 +306,26 @@ class RowWriter:
         self._offset = offset
         self._seq_addr = seq_addr
         self._seq_view = np.frombuffer(view, np.uint64, 1, offset)
-        old = dict(zip(_PAYLOAD_FIELDS, _PAYLOAD.unpack_from(view, offset + 8), strict=True))
-        self._values: dict[str, int] = old
+        *old, node = _ROW.unpack_from(view, offset + 8)
+        self._values: dict[str, int] = dict(zip(_PAYLOAD_FIELDS, old, strict=True))
+        # Kept across a reattach, so the launcher's mark_exited leaves the name in place.
+        self._node: bytes = node.rstrip(b"\0")
 
     @property
     def generation(self) -> int:
         return self._values["generation"]
 
-    def claim(self, role: Role, index: int, pid: int | None = None, block_size: int = 0) -> int:
+    def claim(
+        self, role: Role, index: int, pid: int | None = None, block_size: int = 0,
+        node: str = "",
+    ) -> int:  # fmt: skip
         """Take the slot for a (re)started worker: a new generation, state STARTING, no load.
 
-        Returns the new generation. A writer that died mid-write left ``seq`` odd; the next
-        write makes it even again, so a reclaimed slot becomes readable.
+        ``node`` names the host the worker runs on (``ValueError`` if it does not fit, see
+        ``encode_node``). Returns the new generation. A writer that died mid-write left
+        ``seq`` odd; the next write makes it even again, so a reclaimed slot becomes readable.
         """
+        self._node = encode_node(node)
         gen = (self._values["generation"] + 1) & 0xFFFF_FFFF
         self._values = dict.fromkeys(_PAYLOAD_FIELDS, 0)
         self._values.update(
@@ -345,12 +377,15 @@ class RowWriter:
         self._values["state"] = int(state)
         self._write()
 
-    def mirror(self, row: LoadRow, heartbeat_ns: int) -> None:
+    def mirror(self, row: LoadRow, heartbeat_ns: int, node: str) -> None:
         """Copy a row another host's worker published, as that node's gateway does here:
         the heartbeat is given in this host's clock and the pid is the gateway's own, so a
         reader's staleness and pid checks keep their meaning for a remote worker (it is
-        reachable while the gateway lives; its state says whether it runs)."""
+        reachable while the gateway lives; its state says whether it runs). ``node`` is the
+        name that host joined with: the caller's word, never ``row.node`` (rows cross hosts
+        as integers only, ``row_fields``)."""
         assert row.role is not None, "only claimed rows are mirrored"
+        self._node = encode_node(node)
         self._values.update(row_fields(row), pid=os.getpid())
         self._write(heartbeat_ns)
 
@@ -372,16 +407,21 @@ class RowWriter:
         seq = (int(self._seq_view[0]) + 1) | 1
         self._seq_view[0] = seq
         _fence()
-        _PAYLOAD.pack_into(self._view, self._offset + 8, *self._values.values())
+        _ROW.pack_into(self._view, self._offset + 8, *self._values.values(), self._node)
         _store_release(self._seq_addr, self._seq_view, seq + 1)
 
 
 _STATES = {int(st): st for st in WorkerState}
-# Positions in a row tuple (seq first, then the payload) of LoadRow's fields, in order.
+# Positions in a row tuple (seq first, then the payload, then the node) of LoadRow's
+# fields, in order.
 _LOAD_NAMES = list(LoadRow.__dataclass_fields__)[1:]  # all but slot
-_LOAD_COLUMNS = [1 + _PAYLOAD_FIELDS.index(f) for f in _LOAD_NAMES]
+_LOAD_COLUMNS = [1 + [*_PAYLOAD_FIELDS, "node"].index(f) for f in _LOAD_NAMES]
 _ROLE_AT, _STATE_AT = _LOAD_NAMES.index("role"), _LOAD_NAMES.index("state")
+_NODE_AT = _LOAD_NAMES.index("node")
 _ROLE_COL, _STATE_COL = _LOAD_COLUMNS[_ROLE_AT], _LOAD_COLUMNS[_STATE_AT]
+# What crosses hosts (``row_fields``): every field but the node, whose name the receiving
+# head takes from the member that authenticated, not from what the member says.
+_FIELD_NAMES = [name for name in _LOAD_NAMES if name != "node"]
 
 
 def _to_load(slot: int, row: tuple[int, ...]) -> LoadRow:
@@ -396,24 +436,29 @@ def _to_load(slot: int, row: tuple[int, ...]) -> LoadRow:
         return _unreadable(slot)
     values: list[Any] = [row[c] for c in _LOAD_COLUMNS]
     values[_ROLE_AT], values[_STATE_AT] = role, state
+    # numpy hands the S field back without its NUL padding. Only encode_node's names are
+    # written, so "replace" matters only for a foreign writer's bytes.
+    values[_NODE_AT] = values[_NODE_AT].decode("utf-8", "replace")
     return LoadRow(slot, *values)
 
 
 def row_fields(row: LoadRow) -> dict[str, int]:
-    """A claimed row's stored fields by name (role and state as their stored codes): what
-    crosses hosts in ``transport.cluster_link.Rows``."""
+    """A claimed row's stored integer fields by name (role and state as their stored
+    codes): what crosses hosts in ``transport.cluster_link.Rows``. Not the node: the head
+    names a member's rows after the member (``RowWriter.mirror``)."""
     assert row.role is not None
-    out = {name: int(getattr(row, name)) for name in _LOAD_NAMES if name not in ("role", "state")}
+    out = {name: int(getattr(row, name)) for name in _FIELD_NAMES if name not in ("role", "state")}
     out.update(role=row.role.table_code, state=int(row.state))
     return out
 
 
 def row_from_fields(slot: int, fields: dict[str, int]) -> LoadRow:
-    """The inverse of ``row_fields``; ``ValueError`` if a field is missing or unknown."""
-    missing = [name for name in _LOAD_NAMES if name not in fields]
-    if missing or set(fields) - set(_LOAD_NAMES):
+    """The inverse of ``row_fields`` (the row's node is ""); ``ValueError`` if a field is
+    missing or unknown (a ``node`` among them)."""
+    missing = [name for name in _FIELD_NAMES if name not in fields]
+    if missing or set(fields) - set(_FIELD_NAMES):
         raise ValueError(f"load row fields: missing {missing}, unknown "
-                         f"{sorted(set(fields) - set(_LOAD_NAMES))}")  # fmt: skip
+                         f"{sorted(set(fields) - set(_FIELD_NAMES))}")  # fmt: skip
     role = Role.from_table_code(fields["role"])
     if role is None:
         raise ValueError("an unclaimed row")
@@ -425,7 +470,7 @@ def row_from_fields(slot: int, fields: dict[str, int]) -> LoadRow:
 def _unreadable(slot: int) -> LoadRow:
     zeros = dict.fromkeys(_PAYLOAD_FIELDS, 0)
     del zeros["role"], zeros["state"]
-    return LoadRow(slot=slot, role=None, state=WorkerState.DEAD, **zeros)
+    return LoadRow(slot=slot, role=None, state=WorkerState.DEAD, node="", **zeros)
 
 
 def _fence() -> None:

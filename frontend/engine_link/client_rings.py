@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 
@@ -74,7 +74,8 @@ _NO_SHARD_RETRY_S = 5.0  # a shard restarts in a few seconds
 class RingEngineClient(EngineClient):
     def __init__(
         self, spec: ProcessSpec, policy: str, router_config: RouterConfig,
-        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, node: str = "",
+        remote_decode: Sequence[int] = (),
     ) -> None:  # fmt: skip
         rings = attach_rings(spec)
         self.doorbell = rings.doorbell
@@ -106,6 +107,10 @@ class RingEngineClient(EngineClient):
         self.by_origin: dict[int, Stream] = {}  # by the rid the frontend gave the request
         self.recovery = Recovery(self, self.router, self.table, self.text_rings, stall_timeout_s)
         self.stall_timeout_s = stall_timeout_s
+        # Where /health and /metrics place each worker (frontend/engine_link/worker_status.py):
+        # this frontend's node, and the decode workers other nodes bring (a head's reserve).
+        self.node = node
+        self.remote = frozenset((Role.DECODE, j) for j in remote_decode)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watchdog: asyncio.Task[None] | None = None
 
@@ -265,11 +270,13 @@ class RingEngineClient(EngineClient):
         self.shared.set_active(mine)
         active = dict(enumerate(self.shared.active_per_shard()))
         workers = worker_health(self.table, self.expected_workers, self.text_rings, active,
-                                self.stall_timeout_s / 4)  # fmt: skip
-        return workers + frontend_health(self.shared)
+                                self.stall_timeout_s / 4, node=self.node,
+                                remote=self.remote)  # fmt: skip
+        return workers + frontend_health(self.shared, node=self.node)
 
     def metrics_snapshot(self) -> list[WorkerMetrics]:
-        return worker_metrics(self.table, self.router.assigned())
+        return worker_metrics(self.table, self.router.assigned(), node=self.node,
+                              remote=self.remote)  # fmt: skip
 
     async def close(self) -> None:
         if self._watchdog is not None:

@@ -61,7 +61,8 @@ class WorkerHealth:
     """One worker process as ``/health`` reports it; ``load`` is role-specific.
 
     ``state`` is the worker's lifecycle state (starting, ready, dead, failed, ...);
-    ``reason`` says how a dead or failed worker died.
+    ``reason`` says how a dead or failed worker died. ``node`` names the host it runs on
+    (``--node-name`` or the host name; "" for a worker no node has brought yet).
     """
 
     role: str  # Role.health_label
@@ -71,6 +72,7 @@ class WorkerHealth:
     load: dict[str, float] = field(default_factory=dict)
     state: str = "ready"
     reason: str | None = None
+    node: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class WorkerMetrics:
     and ``prefix_*`` are the worker's prefix-cache figures (0 with caching off).
     ``computed_prefill_tokens``: prompt tokens the worker ran through its model since it
     started (fewer than it was sent when prompts share KV: n > 1, cached prefixes).
+    ``node``: the host the worker runs on, as ``WorkerHealth.node``.
     """
 
     role: str  # a Role's value
@@ -98,6 +101,7 @@ class WorkerMetrics:
     prefix_queried_tokens: int = 0
 
     computed_prefill_tokens: int = 0
+    node: str = ""
 
     @property
     def prefix_hit_rate(self) -> float:

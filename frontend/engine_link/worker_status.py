@@ -2,12 +2,18 @@
 
 Both are called on the event loop for every probe or scrape: they read the load table and
 the text rings' peer pids, never a round trip to a worker.
+
+Each worker is named with its node: an engine worker's row says which (its own claim, or
+the head gateway's mirror of a remote worker's row). Detokenizer shards and frontends run
+on the frontend's node (``node``), and so does a row that names none (a writer older than
+the field, or a row the launcher marked before its worker claimed it). A worker of the
+``--remote-decode`` reserve that no node has brought yet (``remote``) has no node: "".
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from frontend.engine_link.board import FrontendBoard
 from frontend.engine_link.engine_client import WorkerHealth, WorkerMetrics
@@ -28,11 +34,22 @@ _LOAD_FIELDS = ("queued_prefill_tokens", "waiting_requests", "running_requests",
                 "prefix_queried_tokens", "computed_prefill_tokens")  # fmt: skip
 
 
+def _node_of(
+    worker: tuple[Role, int], claimed: str, node: str, remote: Collection[tuple[Role, int]]
+) -> str:  # fmt: skip
+    """The node a worker runs on, by the rules of this module's docstring."""
+    if claimed:
+        return claimed
+    return "" if worker in remote else node
+
+
 def worker_health(
     table: LoadTable, expected: Sequence[tuple[Role, int]], text_rings: Sequence[Ring],
-    active_per_shard: Mapping[int, int], stall_report_s: float,
+    active_per_shard: Mapping[int, int], stall_report_s: float, *, node: str,
+    remote: Collection[tuple[Role, int]] = (),
 ) -> list[WorkerHealth]:  # fmt: skip
-    """Every worker's role, index, pid, liveness and load; then every detokenizer shard.
+    """Every worker's role, index, pid, liveness, load and node; then every detokenizer
+    shard (on ``node``, the frontend's). ``remote``: the reserve other nodes bring.
 
     ``expected`` lists the engine workers the launch started (the frontend has a ring to
     each): one that has not claimed its load-table row yet is reported ``starting``, so a
@@ -47,9 +64,11 @@ def worker_health(
     }
     for role, index in sorted({*expected, *rows}, key=lambda k: (k[0].sort_key, k[1])):
         r = rows.get((role, index))
+        where = _node_of((role, index), "" if r is None else r.node, node, remote)
         if r is None:  # spawned, not yet in the table
             load = dict.fromkeys(_LOAD_FIELDS, 0.0)
-            out.append(WorkerHealth(role.health_label, index, 0, False, load, "starting"))
+            out.append(WorkerHealth(role.health_label, index, 0, False, load, "starting",
+                                    node=where))  # fmt: skip
             continue
         state = r.state.name.lower()
         if r.state == WorkerState.READY and now_ns - r.heartbeat_ns > stall_report_s * 1e9:
@@ -59,34 +78,33 @@ def worker_health(
         dead = r.state in (WorkerState.DEAD, WorkerState.FAILED) and r.exit_status != 0
         reason = describe_exit(r.exit_status) if dead else None
         out.append(WorkerHealth(role.health_label, r.index, r.pid, alive, load, state,
-                                reason))  # fmt: skip
+                                reason, node=where))  # fmt: skip
     for k, (ring, alive) in enumerate(zip(text_rings, shards_alive(text_rings), strict=True)):
         load = {"active_requests": float(active_per_shard.get(k, 0))}
         state = "ready" if alive else "dead"
-        out.append(WorkerHealth(Role.DETOK.health_label, k, ring.peer_pid, alive, load, state))
+        out.append(WorkerHealth(Role.DETOK.health_label, k, ring.peer_pid, alive, load, state,
+                                node=node))  # fmt: skip
     return out
 
 
-def frontend_health(board: FrontendBoard) -> list[WorkerHealth]:
+def frontend_health(board: FrontendBoard, *, node: str) -> list[WorkerHealth]:
     """Every frontend process, from the board: alive while READY (the launcher marks a
-    reaped one DEAD; a restarted one is STARTING until it serves)."""
+    reaped one DEAD; a restarted one is STARTING until it serves). All run on ``node``."""
     out = []
     for f in board.frontends():
         load = {"active_requests": float(f.active)}
         alive = f.state == WorkerState.READY
-        out.append(
-            WorkerHealth(
-                Role.FRONTEND.health_label, f.index, f.pid, alive, load, f.state.name.lower()
-            )
-        )
+        out.append(WorkerHealth(Role.FRONTEND.health_label, f.index, f.pid, alive, load,
+                                f.state.name.lower(), node=node))  # fmt: skip
     return out
 
 
 def worker_metrics(
-    table: LoadTable, assigned: Mapping[tuple[Role, int], tuple[int, int]]
-) -> list[WorkerMetrics]:
+    table: LoadTable, assigned: Mapping[tuple[Role, int], tuple[int, int]], *, node: str,
+    remote: Collection[tuple[Role, int]] = (),
+) -> list[WorkerMetrics]:  # fmt: skip
     """Per-worker running/waiting requests, KV usage, prefix-cache figures and what the
-    router assigned."""
+    router assigned, each with its node (as ``worker_health`` names it)."""
     out = []
     for r in table.snapshot():
         if r.role is None:
@@ -97,5 +115,6 @@ def worker_metrics(
         out.append(WorkerMetrics(r.role.value, r.index, r.running_requests,
                                  r.waiting_requests, used, n, tokens, r.cached_blocks,
                                  r.prefix_hit_tokens, r.prefix_queried_tokens,
-                                 r.computed_prefill_tokens))  # fmt: skip
+                                 r.computed_prefill_tokens,
+                                 _node_of(r.worker, r.node, node, remote)))  # fmt: skip
     return out

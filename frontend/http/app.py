@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.sampling.grammar import GrammarCache
-from frontend.engine_link.engine_client import EngineClient, Overloaded
+from frontend.engine_link.engine_client import EngineClient, Overloaded, WorkerHealth
 from frontend.errors import (
     APIError,
     InternalError,
@@ -143,12 +143,24 @@ async def _serve(
         return InternalError().response_for(request.url.path)
 
 
+def node_summary(workers: list[WorkerHealth]) -> dict[str, dict[str, int]]:
+    """/health's ``"nodes"``: per node name (sorted), how many of the processes /health
+    lists run there and how many of those are alive."""
+    out: dict[str, dict[str, int]] = {}
+    for w in sorted(workers, key=lambda w: w.node):
+        counts = out.setdefault(w.node, {"workers": 0, "alive": 0})
+        counts["workers"] += 1
+        counts["alive"] += w.alive
+    return out
+
+
 def health_report(client: EngineClient) -> tuple[int, bytes]:
     """(status, JSON body) of /health.
 
     200 while every role has a live worker: ``"ok"`` when all are alive, ``"degraded"``
     when some are not (each worker's state and, for a dead one, how it died, say which).
     503 ``"unavailable"`` when some role has no live worker: nothing can be served.
+    Each worker names its node; ``"nodes"`` counts the workers and live ones per node.
     """
     try:
         workers = client.health()
@@ -161,7 +173,8 @@ def health_report(client: EngineClient) -> tuple[int, bytes]:
         roles[w.role] = roles.get(w.role, False) or w.alive
     serving = all(roles.values())
     status = ("ok" if all(w.alive for w in workers) else "degraded") if serving else "unavailable"
-    body = {"status": status, "workers": [asdict(w) for w in workers]}
+    body = {"status": status, "workers": [asdict(w) for w in workers],
+            "nodes": node_summary(workers)}  # fmt: skip
     return 200 if serving else 503, msgspec.json.encode(body)
 
 

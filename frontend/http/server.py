@@ -98,7 +98,8 @@ def main() -> None:
         max_queued_prefill_tokens=launch.max_queued_prefill_tokens,
         stale_after_s=launch.stall_timeout_s / 4,  # when /health starts to call it stalled
     )
-    client = RingEngineClient(spec, launch.router_policy, router_config, launch.stall_timeout_s)
+    client = RingEngineClient(spec, launch.router_policy, router_config, launch.stall_timeout_s,
+                              node=launch.node, remote_decode=launch.remote_decode)  # fmt: skip
     app = build_app(client, tokenizer, settings)
     app.state.ctx.grammars.warm()  # imports torch off the loop, while workers still load
     config = uvicorn.Config(

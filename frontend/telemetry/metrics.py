@@ -54,7 +54,7 @@ class _EngineCollector(Collector):
         self._client = client
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["role", "index"]
+        labels = ["role", "index", "node"]  # node: the host the worker runs on
         running = GaugeMetricFamily(
             "pdserve_num_requests_running", "Requests running", labels=labels
         )
@@ -105,7 +105,7 @@ class _EngineCollector(Collector):
             logger.exception("engine metrics snapshot failed")
             loads = []
         for w in loads:
-            key = [w.role, str(w.index)]
+            key = [w.role, str(w.index), w.node]
             running.add_metric(key, w.running)
             waiting.add_metric(key, w.waiting)
             kv.add_metric(key, w.kv_usage)

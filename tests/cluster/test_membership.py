@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from cluster.gateway import GatewaySpec, Member, join_refusal
+from cluster.gateway import Gateway, GatewaySpec, Member, join_refusal
 from launcher import cluster
 from launcher.args import ConfigError, parse_args
 from launcher.cli import main
 from launcher.topology import Topology
-from transport.cluster_link import Join
+from transport.cluster_link import Join, Rows
 from transport.kv import KVLayout
 from transport.load_table import LoadTable, WorkerState, row_fields, row_from_fields
 from wire.ring_names import Peer, RingKind, RingName
@@ -84,6 +84,10 @@ def test_the_head_admits_what_fits_and_refuses_the_rest_saying_why() -> None:
     assert "joined before with 1" in join_refusal(_join(decode=2), spec, LAYOUT, members)
     assert "only 1 of" in join_refusal(_join(node="c", decode=2), spec, LAYOUT, members)
     assert "no decode worker" in join_refusal(_join(node="c", decode=0), spec, LAYOUT, members)
+    # /health names each worker's node by the name it joined with: one that does not fit
+    # a load-table row, or that is the head's, is refused.
+    assert "at most 64" in join_refusal(_join(node="c" * 65), spec, LAYOUT, members)
+    assert "the head's own" in join_refusal(_join(node="a"), spec, LAYOUT, members)
 
 
 def test_a_member_holds_rings_only_with_a_local_end_and_its_gateway_the_remote_ones() -> None:
@@ -127,9 +131,9 @@ def test_rows_cross_as_fields_and_are_mirrored_in_this_hosts_clock() -> None:
     assert again == row
     other = LoadTable(bytearray(LoadTable.layout_nbytes(n)), n)
     beat = time.monotonic_ns() - 1_000_000
-    other.writer(1).mirror(again, beat)
+    other.writer(1).mirror(again, beat, "b")
     mirrored = other.snapshot()[1]
-    assert mirrored.pid == os.getpid() and mirrored.heartbeat_ns == beat
+    assert mirrored.pid == os.getpid() and mirrored.heartbeat_ns == beat and mirrored.node == "b"
     assert (mirrored.role, mirrored.index, mirrored.state) == (Role.DECODE, 5, WorkerState.READY)
     assert (mirrored.running_requests, mirrored.generation) == (4, row.generation)
     with pytest.raises(ValueError, match="missing"):
@@ -146,3 +150,28 @@ def test_without_the_nixl_extra_a_node_is_refused_naming_it(
     # and launch says so before it starts anything
     argv = ["--prefill", "0", "--join", "127.0.0.1:7481", *KEY]
     assert main(argv) == 2
+
+
+def test_the_head_names_a_members_rows_after_the_member_not_after_the_rows() -> None:
+    n = 4  # one prefill row, then decode 0..2; the reserve is decode 1 and 2
+    head = LoadTable(bytearray(LoadTable.layout_nbytes(n)), n)
+    gateway = Gateway.__new__(Gateway)  # its row handling only: no process, no link
+    gateway.cfg, gateway.table = _spec([1, 2]), head
+    gateway.members = {"b0": Member("b0", [1]), "b1": Member("b1", [2])}
+    member = LoadTable(bytearray(LoadTable.layout_nbytes(n)), n)
+    w = member.writer(2)
+    w.claim(Role.DECODE, 1, pid=7, node="what-b0-calls-itself")
+    w.set_state(WorkerState.READY)
+    fields = {**row_fields(member.snapshot()[2]), "age_ns": 0}
+    assert gateway._on_rows(b"id-b0", Rows("b0", [dict(fields)])) is gateway.members["b0"]
+    row = head.snapshot()[2]
+    assert (row.role, row.index, row.state, row.node) == (Role.DECODE, 1, WorkerState.READY, "b0")
+    # A row that names its node itself is a bad row, not a way to rename a worker.
+    w.claim(Role.DECODE, 1, pid=8)
+    forged = {**row_fields(member.snapshot()[2]), "age_ns": 0, "node": 0}
+    gateway._on_rows(b"id-b0", Rows("b0", [forged]))
+    assert head.snapshot()[2].generation == row.generation == 1  # the forged one was not
+    assert head.snapshot()[2].node == "b0"
+    # Nor may a member write another member's worker.
+    gateway._on_rows(b"id-b1", Rows("b1", [dict(fields)]))
+    assert head.snapshot()[2].node == "b0" and head.snapshot()[3].role is None

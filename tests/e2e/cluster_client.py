@@ -3,11 +3,13 @@ the head node's HTTP port is reachable only from there.
 
     python -m tests.e2e.cluster_client URL < prompts.json
     python -m tests.e2e.cluster_client URL chat MODEL MAX_TOKENS < conversations.json
+    python -m tests.e2e.cluster_client URL get PATH
 
 Streams every prompt (a JSON list of token-id lists) at once, greedy; prints ``started``
 once tokens flow (the test may then kill a worker), then one JSON line of results, each
 as ``tests.e2e.helpers.greedy_stream`` returns it. ``chat``: one greedy chat completion
-per conversation, in turn; one JSON line of their token ids.
+per conversation, in turn; one JSON line of their token ids. ``get``: the body of
+``GET PATH`` (/health, /metrics) as it came, after a first line with its status.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def _chat(url: str, model: str, max_tokens: int, conversations: list[list[dict]]
 
 
 def main() -> None:
+    if sys.argv[2:3] == ["get"]:
+        r = httpx.get(sys.argv[1] + sys.argv[3], timeout=30)
+        print(r.status_code, r.text, sep="\n", flush=True)
+        return
     given = json.loads(sys.stdin.read())
     if sys.argv[2:3] == ["chat"]:
         answer = _chat(sys.argv[1], sys.argv[3], int(sys.argv[4]), given)

@@ -81,6 +81,14 @@ class Cluster:
         client.wait(30)
         return json.loads(out)  # type: ignore[no-any-return]
 
+    def get(self, path: str) -> tuple[int, str]:
+        """(status, body) of ``GET path`` on the head, from inside namespace a."""
+        done = self.pair.run("a", [sys.executable, "-m", "tests.e2e.cluster_client",
+                                   f"http://127.0.0.1:{PORT}", "get", path], timeout=30)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        status, _, body = done.stdout.partition("\n")
+        return int(status), body
+
 
 def _start(
     pair: NetnsPair, model: Path, members: int, extra: list[str], head: Sequence[str] = ()
@@ -136,6 +144,27 @@ def test_prefill_on_one_host_decode_on_another_is_exact(
     assert rx1 - rx0 >= _kv_bytes(cluster.model, prompts)
     for node in cluster.members:
         assert any("mapped prefill 0's KV pool" in line for line in node.log)
+    _check_nodes_named(cluster)
+
+
+def _check_nodes_named(cluster: Cluster) -> None:
+    """The head's /health and /metrics name each worker's node: its own for the prefill
+    worker, shard and frontend; the member that brought it for each remote decode worker
+    (which member got which index depends on who joined first)."""
+    status, body = cluster.get("/health")
+    health = json.loads(body)
+    assert (status, health["status"]) == (200, "ok"), body
+    nodes = {(w["role"], w["index"]): w["node"] for w in health["workers"]}
+    assert nodes[("prefill", 0)] == nodes[("detokenizer", 0)] == nodes[("frontend", 0)] == "a"
+    assert {nodes[("decode", 0)], nodes[("decode", 1)]} == {"b0", "b1"}, body
+    assert health["nodes"] == {"a": {"workers": 3, "alive": 3},
+                               "b0": {"workers": 1, "alive": 1},
+                               "b1": {"workers": 1, "alive": 1}}  # fmt: skip
+    _, metrics = cluster.get("/metrics")
+    for index in (0, 1):
+        labels = f'index="{index}",node="{nodes[("decode", index)]}",role="decode"'
+        assert f"pdserve_num_requests_running{{{labels}}}" in metrics, metrics
+    assert 'pdserve_num_requests_running{index="0",node="a",role="prefill"}' in metrics
 
 
 def test_a_killed_decode_worker_on_one_node_its_streams_finish_on_the_other(

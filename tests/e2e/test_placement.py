@@ -19,7 +19,9 @@ from tests.conftest import LaunchedServer
 from tests.router.sim import mixed_request
 
 N_PREFILL, N_DECODE, N_REQUESTS = 2, 4, 64
-_SAMPLE = re.compile(r'^pdserve_router_assigned_tokens_total\{index="(\d+)",role="(\w+)"\} (\S+)$')
+_SAMPLE = re.compile(
+    r'^pdserve_router_assigned_tokens_total\{index="(\d+)",node="[^"]+",role="(\w+)"\} (\S+)$'
+)
 
 
 @pytest.fixture(scope="module")

@@ -121,8 +121,9 @@ def test_every_endpoint_reports_cached_prompt_tokens(servers: dict[bool, Launche
         assert plain["prompt_tokens_details"]["cached_tokens"] >= 4 * BS
         assert last["prompt_tokens_details"] == plain["prompt_tokens_details"]
         metrics = c.get("/metrics").text
-    rates = re.findall(r'^pdserve_prefix_cache_hit_rate\{index="\d",role="prefill"\} (\S+)$',
-                       metrics, re.M)  # fmt: skip
+    rates = re.findall(
+        r'^pdserve_prefix_cache_hit_rate\{index="\d",node="[^"]+",role="prefill"\} (\S+)$',
+        metrics, re.M)  # fmt: skip
     after = _prefill_counters(srv)
     # /metrics shows each prefill worker's lifetime rate (the session's server has served
     # other tests' traffic); this test's own requests repeat one prompt, so most of what

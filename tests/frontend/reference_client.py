@@ -144,10 +144,11 @@ class ReferenceEngineClient(EngineClient):
         self.aborted.setdefault(rid, time.monotonic())
 
     def health(self) -> list[WorkerHealth]:
-        return [WorkerHealth("reference", 0, os.getpid(), True, {"running": len(self.running)})]
+        return [WorkerHealth("reference", 0, os.getpid(), True, {"running": len(self.running)},
+                             node="here")]  # fmt: skip
 
     def metrics_snapshot(self) -> list[WorkerMetrics]:
-        return [WorkerMetrics("reference", 0, len(self.running), 0, 0.0)]
+        return [WorkerMetrics("reference", 0, len(self.running), 0, 0.0, node="here")]
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:

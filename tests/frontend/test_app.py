@@ -285,13 +285,15 @@ async def test_models_health_and_metrics(http: httpx.AsyncClient) -> None:
     assert [m["id"] for m in models["data"]] == [MODEL]
     health = (await http.get("/health")).json()
     assert health["status"] == "ok" and health["workers"][0]["alive"]
+    assert health["workers"][0]["node"] == "here"
+    assert health["nodes"] == {"here": {"workers": 1, "alive": 1}}
     await complete(http, prompt="Hi", max_tokens=3, temperature=0, ignore_eos=True)
     text = (await http.get("/metrics")).text
     assert "pdserve_time_to_first_token_seconds_count 1.0" in text
     assert "pdserve_e2e_request_latency_seconds_count 1.0" in text
     assert "pdserve_generation_tokens_total 3.0" in text
     assert "pdserve_prompt_tokens_total 1.0" in text
-    assert 'pdserve_num_requests_running{index="0",role="reference"} 0.0' in text
+    assert 'pdserve_num_requests_running{index="0",node="here",role="reference"} 0.0' in text
 
 
 def test_binding_beyond_loopback_without_a_key_warns(

@@ -17,7 +17,8 @@ def _launch() -> FrontendLaunch:
                             eos_token_ids=(2, 7), tool_call_parser="hermes")  # fmt: skip
     return FrontendLaunch(model="/ckpt", http=http, connections=ConnectionLimits(),
                           router_policy="cache-aware", max_waiting_requests=None,
-                          max_queued_prefill_tokens=4096, stall_timeout_s=20.0)  # fmt: skip
+                          max_queued_prefill_tokens=4096, stall_timeout_s=20.0, node="a",
+                          remote_decode=(2, 3))  # fmt: skip
 
 
 def test_round_trip_through_json_is_exact() -> None:

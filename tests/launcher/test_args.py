@@ -80,6 +80,9 @@ def test_api_key_comes_from_the_environment_when_not_given(
         (["--colocated", "2", "--kv-transfer", "shm"], "--kv-transfer does not apply"),
         (["--model", "/nonexistent/model"], "no config.json"),
         (["--router-policy", "cache-aware", "--no-enable-prefix-caching"], "needs prefix caching"),
+        (["--node-name", ""], "--node-name is empty"),
+        (["--node-name", "a\tb"], "--node-name 'a.+' holds characters that are not printable"),
+        (["--node-name", "é" * 33], "--node-name 'é+' is 66 bytes of UTF-8; at most 64"),
     ],
 )
 def test_inconsistent_flags_are_config_errors_naming_the_flag(
@@ -87,6 +90,19 @@ def test_inconsistent_flags_are_config_errors_naming_the_flag(
 ) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("]", r"\]")):
         parse_args(argv)
+
+
+def test_a_node_is_named_by_its_flag_or_else_its_host_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from launcher import cluster
+
+    assert cluster.node_name(parse_args(["--node-name", "é" * 32])) == "é" * 32  # 64 bytes
+    monkeypatch.setattr(cluster.socket, "gethostname", lambda: "host-1")
+    assert cluster.node_name(parse_args([])) == "host-1"
+    monkeypatch.setattr(cluster.socket, "gethostname", lambda: "h" * 65)  # not Linux's
+    with pytest.raises(ConfigError, match=r"the host name 'h+' is 65 bytes.*give --node-name"):
+        cluster.node_name(parse_args([]))
 
 
 def test_malformed_values_are_rejected_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -85,8 +86,28 @@ def test_children_on_cpu_are_told_what_they_always_were(default_model_path: Path
     prefill = next(c for c in kids if c.name == "prefill-0")
     spec = decode_spec(prefill.spec.settings, EngineWorkerSpec)  # as the worker reads it
     assert spec.engine.device == "cpu" and spec.kv_transfer == "shm"
+    # One host names its node too (its host name here): /health and /metrics show it.
+    assert spec.node == socket.gethostname() and spec.remote_decode == []
+    frontend = next(c for c in kids if c.name == "frontend-0").spec.settings
+    assert frontend["node"] == socket.gethostname() and not frontend["remote_decode"]
     assert spec.engine.gpu_memory_share is None
     assert prefill.env["CUDA_VISIBLE_DEVICES"] == "" and "p0" in prefill.spec.kv_pools
+
+
+def test_a_head_names_its_node_and_tells_the_frontend_its_reserve(
+    default_model_path: Path,
+) -> None:
+    cfg = parse_args(["--device", "cpu", "--model", str(default_model_path), "--decode", "1",
+                      "--kv-cache-tokens", "256", "--remote-decode", "2",
+                      "--advertise", "10.0.0.1", "--node-name", "a",
+                      "--cluster-key", "sixteen-chars-or-more"])  # fmt: skip
+    gpus = assign_gpus(cfg, [])
+    topo = _build_topology(cfg, default_model_path, KVBackend.SHM, gpus)
+    kids = {c.name: c for c in _children(cfg, topo, gpus, default_model_path, KVBackend.SHM)}
+    frontend = kids["frontend-0"].spec.settings
+    assert frontend["node"] == "a" and list(frontend["remote_decode"]) == [1, 2]
+    for name in ("prefill-0", "decode-0"):
+        assert decode_spec(kids[name].spec.settings, EngineWorkerSpec).node == "a"
 
 
 def test_each_engine_worker_gets_its_prefix_summary_and_the_frontend_all_of_them(

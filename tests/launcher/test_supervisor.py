@@ -69,7 +69,7 @@ def test_frontends_are_restarted_like_workers_and_marked_on_their_board(
     settings = FrontendLaunch(model=str(tmp_path / "missing"), http=http,
                               connections=ConnectionLimits(), router_policy="least-load",
                               max_waiting_requests=None, max_queued_prefill_tokens=None,
-                              stall_timeout_s=5.0, log_level="error").to_json()  # fmt: skip
+                              stall_timeout_s=5.0, node="a", log_level="error").to_json()  # fmt: skip
     kids = [Child(topo.spec(Role.FRONTEND, n, settings), {}) for n in range(2)]
     board = topo.board()
     sup = Supervisor(kids, topo.load_table(), 0, board)

@@ -29,6 +29,12 @@ def test_numpy_row_layout_matches_the_packed_payload() -> None:
     lt._PAYLOAD.pack_into(raw, 8, *values)
     row = np.frombuffer(raw, lt.ROW_DTYPE)[0]
     assert [int(row[f]) for f in lt._PAYLOAD_FIELDS] == values
+    # The node name follows the integers; the writer packs both in one call.
+    lt._ROW.pack_into(raw, 8, *values, "nœud".encode())
+    row = np.frombuffer(raw, lt.ROW_DTYPE)[0]
+    assert [int(row[f]) for f in lt._PAYLOAD_FIELDS] == values
+    assert row["node"] == "nœud".encode() and 8 + lt._ROW.size <= lt.ROW_NBYTES
+    assert lt.ROW_NBYTES % 64 == 0 and lt.HEADER_NBYTES % 8 == 0  # lines; aligned seq words
 
 
 def test_fresh_slots_read_as_empty_and_are_never_ready() -> None:
@@ -215,3 +221,73 @@ def test_a_worker_that_died_before_claiming_its_row_is_named_by_the_launcher() -
     w.mark_exited(WorkerState.DEAD, 1, Role.DECODE, 5)
     row = LoadTable(buf, 2).snapshot()[0]
     assert (row.role, row.index, row.state) == (Role.PREFILL, 0, WorkerState.DEAD)
+
+
+# -- the node a worker runs on -----------------------------------------------------------
+
+
+def test_a_claimed_node_name_reads_back_and_a_reclaim_replaces_it() -> None:
+    buf, table = _table(2)
+    w = table.writer(1)
+    w.claim(Role.DECODE, 3, pid=1, node="gpu-host-7")
+    w.publish(running_requests=2)  # every write keeps the name
+    row = LoadTable(buf, 2).snapshot()[1]
+    assert (row.node, row.running_requests) == ("gpu-host-7", 2)
+    assert table.snapshot()[0].node == ""  # an unclaimed row names no node
+    w.claim(Role.DECODE, 3, pid=2, node="b")
+    assert table.snapshot()[1].node == "b"
+    w.claim(Role.DECODE, 3, pid=3)  # a claim without a name names none
+    assert table.snapshot()[1].node == ""
+
+
+def test_node_names_take_up_to_64_bytes_of_utf8_and_no_more() -> None:
+    _, table = _table(1)
+    w = table.writer(0)
+    longest = "é" * 32  # 64 bytes
+    w.claim(Role.PREFILL, 0, node=longest)
+    assert table.snapshot()[0].node == longest
+    for name in ("é" * 33, "x" * 65):
+        with pytest.raises(ValueError, match="at most 64"):
+            w.claim(Role.PREFILL, 0, node=name)
+    with pytest.raises(ValueError, match="NUL"):
+        w.claim(Role.PREFILL, 0, node="a\0b")
+    assert table.snapshot()[0].node == longest  # a refused claim wrote nothing
+
+
+def test_the_launcher_marking_a_death_keeps_the_node_and_a_torn_row_still_names_it() -> None:
+    buf, table = _table(1)
+    w = table.writer(0)
+    w.claim(Role.DECODE, 0, pid=5, node="b0")
+    LoadTable(buf, 1).writer(0).mark_exited(WorkerState.DEAD, -9, Role.DECODE, 0)
+    row = table.snapshot()[0]
+    assert (row.state, row.node) == (WorkerState.DEAD, "b0")
+    _tear(buf, 0)
+    unknown = LoadTable(buf, 1).snapshot()[0]  # a reader with no earlier copy
+    assert (unknown.state, unknown.node) == (WorkerState.UNKNOWN, "b0")
+
+
+def test_a_mirrored_row_is_named_by_the_caller_and_rows_cross_without_a_name() -> None:
+    _, here = _table(1)
+    w = here.writer(0)
+    w.claim(Role.DECODE, 4, pid=9, node="member-local-name")
+    w.set_state(WorkerState.READY)
+    row = here.snapshot()[0]
+    fields = lt.row_fields(row)
+    assert "node" not in fields and all(isinstance(v, int) for v in fields.values())
+    crossed = lt.row_from_fields(-1, fields)
+    assert crossed.node == ""
+    with pytest.raises(ValueError, match=r"unknown.*node"):
+        lt.row_from_fields(-1, {**fields, "node": 1})
+    _, head = _table(2)
+    head.writer(1).mirror(crossed, time.monotonic_ns(), "b1")
+    mirrored = head.snapshot()[1]
+    assert (mirrored.role, mirrored.index, mirrored.node) == (Role.DECODE, 4, "b1")
+    with pytest.raises(ValueError, match="at most 64"):
+        head.writer(1).mirror(crossed, time.monotonic_ns(), "n" * 65)
+
+
+def test_a_table_of_the_previous_layout_is_refused() -> None:
+    buf, _ = _table(1)
+    struct.pack_into("<I", buf, 8, lt._VERSION - 1)  # a v4 writer: 128-byte rows, no node
+    with pytest.raises(LoadTableError, match=f"not a v{lt._VERSION} load table"):
+        LoadTable(buf, 1)
