@@ -123,6 +123,15 @@ def join_refusal(join: Join, cfg: GatewaySpec, layout: KVLayout,
         if len(member.decode) != join.decode:
             return (f"it joined before with {len(member.decode)} decode workers, "
                     f"now {join.decode}")  # fmt: skip
+        if join.base >= 0 and member.decode[0] != join.base:
+            return f"it runs decode workers from {join.base}, this head gave it {member.decode}"
+        return ""
+    if join.base >= 0:  # the node runs its workers already: exactly those indices, or none
+        want = range(join.base, join.base + join.decode)
+        taken = {g for m in members.values() for g in m.decode}
+        if not set(want) <= set(cfg.decode) - taken:
+            return (f"it runs decode workers {list(want)}, which are not free in this head's "
+                    f"reserve {cfg.decode}")  # fmt: skip
         return ""
     left = len(cfg.decode) - sum(len(m.decode) for m in members.values())
     if join.decode > left:
@@ -149,6 +158,7 @@ class Gateway:
         self.members: dict[str, Member] = {}
         self.server: LinkServer | None = None
         self.client: LinkClient | None = None
+        self._handshakes = 0  # of the link to the head, when this node last joined
 
     # -- relaying ----------------------------------------------------------------------
 
@@ -229,6 +239,8 @@ class Gateway:
         if member is None:
             taken = {g for m in self.members.values() for g in m.decode}
             free = [g for g in self.cfg.decode if g not in taken]
+            if join.base >= 0:
+                free = list(range(join.base, join.base + join.decode))
             member = self.members[join.node] = Member(join.node, free[: join.decode])
         logger.info("node %s joined with decode workers %s", join.node, member.decode)
         self.server.send_link(identity, Welcome(member.decode[0], self.cfg.shape), _SEND_TIMEOUT_S)
@@ -306,6 +318,7 @@ class Gateway:
     def _serve_member(self) -> None:
         self.client = LinkClient(self.cfg.join, self.cfg.cluster_key, self.cfg.node)
         self.client.connect(timeout=30.0)
+        self._handshakes = self.client.handshakes  # the launcher joined this node already
         logger.info("connected to the head at %s", self.cfg.join)
         self._last_heard = time.monotonic()
         self._loop(self._member_messages, self._member_beat)
@@ -317,9 +330,35 @@ class Gateway:
             got_any = True
             if isinstance(msg, Relay):
                 self._deliver(msg, None)
+            elif isinstance(msg, Welcome):
+                self._welcomed(msg)
             else:
                 logger.warning("unexpected %s from the head; ignored", type(msg).__name__)
+        if self.client.handshakes > self._handshakes:
+            self._join_again()
         return got_any
+
+    def _join_again(self) -> None:
+        """A new connection to the head (the link greets it again by itself) may reach a
+        head whose gateway restarted and knows no member: join again, asking for the
+        indices this node's workers run under. A head that still knows this node answers
+        the same; either way ``_welcomed`` reads the answer."""
+        assert self.client is not None
+        self._handshakes = self.client.handshakes
+        mine = self.cfg.decode
+        join = Join(self.cfg.node, len(mine), self.cfg.layout, self.cfg.model, base=mine[0])
+        try:
+            self.client.send_link(join, _SEND_TIMEOUT_S)
+        except LinkError as e:  # the next connection tries again
+            logger.warning("could not join the head again: %s", e)
+
+    def _welcomed(self, answer: Welcome) -> None:
+        if answer.refused:
+            # The head now serves another model, or gave these indices to another node:
+            # this node's workers cannot serve it. Stop, saying why.
+            logger.error("the head refused this node: %s", answer.refused)
+            raise SystemExit(1)
+        logger.info("joined the head again with decode workers %s", self.cfg.decode)
 
     def _member_beat(self) -> None:
         assert self.client is not None

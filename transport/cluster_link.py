@@ -140,12 +140,15 @@ class Rows(_LinkMsg, tag="rows", frozen=True):
 
 class Join(_LinkMsg, tag="join", frozen=True):
     """A member node asks the head for rows and rings for its ``decode`` workers; ``layout``
-    (``KVLayout.to_json()``) and ``model`` must match the head's or it is refused."""
+    (``KVLayout.to_json()``) and ``model`` must match the head's or it is refused.
+    ``base``: the first index of the workers the node already runs (a join again, after
+    the head's gateway restarted), which the head must give back; -1 at first."""
 
     node: str
     decode: int
     layout: str
     model: str
+    base: int = -1
 
 
 class Welcome(_LinkMsg, tag="welcome", frozen=True):
@@ -630,6 +633,12 @@ class LinkClient:
                 raise LinkTimeout(f"{what} from {self._endpoint} within {timeout:.3g}s")
             self._poll_once(remaining, refuse=True)
         return self.server
+
+    @property
+    def handshakes(self) -> int:
+        """CURVE handshakes completed so far: one per connection to the server, so more
+        than one means the link reconnected (and greeted the server again)."""
+        return self._handshakes
 
     def _poll_once(self, timeout: float, refuse: bool) -> Record | LinkRecord | None:
         ready = dict(self._poller.poll(max(0.0, timeout) * 1000))

@@ -68,6 +68,23 @@ def _join(node: str = "b", decode: int = 1, layout: KVLayout = LAYOUT, model: st
     return Join(node, decode, layout.to_json(), model)
 
 
+def test_a_node_joining_again_gets_back_the_indices_its_workers_run_under() -> None:
+    """After the head's gateway restarted it knows no member: each joins again naming the
+    first index its decode workers already run under, in whatever order they come."""
+    spec, members = _spec([2, 3, 4]), {}
+    again = Join("c", 2, LAYOUT.to_json(), "m", base=3)
+    assert join_refusal(again, spec, LAYOUT, members) == ""
+    members["c"] = Member("c", [3, 4])
+    assert "not free" in join_refusal(Join("b", 2, LAYOUT.to_json(), "m", base=2), spec,
+                                      LAYOUT, members)  # fmt: skip
+    assert join_refusal(Join("b", 1, LAYOUT.to_json(), "m", base=2), spec, LAYOUT, members) == ""
+    assert "not free" in join_refusal(Join("d", 1, LAYOUT.to_json(), "m", base=7), spec,
+                                      LAYOUT, members)  # fmt: skip
+    assert join_refusal(again, spec, LAYOUT, members) == ""  # the same node, the same indices
+    moved = Join("c", 2, LAYOUT.to_json(), "m", base=2)
+    assert "this head gave it [3, 4]" in join_refusal(moved, spec, LAYOUT, members)
+
+
 def test_the_head_admits_what_fits_and_refuses_the_rest_saying_why() -> None:
     spec, members = _spec([2, 3]), {}
     assert join_refusal(_join(), spec, LAYOUT, members) == ""

@@ -182,6 +182,35 @@ def test_a_killed_decode_worker_on_one_node_its_streams_finish_on_the_other(
     cluster.members[0].wait_for(restarted, 30)  # its node restarted it
 
 
+def test_after_the_heads_gateway_restarts_the_members_join_again_and_serve_exactly(
+    cluster: Cluster,
+    reference: dict,  # type: ignore[type-arg]
+    qwen_tokenizer: object,
+) -> None:
+    """A restarted head gateway knows no member: each notices the head's silence, joins
+    again under the indices its workers run with, and decode across hosts resumes."""
+    name, gateway = cluster.head.worker("gateway")
+    before = [len(m.log) for m in cluster.members]
+    os.kill(gateway, signal.SIGKILL)
+    cluster.head.wait_for(f"started {name.removeprefix('pdserve:')}", 30)
+    deadline = time.monotonic() + 60
+    for m, start in zip(cluster.members, before, strict=True):
+        while not any("joined the head again" in line for line in m.log[start:]):
+            assert time.monotonic() < deadline, "".join(m.log[-20:])
+            time.sleep(0.2)
+    # Until the new gateway mirrors their rows again, the remote workers are not routable.
+    while True:
+        health = json.loads(cluster.get("/health")[1])
+        if all(w["alive"] for w in health["workers"]):
+            break
+        assert time.monotonic() < deadline, health
+        time.sleep(0.2)
+    prompts = random_prompts(4, seed=13)
+    results = cluster.stream(prompts)
+    log = cluster.head.log + [line for m in cluster.members for line in m.log]
+    check_exact(results, prompts, reference, cluster.model, qwen_tokenizer, log)
+
+
 def test_a_node_with_another_cluster_key_is_refused(cluster: Cluster) -> None:
     intruder = Node(cluster.pair, "b", ["--prefill", "0", "--decode", "1", "--join", cluster.join,
                                         "--cluster-key", "not-the-cluster-key-at-all",

@@ -15,18 +15,14 @@ import time
 from benchmarks.netns_pair import NetnsPair
 from checkpoints import tiny
 from tests.e2e.helpers import check_exact, children, random_prompts, title
-from tests.e2e.test_cluster import PORT, _start
+from tests.e2e.test_cluster import PORT, Cluster, _start
 
 _COMPUTED = "pdserve_prefill_computed_tokens_total{"
-_SCRAPE = ("import urllib.request, sys; "
-           "print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())")  # fmt: skip
 
 
-def _prefilled_by(pair: NetnsPair) -> int | None:
+def _prefilled_by(cluster: Cluster) -> int | None:
     """The head's prefill worker that has computed a prompt, from its /metrics."""
-    done = pair.run("a", [sys.executable, "-c", _SCRAPE, f"http://127.0.0.1:{PORT}/metrics"],
-                    timeout=30)  # fmt: skip
-    for line in done.stdout.splitlines():
+    for line in cluster.get("/metrics")[1].splitlines():
         if line.startswith(_COMPUTED) and 'role="prefill"' in line and float(line.split()[-1]):
             index = re.search(r'index="(\d+)"', line)
             assert index is not None, line
@@ -54,7 +50,7 @@ def test_a_prefill_worker_killed_before_its_kv_was_read_is_prefilled_again_elsew
                 client.stdin.write(json.dumps(prompts))
                 client.stdin.close()
                 deadline = time.monotonic() + 30
-                while (victim := _prefilled_by(pair)) is None:
+                while (victim := _prefilled_by(c)) is None:
                     assert time.monotonic() < deadline, "no prefill worker computed the prompt"
                     time.sleep(0.1)
                 pid = next(p for p in children(c.head.proc.pid)
