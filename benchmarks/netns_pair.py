@@ -243,6 +243,12 @@ class NetnsPair:
         kw.setdefault("text", True)
         return subprocess.run(self.argv(side, argv), timeout=timeout, **kw)
 
+    def set_link(self, up: bool) -> None:
+        """Cut the veth (both ends down) or mend it: a partition between the two hosts
+        that every process on either side sees, as a pulled cable would be seen."""
+        for side in ("a", "b"):
+            _ip("-n", self.names[side], "link", "set", self.names[side], "up" if up else "down")
+
     def link_bytes(self, side: Side) -> tuple[int, int]:
         """(received, sent) byte counters of ``side``'s veth end: whether traffic really
         crossed the link, not only where a library was told to send it."""

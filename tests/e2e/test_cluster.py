@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,9 +64,12 @@ class Cluster:
     def join(self) -> str:
         return f"{self.pair.addr('a')}:{CLUSTER_PORT}"
 
-    def stream(self, prompts: list[list[int]], kill: int | None = None) -> list[dict]:  # type: ignore[type-arg]
-        """Greedy streams of ``prompts`` from inside namespace a; SIGKILL ``kill`` once
-        tokens flow."""
+    def stream(
+        self, prompts: list[list[int]], kill: int | None = None,
+        during: Callable[[], None] | None = None,
+    ) -> list[dict]:  # type: ignore[type-arg]  # fmt: skip
+        """Greedy streams of ``prompts`` from inside namespace a; SIGKILL ``kill``, or run
+        ``during``, once tokens flow."""
         client = self.pair.popen(
             "a", [sys.executable, "-m", "tests.e2e.cluster_client", f"http://127.0.0.1:{PORT}"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -77,6 +80,8 @@ class Cluster:
         assert client.stdout.readline().strip() == "started"
         if kill is not None:
             os.kill(kill, signal.SIGKILL)
+        if during is not None:
+            during()
         out = client.stdout.readline()
         client.wait(30)
         return json.loads(out)  # type: ignore[no-any-return]
@@ -209,6 +214,33 @@ def test_after_the_heads_gateway_restarts_the_members_join_again_and_serve_exact
     results = cluster.stream(prompts)
     log = cluster.head.log + [line for m in cluster.members for line in m.log]
     check_exact(results, prompts, reference, cluster.model, qwen_tokenizer, log)
+
+
+def test_streams_cut_off_by_a_partition_finish_exactly_once_it_heals(
+    cluster: Cluster,
+    reference: dict,  # type: ignore[type-arg]
+    qwen_tokenizer: object,
+) -> None:
+    """The veth goes down mid-stream for longer than the head waits on a silent node: its
+    decode workers read as dead, their streams wait to be resumed (none hangs, none is
+    failed yet); once the link is back the members are heard again and every stream
+    finishes, exact."""
+    prompts = random_prompts(4, seed=14)
+
+    def cut() -> None:
+        cluster.pair.set_link(False)
+        try:
+            time.sleep(8)  # past the head's 5 s silence bound
+        finally:
+            cluster.pair.set_link(True)
+
+    start = len(cluster.head.log)
+    results = cluster.stream(prompts, during=cut)
+    log = cluster.head.log + [line for m in cluster.members for line in m.log]
+    check_exact(results, prompts, reference, cluster.model, qwen_tokenizer, log)
+    said = cluster.head.log[start:]
+    assert any("silent for" in line for line in said), "".join(said[-30:])
+    assert any("resumed" in line for line in said), "".join(said[-30:])
 
 
 def test_a_node_with_another_cluster_key_is_refused(cluster: Cluster) -> None:

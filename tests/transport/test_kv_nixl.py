@@ -4,6 +4,7 @@ tests put a real link between them)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -208,29 +209,44 @@ def _serve_pool(conn: Connection) -> None:
     time.sleep(120)
 
 
-def test_a_read_from_a_dead_prefill_process_fails_cleanly() -> None:
-    """The prefill host dies between two handoffs: the next READ raises a transfer error
-    within the receiver's deadline (the request is then refused and re-prefilled)."""
+@contextlib.contextmanager
+def _child_pool(
+    name: str, timeout_s: float
+) -> Iterator[tuple[mp.Process, NixlReceiver, torch.Tensor]]:
+    """A prefill process serving a pool (``_serve_pool``), a receiver that opened it, and
+    the pool's bytes as the child sent them: (process, receiver, blocks as byte rows)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_serve_pool, args=(child,), daemon=True)
     proc.start()
-    receiver = kv_nixl.NixlReceiver(_pool(LAYOUT, 0.0), LAYOUT, "decode-orphan", timeout_s=10)
+    receiver = kv_nixl.NixlReceiver(_pool(LAYOUT, 0.0), LAYOUT, name, timeout_s=timeout_s)
     try:
         assert parent.poll(60)
         receiver.open(0, parent.recv_bytes())
         src = torch.frombuffer(bytearray(parent.recv_bytes()), dtype=torch.uint8)
+        yield proc, receiver, src.view(LAYOUT.num_blocks, -1)
+    finally:
+        receiver.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid or 0, signal.SIGCONT)  # a test may have stopped it
+        proc.kill()
+        proc.join(10)
+
+
+def _received(receiver: NixlReceiver, block: int) -> torch.Tensor:
+    return receiver.pool[block].view(torch.uint8).flatten()
+
+
+def test_a_read_from_a_dead_prefill_process_fails_cleanly() -> None:
+    """The prefill host dies between two handoffs: the next READ raises a transfer error
+    within the receiver's deadline (the request is then refused and re-prefilled)."""
+    with _child_pool("decode-orphan", timeout_s=10) as (proc, receiver, blocks):
         receiver.fetch(0, [4], [4])  # across processes, as between hosts
-        assert torch.equal(receiver.pool[4].view(torch.uint8).flatten(),
-                           src.view(LAYOUT.num_blocks, -1)[4])  # fmt: skip
+        assert torch.equal(_received(receiver, 4), blocks[4])
         os.kill(proc.pid or 0, signal.SIGKILL)
         proc.join(10)
         with pytest.raises(KVTransferError, match="prefill 0"):
             receiver.fetch(0, [5], [5])
-    finally:
-        receiver.close()
-        if proc.is_alive():
-            proc.kill()
 
 
 def test_a_read_in_flight_is_polled_and_one_from_a_stopped_source_ends_at_its_deadline(
@@ -240,23 +256,14 @@ def test_a_read_in_flight_is_polled_and_one_from_a_stopped_source_ends_at_its_de
     from a stopped prefill process stays in flight until the receiver's deadline; the
     caller polls it between steps of its own and is never blocked."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # read at agent creation, here and in the child
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve_pool, args=(child,), daemon=True)
-    proc.start()
-    receiver = kv_nixl.NixlReceiver(_pool(LAYOUT, 0.0), LAYOUT, "decode-inflight", timeout_s=2)
-    try:
-        assert parent.poll(60)
-        receiver.open(0, parent.recv_bytes())
-        src = torch.frombuffer(bytearray(parent.recv_bytes()), dtype=torch.uint8)
+    with _child_pool("decode-inflight", timeout_s=2) as (proc, receiver, blocks):
         read = receiver.start_fetch(0, [1, 2, 3], [7, 8, 9])
         deadline = time.monotonic() + 10
         while read is not None and not read.poll():  # bounded by the read's own deadline
             assert time.monotonic() < deadline
             time.sleep(0.001)
-        blocks = src.view(LAYOUT.num_blocks, -1)
         for s, d in ((1, 7), (2, 8), (3, 9)):
-            assert torch.equal(receiver.pool[d].view(torch.uint8).flatten(), blocks[s])
+            assert torch.equal(_received(receiver, d), blocks[s])
         assert receiver.reads == 1
 
         os.kill(proc.pid or 0, signal.SIGSTOP)
@@ -269,8 +276,3 @@ def test_a_read_in_flight_is_polled_and_one_from_a_stopped_source_ends_at_its_de
                 time.sleep(0.01)
         assert read.abandon(), "a READ past its deadline is cancelled: its blocks are free"
         assert receiver.reads == 1 and bool((receiver.pool[5] == 0).all())
-    finally:
-        receiver.close()
-        os.kill(proc.pid or 0, signal.SIGCONT)
-        proc.kill()
-        proc.join(10)
