@@ -268,7 +268,10 @@ class NetnsLaunch:
     ) -> None:
         import sys
 
-        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": pair.dev(side)}
+        # TCP: within one machine UCX would otherwise pick shared memory, past the veth.
+        # The interface is the launcher's to choose (its cluster address's), as on hosts.
+        env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
+        env["UCX_TLS"] = "tcp"
         cmd = [sys.executable, "-m", "launcher.cli", *argv]
         # A node of several runs on its side's own cores (``NetnsPair.cores``); the
         # launcher's children inherit the affinity, and the core lease counts it.

@@ -115,13 +115,14 @@ def _engine_children(
     cores = os.cpu_count() or 1
     num_workers = config.colocated or config.prefill + config.decode
     threads = str(max(1, cores // max(1, num_workers)))
+    ucx = cluster.ucx_env(config) if config.clustered else {}
     out: list[Child] = []
     for place in placements(gpus, config.gpu_memory_utilization):
         if place.role is Role.DECODE:
             place = replace(place, index=place.index + first_decode)
         handoff = None if place.role is Role.COLOCATED else backend
         settings = encode_spec(_engine_spec(config, model, place, handoff))
-        env = {"OMP_NUM_THREADS": threads, **place.env()}
+        env = {"OMP_NUM_THREADS": threads, **ucx, **place.env()}
         out.append(Child(topo.spec(place.role, place.index, settings), env))
     return out
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 
 from cluster.gateway import GatewaySpec
@@ -48,6 +49,56 @@ def node_name(config: ServerConfig) -> str:
     except ConfigError as e:
         raise ConfigError(f"{e}; give --node-name") from e
     return host
+
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's (primary) IPv4 address
+
+
+def interface_of(addr: str) -> str | None:
+    """The name of this host's network interface whose IPv4 address is ``addr``, or None."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(got[20:24]) == addr:
+                return name
+    return None
+
+
+def local_address(config: ServerConfig) -> str | None:
+    """This node's address on the cluster's network: the head's ``--advertise``d one; on a
+    member, the one its packets to the head leave from (a UDP connect sends nothing)."""
+    try:
+        if config.advertise is not None:
+            host, _ = split_host_port(config.advertise, "--advertise", DEFAULT_CLUSTER_PORT)
+            return socket.gethostbyname(host)
+        host, port = split_host_port(config.join or "", "--join")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), port))
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def ucx_env(config: ServerConfig) -> dict[str, str]:
+    """``UCX_NET_DEVICES`` for this node's engine workers: the interface of its cluster
+    address, so their NIXL agents (UCX) listen there only, not on every interface. An
+    operator's own ``UCX_NET_DEVICES`` wins (e.g. an RDMA NIC beside the control network)."""
+    if "UCX_NET_DEVICES" in os.environ:
+        return {}
+    addr = local_address(config)
+    name = interface_of(addr) if addr else None
+    if name is None:
+        logger.warning("no interface holds this node's cluster address %s: UCX may listen on "
+                       "every interface; set UCX_NET_DEVICES to choose", addr)  # fmt: skip
+        return {}
+    logger.info("KV across hosts (NIXL over UCX) on interface %s (%s)", name, addr)
+    return {"UCX_NET_DEVICES": name}
 
 
 def require_extra() -> None:

@@ -192,3 +192,20 @@ def test_the_head_names_a_members_rows_after_the_member_not_after_the_rows() -> 
     # Nor may a member write another member's worker.
     gateway._on_rows(b"id-b1", Rows("b1", [dict(fields)]))
     assert head.snapshot()[2].node == "b0" and head.snapshot()[3].role is None
+
+
+def test_engine_workers_are_told_the_interface_of_the_nodes_cluster_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """So UCX listens there only. The head's is its --advertise address's; a member's the
+    one its packets to the head leave from; an operator's UCX_NET_DEVICES wins."""
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    assert cluster.interface_of("127.0.0.1") == "lo"
+    assert cluster.interface_of("192.0.2.77") is None  # TEST-NET-1: on no interface here
+    head = parse_args(["--advertise", "127.0.0.1:7481", "--remote-decode", "1", *KEY])
+    member = parse_args(["--join", "127.0.0.1:7481", "--prefill", "0", *KEY])
+    assert cluster.ucx_env(head) == cluster.ucx_env(member) == {"UCX_NET_DEVICES": "lo"}
+    elsewhere = parse_args(["--advertise", "192.0.2.77", "--remote-decode", "1", *KEY])
+    assert cluster.ucx_env(elsewhere) == {}  # and a warning saying to set it
+    monkeypatch.setenv("UCX_NET_DEVICES", "eth7")
+    assert cluster.ucx_env(head) == {}  # the children inherit the operator's choice

@@ -150,6 +150,21 @@ def test_prefill_on_one_host_decode_on_another_is_exact(
     for node in cluster.members:
         assert any("mapped prefill 0's KV pool" in line for line in node.log)
     _check_nodes_named(cluster)
+    _check_listeners(cluster)
+
+
+def _check_listeners(cluster: Cluster) -> None:
+    """Every socket a node listens on is on its cluster address (or loopback: the head's
+    HTTP port here): NIXL's UCX was told the interface, by the launcher."""
+    for side in ("a", "b"):
+        ss = cluster.pair.run(side, ["ss", "-Htlnp"], timeout=10)
+        assert ss.returncode == 0, ss.stderr
+        bound = [line.split()[3] for line in ss.stdout.splitlines() if "pdserve" in line]
+        assert bound, ss.stdout
+        allowed = (f"{cluster.pair.addr(side)}:", "127.0.0.1:")
+        assert all(b.startswith(allowed) for b in bound), ss.stdout
+        node = cluster.head if side == "a" else cluster.members[0]
+        assert any(f"on interface {cluster.pair.dev(side)}" in line for line in node.log)
 
 
 def _check_nodes_named(cluster: Cluster) -> None:
