@@ -159,6 +159,7 @@ class Gateway:
         self.server: LinkServer | None = None
         self.client: LinkClient | None = None
         self._handshakes = 0  # of the link to the head, when this node last joined
+        self._head_silent = False  # said once per silence, not every beat
 
     # -- relaying ----------------------------------------------------------------------
 
@@ -373,8 +374,12 @@ class Gateway:
             self.client.send_beat()
         except LinkError as e:
             logger.warning("heartbeat to the head failed: %s", e)
-        if self.client.silent_peers(self.cfg.silent_after_s):
+        silent = bool(self.client.silent_peers(self.cfg.silent_after_s))
+        if silent and not self._head_silent:
             logger.error("the head has been silent for %.1f s", self.cfg.silent_after_s)
+        elif self._head_silent and not silent:
+            logger.info("the head is heard again")
+        self._head_silent = silent
 
     # -- the loop ----------------------------------------------------------------------
 
