@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from runtime.process import attach_rings, bootstrap
-from runtime.spec_decode import exit_on_bad_spec
+from runtime.spec_decode import EXIT_BAD_SPEC, exit_on_bad_spec
 from transport.cluster_link import Join, LinkClient, LinkServer, Relay, Rows, Welcome
 from transport.errors import KVTransferError, LinkError, PeerDead, RingFull
 from transport.kv import KVLayout
@@ -159,6 +159,7 @@ class Gateway:
         self.server: LinkServer | None = None
         self.client: LinkClient | None = None
         self._handshakes = 0  # of the link to the head, when this node last joined
+        self._join_sent: float | None = None  # when, while its Welcome has not come
         self._head_silent = False  # said once per silence, not every beat
 
     # -- relaying ----------------------------------------------------------------------
@@ -243,6 +244,7 @@ class Gateway:
             if join.base >= 0:
                 free = list(range(join.base, join.base + join.decode))
             member = self.members[join.node] = Member(join.node, free[: join.decode])
+        member.identity, member.last_heard = identity, time.monotonic()
         logger.info("node %s joined with decode workers %s", join.node, member.decode)
         self.server.send_link(identity, Welcome(member.decode[0], self.cfg.shape), _SEND_TIMEOUT_S)
 
@@ -319,9 +321,9 @@ class Gateway:
     def _serve_member(self) -> None:
         self.client = LinkClient(self.cfg.join, self.cfg.cluster_key, self.cfg.node)
         self.client.connect(timeout=30.0)
-        self._handshakes = self.client.handshakes  # the launcher joined this node already
         logger.info("connected to the head at %s", self.cfg.join)
         self._last_heard = time.monotonic()
+        self._join()
         self._loop(self._member_messages, self._member_beat)
 
     def _member_messages(self) -> bool:
@@ -336,30 +338,33 @@ class Gateway:
             else:
                 logger.warning("unexpected %s from the head; ignored", type(msg).__name__)
         if self.client.handshakes > self._handshakes:
-            self._join_again()
+            self._join()
         return got_any
 
-    def _join_again(self) -> None:
-        """A new connection to the head (the link greets it again by itself) may reach a
-        head whose gateway restarted and knows no member: join again, asking for the
-        indices this node's workers run under. A head that still knows this node answers
-        the same; either way ``_welcomed`` reads the answer."""
+    def _join(self) -> None:
+        """Join the head, asking for the indices this node's workers run under: on every
+        new connection (the link greets the head again by itself), since it may reach a
+        head whose gateway restarted and knows no member; and again while no answer has
+        come (``_member_beat``). A head that knows this node already answers the same."""
         assert self.client is not None
         self._handshakes = self.client.handshakes
+        self._join_sent = time.monotonic()
         mine = self.cfg.decode
         join = Join(self.cfg.node, len(mine), self.cfg.layout, self.cfg.model, base=mine[0])
         try:
             self.client.send_link(join, _SEND_TIMEOUT_S)
-        except LinkError as e:  # the next connection tries again
-            logger.warning("could not join the head again: %s", e)
+        except LinkError as e:  # asked again after silent_after_s
+            logger.warning("could not send the join to the head: %s", e)
 
     def _welcomed(self, answer: Welcome) -> None:
         if answer.refused:
             # The head now serves another model, or gave these indices to another node:
-            # this node's workers cannot serve it. Stop, saying why.
+            # this node's workers cannot serve it, and a restart would be refused alike.
             logger.error("the head refused this node: %s", answer.refused)
-            raise SystemExit(1)
-        logger.info("joined the head again with decode workers %s", self.cfg.decode)
+            raise SystemExit(EXIT_BAD_SPEC)
+        if self._join_sent is not None:
+            logger.info("the head admits this node's decode workers %s", self.cfg.decode)
+        self._join_sent = None
 
     def _member_beat(self) -> None:
         assert self.client is not None
@@ -374,6 +379,9 @@ class Gateway:
             self.client.send_beat()
         except LinkError as e:
             logger.warning("heartbeat to the head failed: %s", e)
+        sent = self._join_sent
+        if sent is not None and time.monotonic() - sent > self.cfg.silent_after_s:
+            self._join()  # no answer: the head may not have been there to hear it
         silent = bool(self.client.silent_peers(self.cfg.silent_after_s))
         if silent and not self._head_silent:
             logger.error("the head has been silent for %.1f s", self.cfg.silent_after_s)

@@ -34,13 +34,14 @@ from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from engine.sampling.grammar import GrammarError
 from runtime.step_output import TokenBatcher
-from transport.errors import KVTransferError
+from transport.errors import KVReadFailed, KVTransferError
 from transport.kv import KVReceiver, PendingFetch
 from wire.records import Finish, KVRelease, KVTransfer, TokenBatch
 
 logger = logging.getLogger(__name__)
 
 _ABORT_MEMORY = 4096  # aborted rids remembered for transfers still on their way
+_POLLS_PER_ADMIT = 8  # checks of each read in flight per admit(), while it is not done
 
 
 @dataclass
@@ -76,8 +77,9 @@ class DecodeScheduler:
         self._failed: list[KVTransfer] = []  # their grammar failed: error rows next step
         self.reading: dict[int, _Reading] = {}  # rid -> its KV read in flight
         self._lost: list[KVTransfer] = []  # their KV could not be read: LOST rows next step
-        # Blocks a read that could not be cancelled may still write: never reused.
-        self.quarantined_blocks = 0
+        # Abandoned reads still in flight: their blocks are freed once each has ended
+        # (it may yet write them).
+        self.draining: list[_Reading] = []
 
     # ---- inputs ------------------------------------------------------------------------
 
@@ -110,7 +112,8 @@ class DecodeScheduler:
         return releases
 
     def abort(self, rid: int) -> list[tuple[int, KVRelease]]:
-        """Stop ``rid`` wherever it is here; its blocks are free when this returns."""
+        """Stop ``rid`` wherever it is here; its blocks are free when this returns, but
+        those of a read still in flight, freed once it has ended (``draining``)."""
         self._aborted[rid] = None
         while len(self._aborted) > _ABORT_MEMORY:
             self._aborted.popitem(last=False)
@@ -135,15 +138,24 @@ class DecodeScheduler:
         blocks it already holds (found by the transfer's block hashes) are shared.
         """
         releases = self._promote_compiled() if self.compiling else []
+        if self.draining:
+            self.drain_abandoned()
         if self.reading:
             self._poll_reads(releases)
         while self.pending and self._has_room():
             t = self.pending[0]
             try:
                 started = self._import(t)
-            except KVTransferError as e:  # refused before anything moved
+            except KVReadFailed as e:  # nothing in flight: it failed at once
                 self.pending.popleft()
                 self._lose(t, e, releases)
+                continue
+            except KVTransferError as e:  # refused as asked: it would be refused anywhere
+                logger.error("rid %d: KV of prefill %d refused (%s); the request fails",
+                             t.rid, t.prefill_worker, e)  # fmt: skip
+                self.pending.popleft()
+                self._failed.append(t)
+                releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=False)))
                 continue
             if started is None:
                 break
@@ -159,9 +171,11 @@ class DecodeScheduler:
         """Move the reads that have landed to ``running``; lose the ones that failed."""
         for rid, r in list(self.reading.items()):
             try:
-                if not r.read.poll():
+                # A few checks: each progresses the transport, which moves a large read
+                # on by what has arrived since the last step.
+                if not any(r.read.poll() for _ in range(_POLLS_PER_ADMIT)):
                     continue
-            except KVTransferError as e:
+            except KVReadFailed as e:
                 del self.reading[rid]
                 self._drop_read(r)
                 self._lose(r.t, e, releases)
@@ -171,9 +185,7 @@ class DecodeScheduler:
             self.running[rid] = _Running(r.seq, r.t.detok_shard)
             releases.append((r.t.prefill_worker, KVRelease(rid=rid, accepted=True)))
 
-    def _lose(
-        self, t: KVTransfer, e: KVTransferError, releases: list[tuple[int, KVRelease]]
-    ) -> None:
+    def _lose(self, t: KVTransfer, e: KVReadFailed, releases: list[tuple[int, KVRelease]]) -> None:
         """``t``'s KV cannot be had (e.g. its prefill host died or is cut off): a LOST row
         tells the frontend, which re-prefills the request elsewhere."""
         logger.error("rid %d: KV of prefill %d unreadable (%s); handed back to be "
@@ -182,11 +194,23 @@ class DecodeScheduler:
         releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=False)))
 
     def _drop_read(self, r: _Reading) -> None:
-        """Free an abandoned read's blocks, unless the read may still write them."""
+        """Free an abandoned read's blocks now, or once the read has ended."""
         if r.read.abandon():
             self.runner.free_blocks(r.seq)
         else:
-            self.quarantined_blocks += len(r.seq.block_table)
+            self.draining.append(r)
+
+    def drain_abandoned(self, prefill_worker: int | None = None) -> bool:
+        """Free the blocks of abandoned reads that have ended; True if any from
+        ``prefill_worker`` (any, if None) is still in flight."""
+        still = []
+        for r in self.draining:
+            if r.read.abandon():
+                self.runner.free_blocks(r.seq)
+            else:
+                still.append(r)
+        self.draining = still
+        return any(prefill_worker in (None, r.t.prefill_worker) for r in still)
 
     def _import(self, t: KVTransfer) -> Sequence | _Reading | None:
         """``t``'s KV in this pool (held prefix blocks + copies of the rest); the read in
@@ -214,7 +238,7 @@ class DecodeScheduler:
         try:
             read = self.receiver.start_fetch(t.prefill_worker, t.src_blocks[first:n_src],
                                              seq.block_table[first:n_src])  # fmt: skip
-        except KVTransferError:
+        except KVTransferError:  # nothing is in flight (start_fetch saw to it)
             runner.free_blocks(seq)
             raise
         if read is not None:

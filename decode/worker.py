@@ -41,6 +41,7 @@ _GRAMMAR_POLL_S = 0.002
 # While only KV reads are in flight: each admit() polls them (and progresses the NIXL
 # agent); a READ of a few MB over TCP lands in about a millisecond or two.
 _READ_POLL_S = 0.0002
+_SETTLE_S = 1.0  # how long a lost pool's abandoned reads may take to end before it goes
 _MAPPED = (CudaIpcReceiver, NixlReceiver)  # receivers that map pools from their handles
 
 
@@ -158,17 +159,27 @@ class DecodeWorker(Worker):
     def _forget_pool(self, i: int) -> None:
         assert self.imports is not None and isinstance(self.receiver, _MAPPED)
         self.imports.lost(i)
-        self.receiver.drop(i)
         stale = [t.rid for t in self.sched.pending if t.prefill_worker == i]
         stale += [rid for rid, r in self.sched.reading.items() if r.t.prefill_worker == i]
         for rid in stale:  # no release: the process that pinned the blocks is gone
             self.sched.abort(rid)
+        # Reads from a dead source end soon (their connection is gone); the pool is
+        # unmapped after them, not under them.
+        deadline = time.monotonic() + _SETTLE_S
+        while self.sched.drain_abandoned(i) and time.monotonic() < deadline:
+            time.sleep(_READ_POLL_S)
+        self.receiver.drop(i)
         if stale:
             logger.warning("prefill %d is gone: dropped %d pending transfers", i, len(stale))
 
     def _release(self, releases: list[tuple[int, KVRelease]]) -> None:
         for i, rel in releases:
             send(self.rel_out[i], rel)
+
+    def has_compute(self) -> bool:
+        # Reads in flight alone are only polled: no cores held while the bytes cross.
+        s = self.sched
+        return bool(s.running or s.pending or s.preempted or s.compiling)
 
     def load(self) -> QueueLoad:
         s = self.sched

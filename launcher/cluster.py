@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import socket
+from pathlib import Path
 
 from cluster.gateway import GatewaySpec
 from launcher.args import (
@@ -70,6 +71,18 @@ def interface_of(addr: str) -> str | None:
     return None
 
 
+def rdma_ports(interface: str, sysfs: Path = Path("/sys")) -> list[str]:
+    """The RDMA ports (``mlx5_0:1``) of the NIC behind ``interface`` (RoCE, or the HCA
+    of an IPoIB interface), as ``UCX_NET_DEVICES`` names them; none on plain Ethernet."""
+    hcas = sysfs / "class" / "net" / interface / "device" / "infiniband"
+    out = []
+    for hca in sorted(hcas.iterdir()) if hcas.is_dir() else []:
+        ports = sysfs / "class" / "infiniband" / hca.name / "ports"
+        numbers = sorted(int(p.name) for p in ports.iterdir()) if ports.is_dir() else []
+        out += [f"{hca.name}:{n}" for n in numbers]
+    return out
+
+
 def local_address(config: ServerConfig) -> str | None:
     """This node's address on the cluster's network: the head's ``--advertise``d one; on a
     member, the one its packets to the head leave from (a UDP connect sends nothing)."""
@@ -87,8 +100,9 @@ def local_address(config: ServerConfig) -> str | None:
 
 def ucx_env(config: ServerConfig) -> dict[str, str]:
     """``UCX_NET_DEVICES`` for this node's engine workers: the interface of its cluster
-    address, so their NIXL agents (UCX) listen there only, not on every interface. An
-    operator's own ``UCX_NET_DEVICES`` wins (e.g. an RDMA NIC beside the control network)."""
+    address and the RDMA ports of its NIC, so their NIXL agents (UCX) listen there only,
+    not on every interface, and still read over RDMA where the NIC has it. An operator's
+    own ``UCX_NET_DEVICES`` wins (e.g. an RDMA NIC beside the control network)."""
     if "UCX_NET_DEVICES" in os.environ:
         return {}
     addr = local_address(config)
@@ -97,8 +111,10 @@ def ucx_env(config: ServerConfig) -> dict[str, str]:
         logger.warning("no interface holds this node's cluster address %s: UCX may listen on "
                        "every interface; set UCX_NET_DEVICES to choose", addr)  # fmt: skip
         return {}
-    logger.info("KV across hosts (NIXL over UCX) on interface %s (%s)", name, addr)
-    return {"UCX_NET_DEVICES": name}
+    devices = ",".join([name, *rdma_ports(name)])
+    logger.info("KV across hosts (NIXL over UCX) on interface %s (%s): UCX_NET_DEVICES=%s",
+                name, addr, devices)  # fmt: skip
+    return {"UCX_NET_DEVICES": devices}
 
 
 def require_extra() -> None:

@@ -105,6 +105,12 @@ class Worker(abc.ABC):
     def load(self) -> QueueLoad:
         """This step's queue figures for the router."""
 
+    def has_compute(self) -> bool:
+        """Whether the next step runs the model (so leases cores): by default, whenever
+        requests wait or run here."""
+        q = self.load()
+        return bool(q.waiting_requests or q.running_requests)
+
     def take_requests(self, sched: TakesRequests) -> None:
         """Drain every frontend's request ring into ``sched``; a request that can never run
         here ends at once with an error (its shard tells the client). Each ring is FIFO,
@@ -145,8 +151,7 @@ class Worker(abc.ABC):
     def _leased_step(self) -> bool:
         """``step`` on as many cores as the lease gives, when there is work to compute."""
         assert self.cores is not None
-        q = self.load()
-        if not (q.waiting_requests or q.running_requests):
+        if not self.has_compute():
             return self.step()
         with self.cores.hold(self.cores.cores) as granted:
             if granted != torch.get_num_threads():

@@ -36,6 +36,12 @@ class KVTransferError(TransportError):
     """A KV block copy cannot be done as asked (bad block ids, unknown source, layout)."""
 
 
+class KVReadFailed(KVTransferError):
+    """A copy across the network failed or passed its deadline: the source host may be
+    gone or cut off. Unlike a refused copy, prefilling the request again elsewhere can
+    succeed."""
+
+
 class ClusterUnavailable(TransportError):
     """Several hosts need the ``nixl`` extra (pyzmq with CURVE for the link, NIXL for KV),
     and this install lacks part of it."""

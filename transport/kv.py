@@ -146,13 +146,14 @@ class PendingFetch(abc.ABC):
     @abc.abstractmethod
     def poll(self) -> bool:
         """True once every destination block holds its source's bytes. Raises
-        ``KVTransferError`` if the copy failed or passed its deadline; it is then over, and
-        ``abandon`` says whether its destination blocks may be reused."""
+        ``KVReadFailed`` if the copy failed or passed its deadline; then ``abandon``."""
 
     @abc.abstractmethod
     def abandon(self) -> bool:
-        """Stop waiting (the request was aborted, or ``poll`` raised). True if nothing can
-        write the destination blocks any more: only then may they be freed."""
+        """Stop waiting (the request was aborted, or ``poll`` raised). True once nothing
+        can write the destination blocks any more: only then may they be freed. A copy
+        still in flight cannot be recalled (an RDMA read lands when it lands): False
+        until it has ended, so the caller asks again later."""
 
 
 class KVReceiver(abc.ABC):

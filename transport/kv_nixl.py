@@ -50,7 +50,7 @@ import msgspec
 import numpy as np
 import torch
 
-from transport.errors import ClusterUnavailable, KVTransferError
+from transport.errors import ClusterUnavailable, KVReadFailed, KVTransferError
 from transport.kv import KVExporter, KVLayout, KVReceiver, PendingFetch, check_ids
 from wire.records import KVRelease, RecordError, decode, encode
 
@@ -372,10 +372,14 @@ class NixlReceiver(KVReceiver):
             )
             read = _NixlRead(self, xfer, src_worker, len(src_blocks))
         except self._errors as e:  # the peer went away (host down, partition) or refused
-            raise KVTransferError(
+            raise KVReadFailed(
                 f"nixl READ from prefill {src_worker} failed: {type(e).__name__}: {e}"
             ) from e
-        return None if read.poll() else read
+        try:
+            return None if read.poll() else read
+        except KVReadFailed:  # failed at once: nothing is in flight, the handle goes
+            read.abandon()
+            raise
 
     def fetch(
         self,
@@ -393,8 +397,9 @@ class NixlReceiver(KVReceiver):
                 polls += 1
                 if polls > _SPIN_POLLS:
                     time.sleep(_POLL_SLEEP_S)
-        except KVTransferError:
-            read.abandon()
+        except KVReadFailed:
+            while not read.abandon():  # the caller frees the blocks once this returns
+                time.sleep(_POLL_SLEEP_S)
             raise
 
     def _flush_notif(self) -> None:
@@ -430,38 +435,47 @@ class _NixlRead(PendingFetch):
     def poll(self) -> bool:
         if self.xfer is None:
             return True
-        rx = self.rx
-        try:
-            if self.state == "PROC":
-                self.state = rx.agent.check_xfer_state(self.xfer)
-        except rx._errors as e:
-            raise KVTransferError(f"nixl READ from prefill {self.src_worker} failed: "
-                                  f"{type(e).__name__}: {e}") from e  # fmt: skip
+        self._check()
         if self.state == "DONE":
-            rx.agent.release_xfer_handle(self.xfer)
-            self.xfer = None
-            rx.bytes_read += self.blocks * rx.layout.block_nbytes
-            rx.reads += 1
+            self._release()
+            self.rx.bytes_read += self.blocks * self.rx.layout.block_nbytes
+            self.rx.reads += 1
             return True
         if self.state != "PROC":
-            raise KVTransferError(f"nixl READ from prefill {self.src_worker} failed ({self.state})")
+            raise KVReadFailed(f"nixl READ from prefill {self.src_worker} failed ({self.state})")
         if time.monotonic() > self.deadline:
-            raise KVTransferError(
-                f"nixl READ from prefill {self.src_worker} did not finish in {rx.timeout_s} s"
+            raise KVReadFailed(
+                f"nixl READ from prefill {self.src_worker} did not finish in {self.rx.timeout_s} s"
             )
         return False
+
+    def _check(self) -> None:
+        """Refresh ``state`` (each check also progresses the receiver's agent)."""
+        if self.state != "PROC":
+            return
+        try:
+            self.state = self.rx.agent.check_xfer_state(self.xfer)
+        except self.rx._errors as e:
+            self.state = f"ERR ({type(e).__name__}: {e})"
 
     def abandon(self) -> bool:
         if self.xfer is None:
             return True
-        try:  # NIXL cancels a READ still in flight when its handle is released
-            self.rx.agent.release_xfer_handle(self.xfer)
-        except self.rx._errors as e:
-            logger.error("nixl READ from prefill %d could not be cancelled (%s): its "
-                         "destination blocks stay out of use", self.src_worker, e)  # fmt: skip
+        self._check()
+        if self.state == "PROC":
+            # NOTE: NIXL's release cannot recall a READ in flight (UCX does not cancel an
+            # RMA get): freeing the blocks now would let it land in another request's KV.
             return False
-        self.xfer = None
+        self._release()
         return True
+
+    def _release(self) -> None:
+        try:
+            self.rx.agent.release_xfer_handle(self.xfer)
+        except self.rx._errors as e:  # the read itself is over either way
+            logger.warning("nixl: releasing a READ handle of prefill %d failed: %s",
+                           self.src_worker, e)  # fmt: skip
+        self.xfer = None
 
 
 def release_notification(rid: int) -> bytes:

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -209,3 +210,14 @@ def test_engine_workers_are_told_the_interface_of_the_nodes_cluster_address(
     assert cluster.ucx_env(elsewhere) == {}  # and a warning saying to set it
     monkeypatch.setenv("UCX_NET_DEVICES", "eth7")
     assert cluster.ucx_env(head) == {}  # the children inherit the operator's choice
+
+
+def test_the_rdma_ports_behind_an_interface_are_named_for_ucx(tmp_path: Path) -> None:
+    """A RoCE NIC: its netdev links to its HCA, whose ports UCX names ``hca:port``."""
+    (tmp_path / "class/net/eth1/device/infiniband/mlx5_0").mkdir(parents=True)
+    for port in ("1", "2"):
+        (tmp_path / "class/infiniband/mlx5_0/ports" / port).mkdir(parents=True)
+    (tmp_path / "class/net/eth0").mkdir(parents=True)  # plain Ethernet
+    assert cluster.rdma_ports("eth1", tmp_path) == ["mlx5_0:1", "mlx5_0:2"]
+    assert cluster.rdma_ports("eth0", tmp_path) == []
+    assert cluster.rdma_ports("nonexistent", tmp_path) == []

@@ -215,7 +215,9 @@ def test_after_the_heads_gateway_restarts_the_members_join_again_and_serve_exact
     cluster.head.wait_for(f"started {name.removeprefix('pdserve:')}", 30)
     deadline = time.monotonic() + 60
     for m, start in zip(cluster.members, before, strict=True):
-        while not any("joined the head again" in line for line in m.log[start:]):
+        while not any(
+            "the head admits this node's decode workers" in line for line in m.log[start:]
+        ):
             assert time.monotonic() < deadline, "".join(m.log[-20:])
             time.sleep(0.2)
     # Until the new gateway mirrors their rows again, the remote workers are not routable.

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import torch
 
 from decode.scheduler import DecodeScheduler
@@ -19,7 +20,7 @@ from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler
 from tests.pipeline.drive import pair, run
-from transport.errors import KVTransferError
+from transport.errors import KVReadFailed
 from transport.kv import PendingFetch
 from transport.kv_backends import ShmReceiver
 from wire.params import SamplingParams
@@ -29,8 +30,8 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 class HeldRead(PendingFetch):
-    """A read that lands when ``land`` is set, fails when ``fail`` is, and can be
-    cancelled unless ``stuck``."""
+    """A read that lands when ``land`` is set, fails when ``fail`` is, and is still in
+    flight (cannot be abandoned) while ``stuck``."""
 
     def __init__(self, rx: HeldReceiver, args: tuple[int, list[int], list[int]]) -> None:
         self.rx, self.args = rx, args
@@ -38,7 +39,7 @@ class HeldRead(PendingFetch):
 
     def poll(self) -> bool:
         if self.fail:
-            raise KVTransferError("nixl READ from prefill 0 failed (ERR)")
+            raise KVReadFailed("nixl READ from prefill 0 failed (ERR)")
         if self.land:
             ShmReceiver.fetch(self.rx, *self.args)
         return self.land
@@ -55,6 +56,8 @@ class HeldReceiver(ShmReceiver):
     def start_fetch(
         self, src_worker: int, src_blocks: Sequence[int], dst_blocks: Sequence[int]
     ) -> PendingFetch | None:
+        if src_worker not in self.sources:  # refused as the shm receiver refuses it
+            return super().start_fetch(src_worker, src_blocks, dst_blocks)
         read = HeldRead(self, (src_worker, list(src_blocks), list(dst_blocks)))
         self.reads[len(self.reads)] = read
         return read
@@ -151,11 +154,32 @@ def test_an_aborted_read_frees_its_blocks_only_once_nothing_can_write_them(
     free = decode.runner.num_free_kv_blocks
     _prefill(prefill, decode, _prompts(), {})
     decode.admit()
-    rx.reads[1].stuck = True  # its READ cannot be cancelled: it may still land
+    rx.reads[1].stuck = True  # still in flight: it may yet land
     held_by_1 = len(decode.reading[1].seq.block_table)
     assert decode.abort(0) == [(0, KVRelease(rid=0, accepted=False))]
     assert decode.abort(1) == [(0, KVRelease(rid=1, accepted=False))]
-    assert not decode.reading
+    assert not decode.reading and len(decode.draining) == 1
     assert decode.runner.num_free_kv_blocks == free - held_by_1
-    assert decode.quarantined_blocks == held_by_1
     assert _rows(decode.step().tokens) == []  # aborted, not lost: nothing to report
+    assert decode.admit() == [] and decode.draining  # still in flight
+    rx.reads[1].stuck = False  # it has ended
+    assert decode.admit() == [] and not decode.draining
+    assert decode.runner.num_free_kv_blocks == free
+    decode.runner.allocator.check_invariants()
+
+
+def test_a_refused_copy_fails_its_request_rather_than_resuming_it(
+    default_model_path: Path,
+) -> None:
+    """A copy refused as asked (here: a source the receiver does not know) would be refused
+    anywhere: the request ends with an error instead of being prefilled again."""
+    prefill, decode, _ = _held_pair(default_model_path)
+    free = decode.runner.num_free_kv_blocks
+    prefill.add(GenerateRequest(rid=0, prompt_ids=_prompts()[0], sampling=PARAMS,
+                                decode_worker=0, detok_shard=0))  # fmt: skip
+    ((_, transfer),) = prefill.step().transfers
+    unknown = msgspec.structs.replace(transfer, prefill_worker=5)
+    assert decode.offer(unknown) == []
+    assert decode.admit() == [(5, KVRelease(rid=0, accepted=False))]
+    assert _rows(decode.step().tokens) == [(0, -1, int(Finish.ERROR))]
+    assert decode.runner.num_free_kv_blocks == free

@@ -253,8 +253,9 @@ def test_a_read_in_flight_is_polled_and_one_from_a_stopped_source_ends_at_its_de
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """UCX over TCP, as between hosts: the source's own progress serves a READ, so a read
-    from a stopped prefill process stays in flight until the receiver's deadline; the
-    caller polls it between steps of its own and is never blocked."""
+    from a stopped prefill process stays in flight past the receiver's deadline; the
+    caller polls it between steps of its own and is never blocked, and may free the
+    destination blocks only once the read has ended."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # read at agent creation, here and in the child
     with _child_pool("decode-inflight", timeout_s=2) as (proc, receiver, blocks):
         read = receiver.start_fetch(0, [1, 2, 3], [7, 8, 9])
@@ -274,5 +275,11 @@ def test_a_read_in_flight_is_polled_and_one_from_a_stopped_source_ends_at_its_de
             while not read.poll():
                 assert time.monotonic() - t0 < 10
                 time.sleep(0.01)
-        assert read.abandon(), "a READ past its deadline is cancelled: its blocks are free"
-        assert receiver.reads == 1 and bool((receiver.pool[5] == 0).all())
+        # NIXL cannot recall a READ in flight: its blocks stay held until it has ended.
+        assert not read.abandon()
+        os.kill(proc.pid or 0, signal.SIGCONT)
+        t0 = time.monotonic()
+        while not read.abandon():  # the source serves it, late; then it is over
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.01)
+        assert receiver.reads == 1  # an abandoned read is not counted as moved
