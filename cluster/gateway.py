@@ -126,18 +126,32 @@ def join_refusal(join: Join, cfg: GatewaySpec, layout: KVLayout,
         if join.base >= 0 and member.decode[0] != join.base:
             return f"it runs decode workers from {join.base}, this head gave it {member.decode}"
         return ""
-    if join.base >= 0:  # the node runs its workers already: exactly those indices, or none
-        want = range(join.base, join.base + join.decode)
-        taken = {g for m in members.values() for g in m.decode}
-        if not set(want) <= set(cfg.decode) - taken:
-            return (f"it runs decode workers {list(want)}, which are not free in this head's "
-                    f"reserve {cfg.decode}")  # fmt: skip
+    if len(reserve_for(join, cfg, members)) == join.decode:
         return ""
-    left = len(cfg.decode) - sum(len(m.decode) for m in members.values())
-    if join.decode > left:
-        return (f"it brings {join.decode} decode workers but only {left} of the head's "
-                f"--remote-decode {len(cfg.decode)} are left")  # fmt: skip
-    return ""
+    if join.base >= 0:
+        want = list(range(join.base, join.base + join.decode))
+        return (
+            f"it runs decode workers {want}, which are not free in this head's reserve {cfg.decode}"
+        )
+    left = len(_free(cfg, members))
+    return (f"it brings {join.decode} decode workers but only {left} of the head's "
+            f"--remote-decode {len(cfg.decode)} are left")  # fmt: skip
+
+
+def _free(cfg: GatewaySpec, members: dict[str, Member]) -> list[int]:
+    taken = {g for m in members.values() for g in m.decode}
+    return [g for g in cfg.decode if g not in taken]
+
+
+def reserve_for(join: Join, cfg: GatewaySpec, members: dict[str, Member]) -> list[int]:
+    """The reserve indices a node that is not a member yet gets: those its workers run
+    under already (a join again, ``join.base``) if all are free, else the first free
+    ones; fewer than it brings when they are not to be had."""
+    free = _free(cfg, members)
+    if join.base < 0:
+        return free[: join.decode]
+    want = list(range(join.base, join.base + join.decode))
+    return want if set(want) <= set(free) else []
 
 
 def _table(spec_table: dict[str, int]) -> tuple[LoadTable, Segment]:
@@ -239,11 +253,8 @@ class Gateway:
             return
         member = self.members.get(join.node)
         if member is None:
-            taken = {g for m in self.members.values() for g in m.decode}
-            free = [g for g in self.cfg.decode if g not in taken]
-            if join.base >= 0:
-                free = list(range(join.base, join.base + join.decode))
-            member = self.members[join.node] = Member(join.node, free[: join.decode])
+            decode = reserve_for(join, self.cfg, self.members)
+            member = self.members[join.node] = Member(join.node, decode)
         member.identity, member.last_heard = identity, time.monotonic()
         logger.info("node %s joined with decode workers %s", join.node, member.decode)
         self.server.send_link(identity, Welcome(member.decode[0], self.cfg.shape), _SEND_TIMEOUT_S)
@@ -322,7 +333,6 @@ class Gateway:
         self.client = LinkClient(self.cfg.join, self.cfg.cluster_key, self.cfg.node)
         self.client.connect(timeout=30.0)
         logger.info("connected to the head at %s", self.cfg.join)
-        self._last_heard = time.monotonic()
         self._join()
         self._loop(self._member_messages, self._member_beat)
 
