@@ -74,9 +74,10 @@ class DecodeScheduler:
         self.preempted: deque[_Running] = deque()
         self._aborted: OrderedDict[int, None] = OrderedDict()
         self.compiling: list[KVTransfer] = []  # offered; their grammar is compiling here
-        self._failed: list[KVTransfer] = []  # their grammar failed: error rows next step
+        # Handoffs that end here without a token, and how: ERROR (a grammar that does not
+        # compile, a refused copy) or LOST (a read that failed); a row each next step.
+        self._ended: list[tuple[KVTransfer, Finish]] = []
         self.reading: dict[int, _Reading] = {}  # rid -> its KV read in flight
-        self._lost: list[KVTransfer] = []  # their KV could not be read: LOST rows next step
         # Abandoned reads still in flight: their blocks are freed once each has ended
         # (it may yet write them).
         self.draining: list[_Reading] = []
@@ -105,7 +106,7 @@ class DecodeScheduler:
             except GrammarError as e:
                 logger.error("rid %d: its grammar does not compile: %s", t.rid, e)
                 releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=False)))
-                self._failed.append(t)
+                self._ended.append((t, Finish.ERROR))
                 continue
             (self.pending if ready else waiting).append(t)
         self.compiling = waiting
@@ -154,7 +155,7 @@ class DecodeScheduler:
                 logger.error("rid %d: KV of prefill %d refused (%s); the request fails",
                              t.rid, t.prefill_worker, e)  # fmt: skip
                 self.pending.popleft()
-                self._failed.append(t)
+                self._ended.append((t, Finish.ERROR))
                 releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=False)))
                 continue
             if started is None:
@@ -190,15 +191,13 @@ class DecodeScheduler:
         tells the frontend, which re-prefills the request elsewhere."""
         logger.error("rid %d: KV of prefill %d unreadable (%s); handed back to be "
                      "prefilled again", t.rid, t.prefill_worker, e)  # fmt: skip
-        self._lost.append(t)
+        self._ended.append((t, Finish.LOST))
         releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=False)))
 
     def _drop_read(self, r: _Reading) -> None:
         """Free an abandoned read's blocks now, or once the read has ended."""
-        if r.read.abandon():
-            self.runner.free_blocks(r.seq)
-        else:
-            self.draining.append(r)
+        self.draining.append(r)
+        self.drain_abandoned()
 
     def drain_abandoned(self, prefill_worker: int | None = None) -> bool:
         """Free the blocks of abandoned reads that have ended; True if any from
@@ -278,13 +277,9 @@ class DecodeScheduler:
         """One decode token for every running request (after recomputing preempted ones)."""
         out = DecodeStep()
         batcher = TokenBatcher()
-        for t in self._failed:  # an error row: no token, the request ends
-            batcher.add(t.detok_shard, t.rid, len(t.output_ids), -1, 0, float("nan"),
-                        Finish.ERROR)  # fmt: skip
-        for t in self._lost:  # no token either: the frontend resumes the request
-            batcher.add(t.detok_shard, t.rid, len(t.output_ids), -1, 0, float("nan"),
-                        Finish.LOST)  # fmt: skip
-        self._failed, self._lost = [], []
+        for t, finish in self._ended:  # no token: the request ends, or is resumed (LOST)
+            batcher.add(t.detok_shard, t.rid, len(t.output_ids), -1, 0, float("nan"), finish)
+        self._ended = []
         self._resume_preempted()
         batch = self._reserve_blocks()
         sample = None
