@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import describe, portable
+from benchmarks.machine import portable, report_head
 from benchmarks.netns_pair import NetnsLaunch, NetnsPair
 
 PORT = 8000
@@ -114,8 +114,7 @@ def run_case(model: Path, streams: int, heal_after: float | None) -> dict[str, A
 
 
 def report(cases: dict[str, dict[str, Any]], command: str, streams: int) -> str:
-    lines = ["# A partition between two hosts", "", f"Command: `{command}`", "", "Machine:",
-             "```", describe(), "```", "",
+    lines = [*report_head("A partition between two hosts", command),
              f"A head (frontend, prefill) in namespace a, a decode node in namespace b, the "
              f"tiny test model on CPU; {streams} greedy streams of {MAX_TOKENS} tokens from "
              "inside namespace a; once each has a token, both ends of the veth go down.", ""]  # fmt: skip

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.machine import describe, portable
+from benchmarks.machine import describe, portable, report_head
 from benchmarks.netns_pair import NetnsLaunch, NetnsPair, Side
 
 PORT = 8000  # the head's HTTP port, on namespace a's own loopback
@@ -200,15 +200,7 @@ def report(result: dict[str, Any], args: argparse.Namespace, command: str) -> st
             ("ITL p50 ms", "itl_p50_ms"), ("ITL p90 ms", "itl_p90_ms"),
             ("output tok/s", "output_tok_s")]  # fmt: skip
     lines = [
-        "# Serving across two nodes vs one host",
-        "",
-        f"Command: `{command}`",
-        "",
-        "Machine:",
-        "```",
-        describe(),
-        "```",
-        "",
+        *report_head("Serving across two nodes vs one host", command),
         f"Load: `python -m benchmarks.serving --dataset random --random-input-len "
         f"{args.input_len} --random-output-len {args.output_len} --num-prompts "
         f"{args.num_prompts} --max-concurrency {args.concurrency}` inside namespace a, after "

@@ -38,7 +38,7 @@ from typing import IO, Any
 
 import torch
 
-from benchmarks.machine import describe, portable
+from benchmarks.machine import describe, portable, report_head
 from benchmarks.nixl_link import read_frame, read_json, write_frame, write_json
 from transport.kv import KVLayout, pool_view
 from transport.kv_backends import ShmReceiver
@@ -184,15 +184,7 @@ def report(result: dict[str, Any], tokens: list[int], command: str) -> str:
     lay = layout()
     link_gbs = result["link_bytes"] / result["link_s"] / 1e9
     lines = [
-        "# KV handoff: NIXL across two network namespaces vs same-host shm",
-        "",
-        f"Command: `{command}`",
-        "",
-        "Machine:",
-        "```",
-        describe(),
-        "```",
-        "",
+        *report_head("KV handoff: NIXL across two network namespaces vs same-host shm", command),
         f"Link (UCX over TCP on a veth, one {result['link_bytes'] / 2**20:.0f} MiB READ): "
         f"**{link_gbs:.2f} GB/s** (median of the run's READs).",
         "",

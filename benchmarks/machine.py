@@ -25,6 +25,12 @@ def describe(lscpu_lines: int = 20) -> str:
     return "\n".join(lines)
 
 
+def report_head(title: str, command: str) -> list[str]:
+    """The first lines of a results page: its title, the command that made it (already
+    ``portable``) and the machine, then a blank line."""
+    return [f"# {title}", "", f"Command: `{command}`", "", "Machine:", "```", describe(), "```", ""]
+
+
 # The flags that decide which CPU kernels are fast (bfloat16 and int8 dot products, AMX).
 VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
                 "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")  # fmt: skip
