@@ -20,11 +20,12 @@ Same shape as the in-host backends (``transport/kv.py`` says who calls what, whe
       decode scheduler polls it between steps until it lands or fails (a deadline bounds
       it), so decode never stops for a network copy. ``fetch`` waits for it. A partial
       handoff (a prefix-cache hit) passes only the blocks it lacks and moves only those.
-      ``notify`` (the encoded ``KVRelease``) is delivered to the prefill agent once the
-      bytes have landed, so the release needs no other channel.
-  prefill i, every loop iteration
-      ``releases()`` returns the ``KVRelease`` records that arrived that way; the worker
-      frees those blocks as it does for one read from a ring.
+      ``notify`` (an encoded ``KVRelease``, ``release_notification``) is delivered to
+      the prefill agent once the bytes have landed.
+  prefill i
+      ``releases()`` returns the ``KVRelease`` records that arrived that way. (Serving
+      sends its releases on the release rings instead, through the gateways, refused
+      ones alike; the handoff benchmark uses this path.)
 
 Descriptors are whole blocks: the pool is block-major, ``(num_blocks, layers, 2,
 block_size, kv_heads, head_dim)``, so block ``b`` is ``block_nbytes`` at ``base + b *
