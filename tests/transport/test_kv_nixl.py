@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,6 +234,16 @@ def _child_pool(
         proc.join(10)
 
 
+def _wait_stopped(pid: int) -> None:
+    """Until every thread of ``pid`` is stopped (state T in /proc), at most 10 s."""
+    deadline = time.monotonic() + 10
+    tasks = Path(f"/proc/{pid}/task")
+    while any((t / "stat").read_text().rsplit(")", 1)[1].split()[0] != "T"
+              for t in tasks.iterdir()):  # fmt: skip
+        assert time.monotonic() < deadline, f"pid {pid} did not stop"
+        time.sleep(0.001)
+
+
 def _received(receiver: NixlReceiver, block: int) -> torch.Tensor:
     return receiver.pool[block].view(torch.uint8).flatten()
 
@@ -268,6 +279,7 @@ def test_a_read_in_flight_is_polled_and_one_from_a_stopped_source_ends_at_its_de
         assert receiver.reads == 1
 
         os.kill(proc.pid or 0, signal.SIGSTOP)
+        _wait_stopped(proc.pid or 0)  # kill() returns before every thread has stopped
         read = receiver.start_fetch(0, [5], [5])
         assert read is not None, "a stopped source cannot have served the READ"
         t0 = time.monotonic()
