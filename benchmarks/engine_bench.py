@@ -74,6 +74,28 @@ def build_bench_model(root: Path) -> Path:
     return root / "qwen2-h512-l8"
 
 
+def build_smollm2_shape(root: Path) -> Path:
+    """SmolLM2-135M's shapes (Llama, hidden 576, 30 layers, GQA 9/3, vocab 49152), random
+    weights: the default model's step cost, where its weights cannot be carried."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(root / "smollm2-shape")
+    return root / "smollm2-shape"
+
+
 def best_interleaved(
     fns: list[Callable[[], float]], repeats: int, lower_is_better: bool
 ) -> list[float]:
@@ -241,6 +263,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         models = [("tiny qwen2 (h64, 2 layers)", tiny.tiny_model_dir("qwen2"))]
         models.append(("random qwen2 (h512, 8 layers)", build_bench_model(Path(tmp))))
+        if args.device == "cuda":
+            models.append(("SmolLM2-135M shape, random", build_smollm2_shape(Path(tmp))))
         for name, path in models:
             rows.extend(bench_model(name, path, args.quick, args.device, args.dtype))
     command = f"python -m benchmarks.engine_bench --threads {args.threads}"

@@ -1,7 +1,12 @@
-"""The decode step against the bare math of its layers, in one run.
+"""The decode step and a prefill step against the bare math of their layers, in one run.
 
-    python -m benchmarks.engine_step [--model DIR|FILE.gguf] [--quantization auto] \
-        [--batches 1,8] [--context 300] [--threads 2] [--rounds 30]
+    python -m benchmarks.engine_step [--model DIR|FILE.gguf] [--variants auto,packed,none] \
+        [--batches 1,8,32] [--context 300] [--prefill 256] [--threads 2] [--rounds 30]
+
+Variants: ``auto`` serves as ``launch`` does (packed GGUF layers with their bfloat16 GEMM
+for prefill and for decode batches from the crossover measured at load); ``packed`` the
+same weights on the packed kernel alone (the engine before the GEMM copies, as a baseline
+in the same run); ``none`` dense float32.
 
 "Step": ``ModelRunner.decode`` on a batch of ``B`` sequences with ``--context`` tokens of KV
 each (metadata, embedding, 30 layers, head; no sampling). "Bare math": the same model's
@@ -9,13 +14,15 @@ own linear layers (the very kernels the step uses, packed or dense) and one deco
 call per layer over a (B, KV heads, context, head dim) cache, on random inputs of the step's
 shapes, with nothing around them. Both are timed interleaved, round by round, and each
 side's median is kept, so load on a shared machine hits both alike. The ratio step / bare
-is the overhead around the math (target <= 1.15x). Writes
+is the overhead around the math (target <= 1.15x). A prefill step of ``--prefill`` tokens
+is set against its linear layers alone on the same rows (target <= 1.2x). Writes
 ``benchmarks/results/engine_step.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +35,7 @@ from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.model.attention import grouped_decode_sdpa
 from engine.runner import ModelRunner
-from engine.weights.linear import Linear
+from engine.weights.linear import Linear, prefill_phase
 from wire.params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "engine_step.md"
@@ -60,6 +67,51 @@ def _bare(runner: ModelRunner, b: int, context: int) -> object:
     return run
 
 
+def measure_prefill(runner: ModelRunner, tokens: int, rounds: int) -> tuple[float, float]:
+    """(median prefill step ms, median ms of its linear layers alone) for one prompt."""
+    m, model = runner.model_config, runner.model
+    layers = [model.layer(i) for i in range(m.num_layers)]
+    x = torch.randn(tokens, m.hidden_size, dtype=runner.dtype)
+    inter = torch.randn(tokens, m.intermediate_size, dtype=runner.dtype)
+    attn_out = torch.randn(tokens, m.num_heads * m.head_dim, dtype=runner.dtype)
+
+    def gemms() -> None:
+        with torch.inference_mode(), prefill_phase():
+            for layer in layers:
+                layer.attn.qkv(x)
+                layer.attn.o(attn_out)
+                layer.mlp.gate_up(x)
+                layer.mlp.down(inter)
+            model.lm_head(x[-1:])
+
+    steps, bares = [], []
+    for r in range(rounds // 3 + 2):
+        seq = Sequence(
+            r, [(5 * r + j) % 1000 + 10 for j in range(tokens)], sampling=SamplingParams()
+        )
+        t0 = time.perf_counter()
+        runner.prefill([(seq, tokens)])
+        t1 = time.perf_counter()
+        gemms()
+        t2 = time.perf_counter()
+        runner.free_blocks(seq)
+        steps.append(t1 - t0)
+        bares.append(t2 - t1)
+    return statistics.median(steps[2:]) * 1e3, statistics.median(bares[2:]) * 1e3
+
+
+def _runner(model: Path, variant: str, context: int) -> ModelRunner:
+    quantization = "none" if variant == "none" else "auto"
+    return ModelRunner(
+        EngineConfig(
+            model=str(model),
+            quantization=quantization,
+            kv_cache_tokens=16 * (context + 64) * 32,
+            large_batch_gemm=variant == "auto",
+        )
+    )
+
+
 def measure(runner: ModelRunner, b: int, context: int, rounds: int) -> tuple[float, float]:
     """(median step ms, median bare ms) at batch ``b``."""
     seqs = [Sequence(i, [(7 * i + j) % 1000 + 10 for j in range(context)],
@@ -87,9 +139,10 @@ def measure(runner: ModelRunner, b: int, context: int, rounds: int) -> tuple[flo
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.engine_step", description=__doc__)
     p.add_argument("--model", type=Path, default=None, help="default: the embedded SmolLM2")
-    p.add_argument("--quantization", default="auto,none")
-    p.add_argument("--batches", default="1,8")
+    p.add_argument("--variants", default="auto,packed,none")
+    p.add_argument("--batches", default="1,8,32")
     p.add_argument("--context", type=int, default=300)
+    p.add_argument("--prefill", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -97,28 +150,41 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
     rows = []
-    for quantization in args.quantization.split(","):
-        runner = ModelRunner(EngineConfig(model=str(model), quantization=quantization,
-                                          kv_cache_tokens=16 * (args.context + 64) * 8))  # fmt: skip
+    for variant in args.variants.split(","):
+        runner = _runner(model, variant, args.context)
         kind_names = sorted({m.kind for m in runner.model.modules() if isinstance(m, Linear)})
+        kinds = "/".join(kind_names) + (" + bf16 GEMM" if variant == "auto" else "")
         for b in (int(x) for x in args.batches.split(",")):
             step, bare = measure(runner, b, args.context, args.rounds)
-            rows.append((quantization, runner.quantization, "/".join(kind_names), b, step, bare))
-            print(f"{quantization} B={b}: step {step:.2f} ms, bare {bare:.2f} ms, "
-                  f"{step / bare:.2f}x", flush=True)  # fmt: skip
+            rows.append((variant, kinds, f"decode, batch {b}", step, bare))
+            print(f"{variant} B={b}: step {step:.2f} ms, bare {bare:.2f} ms, {step / bare:.2f}x")
+        step, bare = measure_prefill(runner, args.prefill, args.rounds)
+        rows.append((variant, kinds, f"prefill, {args.prefill} tokens", step, bare))
+        print(f"{variant} prefill: step {step:.2f} ms, GEMMs {bare:.2f} ms, {step / bare:.2f}x")
     cmd = "python -m benchmarks.engine_step" + (f" --model {args.model.name}" if args.model else "")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = [
-        "# Decode step vs the bare math of its layers",
+        "# Decode and prefill steps vs the bare math of their layers",
         "",
         f"Model `{model.name}`, context {args.context} tokens, {args.threads} threads, "
-        f"median of {args.rounds} interleaved rounds. Command: `{cmd}`",
+        f"median of {args.rounds} interleaved rounds (prefill: {args.rounds // 3}). "
+        f"Load average at the end: {load}. Command: `{cmd}`",
         "",
-        "| --quantization | served as | linear kinds | batch | step ms | bare math ms | step / bare |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "Decode: the step against its linear layers and one SDPA per layer. Prefill: the step "
+        "against its linear layers alone (the GEMMs).",
+        "",
+        "| variant | linear kinds | step | step ms | bare math ms | step / bare |",
+        "|---|---|---|---:|---:|---:|",
     ]
-    for q, served, kinds, b, step, bare in rows:
-        lines.append(f"| {q} | {served} | {kinds} | {b} | {step:.2f} | {bare:.2f} | "
-                     f"{step / bare:.2f}x |")  # fmt: skip
+    for variant, kinds, what, step, bare in rows:
+        lines.append(
+            f"| {variant} | {kinds} | {what} | {step:.2f} | {bare:.2f} | {step / bare:.2f}x |"
+        )
+    packed = {what: step for v, _, what, step, _ in rows if v == "packed"}
+    served = {what: step for v, _, what, step, _ in rows if v == "auto"}
+    if packed and served:
+        lines += ["", "Served (`auto`) against the packed kernel alone, same run:", ""]
+        lines += [f"- {what}: {packed[what] / served[what]:.2f}x faster" for what in served]
     lines += ["", "Machine:", "", "```", describe_machine(), "```", ""]
     args.out.write_text("\n".join(lines))
     print(f"wrote {args.out}")

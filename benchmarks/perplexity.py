@@ -11,7 +11,10 @@ of positions whose greedy (argmax) token equals float32's.
 
 Storages, all of the same checkpoint: ``none`` (float32, the reference: for the default
 model that is its GGUF de-quantized exactly), ``auto`` (a GGUF's blocks served packed),
-``int8`` and ``int4`` (quantized at load). Targets (issue #21): packed GGUF within 0.5 % of
+``int8`` and ``int4`` (quantized at load). A ``+gemm`` suffix scores the same storage with
+every linear call on the bfloat16 GEMM that packed layers take for many rows
+(``engine/weights/gemm.py``): serving runs each call on one kernel or the other by its
+rows, so both must hold. Targets (issue #21): packed GGUF within 0.5 % of
 the float32 reference; int8 within 1 %, int4 within 3 %. Writes
 ``benchmarks/results/perplexity.md``.
 """
@@ -35,8 +38,8 @@ from wire.params import SamplingParams
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 RESULTS = Path(__file__).parent / "results" / "perplexity.md"
-STORAGES = ("none", "auto", "int8", "int4")
-TARGETS = {"auto": 0.005, "int8": 0.01, "int4": 0.03}
+STORAGES = ("none", "auto", "auto+gemm", "int8", "int4", "int4+gemm")
+TARGETS = {"auto": 0.005, "auto+gemm": 0.005, "int8": 0.01, "int4": 0.03, "int4+gemm": 0.03}
 
 
 def score(
@@ -49,8 +52,16 @@ def score(
     from decode attention over the KV cache as serving reads it (bfloat16 for packed
     weights); otherwise a window is one prefill, which attends over fresh K and V.
     """
-    runner = ModelRunner(EngineConfig(model=str(model), quantization=quantization,
-                                      kv_cache_tokens=window + 64))  # fmt: skip
+    storage, _, suffix = quantization.partition("+")
+    gemm = suffix == "gemm"  # every call on the GEMM: from one row on
+    config = EngineConfig(
+        model=str(model),
+        quantization=storage,
+        kv_cache_tokens=window + 64,
+        large_batch_gemm=gemm,
+        gemm_min_rows=1 if gemm else 0,
+    )
+    runner = ModelRunner(config)
     rows: list[torch.Tensor] = []
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window + 1]  # the extra token is the last target

@@ -142,9 +142,12 @@ class EngineConfig:
     dtype: str = "auto"
     # auto | none | int8 | int4: weight storage (engine/weights/plan.py)
     quantization: str = "auto"
-    # Packed layers also hold a dense bfloat16 copy for prefill forwards: the launcher
-    # sets it for the workers that prefill (engine/weights/linear.py).
-    dense_prefill_weights: bool = False
+    # Packed layers also hold their weights in bfloat16 for GEMMs of many rows (prefill
+    # chunks, large decode batches); the launcher sets it for CPU workers
+    # (engine/weights/gemm.py).
+    large_batch_gemm: bool = False
+    # Rows from which those layers take the GEMM; 0: measured per weight shape at load.
+    gemm_min_rows: int = 0
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None

@@ -24,6 +24,7 @@ Who calls what:
 
 from __future__ import annotations
 
+import gc
 import logging
 from contextlib import nullcontext
 from pathlib import Path
@@ -39,6 +40,7 @@ from engine.kv.block_manager import BlockAllocator, KVFigures
 from engine.kv.kv_cache import GpuMemoryError, allocate_kv_pool, block_nbytes, check_kv_pool
 from engine.kv.sequence import Sequence
 from engine.model.attention import AttentionMetadata, DenseDecodeKV
+from engine.model.backend import TORCH
 from engine.model.causal_lm import CausalLM
 from engine.sampling.grammar import GrammarCache
 from engine.sampling.grammar_mask import batch_constraint
@@ -68,12 +70,15 @@ class ModelRunner:
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         self.eos_token_ids = self.model_config.eos_token_ids
         # What this process held on the GPU before this engine: not part of its share.
+        # Garbage first (an earlier engine's cycles): freed later, it would count against us.
+        if self.device.type == "cuda":
+            gc.collect()
         self.cuda_baseline_bytes = (
             torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         )
         self.model = CausalLM(self.model_config, self.max_model_len, self.dtype, self.device)
-        load_weights(self.model, Path(config.model), self.quantization,
-                     dense_copies=config.dense_prefill_weights)  # fmt: skip
+        gemm_rows = config.gemm_min_rows if config.large_batch_gemm else None
+        load_weights(self.model, Path(config.model), self.quantization, gemm_rows)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.grammars = GrammarCache(
@@ -339,13 +344,11 @@ class ModelRunner:
                                  f"{self.max_model_len}")  # fmt: skip
         if self._kernels is not None and not every_position:
             return self._kernels.forward(spans, tokens, is_decode, kv_pool)
-        meta, positions, last = self._metadata(spans, is_decode, kv_pool)
-        if every_position:
-            last = torch.arange(len(tokens), device=self.device)
+        meta, last = self._metadata(spans, is_decode, kv_pool)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
             with nullcontext() if is_decode else prefill_phase():
-                return self.model(ids, positions, kv_pool, meta, last)
+                return self.model(ids, kv_pool, meta, TORCH, None if every_position else last)
         except BaseException:
             if self._dense is not None:  # some layers may have extended it, others not
                 self._dense.invalidate()
@@ -353,7 +356,8 @@ class ModelRunner:
 
     def _metadata(
         self, spans: list[tuple[Sequence, int, int]], is_decode: bool, kv_pool: torch.Tensor
-    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """The step's attention metadata, and the rows of each span's last token."""
         bs, dev = self.block_size, self.device
         positions = [p for _, start, n in spans for p in range(start, start + n)]
         slot_blocks = [
@@ -377,10 +381,11 @@ class ModelRunner:
             ctx_lens=ctx_lens,
             q_lens=q_lens,
             is_decode=is_decode,
+            cos_sin=self.model.rotary.lookup(pos),
             **decode_fields,
         )
         last = torch.tensor(q_lens, device=dev).cumsum(0) - 1  # each chunk's last token
-        return meta, pos, last
+        return meta, last
 
     def _decode_fields(
         self, spans: list[tuple[Sequence, int, int]], block_tables: torch.Tensor,

@@ -79,6 +79,7 @@ class ServerConfig:
     block_size: int = 16
     dtype: DType = DType.AUTO
     quantization: str = "auto"
+    gemm_min_rows: int = 0  # 0: the crossover measured at load (engine/weights/gemm.py)
     max_model_len: int | None = None
     max_num_seqs: int = 256
     chunked_prefill_size: int = 2048
@@ -262,6 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
         "model's Q4_1 included) and any other checkpoint as stored; none serves dense "
         "weights (--dtype; float32 on CPU); int8/int4 quantize at load (groups of 32). "
         "Quantized weights run with bfloat16 activations (CPU only)",
+    )
+    add(
+        "--gemm-min-rows",
+        type=int,
+        default=d.gemm_min_rows,
+        help="packed weights: rows from which a linear layer runs a bfloat16 GEMM instead of "
+        "the packed kernel (prefill chunks, large decode batches); 0 measures the crossover "
+        "on this CPU at load and caches it",
     )
     add(
         "--max-model-len",
@@ -477,6 +486,8 @@ def validate(config: ServerConfig) -> None:
               ("--chunked-prefill-size", c.chunked_prefill_size),
               ("--max-waiting-requests", c.max_waiting_requests),
               ("--max-queued-prefill-tokens", c.max_queued_prefill_tokens))  # fmt: skip
+    if c.gemm_min_rows < 0:
+        raise ConfigError(f"--gemm-min-rows must be >= 0 (0: measured), got {c.gemm_min_rows}")
     if c.api_workers > MAX_FRONTENDS:
         raise ConfigError(f"--api-workers must be at most {MAX_FRONTENDS}, got {c.api_workers}")
     if c.colocated < 0:

@@ -88,8 +88,9 @@ def _engine_spec(
     engine = EngineConfig(
         model=str(model), dtype=config.dtype.value, device=place.device,
         quantization=config.quantization,
-        # Workers that prefill keep dense copies of packed layers for long batches.
-        dense_prefill_weights=place.role in (Role.PREFILL, Role.COLOCATED),
+        # Packed layers also hold a bfloat16 GEMM for calls of many rows, in every role:
+        # prefill chunks, and decode batches past the crossover measured at load.
+        large_batch_gemm=True, gemm_min_rows=config.gemm_min_rows,
         block_size=config.block_size, kv_cache_tokens=config.kv_cache_tokens,
         gpu_memory_utilization=config.gpu_memory_utilization,
         gpu_memory_share=place.gpu_memory_share,  # None on CPU
@@ -236,8 +237,11 @@ def _size_kv(
                     chunk=config.chunked_prefill_size,
                     max_model_len=engine.resolve_max_model_len(mcfg))  # fmt: skip
     try:
-        # Packed weights take at most a byte a parameter (int8: one, int4: about 0.6).
-        weights = weight_bytes(model, torch.int8 if quantization != "none" else dtype)
+        # Packed weights take at most a byte a parameter (int8: one, int4: about 0.6), and
+        # their bfloat16 GEMM copies two more (engine/weights/gemm.py).
+        weights = weight_bytes(model, dtype if quantization == "none" else torch.int8)
+        if quantization != "none":
+            weights += weight_bytes(model, torch.bfloat16)
         plan = plan_kv(mcfg, weights, dtype, demand,
                        config.kv_cache_memory, config.kv_cache_tokens)  # fmt: skip
     except (MemoryBudgetError, ValueError) as e:

@@ -35,7 +35,7 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
     # engine: model code below the KV pool, both below the loaders and the CUDA path, and
     # the runner on top, the one room the schedulers call.
     "engine": [
-        ("errors",),
+        ("errors", "cache"),
         ("config",),
         ("weights", "tokenizer", "sampling"),
         ("model", "kv"),

@@ -28,9 +28,12 @@ from torch import nn
 
 from engine.errors import UnsupportedModelError
 from engine.model.causal_lm import CausalLM
+from engine.weights.gemm import NEVER, bf16_gemm, min_gemm_rows
 from engine.weights.linear import (
     DenseKernel,
     Embedding,
+    Int4Kernel,
+    Int8Kernel,
     Linear,
     QuantizationUnsupported,
     RefinedHead,
@@ -146,8 +149,9 @@ def _shape(value: Value) -> tuple[int, ...]:
 
 
 class _Loader:
-    def __init__(self, model: CausalLM, quantization: str, dense_copies: bool) -> None:
-        self.model, self.quantization, self.dense_copies = model, quantization, dense_copies
+    def __init__(self, model: CausalLM, quantization: str, gemm_rows: int | None) -> None:
+        self.model, self.quantization, self.gemm_rows = model, quantization, gemm_rows
+        self.crossovers: dict[tuple[str, int, int], int] = {}  # measured once per shape
         self.dtype = model.norm.weight.dtype
         self.device = model.norm.weight.device
         self.staged: dict[int, list[tuple[int, Value]]] = {}  # id(layer) -> parts
@@ -205,8 +209,8 @@ class _Loader:
         if rows is not None:
             try:
                 packed = packed_kernel(rows, kernel_dtype(self.dtype), self.device)
-                if self.dense_copies and not head:  # the head only ever sees a few rows
-                    packed.with_dense_copy(rows.dequantize())
+                if self.gemm_rows is not None and not head:  # the head sees a few rows
+                    self._add_gemm(packed, rows)
                 kernel: nn.Module = packed
                 if head and kernel_dtype(self.dtype) != self.dtype:
                     kernel = RefinedHead(packed, rows)
@@ -217,6 +221,18 @@ class _Loader:
                 logger.info("a %s linear stays dense: %s", tuple(rows.codes.shape), e)
         target.kernel = DenseKernel(self._dense(parts, self.dtype))
         self.kinds[target.kind] += 1
+
+    def _add_gemm(self, packed: Int4Kernel | Int8Kernel, rows: QuantRows) -> None:
+        gemm = bf16_gemm(rows.dequantize())
+        n, k = packed.out_features, packed.in_features
+        key = (f"{type(packed).__name__}|{type(gemm).__name__}", n, k)
+        if self.gemm_rows:
+            self.crossovers[key] = self.gemm_rows
+        elif key not in self.crossovers:
+            self.crossovers[key] = min_gemm_rows(
+                lambda x: packed.packed_forward(x, None), gemm, (n, k), key[0]
+            )
+        packed.with_gemm(gemm, self.crossovers[key])
 
     def _build_embedding(self, target: Embedding, parts: list[Value]) -> None:
         if self.quantization == "gguf" and not any(isinstance(p, torch.Tensor) for p in parts):
@@ -232,15 +248,16 @@ class _Loader:
 
 @torch.no_grad()
 def load_weights(
-    model: CausalLM, root: Path, quantization: str = "none", dense_copies: bool = False
+    model: CausalLM, root: Path, quantization: str = "none", gemm_rows: int | None = None
 ) -> None:
     """Fill every layer of ``model``; unknown or missing tensors are errors.
 
     ``quantization``: a resolved one (``engine.weights.plan.resolve_quantization``).
-    ``dense_copies``: packed layers also keep a dense copy for large batches (prefill;
-    ``Int4Kernel.with_dense_copy``), at two bytes a weight.
+    ``gemm_rows``: packed layers also hold a bfloat16 GEMM, at two bytes a weight, for calls
+    of that many rows or more (``Int4Kernel.with_gemm``); 0: the crossover measured on this
+    machine (``engine.weights.gemm.min_gemm_rows``); None: packed kernels alone.
     """
-    loader = _Loader(model, quantization, dense_copies)
+    loader = _Loader(model, quantization, gemm_rows)
     values = _gguf_values(root) if quantization == "gguf" else iter_tensors(root)
     for name, value in values:
         if name.endswith(_IGNORED):
@@ -265,6 +282,9 @@ def load_weights(
     _release_freed_memory()
     logger.info("loaded %s (%s): %s", root.name, quantization,
                 ", ".join(f"{n} {k}" for k, n in sorted(loader.kinds.items())))  # fmt: skip
+    for (kinds, n, k), rows in sorted(loader.crossovers.items()):
+        from_rows = str(rows) if rows < NEVER else "no"
+        logger.info("(%d, %d) %s: the GEMM from %s rows", n, k, kinds, from_rows)
 
 
 def _release_freed_memory() -> None:

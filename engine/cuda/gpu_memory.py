@@ -8,6 +8,7 @@ the workers of one GPU never race each other for its free memory.
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Protocol
 
@@ -49,7 +50,16 @@ def gpu_kv_blocks(runner: Profiled) -> int:
     held = torch.cuda.memory_allocated(dev)  # this process's, other engines' included
     weights = held - runner.cuda_baseline_bytes
     torch.cuda.reset_peak_memory_stats(dev)
-    scratch = profile_forward(runner)
+    # NOTE: no garbage collection mid-measure: freeing an earlier engine's cycles in the
+    # same process during the profile would shrink the measured peak (seen on an H200).
+    # The runner collected before taking its baseline.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        scratch = profile_forward(runner)
+    finally:
+        if was_enabled:
+            gc.enable()
     torch.cuda.synchronize(dev)
     peak = max(0, torch.cuda.max_memory_allocated(dev) - held - scratch)
     torch.cuda.empty_cache()

@@ -10,7 +10,7 @@
   context length 0, output ignored).
 * ``DecodeGraphs``: one graph per bucket, captured on first use, replayed after. It
   captures up to the final norm's hidden states; the vocabulary projection and sampling
-  run outside (see ``engine.cuda.kernels.forward.forward_hidden``).
+  run outside (see ``engine.model.causal_lm.CausalLM.hidden``).
 
 Bucket choice, padding and staging are plain functions and objects, tested on CPU.
 """
@@ -182,7 +182,11 @@ class DecodeGraphs:
     def run(self, bucket: int, key: object) -> torch.Tensor:
         """Run the decode forward for ``bucket`` rows of the staged inputs."""
         if key != self._key:
+            # NOTE: the shared memory pool goes with its graphs: a pool handle outlives its
+            # last graph only as a dangling id, and capturing into it trips the caching
+            # allocator's "use_count > 0" assert (seen on an H200 when buffers regrew).
             self._graphs.clear()
+            self._pool = None
             self._key = key
         if bucket in self._eager:
             return self._forward(bucket)

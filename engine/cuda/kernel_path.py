@@ -29,8 +29,8 @@ from engine.cuda.graphs import (
     graph_buckets,
     pad_decode,
 )
+from engine.cuda.kernels.backend import KernelBatch, TritonBackend
 from engine.cuda.kernels.decode_attention import num_kv_splits
-from engine.cuda.kernels.forward import KernelBatch, forward_hidden, logits
 from engine.kv.block_table_rows import BlockTableRows
 from engine.model.causal_lm import CausalLM
 
@@ -45,6 +45,7 @@ class KernelPath:
         self, model: CausalLM, m: ModelConfig, config: EngineConfig, max_model_len: int
     ) -> None:
         self.model = model
+        self.backend = TritonBackend(model.rotary.cos, model.rotary.sin)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.kv_heads = m.num_kv_heads
@@ -100,18 +101,22 @@ class KernelPath:
             hidden = self.graphs.run(bucket, key)[:n]
         elif is_decode:
             splits = num_kv_splits(n, self.kv_heads, int(arrays.ctx_lens.max()), self._num_sms)
-            hidden = forward_hidden(self.model, pool, self._batch(n, n, True, splits))
+            hidden = self._hidden(pool, self._batch(n, n, True, splits))
         else:
             max_q = max(count for _, _, count in spans)
             batch = self._batch(len(tokens), n, False, 0, max_q_len=max_q)
-            hidden = forward_hidden(self.model, pool, batch)
-        return logits(self.model, hidden)
+            hidden = self._hidden(pool, batch)
+        return self.model.logits(hidden)
 
     def _graph_forward(self, bucket: int) -> torch.Tensor:
         assert self._pool is not None
         # NOTE: splits are fixed per bucket (the graph's grid), sized for the longest context.
         splits = num_kv_splits(bucket, self.kv_heads, self.max_model_len, self._num_sms)
-        return forward_hidden(self.model, self._pool, self._batch(bucket, bucket, True, splits))
+        return self._hidden(self._pool, self._batch(bucket, bucket, True, splits))
+
+    def _hidden(self, pool: torch.Tensor, batch: KernelBatch) -> torch.Tensor:
+        """The one forward on the Triton backend, without the vocabulary projection."""
+        return self.model.hidden(batch.token_ids, pool, batch, self.backend, batch.logits_rows)
 
     def _batch(
         self, num_tokens: int, num_seqs: int, is_decode: bool, splits: int, max_q_len: int = 1

@@ -47,6 +47,8 @@ class AttentionMetadata:
     # the rows of (2 * B * cap, KVH * D) each layer's new K, V go to: (2, B).
     dense_kv: torch.Tensor | None = None  # (L, 2, B, cap, KVH, D)
     dense_rows: torch.Tensor | None = None
+    # The new tokens' rotary tables, looked up once per step: cos, sin (T, 1, D).
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def write_kv(
@@ -104,9 +106,19 @@ def _prefill_attention(
         while i + g < b and meta.q_lens[i + g] == n == meta.ctx_lens[i + g]:
             g += 1
         end = start + g * n
-        outputs.append(_fresh_sdpa(q[start:end], k[start:end], v[start:end], g))
+        kf, vf = _as_cached(k[start:end], pool.dtype), _as_cached(v[start:end], pool.dtype)
+        outputs.append(_fresh_sdpa(q[start:end], kf, vf, g))
         start, i = end, i + g
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Fresh K or V as a later chunk will read them back: rounded to the cache's dtype.
+
+    NOTE: so a prompt's KV does not depend on how it was split: computed in one chunk, in
+    several, or after a prefix-cache hit, its queries attend over the same values.
+    """
+    return x if x.dtype == cache_dtype else x.to(cache_dtype).to(x.dtype)
 
 
 def _gather_context(

@@ -1,8 +1,13 @@
 """A Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV pool.
 
-The model knows tokens, positions and attention metadata, nothing about requests. The
-per-architecture differences are two flags of ``ModelConfig``: ``qkv_bias`` (Qwen2) and
-``qk_norm`` (Qwen3: RMSNorm over each head of q and k, before rotary).
+The model knows tokens, attention metadata and an attention backend, nothing about
+requests. The per-architecture differences are two flags of ``ModelConfig``: ``qkv_bias``
+(Qwen2) and ``qk_norm`` (Qwen3: RMSNorm over each head of q and k, before rotary).
+
+One layer loop serves every device: the residual stream is carried apart and each
+sublayer's output is added to it by the next norm (``backend.rmsnorm(out, norm,
+residual=)``), which is ``x + sublayer(x)`` rounding for rounding; what a device runs
+for attention and the ops between the GEMMs is its backend's (``engine/model/backend.py``).
 """
 
 from __future__ import annotations
@@ -11,9 +16,9 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.backend import AttentionBackend, Meta
 from engine.model.layers import GatedMLP, RMSNorm
-from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.model.rope import RotaryEmbedding
 from engine.weights.linear import Embedding, Linear
 
 
@@ -36,26 +41,23 @@ class SelfAttention(nn.Module):
             RMSNorm(m.head_dim, m.rms_norm_eps, dtype, device) if m.qk_norm else None
         )
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        pool: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv(x)  # (T, q_size + 2 * kv_size)
-        h, d = self.num_heads, self.head_dim
-        v = qkv[:, self.q_size + self.kv_size :].unflatten(1, (self.num_kv_heads, d))
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T, q_size + 2 * kv_size) -> q (T, H, D), k, v (T, KVH, D): strided views of
+        ``qkv``, except q and k after Qwen3's per-head norms."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.unflatten(1, (self.num_heads, self.head_dim))
+        k = k.unflatten(1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rotary(self.q_norm(q.unflatten(1, (h, d))), *cos_sin)
-            k = apply_rotary(self.k_norm(k.unflatten(1, (self.num_kv_heads, d))), *cos_sin)
-        else:  # q and k heads side by side: one rotation for both (T, heads + kv_heads, D)
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].unflatten(1, (-1, d)), *cos_sin)
-            q, k = qk[:, :h], qk[:, h:]
-        out = paged_attention(pool, self.layer, meta, q, k, v)  # (T, heads, D)
-        return self.o(out.reshape(t, self.q_size))
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(
+        self, x: torch.Tensor, pool: torch.Tensor, meta: Meta, backend: AttentionBackend[Meta]
+    ) -> torch.Tensor:
+        """(T, hidden) normed input -> (T, hidden) output projection."""
+        out = backend.attend(self, self.qkv(x), pool, meta)  # (T, q_size)
+        return self.o(out)
 
 
 class DecoderLayer(nn.Module):
@@ -67,16 +69,6 @@ class DecoderLayer(nn.Module):
         self.attn: SelfAttention = SelfAttention(m, layer, dtype, device)
         self.post_attn_norm = RMSNorm(m.hidden_size, m.rms_norm_eps, dtype, device)
         self.mlp: GatedMLP = GatedMLP(m.hidden_size, m.intermediate_size, dtype, device)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        pool: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos_sin, pool, meta)
-        return x + self.mlp(self.post_attn_norm(x))
 
 
 class CausalLM(nn.Module):
@@ -100,19 +92,45 @@ class CausalLM(nn.Module):
         return layer
 
     @torch.inference_mode()
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        pool: torch.Tensor,
+        meta: Meta,
+        backend: AttentionBackend[Meta],
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids (T,) -> final-normed hidden states (N, hidden) of ``rows`` (all T if None).
+
+        The vocabulary projection is ``logits``'s, apart: on CUDA it runs outside the decode
+        graphs, whose outputs stay allocated per batch-size bucket.
+        """
+        residual = self.embed(input_ids)  # (T, hidden)
+        layers = [self.layer(i) for i in range(len(self.layers))]
+        h = backend.rmsnorm(residual, layers[0].input_norm)
+        for i, layer in enumerate(layers):
+            out = layer.attn(h, pool, meta, backend)
+            h = backend.rmsnorm(out, layer.post_attn_norm, residual=residual)
+            out = layer.mlp(h, backend.silu_mul)
+            norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
+            h = backend.rmsnorm(out, norm, residual=residual)
+        return h if rows is None else h[rows]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> float32 logits (N, vocab)."""
+        with torch.inference_mode():
+            return self.lm_head(hidden).float()
+
     def forward(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
         pool: torch.Tensor,
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
+        meta: Meta,
+        backend: AttentionBackend[Meta],
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: (T,); logits_indices: (N,) -> float32 logits (N, vocab)."""
-        x = self.embed(input_ids)  # (T, hidden)
-        cos_sin = self.rotary.lookup(positions)
-        for layer in self.layers:
-            x = layer(x, cos_sin, pool, meta)
-        # Only the rows that will be sampled go through the (large) vocabulary projection.
-        x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        """input_ids (T,) -> float32 logits (N, vocab) at ``rows`` (N of the T tokens).
+
+        Only the rows that will be sampled go through the (large) vocabulary projection.
+        """
+        return self.logits(self.hidden(input_ids, pool, meta, backend, rows))

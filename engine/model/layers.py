@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,7 +40,8 @@ class GatedMLP(nn.Module):
         self.gate_up = Linear(hidden, 2 * inter, False, dtype, device)
         self.down = Linear(inter, hidden, False, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)  # (T, 2 * inter)
-        gate, up = gate_up[:, : self.inter], gate_up[:, self.inter :]
-        return self.down(F.silu(gate).mul_(up))
+    def forward(
+        self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden); ``silu_mul``: the backend's (T, 2 * inter) -> (T, inter)."""
+        return self.down(silu_mul(self.gate_up(x)))

@@ -22,18 +22,12 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from engine.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                     "tokenizer.model", "special_tokens_map.json")  # fmt: skip
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_CACHE")
-    if root:
-        return Path(root) / "xgrammar"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "pdserve" / "xgrammar"
 
 
 def _cache_file(model_dir: str, vocab_size: int, stop_ids: Sequence[int] | None) -> Path | None:
@@ -48,7 +42,7 @@ def _cache_file(model_dir: str, vocab_size: int, stop_ids: Sequence[int] | None)
         if path.exists():
             st = path.stat()
             h.update(f"|{name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return _cache_dir() / f"{h.hexdigest()}.json"
+    return cache_dir("xgrammar") / f"{h.hexdigest()}.json"
 
 
 def tokenizer_info(

@@ -12,6 +12,14 @@ the loader gives each one a kernel (``engine/checkpoint/loader.py``), one class 
   dimension (``[hi | lo]``, 2K columns) with the input repeated, one kernel call.
   torch's own int8 kernel takes one scale per output channel, not per group.
 
+A packed layer may also hold its weights in bfloat16 for calls of many rows
+(``with_gemm``, ``engine/weights/gemm.py``): prefill forwards (``prefill_phase``) always
+run that GEMM, and decode steps from ``min_rows`` rows on, measured per machine. Prefill by
+phase, not by rows: a prompt's KV must not depend on how it was split (a prefix-cache hit,
+chunking) or on the prompts that shared its batch (both GEMMs give each row the same bits
+whatever the rows beside it). A decode step's kernel does depend on its batch size, so a
+row's logits can differ in their last bits with the batch it ran in.
+
 Packed kernels run on CPU only (torch's CUDA int4 layout differs and is untested here):
 ``check_device`` refuses them elsewhere with a clear error.
 """
@@ -30,9 +38,8 @@ from engine.weights.quant import GROUP, Int4Rows, Int8Rows, QuantRows
 
 # torch's CPU int4 packing wants output rows in multiples of 16.
 _ROW_MULTIPLE = 16
-# Set while a prefill forward runs (``prefill_phase``): packed layers with a dense copy use
-# it then. By phase, not by row count: a layer's result must not depend on which other
-# requests shared its batch, or a request's tokens would depend on the traffic beside it.
+# Set while a prefill forward runs (``prefill_phase``): packed layers with a GEMM run it
+# for every call then, whatever its rows.
 _PREFILL = contextvars.ContextVar("prefill_phase", default=False)
 
 
@@ -59,11 +66,19 @@ class DenseKernel(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
-def _on_dense_copy(dense: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A packed layer's prefill path: ``x`` (T, K) times its dense copy (N, K), back in
-    ``x``'s dtype."""
-    out = F.linear(x.to(dense.dtype), dense).to(x.dtype)
-    return out if bias is None else out.add_(bias)
+class _ManyRows:
+    """What a packed kernel holds for batches of many rows: a bfloat16 GEMM and the row
+    count from which it is used (``engine/weights/gemm.py``)."""
+
+    def __init__(self, gemm: nn.Module, min_rows: int) -> None:
+        self.gemm, self.min_rows = gemm, min_rows
+
+    def serves(self, x: torch.Tensor) -> bool:
+        return x.shape[0] >= self.min_rows or _PREFILL.get()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = self.gemm(x)
+        return out if bias is None else out.add_(bias)
 
 
 class Int4Kernel(nn.Module):
@@ -81,7 +96,7 @@ class Int4Kernel(nn.Module):
         if pad:  # padded rows: code 8, scale 0, zero 0 -> weight 0; sliced off the output
             codes = F.pad(codes, (0, 0, 0, pad), value=8)
             scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
-        self.out_features = n
+        self.out_features, self.in_features = n, k
         self.register_buffer(
             "packed", torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1),
             persistent=False,
@@ -91,23 +106,23 @@ class Int4Kernel(nn.Module):
         self.register_buffer("scales_zeros", sz, persistent=False)
         self.packed: torch.Tensor
         self.scales_zeros: torch.Tensor
-        self.dense: torch.Tensor | None = None  # see with_dense_copy
+        self.many_rows: _ManyRows | None = None  # see with_gemm
 
-    def with_dense_copy(self, weight: torch.Tensor) -> None:
-        """Also hold ``weight`` (N, K) dense, in the compute dtype, for prefill forwards
-        (``prefill_phase``). torch's int4 kernel costs grow with the rows
-        (it de-quantizes per row block: on a 2-core AMX host a SmolLM2 layer set took
-        3.3 ms at 1 row, 21 at 16, 307 at 256), while a dense bfloat16 GEMM is bound by
-        reading the weights until far more rows (17.9 ms at 16, 44 at 256). Prefill wants
-        the dense copy; a decode step of a few rows the packed one."""
-        self.dense = weight.to(self.scales_zeros.dtype).contiguous()
+    def with_gemm(self, gemm: nn.Module, min_rows: int) -> None:
+        """Run ``gemm`` (the same weights in bfloat16) for calls of ``min_rows`` rows or more:
+        torch's int4 kernel de-quantizes per row block, so its cost grows with every row,
+        while a bfloat16 GEMM is bound by reading the weights until far more rows."""
+        self.many_rows = _ManyRows(gemm, min_rows)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.many_rows is not None and self.many_rows.serves(x):
+            return self.many_rows(x, bias)
+        return self.packed_forward(x, bias)
+
+    def packed_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # The kernel computes in its scales' dtype (bfloat16 when serving: it is 10-50x
         # slower fed float32); the model's residual stream keeps its own dtype around it.
         dtype = x.dtype
-        if self.dense is not None and _PREFILL.get():
-            return _on_dense_copy(self.dense, x, bias)
         out = torch._weight_int4pack_mm_for_cpu(
             x.to(self.scales_zeros.dtype), self.packed, GROUP, self.scales_zeros
         )
@@ -131,16 +146,20 @@ class Int8Kernel(nn.Module):
             zero=torch.cat((torch.zeros_like(d), 8.0 * d), dim=1),
         )
         self.planes = Int4Kernel(planes, dtype, device)
-        self.dense: torch.Tensor | None = None
+        self.out_features, self.in_features = rows.codes.shape
+        self.many_rows: _ManyRows | None = None
 
-    def with_dense_copy(self, weight: torch.Tensor) -> None:
-        """As ``Int4Kernel.with_dense_copy``: ``weight`` is the (N, K) de-quantized matrix."""
-        self.dense = weight.to(self.planes.scales_zeros.dtype).contiguous()
+    def with_gemm(self, gemm: nn.Module, min_rows: int) -> None:
+        """As ``Int4Kernel.with_gemm``; ``gemm`` holds the (N, K) de-quantized matrix."""
+        self.many_rows = _ManyRows(gemm, min_rows)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.dense is not None and _PREFILL.get():
-            return _on_dense_copy(self.dense, x, bias)
-        return self.planes(torch.cat((x, x), dim=1), bias)
+        if self.many_rows is not None and self.many_rows.serves(x):
+            return self.many_rows(x, bias)
+        return self.packed_forward(x, bias)
+
+    def packed_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.planes.packed_forward(torch.cat((x, x), dim=1), bias)
 
 
 class RefinedHead(nn.Module):

@@ -4,7 +4,8 @@ that dtype) and the engine (which loads the weights that way).
 
 ``--quantization``:
 * ``auto`` (default): a checkpoint converted from a GGUF file serves the file's Q4_0, Q4_1
-  and Q8_0 blocks packed, exactly as stored (``gguf``); any other checkpoint as ``none``;
+  and Q8_0 blocks packed, exactly as stored (``gguf``); a GGUF with none of those, and any
+  other checkpoint, as ``none``;
 * ``none``: dense weights in ``--dtype`` (float32 on CPU unless asked otherwise);
 * ``int8`` / ``int4``: weight-only, groups of 32, quantized at load from the checkpoint's
   own values (int4 asymmetric, as Q4_1; int8 symmetric, as Q8_0). The LM head and the
@@ -58,7 +59,12 @@ def resolve_quantization(requested: str, model_dir: Path, device: str) -> str:
         )
     on_cpu = torch.device(device).type == "cpu"
     if requested == "auto":
-        if gguf_source(model_dir) is None:
+        source = gguf_source(model_dir)
+        if source is None:
+            return "none"
+        if not _has_packable_tensors(source):
+            # Nothing to pack (an F32/F16/K-quant file): serve its exact de-quantized copy
+            # as any dense checkpoint, float32 KV cache included.
             return "none"
         if not on_cpu:
             logger.info("packed GGUF weights run on CPU only: de-quantizing them for %s", device)
@@ -70,6 +76,15 @@ def resolve_quantization(requested: str, model_dir: Path, device: str) -> str:
             "--quantization none (with --dtype bfloat16 or float16)"
         )
     return requested
+
+
+def _has_packable_tensors(path: Path) -> bool:
+    """Whether the GGUF file holds any Q4_0/Q4_1/Q8_0 tensor (read from its header)."""
+    from gguf import GGUFReader
+
+    from engine.weights.quant import PACKABLE_GGUF_TYPES
+
+    return any(t.tensor_type in PACKABLE_GGUF_TYPES for t in GGUFReader(path).tensors)
 
 
 def cache_dtype(activations: torch.dtype, quantization: str) -> torch.dtype:

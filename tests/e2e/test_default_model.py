@@ -81,7 +81,7 @@ def test_the_packed_default_serves_what_the_engine_computes_in_process(
 
     path = default_model_dir()
     tok: Any = AutoTokenizer.from_pretrained(path)
-    llm = LLM(EngineConfig(model=str(path), num_kv_blocks=64, dense_prefill_weights=True))
+    llm = LLM(EngineConfig(model=str(path), num_kv_blocks=64, large_batch_gemm=True))
     assert llm.runner.quantization == "gguf"
     for i, q in enumerate(QUESTIONS):
         messages = [{"role": "system", "content": f"Question {i + 1}: answer briefly."},

@@ -41,9 +41,11 @@ def quantized(request: pytest.FixtureRequest) -> Iterator[tuple[str, LaunchedSer
 
 def _reference(quantization: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     model = tiny.tiny_model_dir(tiny.DEFAULT_ARCH)
-    # As the launched tree runs it: the prefill worker keeps dense copies for long batches.
-    llm = LLM(EngineConfig(model=str(model), num_kv_blocks=256, quantization=quantization,
-                           dense_prefill_weights=True))  # fmt: skip
+    # As the launched tree runs it: packed layers hold a bfloat16 GEMM for many rows.
+    config = EngineConfig(
+        model=str(model), num_kv_blocks=256, quantization=quantization, large_batch_gemm=True
+    )
+    llm = LLM(config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [r.output_ids for r in llm.generate(prompts, params)]
 
@@ -55,9 +57,9 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 def test_served_tokens_equal_the_in_process_engine(quantized: tuple[str, LaunchedServer]) -> None:
     """One request at a time, against the engine run on each prompt alone: the prefill
-    worker's dense bfloat16 GEMM rounds a prompt's KV a little otherwise when it shares its
-    batch with other prompts (oneDNN blocks by rows), so only the same batches compare
-    exactly. Packed decode steps are the same whatever the batch."""
+    worker's bfloat16 GEMM rounds a prompt's KV a little otherwise when it shares its batch
+    with other prompts (oneDNN blocks by rows), and a decode batch past the crossover runs
+    the GEMM, so only the same batches compare exactly."""
     quantization, srv = quantized
     prompts = _prompts(4, seed=1)
     got = [

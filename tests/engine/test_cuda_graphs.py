@@ -82,3 +82,23 @@ def test_a_step_beyond_the_buffers_reallocates_and_bumps_the_generation() -> Non
     table = torch.zeros(8, dtype=torch.int32)
     inputs.apply_updates(table, 3)
     assert table.tolist() == [0, 2, 0, 4, 0, 6, 0, 0]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_graphs_recaptured_after_their_buffers_change_share_a_fresh_pool() -> None:
+    """A changed key drops every graph, and with them their memory pool: the next capture
+    must not reuse the dead pool's handle (the caching allocator asserts on it)."""
+    from engine.cuda.graphs import DecodeGraphs
+
+    x = torch.randn(64, 32, device="cuda")
+    w = torch.randn(32, 32, device="cuda")
+
+    def forward(bucket: int) -> torch.Tensor:
+        return torch.relu(x[:bucket] @ w) + 1.0  # allocates inside the capture
+
+    graphs = DecodeGraphs(forward, torch.device("cuda"))
+    for key, buckets in ((1, (1, 8)), (2, (8, 32)), (3, (32, 1))):
+        for bucket in buckets:
+            torch.testing.assert_close(graphs.run(bucket, key), forward(bucket))
+        assert graphs.captured == sorted(buckets)  # captured again, none left eager

@@ -21,6 +21,7 @@ from engine.checkpoint.gguf import GGUFCheckpoint, convert_gguf, hf_tensors
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
+from engine.weights.gemm import PlainGemm
 from engine.weights.linear import (
     Embedding,
     Int4Kernel,
@@ -184,17 +185,19 @@ def test_packed_kernels_are_refused_off_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_dense_copy_serves_prefill_forwards_and_decode_stays_packed(bits: int) -> None:
+def test_calls_of_many_rows_take_the_gemm_and_few_stay_packed(bits: int) -> None:
     torch.manual_seed(bits)
     rows = quantize_int4(torch.randn(48, 64)) if bits == 4 else quantize_int8(torch.randn(48, 64))
     packed = packed_kernel(rows, torch.bfloat16, CPU)
     both = packed_kernel(rows, torch.bfloat16, CPU)
-    both.with_dense_copy(rows.dequantize())
-    x = torch.randn(20, 64)
-    assert torch.equal(both(x, None), packed(x, None))  # outside a prefill: packed
-    with prefill_phase():
-        got = both(x, None)
-        assert torch.equal(packed(x, None), packed(x, None))  # no copy: packed still
-    assert not torch.equal(got, packed(x, None))  # another kernel: the dense GEMM
-    exact = x @ rows.dequantize().T
+    gemm = PlainGemm(rows.dequantize())
+    both.with_gemm(gemm, min_rows=8)
+    few, many = torch.randn(7, 64), torch.randn(8, 64)
+    assert torch.equal(both(few, None), packed(few, None))  # below the crossover: packed
+    got = both(many, None)
+    assert torch.equal(got, gemm(many))  # from it on: the GEMM
+    assert not torch.equal(got, packed(many, None))  # another kernel indeed
+    exact = many @ rows.dequantize().T
     assert ((got - exact).norm() / exact.norm()).item() < 1e-2  # bfloat16 weights
+    with prefill_phase():  # a prefill forward: the GEMM whatever the rows
+        assert torch.equal(both(few, None), gemm(few))

@@ -23,7 +23,7 @@ KERNEL_MODULES = (
     "engine.cuda.kernels.extend_attention",
     "engine.cuda.kernels.fused_ops",
     "engine.cuda.kernels.rope_store",
-    "engine.cuda.kernels.forward",
+    "engine.cuda.kernels.backend",
     "engine.cuda.kernel_path",
 )
 INTERPRET = not torch.cuda.is_available()

@@ -47,8 +47,12 @@ def test_graphs_eager_kernels_and_torch_agree(
     }
     assert graphs._kernels is not None and graphs._kernels.graphs is not None
     assert graphs._kernels.graphs.captured == [8]  # 5 rows -> bucket 8, captured once
+    # Same kernels in the same order, but a graph runs its bucket's padded rows (8 for 5),
+    # and cuBLAS may pick another GEMM kernel for 8 rows than for 5: in float32 the two
+    # agree to 1e-5, in bfloat16 to its rounding (measured on an H200: 6e-3 at most).
+    exact = 1e-5 if dtype == "float32" else tol
     for got, want in zip(results["graphs"], results["eager"], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)  # same kernels, same order
+        torch.testing.assert_close(got, want, atol=exact, rtol=0 if exact < tol else tol)
     for got, want in zip(results["eager"], results["torch"], strict=True):
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 

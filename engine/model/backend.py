@@ -1,0 +1,101 @@
+"""The attention backend: what one forward asks of the device besides its GEMMs.
+
+The decoder has one layer loop (``engine/model/causal_lm.py``) on every device. What
+differs between devices sits behind this interface: how a layer's new K/V are rotated and
+stored and how it attends over the paged pool, and the small row-wise ops between the
+GEMMs (add + RMSNorm, SiLU * up), which a backend may fuse.
+
+* ``TorchBackend`` (here): torch ops and SDPA (``engine/model/attention.py``); every device,
+  and the reference the others are tested against;
+* ``TritonBackend`` (``engine/cuda/kernels/backend.py``): rotary + KV store in one kernel,
+  attention that reads the pool in place, fused add + RMSNorm and SiLU * up.
+
+Who calls what: the runner builds one step's metadata in the backend's own type
+(``AttentionMetadata`` for torch, ``KernelBatch`` for Triton) and calls
+``CausalLM.hidden(ids, pool, meta, backend)``; the model calls the backend per layer. No
+method syncs with the host unless its backend says so (Triton's never do: decode forwards
+are captured in CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Generic, Protocol, TypeVar
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.layers import RMSNorm
+from engine.model.rope import apply_rotary
+
+Meta = TypeVar("Meta")
+
+
+class AttentionLayer(Protocol):
+    """What a backend reads of a layer's attention (``engine.model.causal_lm.SelfAttention``)."""
+
+    layer: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_size: int
+    kv_size: int
+    q_norm: RMSNorm | None
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class AttentionBackend(ABC, Generic[Meta]):
+    @abstractmethod
+    def attend(
+        self, attn: AttentionLayer, qkv: torch.Tensor, pool: torch.Tensor, meta: Meta
+    ) -> torch.Tensor:
+        """One layer's attention: ``qkv`` (T, q_size + 2 * kv_size), the projection of the
+        step's T new tokens -> (T, q_size). Rotates q and k by the tokens' positions (after
+        Qwen3's per-head norms, ``attn.split``), writes k and v into ``pool`` at the tokens'
+        slots for layer ``attn.layer``, and attends over each sequence's whole context."""
+
+    @abstractmethod
+    def rmsnorm(
+        self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``norm(x)`` for x (T, N); with ``residual`` (T, N): first ``residual += x`` in
+        place (the skip connection, rounded to the model dtype), then ``norm(residual)``."""
+
+    @abstractmethod
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(T, 2 * inter) gate columns then up columns -> silu(gate) * up, (T, inter)."""
+
+
+class TorchBackend(AttentionBackend[AttentionMetadata]):
+    """torch ops: SDPA over the pool (a dense copy of the batch's K/V on CPU decode)."""
+
+    def attend(
+        self, attn: AttentionLayer, qkv: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        assert meta.cos_sin is not None, "the runner looks positions up once per step"
+        h, d, q_size = attn.num_heads, attn.head_dim, attn.q_size
+        if attn.q_norm is None:  # q and k heads side by side: one rotation for both
+            v = qkv[:, q_size + attn.kv_size :].unflatten(1, (attn.num_kv_heads, d))
+            qk = apply_rotary(qkv[:, : q_size + attn.kv_size].unflatten(1, (-1, d)), *meta.cos_sin)
+            q, k = qk[:, :h], qk[:, h:]  # (T, H, D), (T, KVH, D)
+        else:
+            q, k, v = attn.split(qkv)
+            q, k = apply_rotary(q, *meta.cos_sin), apply_rotary(k, *meta.cos_sin)
+        out = paged_attention(pool, attn.layer, meta, q, k, v)  # (T, H, D)
+        return out.reshape(qkv.shape[0], q_size)
+
+    def rmsnorm(
+        self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if residual is None:
+            return norm(x)
+        return norm(residual.add_(x))
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = gate_up.shape[1] // 2
+        return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+
+
+TORCH = TorchBackend()

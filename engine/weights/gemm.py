@@ -1,0 +1,192 @@
+"""The many-rows path of a packed linear layer: its de-quantized weights in bfloat16, and the
+row count from which that GEMM beats the packed kernel, measured on this machine.
+
+torch's int4 CPU kernel de-quantizes per block of rows, so its cost grows with every row;
+a bfloat16 GEMM is bound by reading its weights until far more rows. SmolLM2's linear
+layers of one step (30 layers, 2 threads, AMD EPYC with AVX-512 BF16, no AMX), ms:
+
+    rows                          1      8     16     32    256
+    packed int4                 2.3    6.1   10.9   20.7  164.2
+    bf16, plain F.linear       12.2   13.6   15.8   21.6   76.7
+    bf16, prepacked for oneDNN  5.0    6.4    8.5   12.5   60.6
+
+So the packed kernel serves a few rows and the GEMM the rest; where they cross depends on
+the CPU (AMX moves it down, AVX2 up), the shape and the threads, so ``min_gemm_rows``
+measures it per weight shape at load (once per machine: the first worker measures, the
+others read its answer) and caches it.
+
+Two GEMMs, one interface (``x (T, K) -> (T, N)`` in the input's dtype):
+* ``PrepackedGemm``: the weight reordered once into oneDNN's blocked layout, the route
+  inductor's CPU weight freezing takes (``torch.ops.mkldnn``); where this torch's oneDNN
+  computes bfloat16 (AVX-512 BF16 or AMX);
+* ``PlainGemm``: ``F.linear`` on the contiguous weight: the torch-only path, for any other
+  CPU, and what the tests check the prepacked one against.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache import cache_dir
+
+logger = logging.getLogger(__name__)
+
+# Row counts tried, in order; the GEMM takes over at the first where it is faster and stays
+# faster at the next one (a single noisy win does not move the crossover).
+_CANDIDATES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+NEVER = 1 << 30  # the packed kernel serves every batch
+_REPEATS = 7
+# Bump when the measurement changes, so cached crossovers are measured again.
+_VERSION = 1
+
+
+def prepacked_supported() -> bool:
+    """Whether this torch's oneDNN computes bfloat16 GEMMs on this CPU."""
+    return bool(torch.backends.mkldnn.is_available()) and bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+class PlainGemm(nn.Module):
+    """``F.linear`` on an (N, K) bfloat16 weight: the torch-only path."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.to(torch.bfloat16).contiguous(), persistent=False)
+        self.weight: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+
+
+class PrepackedGemm(nn.Module):
+    """An (N, K) bfloat16 weight reordered once for oneDNN's GEMM.
+
+    NOTE: the reordered weight is an opaque oneDNN tensor, private to this process (it has
+    no storage to map from shared memory).
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        w = weight.to(torch.bfloat16).contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        self.out_features = w.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16)
+        return torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "").to(x.dtype)
+
+
+def bf16_gemm(weight: torch.Tensor, prepack: bool | None = None) -> nn.Module:
+    """The fastest bfloat16 GEMM this CPU runs for ``weight`` (N, K); ``prepack`` forces one."""
+    if prepack is None:
+        prepack = prepacked_supported()
+    return PrepackedGemm(weight) if prepack else PlainGemm(weight)
+
+
+def min_gemm_rows(
+    packed: Callable[[torch.Tensor], torch.Tensor],
+    gemm: Callable[[torch.Tensor], torch.Tensor],
+    shape: tuple[int, int],
+    tag: str,
+) -> int:
+    """Rows from which ``gemm`` is faster than ``packed`` for an (N, K) ``shape`` weight.
+
+    ``tag`` names the pair of kernels (it keys the cache beside the shape). Cached per
+    machine (CPU model and flags, torch, cores), so every worker of a host and every
+    restart uses the same crossover without measuring again.
+    """
+    path = cache_dir("kernels") / f"{_cache_key(tag, shape)}.json"
+    cached = _read(path)
+    if cached is not None:
+        return cached
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 (held across the measure)
+    except OSError as e:
+        logger.warning("cannot cache the GEMM crossover in %s (%s): measuring here", path, e)
+        return _measure(packed, gemm, shape[1])
+    with lock:
+        # NOTE: one measurement per machine: the workers of a host start together, and two
+        # measurements could disagree, giving one prompt's rows other kernels in another
+        # worker. The first to take the lock measures; the rest read its answer.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = _read(path)
+        if cached is not None:
+            return cached
+        rows = _measure(packed, gemm, shape[1])
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"min_rows": rows, "shape": list(shape), "tag": tag}))
+            tmp.replace(path)
+        except OSError as e:
+            logger.warning("could not cache the GEMM crossover in %s: %s", path, e)
+    return rows
+
+
+def _read(path: Path) -> int | None:
+    try:
+        return int(json.loads(path.read_text())["min_rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _measure(
+    packed: Callable[[torch.Tensor], torch.Tensor],
+    gemm: Callable[[torch.Tensor], torch.Tensor],
+    in_features: int,
+) -> int:
+    gen = torch.Generator().manual_seed(0)
+    wins = [False] * len(_CANDIDATES)
+    threads = torch.get_num_threads()
+    # Measured on every core this process may use, whatever its share of them now: the
+    # answer is the machine's, shared by all its workers (the cache key has no threads).
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    try:
+        for i, m in enumerate(_CANDIDATES):
+            x = torch.randn(m, in_features, generator=gen).to(torch.bfloat16)
+            wins[i] = _best(gemm, x) < _best(packed, x)
+            if i and wins[i] and wins[i - 1]:
+                return _CANDIDATES[i - 1]
+        return NEVER
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _best(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
+    fn(x)  # warm: first calls allocate
+    best = float("inf")
+    for _ in range(_REPEATS):
+        t0 = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _cache_key(tag: str, shape: tuple[int, int]) -> str:
+    h = hashlib.blake2b(digest_size=12)
+    h.update(f"v{_VERSION}|{tag}|{shape}|{torch.__version__}|{os.cpu_count()}".encode())
+    h.update(_cpu_identity().encode())
+    return h.hexdigest()
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and flags: what decides which kernel is fastest."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
