@@ -43,6 +43,12 @@ _ROW_MULTIPLE = 16
 _PREFILL = contextvars.ContextVar("prefill_phase", default=False)
 
 
+# Set while a forward runs several rows per sequence as a decode would run one (speculative
+# verification): kernels are chosen by its sequences, as for that decode step, so its rows
+# get the bits the step would give them.
+_DECODE_ROWS = contextvars.ContextVar("decode_rows", default=0)
+
+
 @contextmanager
 def prefill_phase() -> Iterator[None]:
     token = _PREFILL.set(True)
@@ -50,6 +56,16 @@ def prefill_phase() -> Iterator[None]:
         yield
     finally:
         _PREFILL.reset(token)
+
+
+@contextmanager
+def decode_rows(n: int) -> Iterator[None]:
+    """Choose packed-or-GEMM as for a decode step of ``n`` rows, whatever the call's rows."""
+    token = _DECODE_ROWS.set(n)
+    try:
+        yield
+    finally:
+        _DECODE_ROWS.reset(token)
 
 
 class QuantizationUnsupported(ValueError):
@@ -74,7 +90,7 @@ class _ManyRows:
         self.gemm, self.min_rows = gemm, min_rows
 
     def serves(self, x: torch.Tensor) -> bool:
-        return x.shape[0] >= self.min_rows or _PREFILL.get()
+        return _PREFILL.get() or (_DECODE_ROWS.get() or x.shape[0]) >= self.min_rows
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = self.gemm(x)

@@ -27,6 +27,7 @@ from engine.weights.linear import (
     Int4Kernel,
     Linear,
     RefinedHead,
+    decode_rows,
     packed_kernel,
     prefill_phase,
 )
@@ -201,3 +202,5 @@ def test_calls_of_many_rows_take_the_gemm_and_few_stay_packed(bits: int) -> None
     assert ((got - exact).norm() / exact.norm()).item() < 1e-2  # bfloat16 weights
     with prefill_phase():  # a prefill forward: the GEMM whatever the rows
         assert torch.equal(both(few, None), gemm(few))
+    with decode_rows(1):  # several rows of one sequence (verification): as its decode step
+        assert torch.equal(both(many, None), packed(many, None))
