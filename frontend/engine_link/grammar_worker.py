@@ -12,9 +12,9 @@ the 400 it answered.
 Channel: length-prefixed frames (4 bytes big-endian, then msgspec JSON; never pickle) on
 stdin (jobs ``{"id", "kind", "text"}``) and on the original stdout (replies ``{"id",
 "ok", "error"}``; first a ``{"ready": true}`` once the compiler is loaded). Everything
-else the process or its libraries print goes to stderr. It runs at the lowest CPU
-priority (nice 19): compiles yield every core to serving. It exits when stdin closes, so
-a frontend that dies leaves no worker behind.
+else the process or its libraries print goes to stderr. It runs at a lower CPU
+priority than serving (``NICENESS``): compiles yield the cores to requests in flight.
+It exits when stdin closes, so a frontend that dies leaves no worker behind.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ from wire.params import GrammarKind, GrammarSpec
 logger = logging.getLogger(__name__)
 HEADER = struct.Struct(">I")
 _PR_SET_PDEATHSIG = 1
+# NOTE: below serving (0), so a compile yields the cores to requests in flight, but not
+# the lowest: on a host loaded with other work a nice-19 compile starves past any budget.
+NICENESS = 10
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True):
@@ -90,7 +93,7 @@ def main() -> None:
         stream=sys.stderr,
         format="%(asctime)s grammar-worker %(levelname)s %(message)s",
     )
-    os.nice(19)
+    os.nice(NICENESS)
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     config = msgspec.json.decode(sys.argv[1].encode(), type=WorkerConfig)
     # Replies go to the stdout we were given; fd 1 becomes stderr, so that no library's
