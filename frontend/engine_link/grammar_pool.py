@@ -86,8 +86,9 @@ class _Worker:
         await self.proc.wait()
 
 
-# A verdict: None (compiles), or the error to raise.
-Verdict = GrammarError | GrammarTimeout | None
+# A verdict: None (compiles), or the error to raise, as its type and message: a fresh
+# exception each time (one raised again and again would grow its traceback each time).
+Verdict = tuple[type[GrammarError | GrammarTimeout], str] | None
 
 
 class GrammarPool:
@@ -139,7 +140,8 @@ class GrammarPool:
             # Shielded: a client that leaves does not cut a compile short (see above).
             verdict = await asyncio.shield(task)
         if verdict is not None:
-            raise verdict
+            kind, message = verdict
+            raise kind(message)
 
     async def close(self) -> None:
         """Kill every worker, busy or idle (their compiles' callers get cancelled)."""
@@ -181,16 +183,16 @@ class GrammarPool:
                 self.timeout_s,
             )
             await self._retire(worker)
-            return GrammarTimeout(f"did not compile within {self.timeout_s:g} s")
+            return GrammarTimeout, f"did not compile within {self.timeout_s:g} s"
         except (OSError, EOFError) as e:  # it died mid-compile: the grammar killed it
             logger.error("a grammar worker died compiling a %s: %s", spec.kind.value, e)
             await self._retire(worker)
-            return GrammarError(f"the grammar engine failed on this {spec.kind.value}")
+            return GrammarError, f"the grammar engine failed on this {spec.kind.value}"
         except BaseException:
             await self._retire(worker)
             raise
         self._idle.put_nowait(worker)
-        return None if reply.ok else GrammarError(reply.error or "the grammar does not compile")
+        return None if reply.ok else (GrammarError, reply.error or "the grammar does not compile")
 
     async def _retire(self, worker: _Worker) -> None:
         self._live -= 1

@@ -92,14 +92,15 @@ async def read_json(request: Request, limit: int, max_depth: int = 64) -> object
     try:
         # msgspec, unlike json, refuses lone surrogates and NaN: no such text or number
         # can reach the tokenizer or a ring record.
-        body = msgspec.json.decode(b"".join(chunks))
+        raw = b"".join(chunks)
+        body = msgspec.json.decode(raw)
     except UnicodeDecodeError as e:  # a string that is not UTF-8 (msgspec raises it as is)
         raise InvalidRequest(f"malformed JSON body: invalid UTF-8 at byte {e.start}") from e
     except ValueError as e:  # msgspec.DecodeError, and whatever else a decoder refuses with
         raise InvalidRequest(f"malformed JSON body: {e}") from e
     except RecursionError:
         raise too_deep(max_depth) from None
-    check_depth(body, max_depth)
+    check_depth(body, max_depth, raw=raw)
     return body
 
 

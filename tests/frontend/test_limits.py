@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from frontend.errors import LimitExceeded
-from frontend.openai.limits import check_depth, check_size, decode_json_text, json_depth
+from frontend.openai.limits import (
+    check_depth,
+    check_size,
+    decode_json_text,
+    json_depth,
+    raw_depth,
+)
 
 
 def nest(depth: int) -> object:
@@ -68,3 +78,21 @@ def test_size_is_compact_json_bytes() -> None:
     with pytest.raises(LimitExceeded) as info:
         check_size(["x" * 100], 50, "max_tools_bytes", "tools")
     assert info.value.limit == "max_tools_bytes" and "104 bytes" in info.value.message
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='ab"\\[]{}', max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(alphabet='k"\\[]}', max_size=3), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(value=json_values, compact=st.booleans())
+def test_raw_depth_agrees_with_the_walk(value: object, compact: bool) -> None:
+    """Brackets, quotes and backslashes inside strings never count; escapes of any run."""
+    text = json.dumps(value, separators=(",", ":") if compact else None)
+    assert raw_depth(text.encode()) == json_depth(value)[0]
