@@ -344,7 +344,7 @@ class _SharedCollector(Collector):
         yield requests
         by_limit = CounterMetricFamily(
             "pdserve_requests_refused_by_limit",
-            "Requests answered 400 for going over a limit (README, 'Limits')",
+            "Requests answered 400 for going over a limit (README, 'Reliability')",
             labels=["limit"],
         )
         for i, name in enumerate(LIMITS):
