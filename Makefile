@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 PACKAGES := wire transport engine runtime checkpoints prefill decode detokenizer router cluster colocated frontend launcher benchmarks tools
 
-.PHONY: run test lint typecheck pytest setup setup-test fixtures clean
+.PHONY: run test lint typecheck pytest setup setup-test fixtures fuzz-long clean
 
 $(BIN)/python:
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -56,6 +56,11 @@ pytest: setup-test
 	$(PY) -m pytest
 
 test: lint typecheck pytest
+
+# The long schema-driven fuzz of every endpoint (README, "Reliability"); `make test` runs a
+# bounded one.
+fuzz-long: setup-test
+	$(PY) -m benchmarks.api_fuzz --bodies 5000 --out benchmarks/results/api_fuzz
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -10,6 +10,7 @@ a logged traceback, never a crashed server.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -75,6 +76,33 @@ class APIError(Exception):
 
 class InvalidRequest(APIError):
     """Malformed JSON, wrong types, out-of-range values, too-long prompts: 400."""
+
+
+# The limits a request may go over, as /metrics labels its refusals; each is a ``launch``
+# flag (dashes for underscores; README, "Reliability").
+LIMITS = ("max_json_depth", "max_tools_bytes", "max_schema_bytes", "grammar_compile_timeout")
+
+
+class LimitExceeded(InvalidRequest):
+    """A request over one of the server's limits (a ``launch`` flag): 400 naming the limit
+    and the request's value, refused before any work is spent on it."""
+
+    def __init__(self, limit: str, bound: float, what: str, param: str | None = None) -> None:
+        flag = "--" + limit.replace("_", "-")
+        super().__init__(
+            f"{what}, over the limit {limit} = {bound:g} (launch {flag})",
+            param=param,
+            code="limit_exceeded",
+        )
+        self.limit = limit
+
+
+def field_path(parts: Iterable[str | int]) -> str:
+    """A field's path as clients read it: ``messages[2].content[0].type``."""
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
 
 
 class NotImplementedField(APIError):

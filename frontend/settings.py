@@ -8,6 +8,9 @@ from typing import Any
 from runtime.spec_decode import decode_spec
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# NOTE: a grammar spec travels in GenerateRequest and KVTransfer records: this keeps them
+# well inside the smallest ring they cross, and --max-schema-bytes cannot raise it.
+MAX_GRAMMAR_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,15 @@ class FrontendSettings:
     ``allow_special_tokens_in_content`` lets control-token text in chat messages become
     control tokens (the old behaviour; a user can then forge a system turn).
     ``eos_token_ids`` are the model's (its grammars end on them, as in the workers).
+
+    What one request may cost (``frontend/openai/limits.py``; README, "Reliability"): JSON
+    nested at most ``max_json_depth`` levels anywhere in it (the body, tool call
+    arguments, schemas: real schemas nest a dozen levels, and 64 leaves room for the body
+    around them); ``tools`` of at most ``max_tools_bytes`` as compact JSON (256 KiB: a
+    hundred rich tools); an output constraint (a schema, regex, grammar, or the one a
+    forced tool choice makes) of at most ``max_schema_bytes``; and at most
+    ``grammar_compile_timeout_s`` of wall-clock time to compile its grammar, in one of
+    ``grammar_workers`` processes (``frontend/engine_link/grammar_pool.py``).
     ``tool_call_parser`` reads tool calls out of chat output (frontend/openai/tool_parsers.py);
     None: ``tool_choice: auto`` is refused. ``reasoning_parser`` (``qwen3``, ``deepseek_r1``:
     the ``<think>…</think>`` family) keeps reasoning apart from the answer in the chat-shaped
@@ -65,6 +77,11 @@ class FrontendSettings:
     eos_token_ids: tuple[int, ...] = ()
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    max_json_depth: int = 64
+    max_tools_bytes: int = 256 * 1024
+    max_schema_bytes: int = MAX_GRAMMAR_BYTES
+    grammar_compile_timeout_s: float = 5.0
+    grammar_workers: int = 2
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from detokenizer.reasoning import PARSERS as REASONING_PARSERS
 from engine.weights.plan import QUANTIZATIONS
 from frontend.openai.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from frontend.settings import ConnectionLimits
+from launcher.limit_args import DEFAULTS as LIMIT_DEFAULTS
+from launcher.limit_args import add_request_limit_flags, validate_request_limits
 from transport.load_table import NODE_NBYTES
 from wire.rids import MAX_FRONTENDS
 
@@ -95,6 +97,11 @@ class ServerConfig:
     chat_template: str | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    max_json_depth: int = LIMIT_DEFAULTS["max_json_depth"]
+    max_tools_bytes: int = LIMIT_DEFAULTS["max_tools_bytes"]
+    max_schema_bytes: int = LIMIT_DEFAULTS["max_schema_bytes"]
+    grammar_compile_timeout: float = LIMIT_DEFAULTS["grammar_compile_timeout"]
+    grammar_workers: int = LIMIT_DEFAULTS["grammar_workers"]
     max_waiting_requests: int = 1024
     max_queued_prefill_tokens: int = 262_144
     stall_timeout: float = 20.0  # seconds without a heartbeat before a worker's requests move
@@ -369,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         "names): reasoning_content in chat completions, thinking blocks in /v1/messages, "
         "reasoning items in /v1/responses",
     )
+    add_request_limit_flags(p)
     add(
         "--max-waiting-requests",
         type=int,
@@ -510,6 +518,8 @@ def validate(config: ServerConfig) -> None:
         if c.decode < 0 or c.decode + c.remote_decode < 1:
             raise ConfigError("--decode must be >= 1 (or >= 0 with --remote-decode)")
     _validate_cluster(c)
+    if (problem := validate_request_limits(c)) is not None:
+        raise ConfigError(problem)
     if c.max_model_len is not None and c.max_model_len < 2:
         raise ConfigError("--max-model-len must be >= 2 (one prompt and one output token)")
     if c.kv_cache_tokens is not None and c.kv_cache_tokens < c.block_size:

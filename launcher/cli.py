@@ -146,7 +146,10 @@ def _children(
         allow_special_tokens_in_content=config.allow_special_tokens_in_content,
         chat_template=config.chat_template, host=config.host, port=config.port,
         eos_token_ids=mcfg.eos_token_ids, tool_call_parser=config.tool_call_parser,
-        reasoning_parser=config.reasoning_parser,
+        reasoning_parser=config.reasoning_parser, max_json_depth=config.max_json_depth,
+        max_tools_bytes=config.max_tools_bytes, max_schema_bytes=config.max_schema_bytes,
+        grammar_compile_timeout_s=config.grammar_compile_timeout,
+        grammar_workers=config.grammar_workers,
     )  # fmt: skip
     frontend = FrontendLaunch(
         model=str(model), log_level=config.log_level.value, http=http,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -26,16 +27,20 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.sampling.grammar import GrammarCache
 from frontend.engine_link.engine_client import EngineClient, Overloaded, WorkerHealth
+from frontend.engine_link.grammar_pool import GrammarPool
+from frontend.engine_link.grammar_worker import WorkerConfig
 from frontend.errors import (
     APIError,
     InternalError,
     InvalidRequest,
+    LimitExceeded,
     PayloadTooLarge,
     ServiceUnavailable,
 )
 from frontend.http.guard import JSON_PATHS, Guard
+from frontend.http.openapi import with_request_bodies
+from frontend.openai.limits import check_depth, too_deep
 from frontend.openai.messages_request import CountTokensRequest, MessagesRequest
 from frontend.openai.protocol import (
     ChatCompletionRequest,
@@ -72,8 +77,9 @@ B = TypeVar(
 Handler = Callable[[ServingContext, Request, B, float], Awaitable[Response]]
 
 
-async def read_json(request: Request, limit: int) -> object:
-    """The body as JSON, refusing more than ``limit`` bytes before reading them all."""
+async def read_json(request: Request, limit: int, max_depth: int = 64) -> object:
+    """The body as JSON, refusing more than ``limit`` bytes before reading them all, and
+    JSON nested more than ``max_depth`` levels anywhere."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(limit)
@@ -86,13 +92,16 @@ async def read_json(request: Request, limit: int) -> object:
     try:
         # msgspec, unlike json, refuses lone surrogates and NaN: no such text or number
         # can reach the tokenizer or a ring record.
-        return msgspec.json.decode(b"".join(chunks))
+        raw = b"".join(chunks)
+        body = msgspec.json.decode(raw)
     except UnicodeDecodeError as e:  # a string that is not UTF-8 (msgspec raises it as is)
         raise InvalidRequest(f"malformed JSON body: invalid UTF-8 at byte {e.start}") from e
     except ValueError as e:  # msgspec.DecodeError, and whatever else a decoder refuses with
         raise InvalidRequest(f"malformed JSON body: {e}") from e
-    except RecursionError as e:
-        raise InvalidRequest("malformed JSON body: nested too deeply") from e
+    except RecursionError:
+        raise too_deep(max_depth) from None
+    check_depth(body, max_depth, raw=raw)
+    return body
 
 
 class _Throttled:
@@ -125,11 +134,16 @@ async def _serve(
     ctx: ServingContext, request: Request, model: type[B], handler: Handler[B]
 ) -> Response:
     arrival = time.monotonic()
+    s = ctx.settings
     try:
-        body = parse_body(model, await read_json(request, ctx.settings.max_body_bytes))
+        body = parse_body(model, await read_json(request, s.max_body_bytes, s.max_json_depth))
         if unknown := body.unknown_fields():
             logger.info("%s: ignoring unknown fields %s", request.url.path, unknown)
         return await handler(ctx, request, body, arrival)
+    except LimitExceeded as e:
+        ctx.metrics.limit_refusals.labels(limit=e.limit).inc()
+        logger.info("%s: refused: %s", request.url.path, e.message)
+        return e.response_for(request.url.path)
     except APIError as e:
         if e.status >= 500:
             _server_errors.warning("%s: %d %s", request.url.path, e.status, e.message)
@@ -139,8 +153,36 @@ async def _serve(
         logger.info("%s: the client disconnected before the response", request.url.path)
         return Response(status_code=499)  # nobody is listening; nginx's code for it
     except Exception:
-        logger.exception("%s: unhandled error", request.url.path)
-        return InternalError().response_for(request.url.path)
+        # Our bug, not the client's: logged with an id the client is given too, so that a
+        # report can be matched to its traceback. The frontend serves on.
+        incident = f"req-{secrets.token_hex(6)}"
+        logger.exception("%s: unhandled error (request id %s)", request.url.path, incident)
+        err = InternalError(f"Internal server error (request id {incident})")
+        response = err.response_for(request.url.path)
+        response.headers["x-request-id"] = incident
+        return response
+
+
+def _endpoint(
+    ctx: ServingContext, model: type[B], handler: Handler[B]
+) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await _serve(ctx, request, model, handler)
+
+    return endpoint
+
+
+# Every POST endpoint: its body's model (also its schema in /openapi.json) and handler.
+ROUTES: dict[str, tuple[type[Any], Handler[Any]]] = {
+    "/v1/completions": (CompletionRequest, create_completion),
+    "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion),
+    "/v1/messages": (MessagesRequest, create_message),
+    "/v1/messages/count_tokens": (CountTokensRequest, count_tokens),
+    "/v1/responses": (ResponsesRequest, create_response),
+    "/generate": (NativeGenerateRequest, generate),
+    "/tokenize": (TokenizeRequest, tokenize),
+    "/detokenize": (DetokenizeRequest, detokenize),
+}
 
 
 def node_summary(workers: list[WorkerHealth]) -> dict[str, dict[str, int]]:
@@ -266,20 +308,31 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
     """The HTTP app over ``client``; the app closes the client when it shuts down."""
     _warn_if_exposed(settings)
     settings = replace(settings, chat_template=load_chat_template(settings.chat_template))
-    grammars = GrammarCache(
-        lambda: tokenizer, settings.vocab_size, settings.eos_token_ids or None,
-        model_dir=getattr(tokenizer, "name_or_path", None),
-    )  # fmt: skip
-    ctx = ServingContext(client, tokenizer, settings, FrontendMetrics(client), grammars)
+    telemetry = FrontendMetrics(client)
+    worker = WorkerConfig(
+        model_dir=str(getattr(tokenizer, "name_or_path", "")),
+        vocab_size=settings.vocab_size,
+        stop_ids=list(settings.eos_token_ids),
+    )
+    grammars = GrammarPool(
+        worker,
+        settings.grammar_compile_timeout_s,
+        settings.grammar_workers,
+        on_compile=telemetry.grammar_compiles.inc,
+        on_hit=telemetry.grammar_cache_hits.inc,
+    )
+    ctx = ServingContext(client, tokenizer, settings, telemetry, grammars)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(ctx.metrics.publish_every())]
         if client.owner == 0:  # one stats line per server, of the server-wide figures
             tasks.append(asyncio.create_task(StatsLog(client, ctx.metrics).run()))
+        grammars.start()  # loads the grammar library in its worker while the engine loads
         yield
         for task in tasks:
             task.cancel()
+        await grammars.close()
         await client.close()
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -292,37 +345,11 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return APIError(str(exc.detail), status=exc.status_code).response_for(request.url.path)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _serve(ctx, request, CompletionRequest, create_completion)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _serve(ctx, request, ChatCompletionRequest, create_chat_completion)
-
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        return await _serve(ctx, request, MessagesRequest, create_message)
-
-    @app.post("/v1/messages/count_tokens")
-    async def messages_count_tokens(request: Request) -> Response:
-        return await _serve(ctx, request, CountTokensRequest, count_tokens)
-
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        return await _serve(ctx, request, ResponsesRequest, create_response)
-
-    @app.post("/generate")
-    async def native_generate(request: Request) -> Response:
-        return await _serve(ctx, request, NativeGenerateRequest, generate)
-
-    @app.post("/tokenize")
-    async def tokenize_text(request: Request) -> Response:
-        return await _serve(ctx, request, TokenizeRequest, tokenize)
-
-    @app.post("/detokenize")
-    async def detokenize_ids(request: Request) -> Response:
-        return await _serve(ctx, request, DetokenizeRequest, detokenize)
+    for path, (model, handler) in ROUTES.items():
+        app.add_api_route(path, _endpoint(ctx, model, handler), methods=["POST"])
+    app.openapi = with_request_bodies(  # type: ignore[method-assign]
+        app, {path: model for path, (model, _) in ROUTES.items()}
+    )
 
     @app.get("/version")
     async def server_version() -> Response:

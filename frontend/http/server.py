@@ -101,7 +101,6 @@ def main() -> None:
     client = RingEngineClient(spec, launch.router_policy, router_config, launch.stall_timeout_s,
                               node=launch.node, remote_decode=launch.remote_decode)  # fmt: skip
     app = build_app(client, tokenizer, settings)
-    app.state.ctx.grammars.warm()  # imports torch off the loop, while workers still load
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -12,7 +12,6 @@ recovery lives below, in the engine client). The output comes back through
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from detokenizer.reasoning import CLOSE, OPEN
 from frontend.errors import InvalidRequest
 from frontend.openai.chat_prompt import encode_chat, encode_rendered
 from frontend.openai.choices import start_choices
+from frontend.openai.limits import check_size, decode_json_text
 from frontend.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -70,7 +70,8 @@ def chat_prompt_ids(
             "with --chat-template",
             param="messages",
         )
-    conversation = [_template_message(i, m) for i, m in enumerate(body.messages)]
+    depth = ctx.settings.max_json_depth
+    conversation = [_template_message(i, m, depth) for i, m in enumerate(body.messages)]
     encode = encode_rendered if ctx.settings.allow_special_tokens_in_content else encode_chat
     try:
         return encode(ctx.tokenizer, template, conversation, body.add_generation_prompt, tools,
@@ -81,7 +82,7 @@ def chat_prompt_ids(
         ) from e
 
 
-def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
+def _template_message(i: int, m: ChatMessage, max_depth: int) -> dict[str, Any]:
     """A history message as chat templates read it."""
     out: dict[str, Any] = {"role": m.role, "content": m.text(i)}
     if m.name is not None:
@@ -93,18 +94,19 @@ def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
         out["tool_calls"] = [
             {"id": c.id, "type": c.type,
              "function": {"name": c.function.name,
-                          "arguments": _arguments(c.function.arguments, i)}}
-            for c in m.tool_calls
+                          "arguments": _arguments(c.function.arguments,
+                                                  f"messages[{i}].tool_calls[{k}].function"
+                                                  ".arguments", max_depth)}}
+            for k, c in enumerate(m.tool_calls)
         ]  # fmt: skip
     return out
 
 
-def _arguments(text: str, i: int) -> Any:
+def _arguments(text: str, param: str, max_depth: int) -> Any:
     try:
-        return json.loads(text)
+        return decode_json_text(text, max_depth, param)
     except ValueError as e:
-        raise InvalidRequest("tool call arguments must be JSON text",
-                             param=f"messages.{i}.tool_calls") from e  # fmt: skip
+        raise InvalidRequest(f"{param}: tool call arguments must be JSON text", param=param) from e
 
 
 async def start_translated(
@@ -125,6 +127,13 @@ async def start_chat(
 ) -> ChatRun:
     """Plan, tokenize, constrain and admit ``body`` (``n`` choices); returns once each
     choice's first delta is in, so admission errors are raised before any byte is sent."""
+    if body.tools:  # before any work is spent on them (frontend/openai/limits.py)
+        check_size(
+            [t.model_dump(exclude_none=True) for t in body.tools],
+            ctx.settings.max_tools_bytes,
+            "max_tools_bytes",
+            "tools",
+        )
     plan = plan_tools(body, ctx.settings.tool_call_parser)
     # Jinja over a long conversation takes seconds: off the loop, or every stream stalls.
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, ctx, body, plan.template_tools)
@@ -164,11 +173,11 @@ async def _grammar(
     ctx: ServingContext, body: ChatCompletionRequest, plan: ToolPlan
 ) -> GrammarSpec | None:
     """The output constraint: the request's own, or the one its tool_choice needs."""
-    own = await checked_grammar(ctx.grammars, body)
+    own = await checked_grammar(ctx.grammars, body, ctx.settings)
     if plan.grammar is None:
         return own
     if own is not None:
         raise InvalidRequest("tool_choice 'required' or a named function cannot be combined "
                              "with another output constraint", param="tool_choice")  # fmt: skip
-    await compile_checked(ctx.grammars, plan.grammar, "tools")
+    await compile_checked(ctx.grammars, plan.grammar, "tool_choice", ctx.settings)
     return plan.grammar

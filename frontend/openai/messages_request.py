@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from pydantic import Field
+
 from frontend.errors import InvalidRequest, NotImplementedField
 from frontend.openai.protocol import Body, ChatCompletionRequest, parse_body
 
@@ -53,10 +55,17 @@ class ToolUseBlock(Body):
     input: dict[str, Any]
 
 
+class BlockParam(Body):
+    """A content block as it arrives: its ``type`` checked, the rest checked by the
+    block's own model once the type names it (``_blocks``)."""
+
+    type: str = Field(examples=["text", "tool_use", "tool_result", "thinking", "image"])
+
+
 class ToolResultBlock(Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[BlockParam] | None = None
     is_error: bool = False
 
 
@@ -73,7 +82,7 @@ _BLOCKS: dict[str, type[Body]] = {
 
 class MessageParam(Body):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]]
+    content: str | list[BlockParam]
 
 
 class ToolParam(Body):
@@ -82,14 +91,32 @@ class ToolParam(Body):
     input_schema: dict[str, Any]
 
 
+class ToolEntry(Body):
+    """A tool as it arrives: a client tool (no type, or ``custom``) or one of Anthropic's
+    server tools (refused by ``_tool``)."""
+
+    type: str | None = Field(None, examples=["custom", "web_search_20250305"])
+
+
+class ToolChoiceParam(Body):
+    type: str = Field(examples=["auto", "any", "tool", "none"])
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class OutputConfig(Body):
+    effort: str | None = None
+    format: dict[str, Any] | None = None
+
+
 class CountTokensRequest(Body):
     """``/v1/messages/count_tokens``: what makes the prompt, nothing about sampling."""
 
     model: str
     messages: list[MessageParam]
     system: str | list[TextBlock] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tools: list[ToolEntry] | None = None
+    tool_choice: ToolChoiceParam | None = None
     # Accepted: whether a model reasons is its chat template's choice; with
     # --reasoning-parser its reasoning comes back as thinking blocks (README, "Agents").
     thinking: dict[str, Any] | None = None
@@ -106,14 +133,14 @@ class MessagesRequest(CountTokensRequest):
     service_tier: str | None = None
     container: Any = None
     mcp_servers: list[Any] | None = None
-    output_config: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
 
     def reject_unsupported(self) -> None:
-        config = self.output_config or {}
-        if config.get("effort") is not None:
+        config = self.output_config or OutputConfig()
+        if config.effort is not None:
             raise NotImplementedField("output_config.effort", "how long a model reasons is "
                                       "its own (and its chat template's) choice here")  # fmt: skip
-        if unknown := sorted(set(config) - {"effort", "format"}):
+        if unknown := config.unknown_fields():
             raise NotImplementedField(f"output_config.{unknown[0]}", "only 'format' is served")
         if self.container is not None:
             raise NotImplementedField("container", "code-execution containers are not hosted here")
@@ -133,11 +160,12 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     if not body.messages:
         raise InvalidRequest("messages: at least one message is required", param="messages")
     if body.messages[0].role != "user":
-        raise InvalidRequest("messages.0: the first message must have the 'user' role",
-                             param="messages.0.role")  # fmt: skip
+        raise InvalidRequest(
+            "messages[0]: the first message must have the 'user' role", param="messages[0].role"
+        )
     tool_uses: set[str] = set()
     for i, m in enumerate(body.messages):
-        blocks = _blocks(i, m.content)
+        blocks = _blocks(f"messages[{i}].content", m.content)
         if m.role == "user":
             messages += _user_turn(i, blocks, tool_uses)
         else:
@@ -146,9 +174,11 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     last = messages[-1]
     if last["role"] == "assistant":
         if last.get("tool_calls"):
-            raise InvalidRequest("the last message is an assistant turn with tool_use blocks; "
-                                 "send their tool_result blocks in a user turn",
-                                 param=f"messages.{len(body.messages) - 1}")  # fmt: skip
+            raise InvalidRequest(
+                "the last message is an assistant turn with tool_use blocks; "
+                "send their tool_result blocks in a user turn",
+                param=f"messages[{len(body.messages) - 1}]",
+            )
         if last["content"]:  # the reply continues this text (Anthropic's "prefill")
             fields.update(continue_final_message=True, add_generation_prompt=False)
         else:
@@ -170,9 +200,9 @@ def _sampling(body: MessagesRequest) -> dict[str, Any]:
             out[name] = getattr(body, name)
     if body.stop_sequences:
         out["stop"] = body.stop_sequences
-    fmt = (body.output_config or {}).get("format")
+    fmt = body.output_config.format if body.output_config else None
     if fmt is not None:
-        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
+        if fmt.get("type") != "json_schema" or "schema" not in fmt:
             raise InvalidRequest('output_config.format must be {"type": "json_schema", '
                                  '"schema": {...}}', param="output_config.format")  # fmt: skip
         out["response_format"] = {"type": "json_schema",
@@ -181,15 +211,16 @@ def _sampling(body: MessagesRequest) -> dict[str, Any]:
 
 
 def _blocks(
-    i: int, content: str | list[dict[str, Any]], allowed: tuple[str, ...] = ()
+    where: str, content: str | list[BlockParam], allowed: tuple[str, ...] = ()
 ) -> list[Block]:
-    """``content`` as typed blocks; ``allowed``: the only types it may hold (else any)."""
+    """``content`` (at path ``where``) as typed blocks; ``allowed``: the only types it may
+    hold (else any)."""
     if isinstance(content, str):
         return [TextBlock(type="text", text=content)]
     out: list[Block] = []
     for j, raw in enumerate(content):
-        param = f"messages.{i}.content.{j}"
-        kind = raw.get("type")
+        param = f"{where}[{j}]"
+        kind = raw.type
         if kind in _UNREADABLE:
             raise InvalidRequest(f"{param}: content blocks of type '{kind}' are not supported: "
                                  f"{_UNREADABLE[kind]}", param=f"{param}.type")  # fmt: skip
@@ -197,7 +228,7 @@ def _blocks(
         if kind not in known:
             raise InvalidRequest(f"{param}: unknown content block type {kind!r}; expected one "
                                  f"of {', '.join(known)}", param=f"{param}.type")  # fmt: skip
-        out.append(parse_body(_BLOCKS[kind], raw, prefix=param))
+        out.append(parse_body(_BLOCKS[kind], raw.model_dump(), prefix=param))
     return out
 
 
@@ -207,7 +238,7 @@ def _user_turn(i: int, blocks: list[Block], tool_uses: set[str]) -> list[dict[st
     out: list[dict[str, Any]] = []
     text = ""
     for j, b in enumerate(blocks):
-        param = f"messages.{i}.content.{j}"
+        param = f"messages[{i}].content[{j}]"
         if isinstance(b, ToolResultBlock):
             if b.tool_use_id not in tool_uses:
                 raise InvalidRequest(f"{param}: the tool_result's tool_use_id "
@@ -215,8 +246,8 @@ def _user_turn(i: int, blocks: list[Block], tool_uses: set[str]) -> list[dict[st
                                      param=f"{param}.tool_use_id")  # fmt: skip
             result = b.content if b.content is not None else ""
             if not isinstance(result, str):
-                result = "".join(t.text for t in _blocks(i, result, ("text",))  # type: ignore[union-attr]
-                                 )  # fmt: skip
+                parts = _blocks(f"{param}.content", result, ("text",))
+                result = "".join(t.text for t in parts if isinstance(t, TextBlock))
             out.append({"role": "tool", "tool_call_id": b.tool_use_id,
                         "content": f"Error: {result}" if b.is_error else result})  # fmt: skip
         elif isinstance(b, TextBlock):
@@ -239,21 +270,24 @@ def _assistant_turn(i: int, blocks: list[Block], tool_uses: set[str]) -> dict[st
             calls.append({"id": b.id, "type": "function",
                           "function": {"name": b.name, "arguments": json.dumps(b.input)}})  # fmt: skip
         elif isinstance(b, ToolResultBlock):
-            raise InvalidRequest(f"messages.{i}.content.{j}: tool_result blocks belong in a "
-                                 "user turn", param=f"messages.{i}.content.{j}.type")  # fmt: skip
+            raise InvalidRequest(
+                f"messages[{i}].content[{j}]: tool_result blocks belong in a user turn",
+                param=f"messages[{i}].content[{j}].type",
+            )
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
     return message
 
 
-def _tool(i: int, raw: dict[str, Any]) -> dict[str, Any]:
-    kind = raw.get("type")
+def _tool(i: int, entry: ToolEntry) -> dict[str, Any]:
+    kind = entry.type
     if kind not in (None, "custom"):
-        raise NotImplementedField(f"tools.{i}.type", f"tool type {kind!r}: Anthropic's own "
+        raise NotImplementedField(f"tools[{i}].type", f"tool type {kind!r}: Anthropic's own "
                                   "tools run on its servers; only client tools (name, "
                                   "description, input_schema) are served here")  # fmt: skip
-    tool = parse_body(ToolParam, {k: v for k, v in raw.items() if k != "type"}, f"tools.{i}")
+    raw = entry.model_dump(exclude={"type"})
+    tool = parse_body(ToolParam, raw, f"tools[{i}]")
     function: dict[str, Any] = {"name": tool.name}
     if tool.description is not None:
         function["description"] = tool.description
@@ -261,19 +295,19 @@ def _tool(i: int, raw: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _tool_choice(choice: dict[str, Any] | None, have_tools: bool) -> dict[str, Any]:
+def _tool_choice(choice: ToolChoiceParam | None, have_tools: bool) -> dict[str, Any]:
     if choice is None:
         return {}
     out: dict[str, Any] = {}
-    if choice.get("disable_parallel_tool_use") is True:
+    if choice.disable_parallel_tool_use is True:
         out["parallel_tool_calls"] = False
-    kind = choice.get("type")
+    kind = choice.type
     if kind == "auto":
         out["tool_choice"] = "auto" if have_tools else "none"
     elif kind in ("any", "none"):
         out["tool_choice"] = "required" if kind == "any" else "none"
-    elif kind == "tool" and isinstance(choice.get("name"), str):
-        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif kind == "tool" and choice.name is not None:
+        out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     else:
         raise InvalidRequest('tool_choice must be {"type": "auto" | "any" | "none"} or '
                              '{"type": "tool", "name": ...}', param="tool_choice")  # fmt: skip

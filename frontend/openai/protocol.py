@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from frontend.errors import InvalidRequest, NotImplementedField
+from frontend.errors import InvalidRequest, NotImplementedField, field_path
 from wire.params import DetokParams, GrammarSpec, ReasoningMode, SamplingParams
 
 # NOTE: these caps keep every record a request becomes within the smallest ring it
@@ -135,7 +135,7 @@ class CompletionRequest(OpenAIFields):
 
 
 class ContentPart(Body):
-    type: str
+    type: str = Field(examples=["text", "image_url"])
     text: str | None = None
 
 
@@ -168,10 +168,25 @@ class ChatMessage(Body):
         for part in self.content:
             if part.type != "text" or part.text is None:
                 raise NotImplementedField(
-                    f"messages.{index}.content", f"content part type '{part.type}'"
+                    f"messages[{index}].content", f"content part type '{part.type}'"
                 )
             parts.append(part.text)
         return "".join(parts)
+
+
+class FunctionDef(Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(Body):
+    """A tool as it arrives; ``frontend/openai/tools.py`` refuses types other than
+    ``function`` and checks the function."""
+
+    type: str = Field(examples=["function", "code_interpreter"])
+    function: FunctionDef | None = None
 
 
 class ChatCompletionRequest(OpenAIFields):
@@ -182,8 +197,8 @@ class ChatCompletionRequest(OpenAIFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the reply continues the last message
-    tools: list[Any] | None = None
-    tool_choice: Any = None  # checked by frontend/openai/tools.py
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # checked by frontend/openai/tools.py
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
@@ -225,19 +240,32 @@ class NativeGenerateRequest(Body):
 
 def parse_body(model: type[BaseModel], obj: object, prefix: str = "") -> Any:
     """Validate a decoded JSON body (or, under ``prefix``, a part of one); a
-    ``ValidationError`` becomes a 400 naming the field."""
+    ``ValidationError`` becomes a 400 naming the field's path (``messages[2].content``)."""
     if not isinstance(obj, dict):
         what = f"'{prefix}'" if prefix else "the request body"
         raise InvalidRequest(f"{what} must be a JSON object", param=prefix or None)
     try:
         return model.model_validate(obj)
     except ValidationError as e:
-        err = e.errors()[0]
+        param, message = _first_error(e, prefix)
+        raise InvalidRequest(f"Invalid value for '{param}': {message}", param=param) from e
+
+
+def _first_error(e: ValidationError, prefix: str) -> tuple[str, str]:
+    """The deepest failing field's path, and what is wrong there. A union's members fail
+    at one path each ("a valid string", "a valid list"): their messages are joined."""
+    found: dict[str, list[str]] = {}
+    for err in e.errors():
         # Union members appear in ``loc`` as type names ("list[int]"); they are noise.
-        loc = [str(p) for p in err["loc"] if isinstance(p, int) or _is_field_name(p)]
-        loc = [prefix, *loc] if prefix else loc
-        param = ".".join(loc) or None
-        raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}", param=param) from e
+        loc = [p for p in err["loc"] if isinstance(p, int) or _is_field_name(p)]
+        if err["type"] == "union_tag_invalid":
+            loc.append("type")
+        path = field_path([prefix, *loc] if prefix else loc) or "body"
+        found.setdefault(path, [])
+        if err["msg"] not in found[path]:
+            found[path].append(err["msg"])
+    path = max(found, key=lambda p: (p.count(".") + p.count("["), -list(found).index(p)))
+    return path, " or ".join(found[path])
 
 
 def _is_field_name(part: object) -> bool:

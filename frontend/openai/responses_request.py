@@ -26,7 +26,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field
+
 from frontend.errors import InvalidRequest, NotImplementedField
+from frontend.openai.limits import decode_json_text
 from frontend.openai.protocol import Body, ChatCompletionRequest, parse_body
 
 _NO_STATE = ("this server keeps no responses: send the whole conversation in 'input' "
@@ -37,12 +40,48 @@ _UNREADABLE_PARTS = {"input_image": "images need a vision model, and none is ser
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
+class InputPart(Body):
+    """A content part of a message (or of a function_call_output's output)."""
+
+    type: str = Field(examples=["input_text", "output_text", "refusal", "input_image"])
+    text: str | None = None
+    refusal: str | None = None
+
+
+class InputItem(Body):
+    """An input item of any type: the fields the served types read, each checked by type
+    before any is used; the rest (ids, a reasoning item's summary) ride along."""
+
+    type: str = Field(
+        "message", examples=["message", "function_call", "function_call_output", "reasoning"]
+    )
+    role: str | None = Field(None, examples=["user", "assistant", "system", "developer"])
+    content: str | list[InputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[InputPart] | None = None
+
+
+class ToolDef(Body):
+    type: str = Field(examples=["function", "web_search"])
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedChoice(Body):
+    type: str = Field(examples=["function"])
+    name: str | None = None
+
+
 class ResponsesRequest(Body):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedChoice | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -92,15 +131,16 @@ class ResponsesRequest(Body):
                 raise NotImplementedField(name, why)
 
 
-def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The internal chat request ``body`` means; a 400 naming the field if it means none."""
+def to_chat(body: ResponsesRequest, max_depth: int = 64) -> ChatCompletionRequest:
+    """The internal chat request ``body`` means; a 400 naming the field if it means none.
+    JSON text in it (a function call's arguments) may nest ``max_depth`` levels."""
     messages: list[dict[str, Any]] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
     if isinstance(body.input, str):
         messages.append({"role": "user", "content": body.input})
     else:
-        messages += _items(body.input)
+        messages += _items(body.input, max_depth)
     if not any(m["role"] != "system" for m in messages):
         raise InvalidRequest("input: give at least one message", param="input")
     first = next(m for m in messages if m["role"] != "system")
@@ -126,16 +166,16 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     return chat
 
 
-def _items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _items(items: list[InputItem], max_depth: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     calls: set[str] = set()
     for i, item in enumerate(items):
-        param = f"input.{i}"
-        kind = item.get("type", "message")
+        param = f"input[{i}]"
+        kind = item.type
         if kind == "message":
             out.append(_message(item, param))
         elif kind == "function_call":
-            call = _function_call(item, param)
+            call = _function_call(item, param, max_depth)
             calls.add(call["id"])
             if out and out[-1]["role"] == "assistant":  # calls made in one turn
                 out[-1].setdefault("tool_calls", []).append(call)
@@ -150,69 +190,87 @@ def _items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
-    role, content = item.get("role"), item.get("content")
+def _message(item: InputItem, param: str) -> dict[str, Any]:
+    role = item.role
     if role not in ("system", "developer", "user", "assistant"):
         raise InvalidRequest(f"{param}.role must be 'system', 'developer', 'user' or "
                              f"'assistant', not {role!r}", param=f"{param}.role")  # fmt: skip
     role = "system" if role == "developer" else role  # what chat templates know it as
+    return {"role": role, "content": _text(item.content, f"{param}.content")}
+
+
+def _text(content: str | list[InputPart] | None, param: str) -> str:
+    """A message's content (or a call output) as text; 400 naming a part that is not."""
     if isinstance(content, str):
-        return {"role": role, "content": content}
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{param}.content must be a string or a list of content parts",
-                             param=f"{param}.content")  # fmt: skip
+        return content
+    if content is None:
+        raise InvalidRequest(f"{param} must be a string or a list of content parts", param=param)
     text = ""
     for j, part in enumerate(content):
-        where = f"{param}.content.{j}"
-        kind = part.get("type") if isinstance(part, dict) else None
+        where = f"{param}[{j}]"
+        kind = part.type
         if kind in _UNREADABLE_PARTS:
             raise InvalidRequest(f"{where}: content parts of type '{kind}' are not supported: "
                                  f"{_UNREADABLE_PARTS[kind]}", param=f"{where}.type")  # fmt: skip
-        value = part.get("text", part.get("refusal")) if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(value, str):
+        value = part.text if part.text is not None else part.refusal
+        if kind not in _TEXT_PARTS or value is None:
             raise InvalidRequest(f"{where}: expected a text part ({', '.join(_TEXT_PARTS[:2])} "
                                  f"with a 'text' string), got type {kind!r}",
                                  param=f"{where}.type")  # fmt: skip
         text += value
-    return {"role": role, "content": text}
+    return text
 
 
-def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
-    fields = {k: item.get(k) for k in ("call_id", "name", "arguments")}
+def _function_call(item: InputItem, param: str, max_depth: int) -> dict[str, Any]:
+    fields = {k: getattr(item, k) for k in ("call_id", "name", "arguments")}
     for name, value in fields.items():
         if not isinstance(value, str):
             raise InvalidRequest(f"{param}.{name} must be a string", param=f"{param}.{name}")
+    try:  # checked here, to name the field as this API does
+        decode_json_text(fields["arguments"], max_depth, f"{param}.arguments")
+    except ValueError as e:
+        raise InvalidRequest(
+            f"{param}.arguments must be JSON text", param=f"{param}.arguments"
+        ) from e
     return {"id": fields["call_id"], "type": "function",
             "function": {"name": fields["name"], "arguments": fields["arguments"]}}  # fmt: skip
 
 
-def _call_output(item: dict[str, Any], param: str, calls: set[str]) -> dict[str, Any]:
-    call_id, output = item.get("call_id"), item.get("output")
-    if not isinstance(call_id, str):
+def _call_output(item: InputItem, param: str, calls: set[str]) -> dict[str, Any]:
+    call_id = item.call_id
+    if call_id is None:
         raise InvalidRequest(f"{param}.call_id must be a string", param=f"{param}.call_id")
     if call_id not in calls:
         raise InvalidRequest(f"{param}: function_call_output's call_id {call_id!r} matches no "
                              "earlier function_call item", param=f"{param}.call_id")  # fmt: skip
-    if not isinstance(output, str):
-        output = _message({"role": "user", "content": output}, param)["content"]
-    return {"role": "tool", "tool_call_id": call_id, "content": output}
+    return {
+        "role": "tool",
+        "tool_call_id": call_id,
+        "content": _text(item.output, f"{param}.output"),
+    }
 
 
-def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
-    kind = tool.get("type")
-    if kind != "function":
-        raise NotImplementedField(f"tools.{i}.type", f"tools of type {kind!r}: only function "
-                                  "tools are served (built-in tools run on OpenAI's servers)")  # fmt: skip
-    function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+def _tool(i: int, tool: ToolDef) -> dict[str, Any]:
+    if tool.type != "function":
+        raise NotImplementedField(
+            f"tools[{i}].type",
+            f"tools of type {tool.type!r}: only "
+            "function tools are served (built-in tools run on OpenAI's "
+            "servers)",
+        )
+    if tool.name is None:
+        raise InvalidRequest(
+            f"tools[{i}].name: a function tool needs a name", param=f"tools[{i}].name"
+        )
+    function = tool.model_dump(include={"name", "description", "parameters"}, exclude_none=True)
     return {"type": "function", "function": function}
 
 
-def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+def _tool_choice(choice: str | NamedChoice) -> str | dict[str, Any]:
     if choice in ("none", "auto", "required"):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
-            choice.get("name"), str):  # fmt: skip
-        return {"type": "function", "function": {"name": choice["name"]}}
+    if isinstance(choice, NamedChoice) and choice.type == "function" and choice.name is not None:
+        return {"type": "function", "function": {"name": choice.name}}
     raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or "
                          '{"type": "function", "name": ...}', param="tool_choice")  # fmt: skip
 

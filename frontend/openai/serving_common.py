@@ -20,13 +20,13 @@ import anyio
 import msgspec
 from starlette.requests import Request
 
-from engine.sampling.grammar import GrammarCache
 from frontend.engine_link.engine_client import (
     EngineClient,
     EngineRequest,
     EngineUnavailable,
     Overloaded,
 )
+from frontend.engine_link.grammar_pool import GrammarPool
 from frontend.errors import APIError, InternalError, ServiceUnavailable
 from frontend.settings import FrontendSettings
 from frontend.telemetry.metrics import FrontendMetrics
@@ -53,7 +53,7 @@ class ServingContext:
     tokenizer: Any
     settings: FrontendSettings
     metrics: FrontendMetrics
-    grammars: GrammarCache
+    grammars: GrammarPool
 
     def next_rid(self) -> int:
         return self.client.next_rid()

@@ -78,7 +78,7 @@ async def create_completion(
     requested = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), ctx.settings.max_model_len)
     s = ctx.settings
-    grammar = await checked_grammar(ctx.grammars, body)
+    grammar = await checked_grammar(ctx.grammars, body, s)
     # best_of ranks the choices by cumulative logprob: the engine must report them.
     logprobs = 0 if body.logprobs is None and runs > n else body.logprobs
     sampling, detok = to_engine_params(

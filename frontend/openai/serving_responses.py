@@ -25,6 +25,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -49,7 +50,8 @@ from wire.records import Finish
 async def create_response(
     ctx: ServingContext, request: Request, body: ResponsesRequest, arrival: float
 ) -> Response:
-    run = await start_translated(ctx, request, body, to_chat, arrival)
+    translate = partial(to_chat, max_depth=ctx.settings.max_json_depth)
+    run = await start_translated(ctx, request, body, translate, arrival)
     shell = _shell(ctx, body, run)
     if body.stream:
         return StreamingResponse(typed_sse_stream(_stream(run, shell), run.rid, _error_event),
@@ -83,11 +85,17 @@ def _shell(ctx: ServingContext, body: ResponsesRequest, run: ChatRun) -> dict[st
         "output": [], "error": None, "incomplete_details": None,
         "instructions": body.instructions, "metadata": body.metadata or {},
         "max_output_tokens": body.max_output_tokens, "temperature": body.temperature,
-        "top_p": body.top_p, "tools": tools, "tool_choice": body.tool_choice or "auto",
+        "top_p": body.top_p, "tools": tools, "tool_choice": _choice(body),
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "text": {"format": fmt}, "store": False, "previous_response_id": None,
         "reasoning": None, "truncation": "disabled", "user": body.user, "usage": None,
     }  # fmt: skip
+
+
+def _choice(body: ResponsesRequest) -> str | dict[str, Any]:
+    """The request's ``tool_choice``, echoed as it came."""
+    choice = body.tool_choice or "auto"
+    return choice if isinstance(choice, str) else choice.model_dump(exclude_none=True)
 
 
 def _final(

@@ -7,25 +7,26 @@ Accepted spellings (OpenAI's, then vLLM's current and older ones); at most one p
                       | {"grammar": EBNF} | {"json_object": true}
     guided_json, guided_regex, guided_choice, guided_grammar
 
-The spec is compiled once here, off the event loop (on the frontend's grammar thread),
-so a schema the grammar engine rejects, or one using a keyword it would silently not
-enforce, is a 400 that says what is wrong before any worker sees the request. Workers
-compile it again for themselves (engine/sampling/grammar.py); both sides cache by the spec's key.
+The spec is compiled once here, in one of the frontend's grammar worker processes
+(``frontend/engine_link/grammar_pool.py``) within the compile budget, so a schema the
+grammar engine rejects, one using a keyword it would silently not enforce, or one that
+would take too long, is a 400 that says what is wrong before any worker sees the
+request. Workers compile it again for themselves (engine/sampling/grammar.py); both
+sides cache by the spec's key. Sizes and depths are checked first (``limits.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
-from engine.sampling.grammar import GrammarCache, GrammarError
-from frontend.errors import InvalidRequest, NotImplementedField
+from engine.sampling.grammar import GrammarError
+from frontend.engine_link.grammar_pool import GrammarPool, GrammarTimeout
+from frontend.errors import InvalidRequest, LimitExceeded, NotImplementedField
+from frontend.openai.limits import check_text_size, decode_json_text
+from frontend.settings import FrontendSettings
 from wire.params import GrammarKind, GrammarSpec
 
-# NOTE: a spec travels in GenerateRequest and KVTransfer records: this keeps them well
-# inside the smallest ring they cross.
-MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 1024
 # JSON-schema keywords xgrammar accepts but does not enforce (checked against 0.2.8):
 # an output "valid" under them could violate the schema, so they are refused instead.
@@ -35,37 +36,31 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMAS = ("items", "additionalProperties", "propertyNames", "contains")
 
 
-def grammar_spec(body: Any) -> tuple[str, GrammarSpec] | None:
+def grammar_spec(body: Any, max_depth: int = 64) -> tuple[str, GrammarSpec] | None:
     """(the field, its spec) of the one constraint ``body`` asks for, or None; 400 if
-    several."""
+    several. A schema given as JSON text may nest ``max_depth`` levels."""
     found: list[tuple[str, GrammarSpec]] = []
     if body.response_format is not None:
-        spec = _from_response_format(body.response_format)
+        spec = _from_response_format(body.response_format, max_depth)
         if spec is not None:
             found.append(("response_format", spec))
     if body.structured_outputs is not None:
-        found += _from_structured_outputs(body.structured_outputs)
+        found += _from_structured_outputs(body.structured_outputs, max_depth)
     legacy = {
         "guided_json": body.guided_json, "guided_regex": body.guided_regex,
         "guided_choice": body.guided_choice, "guided_grammar": body.guided_grammar,
     }  # fmt: skip
     for name, value in legacy.items():
         if value is not None:
-            found.append((name, _spec(name.removeprefix("guided_"), value, name)))
+            found.append((name, _spec(name.removeprefix("guided_"), value, name, max_depth)))
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise InvalidRequest(f"give one output constraint, not several ({names})",
                              param=found[1][0])  # fmt: skip
-    if not found:
-        return None
-    param, spec = found[0]
-    if len(spec.text) > MAX_GRAMMAR_CHARS:
-        raise InvalidRequest(f"the output constraint exceeds {MAX_GRAMMAR_CHARS} characters",
-                             param=param)  # fmt: skip
-    return param, spec
+    return found[0] if found else None
 
 
-def _from_response_format(fmt: dict[str, Any]) -> GrammarSpec | None:
+def _from_response_format(fmt: dict[str, Any], max_depth: int) -> GrammarSpec | None:
     kind = fmt.get("type")
     if kind in (None, "text"):
         return None
@@ -80,17 +75,17 @@ def _from_response_format(fmt: dict[str, Any]) -> GrammarSpec | None:
     if not isinstance(inner, dict) or "schema" not in inner:
         raise InvalidRequest("response_format json_schema needs json_schema.schema",
                              param="response_format.json_schema")  # fmt: skip
-    return _spec("json", inner["schema"], "response_format.json_schema.schema")
+    return _spec("json", inner["schema"], "response_format.json_schema.schema", max_depth)
 
 
-def _from_structured_outputs(so: dict[str, Any]) -> list[tuple[str, GrammarSpec]]:
+def _from_structured_outputs(so: dict[str, Any], max_depth: int) -> list[tuple[str, GrammarSpec]]:
     out = []
     for key, value in so.items():
         param = f"structured_outputs.{key}"
         if value is None or (key == "json_object" and value is False):
             continue
         if key in ("json", "regex", "choice", "grammar"):
-            out.append((param, _spec(key, value, param)))
+            out.append((param, _spec(key, value, param, max_depth)))
         elif key == "json_object":
             out.append((param, GrammarSpec(kind=GrammarKind.JSON_OBJECT)))
         else:
@@ -99,10 +94,10 @@ def _from_structured_outputs(so: dict[str, Any]) -> list[tuple[str, GrammarSpec]
     return out
 
 
-def _spec(key: str, value: Any, param: str) -> GrammarSpec:
+def _spec(key: str, value: Any, param: str, max_depth: int) -> GrammarSpec:
     """One vLLM-style constraint (``json``/``regex``/``choice``/``grammar``) as a spec."""
     if key == "json":
-        schema = _schema(value, param)
+        schema = _schema(value, param, max_depth)
         check_enforceable(schema, param)
         return GrammarSpec(kind=GrammarKind.JSON_SCHEMA, text=json.dumps(schema))
     if key == "choice":
@@ -117,10 +112,10 @@ def _spec(key: str, value: Any, param: str) -> GrammarSpec:
     return GrammarSpec(kind=kind, text=value)
 
 
-def _schema(value: Any, param: str) -> Any:
+def _schema(value: Any, param: str, max_depth: int) -> Any:
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = decode_json_text(value, max_depth, param)
         except ValueError as e:
             raise InvalidRequest(f"{param} is not valid JSON: {e}", param=param) from e
     if not isinstance(value, dict | bool):
@@ -153,20 +148,39 @@ def check_enforceable(schema: Any, param: str) -> None:
             check_enforceable(sub, param)
 
 
-async def checked_grammar(grammars: GrammarCache, body: Any) -> GrammarSpec | None:
-    """``body``'s constraint, compiled once off the event loop (cached by key); 400 if it
-    does not compile."""
-    found = grammar_spec(body)
+async def checked_grammar(
+    grammars: GrammarPool, body: Any, settings: FrontendSettings
+) -> GrammarSpec | None:
+    """``body``'s constraint, compiled once in a grammar worker (cached by key); 400 if it
+    is over a limit or does not compile within the budget."""
+    found = grammar_spec(body, settings.max_json_depth)
     if found is None:
         return None
     param, spec = found
-    await compile_checked(grammars, spec, param)
+    await compile_checked(grammars, spec, param, settings)
     return spec
 
 
-async def compile_checked(grammars: GrammarCache, spec: GrammarSpec, param: str) -> None:
-    """Compile ``spec`` off the event loop (cached by key); a 400 naming ``param`` if bad."""
+async def compile_checked(
+    grammars: GrammarPool, spec: GrammarSpec, param: str, settings: FrontendSettings
+) -> None:
+    """Check ``spec``'s size, then compile it in a grammar worker (cached by key); a 400
+    naming ``param`` if it is too big, does not compile, or outlasts the budget."""
+    check_text_size(
+        spec.text,
+        settings.max_schema_bytes,
+        "max_schema_bytes",
+        f"the output constraint of '{param}'",
+        param,
+    )
     try:
-        await asyncio.wrap_future(grammars.prepare(spec))
+        await grammars.check(spec)
     except GrammarError as e:
         raise InvalidRequest(str(e), param=param) from e
+    except GrammarTimeout as e:
+        raise LimitExceeded(
+            "grammar_compile_timeout",
+            settings.grammar_compile_timeout_s,
+            f"the grammar of '{param}' {e} and was abandoned",
+            param=param,
+        ) from e

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend.errors import InvalidRequest, NotImplementedField
+from frontend.openai.protocol import ChatTool
 from frontend.openai.structured import check_enforceable
 from frontend.openai.tool_parsers import (
     PARSERS,
@@ -81,21 +82,15 @@ def plan_tools(body: Any, parser_name: str | None) -> ToolPlan:
     return ToolPlan(tools, spec, lambda: NamedCall(name), named=True)
 
 
-def _checked_tool(i: int, tool: Any) -> dict[str, Any]:
-    param = f"tools.{i}"
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise NotImplementedField(param, "only tools of type 'function' are implemented")
-    fn = tool.get("function")
-    if (
-        not isinstance(fn, dict)
-        or not isinstance(fn.get("name"), str)
-        or not _NAME.match(fn["name"])
-    ):
+def _checked_tool(i: int, tool: ChatTool) -> dict[str, Any]:
+    param = f"tools[{i}]"
+    if tool.type != "function":
+        raise NotImplementedField(f"{param}.type", "only tools of type 'function' are implemented")
+    if tool.function is None or not _NAME.match(tool.function.name):
         raise InvalidRequest("a function needs a name of 1-64 letters, digits, _ or -",
                              param=f"{param}.function.name")  # fmt: skip
+    fn = tool.function.model_dump(exclude_none=True)
     params = fn.get("parameters", {"type": "object", "properties": {}})
-    if not isinstance(params, dict):
-        raise InvalidRequest("parameters must be a JSON schema", param=f"{param}.function")
     check_enforceable(params, f"{param}.function.parameters")
     return {"type": "function", "function": {**fn, "parameters": params}}
 

@@ -38,6 +38,7 @@ from prometheus_client.utils import floatToGoString
 
 from frontend.engine_link.board import METRIC_WORDS, FrontendBoard
 from frontend.engine_link.engine_client import EngineClient
+from frontend.errors import LIMITS
 from transport.load_table import WorkerState
 from wire.roles import Role
 
@@ -197,11 +198,14 @@ class SharedHistogram:
 
 
 class _Labelled:
+    """Counters of one family, one per value of its single label."""
+
     def __init__(self, counters: dict[str, SharedCounter]) -> None:
         self._counters = counters
 
-    def labels(self, finish_reason: str) -> SharedCounter:
-        return self._counters[finish_reason]
+    def labels(self, **label: str) -> SharedCounter:
+        (value,) = label.values()
+        return self._counters[value]
 
 
 @dataclass(frozen=True)
@@ -244,6 +248,16 @@ class FrontendMetrics:
         self._requests = w.take(len(FINISH_REASONS))
         self.requests = _Labelled({r: SharedCounter(words, self._requests + i)
                                    for i, r in enumerate(FINISH_REASONS)})  # fmt: skip
+        self._by_limit = w.take(len(LIMITS))
+        self.limit_refusals = _Labelled(
+            {name: SharedCounter(words, self._by_limit + i) for i, name in enumerate(LIMITS)}
+        )
+        self.grammar_compiles = counter(
+            "pdserve_grammar_compiles", "Grammars compiled to check a request (cache misses)"
+        )
+        self.grammar_cache_hits = counter(
+            "pdserve_grammar_cache_hits", "Grammar checks answered from the cache of verdicts"
+        )
         # Process-local figures, copied in by ``publish`` (the accept thread counts in C).
         self._accepted = counter("pdserve_http_connections_accepted", "TCP connections accepted")
         self._answered = counter("pdserve_health_probes_answered",
@@ -328,6 +342,14 @@ class _SharedCollector(Collector):
             if total[m._requests + i]:
                 requests.add_metric([reason], float(total[m._requests + i]))
         yield requests
+        by_limit = CounterMetricFamily(
+            "pdserve_requests_refused_by_limit",
+            "Requests answered 400 for going over a limit (README, 'Reliability')",
+            labels=["limit"],
+        )
+        for i, name in enumerate(LIMITS):
+            by_limit.add_metric([name], float(total[m._by_limit + i]))
+        yield by_limit
         per_frontend = CounterMetricFamily("pdserve_frontend_requests",
                                            "Finished requests, by the frontend that served them",
                                            labels=["frontend"])  # fmt: skip

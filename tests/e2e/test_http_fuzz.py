@@ -6,8 +6,8 @@ along. Every answer must be a 2xx or an OpenAI-shaped 4xx; streamed answers must
 carry a server error event; and afterwards every worker must be the same live process
 as before (the launcher restarts dead ones, so liveness alone would hide a crash).
 
-The app exposes no request-body schema (handlers parse the body themselves), so a
-schema-driven fuzzer such as schemathesis would have nothing to work from.
+These strategies are written by hand, field by field; ``test_schema_fuzz.py`` generates
+bodies for every endpoint from the request schemas the app serves in /openapi.json.
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({**BASE, "max_output_tokens": "4"}, "max_output_tokens"),
     ({**BASE, "temperature": "warm"}, "temperature"),
     ({**BASE, "input": 5}, "input"),
-    ({**BASE, "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({**BASE, "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({**BASE, "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "'nope'"),
     ({**BASE, "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({**BASE, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {}}}}},

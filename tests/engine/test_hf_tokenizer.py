@@ -79,7 +79,7 @@ def test_qwen2_goes_through_autotokenizer() -> None:
 def test_frontend_and_detokenizer_do_not_import_torch() -> None:
     """The frontend and the detokenizer shards run no model: torch would cost each of
     them seconds of CPU at startup, beside the workers that need it. (The frontend's
-    grammar thread imports it later, with xgrammar: ``GrammarCache.warm``.)"""
+    grammar worker processes import it, with xgrammar: ``grammar_worker.py``.)"""
     code = (
         "import sys\n"
         "import frontend.http.server, detokenizer.worker\n"

@@ -99,7 +99,7 @@ def test_unimplemented_completion_fields_are_rejected(fields: dict[str, Any], pa
     [
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-            "messages.0.content",
+            "messages[0].content",
         ),
     ],
 )
@@ -124,7 +124,7 @@ def test_chat_consistency_rules() -> None:
         chat(messages=[]).reject_unsupported()
     with pytest.raises(InvalidRequest) as info:
         chat(messages=[{"role": "wizard", "content": "x"}])
-    assert info.value.param == "messages.0.role"
+    assert info.value.param == "messages[0].role"
 
 
 def test_stream_options_require_stream() -> None:

@@ -8,10 +8,13 @@ from typing import Any
 
 import pytest
 
-from frontend.errors import InvalidRequest, NotImplementedField
-from frontend.openai.structured import grammar_spec
+from frontend.engine_link.grammar_pool import GrammarPool
+from frontend.engine_link.grammar_worker import WorkerConfig
+from frontend.errors import InvalidRequest, LimitExceeded, NotImplementedField
+from frontend.openai.structured import compile_checked, grammar_spec
+from tests.frontend.conftest import make_settings
 from tests.frontend.test_protocol import chat, completion
-from wire.params import GrammarKind, choice_seed
+from wire.params import GrammarKind, GrammarSpec, choice_seed
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 
@@ -62,7 +65,6 @@ def test_no_constraint_and_text_format_mean_none() -> None:
         ({"guided_json": {"type": "object", "properties": {"a": {"not": {}}}}}, "guided_json"),
         ({"guided_json": {"$ref": "https://example.com/s.json"}}, "guided_json"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
-        ({"guided_regex": "x" * 70_000}, "guided_regex"),
     ],
 )  # fmt: skip
 def test_bad_constraints_name_their_field(fields: dict[str, Any], param: str) -> None:
@@ -80,3 +82,14 @@ def test_choice_seeds_are_distinct_and_keep_choice_zero() -> None:
     seeds = [choice_seed(42, i) for i in range(16)]
     assert seeds[0] == 42 and len(set(seeds)) == 16
     assert all(-(2**63) <= s < 2**63 for s in [*seeds, choice_seed(-1, 3)])
+
+
+@pytest.mark.anyio
+async def test_an_oversized_constraint_is_refused_before_it_compiles() -> None:
+    pool = GrammarPool(WorkerConfig(model_dir="", vocab_size=1, stop_ids=[]), timeout_s=1.0)
+    spec = GrammarSpec(kind=GrammarKind.REGEX, text="x" * 70_000)
+    with pytest.raises(LimitExceeded) as info:
+        await compile_checked(pool, spec, "guided_regex", make_settings())
+    assert (info.value.limit, info.value.param) == ("max_schema_bytes", "guided_regex")
+    assert "70000 bytes" in info.value.message and "--max-schema-bytes" in info.value.message
+    assert pool.compiles == 0  # refused before any worker saw it

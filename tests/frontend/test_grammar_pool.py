@@ -1,0 +1,57 @@
+"""The frontend's grammar check (frontend/engine_link/grammar_pool.py), on the tiny model's
+vocabulary: verdicts, the budget (a compile that outlasts it has its process killed and
+replaced), and the cache of verdicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from checkpoints import tiny
+from engine.sampling.grammar import GrammarError
+from frontend.engine_link.grammar_pool import GrammarPool, GrammarTimeout
+from frontend.engine_link.grammar_worker import WorkerConfig
+from wire.params import GrammarKind, GrammarSpec
+
+pytestmark = pytest.mark.anyio
+BUDGET_S = 3.0
+
+
+def schema(properties: int) -> GrammarSpec:
+    """About 1.5 s of compiling per property (string length bounds), else small."""
+    props = {
+        f"p{i}": {"type": "string", "minLength": 1000 + i, "maxLength": 2000 + i}
+        for i in range(properties)
+    }
+    return GrammarSpec(
+        kind=GrammarKind.JSON_SCHEMA, text=json.dumps({"type": "object", "properties": props})
+    )
+
+
+async def test_verdicts_budget_and_cache() -> None:
+    config = WorkerConfig(
+        model_dir=str(tiny.tiny_model_dir(tiny.DEFAULT_ARCH)), vocab_size=151936, stop_ids=[151645]
+    )
+    pool = GrammarPool(config, timeout_s=BUDGET_S, workers=1)
+    try:
+        pool.start()
+        await pool.check(GrammarSpec(kind=GrammarKind.JSON_OBJECT))  # compiles: no error
+        bad = GrammarSpec(kind=GrammarKind.REGEX, text="((")
+        for _ in range(2):  # the second from the cache, as a fresh error
+            with pytest.raises(GrammarError, match="invalid regex"):
+                await pool.check(bad)
+        assert (pool.compiles, pool.hits) == (2, 1)
+        (worker,) = pool._workers
+        with pytest.raises(GrammarTimeout, match=f"within {BUDGET_S:g} s"):
+            await pool.check(schema(20))
+        assert worker.proc.returncode is not None  # killed: nothing compiles behind it
+        assert pool.abandoned == 1
+        with pytest.raises(GrammarTimeout):  # cached: no second compile of it
+            await pool.check(schema(20))
+        assert pool.compiles == 3
+        await pool.check(GrammarSpec(kind=GrammarKind.REGEX, text="a+"))  # a fresh worker
+        assert worker not in pool._workers and len(pool._workers) == 1
+    finally:
+        await pool.close()
+    assert all(w.proc.returncode is not None for w in pool._workers)
