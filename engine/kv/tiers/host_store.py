@@ -2,6 +2,8 @@
 
 Layout of the mapped buffer (all little-endian u64 unless named):
     header   (64,)                        magic, format, geometry, clock, epoch, counters
+    index    (table,) i32                 open-addressed hash of key -> slot + 1 (0 empty,
+                                          -1 deleted); table = a power of two >= 2 slots
     meta     (slots, 8)                   version, tick, pid, key lo/hi, parent lo/hi, flags
     tokens   (slots, block_size) u32      the block's token ids (checked on every lookup)
     payload  (slots, stride) u8           the block's bytes, as one pool block holds them
@@ -15,6 +17,9 @@ copied *outside* the lock; a reader notes a slot's version under the lock, copie
 re-checks the version under the lock: if a writer reused the slot meanwhile the version
 moved and the read is a miss, never wrong bytes (a seqlock whose checks are fenced by the
 lock's syscalls, so it holds on aarch64 as well as x86-64).
+
+The index changes by single aligned 32-bit stores, so a holder killed mid-change leaves
+it consistent; it is rebuilt from meta when deleted entries fill a quarter of it.
 
 A writer killed mid-copy leaves its slot odd; a writer needing room reclaims odd slots
 whose pid is dead. ``clear`` (``/reset_prefix_cache``) frees every valid slot and bumps
@@ -38,7 +43,7 @@ _FORMAT = 1
 _HEADER_WORDS = 64
 _ALIGN = 4096
 # header words
-H_MAGIC, H_FORMAT, H_SLOTS, H_BLOCK, H_PAYLOAD, H_STRIDE, H_TICK, H_EPOCH = range(8)
+H_MAGIC, H_FORMAT, H_SLOTS, H_BLOCK, H_PAYLOAD, H_STRIDE, H_TICK, H_EPOCH, H_DELETED = range(9)
 # counters (header words from 16): what /metrics shows, summed over the host's workers
 COUNTERS = (
     "host_stores", "host_hit_blocks", "host_miss_blocks", "host_evictions",
@@ -66,9 +71,14 @@ class Geometry:
         return -(-self.payload_nbytes // 64) * 64
 
     @property
+    def table(self) -> int:
+        return 1 << (2 * self.slots - 1).bit_length()
+
+    @property
     def offsets(self) -> tuple[int, int, int, int]:
-        """Byte offsets of meta, tokens, payloads, and the total size."""
-        meta = _HEADER_WORDS * 8
+        """Byte offsets of meta, tokens, payloads, and the total size (the index sits
+        between the header and meta)."""
+        meta = _HEADER_WORDS * 8 + -(-self.table * 4 // 64) * 64
         tokens = meta + self.slots * 64
         payload = -(-(tokens + self.slots * self.block_size * 4) // _ALIGN) * _ALIGN
         return meta, tokens, payload, payload + self.slots * self.stride
@@ -76,7 +86,7 @@ class Geometry:
     @classmethod
     def for_budget(cls, nbytes: int, block_size: int, payload_nbytes: int) -> Geometry:
         """As many slots as ``nbytes`` holds (at least one)."""
-        per_slot = -(-payload_nbytes // 64) * 64 + 64 + 4 * block_size
+        per_slot = -(-payload_nbytes // 64) * 64 + 64 + 4 * block_size + 16  # + index
         return cls(max(1, (nbytes - 2 * _ALIGN) // per_slot), block_size, payload_nbytes)
 
 
@@ -109,6 +119,7 @@ class HostStore:
         meta, tokens, payload, end = g.offsets
         if len(buf) < end:
             raise ValueError(f"tier-2 segment of {len(buf)} bytes, its header says {end}")
+        self.index = np.frombuffer(buf, dtype="<i4", count=g.table, offset=_HEADER_WORDS * 8)
         self.meta = np.frombuffer(buf, dtype="<u8", count=g.slots * 8, offset=meta).reshape(
             g.slots, 8
         )
@@ -156,11 +167,50 @@ class HostStore:
 
     # ---- lookups -------------------------------------------------------------------
 
+    def _probe(self, key: bytes) -> tuple[int, int]:
+        """(index position of ``key`` or -1, its slot or -1); lock held."""
+        lo, hi = key_words(key)
+        mask = len(self.index) - 1
+        pos = lo & mask
+        for _ in range(len(self.index)):
+            entry = int(self.index[pos])
+            if entry == 0:
+                break
+            if entry > 0:
+                s = entry - 1
+                if int(self.meta[s, M_KEY_LO]) == lo and int(self.meta[s, M_KEY_HI]) == hi:
+                    return pos, s
+            pos = (pos + 1) & mask
+        return -1, -1
+
     def _find(self, key: bytes) -> int:
         """The slot whose key is ``key`` (valid or being written), or -1; lock held."""
-        lo, hi = key_words(key)
-        hits = np.flatnonzero((self.meta[:, M_KEY_LO] == lo) & (self.meta[:, M_KEY_HI] == hi))
-        return int(hits[0]) if len(hits) else -1
+        return self._probe(key)[1]
+
+    def _index_add(self, key: bytes, slot: int) -> None:
+        mask = len(self.index) - 1
+        pos = key_words(key)[0] & mask
+        while int(self.index[pos]) > 0:  # a free or deleted entry exists: table >= 2 slots
+            pos = (pos + 1) & mask
+        self.index[pos] = slot + 1
+
+    def _index_drop(self, slot: int) -> None:
+        """Forget ``slot``'s key in the index (before its key changes); lock held."""
+        lo, hi = int(self.meta[slot, M_KEY_LO]), int(self.meta[slot, M_KEY_HI])
+        if lo == hi == 0:
+            return
+        pos, s = self._probe(words_key(lo, hi))
+        if pos >= 0 and s == slot:
+            self.index[pos] = -1
+            self.header[H_DELETED] += np.uint64(1)
+            if int(self.header[H_DELETED]) * 4 > len(self.index):
+                self._rebuild_index()
+
+    def _rebuild_index(self) -> None:
+        self.index[:] = 0
+        self.header[H_DELETED] = 0
+        for s in np.flatnonzero((self.meta[:, M_KEY_LO] | self.meta[:, M_KEY_HI]) != 0):
+            self._index_add(words_key(self.meta[s, M_KEY_LO], self.meta[s, M_KEY_HI]), int(s))
 
     def lookup(self, keys: list[bytes], tokens: np.ndarray) -> list[Found]:
         """The valid slots of the longest leading run of ``keys`` whose token ids match
@@ -212,12 +262,15 @@ class HostStore:
             epoch = int(self.header[H_EPOCH])
             m = self.meta[slot]
             m[M_VERSION] += np.uint64(1)  # odd: being written
+            self._index_drop(slot)
             m[M_KEY_LO], m[M_KEY_HI] = key_words(key)
+            self._index_add(key, slot)
             m[M_PID], m[M_FLAGS] = self._pid, 0
         self.payload[slot, : payload.nbytes] = payload
         with self.locked():
             m = self.meta[slot]
             if int(self.header[H_EPOCH]) != epoch:  # cleared meanwhile: drop it
+                self._index_drop(slot)
                 m[M_KEY_LO] = m[M_KEY_HI] = 0
             else:
                 m[M_PAR_LO], m[M_PAR_HI] = key_words(parent)
@@ -257,6 +310,7 @@ class HostStore:
             self.meta[valid, M_KEY_HI] = 0
             self.meta[valid, M_VERSION] += np.uint64(2)  # readers mid-copy see a change
             self.header[H_EPOCH] += np.uint64(1)
+            self._rebuild_index()  # writes in flight keep their entries
             return int(valid.sum())
 
     # ---- the persister's view ------------------------------------------------------

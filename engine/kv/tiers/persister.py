@@ -40,7 +40,7 @@ class Persister:
     def __init__(self, host: HostStore, disk: DiskStore, budget: int, min_free: int) -> None:
         self.host, self.disk = host, disk
         self.budget, self.min_free = budget, min_free
-        self._files: OrderedDict[Path, tuple[int, float]] = OrderedDict()  # LRU first
+        self.files: OrderedDict[Path, tuple[int, float]] = OrderedDict()  # LRU first
         self.usage = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-persister", daemon=True)
@@ -66,7 +66,7 @@ class Persister:
                     except OSError:
                         continue
         found.sort()
-        self._files = OrderedDict((p, (size, mtime)) for mtime, p, size in found)
+        self.files = OrderedDict((p, (size, mtime)) for mtime, p, size in found)
         self.usage = sum(size for _, _, size in found)
         logger.info("KV tier 3 at %s: %d block files, %.1f MiB; %d temp files removed",
                     self.disk.root, len(found), self.usage / (1 << 20), removed)  # fmt: skip
@@ -94,7 +94,7 @@ class Persister:
         batch = self.host.unpersisted(BATCH)
         for found, key, parent, tokens in batch:
             path = self.disk.path(key)
-            if path in self._files or path.exists():
+            if path in self.files or path.exists():
                 self.host.mark_persisted(found)
                 continue
             payload = self.host.payload[found.slot, : self.disk.payload_nbytes].copy()
@@ -122,7 +122,7 @@ class Persister:
                 self.host.count("disk_dropped", 1)
             return
         if written:
-            self._files[path] = (written, time.time())
+            self.files[path] = (written, time.time())
             self.usage += written
             with self.host.locked():
                 self.host.count("disk_bytes_written", written)
@@ -135,19 +135,19 @@ class Persister:
         """Delete LRU files until ``room`` more bytes fit the budget and the free-space
         watermark; False if they cannot (the budget is smaller than one file)."""
         evicted = 0
-        while self._files and (
+        while self.files and (
             self.usage + room > self.budget or self._free() - room < self.min_free
         ):
-            path, (size, seen) = next(iter(self._files.items()))
+            path, (size, seen) = next(iter(self.files.items()))
             try:
                 mtime = path.stat().st_mtime
             except OSError:
                 mtime = None  # gone (quarantined by a reader): just forget it
             if mtime is not None and mtime > seen:  # read since listed: second chance
-                self._files.move_to_end(path)
-                self._files[path] = (size, mtime)
+                self.files.move_to_end(path)
+                self.files[path] = (size, mtime)
                 continue
-            del self._files[path]
+            del self.files[path]
             self.usage -= size
             path.unlink(missing_ok=True)
             evicted += 1
@@ -165,12 +165,12 @@ class Persister:
 
     def _publish(self) -> None:
         self.host.set_counter("disk_usage_bytes", self.usage)
-        self.host.set_counter("disk_files", len(self._files))
+        self.host.set_counter("disk_files", len(self.files))
 
     def clear(self) -> None:
         """Delete every block file of every namespace (``/reset_prefix_cache``)."""
-        for path in list(self._files):
+        for path in list(self.files):
             path.unlink(missing_ok=True)
-        self._files.clear()
+        self.files.clear()
         self.usage = 0
         self._publish()
