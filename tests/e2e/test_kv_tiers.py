@@ -46,6 +46,9 @@ def test_an_evicted_prefix_hits_host_ram_then_disk_after_sigterm_and_sigkill(
         for p in others:  # 16-block pools: the prompt's blocks are evicted
             _complete(srv, p, "m")
         assert _complete(srv, prompt, "m") == (cold, 144)  # 9 blocks from tier 2
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert 'pdserve_kv_tier_hit_blocks_total{tier="host"} 9.0' in metrics, metrics
+        assert 'pdserve_kv_tier_written_bytes_total{tier="host"}' in metrics
     finally:
         assert srv.stop() == 0  # SIGTERM: the launcher flushes tier 3
     assert any("KV tier 3 flushed" in line for line in srv.log)
