@@ -1,8 +1,9 @@
 """The host's KV tiers beyond the pools: created here, shared by every engine worker.
 
-Tier 2 is one shared-memory segment (``engine/kv/tiers/host_store.py``) made like every
-other segment of the server (``transport.segment``: named, reserved, unlinked at once;
-workers inherit the fd), so a killed server leaves nothing in /dev/shm. Its pages are
+Tier 2 is one shared-memory segment (``engine/kv/tiers/host_store.py``), a memfd: it never
+has a name, so a killed server leaves nothing in /dev/shm, and it is not bound by
+/dev/shm's size (often 64 MiB in containers), so its sparse pages can never SIGBUS when
+/dev/shm fills; workers inherit the fd like every other segment's. Its pages are
 committed as blocks arrive; its size is in the launcher's memory budget
 (``launcher/memory.py``) all the same. Tier 3 is written only by this process's
 ``Persister`` thread, which the launcher stops, flushing what is pending, after every
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from engine.config import ModelConfig
 from engine.kv.tiers.disk_store import DiskStore
-from engine.kv.tiers.host_store import Geometry, HostStore
+from engine.kv.tiers.host_store import Geometry, HostStore, create_segment
 from engine.kv.tiers.keys import Namespace, weights_fingerprint
 from engine.kv.tiers.persister import Persister
 from launcher.args import ConfigError, ServerConfig
@@ -66,7 +67,8 @@ def create(config: ServerConfig, model: Path, layout: KVLayout) -> HostTiers | N
     if nbytes <= 0:
         return None
     geometry = Geometry.for_budget(nbytes, layout.block_size, layout.block_nbytes)
-    segment = Segment.create("kvtier", geometry.offsets[3], reserve=False)
+    fd, _ = create_segment(geometry.offsets[3])
+    segment = Segment.attach_fd(fd, geometry.offsets[3], "kvtier")
     HostStore.format(segment.buf, geometry)
     store = HostStore(segment.spec.fd, segment.buf)
     persister = None
