@@ -26,6 +26,14 @@ def _complete(srv: LaunchedServer, prompt: list[int], model: str) -> tuple[str, 
     return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def _generate(srv: LaunchedServer, ids: list[int], max_tokens: int) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_tokens": max_tokens, "temperature": 0,
+                                                  "ignore_eos": True}}  # fmt: skip
+    r = httpx.post(srv.url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def _ours_in_shm(pid: int) -> list[str]:
     return [p.name for p in SHM.iterdir() if p.name.startswith(f"pdserve.{pid}.")]
 
@@ -78,6 +86,12 @@ def test_an_evicted_prefix_hits_host_ram_then_disk_after_sigterm_and_sigkill(
         assert re.search(r"; [1-9]\d* temp files removed", scan), scan
         assert not leftover.exists()
         assert _complete(srv, prompt, "m") == (cold, 144)
+        # The next turn of a conversation reuses the answer's block the decode worker
+        # wrote: 150 + 24 tokens fill blocks 0-9; prefill alone computed 0-8.
+        turn1 = [rng.randrange(1000, 100_000) for _ in range(150)]
+        answer = _generate(srv, turn1, 24)["output_ids"]
+        turn2 = turn1 + answer + [rng.randrange(1000, 100_000) for _ in range(10)]
+        assert _generate(srv, turn2, 4)["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
     finally:
         assert srv.stop() == 0
 
