@@ -22,8 +22,8 @@ The index changes by single aligned 32-bit stores, so a holder killed mid-change
 it consistent; it is rebuilt from meta when deleted entries fill a quarter of it.
 
 A writer killed mid-copy leaves its slot odd; a writer needing room reclaims odd slots
-whose pid is dead. ``clear`` (``/reset_prefix_cache``) frees every valid slot and bumps
-the epoch, so a write that began before it is dropped at commit.
+whose pid is dead. ``clear`` frees every valid slot and bumps the epoch, so a write that
+began before it is dropped at commit (the base of a future ``/reset_prefix_cache``).
 """
 
 from __future__ import annotations

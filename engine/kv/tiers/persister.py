@@ -166,11 +166,3 @@ class Persister:
     def _publish(self) -> None:
         self.host.set_counter("disk_usage_bytes", self.usage)
         self.host.set_counter("disk_files", len(self.files))
-
-    def clear(self) -> None:
-        """Delete every block file of every namespace (``/reset_prefix_cache``)."""
-        for path in list(self.files):
-            path.unlink(missing_ok=True)
-        self.files.clear()
-        self.usage = 0
-        self._publish()

@@ -154,9 +154,6 @@ class TieredKV:
             src = torch.from_numpy(np.ascontiguousarray(data))
             self.pool[block].view(-1).view(torch.uint8).copy_(src)
 
-    def clear(self) -> int:
-        return self.host.clear()
-
 
 def open_tiers(config: EngineConfig, pool: torch.Tensor) -> TieredKV | None:
     """The tiers ``config`` names for this pool (``kv_offload_fd``: the host's tier-2
