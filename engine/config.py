@@ -167,6 +167,12 @@ class EngineConfig:
     # elsewhere; "torch" or "triton" force one (see engine.cuda.kernels.use_kernels).
     attention_backend: str = "auto"
     enforce_eager: bool = False  # kernel path: no decode CUDA graphs
+    # KV tiers beyond the pool (engine/kv/tiers/): the host's tier-2 segment (an inherited
+    # fd and its size; None: off) and tier 3's directory (read here, written by the
+    # launcher's persister).
+    kv_offload_fd: int | None = None
+    kv_offload_nbytes: int = 0
+    kv_offload_dir: str | None = None
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         limit = model.max_position_embeddings

@@ -39,6 +39,7 @@ from engine.cuda.kernels import use_kernels
 from engine.kv.block_manager import BlockAllocator, KVFigures
 from engine.kv.kv_cache import GpuMemoryError, allocate_kv_pool, block_nbytes, check_kv_pool
 from engine.kv.sequence import Sequence
+from engine.kv.tiers.tiered import open_tiers
 from engine.model.attention import AttentionMetadata, DenseDecodeKV
 from engine.model.backend import TORCH
 from engine.model.causal_lm import CausalLM
@@ -104,6 +105,8 @@ class ModelRunner:
             if self.device.type == "cuda" and not config.enforce_eager:
                 self._kernels.enable_graphs()  # the pool is final: graphs may hold it
         self.allocator = BlockAllocator(int(self.kv_pool.shape[0]))
+        # KV beyond the pool (host RAM, disk): offered every registered block, asked on a miss.
+        self.tiers = open_tiers(config, self.kv_pool)
         logger.info(
             "%s: %d KV blocks of %d tokens, max_model_len %d, %s weights, %s on %s",
             self.model_config.architecture, self.allocator.num_blocks, self.block_size,
@@ -177,6 +180,8 @@ class ModelRunner:
             return 0
         hashes = seq.full_block_hashes((seq.num_tokens - 1) // self.block_size)
         seq.block_table = self.allocator.acquire(hashes)
+        if self.tiers is not None and len(seq.block_table) < len(hashes):
+            self._load_from_tiers(seq, hashes)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
         # A hit ends the lookups (the sequence has blocks now), so hits count once; a miss
         # is looked up again while the sequence waits for blocks, but is one query.
@@ -186,6 +191,20 @@ class ModelRunner:
             seq.prefix_queried = True
             stats.queried_tokens += seq.num_tokens
         return seq.num_cached_tokens
+
+    def _load_from_tiers(self, seq: Sequence, hashes: list[int]) -> None:
+        """Extend ``seq``'s pool hits with the tiers' run of the blocks after them."""
+        assert self.tiers is not None
+        alloc = self.allocator
+
+        def allocate(n: int) -> list[int]:  # as many as the pool has room for
+            return alloc.allocate(min(n, alloc.num_available))
+
+        first = len(seq.block_table)
+        loaded = self.tiers.load(seq, first, len(hashes), allocate, alloc.free)
+        for i, b in enumerate(loaded.blocks):
+            alloc.register(b, hashes[first + i])  # misses in the pool: never a duplicate
+        seq.block_table += loaded.blocks
 
     def fork(self, parent: Sequence, child: Sequence, copy_tail: bool) -> None:
         """Give fresh ``child`` (same tokens as ``parent``) the parent's computed KV.
@@ -223,6 +242,8 @@ class ModelRunner:
         hashes = seq.full_block_hashes(end)
         for i in range(first, end):
             self.allocator.register(seq.block_table[i], hashes[i])
+        if self.tiers is not None:
+            self.tiers.offer(seq, first, end)
 
     def free_blocks(self, seq: Sequence) -> None:
         """Return a sequence's blocks to the pool; its KV is gone (num_computed_tokens = 0)."""

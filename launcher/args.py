@@ -59,6 +59,10 @@ class ConfigError(ValueError):
     """The command line asks for something inconsistent; the message says what to change."""
 
 
+# Tier 2's default size in GiB (benchmarks/results/kv_tiers.md measures its cost).
+DEFAULT_KV_OFFLOAD_GIB = 1.0
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything ``launch`` needs. ``model=None`` means the embedded default model."""
@@ -86,6 +90,10 @@ class ServerConfig:
     max_num_seqs: int = 256
     chunked_prefill_size: int = 2048
     enable_prefix_caching: bool = True
+    # KV tiers beyond the pools (launcher/kv_tiers.py): host RAM per host, then a directory.
+    kv_offload_memory: float = DEFAULT_KV_OFFLOAD_GIB
+    kv_offload_dir: Path | None = None
+    kv_offload_disk: float = 16.0
     attention_backend: str = "auto"
     enforce_eager: bool = False
     router_policy: str | None = None  # None: cache-aware with prefix caching, else least-load
@@ -303,6 +311,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.enable_prefix_caching,
         help="reuse the KV cache of prompt prefixes a worker has already computed; off, "
         "every prompt is computed in full",
+    )
+    add(
+        "--kv-offload-memory",
+        type=float,
+        default=d.kv_offload_memory,
+        help="GiB of host RAM, per host, holding KV blocks beyond the workers' pools, shared "
+        "by every worker of the host (tier 2); 0 turns the KV tiers off",
+    )
+    add(
+        "--kv-offload-dir",
+        type=Path,
+        default=d.kv_offload_dir,
+        help="a local directory holding KV blocks beyond tier 2, one verified file per "
+        "block, found again after a restart (tier 3)",
+    )
+    add(
+        "--kv-offload-disk",
+        type=float,
+        default=d.kv_offload_disk,
+        help="GiB --kv-offload-dir may hold (least recently used blocks go first)",
     )
     add(
         "--attention-backend",
@@ -528,6 +556,11 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError("--kv-cache-memory must be a positive number of GiB")
     if c.kv_cache_memory is not None and c.kv_cache_tokens is not None:
         raise ConfigError("give --kv-cache-memory or --kv-cache-tokens, not both")
+    if c.kv_offload_memory < 0 or c.kv_offload_disk <= 0:
+        raise ConfigError("--kv-offload-memory must be >= 0 and --kv-offload-disk > 0 GiB")
+    if c.kv_offload_dir is not None and not (c.kv_offload_memory and c.enable_prefix_caching):
+        raise ConfigError("--kv-offload-dir is fed from host RAM: it needs prefix caching and "
+                          "--kv-offload-memory > 0")  # fmt: skip
     if c.router_policy == "cache-aware" and not c.enable_prefix_caching:
         raise ConfigError("--router-policy cache-aware needs prefix caching: drop "
                           "--no-enable-prefix-caching or pick another policy")  # fmt: skip

@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -32,7 +32,7 @@ from engine.weights.plan import (
     resolve_quantization,
 )
 from frontend.settings import FrontendLaunch, FrontendSettings
-from launcher import cluster
+from launcher import cluster, kv_tiers
 from launcher.args import ConfigError, KVBackend, ServerConfig, parse_args
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
 from launcher.memory import Demand, MemoryBudgetError, plan_kv, weight_bytes
@@ -82,8 +82,9 @@ def _aliases(model: Path | None) -> tuple[str, ...]:
 
 
 def _engine_spec(
-    config: ServerConfig, model: Path, place: WorkerPlace, backend: KVBackend | str | None
-) -> EngineWorkerSpec:
+    config: ServerConfig, model: Path, place: WorkerPlace, backend: KVBackend | str | None,
+    tiers: dict[str, Any],
+) -> EngineWorkerSpec:  # fmt: skip
     assert config.kv_cache_tokens is not None, "sized by _size_kv"
     engine = EngineConfig(
         model=str(model), dtype=config.dtype.value, device=place.device,
@@ -98,6 +99,7 @@ def _engine_spec(
         chunked_prefill_size=config.chunked_prefill_size,
         enable_prefix_caching=config.enable_prefix_caching,
         attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
+        **tiers,
     )  # fmt: skip
     # Prefill and decode workers: how KV moves between them; co-located workers: None.
     name = backend.value if isinstance(backend, KVBackend) else backend
@@ -122,7 +124,8 @@ def _engine_children(
         if place.role is Role.DECODE:
             place = replace(place, index=place.index + first_decode)
         handoff = None if place.role is Role.COLOCATED else backend
-        settings = encode_spec(_engine_spec(config, model, place, handoff))
+        spec = _engine_spec(config, model, place, handoff, topo.kv_tier_fields)
+        settings = encode_spec(spec)
         env = {"OMP_NUM_THREADS": threads, **ucx, **place.env()}
         out.append(Child(topo.spec(place.role, place.index, settings), env))
     return out
@@ -238,7 +241,8 @@ def _size_kv(
     engine = EngineConfig(model=str(model), max_model_len=config.max_model_len)
     demand = Demand(engines=engines, others=config.api_workers + config.detokenizers, pools=pools,
                     chunk=config.chunked_prefill_size,
-                    max_model_len=engine.resolve_max_model_len(mcfg))  # fmt: skip
+                    max_model_len=engine.resolve_max_model_len(mcfg),
+                    offload=kv_tiers.offload_bytes(config))  # fmt: skip
     try:
         # Packed weights take at most a byte a parameter (int8: one, int4: about 0.6), and
         # their bfloat16 GEMM copies two more (engine/weights/gemm.py).
@@ -292,6 +296,9 @@ def serve(config: ServerConfig) -> int:
     model = _model_path(config)
     config = _size_kv(config, model, gpus, backend)
     topo = _build_topology(config, model, backend, gpus)
+    tiers = kv_tiers.create(config, model, _kv_layout(config, model, gpus))
+    if tiers is not None:
+        topo.add_kv_tier(tiers.segment, tiers.engine_fields())
     board = topo.board()
     sup = Supervisor(_children(config, topo, gpus, model, backend), topo.load_table(), topo.p,
                      board)  # fmt: skip
@@ -299,10 +306,14 @@ def serve(config: ServerConfig) -> int:
     url = f"http://{config.host}:{config.port}"
     # Ready once every frontend serves (any one of them may answer the probe).
     return _supervise(sup, lambda: board.all_ready() and _http_ready(url + "/health"),
-                      f"pdserve is serving {model} at {url}")  # fmt: skip
+                      f"pdserve is serving {model} at {url}",
+                      after_stop=None if tiers is None else tiers.stop)  # fmt: skip
 
 
-def _supervise(sup: Supervisor, ready: Callable[[], bool], banner: str) -> int:
+def _supervise(
+    sup: Supervisor, ready: Callable[[], bool], banner: str,
+    after_stop: Callable[[], None] | None = None,
+) -> int:  # fmt: skip
     """Start every child, say ``banner`` once ``ready()``, then tend them until a signal."""
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -321,6 +332,8 @@ def _supervise(sup: Supervisor, ready: Callable[[], bool], banner: str) -> int:
         code = 1
     finally:
         sup.shutdown()
+        if after_stop is not None:
+            after_stop()  # e.g. flush KV tier 3, now that no worker writes tier 2
     return code
 
 

@@ -7,6 +7,7 @@ of the memory the machine can give now:
 
     usable   = min(MemAvailable, cgroup limit - cgroup working set) * USABLE_FRACTION
     fixed    = engines * (weights + ENGINE_OVERHEAD + activations) + others * AUX_OVERHEAD
+             + the host's KV tier 2 (--kv-offload-memory)
     per pool = min(DEFAULT_KV_CAP, (usable - fixed) / pools)
 
 Pools are not zero-filled: pages are committed as tokens are written, so a large budget
@@ -217,6 +218,7 @@ class Demand:
     pools: int  # KV pools in host memory (CPU pools, GPU staging mirrors)
     chunk: int  # --chunked-prefill-size
     max_model_len: int
+    offload: int = 0  # bytes of the host's KV tier 2 (launcher/kv_tiers.py)
 
 
 def plan_kv(
@@ -232,7 +234,7 @@ def plan_kv(
     usable = int(available * USABLE_FRACTION)
     activations = activation_bytes(m, min(demand.chunk, demand.max_model_len), itemsize)
     fixed = demand.engines * (weights + ENGINE_OVERHEAD + activations)
-    fixed += demand.others * AUX_OVERHEAD
+    fixed += demand.others * AUX_OVERHEAD + demand.offload
     room = usable - fixed
     pools = max(demand.pools, 1)
     if kv_cache_tokens is not None:

@@ -74,6 +74,10 @@ class Topology:
         FrontendBoard.format(self.board_segment.buf, self.f, self.k, self.num_workers)
         self.kv_segments: dict[str, tuple[Segment, KVLayout]] = {}
         self.summary_segments: dict[str, Segment] = {}
+        # The host's KV tier 2 (launcher/kv_tiers.py): engine workers store and load
+        # blocks there, frontends read its counters; the fields go in each EngineConfig.
+        self.kv_tier: Segment | None = None
+        self.kv_tier_fields: dict[str, Any] = {}
 
     def _add(self, kind: RingKind, src: Peer, dst: Peer) -> None:
         if src in self.remote and dst in self.remote:
@@ -123,6 +127,9 @@ class Topology:
         name = str(Peer(Role.PREFILL, prefill))
         self.kv_segments[name] = (create_pool_segment(name, layout), layout)
 
+    def add_kv_tier(self, segment: Segment, engine_fields: dict[str, Any]) -> None:
+        self.kv_tier, self.kv_tier_fields = segment, engine_fields
+
     def add_prefix_summaries(self, num_counters: int) -> None:
         """One summary segment per engine worker: it writes its own, the frontend reads all."""
         workers = [Peer(Role.PREFILL, i) for i in range(self.p)]
@@ -165,6 +172,8 @@ class Topology:
         board = self.board_segment.spec
         segments = {"frontends": {"fd": board.fd, "nbytes": board.nbytes}}
         segments = segments if role is Role.FRONTEND else {}
+        if self.kv_tier is not None and (role.is_engine or role is Role.FRONTEND):
+            segments["kvtier"] = {"fd": self.kv_tier.spec.fd, "nbytes": self.kv_tier.spec.nbytes}
         # Slots: prefill workers, then decode workers; a colocated server has only c rows.
         slot = {Role.PREFILL: index, Role.DECODE: self.p + index, Role.COLOCATED: index}.get(
             role, -1

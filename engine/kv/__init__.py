@@ -5,6 +5,8 @@
                          hash table; block_hashes() (the frontend may call it too)
     block_table_rows.py  the persistent block-table rows a batch names by index
     sequence.py          Sequence: tokens, block table, num_computed/num_cached_tokens
+    tiers/               KV beyond the pool: host RAM shared by a host's workers, local
+                         disk; offered every registered block, asked on a prefix miss
 
 Schedulers do not reach in here: they use ModelRunner's KV interface (engine/runner.py).
 """

@@ -41,6 +41,9 @@ class Sequence:
     prefix_queried: bool = False
     block_hashes: list[int] = field(default_factory=list)
     hash_extra: bytes | None = None
+    # The 128-bit keys of the same blocks in the KV tiers beyond the pool
+    # (engine/kv/tiers/keys.py), computed only when tiers are on.
+    tier_keys: list[bytes] = field(default_factory=list)
     # ``sampling.grammar``'s matcher, built when the sequence is first sampled (its
     # compile may still be running before that); it has accepted every output token.
     grammar: GrammarState | None = None

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 import msgspec
 
 from detokenizer.routing import live_shard_for
+from engine.kv.tiers.host_store import HostStore
 from frontend.engine_link.board import FrontendBoard
 from frontend.engine_link.engine_client import (
     EngineClient,
@@ -90,6 +91,10 @@ class RingEngineClient(EngineClient):
         )  # fmt: skip
         self.shared.claim()
         self.board = self.shared
+        self._tier_seg = shared_segment(spec, "kvtier")
+        if self._tier_seg is not None:  # counters for /metrics
+            tier = HostStore(self._tier_seg.spec.fd, self._tier_seg.buf)
+            self.kv_tier_counters = tier.counters
         mapped = prefix_summaries(spec)  # each engine worker's; kept mapped with the client
         self._summary_segs = [seg for _, seg in mapped.values()]
         summaries = {_worker_key(name): summary for name, (summary, _) in mapped.items()}

@@ -24,7 +24,7 @@ rings) and, in tests, ``tests/frontend/reference_client.py``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from frontend.engine_link.board import FrontendBoard
@@ -135,6 +135,8 @@ class EngineClient(ABC):
     owner: int = 0
     # What this frontend shares with the others (None: it is the only one, in tests).
     board: FrontendBoard | None = None
+    # The host's KV tier counters (engine/kv/tiers/host_store.py), when the tiers are on.
+    kv_tier_counters: Callable[[], dict[str, int]] | None = None
     _rids: Iterator[int] | None = None
 
     def next_rid(self) -> int:

@@ -120,6 +120,43 @@ class _EngineCollector(Collector):
                 computed.add_metric(key, w.computed_prefill_tokens)
         yield from (running, waiting, kv, assigned, assigned_tokens, cached, hit_rate, hits,
                     queries, computed)  # fmt: skip
+        tiers = self._client.kv_tier_counters
+        if tiers is not None:
+            yield from _tier_metrics(tiers())
+
+
+# KV tiers beyond the pools (engine/kv/tiers/): metric, help, and its counter per tier.
+_TIER_COUNTERS = (
+    ("pdserve_kv_tier_hit_blocks", "Blocks loaded into a pool from the tier",
+     {"host": "host_hit_blocks", "disk": "disk_hit_blocks"}),
+    ("pdserve_kv_tier_miss_blocks", "Blocks looked up in the tier and not loaded from it",
+     {"host": "host_miss_blocks", "disk": "disk_miss_blocks"}),
+    ("pdserve_kv_tier_read_bytes", "Bytes loaded from the tier into pools",
+     {"host": "host_bytes_out", "disk": "disk_bytes_read"}),
+    ("pdserve_kv_tier_written_bytes", "Bytes stored into the tier",
+     {"host": "host_bytes_in", "disk": "disk_bytes_written"}),
+    ("pdserve_kv_tier_load_seconds", "Seconds spent loading blocks from the tier",
+     {"host": "host_load_ns", "disk": "disk_load_ns"}),
+    ("pdserve_kv_tier_store_seconds", "Seconds spent storing blocks into the tier",
+     {"host": "host_store_ns", "disk": "disk_store_ns"}),
+    ("pdserve_kv_tier_evictions", "Blocks the tier evicted to make room",
+     {"host": "host_evictions", "disk": "disk_evictions"}),
+    ("pdserve_kv_tier_quarantined", "Block files that failed a check on load, moved aside",
+     {"disk": "disk_quarantined"}),
+    ("pdserve_kv_tier_dropped", "Blocks the disk tier could not write (budget, disk full)",
+     {"disk": "disk_dropped"}),
+)  # fmt: skip
+
+
+def _tier_metrics(c: dict[str, int]) -> Iterator[Metric]:
+    for name, doc, per_tier in _TIER_COUNTERS:
+        fam = CounterMetricFamily(name, doc, labels=["tier"])
+        for tier, key in per_tier.items():
+            fam.add_metric([tier], c[key] / 1e9 if key.endswith("_ns") else c[key])
+        yield fam
+    usage = GaugeMetricFamily("pdserve_kv_tier_disk_usage_bytes", "Bytes of block files on disk")
+    usage.add_metric([], c["disk_usage_bytes"])
+    yield usage
 
 
 class _NvmlCollector(Collector):

@@ -1,0 +1,175 @@
+"""What the runner calls: offer full blocks to the tiers, load a prefix's blocks back.
+
+``offer`` copies each newly registered block of a sequence into tier 2 (a memcpy; a block
+tier 2 holds already costs one locked lookup). ``load`` is asked, on a pool miss, for the
+blocks after the pool's hits: it takes the longest run of consecutive tier-2 hits, then
+continues with tier 3 from where tier 2 stopped, and copies each into a fresh pool block
+the caller allocated. A block whose copy fails its check (tier 2: the slot was reused
+while copied; tier 3: any check of ``disk_store``) ends the run there: the blocks before
+it are kept, the rest are recomputed, and only blocks that arrived intact are counted
+as hits. A tier-3 hit is stored in tier 2 too, so the host's other workers find it fast.
+
+NOTE: on CUDA the copies are synchronous host<->device copies on the current stream,
+which orders them after the step that wrote the block; pinned staging off the compute
+stream is not built.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.kv.sequence import Sequence
+from engine.kv.tiers.disk_store import DiskStore
+from engine.kv.tiers.host_store import HostStore
+from engine.kv.tiers.keys import Namespace, chain_keys, root_key, weights_fingerprint
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TierLoad:
+    """Blocks a load brought into the pool, by tier."""
+
+    blocks: list[int]
+    from_host: int = 0
+    from_disk: int = 0
+
+
+class TieredKV:
+    def __init__(self, host: HostStore, disk: DiskStore | None, namespace: bytes,
+                 pool: torch.Tensor) -> None:  # fmt: skip
+        self.host, self.disk, self.namespace, self.pool = host, disk, namespace, pool
+        self.block_size = int(pool.shape[3])
+        self.block_nbytes = pool[0].numel() * pool.element_size()
+        g = host.geometry
+        if g.block_size != self.block_size or g.payload_nbytes != self.block_nbytes:
+            raise ValueError(
+                f"the host's KV tier holds blocks of {g.block_size} tokens, {g.payload_nbytes} "
+                f"bytes; this pool's are {self.block_size} tokens, {self.block_nbytes} bytes"
+            )
+        self._on_cpu = pool.device.type == "cpu"
+
+    def _block_bytes(self, block: int) -> np.ndarray:
+        """Pool block ``block`` as u8 (a view on CPU, a host copy on CUDA)."""
+        flat = self.pool[block].view(-1).view(torch.uint8)
+        return flat.numpy() if self._on_cpu else flat.cpu().numpy()
+
+    def keys(self, seq: Sequence, n: int) -> list[bytes]:
+        """The tier keys of ``seq``'s first ``n`` full blocks (extending ``seq.tier_keys``)."""
+        have, bs = len(seq.tier_keys), self.block_size
+        if have < n:
+            parent = seq.tier_keys[-1] if have else root_key(self.namespace, seq.hash_extra)
+            tokens = seq.all_ids[have * bs : n * bs]
+            seq.tier_keys += chain_keys(parent, tokens, bs)
+        return seq.tier_keys[:n]
+
+    def _tokens(self, seq: Sequence, first: int, end: int) -> np.ndarray:
+        bs = self.block_size
+        ids = seq.all_ids[first * bs : end * bs]
+        return np.asarray(ids, dtype="<u4").reshape(end - first, bs)
+
+    def _parent(self, seq: Sequence, i: int) -> bytes:
+        return seq.tier_keys[i - 1] if i else root_key(self.namespace, seq.hash_extra)
+
+    def offer(self, seq: Sequence, first: int, end: int) -> None:
+        """Store ``seq``'s full blocks ``first..end-1`` (their KV is computed) in tier 2."""
+        keys = self.keys(seq, end)
+        tokens = self._tokens(seq, first, end)
+        for i in range(first, end):
+            if self.host.contains(keys[i]):
+                continue
+            payload = self._block_bytes(seq.block_table[i])
+            self.host.put(keys[i], self._parent(seq, i), tokens[i - first], payload)
+
+    def load(self, seq: Sequence, first: int, end: int,
+             allocate: Callable[[int], list[int]], free: Callable[[list[int]], None]) -> TierLoad:  # fmt: skip
+        """Copy the longest run of ``seq``'s blocks ``first..end-1`` the tiers hold into
+        pool blocks from ``allocate``; what did not arrive intact goes back to ``free``."""
+        if first >= end:
+            return TierLoad([])
+        keys = self.keys(seq, end)[first:end]
+        tokens = self._tokens(seq, first, end)
+        t0 = time.perf_counter_ns()
+        found = self.host.lookup(keys, tokens)
+        if not found and self.disk is None:
+            self.host.count_lookup(0, len(keys), 0, time.perf_counter_ns() - t0)
+            return TierLoad([])
+        blocks = allocate(len(found))  # fewer if the pool has no more room
+        found = found[: len(blocks)]
+        for f, b in zip(found, blocks, strict=True):
+            self._write_block(b, self.host.payload[f.slot, : self.block_nbytes])
+        ok = self.host.still_valid(found)
+        self.host.count_lookup(ok, len(keys) - ok, ok * self.block_nbytes,
+                               time.perf_counter_ns() - t0)  # fmt: skip
+        free(blocks[ok:])
+        out = TierLoad(blocks[:ok], from_host=ok)
+        if ok == len(found) == len(blocks) and self.disk is not None:
+            self._load_disk(seq, first + ok, first, keys, tokens, allocate, free, out)
+        return out
+
+    def _load_disk(self, seq: Sequence, i0: int, first: int, keys: list[bytes],
+                   tokens: np.ndarray, allocate: Callable[[int], list[int]],
+                   free: Callable[[list[int]], None], out: TierLoad) -> None:  # fmt: skip
+        """Continue ``out``'s run from block ``i0`` with tier 3, one file at a time."""
+        assert self.disk is not None
+        t0, hits, bad = time.perf_counter_ns(), 0, self.disk.quarantined
+        staging = None if self._on_cpu else np.empty(self.block_nbytes, np.uint8)
+        for i in range(i0, first + len(keys)):
+            key, row = keys[i - first], tokens[i - first]
+            got = allocate(1)
+            if not got:
+                break  # the pool is full: the rest is recomputed
+            # On CPU the file is read straight into the pool block (a fresh private one).
+            dst = self._block_bytes(got[0]) if staging is None else staging
+            if not self.disk.read(key, self._parent(seq, i), row, dst):
+                free(got)
+                break
+            if staging is not None:
+                self._write_block(got[0], staging)
+            out.blocks.append(got[0])
+            hits += 1
+            self.host.put(key, self._parent(seq, i), row, dst)  # promote to tier 2
+        out.from_disk = hits
+        misses = first + len(keys) - i0 - hits
+        with self.host.locked():
+            self.host.count("disk_hit_blocks", hits)
+            self.host.count("disk_miss_blocks", misses)
+            self.host.count("disk_bytes_read", hits * self.block_nbytes)
+            self.host.count("disk_load_ns", time.perf_counter_ns() - t0)
+            self.host.count("disk_quarantined", self.disk.quarantined - bad)
+
+    def _write_block(self, block: int, data: np.ndarray) -> None:
+        if self._on_cpu:
+            self._block_bytes(block)[:] = data
+        else:
+            src = torch.from_numpy(np.ascontiguousarray(data))
+            self.pool[block].view(-1).view(torch.uint8).copy_(src)
+
+
+def open_tiers(config: EngineConfig, pool: torch.Tensor) -> TieredKV | None:
+    """The tiers ``config`` names for this pool (``kv_offload_fd``: the host's tier-2
+    segment, inherited; ``kv_offload_dir``: tier 3), or None when they are off."""
+    if config.kv_offload_fd is None or not config.enable_prefix_caching:
+        return None
+    buf = memoryview(mmap.mmap(config.kv_offload_fd, config.kv_offload_nbytes, mmap.MAP_SHARED))
+    host = HostStore(config.kv_offload_fd, buf)
+    ns = Namespace(
+        weights=weights_fingerprint(Path(config.model)), dtype=str(pool.dtype),
+        block_size=config.block_size, layout=str(tuple(pool.shape[1:])),
+    ).digest  # fmt: skip
+    disk = None
+    if config.kv_offload_dir:
+        nbytes = pool[0].numel() * pool.element_size()
+        disk = DiskStore(Path(config.kv_offload_dir), ns, config.block_size, nbytes)
+    logger.info("KV tiers: host RAM (%d blocks shared by this host's workers)%s",
+                host.geometry.slots, f", disk at {config.kv_offload_dir}" if disk else "")  # fmt: skip
+    return TieredKV(host, disk, ns, pool)
