@@ -8,7 +8,8 @@ Request life on a decode worker:
     offer(KVTransfer) -> pending -> admit(): blocks allocated, KV copied, KVRelease
       (over a network: the read posted -> reading, polled by each ``admit`` until the KV
       has landed, while the running requests keep stepping)
-      -> running: one token per step, every running request in every step
+      -> running: one token per step, every running request in every step (with
+         speculation, engine/spec/: a verified run of drafts and one more token)
       -> finished (EOS, stop token, length) or aborted: blocks freed the same step
 With prefix caching, a handoff copies only the blocks this pool does not already hold
 (the transfer names its blocks' hashes; the held ones are shared, not copied).
