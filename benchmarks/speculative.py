@@ -12,7 +12,10 @@ without and with ``--speculative-config`` (n-gram, k = 4). Each takes:
 * the 8-stream workload: 24 chat requests of ~256 prompt tokens and 64 output tokens,
   8 at a time: output tokens per second.
 Ratios are with / without, from the same run. The load average is recorded with the
-figures (the host may be shared). Writes ``benchmarks/results/speculative.md``.
+figures (the host may be shared). On a shared host, pin the run to one core
+(``taskset -c 1 python -m benchmarks.speculative``): the workers then run one thread each
+and never lend each other a core another process holds (an OpenMP thread waiting on a
+descheduled one slows a step many times over). Writes ``benchmarks/results/speculative.md``.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ class Stream:
 
 def stream(url: str, content: str, max_tokens: int, temperature: float) -> Stream:
     body = {
-        "model": "m",
+        "model": served_model(url),
         "messages": [{"role": "user", "content": content}],
         "stream": True,
         "max_tokens": max_tokens,
@@ -101,6 +104,15 @@ def stream(url: str, content: str, max_tokens: int, temperature: float) -> Strea
                     s.ttft = now - t0
                 s.times.append(now)
     return s
+
+
+_MODELS: dict[str, str] = {}
+
+
+def served_model(url: str) -> str:
+    if url not in _MODELS:
+        _MODELS[url] = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    return _MODELS[url]
 
 
 def spec_counts(url: str) -> tuple[float, float]:
@@ -157,6 +169,11 @@ def pct(xs: list[float], q: float) -> float:
 
 def report(command: str, off: dict[str, object], on: dict[str, object]) -> str:
     lines = report_head("Speculative decoding (n-gram) on CPU", command)
+    cores = sorted(os.sched_getaffinity(0))
+    lines += [
+        f"CPU affinity of the run (its servers inherit it): cores {cores} of {os.cpu_count()}.",
+        "",
+    ]
     lines += [
         f"Load average (1, 5, 15 min) at the end of each server's run: without "
         f"{off['load']}, with {on['load']}.",

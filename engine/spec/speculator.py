@@ -30,7 +30,7 @@ from engine.spec.proposer import Proposer
 from engine.spec.verify import Verified, grammar_drafts, sample_rows
 
 _EMA = 0.3  # weight of the newest step in a request's acceptance average
-_GATE = 0.3  # below this average acceptance, a request stops speculating for a while
+_GATE = 0.45  # below this average acceptance, a request stops speculating for a while
 _MAX_BACKOFF = 64  # steps
 
 

@@ -54,9 +54,12 @@ def test_k_follows_accepted_runs_and_rejection_backs_off(default_model_path: Pat
     assert spec.drafts([seq]) == [[1] * 3]
     spec.record(seq, 3, 3)  # all accepted: doubles, up to the most allowed
     assert spec.drafts([seq]) == [[1] * 6]
-    for _ in range(4):  # keeps being rejected: stops proposing for a while
-        spec.record(seq, 1, 0)
-    waits = 0
+    rejected = 0
+    while (d := spec.drafts([seq])) is not None:  # keeps being rejected: k falls to 1 ...
+        spec.record(seq, len(d[0]), 0)
+        rejected += 1
+        assert rejected < 10
+    waits = 1  # ... and it stops proposing for a while (4 steps, then 8, 16 ... 64)
     while spec.drafts([seq]) is None:
         waits += 1
     assert waits == 4 and spec.stats.skipped["low_acceptance"] == 4
