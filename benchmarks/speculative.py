@@ -2,8 +2,9 @@
 
     python -m benchmarks.speculative [--model DIR] [--tokens 256] [--runs 1]
 
-Two servers of the same layout (1 prefill, 1 decode worker, CPU) are launched in turn,
-without and with ``--speculative-config`` (n-gram, k = 4). Each takes:
+Two servers of the same layout (1 prefill, 1 decode worker, CPU), without and with
+``--speculative-config`` (n-gram, k = 4), run side by side, and every workload goes to
+one then the other, alternating which goes first (ABBA). Each takes:
 * single streams, one request at a time: input-grounded work (a summary that quotes a
   ~1.5k-token article, a whole-file code edit, extraction of the article's figures) and
   open chat, at temperature 0 and 0.7 (seeded), ``--tokens`` output tokens: TTFT, TPOT
@@ -25,6 +26,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -127,14 +129,17 @@ def spec_counts(url: str) -> tuple[float, float]:
     )
 
 
-def run_server(args: list[str], tokens: int, runs: int) -> dict[str, object]:
-    proc, url = launch(args)
-    try:
+def measure(urls: dict[str, str], tokens: int, runs: int) -> dict[str, dict[str, object]]:
+    """Every workload on both servers, alternating which goes first (ABBA), so load that
+    drifts on a shared host falls on both alike."""
+    out: dict[str, dict[str, object]] = {k: {"singles": {}} for k in urls}
+    order = list(urls)
+    for url in urls.values():
         stream(url, "Hello", 8, 0.0)  # warm up
-        singles: dict[str, tuple[Stream, float]] = {}
-        for temp in (0.0, 0.7):
-            for name, content in single_prompts().items():
-                best: Stream | None = None
+    for temp in (0.0, 0.7):
+        for name, content in single_prompts().items():
+            for key in order:
+                url, best = urls[key], None
                 before = spec_counts(url)
                 for _ in range(runs):
                     s = stream(url, content, tokens, temp)
@@ -142,12 +147,17 @@ def run_server(args: list[str], tokens: int, runs: int) -> dict[str, object]:
                 after = spec_counts(url)
                 drafted = after[0] - before[0]
                 rate = (after[1] - before[1]) / drafted if drafted else float("nan")
-                assert best is not None
+                singles = out[key]["singles"]
+                assert best is not None and isinstance(singles, dict)
                 singles[f"{name}, T={temp}"] = (best, rate)
-        return {"singles": singles, "eight": eight_streams(url), "load": os.getloadavg()}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+            order.reverse()
+    rates: dict[str, list[float]] = {k: [] for k in urls}
+    for key in [*order, *reversed(order)]:
+        rates[key].append(eight_streams(urls[key]))
+    for key in urls:
+        out[key]["eight"] = statistics.mean(rates[key])
+        out[key]["load"] = os.getloadavg()
+    return out
 
 
 def eight_streams(url: str) -> float:
@@ -175,8 +185,9 @@ def report(command: str, off: dict[str, object], on: dict[str, object]) -> str:
         "",
     ]
     lines += [
-        f"Load average (1, 5, 15 min) at the end of each server's run: without "
-        f"{off['load']}, with {on['load']}.",
+        f"Load average (1, 5, 15 min) at the end of the run: {on['load']}. Both servers "
+        "run side by side; each workload goes to one then the other, alternating which "
+        "goes first; the 8-stream workload runs ABBA (its figure: the mean of two).",
         "",
         f"pdserve 1P+1D, `--speculative-config '{SPEC}'` against none; single "
         "streams (one request at a time), ms:",
@@ -229,8 +240,16 @@ def main() -> None:
         "--max-model-len",
         "4096",
     ]
-    off = run_server(base, a.tokens, a.runs)
-    on = run_server([*base, "--speculative-config", SPEC], a.tokens, a.runs)
+    procs = {}
+    try:
+        for key, extra in (("off", []), ("on", ["--speculative-config", SPEC])):
+            procs[key] = launch([*base, *extra])
+        figures = measure({k: url for k, (_, url) in procs.items()}, a.tokens, a.runs)
+    finally:
+        for proc, _ in procs.values():
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    off, on = figures["off"], figures["on"]
     command = portable(f"python -m benchmarks.speculative --tokens {a.tokens} --runs {a.runs}")
     text = report(command, off, on)
     a.out.write_text(text)
