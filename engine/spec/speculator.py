@@ -8,8 +8,9 @@ Who calls what (the decode scheduler, each step, with the running batch):
                         m accepted; adapts that request's k and its gate
     release(rid)        the request left this worker
 
-Aiming at no loss (benchmarks/results/speculative.md has where it still loses): a step with more than ``disable_by_batch_size`` requests running does not
-speculate (a batch that large is compute-bound and verifying rejected drafts would cost
+Aiming at no loss (benchmarks/results/speculative.md shows where it still loses): a
+step with more than ``disable_by_batch_size`` requests running does not speculate (a
+batch that large is compute-bound and verifying rejected drafts would cost
 more than it saves); a request whose drafts keep being rejected is left alone for a
 while (its gate backs off, doubling); k follows each request's accepted runs. Requests
 that do not speculate in a step are counted by reason (``SpecStats.skipped``), never
