@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from colocated.scheduler import ColocatedScheduler
 from engine.runner import ModelRunner
+from engine.spec.speculator import Speculator
 from runtime.worker import QueueLoad, Worker
 from runtime.worker_io import drain, send
 from wire.records import AbortRequest
@@ -46,6 +47,9 @@ class ColocatedWorker(Worker):
         for shard, batch in self.sched.step().tokens:
             send(self.tok_out[shard], batch)
         return self.sched.has_work
+
+    def speculator(self) -> Speculator | None:
+        return self.sched.decode.spec
 
     def load(self) -> QueueLoad:
         s = self.sched

@@ -8,7 +8,8 @@ Request life on a decode worker:
     offer(KVTransfer) -> pending -> admit(): blocks allocated, KV copied, KVRelease
       (over a network: the read posted -> reading, polled by each ``admit`` until the KV
       has landed, while the running requests keep stepping)
-      -> running: one token per step, every running request in every step
+      -> running: one token per step, every running request in every step (with
+         speculation, engine/spec/: a verified run of drafts and one more token)
       -> finished (EOS, stop token, length) or aborted: blocks freed the same step
 With prefix caching, a handoff copies only the blocks this pool does not already hold
 (the transfer names its blocks' hashes; the held ones are shared, not copied).
@@ -33,6 +34,9 @@ from engine.kv.block_manager import NoFreeBlocks
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from engine.sampling.grammar import GrammarError
+from engine.sampling.sampler import SampleOutput
+from engine.spec.speculator import Speculator
+from engine.spec.verify import accepted_run
 from runtime.step_output import TokenBatcher
 from transport.errors import KVReadFailed, KVTransferError
 from transport.kv import KVReceiver, PendingFetch
@@ -81,6 +85,8 @@ class DecodeScheduler:
         # Abandoned reads still in flight: their blocks are freed once each has ended
         # (it may yet write them).
         self.draining: list[_Reading] = []
+        spec = runner.config.speculative
+        self.spec = Speculator(runner, spec) if spec is not None else None
 
     # ---- inputs ------------------------------------------------------------------------
 
@@ -126,6 +132,8 @@ class DecodeScheduler:
         r = self.running.pop(rid, None)
         if r is not None:
             self.runner.free_blocks(r.seq)
+        if self.spec is not None:
+            self.spec.release(rid)
         reading = self.reading.pop(rid, None)
         if reading is not None:
             self._drop_read(reading)
@@ -284,26 +292,59 @@ class DecodeScheduler:
         batch = self._reserve_blocks()
         sample = None
         if batch:
-            logits = self.runner.decode([r.seq for r in batch])
-            sample = self.runner.sample(logits, [r.seq for r in batch])
-            tokens, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
-            for i, r in enumerate(batch):
-                self._emit(r, tokens[i], i, logprobs[i], batcher, out)
+            seqs = [r.seq for r in batch]
+            drafts = self.spec.drafts(seqs) if self.spec is not None else None
+            if drafts is not None:
+                sample = self._speculative_step(batch, drafts, batcher, out)
+            else:
+                sample = self.runner.sample(self.runner.decode(seqs), seqs)
+                tokens, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
+                for i, r in enumerate(batch):
+                    self._emit(r, tokens[i], i, logprobs[i], batcher, out)
         out.tokens = batcher.batches(sample)
         return out
+
+    def _speculative_step(
+        self,
+        batch: list[_Running],
+        drafts: list[list[int]],
+        batcher: TokenBatcher,
+        out: DecodeStep,
+    ) -> SampleOutput:
+        """Verify every request's drafts in one forward; emit each one's accepted run and
+        the token sampled after it, cut at the first token that ends the request."""
+        assert self.spec is not None
+        seqs = [r.seq for r in batch]
+        starts = [seq.num_computed_tokens for seq in seqs]
+        v = self.spec.verify(seqs, drafts)
+        logprobs = v.sample.logprobs.tolist()
+        for r, start, d, tokens, first in zip(batch, starts, drafts, v.tokens, v.first_row):
+            m = accepted_run(d, tokens)
+            self.spec.record(r.seq, len(d), m)
+            if not any(
+                self._emit(r, tokens[j], first + j, logprobs[first + j], batcher, out)
+                for j in range(m + 1)
+            ):
+                self.runner.commit_verified(r.seq, start, m)
+        return v.sample
 
     def _emit(
         self, r: _Running, token: int, row: int, logprob: float, batcher: TokenBatcher,
         out: DecodeStep,
-    ) -> None:  # fmt: skip
+    ) -> bool:  # fmt: skip
+        """Append ``token`` to ``r``; True if that ended the request (its blocks freed)."""
         r.seq.append_token(token)
         finish = self.runner.check_stop(r.seq)
         pos = len(r.seq.output_ids) - 1
         batcher.add(r.detok_shard, r.seq.rid, pos, token, row, logprob, finish)
-        if finish != Finish.NONE:
-            self.runner.free_blocks(r.seq)
-            del self.running[r.seq.rid]
-            out.finished.append(r.seq.rid)
+        if finish == Finish.NONE:
+            return False
+        self.runner.free_blocks(r.seq)
+        del self.running[r.seq.rid]
+        out.finished.append(r.seq.rid)
+        if self.spec is not None:
+            self.spec.release(r.seq.rid)
+        return True
 
     def _reserve_blocks(self) -> list[_Running]:
         """Every running request gets room for one more token; preempt newest on shortage."""

@@ -22,6 +22,7 @@ import torch
 
 from decode.scheduler import DecodeScheduler
 from engine.runner import ModelRunner
+from engine.spec.speculator import Speculator
 from runtime.worker import QueueLoad, Worker
 from runtime.worker_io import drain, fail_request, send
 from transport.errors import KVTransferError
@@ -180,6 +181,9 @@ class DecodeWorker(Worker):
         # Reads in flight alone are only polled: no cores held while the bytes cross.
         s = self.sched
         return bool(s.running or s.pending or s.preempted or s.compiling)
+
+    def speculator(self) -> Speculator | None:
+        return self.sched.spec
 
     def load(self) -> QueueLoad:
         s = self.sched

@@ -8,7 +8,7 @@ generation_config.json). It accepts both the transformers<5 spelling of rope opt
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,61 @@ def _eos_token_ids(root: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding on decode workers (engine/spec/); vLLM's field names.
+
+    ``ngram`` proposes the tokens that followed the request's current suffix (the longest
+    n-gram of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) earlier in its
+    prompt or output; ``draft_model`` runs ``model`` (same vocabulary) greedily.
+    ``num_speculative_tokens`` is the most drafts a step verifies (k; adaptive below it);
+    with more than ``disable_by_batch_size`` requests running, a step does not speculate.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None  # draft_model: its checkpoint directory
+    disable_by_batch_size: int = 4
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field to change."""
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"method must be one of {SPECULATIVE_METHODS}, not {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("model (a draft checkpoint) goes with method draft_model, only")
+        if self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1")
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """``--speculative-config`` JSON -> a validated config; ``ValueError`` says what to fix."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("must be a JSON object")
+    known = {f.name: f for f in fields(SpeculativeConfig)}
+    for key, value in raw.items():
+        if key not in known:
+            raise ValueError(f"unknown field {key!r}; known: {', '.join(known)}")
+        want = (str,) if key in ("method", "model") else (int,)
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise ValueError(f"{key} must be a {want[0].__name__}")
+    config = SpeculativeConfig(**raw)
+    config.validate()
+    return config
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How one engine instance runs a model; the fields are the CLI defaults."""
@@ -173,6 +228,8 @@ class EngineConfig:
     kv_offload_fd: int | None = None
     kv_offload_nbytes: int = 0
     kv_offload_dir: str | None = None
+    # Decode workers only (prefill never speculates); None: one token per step.
+    speculative: SpeculativeConfig | None = None
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         limit = model.max_position_embeddings

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +47,7 @@ from engine.sampling.grammar import GrammarCache
 from engine.sampling.grammar_mask import batch_constraint
 from engine.sampling.sampler import SampleOutput, SampleRequest, sample
 from engine.tokenizer.hf_tokenizer import load_tokenizer
-from engine.weights.linear import prefill_phase
+from engine.weights.linear import decode_rows, prefill_phase
 from engine.weights.plan import cache_dtype, resolve_quantization
 from wire.records import Finish
 
@@ -342,12 +342,53 @@ class ModelRunner:
                                  f"has {seq.num_uncomputed_tokens}")  # fmt: skip
             self.ensure_blocks(seq, 1)
         spans = [(seq, seq.num_computed_tokens, 1) for seq in seqs]
-        newest = [seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1] for seq in seqs]
+        newest = [_newest(seq) for seq in seqs]
         logits = self._forward(spans, newest, True, pool)
         self._advance(spans, publish=pool is None)
         return logits
 
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+        """Run each sequence's newest token and its drafts in one forward (speculative
+        decoding, engine/spec/) -> float32 logits (sum(len(d) + 1), vocab): a sequence's
+        row j predicts the token after its j-th draft (row 0: after its newest token).
+
+        KV is written for every draft, but ``num_computed_tokens`` does not move and no
+        block is published: ``commit_verified`` keeps the accepted part.
+        NOTE: runs as a decode for the weights (no ``prefill_phase``: the same linear
+        kernels as ``decode``), as a batch of several queries per sequence for attention.
+        """
+        if self._dense is not None:
+            self._dense.forget(list(seqs))  # its rows would miss the drafts' KV
+        for seq, d in zip(seqs, drafts, strict=True):
+            if seq.num_uncomputed_tokens != 1:
+                raise ValueError(
+                    f"rid {seq.rid}: verify needs exactly one uncomputed "
+                    f"token, has {seq.num_uncomputed_tokens}"
+                )
+            self.ensure_blocks(seq, len(d) + 1)
+        spans = [(seq, seq.num_computed_tokens, len(d) + 1) for seq, d in zip(seqs, drafts)]
+        tokens = [t for seq, d in zip(seqs, drafts) for t in (_newest(seq), *d)]
+        return self._forward(spans, tokens, False, None, every_position=True, decode_weights=True)
+
+    def commit_verified(self, seq: Sequence, start: int, accepted: int) -> None:
+        """After ``verify``: KV of positions ``start`` (the token run then) .. ``start +
+        accepted`` is kept; the rest is dropped by length, and blocks past what the next
+        step needs go back to the pool. Publishes the blocks filled by kept positions only.
+
+        NOTE: the caller has appended the accepted drafts and the token sampled after them
+        to ``seq.output_ids``; that last one is uncomputed, as after ``decode``.
+        """
+        seq.num_computed_tokens = start + 1 + accepted
+        assert seq.num_uncomputed_tokens == 1, seq.num_uncomputed_tokens
+        keep = -(-(seq.num_computed_tokens + 1) // self.block_size)
+        if len(seq.block_table) > keep:  # blocks that only held rejected drafts
+            self.allocator.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+        if seq.num_computed_tokens // self.block_size > start // self.block_size:
+            self.cache_full_blocks(seq, start)
+
     def _advance(self, spans: list[tuple[Sequence, int, int]], publish: bool) -> None:
+
         bs = self.block_size
         for seq, start, n in spans:
             seq.num_computed_tokens += n
@@ -356,7 +397,7 @@ class ModelRunner:
 
     def _forward(
         self, spans: list[tuple[Sequence, int, int]], tokens: list[int], is_decode: bool,
-        pool: torch.Tensor | None, every_position: bool = False,
+        pool: torch.Tensor | None, every_position: bool = False, decode_weights: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         kv_pool = self.kv_pool if pool is None else pool
         for seq, start, n in spans:
@@ -368,7 +409,13 @@ class ModelRunner:
         meta, last = self._metadata(spans, is_decode, kv_pool)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
-            with nullcontext() if is_decode else prefill_phase():
+            # Verification (``decode_weights``) runs k + 1 rows a sequence on the kernels its
+            # sequences' decode step would run, so its rows get that step's bits.
+            if is_decode:
+                kernels: AbstractContextManager[None] = nullcontext()
+            else:
+                kernels = decode_rows(len(spans)) if decode_weights else prefill_phase()
+            with kernels:
                 return self.model(ids, kv_pool, meta, TORCH, None if every_position else last)
         except BaseException:
             if self._dense is not None:  # some layers may have extended it, others not
@@ -476,6 +523,10 @@ class ModelRunner:
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return Finish.LENGTH
         return Finish.NONE
+
+
+def _newest(seq: Sequence) -> int:
+    return seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
 
 
 def _token_span(seq: Sequence, start: int, n: int) -> list[int]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from detokenizer.reasoning import PARSERS as REASONING_PARSERS
+from engine.config import SpeculativeConfig, parse_speculative_config
 from engine.weights.plan import QUANTIZATIONS
 from frontend.openai.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from frontend.settings import ConnectionLimits
@@ -96,6 +97,8 @@ class ServerConfig:
     kv_offload_disk: float = 16.0
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # Decode (and co-located) workers verify several proposed tokens a step (engine/spec/).
+    speculative_config: SpeculativeConfig | None = None
     router_policy: str | None = None  # None: cache-aware with prefix caching, else least-load
     served_model_name: str | None = None
     api_key: str | None = None
@@ -169,6 +172,13 @@ def _gpu_list(text: str) -> tuple[int, ...]:
     if not ids or any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError(f"{text!r}: give GPU indices >= 0, e.g. 0,1")
     return ids
+
+
+def _speculative(text: str) -> SpeculativeConfig:
+    try:
+        return parse_speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -344,6 +354,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=d.enforce_eager,
         help="GPU: run every decode step eagerly instead of replaying CUDA graphs",
+    )
+    add(
+        "--speculative-config",
+        type=_speculative,
+        default=d.speculative_config,
+        help="speculative decoding on decode workers, as JSON with vLLM's names, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 4}\' (also "disable_by_batch_size"; method "draft_model" with '
+        '"model": a checkpoint of the same vocabulary); outputs are identical to decoding '
+        "without it",
     )
     add(
         "--router-policy",

@@ -101,6 +101,8 @@ def _engine_spec(
         attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
         **tiers,
     )  # fmt: skip
+    if place.role in (Role.DECODE, Role.COLOCATED):  # prefill workers never speculate
+        engine = replace(engine, speculative=config.speculative_config)
     # Prefill and decode workers: how KV moves between them; co-located workers: None.
     name = backend.value if isinstance(backend, KVBackend) else backend
     kv_transfer = None if name is None else cast(KVTransferName, name)

@@ -62,7 +62,11 @@ def exit_on_bad_spec(raw: dict[str, Any], kind: type[T]) -> T:
 
 def _check_fields(raw: object, kind: Any, path: str) -> None:
     """Exactly ``kind``'s fields, recursively into dataclasses, which msgspec checks less
-    strictly than Structs (it ignores unknown keys and fills in defaults)."""
+    strictly than Structs (it ignores unknown keys and fills in defaults). An optional
+    record (``X | None``) is checked as ``X`` when present."""
+    args = typing.get_args(kind)
+    if raw is not None and len(args) == 2 and type(None) in args:
+        kind = next(a for a in args if a is not type(None))
     if not isinstance(kind, type):
         return
     if issubclass(kind, msgspec.Struct):

@@ -21,12 +21,13 @@ from typing import ClassVar, Protocol
 import torch
 
 from engine.runner import ModelRunner
+from engine.spec.speculator import SpecStats, Speculator
 from runtime.process import attach_rings, bootstrap, load_table, prefix_summaries
 from runtime.spec_decode import exit_on_bad_spec
 from runtime.worker_io import IDLE_WAIT_S, drain, fail_request
 from runtime.worker_spec import EngineWorkerSpec
 from transport.core_lease import CoreLease, host_cores
-from transport.load_table import WorkerState
+from transport.load_table import SPEC_POSITIONS, SPEC_SKIP_REASONS, WorkerState
 from transport.prefix_summary import PrefixSummary
 from transport.ring import Ring
 from wire.records import AbortRequest, Finish, GenerateRequest
@@ -105,6 +106,10 @@ class Worker(abc.ABC):
     def load(self) -> QueueLoad:
         """This step's queue figures for the router."""
 
+    def speculator(self) -> Speculator | None:
+        """This worker's speculative decoding, if it runs any (decode, co-located)."""
+        return None
+
     def has_compute(self) -> bool:
         """Whether the next step runs the model (so leases cores): by default, whenever
         requests wait or run here."""
@@ -174,4 +179,13 @@ class Worker(abc.ABC):
             prefix_hit_tokens=kv.hit_tokens,
             prefix_queried_tokens=kv.queried_tokens,
             computed_prefill_tokens=q.computed_prefill_tokens,
+            speculation=spec_counters(spec.stats) if (spec := self.speculator()) else None,
         )
+
+
+def spec_counters(stats: SpecStats) -> list[int]:
+    """``stats`` as a load-table row stores them (``SPEC_FIELDS``, in order)."""
+    per_pos = (stats.accepted_per_pos + [0] * SPEC_POSITIONS)[:SPEC_POSITIONS]
+    skipped = [stats.skipped[r] for r in SPEC_SKIP_REASONS]
+    totals = [stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens]
+    return [*totals, *per_pos, *skipped]

@@ -33,7 +33,7 @@ FLOOR = {pkg: level for level, pkgs in enumerate(FLOORS) for pkg in pkgs}
 # room: it holds only its docstring.
 ROOMS: dict[str, list[tuple[str, ...]]] = {
     # engine: model code below the KV pool, both below the loaders and the CUDA path, and
-    # the runner on top, the one room the schedulers call.
+    # the runner, the one room the schedulers call, and speculative decoding over it on top.
     "engine": [
         ("errors", "cache"),
         ("config",),
@@ -41,6 +41,7 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
         ("model", "kv"),
         ("checkpoint", "cuda"),
         ("runner",),
+        ("spec",),
     ],
     "frontend": [
         ("settings", "errors"),

@@ -42,6 +42,7 @@ import platform
 import signal
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,26 @@ class LoadRow:
     # Prompt tokens the worker ran through the model, cumulative over the generation:
     # below prompt_tokens_received when prompts share KV (n > 1 choices, cached prefixes).
     computed_prefill_tokens: int = 0
+    # Speculative decoding (decode and co-located workers), cumulative over the
+    # generation: request-steps that verified drafts, draft tokens, accepted ones, accepted
+    # ones by draft position (the first SPEC_POSITIONS), request-steps that did not
+    # speculate by reason (SPEC_SKIP_REASONS, in order). Zero without speculation.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_pos_0: int = 0
+    spec_accepted_pos_1: int = 0
+    spec_accepted_pos_2: int = 0
+    spec_accepted_pos_3: int = 0
+    spec_accepted_pos_4: int = 0
+    spec_accepted_pos_5: int = 0
+    spec_accepted_pos_6: int = 0
+    spec_accepted_pos_7: int = 0
+    spec_skipped_batch_size: int = 0
+    spec_skipped_low_acceptance: int = 0
+    spec_skipped_no_draft: int = 0
+    spec_skipped_length: int = 0
+    spec_skipped_no_kv_blocks: int = 0
     # The node (host) the worker runs on: what its worker claimed with, or, for a row
     # mirrored from another host, the name that host joined the cluster with. "" from a
     # writer that named none (a row the launcher marked before its worker claimed it).
@@ -135,14 +156,23 @@ def describe_exit(status: int) -> str:
 
 
 HEADER_NBYTES = 64
-ROW_NBYTES = 192  # a multiple of 64 (whole cache lines) and of 8 (aligned seq words)
+ROW_NBYTES = 320  # a multiple of 64 (whole cache lines) and of 8 (aligned seq words)
+SPEC_POSITIONS = 8  # draft positions whose accepted tokens a row counts
+SPEC_SKIP_REASONS = ("batch_size", "low_acceptance", "no_draft", "length", "no_kv_blocks")
+SPEC_FIELDS = (
+    "spec_drafts",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    *(f"spec_accepted_pos_{i}" for i in range(SPEC_POSITIONS)),
+    *(f"spec_skipped_{r}" for r in SPEC_SKIP_REASONS),
+)
 NODE_NBYTES = 64  # a node name's room in a row: UTF-8, NUL-padded (Linux host names fit)
 _MAGIC = 0x7064_6C6F_6164_7462  # "pdloadtb"
-_VERSION = 5  # 5: rows of 192 bytes with the node name
+_VERSION = 6  # 6: rows of 320 bytes with speculative decoding counters
 _HEADER = struct.Struct("<QII")  # magic, version, num_workers
 # Row payload after the 8-byte seq, packed in one call by the writer. The numpy dtype below
 # names the same bytes for the reader; test_load_table pins that the two agree.
-_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiixxxxqqq")
+_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiixxxxqqq" + "q" * len(SPEC_FIELDS))
 _PAYLOAD_FIELDS = (
     "heartbeat_ns",
     "queued_prefill_tokens",
@@ -163,12 +193,15 @@ _PAYLOAD_FIELDS = (
     "prefix_hit_tokens",
     "prefix_queried_tokens",
     "computed_prefill_tokens",
+    *SPEC_FIELDS,
 )
 # The node name follows the integers; the writer packs both in one call (``_ROW``).
 _NODE_OFFSET = 8 + _PAYLOAD.size
 _ROW = struct.Struct(f"{_PAYLOAD.format}{NODE_NBYTES}s")
 _FORMATS = ["<u8", *["<i8"] * 4, "<u4", *["<i4"] * 7, "u1", "u1", "<i4", "<i4", *["<i8"] * 3]
 _OFFSETS = [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76, 80, 88, 96, 104]
+_FORMATS += ["<i8"] * len(SPEC_FIELDS)
+_OFFSETS += range(112, 112 + 8 * len(SPEC_FIELDS), 8)
 ROW_DTYPE = np.dtype(
     {
         "names": ["seq", *_PAYLOAD_FIELDS, "node"],
@@ -353,8 +386,11 @@ class RowWriter:
         prefix_hit_tokens: int | None = None,
         prefix_queried_tokens: int | None = None,
         computed_prefill_tokens: int | None = None,
+        speculation: Sequence[int] | None = None,
     ) -> None:
-        """Refresh the heartbeat and any load fields given; others keep their last value."""
+        """Refresh the heartbeat and any load fields given; others keep their last value.
+
+        ``speculation``: the ``SPEC_FIELDS`` values, in order."""
         given = {
             "queued_prefill_tokens": queued_prefill_tokens,
             "waiting_requests": waiting_requests,
@@ -371,6 +407,8 @@ class RowWriter:
         for name, value in given.items():
             if value is not None:
                 self._values[name] = value
+        if speculation is not None:
+            self._values.update(zip(SPEC_FIELDS, speculation, strict=True))
         self._write()
 
     def set_state(self, state: WorkerState) -> None:

@@ -115,6 +115,31 @@ class GrammarState:
             return
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def valid_prefix(self, drafts: Sequence[int]) -> int:
+        """How many leading ``drafts`` the grammar allows from here; state unchanged."""
+        if self.failed:
+            return 0
+        n = 0
+        for token in drafts:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return n
+
+    def fill_along(self, drafts: Sequence[int], bitmask: torch.Tensor, first_row: int) -> None:
+        """Fill ``bitmask[first_row + j]`` as the matcher stands after ``drafts[:j]``, for j
+        in 0..len(drafts) (speculative verification); state unchanged. Every draft must be
+        allowed (``valid_prefix``)."""
+        self.fill(bitmask, first_row)
+        for j, token in enumerate(drafts, 1):
+            ok = self._matcher.accept_token(token)
+            assert ok, f"rid {self.rid}: draft {token} is outside the grammar"
+            self.fill(bitmask, first_row + j)
+        if drafts:
+            self._matcher.rollback(len(drafts))
+
     @property
     def terminated(self) -> bool:
         return bool(self._matcher.is_terminated())

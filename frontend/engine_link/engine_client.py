@@ -102,6 +102,9 @@ class WorkerMetrics:
 
     computed_prefill_tokens: int = 0
     node: str = ""
+    # Speculative decoding counters (``transport.load_table.SPEC_FIELDS``, in order);
+    # empty from a worker that does not decode.
+    speculation: tuple[int, ...] = ()
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 
 from frontend.engine_link.board import FrontendBoard
 from frontend.engine_link.engine_client import WorkerHealth, WorkerMetrics
-from transport.load_table import LoadRow, LoadTable, WorkerState, describe_exit
+from transport.load_table import SPEC_FIELDS, LoadRow, LoadTable, WorkerState, describe_exit
 from transport.ring import Ring
 from wire.roles import Role
 
@@ -117,4 +118,7 @@ def worker_metrics(
                                  r.prefix_hit_tokens, r.prefix_queried_tokens,
                                  r.computed_prefill_tokens,
                                  _node_of(r.worker, r.node, node, remote)))  # fmt: skip
+        if r.role in (Role.DECODE, Role.COLOCATED):
+            spec = tuple(int(getattr(r, f)) for f in SPEC_FIELDS)
+            out[-1] = replace(out[-1], speculation=spec)
     return out

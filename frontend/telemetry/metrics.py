@@ -37,9 +37,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from frontend.engine_link.board import METRIC_WORDS, FrontendBoard
-from frontend.engine_link.engine_client import EngineClient
+from frontend.engine_link.engine_client import EngineClient, WorkerMetrics
 from frontend.errors import LIMITS
-from transport.load_table import WorkerState
+from transport.load_table import SPEC_POSITIONS, SPEC_SKIP_REASONS, WorkerState
 from wire.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class _EngineCollector(Collector):
                 computed.add_metric(key, w.computed_prefill_tokens)
         yield from (running, waiting, kv, assigned, assigned_tokens, cached, hit_rate, hits,
                     queries, computed)  # fmt: skip
+        yield from _speculation(loads, labels)
         tiers = self._client.kv_tier_counters
         if tiers is not None:
             yield from _tier_metrics(tiers())
@@ -157,6 +158,45 @@ def _tier_metrics(c: dict[str, int]) -> Iterator[Metric]:
     usage = GaugeMetricFamily("pdserve_kv_tier_disk_usage_bytes", "Bytes of block files on disk")
     usage.add_metric([], c["disk_usage_bytes"])
     yield usage
+
+
+def _speculation(loads: list[WorkerMetrics], labels: list[str]) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters, per decoding worker, and the request-steps
+    that did not speculate, by reason (engine/spec/speculator.py)."""
+    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    docs = (
+        "Request-steps that verified drafts",
+        "Draft tokens verified",
+        "Draft tokens accepted",
+    )
+    totals = [
+        CounterMetricFamily(f"pdserve_spec_decode_{n}", d, labels=labels)
+        for n, d in zip(names, docs, strict=True)
+    ]
+    per_pos = CounterMetricFamily(
+        "pdserve_spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by draft position (0: the first draft)",
+        labels=[*labels, "position"],
+    )
+    skipped = CounterMetricFamily(
+        "pdserve_spec_decode_skipped",
+        "Request-steps that decoded one token without speculation, by reason",
+        labels=[*labels, "reason"],
+    )
+    for w in loads:
+        if not w.speculation:
+            continue
+        key = [w.role, str(w.index), w.node]
+        for family, value in zip(totals, w.speculation[:3], strict=True):
+            family.add_metric(key, value)
+        pos = w.speculation[3 : 3 + SPEC_POSITIONS]
+        for i, value in enumerate(pos):
+            per_pos.add_metric([*key, str(i)], value)
+        for reason, value in zip(
+            SPEC_SKIP_REASONS, w.speculation[3 + SPEC_POSITIONS :], strict=True
+        ):
+            skipped.add_metric([*key, reason], value)
+    yield from (*totals, per_pos, skipped)
 
 
 class _NvmlCollector(Collector):

@@ -304,3 +304,48 @@ def test_a_cached_count_that_arrives_before_registration_is_kept(shard_factory: 
     shard.register(register(9, DetokParams()))
     collect(shard, out)
     assert out[9][-1].cached_tokens == 48 and out[9][-1].finish == Finish.LENGTH
+
+
+@pytest.mark.parametrize("per_step", [3, 5])
+def test_several_tokens_a_step_stream_what_one_a_step_does(
+    shard_factory: Any, qwen_tokenizer: Any, per_step: int
+) -> None:
+    """Speculative decoding sends a request's accepted run as several rows of one batch:
+    a stop string that ends inside the run cuts the text, token ids, logprobs and usage
+    exactly where one token a step would, and the rows after it are dropped."""
+    ids = qwen_tokenizer.encode("The answer is 42. Done, and more text after the stop")
+
+    def run(rows: int) -> list[Any]:
+        shard = shard_factory()
+        shard.register(register(5, DetokParams(stop=("Done",)), num_logprobs=1))
+        deltas: list[Any] = []
+        for start in range(0, len(ids), rows):
+            toks = ids[start : start + rows]
+            positions = list(range(start, start + len(toks)))
+            batch = TokenBatch.build(
+                [5] * len(toks),
+                positions,
+                toks,
+                logprobs=[-0.5 - p for p in positions],
+                top_ids=np.array([[t] for t in toks]),
+                top_logprobs=np.zeros((len(toks), 1)),
+            )
+            shard.on_tokens(batch, 0)
+            text = shard.take_outputs()[0]
+            deltas += text.items if text is not None else []
+        return deltas
+
+    def folded(deltas: list[Any]) -> tuple[Any, ...]:
+        last = deltas[-1]
+        return (
+            _text(deltas),
+            [t for d in deltas for t in d.token_ids],
+            [lp.logprob for d in deltas for lp in d.logprobs or []],
+            last.finish,
+            last.stop_reason,
+            last.num_output_tokens,
+        )
+
+    one, many = folded(run(1)), folded(run(per_step))
+    assert many == one
+    assert one[0] == "The answer is 42. " and one[3] == Finish.STOP and one[4] == "Done"

@@ -122,3 +122,35 @@ def test_help_explains_every_flag() -> None:
     text = parser.format_help()
     assert "--prefill-gpus" in text and "503" in text
     assert "--kv-transfer" in text and "--max-queued-prefill-tokens" in text
+
+
+def test_speculative_config_reaches_decode_workers_only() -> None:
+    from dataclasses import replace
+
+    from engine.config import SpeculativeConfig
+    from launcher.cli import _engine_spec
+    from launcher.placement import WorkerPlace
+    from wire.roles import Role
+
+    text = '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 5}'
+    config = parse_args(["--speculative-config", text])
+    assert config.speculative_config == SpeculativeConfig(
+        num_speculative_tokens=6, prompt_lookup_max=5
+    )
+    assert parse_args([]).speculative_config is None
+    config = replace(config, kv_cache_tokens=4096)
+    for role, spec in (
+        (Role.PREFILL, None),
+        (Role.DECODE, config.speculative_config),
+        (Role.COLOCATED, config.speculative_config),
+    ):
+        place = WorkerPlace(role, 0, None, None)
+        assert _engine_spec(config, Path("m"), place, "shm").engine.speculative == spec
+
+
+def test_a_bad_speculative_config_is_refused_by_the_parser(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative-config", '{"method": "medusa"}'])
+    assert "--speculative-config: method must be one of" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
 from runtime.spec_decode import EXIT_BAD_SPEC, DetokWorkerSpec, SpecError, decode_spec, encode_spec
@@ -79,3 +79,13 @@ def test_a_worker_refuses_a_bad_spec_at_startup_and_is_not_restarted(
         sup.shutdown()
     err = capfd.readouterr().err
     assert "refusing my spec" in err and named in err, err[-2000:]
+
+
+def test_an_optional_record_in_the_spec_is_checked_strictly_when_present() -> None:
+    for spec in (None, SpeculativeConfig(num_speculative_tokens=3)):
+        s = EngineWorkerSpec("INFO", EngineConfig(model="m", speculative=spec), "shm")
+        assert decode_spec(encode_spec(s), EngineWorkerSpec) == s
+    raw = encode_spec(EngineWorkerSpec("INFO", EngineConfig(model="m", speculative=spec), "shm"))
+    raw["engine"]["speculative"]["k"] = 4
+    with pytest.raises(SpecError, match=r"unknown field `k` at `settings\.engine\.speculative\.k`"):
+        decode_spec(raw, EngineWorkerSpec)

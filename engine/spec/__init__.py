@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, exact verification, adaptive k and gating."""
