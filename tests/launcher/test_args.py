@@ -145,7 +145,7 @@ def test_speculative_config_reaches_decode_workers_only() -> None:
         (Role.COLOCATED, config.speculative_config),
     ):
         place = WorkerPlace(role, 0, None, None)
-        assert _engine_spec(config, Path("m"), place, "shm").engine.speculative == spec
+        assert _engine_spec(config, Path("m"), place, "shm", {}).engine.speculative == spec
 
 
 def test_a_bad_speculative_config_is_refused_by_the_parser(
