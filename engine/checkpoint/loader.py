@@ -151,7 +151,10 @@ def _shape(value: Value) -> tuple[int, ...]:
 class _Loader:
     def __init__(self, model: CausalLM, quantization: str, gemm_rows: int | None) -> None:
         self.model, self.quantization, self.gemm_rows = model, quantization, gemm_rows
-        self.crossovers: dict[tuple[str, int, int], int] = {}  # measured once per shape
+        # Packed layers with a GEMM, by (kernel kinds, N, K): their crossover is set once all
+        # of them are loaded (``set_crossovers``), measured over all of them together.
+        self.with_gemm: dict[tuple[str, int, int], list[Int4Kernel | Int8Kernel]] = {}
+        self.crossovers: dict[tuple[str, int, int], int] = {}
         self.dtype = model.norm.weight.dtype
         self.device = model.norm.weight.device
         self.staged: dict[int, list[tuple[int, Value]]] = {}  # id(layer) -> parts
@@ -224,15 +227,41 @@ class _Loader:
 
     def _add_gemm(self, packed: Int4Kernel | Int8Kernel, rows: QuantRows) -> None:
         gemm = bf16_gemm(rows.dequantize())
-        n, k = packed.out_features, packed.in_features
-        key = (f"{type(packed).__name__}|{type(gemm).__name__}", n, k)
-        if self.gemm_rows:
-            self.crossovers[key] = self.gemm_rows
-        elif key not in self.crossovers:
-            self.crossovers[key] = min_gemm_rows(
-                lambda x: packed.packed_forward(x, None), gemm, (n, k), key[0]
-            )
-        packed.with_gemm(gemm, self.crossovers[key])
+        key = (f"{type(packed).__name__}|{type(gemm).__name__}", *packed.shape)
+        packed.with_gemm(gemm, NEVER)  # until set_crossovers
+        self.with_gemm.setdefault(key, []).append(packed)
+
+    def set_crossovers(self) -> None:
+        """Each shape's row count from which its layers run the GEMM: ``gemm_rows``, else
+        measured on all the model's layers of that shape in turn, as a step runs them.
+
+        NOTE: not on one layer: one layer's weights stay in cache between repeats, which
+        favours the GEMM (its bfloat16 weights are 4x the packed bytes); a step streams
+        every layer's weights from memory, where the packed kernel's fewer bytes count.
+        """
+        for key, kernels in self.with_gemm.items():
+            kinds, n, k = key
+            if self.gemm_rows:
+                rows = self.gemm_rows
+            else:
+                gemms = [kernel.many_rows.gemm for kernel in kernels if kernel.many_rows]
+
+                def packed_pass(
+                    x: torch.Tensor, ks: list[Int4Kernel | Int8Kernel] = kernels
+                ) -> None:
+                    for kernel in ks:
+                        kernel.packed_forward(x, None)
+
+                def gemm_pass(x: torch.Tensor, gs: list[nn.Module] = gemms) -> None:
+                    for gemm in gs:
+                        gemm(x)
+
+                tag = f"{kinds}|x{len(kernels)}"
+                rows = min_gemm_rows(packed_pass, gemm_pass, (n, k), tag)
+            self.crossovers[key] = rows
+            for kernel in kernels:
+                assert kernel.many_rows is not None
+                kernel.many_rows.min_rows = rows
 
     def _build_embedding(self, target: Embedding, parts: list[Value]) -> None:
         if self.quantization == "gguf" and not any(isinstance(p, torch.Tensor) for p in parts):
@@ -279,6 +308,7 @@ def load_weights(
     missing = sorted({n for n, x in [*layers, *params] if id(x) not in loader.done})
     if missing:
         raise UnsupportedModelError(f"{root}: checkpoint lacks weights for {missing}")
+    loader.set_crossovers()
     _release_freed_memory()
     logger.info("loaded %s (%s): %s", root.name, quantization,
                 ", ".join(f"{n} {k}" for k, n in sorted(loader.kinds.items())))  # fmt: skip

@@ -3,12 +3,13 @@ row count from which that GEMM beats the packed kernel, measured on this machine
 
 torch's int4 CPU kernel de-quantizes per block of rows, so its cost grows with every row;
 a bfloat16 GEMM is bound by reading its weights until far more rows. SmolLM2's linear
-layers of one step (30 layers, 2 threads, AMD EPYC with AVX-512 BF16, no AMX), ms:
+layers of one step (``benchmarks/results/linear_kernels.md``: 30 layers, 2 threads, a
+2-core AMD EPYC with AVX-512 BF16, no AMX), ms:
 
     rows                          1      8     16     32    256
-    packed int4                 2.3    6.1   10.9   20.7  164.2
-    bf16, plain F.linear       12.2   13.6   15.8   21.6   76.7
-    bf16, prepacked for oneDNN  5.0    6.4    8.5   12.5   60.6
+    packed int4                 3.5    6.8   11.7   21.5  158.8
+    bf16, plain F.linear       10.3   11.7   13.4   17.4   65.6
+    bf16, prepacked for oneDNN  7.4    8.4    9.8   13.6   60.4
 
 So the packed kernel serves a few rows and the GEMM the rest; where they cross depends on
 the CPU (AMX moves it down, AVX2 up), the shape and the threads, so ``min_gemm_rows``
@@ -49,7 +50,7 @@ _CANDIDATES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 NEVER = 1 << 30  # the packed kernel serves every batch
 _REPEATS = 7
 # Bump when the measurement changes, so cached crossovers are measured again.
-_VERSION = 1
+_VERSION = 2
 
 
 def prepacked_supported() -> bool:
@@ -97,8 +98,8 @@ def bf16_gemm(weight: torch.Tensor, prepack: bool | None = None) -> nn.Module:
 
 
 def min_gemm_rows(
-    packed: Callable[[torch.Tensor], torch.Tensor],
-    gemm: Callable[[torch.Tensor], torch.Tensor],
+    packed: Callable[[torch.Tensor], object],
+    gemm: Callable[[torch.Tensor], object],
     shape: tuple[int, int],
     tag: str,
 ) -> int:
@@ -144,8 +145,8 @@ def _read(path: Path) -> int | None:
 
 
 def _measure(
-    packed: Callable[[torch.Tensor], torch.Tensor],
-    gemm: Callable[[torch.Tensor], torch.Tensor],
+    packed: Callable[[torch.Tensor], object],
+    gemm: Callable[[torch.Tensor], object],
     in_features: int,
 ) -> int:
     gen = torch.Generator().manual_seed(0)
@@ -165,7 +166,7 @@ def _measure(
         torch.set_num_threads(threads)
 
 
-def _best(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
+def _best(fn: Callable[[torch.Tensor], object], x: torch.Tensor) -> float:
     fn(x)  # warm: first calls allocate
     best = float("inf")
     for _ in range(_REPEATS):

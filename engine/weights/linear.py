@@ -113,6 +113,7 @@ class Int4Kernel(nn.Module):
             codes = F.pad(codes, (0, 0, 0, pad), value=8)
             scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
         self.out_features, self.in_features = n, k
+        self.shape = (n, k)
         self.register_buffer(
             "packed", torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1),
             persistent=False,
@@ -163,6 +164,7 @@ class Int8Kernel(nn.Module):
         )
         self.planes = Int4Kernel(planes, dtype, device)
         self.out_features, self.in_features = rows.codes.shape
+        self.shape = (self.out_features, self.in_features)
         self.many_rows: _ManyRows | None = None
 
     def with_gemm(self, gemm: nn.Module, min_rows: int) -> None:
