@@ -53,9 +53,19 @@ class Row:
         return self.ours / self.theirs if self.lower_is_better else self.theirs / self.ours
 
 
+def _random_model(root: Path, name: str, cfg: Any) -> Path:
+    """``cfg``'s model with random weights (seed 0), saved as ``root / name``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(root / name)
+    return root / name
+
+
 def build_bench_model(root: Path) -> Path:
     """A random Qwen2 of hidden 512, 8 layers (GQA 8/4), on Qwen2's vocabulary."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import Qwen2Config
 
     cfg = Qwen2Config(
         vocab_size=tiny.QWEN2_PADDED_VOCAB,
@@ -68,16 +78,13 @@ def build_bench_model(root: Path) -> Path:
         tie_word_embeddings=True,
         dtype="float32",
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.save_pretrained(root / "qwen2-h512-l8")
-    return root / "qwen2-h512-l8"
+    return _random_model(root, "qwen2-h512-l8", cfg)
 
 
 def build_smollm2_shape(root: Path) -> Path:
     """SmolLM2-135M's shapes (Llama, hidden 576, 30 layers, GQA 9/3, vocab 49152), random
     weights: the default model's step cost, where its weights cannot be carried."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
     cfg = LlamaConfig(
         vocab_size=49152,
@@ -90,10 +97,7 @@ def build_smollm2_shape(root: Path) -> Path:
         tie_word_embeddings=True,
         dtype="float32",
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.save_pretrained(root / "smollm2-shape")
-    return root / "smollm2-shape"
+    return _random_model(root, "smollm2-shape", cfg)
 
 
 def best_interleaved(
