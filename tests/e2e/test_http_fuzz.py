@@ -20,6 +20,7 @@ import httpx
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.api_fuzz import any_json
 from tests.conftest import LaunchedServer
 
 FUZZ = settings(
@@ -30,21 +31,6 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 VOCAB = 151_936
-
-json_leaf = (
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.text(max_size=8)
-    | st.floats(allow_nan=False, allow_infinity=False)
-)
-any_json = st.recursive(
-    json_leaf,
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=6,
-)
 
 
 def edgy(valid: st.SearchStrategy[Any], edge: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
