@@ -3,7 +3,7 @@ cluster; ``docs/multi_host.md`` has the design).
 
 Every ring of a node that has a peer on another host at its other end has this process
 at its local end instead (``launcher/topology.py``): it drains those rings onto the
-cluster link (``transport/cluster_link.py``, one ``Relay`` per record, the record's bytes
+cluster link (``transport/link/``, one ``Relay`` per record, the record's bytes
 untouched) and writes what arrives into the named local rings. Rings stay single-producer,
 single-consumer, and workers do not know which of their peers are remote.
 
@@ -37,10 +37,11 @@ import msgspec
 
 from runtime.process import attach_rings, bootstrap
 from runtime.spec_decode import EXIT_BAD_SPEC, exit_on_bad_spec
-from transport.cluster_link import Join, LinkClient, LinkServer, Relay, Rows, Welcome
 from transport.errors import KVTransferError, LinkError, PeerDead, RingFull
 from transport.kv import KVLayout
 from transport.kv_nixl import check_compatible
+from transport.link.client import LinkClient
+from transport.link.server import LinkServer
 from transport.load_table import (
     LoadTable,
     WorkerState,
@@ -51,6 +52,7 @@ from transport.load_table import (
 from transport.ring import Ring
 from transport.segment import Segment, SegmentSpec
 from wire import records
+from wire.link_records import Join, Relay, Rows, Welcome
 from wire.ring_names import RingName
 from wire.roles import Role
 

@@ -120,8 +120,8 @@ def ucx_env(config: ServerConfig) -> dict[str, str]:
 def require_extra() -> None:
     """Fail at once, naming the extra, when this install cannot join a cluster."""
     try:
-        from transport.cluster_link import cluster_keypair
         from transport.kv_nixl import load_nixl
+        from transport.link.auth import cluster_keypair
 
         load_nixl()
         cluster_keypair("x" * 16)
@@ -180,7 +180,8 @@ def member_gateway(
 
 def join(config: ServerConfig, layout: KVLayout, model_name: str) -> tuple[int, dict[str, int]]:
     """Ask the head for this node's decode indices: (first index, the cluster's shape)."""
-    from transport.cluster_link import Join, LinkClient, Welcome
+    from transport.link.client import LinkClient
+    from wire.link_records import Join, Welcome
 
     assert config.join is not None and config.cluster_key is not None
     node = node_name(config)

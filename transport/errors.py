@@ -48,7 +48,7 @@ class ClusterUnavailable(TransportError):
 
 
 class LinkError(TransportError):
-    """Base class of the errors of a cross-host link (``transport.cluster_link``)."""
+    """Base class of the errors of a cross-host link (``transport.link``)."""
 
 
 class PeerRefused(LinkError):

@@ -482,7 +482,7 @@ def _to_load(slot: int, row: tuple[int, ...]) -> LoadRow:
 
 def row_fields(row: LoadRow) -> dict[str, int]:
     """A claimed row's stored integer fields by name (role and state as their stored
-    codes): what crosses hosts in ``transport.cluster_link.Rows``. Not the node: the head
+    codes): what crosses hosts in ``wire.link_records.Rows``. Not the node: the head
     names a member's rows after the member (``RowWriter.mirror``)."""
     assert row.role is not None
     out = {name: int(getattr(row, name)) for name in _FIELD_NAMES if name not in ("role", "state")}

@@ -16,9 +16,9 @@ from launcher import cluster
 from launcher.args import ConfigError, parse_args
 from launcher.cli import main
 from launcher.topology import Topology
-from transport.cluster_link import Join, Rows
 from transport.kv import KVLayout
 from transport.load_table import LoadTable, WorkerState, row_fields, row_from_fields
+from wire.link_records import Join, Rows
 from wire.ring_names import Peer, RingKind, RingName
 from wire.roles import Role
 

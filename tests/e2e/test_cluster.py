@@ -268,7 +268,7 @@ def test_a_node_with_another_cluster_key_is_refused(cluster: Cluster) -> None:
     said = "".join(intruder.log)
     assert "refused" in said or "--cluster-key" in said, said
     deadline = time.monotonic() + 10
-    while not any("cluster_link" in line and "WARNING" in line for line in cluster.head.log):
+    while not any("transport.link" in line and "WARNING" in line for line in cluster.head.log):
         assert time.monotonic() < deadline, "".join(cluster.head.log[-20:])
         time.sleep(0.2)
 

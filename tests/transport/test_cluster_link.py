@@ -19,22 +19,19 @@ pytest.importorskip("zmq")
 
 import zmq
 
-from transport.cluster_link import (
-    LINK_VERSION,
-    Hello,
-    LinkClient,
-    LinkServer,
-    cluster_keypair,
-)
 from transport.errors import ClusterUnavailable, LinkTimeout, PeerGone, PeerRefused
+from transport.link.auth import cluster_keypair
+from transport.link.client import LinkClient
+from transport.link.server import LinkServer
 from wire import records
+from wire.link_records import LINK_VERSION, Hello
 from wire.params import SamplingParams
 from wire.records import GenerateRequest, KVRelease, TokenBatch
 
 KEY = "test-cluster-key-0123456789"
 OTHER_KEY = "another-cluster-key-9876543210"
 LOOPBACK = "127.0.0.1:0"
-LOGGER = "transport.cluster_link"
+LOGGER = "transport.link"
 DEADLINE_S = 10.0  # a bound for loops that wait on the network, never an assertion
 
 
@@ -294,7 +291,7 @@ def test_without_zmq_constructing_a_link_names_the_extra(
 def test_the_module_imports_without_zmq() -> None:
     code = (
         "import sys; sys.modules['zmq'] = None\n"
-        "import transport.cluster_link as link\n"
+        "import transport.link.client as link\n"
         "from transport.errors import ClusterUnavailable\n"
         "try:\n"
         f"    link.LinkClient('127.0.0.1:1', {KEY!r}, 'n')\n"
