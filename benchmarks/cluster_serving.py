@@ -169,10 +169,12 @@ def kv_bytes_per_prompt(model: Path, tokens: int) -> int:
     import torch
 
     from engine.config import ModelConfig
-    from engine.kv.kv_cache import block_nbytes
+    from engine.kv.kv_cache import pool_layout
 
     blocks = -(-tokens // 16)
-    return blocks * block_nbytes(ModelConfig.from_pretrained(model), 16, torch.bfloat16)
+    return (
+        blocks * pool_layout(ModelConfig.from_pretrained(model), 1, 16, torch.bfloat16).block_nbytes
+    )
 
 
 def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:

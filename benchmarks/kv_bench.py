@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.machine import describe as describe_machine
-from transport.kv import KVLayout, create_pool_segment, pool_view
+from transport.kv import create_pool_segment, pool_view
 from transport.kv_backends import ShmReceiver, register_host_memory
 from transport.segment import Segment
+from wire.kv_layout import KVLayout
 
 RESULTS = Path(__file__).resolve().parent / "results" / "transport_kv.md"
 

@@ -40,9 +40,10 @@ import torch
 
 from benchmarks.machine import describe, portable, report_head
 from benchmarks.nixl_link import read_frame, read_json, write_frame, write_json
-from transport.kv import KVLayout, pool_view
+from transport.kv import pool_view
 from transport.kv_backends import ShmReceiver
 from transport.segment import Segment
+from wire.kv_layout import KVLayout
 
 BLOCK = 16
 LINK_BLOCKS = (

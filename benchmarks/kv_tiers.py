@@ -33,7 +33,7 @@ from benchmarks.machine import report_head
 from checkpoints.default_model import resolve_model
 from colocated.llm import LLM
 from engine.config import EngineConfig, ModelConfig
-from engine.kv.kv_cache import block_nbytes
+from engine.kv.kv_cache import pool_layout
 from engine.kv.tiers.host_store import Geometry, HostStore, create_segment
 from engine.kv.tiers.persister import Persister
 from wire.params import SamplingParams
@@ -51,7 +51,7 @@ class Rig:
         kw: dict[str, Any] = {}
         self.host: HostStore | None = None
         if tier_gib:
-            nb = block_nbytes(mc, BS, torch.bfloat16)
+            nb = pool_layout(mc, 1, BS, torch.bfloat16).block_nbytes
             g = Geometry.for_budget(int(tier_gib * (1 << 30)), BS, nb)
             fd, buf = create_segment(g.offsets[3])
             HostStore.format(buf, g)

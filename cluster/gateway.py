@@ -38,7 +38,6 @@ import msgspec
 from runtime.process import attach_rings, bootstrap
 from runtime.spec_decode import EXIT_BAD_SPEC, exit_on_bad_spec
 from transport.errors import KVTransferError, LinkError, PeerDead, RingFull
-from transport.kv import KVLayout
 from transport.kv_nixl import check_compatible
 from transport.link.client import LinkClient
 from transport.link.server import LinkServer
@@ -52,6 +51,7 @@ from transport.load_table import (
 from transport.ring import Ring
 from transport.segment import Segment, SegmentSpec
 from wire import records
+from wire.kv_layout import KVLayout
 from wire.link_records import Join, Relay, Rows, Welcome
 from wire.ring_names import RingName
 from wire.roles import Role

@@ -21,16 +21,18 @@ import time
 import torch
 
 from decode.scheduler import DecodeScheduler
+from engine.kv.kv_cache import layout_of
 from engine.runner import ModelRunner
 from engine.spec.speculator import Speculator
 from runtime.worker import QueueLoad, Worker
 from runtime.worker_io import drain, fail_request, send
 from transport.errors import KVTransferError
-from transport.kv import KVLayout, KVReceiver, pool_view
+from transport.kv import KVReceiver, pool_view
 from transport.kv_backends import CudaIpcReceiver, ShmReceiver, register_host_memory
 from transport.kv_handles import PoolImports, Verdict
 from transport.kv_nixl import NixlReceiver
 from transport.segment import Segment, SegmentSpec
+from wire.kv_layout import KVLayout
 from wire.records import AbortRequest, KVPoolHandle, KVRelease, KVTransfer
 from wire.ring_names import Peer, RingKind
 from wire.roles import Role
@@ -68,12 +70,8 @@ class DecodeWorker(Worker):
     def _nixl_receiver(self, runner: ModelRunner) -> NixlReceiver:
         """On a node that joined a cluster: prefill pools are on another host, read by NIXL
         from the handle each prefill worker sends (``transport/kv_nixl.py``)."""
-        pool = runner.kv_pool
-        n, layers, _, block, heads, dim = pool.shape
-        dtype = str(pool.dtype).removeprefix("torch.")
-        layout = KVLayout(n, layers, block, heads, dim, dtype)
         name = f"{self.settings.node}-decode-{self.index}-{os.getpid()}"
-        return NixlReceiver(pool, layout, name)
+        return NixlReceiver(runner.kv_pool, layout_of(runner.kv_pool), name)
 
     def _shm_receiver(self, runner: ModelRunner) -> ShmReceiver:
         """Map every prefill worker's shared pool (or staging mirror); copies read from it."""

@@ -37,7 +37,7 @@ from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.cuda.gpu_memory import gpu_kv_blocks
 from engine.cuda.kernels import use_kernels
 from engine.kv.block_manager import BlockAllocator, KVFigures
-from engine.kv.kv_cache import GpuMemoryError, allocate_kv_pool, block_nbytes, check_kv_pool
+from engine.kv.kv_cache import GpuMemoryError, allocate_kv_pool, check_kv_pool, pool_layout
 from engine.kv.sequence import Sequence
 from engine.kv.tiers.tiered import open_tiers
 from engine.model.attention import AttentionMetadata, DenseDecodeKV
@@ -132,7 +132,8 @@ class ModelRunner:
                 self.model_config, num_blocks, self.block_size, self.kv_dtype, self.device
             )
         except torch.cuda.OutOfMemoryError as e:
-            nbytes = num_blocks * block_nbytes(self.model_config, self.block_size, self.kv_dtype)
+            layout = pool_layout(self.model_config, num_blocks, self.block_size, self.kv_dtype)
+            nbytes = layout.nbytes
             raise GpuMemoryError(
                 f"a KV cache of {num_blocks} blocks ({nbytes / (1 << 30):.2f} GiB) does not "
                 f"fit on {self.device}: another process may hold its memory; lower "

@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 
 from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.kv.kv_cache import pool_layout
 from engine.weights.plan import (
     QuantizationError,
     cache_dtype,
@@ -42,18 +43,13 @@ from launcher.topology import Topology
 from runtime.spec_decode import DetokWorkerSpec, encode_spec
 from runtime.worker_spec import EngineWorkerSpec, KVTransferName
 from transport.errors import TransportError
-from transport.kv import KVLayout
 from transport.prefix_summary import summary_counters
 from transport.segment import sweep_stale
+from wire.kv_layout import KVLayout
 from wire.roles import Role
 
 logger = logging.getLogger("launch")
 
-_DTYPE_NAMES = {
-    "torch.float32": "float32",
-    "torch.bfloat16": "bfloat16",
-    "torch.float16": "float16",
-}
 STARTUP_TIMEOUT_S = 600.0
 # GPU pools are sized from GPU memory; this only sizes a pool no host memory backs.
 DEFAULT_GPU_KV_TOKENS = 65_536
@@ -218,13 +214,10 @@ def _build_topology(
 def _kv_layout(config: ServerConfig, model: Path, gpus: GpuAssignment | None) -> KVLayout:
     """A host KV pool's layout (the shm pools, and what a cluster's nodes must share)."""
     mcfg = ModelConfig.from_pretrained(model)
-    dtype = _DTYPE_NAMES[str(_serving(config, model, gpus)[1])]
+    dtype = _serving(config, model, gpus)[1]
     assert config.kv_cache_tokens is not None, "sized by _size_kv"
-    return KVLayout(
-        num_blocks=-(-config.kv_cache_tokens // config.block_size),
-        num_layers=mcfg.num_layers, block_size=config.block_size,
-        num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim, dtype=dtype,
-    )  # fmt: skip
+    num_blocks = -(-config.kv_cache_tokens // config.block_size)
+    return pool_layout(mcfg, num_blocks, config.block_size, dtype)
 
 
 def _size_kv(

@@ -29,7 +29,7 @@ from launcher.supervisor import Child
 from launcher.topology import Topology
 from runtime.spec_decode import encode_spec
 from transport.errors import ClusterUnavailable, LinkError
-from transport.kv import KVLayout
+from wire.kv_layout import KVLayout
 from wire.ring_names import Peer
 from wire.roles import Role
 

@@ -24,8 +24,8 @@ from engine.kv.tiers.keys import Namespace, weights_fingerprint
 from engine.kv.tiers.persister import Persister
 from launcher.args import ConfigError, ServerConfig
 from launcher.memory import GIB
-from transport.kv import KVLayout
 from transport.segment import Segment
+from wire.kv_layout import KVLayout
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,12 @@ from typing import Any
 from frontend.engine_link.board import FrontendBoard
 from runtime.process import ProcessSpec
 from transport.doorbell import Doorbell
-from transport.kv import KVLayout, create_pool_segment
+from transport.kv import create_pool_segment
 from transport.load_table import LoadTable
 from transport.prefix_summary import PrefixSummary, create_summary_segment
 from transport.ring import Ring
 from transport.segment import Segment
+from wire.kv_layout import KVLayout
 from wire.ring_names import Peer, RingKind, RingName
 from wire.roles import Role
 

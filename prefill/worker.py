@@ -24,11 +24,12 @@ from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler, PrefillStep
 from runtime.worker import QueueLoad, Worker
 from runtime.worker_io import drain, fail_request, send
-from transport.kv import KVExporter, KVLayout, pool_view
+from transport.kv import KVExporter, pool_view
 from transport.kv_backends import CudaIpcExporter, ShmExporter, register_host_memory
 from transport.kv_handles import HandleSender
 from transport.load_table import WorkerState
 from transport.segment import Segment, SegmentSpec
+from wire.kv_layout import KVLayout
 from wire.records import KVPoolHandle, KVRelease
 from wire.ring_names import Peer, RingKind
 from wire.roles import Role

@@ -1,6 +1,6 @@
 """KV handoff: moving one request's KV blocks from a prefill pool into a decode pool.
 
-Pool layout (both sides, see ``KVLayout``): ``(num_blocks, num_layers, 2, block_size,
+Pool layout (both sides, ``wire.kv_layout.KVLayout``): ``(num_blocks, num_layers, 2, block_size,
 num_kv_heads, head_dim)``, block-major, so block ``b`` is one contiguous byte range of
 ``block_nbytes`` and a run of consecutive block ids is one contiguous range.
 
@@ -38,60 +38,16 @@ never frees anything itself. Errors in a request (bad ids, unknown source) raise
 from __future__ import annotations
 
 import abc
-import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
 
 import torch
 
 from transport.errors import KVTransferError
 from transport.segment import Segment
+from wire.kv_layout import KVLayout
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    num_blocks: int
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str = "float32"
-
-    @property
-    def shape(self) -> tuple[int, int, int, int, int, int]:
-        return (
-            self.num_blocks,
-            self.num_layers,
-            2,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-        )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-    @property
-    def block_nbytes(self) -> int:
-        per_block = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return per_block * self.torch_dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_blocks * self.block_nbytes
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> KVLayout:
-        return cls(**json.loads(text))
 
 
 def create_pool_segment(tag: str, layout: KVLayout) -> Segment:

@@ -52,7 +52,8 @@ import numpy as np
 import torch
 
 from transport.errors import ClusterUnavailable, KVReadFailed, KVTransferError
-from transport.kv import KVExporter, KVLayout, KVReceiver, PendingFetch, check_ids
+from transport.kv import KVExporter, KVReceiver, PendingFetch, check_ids
+from wire.kv_layout import KVLayout
 from wire.records import KVRelease, RecordError, decode, encode
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.kv.kv_cache import allocate_kv_pool, block_nbytes, kv_blocks_for_budget
+from engine.kv.kv_cache import allocate_kv_pool, kv_blocks_for_budget, pool_layout
 from engine.kv.sequence import Sequence
 from engine.sampling.sampler import SampleRequest, sample
 from wire.params import SamplingParams
@@ -65,7 +65,7 @@ def gpu_kv_blocks(runner: Profiled) -> int:
     torch.cuda.empty_cache()
     _, total = torch.cuda.mem_get_info(dev)
     share = config.gpu_memory_share or config.gpu_memory_utilization
-    per_block = block_nbytes(mcfg, runner.block_size, runner.dtype)
+    per_block = pool_layout(mcfg, 1, runner.block_size, runner.dtype).block_nbytes
     # NOTE: CUDA decode gathers one layer of the batch's K/V at a time (engine/model/attention.py);
     # with the pool full that is the pool's bytes / num_layers, on top of the pool itself.
     per_block += -(-per_block // mcfg.num_layers)

@@ -1,9 +1,10 @@
 """The paged KV pool: one tensor, block-major, so one block is one contiguous byte range.
 
-Layout ``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``; index 0 of
-the third axis is K, 1 is V. Token ``t`` of a sequence lives in block
-``block_table[t // block_size]`` at slot ``t % block_size``, for every layer. Because a
-block holds all layers, the transport moves a request's KV by copying whole blocks.
+Its layout is ``wire.kv_layout.KVLayout`` (``pool_layout`` builds it for a model):
+``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``. Token ``t`` of a
+sequence lives in block ``block_table[t // block_size]`` at slot ``t % block_size``, for
+every layer. Because a block holds all layers, the transport moves a request's KV by
+copying whole blocks.
 """
 
 from __future__ import annotations
@@ -13,19 +14,28 @@ import mmap
 import torch
 
 from engine.config import ModelConfig
+from wire.kv_layout import KVLayout
 
 
-def kv_pool_shape(model_config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+def pool_layout(
+    model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+) -> KVLayout:
+    """The layout of a pool of ``num_blocks`` blocks for this model."""
     m = model_config
-    return (num_blocks, m.num_layers, 2, block_size, m.num_kv_heads, m.head_dim)
+    return KVLayout(
+        num_blocks,
+        m.num_layers,
+        block_size,
+        m.num_kv_heads,
+        m.head_dim,
+        dtype=str(dtype).removeprefix("torch."),
+    )
 
 
-def block_nbytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of the pool (all layers, K and V)."""
-    per_block = 1
-    for dim in kv_pool_shape(model_config, 1, block_size):
-        per_block *= dim
-    return per_block * torch.empty((), dtype=dtype).element_size()
+def layout_of(pool: torch.Tensor) -> KVLayout:
+    """The layout of an existing pool tensor."""
+    n, layers, _, block, heads, dim = pool.shape
+    return KVLayout(n, layers, block, heads, dim, dtype=str(pool.dtype).removeprefix("torch."))
 
 
 def allocate_kv_pool(
@@ -42,17 +52,16 @@ def allocate_kv_pool(
     pool is an anonymous mapping, whose pages are zero and committed only when first
     written: a large pool costs memory as it fills, not at startup.
     """
-    shape = kv_pool_shape(model_config, num_blocks, block_size)
+    layout = pool_layout(model_config, num_blocks, block_size, dtype)
     if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = num_blocks * block_nbytes(model_config, block_size, dtype)
+        return torch.zeros(layout.shape, dtype=dtype, device=device)
     # NOTE: the tensor keeps the mmap object alive (torch.frombuffer holds the buffer).
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, layout.nbytes), dtype=dtype).view(layout.shape)
 
 
 def check_kv_pool(pool: torch.Tensor, model_config: ModelConfig, block_size: int) -> int:
     """Validate an externally allocated pool; returns its number of blocks."""
-    expected = kv_pool_shape(model_config, pool.shape[0], block_size)
+    expected = pool_layout(model_config, pool.shape[0], block_size, pool.dtype).shape
     if tuple(pool.shape) != expected:
         raise ValueError(f"kv_pool has shape {tuple(pool.shape)}, expected {expected}")
     if not pool.is_contiguous():

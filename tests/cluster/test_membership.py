@@ -16,8 +16,8 @@ from launcher import cluster
 from launcher.args import ConfigError, parse_args
 from launcher.cli import main
 from launcher.topology import Topology
-from transport.kv import KVLayout
 from transport.load_table import LoadTable, WorkerState, row_fields, row_from_fields
+from wire.kv_layout import KVLayout
 from wire.link_records import Join, Rows
 from wire.ring_names import Peer, RingKind, RingName
 from wire.roles import Role

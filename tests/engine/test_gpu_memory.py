@@ -13,7 +13,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda.gpu_memory import profile_forward
-from engine.kv.kv_cache import GpuMemoryError, block_nbytes, kv_blocks_for_budget
+from engine.kv.kv_cache import GpuMemoryError, kv_blocks_for_budget, pool_layout
 from engine.runner import ModelRunner
 
 GIB = 1 << 30
@@ -54,7 +54,7 @@ def test_profiling_runs_the_largest_forwards_on_a_scratch_pool_and_keeps_the_rng
     scratch = profile_forward(runner)
     m = ModelConfig.from_pretrained(default_model_path)
     # 40 prompt tokens: 3 blocks of 16; 5 decode rows of 2 tokens: a block each.
-    assert scratch == (3 + 5) * block_nbytes(m, 16, runner.dtype)
+    assert scratch == (3 + 5) * pool_layout(m, 1, 16, runner.dtype).block_nbytes
     # The runner is untouched: its own pool and allocator were never used.
     assert torch.equal(runner.kv_pool, pool) and runner.allocator.num_free == free
     assert torch.equal(runner.generator.get_state(), state)

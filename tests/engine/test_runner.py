@@ -12,7 +12,7 @@ import torch
 from colocated.llm import LLM
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import NoFreeBlocks, PromptTooLongError
-from engine.kv.kv_cache import block_nbytes, kv_pool_shape
+from engine.kv.kv_cache import pool_layout
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from wire.params import SamplingParams
@@ -35,9 +35,10 @@ def test_kv_written_to_an_external_shared_pool_and_copied_blocks_decode_elsewher
     default_model_path: Path,
 ) -> None:
     m = ModelConfig.from_pretrained(default_model_path)
-    nbytes = 8 * block_nbytes(m, 16, torch.float32)
+    layout = pool_layout(m, 8, 16, torch.float32)
+    nbytes = layout.nbytes
     shared = mmap.mmap(-1, nbytes)  # stands in for a POSIX shm segment
-    pool = torch.frombuffer(shared, dtype=torch.float32).view(kv_pool_shape(m, 8, 16))
+    pool = torch.frombuffer(shared, dtype=torch.float32).view(layout.shape)
     prefill = ModelRunner(EngineConfig(model=str(default_model_path)), kv_pool=pool)
     assert prefill.allocator.num_blocks == 8
     assert prefill.kv_pool.data_ptr() == pool.data_ptr()
@@ -150,16 +151,16 @@ def test_cpu_pools_commit_memory_only_as_blocks_are_written(default_model_path: 
     """A pool is not zero-filled up front: a 1 GiB pool costs (almost) no RSS until used,
     and reads as zeros (padded attention reads slots no token wrote)."""
     from engine.config import ModelConfig
-    from engine.kv.kv_cache import allocate_kv_pool, block_nbytes
+    from engine.kv.kv_cache import allocate_kv_pool
 
     def rss() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     m = ModelConfig.from_pretrained(default_model_path)
-    blocks = (1 << 30) // block_nbytes(m, 16, torch.float32)
+    blocks = (1 << 30) // pool_layout(m, 1, 16, torch.float32).block_nbytes
     before = rss()
     pool = allocate_kv_pool(m, blocks, 16, torch.float32)
     assert rss() - before < 64 << 20
     assert float(pool[blocks // 2].abs().sum()) == 0.0
     pool[:4].fill_(1.0)  # writing commits what is written, no more
-    assert rss() - before < (64 << 20) + 4 * block_nbytes(m, 16, torch.float32)
+    assert rss() - before < (64 << 20) + 4 * pool_layout(m, 1, 16, torch.float32).block_nbytes

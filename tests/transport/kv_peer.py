@@ -17,11 +17,12 @@ import sys
 import torch
 
 from transport.doorbell import Doorbell, DoorbellSpec
-from transport.kv import KVExporter, KVLayout, PinnedBlocks, pool_view
+from transport.kv import KVExporter, PinnedBlocks, pool_view
 from transport.kv_backends import CudaIpcExporter, ShmExporter, register_host_memory
 from transport.ring import Ring, RingSpec
 from transport.segment import Segment, SegmentSpec
 from wire import records
+from wire.kv_layout import KVLayout
 from wire.params import SamplingParams
 
 SEED = 20260

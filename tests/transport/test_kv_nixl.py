@@ -21,8 +21,8 @@ import torch
 
 from transport import kv_nixl
 from transport.errors import KVTransferError
-from transport.kv import KVLayout
 from transport.kv_nixl import NixlExporter, NixlReceiver
+from wire.kv_layout import KVLayout
 from wire.records import KVRelease
 
 try:
