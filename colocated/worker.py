@@ -14,8 +14,9 @@ from __future__ import annotations
 from colocated.scheduler import ColocatedScheduler
 from engine.runner import ModelRunner
 from engine.spec.speculator import Speculator
-from runtime.worker import QueueLoad, Worker
+from runtime.worker import Worker
 from runtime.worker_io import drain, send
+from transport.worker_load import WorkerLoad
 from wire.records import AbortRequest
 from wire.ring_names import RingKind
 from wire.roles import Role
@@ -51,11 +52,16 @@ class ColocatedWorker(Worker):
     def speculator(self) -> Speculator | None:
         return self.sched.decode.spec
 
-    def load(self) -> QueueLoad:
+    def load(self) -> WorkerLoad:
         s = self.sched
-        return QueueLoad(s.queued_tokens, s.num_waiting, s.num_running,
-                         s.requests_received, s.prompt_tokens_received,
-                         s.prefill.computed_tokens)  # fmt: skip
+        return WorkerLoad(
+            queued_prefill_tokens=s.queued_tokens,
+            waiting_requests=s.num_waiting,
+            running_requests=s.num_running,
+            requests_received=s.requests_received,
+            prompt_tokens_received=s.prompt_tokens_received,
+            computed_prefill_tokens=s.prefill.computed_tokens,
+        )
 
 
 def main() -> None:

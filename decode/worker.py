@@ -24,7 +24,7 @@ from decode.scheduler import DecodeScheduler
 from engine.kv.kv_cache import layout_of
 from engine.runner import ModelRunner
 from engine.spec.speculator import Speculator
-from runtime.worker import QueueLoad, Worker
+from runtime.worker import Worker
 from runtime.worker_io import drain, fail_request, send
 from transport.errors import KVTransferError
 from transport.kv import KVReceiver, pool_view
@@ -32,6 +32,7 @@ from transport.kv_backends import CudaIpcReceiver, ShmReceiver, register_host_me
 from transport.kv_handles import PoolImports, Verdict
 from transport.kv_nixl import NixlReceiver
 from transport.segment import Segment, SegmentSpec
+from transport.worker_load import WorkerLoad
 from wire.kv_layout import KVLayout
 from wire.records import AbortRequest, KVPoolHandle, KVRelease, KVTransfer
 from wire.ring_names import Peer, RingKind
@@ -183,9 +184,9 @@ class DecodeWorker(Worker):
     def speculator(self) -> Speculator | None:
         return self.sched.spec
 
-    def load(self) -> QueueLoad:
+    def load(self) -> WorkerLoad:
         s = self.sched
-        return QueueLoad(waiting_requests=s.num_waiting, running_requests=s.num_running)
+        return WorkerLoad(waiting_requests=s.num_waiting, running_requests=s.num_running)
 
 
 def main() -> None:

@@ -22,13 +22,14 @@ import torch
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler, PrefillStep
-from runtime.worker import QueueLoad, Worker
+from runtime.worker import Worker
 from runtime.worker_io import drain, fail_request, send
 from transport.kv import KVExporter, pool_view
 from transport.kv_backends import CudaIpcExporter, ShmExporter, register_host_memory
 from transport.kv_handles import HandleSender
 from transport.load_table import WorkerState
 from transport.segment import Segment, SegmentSpec
+from transport.worker_load import WorkerLoad
 from wire.kv_layout import KVLayout
 from wire.records import KVPoolHandle, KVRelease
 from wire.ring_names import Peer, RingKind
@@ -152,12 +153,15 @@ class PrefillWorker(Worker):
                 position = len(transfer.output_ids)  # the first token has gone out
                 fail_request(self.tok_out, transfer.rid, transfer.detok_shard, position)
 
-    def load(self) -> QueueLoad:
+    def load(self) -> WorkerLoad:
         s = self.sched
-        return QueueLoad(queued_prefill_tokens=s.queued_tokens, waiting_requests=s.num_waiting,
-                         requests_received=s.requests_received,
-                         prompt_tokens_received=s.prompt_tokens_received,
-                         computed_prefill_tokens=s.computed_tokens)  # fmt: skip
+        return WorkerLoad(
+            queued_prefill_tokens=s.queued_tokens,
+            waiting_requests=s.num_waiting,
+            requests_received=s.requests_received,
+            prompt_tokens_received=s.prompt_tokens_received,
+            computed_prefill_tokens=s.computed_tokens,
+        )
 
 
 def main() -> None:

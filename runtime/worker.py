@@ -14,8 +14,8 @@ queue figures). No I/O happens in schedulers; it all happens here and in subclas
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
-from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
@@ -27,30 +27,15 @@ from runtime.spec_decode import exit_on_bad_spec
 from runtime.worker_io import IDLE_WAIT_S, drain, fail_request
 from runtime.worker_spec import EngineWorkerSpec
 from transport.core_lease import CoreLease, host_cores
-from transport.load_table import SPEC_POSITIONS, SPEC_SKIP_REASONS, WorkerState
+from transport.load_table import WorkerState
 from transport.prefix_summary import PrefixSummary
 from transport.ring import Ring
+from transport.worker_load import SPEC_FIELDS, SPEC_POSITIONS, SPEC_SKIP_REASONS, WorkerLoad
 from wire.records import AbortRequest, Finish, GenerateRequest
 from wire.ring_names import Peer, RingKind
 from wire.roles import Role
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class QueueLoad:
-    """A worker's queue figures for its load-table row (KV figures come from the runner).
-
-    ``requests_received``/``prompt_tokens_received`` are cumulative: what the worker took
-    off its request ring (the router compares them with what it sent).
-    """
-
-    queued_prefill_tokens: int = 0
-    waiting_requests: int = 0
-    running_requests: int = 0
-    requests_received: int = 0
-    prompt_tokens_received: int = 0
-    computed_prefill_tokens: int = 0
 
 
 class TakesRequests(Protocol):
@@ -103,8 +88,9 @@ class Worker(abc.ABC):
         """One scheduler step, its outputs shipped; True if work remains (do not sleep)."""
 
     @abc.abstractmethod
-    def load(self) -> QueueLoad:
-        """This step's queue figures for the router."""
+    def load(self) -> WorkerLoad:
+        """This step's queue figures (``queued_prefill_tokens`` to ``prompt_tokens_received``
+        and ``computed_prefill_tokens``); the KV and speculation figures are added here."""
 
     def speculator(self) -> Speculator | None:
         """This worker's speculative decoding, if it runs any (decode, co-located)."""
@@ -164,28 +150,26 @@ class Worker(abc.ABC):
             return self.step()
 
     def _publish(self) -> None:
-        q, kv = self.load(), self.runner.kv_figures()
+        kv = self.runner.kv_figures()
         if self.summary is not None:
             self.summary.update(*self.runner.take_prefix_hash_changes())
+        spec = self.speculator()
         self.row.publish(
-            queued_prefill_tokens=q.queued_prefill_tokens,
-            waiting_requests=q.waiting_requests,
-            running_requests=q.running_requests,
-            free_kv_blocks=kv.free_blocks,  # cached blocks are evictable room
-            total_kv_blocks=kv.total_blocks,
-            requests_received=q.requests_received,
-            prompt_tokens_received=q.prompt_tokens_received,
-            cached_blocks=kv.hashed_blocks,
-            prefix_hit_tokens=kv.hit_tokens,
-            prefix_queried_tokens=kv.queried_tokens,
-            computed_prefill_tokens=q.computed_prefill_tokens,
-            speculation=spec_counters(spec.stats) if (spec := self.speculator()) else None,
+            dataclasses.replace(
+                self.load(),
+                free_kv_blocks=kv.free_blocks,  # cached blocks are evictable room
+                total_kv_blocks=kv.total_blocks,
+                cached_blocks=kv.hashed_blocks,
+                prefix_hit_tokens=kv.hit_tokens,
+                prefix_queried_tokens=kv.queried_tokens,
+                **(spec_counters(spec.stats) if spec is not None else {}),
+            )
         )
 
 
-def spec_counters(stats: SpecStats) -> list[int]:
-    """``stats`` as a load-table row stores them (``SPEC_FIELDS``, in order)."""
+def spec_counters(stats: SpecStats) -> dict[str, int]:
+    """``stats`` as ``WorkerLoad``'s ``spec_*`` fields."""
     per_pos = (stats.accepted_per_pos + [0] * SPEC_POSITIONS)[:SPEC_POSITIONS]
     skipped = [stats.skipped[r] for r in SPEC_SKIP_REASONS]
     totals = [stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens]
-    return [*totals, *per_pos, *skipped]
+    return dict(zip(SPEC_FIELDS, [*totals, *per_pos, *skipped], strict=True))

@@ -42,13 +42,13 @@ import platform
 import signal
 import struct
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from transport.core_lease import CoreLease, lease_nbytes
+from transport.worker_load import LOAD_FIELDS, SPEC_FIELDS, WorkerLoad
 from wire.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -77,14 +77,9 @@ class WorkerState(enum.IntEnum):
     UNKNOWN = 6
 
 
-@dataclass(frozen=True, slots=True)
-class LoadRow:
-    """One consistent copy of a row.
-
-    ``requests_received`` and ``prompt_tokens_received`` are cumulative over the current
-    generation: what the worker has taken off its request channel. The router compares them
-    with what it has sent to know what is still in flight.
-    """
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadRow(WorkerLoad):
+    """One consistent copy of a row: who the worker is, and its load (``WorkerLoad``)."""
 
     slot: int
     role: Role | None  # None: a slot no worker has claimed yet
@@ -93,43 +88,8 @@ class LoadRow:
     state: WorkerState
     generation: int
     heartbeat_ns: int  # time.monotonic_ns() of the last publish (CLOCK_MONOTONIC, host-wide)
-    queued_prefill_tokens: int
-    waiting_requests: int
-    running_requests: int
-    free_kv_blocks: int
-    total_kv_blocks: int
     block_size: int
-    requests_received: int
-    prompt_tokens_received: int
     exit_status: int = 0  # of the last exit the launcher saw: a code, or -signal
-    # Prefix caching: blocks holding a hashed prefix (reusable, whether in use or not),
-    # and cumulative prompt tokens looked up / found cached over this generation.
-    cached_blocks: int = 0
-    prefix_hit_tokens: int = 0
-    prefix_queried_tokens: int = 0
-    # Prompt tokens the worker ran through the model, cumulative over the generation:
-    # below prompt_tokens_received when prompts share KV (n > 1 choices, cached prefixes).
-    computed_prefill_tokens: int = 0
-    # Speculative decoding (decode and co-located workers), cumulative over the
-    # generation: request-steps that verified drafts, draft tokens, accepted ones, accepted
-    # ones by draft position (the first SPEC_POSITIONS), request-steps that did not
-    # speculate by reason (SPEC_SKIP_REASONS, in order). Zero without speculation.
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_accepted_pos_0: int = 0
-    spec_accepted_pos_1: int = 0
-    spec_accepted_pos_2: int = 0
-    spec_accepted_pos_3: int = 0
-    spec_accepted_pos_4: int = 0
-    spec_accepted_pos_5: int = 0
-    spec_accepted_pos_6: int = 0
-    spec_accepted_pos_7: int = 0
-    spec_skipped_batch_size: int = 0
-    spec_skipped_low_acceptance: int = 0
-    spec_skipped_no_draft: int = 0
-    spec_skipped_length: int = 0
-    spec_skipped_no_kv_blocks: int = 0
     # The node (host) the worker runs on: what its worker claimed with, or, for a row
     # mirrored from another host, the name that host joined the cluster with. "" from a
     # writer that named none (a row the launcher marked before its worker claimed it).
@@ -157,15 +117,6 @@ def describe_exit(status: int) -> str:
 
 HEADER_NBYTES = 64
 ROW_NBYTES = 320  # a multiple of 64 (whole cache lines) and of 8 (aligned seq words)
-SPEC_POSITIONS = 8  # draft positions whose accepted tokens a row counts
-SPEC_SKIP_REASONS = ("batch_size", "low_acceptance", "no_draft", "length", "no_kv_blocks")
-SPEC_FIELDS = (
-    "spec_drafts",
-    "spec_draft_tokens",
-    "spec_accepted_tokens",
-    *(f"spec_accepted_pos_{i}" for i in range(SPEC_POSITIONS)),
-    *(f"spec_skipped_{r}" for r in SPEC_SKIP_REASONS),
-)
 NODE_NBYTES = 64  # a node name's room in a row: UTF-8, NUL-padded (Linux host names fit)
 _MAGIC = 0x7064_6C6F_6164_7462  # "pdloadtb"
 _VERSION = 6  # 6: rows of 320 bytes with speculative decoding counters
@@ -372,43 +323,15 @@ class RowWriter:
         self._write()
         return gen
 
-    def publish(
-        self,
-        *,
-        queued_prefill_tokens: int | None = None,
-        waiting_requests: int | None = None,
-        running_requests: int | None = None,
-        free_kv_blocks: int | None = None,
-        total_kv_blocks: int | None = None,
-        requests_received: int | None = None,
-        prompt_tokens_received: int | None = None,
-        cached_blocks: int | None = None,
-        prefix_hit_tokens: int | None = None,
-        prefix_queried_tokens: int | None = None,
-        computed_prefill_tokens: int | None = None,
-        speculation: Sequence[int] | None = None,
-    ) -> None:
-        """Refresh the heartbeat and any load fields given; others keep their last value.
-
-        ``speculation``: the ``SPEC_FIELDS`` values, in order."""
-        given = {
-            "queued_prefill_tokens": queued_prefill_tokens,
-            "waiting_requests": waiting_requests,
-            "running_requests": running_requests,
-            "free_kv_blocks": free_kv_blocks,
-            "total_kv_blocks": total_kv_blocks,
-            "requests_received": requests_received,
-            "prompt_tokens_received": prompt_tokens_received,
-            "cached_blocks": cached_blocks,
-            "prefix_hit_tokens": prefix_hit_tokens,
-            "prefix_queried_tokens": prefix_queried_tokens,
-            "computed_prefill_tokens": computed_prefill_tokens,
-        }
-        for name, value in given.items():
-            if value is not None:
-                self._values[name] = value
-        if speculation is not None:
-            self._values.update(zip(SPEC_FIELDS, speculation, strict=True))
+    def publish(self, load: WorkerLoad | None = None, **fields: int) -> None:
+        """Refresh the heartbeat and the load: all of ``load``'s fields if given, then any
+        ``WorkerLoad`` field named in ``fields``; the others keep their last value."""
+        if load is not None:
+            self._values.update((name, getattr(load, name)) for name in LOAD_FIELDS)
+        unknown = set(fields) - set(LOAD_FIELDS)
+        if unknown:
+            raise TypeError(f"not load fields: {sorted(unknown)}")
+        self._values.update(fields)
         self._write()
 
     def set_state(self, state: WorkerState) -> None:
@@ -452,7 +375,7 @@ class RowWriter:
 _STATES = {int(st): st for st in WorkerState}
 # Positions in a row tuple (seq first, then the payload, then the node) of LoadRow's
 # fields, in order.
-_LOAD_NAMES = list(LoadRow.__dataclass_fields__)[1:]  # all but slot
+_LOAD_NAMES = [name for name in LoadRow.__dataclass_fields__ if name != "slot"]
 _LOAD_COLUMNS = [1 + [*_PAYLOAD_FIELDS, "node"].index(f) for f in _LOAD_NAMES]
 _ROLE_AT, _STATE_AT = _LOAD_NAMES.index("role"), _LOAD_NAMES.index("state")
 _NODE_AT = _LOAD_NAMES.index("node")
@@ -477,7 +400,7 @@ def _to_load(slot: int, row: tuple[int, ...]) -> LoadRow:
     # numpy hands the S field back without its NUL padding. Only encode_node's names are
     # written, so "replace" matters only for a foreign writer's bytes.
     values[_NODE_AT] = values[_NODE_AT].decode("utf-8", "replace")
-    return LoadRow(slot, *values)
+    return LoadRow(slot=slot, **dict(zip(_LOAD_NAMES, values, strict=True)))
 
 
 def row_fields(row: LoadRow) -> dict[str, int]:

@@ -33,7 +33,7 @@ from frontend.engine_link.engine_client import (
     EngineUnavailable,
     Overloaded,
     WorkerHealth,
-    WorkerMetrics,
+    WorkerReport,
 )
 from frontend.engine_link.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream
 from frontend.engine_link.worker_status import (
@@ -279,7 +279,7 @@ class RingEngineClient(EngineClient):
                                 remote=self.remote)  # fmt: skip
         return workers + frontend_health(self.shared, node=self.node)
 
-    def metrics_snapshot(self) -> list[WorkerMetrics]:
+    def metrics_snapshot(self) -> list[WorkerReport]:
         return worker_metrics(self.table, self.router.assigned(), node=self.node,
                               remote=self.remote)  # fmt: skip
 

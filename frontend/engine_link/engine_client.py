@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from frontend.engine_link.board import FrontendBoard
+from transport.worker_load import WorkerLoad
 from wire.params import DetokParams, SamplingParams
 from wire.records import TextDelta
 from wire.rids import owned_rids
@@ -76,40 +77,22 @@ class WorkerHealth:
 
 
 @dataclass(frozen=True)
-class WorkerMetrics:
-    """Scheduler state of one worker for ``/metrics``; kv_usage in [0, 1].
-
-    ``assigned_*`` count what the router has placed on the worker since the frontend
-    started (tokens: the prompt for prefill, prompt + max_tokens for decode). ``cached_*``
-    and ``prefix_*`` are the worker's prefix-cache figures (0 with caching off).
-    ``computed_prefill_tokens``: prompt tokens the worker ran through its model since it
-    started (fewer than it was sent when prompts share KV: n > 1, cached prefixes).
-    ``node``: the host the worker runs on, as ``WorkerHealth.node``.
-    """
+class WorkerReport:
+    """One worker as ``/metrics`` shows it: who and where it is (``node`` as
+    ``WorkerHealth.node``), its load, and what the router has placed on it since the
+    frontend started (tokens: the prompt for prefill, prompt + max_tokens for decode)."""
 
     role: str  # a Role's value
     index: int
-    running: int
-    waiting: int
-    kv_usage: float
+    load: WorkerLoad
+    node: str = ""
     assigned_requests: int = 0
     assigned_tokens: int = 0
-    # Prefix caching: blocks holding a reusable prefix, and prompt tokens looked up and
-    # found cached since the worker (re)started (on decode: KV handed off, and not copied).
-    cached_blocks: int = 0
-    prefix_hit_tokens: int = 0
-    prefix_queried_tokens: int = 0
-
-    computed_prefill_tokens: int = 0
-    node: str = ""
-    # Speculative decoding counters (``transport.load_table.SPEC_FIELDS``, in order);
-    # empty from a worker that does not decode.
-    speculation: tuple[int, ...] = ()
 
     @property
-    def prefix_hit_rate(self) -> float:
-        q = self.prefix_queried_tokens
-        return self.prefix_hit_tokens / q if q else 0.0
+    def speculation(self) -> tuple[int, ...]:
+        """The speculative-decoding counters of a worker that decodes; () for others."""
+        return self.load.speculation if self.role in ("decode", "colocated") else ()
 
 
 class EngineClientError(Exception):
@@ -175,7 +158,7 @@ class EngineClient(ABC):
         """Every worker's role, index, pid, liveness and load; non-blocking."""
 
     @abstractmethod
-    def metrics_snapshot(self) -> list[WorkerMetrics]:
+    def metrics_snapshot(self) -> list[WorkerReport]:
         """Per-worker running/waiting requests and KV usage; non-blocking."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook, default does nothing

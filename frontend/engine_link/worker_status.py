@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import replace
 
 from frontend.engine_link.board import FrontendBoard
-from frontend.engine_link.engine_client import WorkerHealth, WorkerMetrics
-from transport.load_table import SPEC_FIELDS, LoadRow, LoadTable, WorkerState, describe_exit
+from frontend.engine_link.engine_client import WorkerHealth, WorkerReport
+from transport.load_table import LoadRow, LoadTable, WorkerState, describe_exit
 from transport.ring import Ring
 from wire.roles import Role
 
@@ -103,22 +102,14 @@ def frontend_health(board: FrontendBoard, *, node: str) -> list[WorkerHealth]:
 def worker_metrics(
     table: LoadTable, assigned: Mapping[tuple[Role, int], tuple[int, int]], *, node: str,
     remote: Collection[tuple[Role, int]] = (),
-) -> list[WorkerMetrics]:  # fmt: skip
+) -> list[WorkerReport]:  # fmt: skip
     """Per-worker running/waiting requests, KV usage, prefix-cache figures and what the
     router assigned, each with its node (as ``worker_health`` names it)."""
     out = []
     for r in table.snapshot():
         if r.role is None:
             continue
-        total = max(r.total_kv_blocks, 1)
-        used = (r.total_kv_blocks - r.free_kv_blocks) / total
         n, tokens = assigned.get((r.role, r.index), (0, 0))
-        out.append(WorkerMetrics(r.role.value, r.index, r.running_requests,
-                                 r.waiting_requests, used, n, tokens, r.cached_blocks,
-                                 r.prefix_hit_tokens, r.prefix_queried_tokens,
-                                 r.computed_prefill_tokens,
-                                 _node_of(r.worker, r.node, node, remote)))  # fmt: skip
-        if r.role in (Role.DECODE, Role.COLOCATED):
-            spec = tuple(int(getattr(r, f)) for f in SPEC_FIELDS)
-            out[-1] = replace(out[-1], speculation=spec)
+        where = _node_of(r.worker, r.node, node, remote)
+        out.append(WorkerReport(r.role.value, r.index, r, where, n, tokens))
     return out

@@ -37,9 +37,10 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from frontend.engine_link.board import METRIC_WORDS, FrontendBoard
-from frontend.engine_link.engine_client import EngineClient, WorkerMetrics
+from frontend.engine_link.engine_client import EngineClient, WorkerReport
 from frontend.errors import LIMITS
-from transport.load_table import SPEC_POSITIONS, SPEC_SKIP_REASONS, WorkerState
+from transport.load_table import WorkerState
+from transport.worker_load import SPEC_POSITIONS, SPEC_SKIP_REASONS
 from wire.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -107,17 +108,18 @@ class _EngineCollector(Collector):
             loads = []
         for w in loads:
             key = [w.role, str(w.index), w.node]
-            running.add_metric(key, w.running)
-            waiting.add_metric(key, w.waiting)
-            kv.add_metric(key, w.kv_usage)
+            load = w.load
+            running.add_metric(key, load.running_requests)
+            waiting.add_metric(key, load.waiting_requests)
+            kv.add_metric(key, load.kv_usage)
             assigned.add_metric(key, w.assigned_requests)
             assigned_tokens.add_metric(key, w.assigned_tokens)
-            cached.add_metric(key, w.cached_blocks)
-            hit_rate.add_metric(key, w.prefix_hit_rate)
-            hits.add_metric(key, w.prefix_hit_tokens)
-            queries.add_metric(key, w.prefix_queried_tokens)
+            cached.add_metric(key, load.cached_blocks)
+            hit_rate.add_metric(key, load.prefix_hit_rate)
+            hits.add_metric(key, load.prefix_hit_tokens)
+            queries.add_metric(key, load.prefix_queried_tokens)
             if w.role != Role.DECODE:  # a StrEnum: equal to its value
-                computed.add_metric(key, w.computed_prefill_tokens)
+                computed.add_metric(key, load.computed_prefill_tokens)
         yield from (running, waiting, kv, assigned, assigned_tokens, cached, hit_rate, hits,
                     queries, computed)  # fmt: skip
         yield from _speculation(loads, labels)
@@ -160,7 +162,7 @@ def _tier_metrics(c: dict[str, int]) -> Iterator[Metric]:
     yield usage
 
 
-def _speculation(loads: list[WorkerMetrics], labels: list[str]) -> Iterator[Metric]:
+def _speculation(loads: list[WorkerReport], labels: list[str]) -> Iterator[Metric]:
     """vLLM's speculative-decoding counters, per decoding worker, and the request-steps
     that did not speculate, by reason (engine/spec/speculator.py)."""
     names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")

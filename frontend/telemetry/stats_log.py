@@ -37,11 +37,11 @@ class StatsLog:
         then, prompt0, generated0 = self._last
         self._last = (now, prompt, generated)
         workers = self.client.metrics_snapshot()
-        running = sum(w.running for w in workers)
-        waiting = sum(w.waiting for w in workers)
+        running = sum(w.load.running_requests for w in workers)
+        waiting = sum(w.load.waiting_requests for w in workers)
         if prompt == prompt0 and generated == generated0 and not running and not waiting:
             return None
-        kv = max((w.kv_usage for w in workers), default=0.0)
+        kv = max((w.load.kv_usage for w in workers), default=0.0)
         dt = max(now - then, 1e-9)
         return (f"prompt {(prompt - prompt0) / dt:.1f} tok/s, generation "
                 f"{(generated - generated0) / dt:.1f} tok/s, running {running} reqs, waiting "

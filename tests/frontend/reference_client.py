@@ -26,8 +26,9 @@ from frontend.engine_link.engine_client import (
     EngineUnavailable,
     Overloaded,
     WorkerHealth,
-    WorkerMetrics,
+    WorkerReport,
 )
+from transport.worker_load import WorkerLoad
 from wire.records import Finish, TextDelta, TokenLogprob
 
 _UNSUPPORTED = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -147,8 +148,12 @@ class ReferenceEngineClient(EngineClient):
         return [WorkerHealth("reference", 0, os.getpid(), True, {"running": len(self.running)},
                              node="here")]  # fmt: skip
 
-    def metrics_snapshot(self) -> list[WorkerMetrics]:
-        return [WorkerMetrics("reference", 0, len(self.running), 0, 0.0, node="here")]
+    def metrics_snapshot(self) -> list[WorkerReport]:
+        return [
+            WorkerReport(
+                "reference", 0, WorkerLoad(running_requests=len(self.running)), node="here"
+            )
+        ]
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -12,7 +12,7 @@ from frontend.engine_link.engine_client import (
     EngineClient,
     EngineRequest,
     WorkerHealth,
-    WorkerMetrics,
+    WorkerReport,
 )
 from frontend.telemetry.metrics import FrontendMetrics
 from router.ledger import Cell, InFlight
@@ -112,7 +112,7 @@ class _Idle(EngineClient):
     def health(self) -> list[WorkerHealth]:
         return []
 
-    def metrics_snapshot(self) -> list[WorkerMetrics]:
+    def metrics_snapshot(self) -> list[WorkerReport]:
         return []
 
 

@@ -23,7 +23,7 @@ def test_a_decode_workers_speculation_reaches_metrics() -> None:
     )
     decode, prefill = table.writer(0), table.writer(1)
     decode.claim(Role.DECODE, 0, block_size=16, node="n")
-    decode.publish(speculation=spec_counters(stats))
+    decode.publish(**spec_counters(stats))
     prefill.claim(Role.PREFILL, 0, block_size=16, node="n")
     prefill.publish(running_requests=1)
     loads = worker_metrics(table, {}, node="n")
