@@ -189,6 +189,11 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
     return config
 
 
+# Where attention runs: "auto" (Triton kernels over the paged pool on CUDA, torch SDPA
+# elsewhere) or one of the two forced (engine.cuda.kernels.use_kernels).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How one engine instance runs a model; the fields are the CLI defaults."""

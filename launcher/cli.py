@@ -34,10 +34,11 @@ from engine.weights.plan import (
 )
 from frontend.settings import FrontendLaunch, FrontendSettings
 from launcher import cluster, kv_tiers
-from launcher.args import ConfigError, KVBackend, ServerConfig, parse_args
+from launcher.args import parse_args
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
 from launcher.memory import Demand, MemoryBudgetError, plan_kv, weight_bytes
 from launcher.placement import WorkerPlace, describe, kv_transfer_backend, placements
+from launcher.settings import ConfigError, KVBackend, ServerConfig
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
 from runtime.spec_decode import DetokWorkerSpec, encode_spec

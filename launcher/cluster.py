@@ -18,13 +18,8 @@ import socket
 from pathlib import Path
 
 from cluster.gateway import GatewaySpec
-from launcher.args import (
-    DEFAULT_CLUSTER_PORT,
-    ConfigError,
-    ServerConfig,
-    check_node_name,
-    split_host_port,
-)
+from launcher.args import check_node_name, split_host_port
+from launcher.settings import DEFAULT_CLUSTER_PORT, ConfigError, ServerConfig
 from launcher.supervisor import Child
 from launcher.topology import Topology
 from runtime.spec_decode import encode_spec

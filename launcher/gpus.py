@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
-from launcher.args import ConfigError, Device, ServerConfig
+from launcher.settings import ConfigError, Device, ServerConfig
 from wire.roles import Role
 
 logger = logging.getLogger(__name__)

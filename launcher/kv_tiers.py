@@ -22,8 +22,8 @@ from engine.kv.tiers.disk_store import DiskStore
 from engine.kv.tiers.host_store import Geometry, HostStore, create_segment
 from engine.kv.tiers.keys import Namespace, weights_fingerprint
 from engine.kv.tiers.persister import Persister
-from launcher.args import ConfigError, ServerConfig
 from launcher.memory import GIB
+from launcher.settings import ConfigError, ServerConfig
 from transport.segment import Segment
 from wire.kv_layout import KVLayout
 

@@ -39,7 +39,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def add_request_limit_flags(p: argparse.ArgumentParser) -> None:
+def add_request_limit_flags(p: argparse._ActionsContainer) -> None:
     add = p.add_argument
     add(
         "--max-json-depth",

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from launcher.args import ConfigError, KVBackend, ServerConfig
 from launcher.gpus import GpuAssignment, cuda_env
+from launcher.settings import ConfigError, KVBackend, ServerConfig
 from wire.roles import ENGINE_ROLES, Role
 
 

@@ -13,8 +13,9 @@ import pytest
 
 from cluster.gateway import Gateway, GatewaySpec, Member, join_refusal
 from launcher import cluster
-from launcher.args import ConfigError, parse_args
+from launcher.args import parse_args
 from launcher.cli import main
+from launcher.settings import ConfigError
 from launcher.topology import Topology
 from transport.load_table import LoadTable, WorkerState, row_fields, row_from_fields
 from wire.kv_layout import KVLayout

@@ -7,15 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.args import (
-    ConfigError,
-    Device,
-    DType,
-    KVBackend,
-    ServerConfig,
-    build_parser,
-    parse_args,
-)
+from launcher.args import parse_args
+from launcher.flags import build_parser
+from launcher.settings import ConfigError, Device, DType, KVBackend, ServerConfig
 
 
 def test_defaults_of_the_cli_are_the_config_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.args import Device, ServerConfig, parse_args
+from launcher.args import parse_args
 from launcher.gpus import (
     GpuAssignmentError,
     GpuInfo,
@@ -13,6 +13,7 @@ from launcher.gpus import (
     discover_gpus,
     visible_subset,
 )
+from launcher.settings import Device, ServerConfig
 
 GIB = 1 << 30
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from launcher.args import ConfigError, parse_args
+from launcher.args import parse_args
 from launcher.kv_tiers import offload_bytes
 from launcher.memory import GIB, Demand, HostMemory, MemoryBudgetError, plan_kv
+from launcher.settings import ConfigError
 
 
 def test_the_disk_tier_needs_host_ram_and_prefix_caching(tmp_path: Path) -> None:

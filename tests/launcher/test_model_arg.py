@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from frontend.settings import FrontendLaunch
-from launcher.args import ConfigError, KVBackend, parse_args
+from launcher.args import parse_args
 from launcher.cli import _build_topology, _children, _model_path, _size_kv
 from launcher.gpus import assign_gpus
+from launcher.settings import ConfigError, KVBackend
 
 
 def test_a_gguf_file_is_a_model(tmp_path: Path) -> None:

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from launcher.args import ConfigError, KVBackend, parse_args
+from launcher.args import parse_args
 from launcher.cli import _build_topology, _children, _size_kv
 from launcher.gpus import GpuInfo, assign_gpus
 from launcher.placement import kv_transfer_backend, placements
+from launcher.settings import ConfigError, KVBackend
 from runtime.spec_decode import decode_spec
 from runtime.worker_spec import EngineWorkerSpec
 

@@ -26,7 +26,7 @@ import os
 
 import torch
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+from engine.config import ATTENTION_BACKENDS
 
 
 def triton_available() -> bool:
