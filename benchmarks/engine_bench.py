@@ -138,7 +138,7 @@ def ours_decode(runner: ModelRunner, batch: int, steps: int) -> Callable[[], flo
         _sync(runner.device.type)
         elapsed = (time.perf_counter() - t0) / steps
         for s in seqs:
-            runner.free_blocks(s)
+            runner.kv.free_blocks(s)
         return elapsed
 
     return run
@@ -175,7 +175,7 @@ def ours_prefill(runner: ModelRunner, batch: int, length: int) -> Callable[[], f
         _sync(runner.device.type)
         rate = batch * length / (time.perf_counter() - t0)
         for s in seqs:
-            runner.free_blocks(s)
+            runner.kv.free_blocks(s)
         return rate
 
     return run

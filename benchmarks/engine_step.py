@@ -94,7 +94,7 @@ def measure_prefill(runner: ModelRunner, tokens: int, rounds: int) -> tuple[floa
         t1 = time.perf_counter()
         gemms()
         t2 = time.perf_counter()
-        runner.free_blocks(seq)
+        runner.kv.free_blocks(seq)
         steps.append(t1 - t0)
         bares.append(t2 - t1)
     return statistics.median(steps[2:]) * 1e3, statistics.median(bares[2:]) * 1e3
@@ -132,7 +132,7 @@ def measure(runner: ModelRunner, b: int, context: int, rounds: int) -> tuple[flo
         for s in seqs:
             s.output_ids.append(11)
     for s in seqs:
-        runner.free_blocks(s)
+        runner.kv.free_blocks(s)
     return statistics.median(steps[3:]) * 1e3, statistics.median(bares[3:]) * 1e3
 
 

@@ -69,7 +69,7 @@ class Rig:
         return time.perf_counter() - t0
 
     def persist(self) -> None:
-        tiers = self.llm.runner.tiers
+        tiers = self.llm.runner.kv.tiers
         assert tiers is not None and tiers.disk is not None
         Persister(tiers.host, tiers.disk, 64 << 30, 0).stop(flush=True)
 
@@ -115,7 +115,7 @@ def no_reuse_cost(model: Path, n: int, length: int, disk: Path) -> dict[str, flo
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     rigs = {"off": Rig(model, 8192, 0.0, None), "tier 2": Rig(model, 8192, 1.0, None),
             "tiers 2+3": Rig(model, 8192, 1.0, disk)}  # fmt: skip
-    tiers = rigs["tiers 2+3"].llm.runner.tiers
+    tiers = rigs["tiers 2+3"].llm.runner.kv.tiers
     assert tiers is not None and tiers.disk is not None
     pers = Persister(tiers.host, tiers.disk, 64 << 30, 0)
     pers.start()

@@ -71,7 +71,7 @@ def score(
         for token in chunk[head:-1]:
             seq.output_ids.append(token)
             rows.append(runner.decode([seq]))  # (1, vocab): the next token's
-        runner.free_blocks(seq)
+        runner.kv.free_blocks(seq)
     logits = torch.cat(rows)  # (len(ids) - 1, vocab): position i predicts token i + 1
     targets = torch.tensor(ids[1:])
     nll = -float(torch.log_softmax(logits, dim=-1)[torch.arange(len(targets)), targets].sum())

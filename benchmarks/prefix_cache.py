@@ -35,7 +35,7 @@ from benchmarks.machine import describe
 from benchmarks.serving.__main__ import main as serving_main
 from benchmarks.soak import launch
 from checkpoints import tiny
-from engine.kv.block_manager import block_hashes
+from engine.kv.block_allocator import block_hashes
 
 logger = logging.getLogger("benchmarks.prefix_cache")
 RESULTS = Path(__file__).parent / "results" / "prefix_cache.md"

@@ -162,7 +162,7 @@ class InProcess:
         self.runner.sample(self.runner.prefill([(seq, seq.num_tokens)]), [seq])
         self._sync()
         elapsed = (time.perf_counter() - t0) * 1e3
-        self.runner.free_blocks(seq)
+        self.runner.kv.free_blocks(seq)
         return elapsed
 
     def _sync(self) -> None:
@@ -184,7 +184,7 @@ class InProcess:
             for s, t in zip(seqs, out.token_ids.tolist()):
                 s.append_token(int(t))
         for s in seqs:
-            runner.free_blocks(s)
+            runner.kv.free_blocks(s)
         return decode
 
 

@@ -49,8 +49,8 @@ def check_request(runner: ModelRunner, prompt: list[int], params: SamplingParams
         )
     # A sequence that can never fit in the whole pool would wait forever.
     longest = min(len(prompt) + params.max_tokens, runner.max_model_len)
-    if math.ceil(longest / runner.block_size) > runner.num_kv_blocks:
-        raise NoFreeBlocks(math.ceil(longest / runner.block_size), runner.num_kv_blocks)
+    if math.ceil(longest / runner.block_size) > runner.kv.num_blocks:
+        raise NoFreeBlocks(math.ceil(longest / runner.block_size), runner.kv.num_blocks)
 
 
 class LLM:

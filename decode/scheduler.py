@@ -30,7 +30,7 @@ import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from engine.kv.block_manager import NoFreeBlocks
+from engine.kv.block_allocator import NoFreeBlocks
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from engine.sampling.grammar import GrammarError
@@ -131,7 +131,7 @@ class DecodeScheduler:
         self.preempted = deque(r for r in self.preempted if r.seq.rid != rid)
         r = self.running.pop(rid, None)
         if r is not None:
-            self.runner.free_blocks(r.seq)
+            self.runner.kv.free_blocks(r.seq)
         if self.spec is not None:
             self.spec.release(rid)
         reading = self.reading.pop(rid, None)
@@ -213,7 +213,7 @@ class DecodeScheduler:
         still = []
         for r in self.draining:
             if r.read.abandon():
-                self.runner.free_blocks(r.seq)
+                self.runner.kv.free_blocks(r.seq)
             else:
                 still.append(r)
         self.draining = still
@@ -232,21 +232,21 @@ class DecodeScheduler:
             # NOTE: only the KV's full blocks (num_tokens // bs) may be shared: the block
             # decode writes its next token into must be this sequence's own.
             seq.block_hashes = list(t.block_hashes[: t.num_tokens // bs])
-            seq.block_table = runner.acquire_cached(seq.block_hashes)
+            seq.block_table = runner.kv.acquire_cached(seq.block_hashes)
             seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
         held = seq.num_computed_tokens
         try:
             # Blocks for the rest of the KV plus the one uncomputed token decode runs next.
-            runner.ensure_blocks(seq, t.num_tokens + 1 - held)
+            runner.kv.ensure_blocks(seq, t.num_tokens + 1 - held)
         except NoFreeBlocks:
-            runner.free_blocks(seq)  # the held prefix goes back to the cache
+            runner.kv.free_blocks(seq)  # the held prefix goes back to the cache
             return None
         first, n_src = held // bs, -(-t.num_tokens // bs)
         try:
             read = self.receiver.start_fetch(t.prefill_worker, t.src_blocks[first:n_src],
                                              seq.block_table[first:n_src])  # fmt: skip
         except KVTransferError:  # nothing is in flight (start_fetch saw to it)
-            runner.free_blocks(seq)
+            runner.kv.free_blocks(seq)
             raise
         if read is not None:
             return _Reading(t, seq, held, read)
@@ -256,9 +256,9 @@ class DecodeScheduler:
     def _imported(self, t: KVTransfer, seq: Sequence, held: int) -> None:
         """``t``'s KV has landed in ``seq``'s blocks: they are computed, and cacheable."""
         seq.num_computed_tokens = t.num_tokens
-        self.runner.cache_full_blocks(seq, start=held)
+        self.runner.kv.cache_full_blocks(seq, start=held)
         if seq.block_hashes:  # this worker's hit rate: handed-off KV it did not copy
-            self.runner.count_prefix_lookup(t.num_tokens, held)
+            self.runner.kv.count_prefix_lookup(t.num_tokens, held)
 
     def adopt(self, seq: Sequence, detok_shard: int) -> None:
         """Run ``seq`` from its next step on, its KV already in this runner's blocks.
@@ -276,7 +276,7 @@ class DecodeScheduler:
         return (
             len(self.running) + len(self.reading) < self.max_num_seqs
             and not self.preempted
-            and self.runner.num_free_kv_blocks > len(self.running)
+            and self.runner.kv.num_free_blocks > len(self.running)
         )
 
     # ---- one step ----------------------------------------------------------------------
@@ -339,7 +339,7 @@ class DecodeScheduler:
         batcher.add(r.detok_shard, r.seq.rid, pos, token, row, logprob, finish)
         if finish == Finish.NONE:
             return False
-        self.runner.free_blocks(r.seq)
+        self.runner.kv.free_blocks(r.seq)
         del self.running[r.seq.rid]
         out.finished.append(r.seq.rid)
         if self.spec is not None:
@@ -352,7 +352,7 @@ class DecodeScheduler:
         i = 0
         while i < len(batch):
             try:
-                self.runner.ensure_blocks(batch[i].seq, 1)
+                self.runner.kv.ensure_blocks(batch[i].seq, 1)
                 i += 1
             except NoFreeBlocks:
                 victim = batch.pop()  # newest admitted
@@ -361,7 +361,7 @@ class DecodeScheduler:
 
     def _preempt(self, r: _Running) -> None:
         logger.info("rid %d: preempted for lack of KV blocks; will recompute", r.seq.rid)
-        self.runner.free_blocks(r.seq)
+        self.runner.kv.free_blocks(r.seq)
         del self.running[r.seq.rid]
         self.preempted.append(r)
 
@@ -370,10 +370,10 @@ class DecodeScheduler:
         while self.preempted:
             r = self.preempted[0]
             need = r.seq.blocks_needed(r.seq.num_tokens)  # as if nothing were cached
-            if self.runner.num_free_kv_blocks < need + len(self.running):
+            if self.runner.kv.num_free_blocks < need + len(self.running):
                 return
             self.preempted.popleft()
-            self.runner.reuse_prefix(r.seq)
+            self.runner.kv.reuse_prefix(r.seq)
             n = r.seq.num_uncomputed_tokens - 1  # the newest token is decode's
             if n:
                 self.runner.prefill([(r.seq, n)])

@@ -58,7 +58,7 @@ class DecodeWorker(Worker):
         self.imports: PoolImports | None = None
         self.receiver: KVReceiver
         if self.settings.kv_transfer == "cuda_ipc":
-            self.imports, self.receiver = PoolImports(), CudaIpcReceiver({}, runner.kv_pool)
+            self.imports, self.receiver = PoolImports(), CudaIpcReceiver({}, runner.kv.tensor)
         elif self.settings.kv_transfer == "nixl":
             self.imports, self.receiver = PoolImports(), self._nixl_receiver(runner)
         else:
@@ -72,7 +72,7 @@ class DecodeWorker(Worker):
         """On a node that joined a cluster: prefill pools are on another host, read by NIXL
         from the handle each prefill worker sends (``transport/kv_nixl.py``)."""
         name = f"{self.settings.node}-decode-{self.index}-{os.getpid()}"
-        return NixlReceiver(runner.kv_pool, layout_of(runner.kv_pool), name)
+        return NixlReceiver(runner.kv.tensor, layout_of(runner.kv.tensor), name)
 
     def _shm_receiver(self, runner: ModelRunner) -> ShmReceiver:
         """Map every prefill worker's shared pool (or staging mirror); copies read from it."""
@@ -85,7 +85,7 @@ class DecodeWorker(Worker):
             sources[i] = pool_view(seg, KVLayout(**pool["layout"]))
             if runner.device.type == "cuda":
                 register_host_memory(sources[i])  # host -> GPU copies by DMA
-        return ShmReceiver(sources, runner.kv_pool)
+        return ShmReceiver(sources, runner.kv.tensor)
 
     @property
     def runner(self) -> ModelRunner:

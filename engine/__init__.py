@@ -6,12 +6,13 @@ Rooms, bottom up (``tools/check_layers.py`` keeps imports pointing down this lis
     tokenizer/   the Hugging Face tokenizer and the one a GGUF file carries
     sampling/    penalties, temperature, top-k/p, seeded draws; grammar-constrained masks
     model/       the decoder (Llama / Mistral / Qwen2 / Qwen3), its layers, rope, attention
-    kv/          the paged KV pool, its block allocator, block-table rows, Sequence
+    kv/          KVPool (the pool tensor, its block allocator, prefix reuse, forks, pins;
+                 what schedulers use), block-table rows, Sequence, the tiers beyond
     checkpoint/  safetensors and GGUF files -> a model's parameters (not the top-level
                  ``checkpoints`` package, which builds test fixtures)
     cuda/        the CUDA path: Triton kernels, their choice, graph capture, KV sizing
-    runner.py    ModelRunner: prefill / decode / sample / check_stop, and the small KV
-                 interface the schedulers use (what workers call)
+    runner.py    ModelRunner: weights, prefill / decode / verify, sample, check_stop; it
+                 holds the KVPool (``runner.kv``)
 
 Model code knows tokens, positions and block tables, never requests; which linear kind or
 attention backend runs is chosen at load, not branched on in the model.

@@ -219,7 +219,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None -> min(max_position_embeddings, 8192)
     max_num_seqs: int = 256
     chunked_prefill_size: int = 2048
-    # Reuse the KV of a prompt's longest cached prefix (engine/kv/block_manager.py); off,
+    # Reuse the KV of a prompt's longest cached prefix (engine/kv/block_allocator.py); off,
     # no block is ever hashed and every prompt is computed in full.
     enable_prefix_caching: bool = True
     seed: int = 0

@@ -1,25 +1,18 @@
-"""The model runner both worker pools share: weights, KV pool, batched forward, sampling.
+"""The model runner both worker pools share: weights, batched forward, sampling.
 
 Who calls what:
 - a scheduler (prefill worker, decode worker, or ``colocated.llm.LLM``) owns ``Sequence``
-  objects and decides each step's batch;
-- ``reuse_prefix`` (prefix caching) points a fresh sequence at the pool's blocks of its
-  longest cached prefix; call it before planning the sequence's first chunk;
-- ``ensure_blocks`` grows a sequence's block table (``NoFreeBlocks`` leaves it as it was);
-  ``prefill`` / ``decode`` call it too, so a caller that pre-allocated pays nothing;
+  objects and decides each step's batch; it manages their blocks through the runner's
+  KV pool, ``runner.kv`` (``engine/kv/pool.py``: prefix reuse, forks, pins, frees);
 - ``prefill`` / ``decode`` run one batched forward, write KV into the pool and advance
   ``num_computed_tokens``; ``sample`` picks next tokens; the caller appends them and
-  asks ``check_stop``; ``free_blocks`` returns a finished sequence's blocks.
+  asks ``check_stop``. ``prefill``/``decode`` publish every block they fill, so the
+  next sequence sharing the prefix reuses it;
+- ``verify`` / ``commit_verified`` are speculative decoding's forward and its keep;
 - a sequence with a grammar (``sampling.grammar``) is sampled only once
   ``grammar_ready`` says its grammar is compiled (``grammars.prepare`` starts that on
   arrival); ``sample`` then masks its row and ``check_stop`` ends it when the grammar is
   complete.
-- ``prefill`` / ``decode`` publish every block they fill (``cache_full_blocks``), so the
-  next sequence sharing the prefix reuses it; a caller that writes KV some other way (a
-  decode worker importing a transfer) calls ``cache_full_blocks`` itself.
-- schedulers and workers see the pool only through the KV interface below
-  (``num_free_kv_blocks``, ``acquire_cached``, ``pin_blocks``, ``kv_figures`` ...), never
-  through ``allocator``, which tests may inspect.
 """
 
 from __future__ import annotations
@@ -36,10 +29,9 @@ from engine.checkpoint.loader import load_weights
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.cuda.gpu_memory import gpu_kv_blocks
 from engine.cuda.kernels import use_kernels
-from engine.kv.block_manager import BlockAllocator, KVFigures
-from engine.kv.kv_cache import GpuMemoryError, allocate_kv_pool, check_kv_pool, pool_layout
+from engine.kv.kv_cache import GpuMemoryError
+from engine.kv.pool import KVPool
 from engine.kv.sequence import Sequence
-from engine.kv.tiers.tiered import open_tiers
 from engine.model.attention import AttentionMetadata, DenseDecodeKV
 from engine.model.backend import TORCH
 from engine.model.causal_lm import CausalLM
@@ -99,46 +91,32 @@ class ModelRunner:
             # kernels: cuDNN's backend has open silent-correctness bugs
             # (pytorch/pytorch#193893: corrupted greedy output for GQA models).
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self.kv_pool = self._make_pool(kv_pool)
+        self.kv = self._make_pool(kv_pool)
+        if (dense := self._dense) is not None:
+            self.kv.on_free(lambda seq: dense.forget([seq]))
         if self._kernels is not None:
+            self.kv.on_free(self._kernels.release)
             self._kernels.reset()  # the profiling forwards' sequences are gone
             if self.device.type == "cuda" and not config.enforce_eager:
                 self._kernels.enable_graphs()  # the pool is final: graphs may hold it
-        self.allocator = BlockAllocator(int(self.kv_pool.shape[0]))
-        # KV beyond the pool (host RAM, disk): offered every registered block, asked on a miss.
-        self.tiers = open_tiers(config, self.kv_pool)
         logger.info(
             "%s: %d KV blocks of %d tokens, max_model_len %d, %s weights, %s on %s",
-            self.model_config.architecture, self.allocator.num_blocks, self.block_size,
+            self.model_config.architecture, self.kv.num_blocks, self.block_size,
             self.max_model_len, self.quantization, self.dtype, self.device,
         )  # fmt: skip
 
-    def _make_pool(self, kv_pool: torch.Tensor | None) -> torch.Tensor:
-        if kv_pool is not None:
-            check_kv_pool(kv_pool, self.model_config, self.block_size)
-            if kv_pool.dtype != self.kv_dtype or kv_pool.device.type != self.device.type:
-                raise ValueError(f"kv_pool must be {self.kv_dtype} on {self.device}")
-            return kv_pool
-        try:
-            num_blocks = self.num_blocks_to_allocate()  # on CUDA: runs a profiling forward
-        except torch.cuda.OutOfMemoryError as e:
-            raise GpuMemoryError(
-                f"the profiling forward (one --chunked-prefill-size chunk, --max-num-seqs "
-                f"decode rows) ran out of memory on {self.device}: lower those, or "
-                "--max-model-len, or raise --gpu-memory-utilization"
-            ) from e
-        try:
-            return allocate_kv_pool(
-                self.model_config, num_blocks, self.block_size, self.kv_dtype, self.device
-            )
-        except torch.cuda.OutOfMemoryError as e:
-            layout = pool_layout(self.model_config, num_blocks, self.block_size, self.kv_dtype)
-            nbytes = layout.nbytes
-            raise GpuMemoryError(
-                f"a KV cache of {num_blocks} blocks ({nbytes / (1 << 30):.2f} GiB) does not "
-                f"fit on {self.device}: another process may hold its memory; lower "
-                "--gpu-memory-utilization (or --kv-cache-tokens with --kv-transfer shm)"
-            ) from e
+    def _make_pool(self, kv_pool: torch.Tensor | None) -> KVPool:
+        def num_blocks() -> int:
+            try:
+                return self.num_blocks_to_allocate()  # on CUDA: runs a profiling forward
+            except torch.cuda.OutOfMemoryError as e:
+                raise GpuMemoryError(
+                    f"the profiling forward (one --chunked-prefill-size chunk, --max-num-seqs "
+                    f"decode rows) ran out of memory on {self.device}: lower those, or "
+                    "--max-model-len, or raise --gpu-memory-utilization"
+                ) from e
+
+        return KVPool.create(self.config, self.model_config, self.kv_dtype, num_blocks, kv_pool)
 
     def num_blocks_to_allocate(self) -> int:
         """Pool size when the caller passes no pool: explicit, CPU tokens, or GPU memory."""
@@ -159,145 +137,6 @@ class ModelRunner:
                 )
         return wanted
 
-    def ensure_blocks(self, seq: Sequence, n: int) -> None:
-        """Grow ``seq.block_table`` to hold ``n`` more computed tokens (all or nothing)."""
-        assert seq.block_size == self.block_size, "sequence built for another block size"
-        need = seq.blocks_needed(n)
-        if need:
-            seq.block_table.extend(self.allocator.allocate(need))
-
-    def reuse_prefix(self, seq: Sequence) -> int:
-        """Give a fresh ``seq`` the pool's blocks of its longest cached prefix, as computed.
-
-        Returns the tokens reused (also ``seq.num_cached_tokens``); 0 and no change for a
-        sequence that already has blocks, or with prefix caching off. Call it before
-        planning the first chunk: it lowers ``seq.num_uncomputed_tokens``.
-        NOTE: one token at least stays uncomputed (its logits give the next token) and it
-        must land in a block of the sequence's own, never in a shared one: reuse stops at
-        the last block boundary before ``num_tokens``, so a fully cached prompt recomputes
-        its last block rather than write into a cached one.
-        """
-        if not self.config.enable_prefix_caching or seq.block_table or seq.num_computed_tokens:
-            return 0
-        hashes = seq.full_block_hashes((seq.num_tokens - 1) // self.block_size)
-        seq.block_table = self.allocator.acquire(hashes)
-        if self.tiers is not None and len(seq.block_table) < len(hashes):
-            self._load_from_tiers(seq, hashes)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
-        # A hit ends the lookups (the sequence has blocks now), so hits count once; a miss
-        # is looked up again while the sequence waits for blocks, but is one query.
-        stats = self.allocator.stats
-        stats.hit_tokens += seq.num_cached_tokens
-        if not seq.prefix_queried:
-            seq.prefix_queried = True
-            stats.queried_tokens += seq.num_tokens
-        return seq.num_cached_tokens
-
-    def _load_from_tiers(self, seq: Sequence, hashes: list[int]) -> None:
-        """Extend ``seq``'s pool hits with the tiers' run of the blocks after them."""
-        assert self.tiers is not None
-        alloc = self.allocator
-
-        def allocate(n: int) -> list[int]:  # as many as the pool has room for
-            return alloc.allocate(min(n, alloc.num_available))
-
-        first = len(seq.block_table)
-        loaded = self.tiers.load(seq, first, len(hashes), allocate, alloc.free)
-        for i, b in enumerate(loaded.blocks):
-            alloc.register(b, hashes[first + i])  # misses in the pool: never a duplicate
-        seq.block_table += loaded.blocks
-
-    def fork(self, parent: Sequence, child: Sequence, copy_tail: bool) -> None:
-        """Give fresh ``child`` (same tokens as ``parent``) the parent's computed KV.
-
-        Full blocks are shared (one more reference each). The partial last block is
-        shared too unless ``copy_tail``: then the child, which will write its next token
-        there (co-located decode), gets a copy of its own (``NoFreeBlocks`` if none is
-        free; ``child`` is then unchanged).
-        """
-        assert not child.block_table and child.all_ids == parent.all_ids, child.rid
-        bs, computed = self.block_size, parent.num_computed_tokens
-        blocks = parent.block_table[: -(-computed // bs)]
-        tail: list[int] = []
-        if copy_tail and computed % bs:
-            tail = self.allocator.allocate(1)
-            self.kv_pool[tail[0]].copy_(self.kv_pool[blocks[-1]])
-            blocks = blocks[:-1]
-        self.allocator.share(blocks)
-        child.block_table = blocks + tail
-        child.num_computed_tokens = computed
-        child.num_cached_tokens = computed  # none of it was computed for the child
-        child.block_hashes = list(parent.block_hashes)
-
-    def cache_full_blocks(self, seq: Sequence, start: int = 0) -> None:
-        """Publish ``seq``'s blocks filled between position ``start`` and its computed end.
-
-        From then on a sequence with the same prefix can ``reuse_prefix`` them. No-op with
-        prefix caching off. NOTE: the caller promises those positions' KV is in the pool.
-        """
-        if not self.config.enable_prefix_caching:
-            return
-        first, end = start // self.block_size, seq.num_computed_tokens // self.block_size
-        if first >= end:
-            return
-        hashes = seq.full_block_hashes(end)
-        for i in range(first, end):
-            self.allocator.register(seq.block_table[i], hashes[i])
-        if self.tiers is not None:
-            self.tiers.offer(seq, first, end)
-
-    def free_blocks(self, seq: Sequence) -> None:
-        """Return a sequence's blocks to the pool; its KV is gone (num_computed_tokens = 0)."""
-        if self._dense is not None:
-            self._dense.forget([seq])
-        if self._kernels is not None:
-            self._kernels.release(seq)
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
-        seq.num_computed_tokens = 0
-        seq.prefix_queried = False  # recomputing it, if ever, starts with a new lookup
-
-    # ---- the KV interface of schedulers and workers (the allocator stays inside) -------
-
-    @property
-    def num_kv_blocks(self) -> int:
-        """Blocks in the whole pool: a sequence needing more can never run here."""
-        return self.allocator.num_blocks
-
-    @property
-    def num_free_kv_blocks(self) -> int:
-        """Blocks ``ensure_blocks`` can have now: free ones plus evictable cached ones."""
-        return self.allocator.num_available
-
-    def acquire_cached(self, hashes: list[int]) -> list[int]:
-        """The pool's blocks of the longest prefix of ``hashes``, one reference each taken
-        (a decode worker's lookup for handed-off KV; ``reuse_prefix`` is the usual way)."""
-        return self.allocator.acquire(hashes)
-
-    def count_prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
-        """Record a lookup made outside ``reuse_prefix`` in the prefix-cache counters."""
-        self.allocator.stats.queried_tokens += queried_tokens
-        self.allocator.stats.hit_tokens += hit_tokens
-
-    def pin_blocks(self, ids: list[int]) -> None:
-        """Hand a sequence's references on ``ids`` to an outgoing transfer (prefill)."""
-        self.allocator.pin(ids)
-
-    def unpin_blocks(self, ids: list[int]) -> None:
-        """The transfer's reader is done with ``ids`` (or dead): release them."""
-        self.allocator.unpin(ids)
-
-    def watch_prefix_hashes(self) -> None:
-        """Journal every prefix-hash change from now on (for a worker's prefix summary)."""
-        self.allocator.watch_hashes()
-
-    def take_prefix_hash_changes(self) -> tuple[list[int], list[int]]:
-        """(registered, evicted) hashes since the last call; ``watch_prefix_hashes`` first."""
-        return self.allocator.take_hash_changes()
-
-    def kv_figures(self) -> KVFigures:
-        return self.allocator.figures()
-
     def prefill(
         self, chunks: list[tuple[Sequence, int]], pool: torch.Tensor | None = None,
         every_position: bool = False,
@@ -317,14 +156,14 @@ class ModelRunner:
             if not 0 < n <= seq.num_uncomputed_tokens:
                 raise ValueError(f"rid {seq.rid}: cannot prefill {n} of "
                                  f"{seq.num_uncomputed_tokens} uncomputed tokens")  # fmt: skip
-            self.ensure_blocks(seq, n)
+            self._ensure_blocks(seq, n, pool)
         spans = [(seq, seq.num_computed_tokens, n) for seq, n in chunks]
         # NOTE: checked for prefill only, where a reused prefix makes it a risk; decode
         # writes at num_computed_tokens, which reuse_prefix leaves in a block of its own.
         # A scratch pool (``pool``) has no allocator: its sequences own their blocks.
         bs = self.block_size
         assert pool is not None or all(
-            self.allocator.writable(b) for seq, start, n in spans
+            self.kv.writable(b) for seq, start, n in spans
             for b in seq.block_table[start // bs : (start + n - 1) // bs + 1]
         ), "a prefill would write into a shared or cached block"  # fmt: skip
         tokens = [t for seq, start, n in spans for t in _token_span(seq, start, n)]
@@ -341,7 +180,7 @@ class ModelRunner:
             if seq.num_uncomputed_tokens != 1:
                 raise ValueError(f"rid {seq.rid}: decode needs exactly one uncomputed token, "
                                  f"has {seq.num_uncomputed_tokens}")  # fmt: skip
-            self.ensure_blocks(seq, 1)
+            self._ensure_blocks(seq, 1, pool)
         spans = [(seq, seq.num_computed_tokens, 1) for seq in seqs]
         newest = [_newest(seq) for seq in seqs]
         logits = self._forward(spans, newest, True, pool)
@@ -366,7 +205,7 @@ class ModelRunner:
                     f"rid {seq.rid}: verify needs exactly one uncomputed "
                     f"token, has {seq.num_uncomputed_tokens}"
                 )
-            self.ensure_blocks(seq, len(d) + 1)
+            self.kv.ensure_blocks(seq, len(d) + 1)
         spans = [(seq, seq.num_computed_tokens, len(d) + 1) for seq, d in zip(seqs, drafts)]
         tokens = [t for seq, d in zip(seqs, drafts) for t in (_newest(seq), *d)]
         return self._forward(spans, tokens, False, None, every_position=True, decode_weights=True)
@@ -381,26 +220,29 @@ class ModelRunner:
         """
         seq.num_computed_tokens = start + 1 + accepted
         assert seq.num_uncomputed_tokens == 1, seq.num_uncomputed_tokens
-        keep = -(-(seq.num_computed_tokens + 1) // self.block_size)
-        if len(seq.block_table) > keep:  # blocks that only held rejected drafts
-            self.allocator.free(seq.block_table[keep:])
-            del seq.block_table[keep:]
+        # Blocks past what the next step needs held only rejected drafts.
+        self.kv.truncate(seq, -(-(seq.num_computed_tokens + 1) // self.block_size))
         if seq.num_computed_tokens // self.block_size > start // self.block_size:
-            self.cache_full_blocks(seq, start)
+            self.kv.cache_full_blocks(seq, start)
+
+    def _ensure_blocks(self, seq: Sequence, n: int, pool: torch.Tensor | None) -> None:
+        if pool is None:
+            self.kv.ensure_blocks(seq, n)
+        else:  # a scratch pool has no allocator: its sequences own their blocks
+            assert not seq.blocks_needed(n), "a scratch pool's sequence must own its blocks"
 
     def _advance(self, spans: list[tuple[Sequence, int, int]], publish: bool) -> None:
-
         bs = self.block_size
         for seq, start, n in spans:
             seq.num_computed_tokens += n
             if publish and (start + n) // bs > start // bs:  # a block filled up
-                self.cache_full_blocks(seq, start)
+                self.kv.cache_full_blocks(seq, start)
 
     def _forward(
         self, spans: list[tuple[Sequence, int, int]], tokens: list[int], is_decode: bool,
         pool: torch.Tensor | None, every_position: bool = False, decode_weights: bool = False,
     ) -> torch.Tensor:  # fmt: skip
-        kv_pool = self.kv_pool if pool is None else pool
+        kv_pool = self.kv.tensor if pool is None else pool
         for seq, start, n in spans:
             if start + n > self.max_model_len:
                 raise ValueError(f"rid {seq.rid}: {start + n} tokens exceed max_model_len "

@@ -5,7 +5,7 @@ The frontend sends the ``n`` choices of a request as ``n`` GenerateRequests to o
 prefill worker, back to back: the first (the leader) says how many forks follow, each
 fork names the leader. A fork never enters the waiting queue: it waits in its leader's
 group, costs no prefill, and at the leader's sampling step is forked from it
-(``ModelRunner.fork``: the prompt's blocks shared, not recomputed nor allocated again)
+(``KVPool.fork``: the prompt's blocks shared, not recomputed nor allocated again)
 and sampled from the same logits row with its own seed.
 
 NOTE: the leader holds back only its last prompt token (its logits are what the forks

@@ -11,7 +11,7 @@ Request life on a prefill worker:
       finished at once (EOS / max_tokens 1): blocks freed, token sent with its finish
       otherwise: blocks pinned, KVTransfer to the decode worker -> release() unpins them
 Freed and unpinned blocks that hold a full prefix block stay cached for later requests
-until the pool needs the room (engine/kv/block_manager.py).
+until the pool needs the room (engine/kv/block_allocator.py).
 
 A request with a grammar has it compiled on arrival (``grammars.prepare``, on a thread);
 its prompt is prefilled meanwhile, all but the last token, whose logits are sampled at
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv.block_manager import NoFreeBlocks
+from engine.kv.block_allocator import NoFreeBlocks
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from engine.sampling.grammar import GrammarError
@@ -44,7 +44,7 @@ def fits(runner: ModelRunner, req: GenerateRequest) -> bool:
     """Could ``req`` ever run here (max_model_len, the whole KV pool)? Logs when not."""
     total = len(req.prompt_ids) + len(req.output_ids) + 1  # + the token it will sample
     blocks = -(-total // runner.block_size)
-    if total > runner.max_model_len or blocks > runner.num_kv_blocks:
+    if total > runner.max_model_len or blocks > runner.kv.num_blocks:
         logger.error("rid %d: %d tokens can never fit; rejected", req.rid, total)
         return False
     return True
@@ -106,7 +106,7 @@ class PrefillScheduler:
         for p in list(self.waiting):
             if p.seq.rid == rid:
                 self.waiting.remove(p)
-                self.runner.free_blocks(p.seq)
+                self.runner.kv.free_blocks(p.seq)
         self.waiting.extend(self.forks.abort(rid))  # a leader's forks go on alone
 
     def preempt_newest(self) -> bool:
@@ -119,16 +119,16 @@ class PrefillScheduler:
         for p in reversed(self.waiting):
             if p.seq.block_table:
                 logger.info("rid %d: prefill preempted, KV blocks exhausted", p.seq.rid)
-                self.runner.free_blocks(p.seq)
+                self.runner.kv.free_blocks(p.seq)
                 return True
         return False
 
     def release(self, rid: int) -> None:
         """Decode no longer needs ``rid``'s pinned blocks."""
-        self.runner.unpin_blocks(self.pinned.on_release(rid))
+        self.runner.kv.unpin(self.pinned.on_release(rid))
 
     def decode_worker_died(self, decode_worker: int) -> None:
-        self.runner.unpin_blocks(self.pinned.on_peer_dead(decode_worker))
+        self.runner.kv.unpin(self.pinned.on_peer_dead(decode_worker))
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -174,7 +174,7 @@ class PrefillScheduler:
             batcher.add(p.detok_shard, p.seq.rid, pos, token, i, logprobs[i], finish, cached)
             out.cached_tokens[p.seq.rid] = cached
             if finish != Finish.NONE:
-                self.runner.free_blocks(p.seq)
+                self.runner.kv.free_blocks(p.seq)
             elif self.keep_kv:
                 out.handovers.append((p.seq, p.detok_shard))
             else:
@@ -190,7 +190,7 @@ class PrefillScheduler:
                 try:
                     # Co-located decode writes its next token into the prompt's last
                     # block: each fork needs its own copy of it there.
-                    self.runner.fork(p.seq, f.seq, copy_tail=self.keep_kv)
+                    self.runner.kv.fork(p.seq, f.seq, copy_tail=self.keep_kv)
                 except NoFreeBlocks:
                     self.waiting.append(f)  # it computes its prompt itself, later
                     continue
@@ -207,7 +207,7 @@ class PrefillScheduler:
             if ready is None:
                 continue
             ready = self._forks_ready(p) and ready
-            self.runner.reuse_prefix(p.seq)  # no-op unless this is its first chunk
+            self.runner.kv.reuse_prefix(p.seq)  # no-op unless this is its first chunk
             n = min(p.seq.num_uncomputed_tokens, budget)
             if not ready and n == p.seq.num_uncomputed_tokens:
                 # The last token's logits are sampled at once: that waits for the grammar
@@ -216,7 +216,7 @@ class PrefillScheduler:
             if n == 0:
                 continue
             try:
-                self.runner.ensure_blocks(p.seq, n)
+                self.runner.kv.ensure_blocks(p.seq, n)
             except NoFreeBlocks:
                 break  # back-pressure: the load table shows free blocks at zero
             chunks.append((p, n))
@@ -234,7 +234,7 @@ class PrefillScheduler:
             else:
                 self.waiting.remove(p)
                 self.waiting.extend(self.forks.abort(p.seq.rid))
-            self.runner.free_blocks(p.seq)
+            self.runner.kv.free_blocks(p.seq)
             self._failed.append(p)
             return None
 
@@ -249,7 +249,7 @@ class PrefillScheduler:
         seq = p.seq
         # NOTE: the newest token has no KV yet; decode computes it in its first step.
         blocks = list(seq.block_table)
-        self.runner.pin_blocks(blocks)
+        self.runner.kv.pin(blocks)
         self.pinned.pin(seq.rid, p.decode_worker, blocks)
         # Prefix caching: the hashes of the full blocks (already computed when they were
         # published), so decode finds the blocks it holds without rehashing the prompt.

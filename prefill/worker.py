@@ -51,7 +51,7 @@ class PrefillWorker(Worker):
         self.handles: HandleSender | None = None
         if self.settings.kv_transfer == "cuda_ipc":
             runner = ModelRunner(config)  # the pool is sized from this worker's GPU share
-            self.exporter: KVExporter = CudaIpcExporter(runner.kv_pool)
+            self.exporter: KVExporter = CudaIpcExporter(runner.kv.tensor)
             self.handles, self._handle = HandleSender(), self.exporter.handle()
         else:
             runner = self._shm_runner(config)
@@ -70,7 +70,7 @@ class PrefillWorker(Worker):
 
         layout = KVLayout(**self.spec.kv_pools[str(Peer(Role.PREFILL, self.index))]["layout"])
         name = f"{self.settings.node}-prefill-{self.index}-{os.getpid()}"
-        self.nixl = NixlExporter(runner.kv_pool, layout, name)
+        self.nixl = NixlExporter(runner.kv.tensor, layout, name)
         self.handles, self._handle = HandleSender(), self.nixl.handle()
         logger.info("KV pool registered with NIXL as %s for decode workers %s", name,
                     sorted(self.remote))  # fmt: skip
@@ -85,12 +85,12 @@ class PrefillWorker(Worker):
         shared = pool_view(self._pool_seg, layout)
         if torch.device(config.device).type == "cpu":
             runner = ModelRunner(config, kv_pool=shared)
-            self.exporter = ShmExporter(runner.kv_pool)
+            self.exporter = ShmExporter(runner.kv.tensor)
             return runner
         # NOTE: exactly the mirror's blocks, so a block id means the same in both.
         runner = ModelRunner(dataclasses.replace(config, num_kv_blocks=layout.num_blocks))
         register_host_memory(shared)
-        self.exporter = ShmExporter(runner.kv_pool, staging=shared)
+        self.exporter = ShmExporter(runner.kv.tensor, staging=shared)
         return runner
 
     @property

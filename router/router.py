@@ -36,7 +36,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from engine.kv.block_manager import block_hashes
+from engine.kv.block_allocator import block_hashes
 from router.ledger import Ledger, PeerBooks, WorkerKey
 from router.policy import Candidate, PolicyName, make_policy
 from transport.load_table import LoadRow, LoadTable, WorkerState

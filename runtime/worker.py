@@ -123,7 +123,7 @@ class Worker(abc.ABC):
             return None
         summary, self._summary_seg = mapped
         summary.clear()
-        self.runner.watch_prefix_hashes()  # from now on every hash change reaches the summary
+        self.runner.kv.watch_prefix_hashes()  # from now on every hash change reaches the summary
         return summary
 
     def run(self) -> None:
@@ -150,9 +150,9 @@ class Worker(abc.ABC):
             return self.step()
 
     def _publish(self) -> None:
-        kv = self.runner.kv_figures()
+        kv = self.runner.kv.figures()
         if self.summary is not None:
-            self.summary.update(*self.runner.take_prefix_hash_changes())
+            self.summary.update(*self.runner.kv.take_prefix_hash_changes())
         spec = self.speculator()
         self.row.publish(
             dataclasses.replace(

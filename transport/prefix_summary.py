@@ -12,7 +12,7 @@ Who does what:
                worker probably holds, read lock-free before a placement.
 
 The structure: a counting Bloom filter. ``num_counters`` (a power of two) one-byte
-counters; a 64-bit block hash ``h`` (``engine.kv.block_manager.block_hashes``: blake2b, so
+counters; a 64-bit block hash ``h`` (``engine.kv.block_allocator.block_hashes``: blake2b, so
 already uniform) names ``K`` counters by double hashing, ``(lo + i * hi) mod m`` with ``lo``
 and ``hi`` its 32-bit halves (``hi`` forced odd). Adding a hash increments its counters,
 removing one decrements them; a hash is reported held when all ``K`` are non-zero.

@@ -13,7 +13,7 @@ exported sequence, whose blocks now belong to the transfer) gives its row back w
 garbage-collected (weakref), so rows never leak.
 
 NOTE: invariant: between ``release`` calls a sequence's ``block_table`` only grows (what
-``ModelRunner.ensure_blocks`` does). A table that shrank or whose last known block changed
+``KVPool.ensure_blocks`` does). A table that shrank or whose last known block changed
 is rewritten whole, so a violation costs a bigger copy, never a wrong read.
 """
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.kv.block_manager import block_hashes
+from engine.kv.block_allocator import block_hashes
 from engine.sampling.grammar import GrammarState
 from wire.params import SamplingParams
 from wire.records import Finish

@@ -89,4 +89,4 @@ class DraftModelProposer(Proposer):
         self._synced.pop(rid, None)
         m = self._mirrors.pop(rid, None)
         if m is not None:
-            self.runner.free_blocks(m)
+            self.runner.kv.free_blocks(m)

@@ -108,7 +108,7 @@ class Speculator:
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         try:
-            self.runner.ensure_blocks(seq, n + 1)
+            self.runner.kv.ensure_blocks(seq, n + 1)
         except NoFreeBlocks:
             self.stats.skipped["no_kv_blocks"] += 1
             return False

@@ -17,8 +17,8 @@ import torch
 
 from colocated.llm import LLM
 from engine.config import EngineConfig, ModelConfig
-from engine.kv.block_manager import block_hashes
-from engine.kv.kv_cache import block_nbytes
+from engine.kv.block_allocator import block_hashes
+from engine.kv.kv_cache import pool_layout
 from engine.kv.tiers.disk_store import HEADER_BYTES, encode_header
 from engine.kv.tiers.host_store import Geometry, HostStore, create_segment
 from engine.kv.tiers.keys import chain_keys, root_key
@@ -40,7 +40,7 @@ class Host:
 
 def _host(model: Path, dtype: torch.dtype = torch.float32, bs: int = BS,
           nbytes: int = 16 << 20) -> Host:  # fmt: skip
-    nb = block_nbytes(ModelConfig.from_pretrained(model), bs, dtype)
+    nb = pool_layout(ModelConfig.from_pretrained(model), 1, bs, dtype).block_nbytes
     g = Geometry.for_budget(nbytes, bs, nb)
     fd, buf = create_segment(g.offsets[3])
     HostStore.format(buf, g)
@@ -73,24 +73,24 @@ def _evict_then_rerun(llm: LLM) -> list[int]:
     llm.generate([PROMPT], PARAMS)
     for p in OTHERS:
         llm.generate([p], PARAMS)
-    assert llm.runner.allocator.lookup(block_hashes(PROMPT, BS)) == 0, "still in the pool"
+    assert llm.runner.kv.allocator.lookup(block_hashes(PROMPT, BS)) == 0, "still in the pool"
     return llm.generate([PROMPT], PARAMS)[0].output_ids
 
 
 def _pool_block(llm: LLM, i: int) -> np.ndarray:
     """The pool's bytes of PROMPT's block ``i`` (cached there after the last run)."""
-    b = llm.runner.allocator._by_hash[block_hashes(PROMPT, BS)[i]]
-    return llm.runner.kv_pool[b].view(-1).view(torch.uint8).numpy().copy()
+    b = llm.runner.kv.allocator._by_hash[block_hashes(PROMPT, BS)[i]]
+    return llm.runner.kv.tensor[b].view(-1).view(torch.uint8).numpy().copy()
 
 
 def _keys(llm: LLM) -> list[bytes]:
-    tiers = llm.runner.tiers
+    tiers = llm.runner.kv.tiers
     assert tiers is not None
     return chain_keys(root_key(tiers.namespace, None), PROMPT, BS)
 
 
 def _persist(llm: LLM, budget: int = 1 << 30, min_free: int = 0) -> Persister:
-    tiers = llm.runner.tiers
+    tiers = llm.runner.kv.tiers
     assert tiers is not None and tiers.disk is not None
     pers = Persister(tiers.host, tiers.disk, budget, min_free)
     pers.stop(flush=True)  # never started: writes everything pending here
@@ -106,7 +106,7 @@ def test_an_evicted_prefix_comes_back_from_host_ram_with_its_stored_bytes(
     c = host.store.counters()
     assert c["host_hit_blocks"] == 6  # (100 - 1) // 16 blocks: all but the last token's
     # cached_tokens of the client: the tier hit counts as a prefix hit
-    assert llm.runner.allocator.stats.hit_tokens == 96
+    assert llm.runner.kv.allocator.stats.hit_tokens == 96
     for i, key in enumerate(_keys(llm)[:6]):
         (found,) = host.store.lookup([key], np.asarray(PROMPT[i * BS : (i + 1) * BS])[None])
         stored = host.store.payload[found.slot, : host.store.geometry.payload_nbytes]
@@ -126,7 +126,7 @@ def test_an_evicted_prefix_comes_back_from_disk_after_a_restart(
     again = _llm(default_model_path, host, tmp_path)
     assert again.generate([PROMPT], PARAMS)[0].output_ids == cold
     assert host.store.counters()["disk_hit_blocks"] == 6
-    tiers = again.runner.tiers
+    tiers = again.runner.kv.tiers
     assert tiers is not None and tiers.disk is not None
     for i, key in enumerate(_keys(again)[:6]):
         stored = tiers.disk.path(key).read_bytes()[-tiers.block_nbytes :]
@@ -169,8 +169,8 @@ def test_a_damaged_block_file_is_a_miss_from_there_on_and_output_stays_right(
     first = _llm(default_model_path, _host(default_model_path), tmp_path)
     first.generate([PROMPT], PARAMS)
     _persist(first)
-    assert first.runner.tiers is not None and first.runner.tiers.disk is not None
-    disk = first.runner.tiers.disk
+    assert first.runner.kv.tiers is not None and first.runner.kv.tiers.disk is not None
+    disk = first.runner.kv.tiers.disk
     keys = _keys(first)
     if how == "other block":
         disk.path(keys[2]).with_name("other").write_bytes(disk.path(keys[4]).read_bytes())
@@ -203,7 +203,7 @@ def test_disk_usage_stays_within_its_budget_and_host_ram_within_its_slots(
 ) -> None:
     host = _host(default_model_path, nbytes=256 << 10)  # about 30 blocks
     llm = _llm(default_model_path, host, tmp_path)
-    tiers = llm.runner.tiers
+    tiers = llm.runner.kv.tiers
     assert tiers is not None and tiers.disk is not None
     budget = 10 * tiers.disk.file_nbytes + 100
     for p in _prompts(12, 120):

@@ -36,7 +36,7 @@ def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(
         sched.add(_req(1, first + answer + new, PARAMS))
         outputs[caching] = (answer, _run(sched)[1])
         # 45 + 20 - 1 tokens had KV when turn one ended: four full blocks.
-        assert sched.runner.allocator.stats.hit_tokens == (64 if caching else 0)
+        assert sched.runner.kv.allocator.stats.hit_tokens == (64 if caching else 0)
         _assert_all_free(sched)
     assert outputs[True] == outputs[False]
 
@@ -52,5 +52,5 @@ def test_preempted_requests_reuse_their_surviving_blocks(default_model_path: Pat
             sched.add(_req(rid, prompt, PARAMS))
         outputs[caching] = _run(sched)
         _assert_all_free(sched)
-        assert (sched.runner.allocator.stats.hit_tokens > 0) == caching
+        assert (sched.runner.kv.allocator.stats.hit_tokens > 0) == caching
     assert outputs[True] == outputs[False]

@@ -52,7 +52,7 @@ def _run(sched: ColocatedScheduler) -> dict[int, list[int]]:
 
 
 def _assert_all_free(sched: ColocatedScheduler) -> None:
-    a = sched.runner.allocator
+    a = sched.runner.kv.allocator
     a.check_invariants()
     assert a.num_used == 0 and a.num_pinned == 0 and a.num_available == a.num_blocks
 
@@ -135,11 +135,11 @@ def test_prefill_keep_kv_hands_over_unpinned_and_decode_adopts(default_model_pat
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prefill.add(_req(0, [9] * 33, params))
     out = prefill.step()
-    assert out.transfers == [] and runner.allocator.num_pinned == 0
+    assert out.transfers == [] and runner.kv.allocator.num_pinned == 0
     [(seq, shard)] = out.handovers
     assert shard == 0 and seq.num_computed_tokens == 33 and len(seq.output_ids) == 1
     decode.adopt(seq, shard)
     while decode.running:
         decode.step()
     assert len(seq.output_ids) == 4
-    assert runner.allocator.num_used == 0
+    assert runner.kv.allocator.num_used == 0

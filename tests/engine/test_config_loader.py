@@ -111,7 +111,7 @@ def test_bfloat16_runs_close_to_float32(default_model_path: Path) -> None:
     bf16 = ModelRunner(
         EngineConfig(model=str(default_model_path), dtype="bfloat16", num_kv_blocks=4)
     )
-    assert bf16.kv_pool.dtype == torch.bfloat16
+    assert bf16.kv.tensor.dtype == torch.bfloat16
     a, b = _prefill_logits(f32, prompt), _prefill_logits(bf16, prompt)
     assert b.dtype == torch.float32
     assert (a - b).abs().max() < 0.1 * a.abs().max()

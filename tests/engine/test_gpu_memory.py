@@ -50,13 +50,13 @@ def test_profiling_runs_the_largest_forwards_on_a_scratch_pool_and_keeps_the_rng
     )
     runner = ModelRunner(config)
     state = runner.generator.get_state()
-    pool, free = runner.kv_pool.clone(), runner.allocator.num_free
+    pool, free = runner.kv.tensor.clone(), runner.kv.allocator.num_free
     scratch = profile_forward(runner)
     m = ModelConfig.from_pretrained(default_model_path)
     # 40 prompt tokens: 3 blocks of 16; 5 decode rows of 2 tokens: a block each.
     assert scratch == (3 + 5) * pool_layout(m, 1, 16, runner.dtype).block_nbytes
     # The runner is untouched: its own pool and allocator were never used.
-    assert torch.equal(runner.kv_pool, pool) and runner.allocator.num_free == free
+    assert torch.equal(runner.kv.tensor, pool) and runner.kv.allocator.num_free == free
     assert torch.equal(runner.generator.get_state(), state)
 
 
@@ -67,8 +67,8 @@ def test_cuda_pool_is_sized_from_the_share_alone(default_model_path: Path) -> No
         cfg = EngineConfig(model=str(default_model_path), device="cuda", gpu_memory_share=share)
         runner = ModelRunner(cfg)
         total = torch.cuda.mem_get_info()[1]
-        assert runner.kv_pool.numel() * runner.kv_pool.element_size() < share * total
-        return runner.allocator.num_blocks
+        assert runner.kv.tensor.numel() * runner.kv.tensor.element_size() < share * total
+        return runner.kv.allocator.num_blocks
 
     # The process's first engine also creates what lives as long as the process (cuBLAS
     # workspaces, Triton's scratch) during its profile, and counts it in its activation

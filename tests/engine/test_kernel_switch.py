@@ -44,7 +44,7 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]]) -> list[tuple[list[in
         if step + 1 < STEPS:
             logits = runner.decode(seqs)
     for s in seqs:
-        runner.free_blocks(s)
+        runner.kv.free_blocks(s)
     return [(list(s.output_ids), g) for s, g in zip(seqs, gaps, strict=True)]
 
 

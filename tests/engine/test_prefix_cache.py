@@ -69,7 +69,7 @@ def test_shared_prefixes_reuse_exactly_the_cached_blocks_and_match_transformers(
     on, off = _llm(default_model_path, True, chunk), _llm(default_model_path, False, chunk)
     for llm in (on, off):
         llm.generate([base], _greedy())
-    stats = on.runner.allocator.stats
+    stats = on.runner.kv.allocator.stats
     hits_before, queried_before = stats.hit_tokens, stats.queried_tokens
     got_on = [r.output_ids for r in on.generate(prompts, _greedy())]
     assert stats.hit_tokens - hits_before == sum(
@@ -77,7 +77,7 @@ def test_shared_prefixes_reuse_exactly_the_cached_blocks_and_match_transformers(
     )
     assert stats.queried_tokens - queried_before == sum(len(p) for p in prompts)
     got_off = [r.output_ids for r in off.generate(prompts, _greedy())]
-    assert off.runner.allocator.num_hashed == 0 and off.runner.allocator.stats.hit_tokens == 0
+    assert off.runner.kv.allocator.num_hashed == 0 and off.runner.kv.allocator.stats.hit_tokens == 0
     assert got_on == got_off
 
     # Every prompt again: now each is cached whole, block-aligned ones included.
@@ -91,8 +91,8 @@ def test_shared_prefixes_reuse_exactly_the_cached_blocks_and_match_transformers(
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
                                eos_token_id=None, pad_token_id=0)  # fmt: skip
         assert out == want[0, len(prompt) :].tolist(), f"prompt of {len(prompt)} tokens"
-    on.runner.allocator.check_invariants()
-    assert on.runner.allocator.num_used == 0 and on.runner.allocator.num_cached > 0
+    on.runner.kv.allocator.check_invariants()
+    assert on.runner.kv.allocator.num_used == 0 and on.runner.kv.allocator.num_cached > 0
 
 
 def test_a_second_turn_reuses_the_first_turns_answer(default_model_path: Path) -> None:
@@ -102,7 +102,7 @@ def test_a_second_turn_reuses_the_first_turns_answer(default_model_path: Path) -
     # Decode published the blocks its answer filled: prompt + answer minus the last token.
     history = first + answer.output_ids
     second = history + _tokens(9, seed=3)
-    stats = on.runner.allocator.stats
+    stats = on.runner.kv.allocator.stats
     before = stats.hit_tokens
     (reply,) = on.generate([second], _greedy())
     assert stats.hit_tokens - before == (len(history) - 1) // BS * BS == 64
@@ -116,21 +116,21 @@ def test_a_fully_cached_prompt_never_writes_into_a_shared_block(
     prompt = _tokens(3 * BS, seed=4)
     owner = Sequence(0, list(prompt), block_size=BS)
     runner.prefill([(owner, len(prompt))])  # holds its 3 blocks, all published
-    cached = runner.kv_pool[owner.block_table].clone()
+    cached = runner.kv.tensor[owner.block_table].clone()
     reader = Sequence(1, list(prompt), block_size=BS)
-    assert runner.reuse_prefix(reader) == 2 * BS  # the last block is recomputed
+    assert runner.kv.reuse_prefix(reader) == 2 * BS  # the last block is recomputed
     assert reader.block_table[:2] == owner.block_table[:2]
     logits = runner.prefill([(reader, BS)])
     assert reader.block_table[2] != owner.block_table[2]
-    assert torch.equal(runner.kv_pool[owner.block_table], cached)
+    assert torch.equal(runner.kv.tensor[owner.block_table], cached)
     alone = ModelRunner(EngineConfig(model=str(default_model_path), num_kv_blocks=16,
                                      enable_prefix_caching=False))  # fmt: skip
     fresh = Sequence(2, list(prompt), block_size=BS)
     torch.testing.assert_close(logits, alone.prefill([(fresh, len(prompt))]), atol=1e-5, rtol=0)
     for seq in (owner, reader):
-        runner.free_blocks(seq)
-    runner.allocator.check_invariants()
-    assert runner.allocator.num_cached == 3 and runner.allocator.num_free == 13
+        runner.kv.free_blocks(seq)
+    runner.kv.allocator.check_invariants()
+    assert runner.kv.allocator.num_cached == 3 and runner.kv.allocator.num_free == 13
 
 
 def test_caching_off_hashes_nothing_and_reuses_nothing(default_model_path: Path) -> None:
@@ -139,8 +139,8 @@ def test_caching_off_hashes_nothing_and_reuses_nothing(default_model_path: Path)
     prompt = _tokens(40, seed=5)
     for rid in range(2):
         seq = Sequence(rid, list(prompt), block_size=BS)
-        assert runner.reuse_prefix(seq) == 0 and seq.block_table == []
+        assert runner.kv.reuse_prefix(seq) == 0 and seq.block_table == []
         runner.prefill([(seq, len(prompt))])
-        runner.free_blocks(seq)
-    a = runner.allocator
+        runner.kv.free_blocks(seq)
+    a = runner.kv.allocator
     assert (a.num_hashed, a.num_cached, a.num_free, a.stats.queried_tokens) == (0, 0, 16, 0)

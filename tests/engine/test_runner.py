@@ -40,18 +40,18 @@ def test_kv_written_to_an_external_shared_pool_and_copied_blocks_decode_elsewher
     shared = mmap.mmap(-1, nbytes)  # stands in for a POSIX shm segment
     pool = torch.frombuffer(shared, dtype=torch.float32).view(layout.shape)
     prefill = ModelRunner(EngineConfig(model=str(default_model_path)), kv_pool=pool)
-    assert prefill.allocator.num_blocks == 8
-    assert prefill.kv_pool.data_ptr() == pool.data_ptr()
+    assert prefill.kv.allocator.num_blocks == 8
+    assert prefill.kv.tensor.data_ptr() == pool.data_ptr()
     seq = _seq(prefill, PROMPT)
     prefill.prefill([(seq, len(PROMPT))])
     assert any(shared[:nbytes])  # the KV landed in the shared bytes
 
     # A second runner receives whole blocks into different block ids, as the transport does.
     decode = _runner(default_model_path, num_kv_blocks=8)
-    decode.allocator.allocate(2)  # make the destination ids differ from the source ids
+    decode.kv.allocator.allocate(2)  # make the destination ids differ from the source ids
     moved = Sequence(0, list(PROMPT), sampling=seq.sampling, num_computed_tokens=len(PROMPT))
-    decode.ensure_blocks(moved, 0)
-    decode.kv_pool[moved.block_table] = prefill.kv_pool[seq.block_table]
+    decode.kv.ensure_blocks(moved, 0)
+    decode.kv.tensor[moved.block_table] = prefill.kv.tensor[seq.block_table]
     for s in (seq, moved):
         s.output_ids.append(77)
     torch.testing.assert_close(decode.decode([moved]), prefill.decode([seq]), atol=1e-5, rtol=0)
@@ -70,12 +70,12 @@ def test_out_of_blocks_is_typed_and_leaves_the_sequence_untouched(
     with pytest.raises(NoFreeBlocks):
         runner.prefill([(seq, len(PROMPT))])
     assert seq.block_table == [] and seq.num_computed_tokens == 0
-    assert runner.allocator.num_free == 2
+    assert runner.kv.allocator.num_free == 2
     runner.prefill([(seq, 32)])  # what fits still runs
     assert seq.num_computed_tokens == 32 and len(seq.block_table) == 2
-    runner.free_blocks(seq)
-    runner.allocator.check_invariants()
-    assert runner.allocator.num_available == 2
+    runner.kv.free_blocks(seq)
+    runner.kv.allocator.check_invariants()
+    assert runner.kv.allocator.num_available == 2
 
 
 def test_max_model_len_is_enforced(default_model_path: Path) -> None:
@@ -127,8 +127,8 @@ def test_preemption_under_a_small_pool_keeps_greedy_outputs(default_model_path: 
     )
     expected = [r.output_ids for r in roomy.generate(prompts, params)]
     assert [r.output_ids for r in tight.generate(prompts, params)] == expected
-    tight.runner.allocator.check_invariants()
-    assert tight.runner.allocator.num_available == 8
+    tight.runner.kv.allocator.check_invariants()
+    assert tight.runner.kv.allocator.num_available == 8
 
 
 def test_seeded_sampling_is_the_same_alone_and_batched_with_logprobs(

@@ -22,7 +22,7 @@ def pair(
     d_runner = ModelRunner(
         EngineConfig(model=str(model), dtype="float32", num_kv_blocks=decode_blocks)
     )
-    receiver = ShmReceiver({0: p_runner.kv_pool}, d_runner.kv_pool)
+    receiver = ShmReceiver({0: p_runner.kv.tensor}, d_runner.kv.tensor)
     prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=chunk_budget)
     return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=64)
 

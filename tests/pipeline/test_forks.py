@@ -40,7 +40,7 @@ def _alone(model: Path, req: GenerateRequest) -> list[int]:
 
 def test_the_prompt_is_computed_and_allocated_once_for_n_choices(default_model_path: Path) -> None:
     prefill, decode = pair(default_model_path)
-    alloc = prefill.runner.allocator
+    alloc = prefill.runner.kv.allocator
     choices = _choices(3, seed=42)
     for req in choices:
         assert prefill.add(req) == Finish.NONE
@@ -74,7 +74,7 @@ def test_a_fork_whose_leader_is_gone_runs_alone(default_model_path: Path) -> Non
     prefill.add(fork)
     out = run(prefill, decode)
     assert set(out) == {fork.rid} and out[fork.rid][1] == Finish.LENGTH
-    prefill.runner.allocator.check_invariants()
+    prefill.runner.kv.allocator.check_invariants()
 
 
 def test_an_aborted_leader_hands_its_forks_on(default_model_path: Path) -> None:
@@ -85,7 +85,7 @@ def test_an_aborted_leader_hands_its_forks_on(default_model_path: Path) -> None:
     prefill.abort(choices[0].rid)
     out = run(prefill, decode)
     assert set(out) == {1, 2}
-    assert prefill.runner.allocator.num_used == 0
+    assert prefill.runner.kv.allocator.num_used == 0
 
 
 def test_colocated_forks_copy_the_prompt_tail_they_write_into(default_model_path: Path) -> None:
@@ -101,6 +101,6 @@ def test_colocated_forks_copy_the_prompt_tail_they_write_into(default_model_path
             for rid, tok in zip(batch.rids.tolist(), batch.token_ids.tolist()):
                 outputs.setdefault(rid, []).append(tok)
     assert sched.prefill.computed_tokens == len(PROMPT)
-    runner.allocator.check_invariants()
+    runner.kv.allocator.check_invariants()
     for req in choices:
         assert outputs[req.rid] == _alone(default_model_path, req)

@@ -43,7 +43,7 @@ def _pair(model: Path, caching: bool) -> tuple[PrefillScheduler, DecodeScheduler
                                         enable_prefix_caching=caching))  # fmt: skip
 
     p_runner, d_runner = runner(), runner()
-    receiver = RecordingReceiver({0: p_runner.kv_pool}, d_runner.kv_pool)
+    receiver = RecordingReceiver({0: p_runner.kv.tensor}, d_runner.kv.tensor)
     prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=512)
     return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=8)
 
@@ -69,8 +69,8 @@ def _run(
     seq = decode.running[rid].seq
     # The decode pool now holds every imported position exactly as prefill's pool does.
     n = transfer.num_tokens
-    assert torch.equal(_positions(prefill.runner.kv_pool, transfer.src_blocks, n),
-                       _positions(decode.runner.kv_pool, seq.block_table, n))  # fmt: skip
+    assert torch.equal(_positions(prefill.runner.kv.tensor, transfer.src_blocks, n),
+                       _positions(decode.runner.kv.tensor, seq.block_table, n))  # fmt: skip
     while rid in decode.running:
         for batch in decode.step().tokens.values():
             out += batch.token_ids.tolist()
@@ -100,10 +100,10 @@ def test_a_handoff_copies_only_the_blocks_decode_lacks(
         held = shared // BS
         assert len(src0) == -(-shared // BS)
         assert len(src1) == n_blocks - held and len(dst1) == n_blocks - held
-        assert prefill.runner.allocator.num_pinned == 0  # every transfer released
-        stats = decode.runner.allocator.stats
+        assert prefill.runner.kv.allocator.num_pinned == 0  # every transfer released
+        stats = decode.runner.kv.allocator.stats
         assert stats.hit_tokens == held * BS and stats.queried_tokens == shared + len(second)
-        decode.runner.allocator.check_invariants()
+        decode.runner.kv.allocator.check_invariants()
     assert outputs[True] == outputs[False]
 
 

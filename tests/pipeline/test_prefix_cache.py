@@ -29,7 +29,7 @@ def _pair(model: Path, caching: bool) -> tuple[PrefillScheduler, DecodeScheduler
 
     p_runner, d_runner = runner(), runner()
     prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=40)
-    receiver = ShmReceiver({0: p_runner.kv_pool}, d_runner.kv_pool)
+    receiver = ShmReceiver({0: p_runner.kv.tensor}, d_runner.kv.tensor)
     return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=16)
 
 
@@ -79,7 +79,7 @@ def test_requests_reuse_blocks_pinned_for_an_earlier_transfer(default_model_path
         chunk = prefill.step()  # 40 tokens, then 30 more and the first token
         first = prefill.step()
         assert first.cached_tokens == {0: 0}
-        assert prefill.runner.allocator.num_pinned == 5  # the transfer is not offered yet
+        assert prefill.runner.kv.allocator.num_pinned == 5  # the transfer is not offered yet
         for rid, prompt in enumerate(prompts[1:], start=1):
             prefill.add(_req(rid, prompt))
         # With caching, all four fit one 40-token step: 11 + 1 + 6 + 20 tokens to compute.
@@ -87,10 +87,10 @@ def test_requests_reuse_blocks_pinned_for_an_earlier_transfer(default_model_path
         want = {1: 64, 2: 48, 3: 64, 4: 32} if caching else {}  # off: rid 1 needs 75
         assert later.cached_tokens == want
         results[caching] = _drive(prefill, decode, [chunk, first, later])
-        stats = prefill.runner.allocator.stats
+        stats = prefill.runner.kv.allocator.stats
         assert stats.hit_tokens == (64 + 48 + 64 + 32 if caching else 0)
         for runner in (prefill.runner, decode.runner):
-            a = runner.allocator
+            a = runner.kv.allocator
             a.check_invariants()
             assert a.num_used == a.num_pinned == 0 and a.num_available == a.num_blocks
             assert (a.num_cached > 0) == caching
@@ -109,7 +109,7 @@ def test_a_request_waiting_for_blocks_is_one_query_however_often_it_is_looked_up
     prefill.add(_req(1, b))
     for _ in range(3):  # rid 0 holds 4 blocks pinned; rid 1 (5 blocks) waits, looked up
         step = prefill.step()
-    assert step.cached_tokens == {} and runner.allocator.num_pinned == 4
+    assert step.cached_tokens == {} and runner.kv.allocator.num_pinned == 4
     prefill.release(0)
     assert prefill.step().cached_tokens == {1: 0}
-    assert runner.allocator.stats.queried_tokens == 64 + 80
+    assert runner.kv.allocator.stats.queried_tokens == 64 + 80

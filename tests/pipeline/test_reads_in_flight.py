@@ -66,7 +66,7 @@ class HeldReceiver(ShmReceiver):
 def _held_pair(model: Path) -> tuple[PrefillScheduler, DecodeScheduler, HeldReceiver]:
     p_runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=128))
     d_runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=128))
-    receiver = HeldReceiver({0: p_runner.kv_pool}, d_runner.kv_pool)
+    receiver = HeldReceiver({0: p_runner.kv.tensor}, d_runner.kv.tensor)
     prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=512)
     return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=8), receiver
 
@@ -126,22 +126,22 @@ def test_running_requests_step_while_a_read_is_in_flight_and_outputs_are_unchang
         for rid, tok, _ in _rows(decode.step().tokens):
             out[rid].append(tok)
     assert out == want
-    assert prefill.runner.allocator.num_pinned == 0
-    decode.runner.allocator.check_invariants()
+    assert prefill.runner.kv.allocator.num_pinned == 0
+    decode.runner.kv.allocator.check_invariants()
 
 
 def test_a_failed_read_ends_its_request_lost_and_gives_its_blocks_back(
     default_model_path: Path,
 ) -> None:
     prefill, decode, rx = _held_pair(default_model_path)
-    free = decode.runner.num_free_kv_blocks
+    free = decode.runner.kv.num_free_blocks
     _prefill(prefill, decode, _prompts()[:1], {})
     decode.admit()
-    assert decode.runner.num_free_kv_blocks < free
+    assert decode.runner.kv.num_free_blocks < free
     rx.reads[0].fail = True
     assert decode.admit() == [(0, KVRelease(rid=0, accepted=False))]
     assert not decode.reading and not decode.running
-    assert decode.runner.num_free_kv_blocks == free
+    assert decode.runner.kv.num_free_blocks == free
     # No token: the detokenizer passes the LOST row on and the frontend resumes it.
     assert _rows(decode.step().tokens) == [(0, -1, int(Finish.LOST))]
     assert _rows(decode.step().tokens) == []
@@ -151,7 +151,7 @@ def test_an_aborted_read_frees_its_blocks_only_once_nothing_can_write_them(
     default_model_path: Path,
 ) -> None:
     prefill, decode, rx = _held_pair(default_model_path)
-    free = decode.runner.num_free_kv_blocks
+    free = decode.runner.kv.num_free_blocks
     _prefill(prefill, decode, _prompts(), {})
     decode.admit()
     rx.reads[1].stuck = True  # still in flight: it may yet land
@@ -159,13 +159,13 @@ def test_an_aborted_read_frees_its_blocks_only_once_nothing_can_write_them(
     assert decode.abort(0) == [(0, KVRelease(rid=0, accepted=False))]
     assert decode.abort(1) == [(0, KVRelease(rid=1, accepted=False))]
     assert not decode.reading and len(decode.draining) == 1
-    assert decode.runner.num_free_kv_blocks == free - held_by_1
+    assert decode.runner.kv.num_free_blocks == free - held_by_1
     assert _rows(decode.step().tokens) == []  # aborted, not lost: nothing to report
     assert decode.admit() == [] and decode.draining  # still in flight
     rx.reads[1].stuck = False  # it has ended
     assert decode.admit() == [] and not decode.draining
-    assert decode.runner.num_free_kv_blocks == free
-    decode.runner.allocator.check_invariants()
+    assert decode.runner.kv.num_free_blocks == free
+    decode.runner.kv.allocator.check_invariants()
 
 
 def test_a_refused_copy_fails_its_request_rather_than_resuming_it(
@@ -174,7 +174,7 @@ def test_a_refused_copy_fails_its_request_rather_than_resuming_it(
     """A copy refused as asked (here: a source the receiver does not know) would be refused
     anywhere: the request ends with an error instead of being prefilled again."""
     prefill, decode, _ = _held_pair(default_model_path)
-    free = decode.runner.num_free_kv_blocks
+    free = decode.runner.kv.num_free_blocks
     prefill.add(GenerateRequest(rid=0, prompt_ids=_prompts()[0], sampling=PARAMS,
                                 decode_worker=0, detok_shard=0))  # fmt: skip
     ((_, transfer),) = prefill.step().transfers
@@ -182,4 +182,4 @@ def test_a_refused_copy_fails_its_request_rather_than_resuming_it(
     assert decode.offer(unknown) == []
     assert decode.admit() == [(5, KVRelease(rid=0, accepted=False))]
     assert _rows(decode.step().tokens) == [(0, -1, int(Finish.ERROR))]
-    assert decode.runner.num_free_kv_blocks == free
+    assert decode.runner.kv.num_free_blocks == free

@@ -53,7 +53,7 @@ def test_disaggregated_greedy_matches_transformers(arch: str) -> None:
         assert got[rid] == want[0, len(prompt) :].tolist(), f"rid {rid}"
     # Every block came back: nothing used, nothing pinned on either side.
     for runner in (prefill.runner, decode.runner):
-        a = runner.allocator
+        a = runner.kv.allocator
         assert a.num_used == 0 and a.num_pinned == 0 and a.num_available == a.num_blocks
 
 
@@ -87,5 +87,5 @@ def test_abort_frees_blocks_everywhere(default_model_path: Path) -> None:
         prefill.abort(rid)
         decode.abort(rid)
     assert prefill.waiting == deque()
-    assert decode.running == {} and decode.runner.allocator.num_used == 0
-    assert prefill.runner.allocator.num_pinned == 0 and prefill.runner.allocator.num_used == 0
+    assert decode.running == {} and decode.runner.kv.allocator.num_used == 0
+    assert prefill.runner.kv.allocator.num_pinned == 0 and prefill.runner.kv.allocator.num_used == 0

@@ -108,8 +108,8 @@ def test_a_grammar_that_does_not_compile_ends_with_an_error(default_model_path: 
     out = _run(prefill, decode)
     assert out[0] == ([-1], Finish.ERROR)
     assert out[1][1] == Finish.STOP
-    prefill.runner.allocator.check_invariants()
-    assert prefill.runner.allocator.num_used == 0
+    prefill.runner.kv.allocator.check_invariants()
+    assert prefill.runner.kv.allocator.num_used == 0
 
 
 @pytest.mark.parametrize("greedy", [True, False])

@@ -7,7 +7,7 @@ and finishes it after ``max_tokens`` outputs, releasing the placement as the fro
 
 Prefix caching, for requests the test lists in ``Cluster.hashes`` (ticket -> block hashes
 prefill computes, block hashes decode ends up holding): a prefill worker skips the leading
-blocks it holds (as ``ModelRunner.reuse_prefix`` does) and holds the prompt's blocks once
+blocks it holds (as ``KVPool.reuse_prefix`` does) and holds the prompt's blocks once
 done; a decode worker holds its requests' blocks; both publish what they hold in their
 prefix summary every step, as ``runtime.worker.Worker`` does. Caches never evict here.
 """

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.kv.block_manager import block_hashes
+from engine.kv.block_allocator import block_hashes
 from router.policy import CacheAffinity, CacheAware, Candidate, PolicyName
 from router.router import Placement, Router
 from tests.router.sim import BLOCK, Cluster, mixed_request, start_cluster

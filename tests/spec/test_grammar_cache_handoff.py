@@ -86,7 +86,7 @@ def test_the_prefix_cache_never_holds_rejected_kv(default_model_path: Path) -> N
     got = llm.generate(ps, params)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     runner = llm.runner
-    by_hash = dict(runner.allocator._by_hash)
+    by_hash = dict(runner.kv.allocator._by_hash)
     fresh = ModelRunner(
         EngineConfig(
             model=str(default_model_path),
@@ -104,10 +104,10 @@ def test_the_prefix_cache_never_holds_rejected_kv(default_model_path: Path) -> N
         fresh.prefill([(ref, len(tokens))])
         for i, h in enumerate(hashes):
             if h in by_hash:
-                cached, expect = runner.kv_pool[by_hash[h]], fresh.kv_pool[ref.block_table[i]]
+                cached, expect = runner.kv.tensor[by_hash[h]], fresh.kv.tensor[ref.block_table[i]]
                 torch.testing.assert_close(cached, expect, atol=1e-4, rtol=1e-4)
                 checked += 1
-        fresh.free_blocks(ref)
+        fresh.kv.free_blocks(ref)
     # Output blocks were published (decode-time ones included), and none is foreign.
     assert checked == len(by_hash) and checked > sum(len(p) // 16 for p in ps)
 

@@ -76,8 +76,8 @@ def test_outputs_are_identical_whatever_the_drafts(
     if mode == "reject":
         assert st.num_accepted_tokens == 0
     assert sum(st.accepted_per_pos) == st.num_accepted_tokens
-    llm.runner.allocator.check_invariants()
-    assert llm.runner.allocator.num_used == 0
+    llm.runner.kv.allocator.check_invariants()
+    assert llm.runner.kv.allocator.num_used == 0
 
 
 def test_one_request_alone_gets_several_tokens_a_step(
@@ -115,8 +115,8 @@ def test_a_stop_inside_an_accepted_run_cuts_it_there(
         if how == "eos":
             llm.runner.eos_token_ids = (token,)
         results.append(generate(llm, [PROMPTS[0]], params))
-        llm.runner.allocator.check_invariants()
-        assert llm.runner.allocator.num_used == 0
+        llm.runner.kv.allocator.check_invariants()
+        assert llm.runner.kv.allocator.num_used == 0
     assert_same(results[1], results[0])
     got = results[1][0]
     assert got.output_ids == ref[: cut + 1]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine.kv.block_manager import BlockAllocator, block_hashes
+from engine.kv.block_allocator import BlockAllocator, block_hashes
 from transport.prefix_summary import (
     PrefixSummary,
     summary_counters,

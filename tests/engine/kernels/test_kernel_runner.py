@@ -110,7 +110,7 @@ def test_a_decode_step_makes_one_host_to_device_copy_and_sends_only_new_blocks(
         assert transfers.calls == ["copy_"], transfers.calls  # StepInputs.stage's one copy
     assert staged == [0, 1]  # no table rebuilt: only seq 0's new block, once
     live = runner._kernels.rows.num_live if runner._kernels else -1
-    runner.free_blocks(seqs[0])
+    runner.kv.free_blocks(seqs[0])
     assert runner._kernels is not None and runner._kernels.rows.num_live == live - 1
 
 

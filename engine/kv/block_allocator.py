@@ -97,7 +97,7 @@ class BlockState(enum.Enum):
 
 @dataclass
 class PrefixStats:
-    """Prefix-cache counters since start, recorded by ``ModelRunner.reuse_prefix`` (and by
+    """Prefix-cache counters since start, recorded by ``KVPool.reuse_prefix`` (and by
     a decode worker's KV imports: tokens handed off, and those it already held)."""
 
     queried_tokens: int = 0  # tokens of sequences looked up (once each per computation)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import NoFreeBlocks
-from engine.kv.block_manager import BlockAllocator, BlockState, block_hashes, root_hash
+from engine.kv.block_allocator import BlockAllocator, BlockState, block_hashes, root_hash
 
 VERBS = ["alloc", "grow", "register", "finish", "acquire", "free", "pin", "unpin", "unpin_all"]
 # An operation: (verb, a, b). a/b pick sizes, holders, blocks or hashes (taken modulo).
@@ -280,7 +280,7 @@ def test_block_hashes_differ_when_any_earlier_token_differs() -> None:
 def test_block_hashes_are_the_same_in_every_process() -> None:
     # Pinned values: the frontend and router hash prompts in other processes (and, for
     # routing across restarts, other runs), so the scheme must not depend on the process.
-    code = "from engine.kv.block_manager import block_hashes as h; print(h(list(range(40)), 16))"
+    code = "from engine.kv.block_allocator import block_hashes as h; print(h(list(range(40)), 16))"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout  # fmt: skip
