@@ -95,14 +95,15 @@ class DecodeWorker(Worker):
         if self.imports is not None:
             self._unmap_dead_pools()
         self._release(self.sched.admit())
+        admission = self.sched.admission
         for shard, batch in self.sched.step().tokens.items():
             send(self.tok_out[shard], batch)
         if not self.sched.running:
-            if self.sched.reading:  # nothing to step: poll the reads in flight, gently
+            if admission.reading:  # nothing to step: poll the reads in flight, gently
                 time.sleep(_READ_POLL_S)
-            elif self.sched.compiling:
+            elif admission.compiling:
                 time.sleep(_GRAMMAR_POLL_S)
-        return bool(self.sched.running or self.sched.compiling or self.sched.reading)
+        return bool(self.sched.running or admission.compiling or admission.reading)
 
     def take_inputs(self) -> None:
         for ring in self.ctl_in:
@@ -159,14 +160,15 @@ class DecodeWorker(Worker):
     def _forget_pool(self, i: int) -> None:
         assert self.imports is not None and isinstance(self.receiver, _MAPPED)
         self.imports.lost(i)
-        stale = [t.rid for t in self.sched.pending if t.prefill_worker == i]
-        stale += [rid for rid, r in self.sched.reading.items() if r.t.prefill_worker == i]
+        admission = self.sched.admission
+        stale = [t.rid for t in admission.pending if t.prefill_worker == i]
+        stale += [rid for rid, r in admission.reading.items() if r.t.prefill_worker == i]
         for rid in stale:  # no release: the process that pinned the blocks is gone
             self.sched.abort(rid)
         # Reads from a dead source end soon (their connection is gone); the pool is
         # unmapped after them, not under them.
         deadline = time.monotonic() + _SETTLE_S
-        while self.sched.drain_abandoned(i) and time.monotonic() < deadline:
+        while admission.drain_abandoned(i) and time.monotonic() < deadline:
             time.sleep(_READ_POLL_S)
         self.receiver.drop(i)
         if stale:
@@ -178,8 +180,8 @@ class DecodeWorker(Worker):
 
     def has_compute(self) -> bool:
         # Reads in flight alone are only polled: no cores held while the bytes cross.
-        s = self.sched
-        return bool(s.running or s.pending or s.preempted or s.compiling)
+        s, a = self.sched, self.sched.admission
+        return bool(s.running or a.pending or s.preempted or a.compiling)
 
     def speculator(self) -> Speculator | None:
         return self.sched.spec

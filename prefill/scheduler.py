@@ -138,8 +138,7 @@ class PrefillScheduler:
         out = PrefillStep()
         batcher = TokenBatcher()
         for p in self._failed:  # an error row: no token, the request ends
-            batcher.add(p.detok_shard, p.seq.rid, len(p.seq.output_ids), -1, 0, float("nan"),
-                        Finish.ERROR)  # fmt: skip
+            batcher.end(p.detok_shard, p.seq.rid, len(p.seq.output_ids), Finish.ERROR)
         self._failed = []
         sample = None
         if chunks:
@@ -166,12 +165,9 @@ class PrefillScheduler:
         sample = self.runner.sample(logits[rows], [p.seq for _, p in done])
         tokens, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
         for i, (_, p) in enumerate(done):
-            token = tokens[i]
-            p.seq.append_token(token)
-            finish = self.runner.check_stop(p.seq)
-            pos = len(p.seq.output_ids) - 1
             cached = p.seq.num_cached_tokens
-            batcher.add(p.detok_shard, p.seq.rid, pos, token, i, logprobs[i], finish, cached)
+            finish = batcher.emit(p.seq, p.detok_shard, tokens[i], i, logprobs[i],
+                                  self.runner.check_stop, cached)  # fmt: skip
             out.cached_tokens[p.seq.rid] = cached
             if finish != Finish.NONE:
                 self.runner.kv.free_blocks(p.seq)

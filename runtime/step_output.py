@@ -1,15 +1,18 @@
 """Collecting one engine step's sampled tokens into per-shard ``TokenBatch`` records.
 
-Both worker pools emit tokens the same way: each token goes to the detokenizer shard
-that owns its request, one ``TokenBatch`` per shard per step.
+Both worker pools emit tokens the same way (``emit``: append, check for a stop, add):
+each token goes to the detokenizer shard that owns its request, one ``TokenBatch`` per
+shard per step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.kv.sequence import Sequence
 from engine.sampling.sampler import SampleOutput
 from wire.records import Finish, TokenBatch
 
@@ -48,6 +51,29 @@ class TokenBatcher:
         cols.finish.append(int(finish))
         cols.cached_tokens.append(cached_tokens)
         cols.rows.append(row)
+
+    def emit(
+        self,
+        seq: Sequence,
+        shard: int,
+        token: int,
+        row: int,
+        logprob: float,
+        check_stop: Callable[[Sequence], Finish],
+        cached_tokens: int = -1,
+    ) -> Finish:
+        """Append a sampled ``token`` to ``seq``, decide whether it ends the request, and
+        add it (``row``: its row in the step's ``SampleOutput``). Returns that finish; the
+        caller frees a finished request's blocks."""
+        seq.append_token(token)
+        finish = check_stop(seq)
+        position = len(seq.output_ids) - 1
+        self.add(shard, seq.rid, position, token, row, logprob, finish, cached_tokens)
+        return finish
+
+    def end(self, shard: int, rid: int, position: int, finish: Finish) -> None:
+        """A row without a token: the request ends (ERROR) or is handed back (LOST)."""
+        self.add(shard, rid, position, -1, 0, float("nan"), finish)
 
     def batches(self, sample: SampleOutput | None) -> dict[int, TokenBatch]:
         """One TokenBatch per shard; top logprobs are gathered from ``sample`` rows."""

@@ -57,7 +57,12 @@ def run(
         for _, release in decode.admit():
             prefill.release(release.rid)
         collect(decode.step().tokens)
-        if not (prefill.waiting or decode.pending or decode.running or decode.compiling):
+        if not (
+            prefill.waiting
+            or decode.admission.pending
+            or decode.running
+            or decode.admission.compiling
+        ):
             break
     assert set(outputs) == set(finish)
     return {r: ([tok for _, tok in sorted(t.items())], finish[r]) for r, t in outputs.items()}

@@ -87,7 +87,7 @@ def test_a_handoff_copies_only_the_blocks_decode_lacks(
     outputs = {}
     for caching in (True, False):
         prefill, decode = _pair(default_model_path, caching)
-        receiver = decode.receiver
+        receiver = decode.admission.receiver
         assert isinstance(receiver, RecordingReceiver)
         outputs[caching] = [_run(prefill, decode, 0, first), _run(prefill, decode, 1, second)]
         (src0, _), (src1, dst1) = receiver.fetches
@@ -111,7 +111,7 @@ def test_a_fully_held_prompt_copies_only_its_partial_last_block(default_model_pa
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 150_000, (3 * BS + 5,), generator=g).tolist()
     prefill, decode = _pair(default_model_path, True)
-    receiver = decode.receiver
+    receiver = decode.admission.receiver
     assert isinstance(receiver, RecordingReceiver)
     assert _run(prefill, decode, 0, prompt) == _run(prefill, decode, 1, list(prompt))
     (src0, _), (src1, _) = receiver.fetches

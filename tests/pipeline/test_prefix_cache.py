@@ -50,7 +50,7 @@ def _drive(
             for rid, pos, tok in zip(batch.rids.tolist(), batch.positions.tolist(),
                                      batch.token_ids.tolist()):  # fmt: skip
                 out.setdefault(rid, {})[pos] = tok
-        if not prefill.waiting and not decode.pending and not decode.running:
+        if not prefill.waiting and not decode.admission.pending and not decode.running:
             break
         steps = [prefill.step()]
     return {rid: [toks[i] for i in range(len(toks))] for rid, toks in out.items()}

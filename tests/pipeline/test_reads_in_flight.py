@@ -109,7 +109,7 @@ def test_running_requests_step_while_a_read_is_in_flight_and_outputs_are_unchang
     prefill, decode, rx = _held_pair(default_model_path)
     out: dict[int, list[int]] = {}
     _prefill(prefill, decode, prompts, out)
-    assert decode.admit() == [] and set(decode.reading) == {0, 1}
+    assert decode.admit() == [] and set(decode.admission.reading) == {0, 1}
     rx.reads[0].land = True  # request 0's KV lands; request 1's is still on its way
     assert decode.admit() == [(0, KVRelease(rid=0, accepted=True))]
     prefill.release(0)
@@ -117,7 +117,7 @@ def test_running_requests_step_while_a_read_is_in_flight_and_outputs_are_unchang
         for rid, tok, _ in _rows(decode.step().tokens):
             out[rid].append(tok)
         assert decode.admit() == []
-    assert set(decode.running) == {0} and set(decode.reading) == {1}
+    assert set(decode.running) == {0} and set(decode.admission.reading) == {1}
     assert decode.num_waiting == 1
     rx.reads[1].land = True
     assert decode.admit() == [(0, KVRelease(rid=1, accepted=True))]
@@ -140,7 +140,7 @@ def test_a_failed_read_ends_its_request_lost_and_gives_its_blocks_back(
     assert decode.runner.kv.num_free_blocks < free
     rx.reads[0].fail = True
     assert decode.admit() == [(0, KVRelease(rid=0, accepted=False))]
-    assert not decode.reading and not decode.running
+    assert not decode.admission.reading and not decode.running
     assert decode.runner.kv.num_free_blocks == free
     # No token: the detokenizer passes the LOST row on and the frontend resumes it.
     assert _rows(decode.step().tokens) == [(0, -1, int(Finish.LOST))]
@@ -155,15 +155,15 @@ def test_an_aborted_read_frees_its_blocks_only_once_nothing_can_write_them(
     _prefill(prefill, decode, _prompts(), {})
     decode.admit()
     rx.reads[1].stuck = True  # still in flight: it may yet land
-    held_by_1 = len(decode.reading[1].seq.block_table)
+    held_by_1 = len(decode.admission.reading[1].seq.block_table)
     assert decode.abort(0) == [(0, KVRelease(rid=0, accepted=False))]
     assert decode.abort(1) == [(0, KVRelease(rid=1, accepted=False))]
-    assert not decode.reading and len(decode.draining) == 1
+    assert not decode.admission.reading and len(decode.admission.draining) == 1
     assert decode.runner.kv.num_free_blocks == free - held_by_1
     assert _rows(decode.step().tokens) == []  # aborted, not lost: nothing to report
-    assert decode.admit() == [] and decode.draining  # still in flight
+    assert decode.admit() == [] and decode.admission.draining  # still in flight
     rx.reads[1].stuck = False  # it has ended
-    assert decode.admit() == [] and not decode.draining
+    assert decode.admit() == [] and not decode.admission.draining
     assert decode.runner.kv.num_free_blocks == free
     decode.runner.kv.allocator.check_invariants()
 
