@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 
 from decode.scheduler import DecodeScheduler
 from engine.runner import ModelRunner
-from prefill.scheduler import PrefillScheduler, fits
+from prefill.scheduler import Intake, PrefillScheduler
 from transport.errors import KVTransferError
 from transport.kv import KVReceiver
+from transport.worker_load import WorkerLoad
 from wire.records import Finish, GenerateRequest, TokenBatch
 
 logger = logging.getLogger(__name__)
@@ -60,16 +61,13 @@ class ColocatedScheduler:
         # Accepted requests not yet given to prefill: holding them here bounds the batch,
         # because an adopted request cannot be refused (its KV is already in place).
         self.queued: deque[GenerateRequest] = deque()
-        self.requests_received = 0
-        self.prompt_tokens_received = 0
+        self.intake = Intake(runner)
 
     # ---- inputs ------------------------------------------------------------------------
 
     def add(self, req: GenerateRequest) -> Finish:
         """Queue a request; ``Finish.ERROR`` (not queued) if it can never fit this worker."""
-        self.requests_received += 1
-        self.prompt_tokens_received += len(req.prompt_ids)
-        if not fits(self.runner, req):
+        if not self.intake.take(req):
             return Finish.ERROR
         self.queued.append(req)
         return Finish.NONE
@@ -125,6 +123,10 @@ class ColocatedScheduler:
     @property
     def num_running(self) -> int:
         return self.decode.num_running
+
+    def load(self) -> WorkerLoad:
+        computed = self.prefill.computed_tokens
+        return self.intake.load(self.queued_tokens, self.num_waiting, self.num_running, computed)
 
     @property
     def num_waiting(self) -> int:

@@ -53,15 +53,7 @@ class ColocatedWorker(Worker):
         return self.sched.decode.spec
 
     def load(self) -> WorkerLoad:
-        s = self.sched
-        return WorkerLoad(
-            queued_prefill_tokens=s.queued_tokens,
-            waiting_requests=s.num_waiting,
-            running_requests=s.num_running,
-            requests_received=s.requests_received,
-            prompt_tokens_received=s.prompt_tokens_received,
-            computed_prefill_tokens=s.prefill.computed_tokens,
-        )
+        return self.sched.load()
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from engine.sampling.sampler import SampleOutput
 from prefill.forks import Forks, Pending
 from runtime.step_output import TokenBatcher
 from transport.kv import PinnedBlocks
+from transport.worker_load import WorkerLoad
 from wire.records import Finish, GenerateRequest, KVTransfer, TokenBatch
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,33 @@ def fits(runner: ModelRunner, req: GenerateRequest) -> bool:
         logger.error("rid %d: %d tokens can never fit; rejected", req.rid, total)
         return False
     return True
+
+
+@dataclass
+class Intake:
+    """The requests a worker took off its request ring, cumulative over its generation
+    (the router compares them with what it sent to know what is still in flight)."""
+
+    runner: ModelRunner
+    requests: int = 0
+    prompt_tokens: int = 0
+
+    def take(self, req: GenerateRequest) -> bool:
+        """Count ``req`` in; False if it can never run on this worker (see ``fits``)."""
+        self.requests += 1
+        self.prompt_tokens += len(req.prompt_ids)
+        return fits(self.runner, req)
+
+    def load(self, queued_tokens: int, waiting: int, running: int, computed: int) -> WorkerLoad:
+        """The worker's queue figures for its load-table row, these counts among them."""
+        return WorkerLoad(
+            queued_prefill_tokens=queued_tokens,
+            waiting_requests=waiting,
+            running_requests=running,
+            requests_received=self.requests,
+            prompt_tokens_received=self.prompt_tokens,
+            computed_prefill_tokens=computed,
+        )
 
 
 @dataclass
@@ -78,16 +106,13 @@ class PrefillScheduler:
         self._failed: list[Pending] = []  # dropped this step: their grammar failed
         self.forks = Forks()
         self.computed_tokens = 0  # prompt tokens run through the model, cumulative
-        self.requests_received = 0
-        self.prompt_tokens_received = 0
+        self.intake = Intake(runner)
 
     # ---- inputs ------------------------------------------------------------------------
 
     def add(self, req: GenerateRequest) -> Finish:
         """Queue a request; returns ``Finish.ERROR`` (not queued) if it can never run."""
-        self.requests_received += 1
-        self.prompt_tokens_received += len(req.prompt_ids)
-        if not fits(self.runner, req):
+        if not self.intake.take(req):
             return Finish.ERROR
         seq = Sequence(
             rid=req.rid, prompt_ids=list(req.prompt_ids), sampling=req.sampling,
@@ -264,6 +289,9 @@ class PrefillScheduler:
     @property
     def queued_tokens(self) -> int:
         return sum(p.seq.num_uncomputed_tokens for p in self.waiting)
+
+    def load(self) -> WorkerLoad:
+        return self.intake.load(self.queued_tokens, self.num_waiting, 0, self.computed_tokens)
 
     @property
     def num_waiting(self) -> int:

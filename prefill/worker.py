@@ -154,14 +154,7 @@ class PrefillWorker(Worker):
                 fail_request(self.tok_out, transfer.rid, transfer.detok_shard, position)
 
     def load(self) -> WorkerLoad:
-        s = self.sched
-        return WorkerLoad(
-            queued_prefill_tokens=s.queued_tokens,
-            waiting_requests=s.num_waiting,
-            requests_received=s.requests_received,
-            prompt_tokens_received=s.prompt_tokens_received,
-            computed_prefill_tokens=s.computed_tokens,
-        )
+        return self.sched.load()
 
 
 def main() -> None:

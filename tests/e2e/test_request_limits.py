@@ -207,18 +207,17 @@ def grammar_workers(srv: LaunchedServer) -> set[int]:
     return {pid for pid in children(frontend) if title(pid) == "pdserve:grammar"}
 
 
+# A schema whose compile outlasts the budget.
+HEAVY_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": heavy_schema(16)}}
+
+
 def test_a_schema_over_the_compile_budget_is_abandoned_and_a_400(srv: LaunchedServer) -> None:
     before = grammar_workers(srv)
     t0 = time.monotonic()
     r = post(
         srv,
         "/v1/chat/completions",
-        chat(
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "x", "schema": heavy_schema(16)},
-            }
-        ),
+        chat(response_format=HEAVY_FORMAT),
     )
     assert BUDGET_S <= time.monotonic() - t0 < ANSWER_S
     assert "abandoned" in refused(r, "/v1/chat/completions", "grammar_compile_timeout")
@@ -232,12 +231,7 @@ def test_a_schema_over_the_compile_budget_is_abandoned_and_a_400(srv: LaunchedSe
     r = post(
         srv,
         "/v1/chat/completions",
-        chat(
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "x", "schema": heavy_schema(16)},
-            }
-        ),
+        chat(response_format=HEAVY_FORMAT),
     )
     refused(r, "/v1/chat/completions", "grammar_compile_timeout")
     assert time.monotonic() - t0 < BUDGET_S

@@ -123,19 +123,25 @@ async def test_chat_stream_starts_with_the_role_and_ends_with_usage(
     assert events[-1]["usage"]["completion_tokens"] == 4
 
 
-async def test_chat_template_override_is_used(make_client: Any) -> None:
+async def _prompt_ids_of_hi(client: Any, chat_template: str) -> list[int]:
+    """The prompt a chat of one "Hi" becomes under ``--chat-template chat_template``."""
     from frontend.http.app import build_app
 
-    client = make_client()
-    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[bot]"
-    app = build_app(client, client.tokenizer, make_settings(chat_template=template))
+    app = build_app(client, client.tokenizer, make_settings(chat_template=chat_template))
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://localhost"
     ) as h:
-        r = await h.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
-            "return_token_ids": True})  # fmt: skip
-    assert r.json()["prompt_token_ids"] == client.tokenizer.encode("[user]Hi[bot]")
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        r = await h.post("/v1/chat/completions", json={**body, "return_token_ids": True})
+    ids: list[int] = r.json()["prompt_token_ids"]
+    return ids
+
+
+async def test_chat_template_override_is_used(make_client: Any) -> None:
+    client = make_client()
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[bot]"
+    ids = await _prompt_ids_of_hi(client, template)
+    assert ids == client.tokenizer.encode("[user]Hi[bot]")
 
 
 async def test_chat_template_file_is_loaded(make_client: Any, tmp_path: Any) -> None:
@@ -143,15 +149,8 @@ async def test_chat_template_file_is_loaded(make_client: Any, tmp_path: Any) -> 
 
     client = make_client()
     (tmp_path / "t.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
-    settings = make_settings(chat_template=str(tmp_path / "t.jinja"))
-    app = build_app(client, client.tokenizer, settings)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://localhost"
-    ) as h:
-        r = await h.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
-            "return_token_ids": True})  # fmt: skip
-    assert r.json()["prompt_token_ids"] == client.tokenizer.encode("<Hi>")
+    ids = await _prompt_ids_of_hi(client, str(tmp_path / "t.jinja"))
+    assert ids == client.tokenizer.encode("<Hi>")
     with pytest.raises(ValueError, match="neither a file"):
         build_app(client, client.tokenizer, make_settings(chat_template="/no/such/file"))
 

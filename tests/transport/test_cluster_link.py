@@ -243,13 +243,19 @@ def test_garbage_costs_one_message_and_the_link_keeps_working(
     assert got[0] == (next(iter(server.peers)), KVRelease(rid=2, accepted=True))
 
 
-def test_a_client_that_closes_goes_silent_on_the_server(server: LinkServer) -> None:
+def _a_peer_that_left(server: LinkServer) -> bytes:
+    """The routing id of a client that connected, said Hello, and closed."""
     client = LinkClient(server.endpoint, KEY, "leaver")
     try:
         _connect(server, client)
         [peer] = server.peers
     finally:
         client.close()
+    return peer
+
+
+def test_a_client_that_closes_goes_silent_on_the_server(server: LinkServer) -> None:
+    peer = _a_peer_that_left(server)
     _until("the closed client to be silent", lambda: server.silent_peers(0.2) == [peer],
            lambda: server.recv(0.05))  # fmt: skip
     server.forget(peer)
@@ -318,12 +324,7 @@ def test_a_server_that_never_answers_is_a_link_timeout(server: LinkServer) -> No
 
 
 def test_a_record_for_a_client_that_left_is_peer_gone(server: LinkServer) -> None:
-    client = LinkClient(server.endpoint, KEY, "leaver")
-    try:
-        _connect(server, client)
-        [peer] = server.peers
-    finally:
-        client.close()
+    peer = _a_peer_that_left(server)
     gone: list[bool] = []
 
     def step() -> None:

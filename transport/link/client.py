@@ -11,7 +11,6 @@ from transport.link.endpoint import (
     Record,
     check_version,
     send,
-    split_address,
     tcp_endpoint,
     wait_any,
 )
@@ -22,24 +21,13 @@ from wire.link_records import Beat, Hello, LinkRecord, encode_link
 class LinkClient(LinkEndpoint):
     """The connecting side: one DEALER to one server's ``address`` (host:port)."""
 
-    def __init__(
-        self,
-        address: str,
-        cluster_key: str,
-        node: str,
-        info: bytes = b"",
-        *,
-        sndhwm: int = 4096,
-        max_record_bytes: int = 64 << 20,
-    ) -> None:
-        host, port = split_address(address)
-        super().__init__(cluster_key, node, info)
+    def _open(self, host: str, port: int) -> None:
         zmq = self._zmq
         self._endpoint = tcp_endpoint(host, port)
         self.server: Hello | None = None
         self._last_heard = 0.0
         self._last_beat = 0
-        self._sock = self._socket(zmq.DEALER, sndhwm, max_record_bytes)
+        self._sock = self._socket(zmq.DEALER)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         # The server's key is the cluster's public key, and so is ours (see auth).

@@ -39,7 +39,13 @@ class LinkEndpoint:
     undecodable or out of turn; ``close`` is idempotent.
     """
 
-    def __init__(self, cluster_key: str, node: str, info: bytes) -> None:
+    # Records queued per peer before a send waits (and times out), and the largest frame
+    # taken: an authenticated peer is trusted, but a corrupted length must not allocate GBs.
+    SNDHWM = 4096
+    MAX_RECORD_BYTES = 64 << 20
+
+    def __init__(self, address: str, cluster_key: str, node: str, info: bytes = b"") -> None:
+        host, port = split_address(address)
         self._zmq = zmq_module()
         self._public, self._secret = cluster_keypair(cluster_key)
         self.node = node
@@ -48,16 +54,20 @@ class LinkEndpoint:
         self.bad_frames = 0
         self._closed = False
         self._ctx = self._zmq.Context()
+        self._open(host, port)
 
-    def _socket(self, kind: int, sndhwm: int, max_bytes: int) -> zmq.Socket[Any]:
+    def _open(self, host: str, port: int) -> None:
+        """Create, secure and bind or connect this end's socket."""
+        raise NotImplementedError
+
+    def _socket(self, kind: int) -> zmq.Socket[Any]:
         zmq = self._zmq
         sock = self._ctx.socket(kind)
         # Small linger: close() must not hang on a peer that went away with records queued.
         sock.setsockopt(zmq.LINGER, 100)
-        sock.setsockopt(zmq.SNDHWM, sndhwm)
-        sock.setsockopt(zmq.RCVHWM, sndhwm)
-        # An authenticated peer is trusted, but a corrupted length must not allocate GBs.
-        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        sock.setsockopt(zmq.SNDHWM, self.SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, self.SNDHWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.MAX_RECORD_BYTES)
         # A half-open handshake (a stalled or hostile peer) is dropped after this.
         sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
         # ZMTP pings: ZeroMQ itself notices a dead TCP peer (a cable, a frozen host) and

@@ -12,7 +12,6 @@ from transport.link.endpoint import (
     Record,
     check_version,
     send,
-    split_address,
     tcp_endpoint,
     wait_any,
 )
@@ -38,18 +37,7 @@ class LinkServer(LinkEndpoint):
     routing id that ``send`` takes back.
     """
 
-    def __init__(
-        self,
-        address: str,
-        cluster_key: str,
-        node: str,
-        info: bytes = b"",
-        *,
-        sndhwm: int = 4096,
-        max_record_bytes: int = 64 << 20,
-    ) -> None:
-        host, port = split_address(address)
-        super().__init__(cluster_key, node, info)
+    def _open(self, host: str, port: int) -> None:
         zmq = self._zmq
         self._peers: dict[bytes, PeerInfo] = {}
         # The ZAP handler binds before the ROUTER does: libzmq admits every CURVE client
@@ -60,7 +48,7 @@ class LinkServer(LinkEndpoint):
             self._ctx.term()
             raise
         try:
-            self._sock = self._socket(zmq.ROUTER, sndhwm, max_record_bytes)
+            self._sock = self._socket(zmq.ROUTER)
             # A send to a client that left raises (PeerGone) instead of vanishing.
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._sock.curve_server = True
