@@ -52,6 +52,7 @@ from engine.weights.linear import decode_rows, prefill_phase
 from engine.weights.lora import LoraBatch, lora_rows
 from engine.weights.lora_spec import LoraError
 from engine.weights.plan import cache_dtype, resolve_quantization
+from wire.params import LoraRef
 from wire.records import Finish
 
 if TYPE_CHECKING:
@@ -319,6 +320,11 @@ class ModelRunner:
         NOTE: blocks are ensured chunk by chunk; if a later one raises ``NoFreeBlocks``
         the earlier ones keep the blocks they got (they are valid, merely early).
         """
+        if self.loras is not None:
+            runs = self.loras.groups([seq.sampling.lora for seq, _ in chunks])
+            if len(runs) > 1:  # more adapters than slots: served in turns
+                parts = [self.prefill([chunks[i] for i in run], pool, every_position) for run in runs]
+                return _in_order(parts, runs, every_position and [n for _, n in chunks])
         if self._dense is not None:
             self._dense.forget([seq for seq, _ in chunks])
         for seq, n in chunks:
@@ -345,6 +351,11 @@ class ModelRunner:
 
         ``pool`` as for ``prefill``.
         """
+        if self.loras is not None:
+            runs = self.loras.groups([seq.sampling.lora for seq in seqs])
+            if len(runs) > 1:  # more adapters than slots: served in turns
+                parts = [self.decode([seqs[i] for i in run], pool) for run in runs]
+                return _in_order(parts, runs, [])
         for seq in seqs:
             if seq.num_uncomputed_tokens != 1:
                 raise ValueError(f"rid {seq.rid}: decode needs exactly one uncomputed token, "
@@ -434,6 +445,19 @@ class ModelRunner:
             if self._dense is not None:  # some layers may have extended it, others not
                 self._dense.invalidate()
             raise
+
+    def check_lora(self, lora: LoraRef | None) -> str | None:
+        """Why a request under ``lora`` cannot run here, or None: checked on arrival so a
+        step never meets an adapter it cannot load."""
+        if lora is None:
+            return None
+        if self.loras is None:
+            return "this worker serves no LoRA adapters (--enable-lora)"
+        try:
+            self.loras.check(lora)
+        except LoraError as e:
+            return str(e)
+        return None
 
     def _lora_batch(self, spans: list[tuple[Sequence, int, int]]) -> LoraBatch | None:
         """The step's token rows by adapter slot (loading what is missing); None: base."""
@@ -545,6 +569,23 @@ class ModelRunner:
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return Finish.LENGTH
         return Finish.NONE
+
+
+def _in_order(
+    parts: list[torch.Tensor], runs: list[list[int]], rows_each: list[int] | bool
+) -> torch.Tensor:
+    """Logits of runs of a batch -> the batch's order. ``rows_each``: rows per item (every
+    position), or falsy for one row each."""
+    if not rows_each:
+        order = [i for run in runs for i in run]
+        out = torch.cat(parts)
+        return out[torch.tensor(order, device=out.device).argsort()]
+    assert isinstance(rows_each, list)
+    by_item: dict[int, torch.Tensor] = {}
+    for run, part in zip(runs, parts):
+        for i, rows in zip(run, part.split([rows_each[i] for i in run])):
+            by_item[i] = rows
+    return torch.cat([by_item[i] for i in range(len(rows_each))])
 
 
 def _newest(seq: Sequence) -> int:

@@ -15,6 +15,8 @@ from frontend.openai.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from frontend.settings import ConnectionLimits
 from launcher.limit_args import DEFAULTS as LIMIT_DEFAULTS
 from launcher.limit_args import add_request_limit_flags, validate_request_limits
+from launcher.lora_args import DEFAULTS as LORA_DEFAULTS
+from launcher.lora_args import add_lora_flags, validate_lora_flags
 from transport.load_table import NODE_NBYTES
 from wire.rids import MAX_FRONTENDS
 
@@ -113,6 +115,10 @@ class ServerConfig:
     max_schema_bytes: int = LIMIT_DEFAULTS["max_schema_bytes"]
     grammar_compile_timeout: float = LIMIT_DEFAULTS["grammar_compile_timeout"]
     grammar_workers: int = LIMIT_DEFAULTS["grammar_workers"]
+    enable_lora: bool = LORA_DEFAULTS["enable_lora"]
+    lora_modules: tuple[str, ...] = LORA_DEFAULTS["lora_modules"]
+    max_loras: int = LORA_DEFAULTS["max_loras"]
+    max_lora_rank: int = LORA_DEFAULTS["max_lora_rank"]
     max_waiting_requests: int = 1024
     max_queued_prefill_tokens: int = 262_144
     stall_timeout: float = 20.0  # seconds without a heartbeat before a worker's requests move
@@ -425,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reasoning items in /v1/responses",
     )
     add_request_limit_flags(p)
+    add_lora_flags(p)
     add(
         "--max-waiting-requests",
         type=int,
@@ -525,6 +532,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     """Parse and validate; raises ``ConfigError`` naming the flag to change."""
     ns = build_parser().parse_args(argv)
     values = {f.name: getattr(ns, f.name) for f in fields(ServerConfig)}
+    values["lora_modules"] = tuple(values["lora_modules"])
     if values["api_key"] is None:
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
     if values["cluster_key"] is None:
@@ -567,6 +575,8 @@ def validate(config: ServerConfig) -> None:
             raise ConfigError("--decode must be >= 1 (or >= 0 with --remote-decode)")
     _validate_cluster(c)
     if (problem := validate_request_limits(c)) is not None:
+        raise ConfigError(problem)
+    if (problem := validate_lora_flags(c)) is not None:
         raise ConfigError(problem)
     if c.max_model_len is not None and c.max_model_len < 2:
         raise ConfigError("--max-model-len must be >= 2 (one prompt and one output token)")

@@ -40,6 +40,8 @@ class LoraAdapters:
         self.dtype, self.device = model.embed.dtype, model.norm.weight.device
         self._by_fp: OrderedDict[str, int] = OrderedDict()  # fingerprint -> slot; LRU first
         self._free = list(range(max_loras - 1, -1, -1))
+        self._checked: set[str] = set()  # fingerprints ``check`` passed
+        self.loads = 0  # adapters loaded, cumulative
         for i in range(len(model.layers)):
             layer = model.layer(i)
             for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
@@ -64,6 +66,32 @@ class LoraAdapters:
         slots = [-1 if r is None else self._by_fp[r.fingerprint] for r in row_refs]
         return group_rows(slots, self.device)
 
+    def check(self, ref: LoraRef) -> None:
+        """Raise ``LoraError`` unless ``ref`` can be served here (readable, unchanged since
+        registered, fits this base and rank); the answer for a fingerprint is kept."""
+        if ref.fingerprint in self._checked or ref.fingerprint in self._by_fp:
+            return
+        spec = read_lora(ref.path)
+        if spec.fingerprint != ref.fingerprint:
+            raise LoraError(f"adapter {ref.name!r}: the files at {ref.path} changed since it "
+                            "was registered; load it again")  # fmt: skip
+        spec.check_fits(self.base, self.max_rank)
+        self._checked.add(ref.fingerprint)
+
+    def groups(self, refs: list[LoraRef | None]) -> list[list[int]]:
+        """Indices of ``refs`` in runs that need at most ``max_loras`` adapters each, in
+        order: one run unless more distinct adapters are in flight than there are slots."""
+        runs: list[list[int]] = [[]]
+        seen: set[str] = set()
+        for i, r in enumerate(refs):
+            if r is not None and r.fingerprint not in seen:
+                if len(seen) == self.max_loras:
+                    runs.append([])
+                    seen = set()
+                seen.add(r.fingerprint)
+            runs[-1].append(i)
+        return runs
+
     def _ensure(self, ref: LoraRef, keep: object) -> None:
         if ref.fingerprint in self._by_fp:
             self._by_fp.move_to_end(ref.fingerprint)
@@ -80,6 +108,7 @@ class LoraAdapters:
             self._free.append(slot)
             raise
         self._by_fp[ref.fingerprint] = slot
+        self.loads += 1
         logger.info("LoRA %s (%s) loaded into slot %d", ref.name, ref.path, slot)
 
     def unload(self, fingerprint: str) -> bool:
