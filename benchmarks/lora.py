@@ -40,9 +40,16 @@ CONDITIONS = (0, 1, 4, 8)  # distinct adapters; 0: the base alone
 
 
 def stream_tokens(url: str, model: str, content: str) -> int:
-    body = {"model": model, "messages": [{"role": "user", "content": content}],
-            "stream": True, "max_tokens": 64, "temperature": 0.7, "seed": 7,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "stream": True,
+        "max_tokens": 64,
+        "temperature": 0.7,
+        "seed": 7,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     tokens = 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
@@ -67,8 +74,9 @@ def eight_streams(url: str, models: list[str]) -> float:
     return tokens / (time.monotonic() - t0)
 
 
-def report(command: str, rates: dict[int, float], load: tuple[float, ...], rank: int,
-           targets: str) -> str:  # fmt: skip
+def report(
+    command: str, rates: dict[int, float], load: tuple[float, ...], rank: int, targets: str
+) -> str:
     base = rates[0]
     lines = report_head("LoRA adapters: 8 streams with 1, 4 and 8 distinct adapters", command)
     lines += [
@@ -82,8 +90,13 @@ def report(command: str, rates: dict[int, float], load: tuple[float, ...], rank:
     for k in CONDITIONS:
         name = "the base alone" if k == 0 else f"{k} adapter{'s' * (k > 1)}"
         lines.append(f"| {name} | {rates[k]:.1f} | {rates[k] / base:.2f}x |")
-    lines += ["", f"Load average after the run: {', '.join(f'{x:.1f}' for x in load)}.", "",
-              "vLLM's CPU build with LoRA: not measured in this run.", ""]  # fmt: skip
+    lines += [
+        "",
+        f"Load average after the run: {', '.join(f'{x:.1f}' for x in load)}.",
+        "",
+        "vLLM's CPU build with LoRA: not measured in this run.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -100,10 +113,28 @@ def main() -> None:
     paths = [make_adapter(model, root / f"a{i}", a.rank, targets, seed=i + 1) for i in range(8)]
     modules = [f"a{i}={p}" for i, p in enumerate(paths)]
     proc, url = launch(
-        ["--model", str(model), "--prefill", "1", "--decode", "1", "--device", "cpu",
-         "--kv-cache-tokens", "32768", "--max-model-len", "4096", "--enable-lora",
-         "--max-loras", "8", "--max-lora-rank", str(a.rank), "--lora-modules", *modules]
-    )  # fmt: skip
+        [
+            "--model",
+            str(model),
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "32768",
+            "--max-model-len",
+            "4096",
+            "--enable-lora",
+            "--max-loras",
+            "8",
+            "--max-lora-rank",
+            str(a.rank),
+            "--lora-modules",
+            *modules,
+        ]
+    )
     try:
         base_name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         names = {0: [base_name], **{k: [f"a{i}" for i in range(k)] for k in CONDITIONS[1:]}}

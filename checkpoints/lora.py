@@ -13,9 +13,15 @@ from typing import Any
 
 
 def make_adapter(
-    base: Path, out: Path, rank: int, targets: tuple[str, ...], seed: int,
-    alpha: int | None = None, magnitude: float = 0.05, **extra: Any,
-) -> Path:  # fmt: skip
+    base: Path,
+    out: Path,
+    rank: int,
+    targets: tuple[str, ...],
+    seed: int,
+    alpha: int | None = None,
+    magnitude: float = 0.05,
+    **extra: Any,
+) -> Path:
     """Write a PEFT LoRA directory for ``base`` at ``out`` and return ``out``.
 
     ``extra``: more ``LoraConfig`` fields (``use_rslora``, ``use_dora`` ... for tests of
@@ -27,9 +33,12 @@ def make_adapter(
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = LoraConfig(
-        r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
-        target_modules=list(targets), lora_dropout=0.0, **extra,
-    )  # fmt: skip
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        target_modules=list(targets),
+        lora_dropout=0.0,
+        **extra,
+    )
     peft_model = get_peft_model(model, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

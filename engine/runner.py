@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.checkpoint.loader import load_weights
-from engine.checkpoint.lora_loader import LoraAdapters
+from engine.checkpoint.lora_loader import LoraAdapters, in_batch_order
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.cuda.gpu_memory import gpu_kv_blocks
 from engine.cuda.kernels import use_kernels
@@ -323,8 +323,10 @@ class ModelRunner:
         if self.loras is not None:
             runs = self.loras.groups([seq.sampling.lora for seq, _ in chunks])
             if len(runs) > 1:  # more adapters than slots: served in turns
-                parts = [self.prefill([chunks[i] for i in run], pool, every_position) for run in runs]
-                return _in_order(parts, runs, every_position and [n for _, n in chunks])
+                parts = [
+                    self.prefill([chunks[i] for i in run], pool, every_position) for run in runs
+                ]
+                return in_batch_order(parts, runs, every_position and [n for _, n in chunks])
         if self._dense is not None:
             self._dense.forget([seq for seq, _ in chunks])
         for seq, n in chunks:
@@ -355,7 +357,7 @@ class ModelRunner:
             runs = self.loras.groups([seq.sampling.lora for seq in seqs])
             if len(runs) > 1:  # more adapters than slots: served in turns
                 parts = [self.decode([seqs[i] for i in run], pool) for run in runs]
-                return _in_order(parts, runs, [])
+                return in_batch_order(parts, runs, [])
         for seq in seqs:
             if seq.num_uncomputed_tokens != 1:
                 raise ValueError(f"rid {seq.rid}: decode needs exactly one uncomputed token, "
@@ -427,8 +429,10 @@ class ModelRunner:
         adapters = self._lora_batch(spans)
         if self._kernels is not None and not every_position:
             if adapters is not None:
-                raise LoraError("LoRA adapters run on the torch path only, not the CUDA "
-                                "kernel path (--attention-backend torch)")  # fmt: skip
+                raise LoraError(
+                    "LoRA adapters run on the torch path only, not the CUDA kernel path "
+                    "(--attention-backend torch)"
+                )
             return self._kernels.forward(spans, tokens, is_decode, kv_pool)
         meta, last = self._metadata(spans, is_decode, kv_pool)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
@@ -569,23 +573,6 @@ class ModelRunner:
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return Finish.LENGTH
         return Finish.NONE
-
-
-def _in_order(
-    parts: list[torch.Tensor], runs: list[list[int]], rows_each: list[int] | bool
-) -> torch.Tensor:
-    """Logits of runs of a batch -> the batch's order. ``rows_each``: rows per item (every
-    position), or falsy for one row each."""
-    if not rows_each:
-        order = [i for run in runs for i in run]
-        out = torch.cat(parts)
-        return out[torch.tensor(order, device=out.device).argsort()]
-    assert isinstance(rows_each, list)
-    by_item: dict[int, torch.Tensor] = {}
-    for run, part in zip(runs, parts):
-        for i, rows in zip(run, part.split([rows_each[i] for i in run])):
-            by_item[i] = rows
-    return torch.cat([by_item[i] for i in range(len(rows_each))])
 
 
 def _newest(seq: Sequence) -> int:

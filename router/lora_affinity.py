@@ -28,7 +28,3 @@ class AdapterAffinity:
         held.move_to_end(fingerprint)
         while len(held) > self.per_worker:
             held.popitem(last=False)
-
-    def forget(self, worker: Hashable) -> None:
-        """A restarted worker holds nothing."""
-        self._held.pop(worker, None)

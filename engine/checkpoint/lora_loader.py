@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -73,8 +74,10 @@ class LoraAdapters:
             return
         spec = read_lora(ref.path)
         if spec.fingerprint != ref.fingerprint:
-            raise LoraError(f"adapter {ref.name!r}: the files at {ref.path} changed since it "
-                            "was registered; load it again")  # fmt: skip
+            raise LoraError(
+                f"adapter {ref.name!r}: the files at {ref.path} changed since it "
+                "was registered; load it again"
+            )
         spec.check_fits(self.base, self.max_rank)
         self._checked.add(ref.fingerprint)
 
@@ -92,12 +95,12 @@ class LoraAdapters:
             runs[-1].append(i)
         return runs
 
-    def _ensure(self, ref: LoraRef, keep: object) -> None:
+    def _ensure(self, ref: LoraRef, keep: Collection[str]) -> None:
         if ref.fingerprint in self._by_fp:
             self._by_fp.move_to_end(ref.fingerprint)
             return
         if not self._free:
-            victim = next((fp for fp in self._by_fp if fp not in keep), None)  # type: ignore[operator]
+            victim = next((fp for fp in self._by_fp if fp not in keep), None)
             assert victim is not None, "more adapters needed than slots (checked above)"
             self.unload(victim)
         slot = self._free.pop()
@@ -135,8 +138,10 @@ class LoraAdapters:
     def _load(self, slot: int, ref: LoraRef) -> None:
         spec = read_lora(ref.path)
         if spec.fingerprint != ref.fingerprint:
-            raise LoraError(f"adapter {ref.name!r}: the files at {ref.path} changed since it "
-                            "was registered; load it again")  # fmt: skip
+            raise LoraError(
+                f"adapter {ref.name!r}: the files at {ref.path} changed since it "
+                "was registered; load it again"
+            )
         spec.check_fits(self.base, self.max_rank)
         parts = self._read(spec)
         for layer_idx, by_target in parts.items():
@@ -168,9 +173,12 @@ class LoraAdapters:
         return out
 
     def _fuse(
-        self, lin: Linear, names: list[str], by_target: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        self,
+        lin: Linear,
+        names: list[str],
+        by_target: dict[str, tuple[torch.Tensor, torch.Tensor]],
         scaling: float,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The parts' pairs as one: A stacked (sum r, K), B block-diagonal (N, sum r)."""
         present = [n for n in names if n in by_target]
         if not present:
@@ -185,3 +193,20 @@ class LoraAdapters:
             b[row : row + pb.shape[0], col : col + pa.shape[0]] = pb * scaling
             col += pa.shape[0]
         return a, b
+
+
+def in_batch_order(
+    parts: list[torch.Tensor], runs: list[list[int]], rows_each: list[int] | bool
+) -> torch.Tensor:
+    """Logits of runs of a batch -> the batch's order. ``rows_each``: rows per item (every
+    position), or falsy for one row each."""
+    if not rows_each:
+        order = [i for run in runs for i in run]
+        out = torch.cat(parts)
+        return out[torch.tensor(order, device=out.device).argsort()]
+    assert isinstance(rows_each, list)
+    by_item: dict[int, torch.Tensor] = {}
+    for run, part in zip(runs, parts):
+        for i, rows in zip(run, part.split([rows_each[i] for i in run])):
+            by_item[i] = rows
+    return torch.cat([by_item[i] for i in range(len(rows_each))])

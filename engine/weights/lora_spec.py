@@ -76,9 +76,14 @@ class BaseDims:
         """(in_features, out_features) of a projection."""
         h, i, q, kv = self.hidden, self.intermediate, self.q_size, self.kv_size
         return {
-            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-        }[target]  # fmt: skip
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }[target]
 
 
 @dataclass(frozen=True)
@@ -141,13 +146,19 @@ def read_lora(path: str | Path) -> LoraSpec:
     if not tensors:
         raise LoraError(f"{weights_path}: holds no LoRA tensors")
     if seen - set(targets):
-        raise LoraError(f"{weights_path}: tensors for {sorted(seen - set(targets))}, "
-                        "which target_modules does not name")  # fmt: skip
+        raise LoraError(
+            f"{weights_path}: tensors for {sorted(seen - set(targets))}, "
+            "which target_modules does not name"
+        )
     return LoraSpec(
-        path=str(root), rank=rank, alpha=alpha, scaling=scaling,
-        targets=tuple(sorted(seen, key=TARGETS.index)), tensors=tensors,
+        path=str(root),
+        rank=rank,
+        alpha=alpha,
+        scaling=scaling,
+        targets=tuple(sorted(seen, key=TARGETS.index)),
+        tensors=tensors,
         fingerprint=_fingerprint(config_bytes, weights_path),
-    )  # fmt: skip
+    )
 
 
 def _check_config(root: Path, c: dict[str, Any]) -> tuple[int, float, float, tuple[str, ...]]:
@@ -159,8 +170,10 @@ def _check_config(root: Path, c: dict[str, Any]) -> tuple[int, float, float, tup
     if c.get("bias", "none") != "none":
         raise LoraError(f"{root}: bias={c.get('bias')!r}: trained biases are not served")
     if c.get("modules_to_save"):
-        raise LoraError(f"{root}: modules_to_save {c.get('modules_to_save')} is not served "
-                        "(fully trained copies of base modules)")  # fmt: skip
+        raise LoraError(
+            f"{root}: modules_to_save {c.get('modules_to_save')} is not served "
+            "(fully trained copies of base modules)"
+        )
     for key in ("rank_pattern", "alpha_pattern"):
         if c.get(key):
             raise LoraError(f"{root}: {key} (per-module rank or alpha) is not served")
@@ -171,8 +184,9 @@ def _check_config(root: Path, c: dict[str, Any]) -> tuple[int, float, float, tup
         raise LoraError(f"{root}: target_modules must be a list of module names, not {raw!r}")
     unknown = [t for t in raw if t not in TARGETS]
     if unknown:
-        raise LoraError(f"{root}: target modules {unknown} are not served; "
-                        f"LoRA may target {', '.join(TARGETS)}")  # fmt: skip
+        raise LoraError(
+            f"{root}: target modules {unknown} are not served; LoRA may target {', '.join(TARGETS)}"
+        )
     try:
         rank, alpha = int(c["r"]), float(c.get("lora_alpha", c["r"]))
     except (KeyError, TypeError, ValueError):
@@ -201,8 +215,10 @@ def _read_header(path: Path) -> tuple[tuple[str, int, str, str, tuple[int, ...]]
             continue
         m = _KEY.match(name)
         if m is None:
-            raise LoraError(f"{path}: tensor {name!r} is not a LoRA A/B of a served "
-                            "projection (embeddings, heads, DoRA magnitudes, biases are refused)")  # fmt: skip
+            raise LoraError(
+                f"{path}: tensor {name!r} is not a LoRA A/B of a served "
+                "projection (embeddings, heads, DoRA magnitudes, biases are refused)"
+            )
         if not isinstance(info, dict) or info.get("dtype") not in _FLOAT_DTYPES:
             raise LoraError(f"{path}: tensor {name!r} is not float32/float16/bfloat16")
         shape = tuple(int(d) for d in info.get("shape", ()))

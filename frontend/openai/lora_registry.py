@@ -40,16 +40,19 @@ class LoraRegistry:
     def load(self, name: str, path: str) -> LoraRef:
         """Check and register; raises ``APIError`` (400) naming what is wrong."""
         if not name or name == self.base_name:
-            raise InvalidRequest(f"lora_name {name!r} is empty or the base model's name",
-                                 param="lora_name")  # fmt: skip
+            raise InvalidRequest(
+                f"lora_name {name!r} is empty or the base model's name", param="lora_name"
+            )
         if name in self.adapters:
-            raise InvalidRequest(f"the LoRA adapter {name!r} is already loaded; unload it "
-                                 "first", param="lora_name")  # fmt: skip
+            raise InvalidRequest(
+                f"the LoRA adapter {name!r} is already loaded; unload it first", param="lora_name"
+            )
         if len(self.adapters) >= self.max_loras:
             raise InvalidRequest(
                 f"{len(self.adapters)} LoRA adapters are loaded, as many as --max-loras "
-                f"({self.max_loras}) allows; unload one first", param="lora_name",
-            )  # fmt: skip
+                f"({self.max_loras}) allows; unload one first",
+                param="lora_name",
+            )
         try:
             spec = read_lora(path)
             spec.check_fits(self.base, self.max_rank)
@@ -57,14 +60,23 @@ class LoraRegistry:
             raise InvalidRequest(f"LoRA adapter {name!r}: {e}", param="lora_path") from None
         ref = LoraRef(name=name, path=spec.path, fingerprint=spec.fingerprint)
         self.adapters[name] = ref
-        logger.info("LoRA adapter %r registered: %s, rank %d, %s", name, spec.path,
-                    spec.rank, ",".join(spec.targets))  # fmt: skip
+        logger.info(
+            "LoRA adapter %r registered: %s, rank %d, %s",
+            name,
+            spec.path,
+            spec.rank,
+            ",".join(spec.targets),
+        )
         return ref
 
     def unload(self, name: str) -> None:
         if self.adapters.pop(name, None) is None:
-            raise APIError(f"no LoRA adapter named {name!r} is loaded", param="lora_name",
-                           code="lora_not_found", status=404)  # fmt: skip
+            raise APIError(
+                f"no LoRA adapter named {name!r} is loaded",
+                param="lora_name",
+                code="lora_not_found",
+                status=404,
+            )
         logger.info("LoRA adapter %r unregistered", name)
 
     def resolve(self, model: str) -> LoraRef | None:
@@ -73,7 +85,13 @@ class LoraRegistry:
     def cards(self) -> list[dict[str, object]]:
         """/v1/models entries: one per adapter, its base as parent."""
         return [
-            {"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
-             "root": ref.path, "parent": self.base_name}
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "pdserve",
+                "root": ref.path,
+                "parent": self.base_name,
+            }
             for name, ref in self.adapters.items()
-        ]  # fmt: skip
+        ]

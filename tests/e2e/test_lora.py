@@ -33,8 +33,10 @@ KINDS = {  # name -> (rank, targets)
 @pytest.fixture(scope="module")
 def adapters(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
-    out = {name: make_adapter(default_model_path, root / name, rank, targets, seed=i + 1)
-           for i, (name, (rank, targets)) in enumerate(KINDS.items())}  # fmt: skip
+    out = {
+        name: make_adapter(default_model_path, root / name, rank, targets, seed=i + 1)
+        for i, (name, (rank, targets)) in enumerate(KINDS.items())
+    }
     out["rank32"] = make_adapter(default_model_path, root / "rank32", 32, ("q_proj",), seed=9)
     qwen3 = default_model_path.parent / "tiny-qwen3-v1"  # q_proj 128 wide, not 64
     out["other_base"] = make_adapter(qwen3, root / "other_base", 4, ("q_proj",), seed=9)
@@ -47,11 +49,30 @@ def adapters(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="module")
 def server(adapters: dict[str, Path]) -> Iterator[LaunchedServer]:
     yield from LaunchedServer.serving(
-        ["--prefill", "1", "--decode", "1", "--detokenizers", "1", "--device", "cpu",
-         "--kv-cache-tokens", "8192", "--max-model-len", "1024", "--stall-timeout", "4",
-         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
-         "--lora-modules", f"qvd8={adapters['qvd8']}"]
-    )  # fmt: skip
+        [
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--detokenizers",
+            "1",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "8192",
+            "--max-model-len",
+            "1024",
+            "--stall-timeout",
+            "4",
+            "--enable-lora",
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            "16",
+            "--lora-modules",
+            f"qvd8={adapters['qvd8']}",
+        ]
+    )
 
 
 _reference: dict[tuple[str, tuple[int, ...]], list[int]] = {}
@@ -67,15 +88,27 @@ def _want(base: Path, adapter: Path | None, prompt: list[int]) -> list[int]:
         else:
             model = peft_model(base, adapter)
         with torch.no_grad():
-            out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            out = model.generate(
+                input_ids=torch.tensor([prompt]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         _reference[key] = out[0, len(prompt) :].tolist()
     return _reference[key]
 
 
 def _complete(srv: LaunchedServer, model: str, prompt: list[int], **extra: Any) -> httpx.Response:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, **extra}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
     return httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
 
 
@@ -101,8 +134,14 @@ def test_models_lists_each_adapter_with_the_base_as_parent(server: LaunchedServe
 def test_greedy_output_per_adapter_matches_transformers_peft(
     server: LaunchedServer, adapters: dict[str, Path], default_model_path: Path
 ) -> None:
-    assert _post(server, "/v1/load_lora_adapter",
-                 {"lora_name": "all16", "lora_path": str(adapters["all16"])}).status_code == 200  # fmt: skip
+    assert (
+        _post(
+            server,
+            "/v1/load_lora_adapter",
+            {"lora_name": "all16", "lora_path": str(adapters["all16"])},
+        ).status_code
+        == 200
+    )
     try:
         prompt = random_prompts(1, seed=4)[0] + [11, 12, 13]
         outs = {}
@@ -113,14 +152,24 @@ def test_greedy_output_per_adapter_matches_transformers_peft(
             assert got == _want(default_model_path, adapters.get(name or ""), prompt), name
             outs[name] = got
         assert len({tuple(v) for v in outs.values()}) == 3, "an adapter changed nothing"
+
         # Several adapters and the base in flight at once: each as alone.
         async def all_at_once() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
-                bodies = [{"model": n or _base_name(server), "prompt": prompt,
-                           "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                           "return_token_ids": True} for n in outs]  # fmt: skip
-                return list(await asyncio.gather(*(c.post("/v1/completions", json=b)
-                                                   for b in bodies)))  # fmt: skip
+                bodies = [
+                    {
+                        "model": n or _base_name(server),
+                        "prompt": prompt,
+                        "max_tokens": MAX_TOKENS,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "return_token_ids": True,
+                    }
+                    for n in outs
+                ]
+                return list(
+                    await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+                )
 
         for name, r in zip(outs, asyncio.run(all_at_once())):
             assert r.json()["choices"][0]["token_ids"] == outs[name], name
@@ -132,15 +181,26 @@ def test_chat_messages_and_responses_select_the_adapter_by_model(server: Launche
     msg = [{"role": "user", "content": "Say something."}]
     texts = {}
     for model in ("qvd8", _base_name(server)):
-        chat = _post(server, "/v1/chat/completions", {"model": model, "messages": msg,
-                     "max_tokens": 12, "temperature": 0})  # fmt: skip
-        messages = _post(server, "/v1/messages", {"model": model, "messages": msg,
-                         "max_tokens": 12, "temperature": 0})  # fmt: skip
-        responses = _post(server, "/v1/responses", {"model": model, "input": "Say something.",
-                          "max_output_tokens": 12, "temperature": 0})  # fmt: skip
+        chat = _post(
+            server,
+            "/v1/chat/completions",
+            {"model": model, "messages": msg, "max_tokens": 12, "temperature": 0},
+        )
+        messages = _post(
+            server,
+            "/v1/messages",
+            {"model": model, "messages": msg, "max_tokens": 12, "temperature": 0},
+        )
+        responses = _post(
+            server,
+            "/v1/responses",
+            {"model": model, "input": "Say something.", "max_output_tokens": 12, "temperature": 0},
+        )
         assert chat.status_code == messages.status_code == responses.status_code == 200
-        texts[model] = (chat.json()["choices"][0]["message"]["content"],
-                        messages.json()["content"][0]["text"])  # fmt: skip
+        texts[model] = (
+            chat.json()["choices"][0]["message"]["content"],
+            messages.json()["content"][0]["text"],
+        )
         assert texts[model][0] == texts[model][1]  # the same prompt, the same adapter
     assert len(set(texts.values())) == 2, "the adapter was ignored"
     unknown = _post(server, "/v1/messages", {"model": "nope", "messages": msg, "max_tokens": 4})
@@ -150,8 +210,14 @@ def test_chat_messages_and_responses_select_the_adapter_by_model(server: Launche
 def test_a_prompt_under_adapter_a_then_b_shares_no_cached_block(
     server: LaunchedServer, adapters: dict[str, Path]
 ) -> None:
-    assert _post(server, "/v1/load_lora_adapter",
-                 {"lora_name": "gu16", "lora_path": str(adapters["gu16"])}).status_code == 200  # fmt: skip
+    assert (
+        _post(
+            server,
+            "/v1/load_lora_adapter",
+            {"lora_name": "gu16", "lora_path": str(adapters["gu16"])},
+        ).status_code
+        == 200
+    )
     try:
         prompt = random_prompts(1, seed=77)[0] * 4  # 20 tokens x 4: several full blocks
 
@@ -188,9 +254,13 @@ def test_bad_lora_input_gets_a_4xx_naming_it_and_the_server_serves_on(
     assert r.status_code == 404 and "no-such-adapter" in r.text
     assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "nope"}).status_code == 404
     # --max-loras 2: one more fits, the next is refused.
-    ok = _post(server, "/v1/load_lora_adapter", {"lora_name": "g", "lora_path": str(adapters["gu16"])})
+    ok = _post(
+        server, "/v1/load_lora_adapter", {"lora_name": "g", "lora_path": str(adapters["gu16"])}
+    )
     assert ok.status_code == 200
-    full = _post(server, "/v1/load_lora_adapter", {"lora_name": "h", "lora_path": str(adapters["all16"])})
+    full = _post(
+        server, "/v1/load_lora_adapter", {"lora_name": "h", "lora_path": str(adapters["all16"])}
+    )
     assert full.status_code == 400 and "--max-loras" in full.text
     assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "g"}).status_code == 200
     _assert_serving(server)
@@ -216,8 +286,12 @@ def test_load_serve_unload_and_load_again_keeps_memory_bounded(
     for cycle in range(4):
         name = f"cycle{cycle}"
         path = adapters["all16" if cycle % 2 else "gu16"]
-        assert _post(server, "/v1/load_lora_adapter",
-                     {"lora_name": name, "lora_path": str(path)}).status_code == 200  # fmt: skip
+        assert (
+            _post(
+                server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}
+            ).status_code
+            == 200
+        )
         r = _complete(server, name, prompt)
         assert r.json()["choices"][0]["token_ids"] == _want(default_model_path, path, prompt)
         assert _post(server, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
@@ -237,9 +311,18 @@ def test_a_decode_worker_killed_mid_stream_resumes_an_adapter_request_exactly(
     wait_all_alive(server)
     prompts = random_prompts(3, seed=31)
 
-    async def stream(client: httpx.AsyncClient, prompt: list[int], started: asyncio.Event) -> list[int]:
-        body = {"model": "qvd8", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
+    async def stream(
+        client: httpx.AsyncClient, prompt: list[int], started: asyncio.Event
+    ) -> list[int]:
+        body = {
+            "model": "qvd8",
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
         ids: list[int] = []
         async with client.stream("POST", "/v1/completions", json=body) as r:
             async for line in r.aiter_lines():

@@ -53,16 +53,20 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Path, str],
 
 
 def _runner(base: Path, quantization: str = "none", max_loras: int = 4) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=str(base), num_kv_blocks=128, max_loras=max_loras,
-                                    quantization=quantization))  # fmt: skip
+    return ModelRunner(
+        EngineConfig(
+            model=str(base), num_kv_blocks=128, max_loras=max_loras, quantization=quantization
+        )
+    )
 
 
 def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 150_000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _engine_logits(runner: ModelRunner, prompt: list[int], then: list[int],
-                   lora: LoraRef | None) -> torch.Tensor:  # fmt: skip
+def _engine_logits(
+    runner: ModelRunner, prompt: list[int], then: list[int], lora: LoraRef | None
+) -> torch.Tensor:
     """Logits after the prompt (prefill), then after each of ``then`` (decode): (1 + len(then), V)."""
     s = Sequence(0, prompt, sampling=SamplingParams(lora=lora))
     rows = [runner.prefill([(s, s.num_tokens)])[0]]
@@ -98,9 +102,12 @@ def test_greedy_generation_matches_peft_generate(adapters: dict[tuple[Path, str]
         (result,) = llm.generate([prompt], params)
         with torch.no_grad():
             out = peft_model(TINY_LLAMA, path).generate(
-                input_ids=torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
+                input_ids=torch.tensor([prompt]),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         assert result.output_ids == out[0, len(prompt) :].tolist(), kind
 
 
@@ -111,8 +118,10 @@ def test_a_batch_of_three_adapters_and_the_base_gives_each_row_what_it_gets_alon
     refs = [_ref(adapters[(TINY_LLAMA, k)], k) for k in KINDS] + [None]
     prompts = [_tokens(n, seed=10 + n) for n in (17, 33, 9, 40)]
     alone = [_engine_logits(runner, p, [5, 6, 7], r) for p, r in zip(prompts, refs)]
-    seqs = [Sequence(i, p, sampling=SamplingParams(lora=r))
-            for i, (p, r) in enumerate(zip(prompts, refs))]  # fmt: skip
+    seqs = [
+        Sequence(i, p, sampling=SamplingParams(lora=r))
+        for i, (p, r) in enumerate(zip(prompts, refs))
+    ]
     rows = [runner.prefill([(s, s.num_tokens) for s in seqs])]
     for t in (5, 6, 7):
         for s in seqs:
@@ -175,9 +184,9 @@ def test_resident_adapters_are_bounded_and_least_recently_used_go_first(
     assert runner.loras.resident == [refs[1].fingerprint, refs[2].fingerprint]
     # Evicted and loaded again: the same numbers.
     assert torch.equal(_engine_logits(runner, prompt, [], refs[0]), first)
-    seqs = [Sequence(i, prompt, sampling=SamplingParams(lora=r)) for i, r in enumerate(refs)]
+    # A step of three adapters runs in turns; a turn may not need more than the slots.
     with pytest.raises(LoraCapacityError, match="--max-loras is 2"):
-        runner.prefill([(s, s.num_tokens) for s in seqs])
+        runner.loras.batch(refs)
     assert runner.loras.unload(refs[0].fingerprint)
     assert len(runner.loras.resident) == 1
 
@@ -242,3 +251,24 @@ def test_unfit_or_missing_adapters_are_refused_by_name(
     assert runner.loras is not None and runner.loras.resident == []
     # The runner serves on after each refusal.
     _engine_logits(runner, [1, 2, 3], [4], _ref(adapters[(TINY_LLAMA, "qvd8")]))
+
+
+def test_more_adapters_in_flight_than_slots_are_served_in_turns(
+    adapters: dict[tuple[Path, str], Path],
+) -> None:
+    runner = _runner(TINY_LLAMA, max_loras=2)
+    refs = [_ref(adapters[(TINY_LLAMA, k)], k) for k in KINDS] + [None]
+    prompts = [_tokens(n, seed=40 + n) for n in (12, 20, 7, 30)]
+    alone = [_engine_logits(runner, p, [9, 8], r) for p, r in zip(prompts, refs)]
+    seqs = [
+        Sequence(i, p, sampling=SamplingParams(lora=r))
+        for i, (p, r) in enumerate(zip(prompts, refs))
+    ]
+    rows = [runner.prefill([(s, s.num_tokens) for s in seqs])]
+    for t in (9, 8):
+        for s in seqs:
+            s.output_ids.append(t)
+        rows.append(runner.decode(seqs))
+    batched = torch.stack(rows, dim=1)  # (4 requests, 3 steps, V): in the batch's order
+    for i, want in enumerate(alone):
+        torch.testing.assert_close(batched[i], want, atol=1e-4, rtol=0, msg=f"request {i}")
