@@ -76,6 +76,11 @@ class Admission:
         """A prefill worker has KV ready for ``t.rid``; refused at once if already aborted."""
         if t.rid in self._aborted:
             return [(t.prefill_worker, KVRelease(rid=t.rid, accepted=False))]
+        why = self.runner.check_lora(t.sampling.lora)
+        if why is not None:
+            logger.error("rid %d: its LoRA adapter cannot run here: %s", t.rid, why)
+            self._ended.append((t, Finish.ERROR))
+            return [(t.prefill_worker, KVRelease(rid=t.rid, accepted=False))]
         if t.sampling.grammar is not None:
             self.runner.grammars.prepare(t.sampling.grammar)
             self.compiling.append(t)

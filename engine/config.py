@@ -233,6 +233,9 @@ class EngineConfig:
     kv_offload_fd: int | None = None
     kv_offload_nbytes: int = 0
     kv_offload_dir: str | None = None
+    # LoRA adapters resident at once (engine/checkpoint/lora_loader.py); 0: LoRA off.
+    max_loras: int = 0
+    max_lora_rank: int = 16
     # Decode workers only (prefill never speculates); None: one token per step.
     speculative: SpeculativeConfig | None = None
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.checkpoint.loader import load_weights
+from engine.checkpoint.lora_loader import LoraAdapters, in_batch_order
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.cuda.gpu_memory import gpu_kv_blocks
 from engine.cuda.kernels import use_kernels
@@ -40,7 +41,10 @@ from engine.sampling.grammar_mask import batch_constraint
 from engine.sampling.sampler import SampleOutput, SampleRequest, sample
 from engine.tokenizer.hf_tokenizer import load_tokenizer
 from engine.weights.linear import decode_rows, prefill_phase
+from engine.weights.lora import LoraBatch, lora_rows
+from engine.weights.lora_spec import LoraError
 from engine.weights.plan import cache_dtype, resolve_quantization
+from wire.params import LoraRef
 from wire.records import Finish
 
 if TYPE_CHECKING:
@@ -72,6 +76,11 @@ class ModelRunner:
         self.model = CausalLM(self.model_config, self.max_model_len, self.dtype, self.device)
         gemm_rows = config.gemm_min_rows if config.large_batch_gemm else None
         load_weights(self.model, Path(config.model), self.quantization, gemm_rows)
+        self.loras: LoraAdapters | None = None
+        if config.max_loras > 0:
+            self.loras = LoraAdapters(
+                self.model, config.model, config.max_loras, config.max_lora_rank
+            )
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.grammars = GrammarCache(
@@ -150,6 +159,13 @@ class ModelRunner:
         NOTE: blocks are ensured chunk by chunk; if a later one raises ``NoFreeBlocks``
         the earlier ones keep the blocks they got (they are valid, merely early).
         """
+        if self.loras is not None:
+            runs = self.loras.groups([seq.sampling.lora for seq, _ in chunks])
+            if len(runs) > 1:  # more adapters than slots: served in turns
+                parts = [
+                    self.prefill([chunks[i] for i in run], pool, every_position) for run in runs
+                ]
+                return in_batch_order(parts, runs, every_position and [n for _, n in chunks])
         if self._dense is not None:
             self._dense.forget([seq for seq, _ in chunks])
         for seq, n in chunks:
@@ -176,6 +192,11 @@ class ModelRunner:
 
         ``pool`` as for ``prefill``.
         """
+        if self.loras is not None:
+            runs = self.loras.groups([seq.sampling.lora for seq in seqs])
+            if len(runs) > 1:  # more adapters than slots: served in turns
+                parts = [self.decode([seqs[i] for i in run], pool) for run in runs]
+                return in_batch_order(parts, runs, [])
         for seq in seqs:
             if seq.num_uncomputed_tokens != 1:
                 raise ValueError(f"rid {seq.rid}: decode needs exactly one uncomputed token, "
@@ -247,7 +268,13 @@ class ModelRunner:
             if start + n > self.max_model_len:
                 raise ValueError(f"rid {seq.rid}: {start + n} tokens exceed max_model_len "
                                  f"{self.max_model_len}")  # fmt: skip
+        adapters = self._lora_batch(spans)
         if self._kernels is not None and not every_position:
+            if adapters is not None:
+                raise LoraError(
+                    "LoRA adapters run on the torch path only, not the CUDA kernel path "
+                    "(--attention-backend torch)"
+                )
             return self._kernels.forward(spans, tokens, is_decode, kv_pool)
         meta, last = self._metadata(spans, is_decode, kv_pool)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
@@ -258,12 +285,34 @@ class ModelRunner:
                 kernels: AbstractContextManager[None] = nullcontext()
             else:
                 kernels = decode_rows(len(spans)) if decode_weights else prefill_phase()
-            with kernels:
+            with kernels, lora_rows(adapters):
                 return self.model(ids, kv_pool, meta, TORCH, None if every_position else last)
         except BaseException:
             if self._dense is not None:  # some layers may have extended it, others not
                 self._dense.invalidate()
             raise
+
+    def check_lora(self, lora: LoraRef | None) -> str | None:
+        """Why a request under ``lora`` cannot run here, or None: checked on arrival so a
+        step never meets an adapter it cannot load."""
+        if lora is None:
+            return None
+        if self.loras is None:
+            return "this worker serves no LoRA adapters (--enable-lora)"
+        try:
+            self.loras.check(lora)
+        except LoraError as e:
+            return str(e)
+        return None
+
+    def _lora_batch(self, spans: list[tuple[Sequence, int, int]]) -> LoraBatch | None:
+        """The step's token rows by adapter slot (loading what is missing); None: base."""
+        refs = [seq.sampling.lora for seq, _, _ in spans]
+        if all(r is None for r in refs):
+            return None
+        if self.loras is None:
+            raise LoraError("this worker serves no LoRA adapters (start it with --enable-lora)")
+        return self.loras.batch([r for r, (_, _, n) in zip(refs, spans) for _ in range(n)])
 
     def _metadata(
         self, spans: list[tuple[Sequence, int, int]], is_decode: bool, kv_pool: torch.Tensor

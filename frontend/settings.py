@@ -82,6 +82,12 @@ class FrontendSettings:
     max_schema_bytes: int = MAX_GRAMMAR_BYTES
     grammar_compile_timeout_s: float = 5.0
     grammar_workers: int = 2
+    # LoRA (frontend/openai/lora_registry.py): adapters served at once (0: LoRA off), the
+    # largest rank, the adapters of --lora-modules, and the base checkpoint they must fit.
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    base_model_dir: str = ""
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from dataclasses import fields
 
 from launcher.flags import build_parser
 from launcher.limit_args import validate_request_limits
+from launcher.lora_args import validate_lora_flags
 from launcher.settings import (
     API_KEY_ENV,
     CLUSTER_KEY_ENV,
@@ -26,6 +27,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     """Parse and validate; raises ``ConfigError`` naming the flag to change."""
     ns = build_parser().parse_args(argv)
     values = {f.name: getattr(ns, f.name) for f in fields(ServerConfig)}
+    values["lora_modules"] = tuple(values["lora_modules"])
     if values["api_key"] is None:
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
     if values["cluster_key"] is None:
@@ -68,6 +70,8 @@ def validate(config: ServerConfig) -> None:
             raise ConfigError("--decode must be >= 1 (or >= 0 with --remote-decode)")
     _validate_cluster(c)
     if (problem := validate_request_limits(c)) is not None:
+        raise ConfigError(problem)
+    if (problem := validate_lora_flags(c)) is not None:
         raise ConfigError(problem)
     if c.max_model_len is not None and c.max_model_len < 2:
         raise ConfigError("--max-model-len must be >= 2 (one prompt and one output token)")

@@ -36,6 +36,7 @@ from frontend.settings import FrontendLaunch, FrontendSettings
 from launcher import cluster, kv_tiers
 from launcher.args import parse_args
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
+from launcher.lora_args import lora_modules
 from launcher.memory import Demand, MemoryBudgetError, plan_kv, weight_bytes
 from launcher.placement import WorkerPlace, describe, kv_transfer_backend, placements
 from launcher.settings import ConfigError, KVBackend, ServerConfig
@@ -96,6 +97,8 @@ def _engine_spec(
         chunked_prefill_size=config.chunked_prefill_size,
         enable_prefix_caching=config.enable_prefix_caching,
         attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
+        max_loras=config.max_loras if config.enable_lora else 0,
+        max_lora_rank=config.max_lora_rank,
         **tiers,
     )  # fmt: skip
     if place.role in (Role.DECODE, Role.COLOCATED):  # prefill workers never speculate
@@ -152,6 +155,9 @@ def _children(
         max_tools_bytes=config.max_tools_bytes, max_schema_bytes=config.max_schema_bytes,
         grammar_compile_timeout_s=config.grammar_compile_timeout,
         grammar_workers=config.grammar_workers,
+        max_loras=config.max_loras if config.enable_lora else 0,
+        max_lora_rank=config.max_lora_rank, lora_modules=lora_modules(config),
+        base_model_dir=str(model),
     )  # fmt: skip
     frontend = FrontendLaunch(
         model=str(model), log_level=config.log_level.value, http=http,

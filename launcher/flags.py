@@ -12,6 +12,7 @@ from engine.config import ATTENTION_BACKENDS, SpeculativeConfig, parse_speculati
 from engine.weights.plan import QUANTIZATIONS
 from frontend.openai.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from launcher.limit_args import add_request_limit_flags
+from launcher.lora_args import add_lora_flags
 from launcher.settings import (
     API_KEY_ENV,
     CLUSTER_KEY_ENV,
@@ -320,6 +321,7 @@ def _api(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         "reasoning items in /v1/responses",
     )
     add_request_limit_flags(g)
+    add_lora_flags(g)
 
 
 def _admission(g: argparse._ActionsContainer, d: ServerConfig) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from engine.config import EngineConfig, SpeculativeConfig
 from frontend.settings import ConnectionLimits
 from launcher.limit_args import DEFAULTS as LIMIT_DEFAULTS
+from launcher.lora_args import DEFAULTS as LORA_DEFAULTS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 CLUSTER_KEY_ENV = "PDSERVE_CLUSTER_KEY"
@@ -114,6 +115,10 @@ class ServerConfig:
     max_schema_bytes: int = LIMIT_DEFAULTS["max_schema_bytes"]
     grammar_compile_timeout: float = LIMIT_DEFAULTS["grammar_compile_timeout"]
     grammar_workers: int = LIMIT_DEFAULTS["grammar_workers"]
+    enable_lora: bool = LORA_DEFAULTS["enable_lora"]
+    lora_modules: tuple[str, ...] = LORA_DEFAULTS["lora_modules"]
+    max_loras: int = LORA_DEFAULTS["max_loras"]
+    max_lora_rank: int = LORA_DEFAULTS["max_lora_rank"]
     max_waiting_requests: int = 1024
     max_queued_prefill_tokens: int = 262_144
     stall_timeout: float = 20.0  # seconds without a heartbeat before a worker's requests move

@@ -48,6 +48,10 @@ def fits(runner: ModelRunner, req: GenerateRequest) -> bool:
     if total > runner.max_model_len or blocks > runner.kv.num_blocks:
         logger.error("rid %d: %d tokens can never fit; rejected", req.rid, total)
         return False
+    why = runner.check_lora(req.sampling.lora)
+    if why is not None:
+        logger.error("rid %d: its LoRA adapter cannot run: %s", req.rid, why)
+        return False
     return True
 
 

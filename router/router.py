@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from engine.kv.block_allocator import block_hashes
 from router.ledger import Ledger, PeerBooks, WorkerKey
+from router.lora_affinity import AdapterAffinity
 from router.policy import Candidate, PolicyName, make_policy
 from transport.load_table import LoadRow, LoadTable, WorkerState
 from transport.prefix_summary import PrefixSummary
@@ -68,6 +69,7 @@ class RouterConfig:
     retry_after_s: float = 1.0  # when workers are busy
     retry_after_dead_s: float = 5.0  # when no worker of a role is alive (a restart takes a while)
     seed: int | None = None  # power-of-two sampling; None draws from the OS
+    max_loras: int = 1  # adapters a worker keeps resident (--max-loras): the affinity's bound
 
 
 @dataclass(frozen=True)
@@ -113,19 +115,22 @@ class Router:
         self._decode_policy = make_policy(policy, None if seed is None else ~seed, decode=True)
         self.ledger = Ledger(peers)
         self._tickets = itertools.count(1)
+        # Where each LoRA adapter was sent lately (bounded like a worker's resident set).
+        self.adapters = AdapterAffinity(self._config.max_loras)
 
-    def hash_blocks(self, token_ids: Sequence[int]) -> list[int]:
+    def hash_blocks(self, token_ids: Sequence[int], extra: bytes | None = None) -> list[int]:
         """The block hashes ``place`` wants for a request of ``token_ids``; [] (and no
-        hashing cost) unless the policy is cache-aware."""
+        hashing cost) unless the policy is cache-aware. ``extra``: the salt the workers'
+        hashes have (a LoRA adapter's, ``LoraRef.salt``)."""
         if not self.cache_aware or not self._summaries:
             return []
         if not self._block_size:
             self._snapshot()
-        return block_hashes(token_ids, self._block_size) if self._block_size else []
+        return block_hashes(token_ids, self._block_size, extra) if self._block_size else []
 
     def place(
         self, prompt_len: int, max_tokens: int, hashes: Sequence[int] = (), *,
-        prefill: int | None = None,
+        prefill: int | None = None, lora: str | None = None,
     ) -> Placement:  # fmt: skip
         """Choose the workers for a request, or raise ``NoCapacity``.
 
@@ -135,6 +140,8 @@ class Router:
         to the chosen prefill worker (or call ``release(p, delivered=False)``).
         ``prefill``: only that prefill (or co-located) worker will do, e.g. the one the
         other choices of an ``n > 1`` request went to, which shares their prompt's KV.
+        ``lora``: the fingerprint of the request's LoRA adapter: workers that were sent it
+        lately (and so probably hold it) are preferred at a similar load.
         """
         if prompt_len < 1 or max_tokens < 1:
             raise ValueError(
@@ -142,10 +149,14 @@ class Router:
             )
         rows, now = self._snapshot()
         p_role, d_role = _roles(rows)
-        req = _Request(prompt_len, max_tokens, hashes if self.cache_aware else ())
+        req = _Request(prompt_len, max_tokens, hashes if self.cache_aware else (), lora)
         p_row = self._choose(rows, p_role, req, now, only=prefill)
         d_row = p_row if p_role is d_role else self._choose(rows, d_role, req, now)
-        return self._commit(p_row, d_row, prompt_len, max_tokens)
+        placement = self._commit(p_row, d_row, prompt_len, max_tokens)
+        if lora is not None:
+            for key in placement.keys:
+                self.adapters.sent(key, lora)
+        return placement
 
     def check_capacity(self) -> None:
         """Raise ``NoCapacity`` when ``place`` would refuse every request, however small.
@@ -220,9 +231,24 @@ class Router:
                       self._new_tokens(r, req))
             for r in admitted
         ]  # fmt: skip
+        if req.lora is not None:
+            candidates = self._adapter_holders(admitted, candidates, req.lora)
         policy = self._decode_policy if role is Role.DECODE else self._prefill_policy
         pick = policy.choose(candidates).index
         return next(r for r in admitted if r.index == pick)
+
+    def _adapter_holders(
+        self, rows: list[LoadRow], candidates: list[Candidate], lora: str
+    ) -> list[Candidate]:
+        """The candidates that probably hold adapter ``lora``, if one of them is about as
+        loaded as the least loaded worker; else all of them."""
+        holders = [c for r, c in zip(rows, candidates) if self.adapters.holds(r.worker, lora)]
+        if not holders:
+            return candidates
+        least = min(c.cost for c in candidates)
+        if min(c.cost for c in holders) > least + self.adapters.slack_tokens:
+            return candidates
+        return holders
 
     def _routable(self, r: LoadRow, now_ns: int) -> bool:
         if r.state is not WorkerState.READY or r.pid <= 0:
@@ -306,6 +332,7 @@ class _Request:
     prompt_len: int
     max_tokens: int
     hashes: Sequence[int] = ()
+    lora: str | None = None  # the LoRA adapter's fingerprint
 
 
 def _roles(rows: list[LoadRow]) -> tuple[Role, Role]:

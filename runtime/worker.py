@@ -162,9 +162,16 @@ class Worker(abc.ABC):
                 cached_blocks=kv.hashed_blocks,
                 prefix_hit_tokens=kv.hit_tokens,
                 prefix_queried_tokens=kv.queried_tokens,
+                **self._lora_counters(),
                 **(spec_counters(spec.stats) if spec is not None else {}),
             )
         )
+
+    def _lora_counters(self) -> dict[str, int]:
+        loras = self.runner.loras
+        if loras is None:
+            return {}
+        return {"lora_adapters": len(loras.resident), "lora_loads": loras.loads}
 
 
 def spec_counters(stats: SpecStats) -> dict[str, int]:

@@ -119,11 +119,11 @@ HEADER_NBYTES = 64
 ROW_NBYTES = 320  # a multiple of 64 (whole cache lines) and of 8 (aligned seq words)
 NODE_NBYTES = 64  # a node name's room in a row: UTF-8, NUL-padded (Linux host names fit)
 _MAGIC = 0x7064_6C6F_6164_7462  # "pdloadtb"
-_VERSION = 6  # 6: rows of 320 bytes with speculative decoding counters
+_VERSION = 7  # 7: rows of 320 bytes with speculative decoding and LoRA counters
 _HEADER = struct.Struct("<QII")  # magic, version, num_workers
 # Row payload after the 8-byte seq, packed in one call by the writer. The numpy dtype below
 # names the same bytes for the reader; test_load_table pins that the two agree.
-_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiixxxxqqq" + "q" * len(SPEC_FIELDS))
+_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiixxxxqqqqq" + "q" * len(SPEC_FIELDS))
 _PAYLOAD_FIELDS = (
     "heartbeat_ns",
     "queued_prefill_tokens",
@@ -144,15 +144,17 @@ _PAYLOAD_FIELDS = (
     "prefix_hit_tokens",
     "prefix_queried_tokens",
     "computed_prefill_tokens",
+    "lora_adapters",
+    "lora_loads",
     *SPEC_FIELDS,
 )
 # The node name follows the integers; the writer packs both in one call (``_ROW``).
 _NODE_OFFSET = 8 + _PAYLOAD.size
 _ROW = struct.Struct(f"{_PAYLOAD.format}{NODE_NBYTES}s")
-_FORMATS = ["<u8", *["<i8"] * 4, "<u4", *["<i4"] * 7, "u1", "u1", "<i4", "<i4", *["<i8"] * 3]
-_OFFSETS = [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76, 80, 88, 96, 104]
+_FORMATS = ["<u8", *["<i8"] * 4, "<u4", *["<i4"] * 7, "u1", "u1", "<i4", "<i4", *["<i8"] * 5]
+_OFFSETS = [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76, 80, 88, 96, 104, 112, 120]
 _FORMATS += ["<i8"] * len(SPEC_FIELDS)
-_OFFSETS += range(112, 112 + 8 * len(SPEC_FIELDS), 8)
+_OFFSETS += range(128, 128 + 8 * len(SPEC_FIELDS), 8)
 ROW_DTYPE = np.dtype(
     {
         "names": ["seq", *_PAYLOAD_FIELDS, "node"],

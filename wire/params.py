@@ -40,6 +40,24 @@ class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return digest.hexdigest()
 
 
+class LoraRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The LoRA adapter a request runs under, as the frontend's registry names it.
+
+    Plain data: every worker that runs the request loads the adapter itself from ``path``
+    (``engine/checkpoint/lora_loader.py``) and checks it still has ``fingerprint`` (a
+    digest of its config and weights), which also salts the request's prefix-block
+    hashes, so no KV computed under one adapter serves another or the base.
+    """
+
+    name: str
+    path: str
+    fingerprint: str
+
+    @property
+    def salt(self) -> bytes:
+        return b"lora:" + self.fingerprint.encode()
+
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -72,6 +90,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     - ``logprobs``: None = none; 0 = the sampled token's logprob; N = plus the top N.
       Logprobs are of the raw model distribution (before temperature and filters).
     - ``max_tokens`` counts output tokens, the first (sampled by prefill) included.
+    - ``lora``: the adapter the model runs with for this request (prefill and decode).
     - ``grammar``: every output token, the first (sampled by prefill) included, must keep
       the output a prefix of the grammar's language; reaching its end stops the request.
     """
@@ -89,6 +108,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ignore_eos: bool = False
     logprobs: int | None = None
     grammar: GrammarSpec | None = None
+    # The LoRA adapter the request runs under (None: the base model). Here, not beside
+    # the request, so it travels wherever the sampling options do: the KV handoff, recovery.
+    lora: LoraRef | None = None
 
     def validate(self, vocab_size: int, max_logprobs: int = 20) -> None:
         """Raise ``ValueError`` naming the offending field if any value is out of range."""

@@ -48,6 +48,11 @@ class Sequence:
     # compile may still be running before that); it has accepted every output token.
     grammar: GrammarState | None = None
 
+    def __post_init__(self) -> None:
+        # KV computed under an adapter is that adapter's: its blocks hash apart.
+        if self.hash_extra is None and self.sampling.lora is not None:
+            self.hash_extra = self.sampling.lora.salt
+
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

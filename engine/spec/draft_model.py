@@ -29,6 +29,7 @@ class DraftModelProposer(Proposer):
             kv_offload_fd=None,
             kv_offload_nbytes=0,
             kv_offload_dir=None,
+            max_loras=0,  # the draft proposes from its base weights, whatever the adapter
         )
         self.runner = ModelRunner(config)
         if self.runner.model_config.vocab_size != target.model_config.vocab_size:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.weights.lora import LoraBank
 from engine.weights.quant import GROUP, Int4Rows, Int8Rows, QuantRows
 
 # torch's CPU int4 packing wants output rows in multiples of 16.
@@ -239,6 +240,8 @@ class Linear(nn.Module):
             else None
         )
         self.kernel: nn.Module | None = None  # set once by the loader
+        # Adapters' low-rank updates (engine/weights/lora.py), when LoRA serving is on.
+        self.lora: LoraBank | None = None
 
     @property
     def kind(self) -> str:
@@ -247,7 +250,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.kernel is not None, "weights not loaded"
-        return self.kernel(x, self.bias)
+        y = self.kernel(x, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class Embedding(nn.Module):

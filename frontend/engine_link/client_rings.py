@@ -208,16 +208,19 @@ class RingEngineClient(EngineClient):
 
     def _place(self, req: EngineRequest) -> Placement:
         """A fork (``n > 1``) goes to its leader's prefill worker if that one can take it."""
-        hashes = self.router.hash_blocks(req.prompt_ids)  # once per request (cache-aware)
+        lora = req.sampling.lora
+        # Once per request (cache-aware); salted as the workers salt an adapter's blocks.
+        hashes = self.router.hash_blocks(req.prompt_ids, None if lora is None else lora.salt)
+        fp = None if lora is None else lora.fingerprint
         leader = self.by_origin.get(req.fork_of) if req.fork_of >= 0 else None
         if leader is not None and not leader.resumes:
             try:
                 prefill = leader.placement.prefill
                 return self.router.place(len(req.prompt_ids), req.sampling.max_tokens, hashes,
-                                         prefill=prefill)  # fmt: skip
+                                         prefill=prefill, lora=fp)  # fmt: skip
             except NoCapacity:
                 pass  # it runs as an ordinary request, wherever the router puts it
-        return self.router.place(len(req.prompt_ids), req.sampling.max_tokens, hashes)
+        return self.router.place(len(req.prompt_ids), req.sampling.max_tokens, hashes, lora=fp)
 
     async def submit(self, s: Stream) -> None:
         """Register with the shard, then send to prefill (continuing after ``token_ids``)."""

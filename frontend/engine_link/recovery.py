@@ -136,9 +136,12 @@ class Recovery:
             if shard is None:
                 raise NoCapacity(RETRY_FIRST_S, "no live detokenizer shard")
             # Prefill recomputes prompt + the tokens streamed: placed by their cache hits.
-            hashes = self.router.hash_blocks(s.req.prompt_ids + s.token_ids)
+            lora = s.req.sampling.lora
+            salt = None if lora is None else lora.salt
+            hashes = self.router.hash_blocks(s.req.prompt_ids + s.token_ids, salt)
+            fp = None if lora is None else lora.fingerprint
             placement = self.router.place(len(s.req.prompt_ids), s.req.sampling.max_tokens,
-                                          hashes)  # fmt: skip
+                                          hashes, lora=fp)  # fmt: skip
         except NoCapacity as e:
             if now - s.lost_since > RESUME_WINDOW_S:
                 self.fail(s, f"request failed: no live worker to resume it on ({e.reason})")

@@ -31,7 +31,8 @@ def shards_alive(text_rings: Sequence[Ring]) -> list[bool]:
 # An engine worker's load as /health shows it (LoadRow fields).
 _LOAD_FIELDS = ("queued_prefill_tokens", "waiting_requests", "running_requests",
                 "free_kv_blocks", "total_kv_blocks", "cached_blocks", "prefix_hit_tokens",
-                "prefix_queried_tokens", "computed_prefill_tokens")  # fmt: skip
+                "prefix_queried_tokens", "computed_prefill_tokens", "lora_adapters",
+                "lora_loads")  # fmt: skip
 
 
 def _node_of(

@@ -41,6 +41,7 @@ from frontend.errors import (
 from frontend.http.guard import JSON_PATHS, Guard
 from frontend.http.openapi import with_request_bodies
 from frontend.openai.limits import check_depth, too_deep
+from frontend.openai.lora_registry import LoraRegistry
 from frontend.openai.messages_request import CountTokensRequest, MessagesRequest
 from frontend.openai.protocol import (
     ChatCompletionRequest,
@@ -55,6 +56,12 @@ from frontend.openai.serving_chat import create_chat_completion
 from frontend.openai.serving_common import ClientGone, ServingContext
 from frontend.openai.serving_completions import create_completion
 from frontend.openai.serving_generate import generate
+from frontend.openai.serving_lora import (
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
 from frontend.openai.serving_messages import count_tokens, create_message
 from frontend.openai.serving_responses import create_response
 from frontend.openai.serving_tokenize import detokenize, tokenize, version_response
@@ -182,6 +189,8 @@ ROUTES: dict[str, tuple[type[Any], Handler[Any]]] = {
     "/generate": (NativeGenerateRequest, generate),
     "/tokenize": (TokenizeRequest, tokenize),
     "/detokenize": (DetokenizeRequest, detokenize),
+    "/v1/load_lora_adapter": (LoadLoraAdapterRequest, load_lora_adapter),
+    "/v1/unload_lora_adapter": (UnloadLoraAdapterRequest, unload_lora_adapter),
 }
 
 
@@ -321,7 +330,8 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
         on_compile=telemetry.grammar_compiles.inc,
         on_hit=telemetry.grammar_cache_hits.inc,
     )
-    ctx = ServingContext(client, tokenizer, settings, telemetry, grammars)
+    loras = LoraRegistry(settings) if settings.max_loras > 0 else None
+    ctx = ServingContext(client, tokenizer, settings, telemetry, grammars, loras)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -359,7 +369,8 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
     async def models() -> Response:
         card = {"id": settings.model_name, "object": "model", "created": 0,
                 "owned_by": "pdserve", "max_model_len": settings.max_model_len}  # fmt: skip
-        return JSONResponse({"object": "list", "data": [card]})
+        adapters = ctx.loras.cards() if ctx.loras is not None else []
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     @app.get("/health")
     async def health() -> Response:  # reached only when the fast path is bypassed

@@ -37,7 +37,8 @@ from frontend.settings import FrontendSettings
 
 JSON_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize",
-     "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"}
+     "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+     "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 )  # fmt: skip
 
 

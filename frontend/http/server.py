@@ -97,6 +97,7 @@ def main() -> None:
         max_waiting_requests=launch.max_waiting_requests,
         max_queued_prefill_tokens=launch.max_queued_prefill_tokens,
         stale_after_s=launch.stall_timeout_s / 4,  # when /health starts to call it stalled
+        max_loras=max(1, settings.max_loras),
     )
     client = RingEngineClient(spec, launch.router_policy, router_config, launch.stall_timeout_s,
                               node=launch.node, remote_decode=launch.remote_decode)  # fmt: skip

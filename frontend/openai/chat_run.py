@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from msgspec.structs import replace
 from starlette.requests import Request
 
 from detokenizer.reasoning import CLOSE, OPEN
@@ -153,6 +154,7 @@ async def start_chat(
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling, detok = to_engine_params(body, max_tokens, num_logprobs, s.vocab_size,
                                        s.max_logprobs, grammar, mode)  # fmt: skip
+    sampling = replace(sampling, lora=check_model(ctx, body.model))
     calls = await start_choices(ctx, request, prompt_ids, sampling, detok, n, arrival)
     return ChatRun(calls, plan, prompt_ids)
 

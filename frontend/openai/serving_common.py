@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import msgspec
@@ -31,6 +31,9 @@ from frontend.errors import APIError, InternalError, ServiceUnavailable
 from frontend.settings import FrontendSettings
 from frontend.telemetry.metrics import FrontendMetrics
 from wire.records import Finish, TextDelta, TokenLogprob
+
+if TYPE_CHECKING:
+    from frontend.openai.lora_registry import LoraRegistry
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,6 +57,7 @@ class ServingContext:
     settings: FrontendSettings
     metrics: FrontendMetrics
     grammars: GrammarPool
+    loras: LoraRegistry | None = None  # with --enable-lora
 
     def next_rid(self) -> int:
         return self.client.next_rid()

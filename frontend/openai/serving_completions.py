@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from msgspec.structs import replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.errors import ModelNotFound
 from frontend.openai.choices import best, check_choices, merged, start_choices
 from frontend.openai.protocol import (
     CompletionRequest,
@@ -26,16 +26,18 @@ from frontend.openai.serving_common import (
     sse_stream,
     usage,
 )
+from frontend.openai.serving_lora import resolve_model
 from frontend.openai.structured import checked_grammar
+from wire.params import LoraRef
 from wire.records import Finish, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
 
-def check_model(ctx: ServingContext, requested: str | None) -> None:
-    names = (ctx.settings.model_name, *ctx.settings.model_aliases)
-    if requested is not None and requested not in names:
-        raise ModelNotFound(requested, ctx.settings.model_name)
+def check_model(ctx: ServingContext, requested: str | None) -> LoraRef | None:
+    """The LoRA adapter a request's ``model`` names (None: the base); 404 if it names
+    nothing served."""
+    return resolve_model(ctx, requested)
 
 
 class CompletionLogprobs:
@@ -72,7 +74,7 @@ async def create_completion(
     ctx: ServingContext, request: Request, body: CompletionRequest, arrival: float
 ) -> Response:
     body.reject_unsupported()
-    check_model(ctx, body.model)
+    lora = check_model(ctx, body.model)
     n, runs = check_choices(body.n, body.best_of, body.stream)
     prompt_ids = await _prompt_ids(ctx, body.prompt)
     requested = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -84,6 +86,7 @@ async def create_completion(
     sampling, detok = to_engine_params(
         body, max_tokens, logprobs, s.vocab_size, s.max_logprobs, grammar
     )
+    sampling = replace(sampling, lora=lora)
     calls = await start_choices(ctx, request, prompt_ids, sampling, detok, runs, arrival)
     head = {"id": f"cmpl-{calls[0].req.rid:x}", "created": now_s(), "model": s.model_name}
     echo = _echo_text(ctx, body, prompt_ids)

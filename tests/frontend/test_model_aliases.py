@@ -14,7 +14,7 @@ from tests.frontend.conftest import MODEL, make_settings
 
 
 def _ctx(**settings: Any) -> ServingContext:
-    return cast(ServingContext, SimpleNamespace(settings=make_settings(**settings)))
+    return cast(ServingContext, SimpleNamespace(settings=make_settings(**settings), loras=None))
 
 
 def test_served_name_alias_and_no_name_are_accepted() -> None:

@@ -1,0 +1,97 @@
+"""The LoRA adapters this frontend serves: name -> (path, fingerprint), and the endpoints
+that change them (``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``, vLLM's
+names and bodies).
+
+The endpoints are ``serving_lora.py``'s. An adapter is checked here before any request can name it, without torch: its
+``adapter_config.json`` and the safetensors header (``engine/weights/lora_spec.py``) must
+describe a plain LoRA on the served projections whose shapes fit the base and whose rank
+is at most ``--max-lora-rank``; at most ``--max-loras`` are registered at once. Every
+refusal is a 400 (404 for an unknown name) naming the problem; the server serves on.
+
+A request names an adapter as its ``model``; ``resolve`` gives the ``LoraRef`` that
+travels in its sampling options to the workers, which load the adapter from its path
+themselves and check its fingerprint (``engine/checkpoint/lora_loader.py``).
+
+NOTE: the registry is this frontend process's; with ``--api-workers`` > 1 an adapter
+loaded through one frontend is not known to the others (the ``--lora-modules`` ones are).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.weights.lora_spec import BaseDims, LoraError, read_lora
+from frontend.errors import APIError, InvalidRequest
+from frontend.settings import FrontendSettings
+from wire.params import LoraRef
+
+logger = logging.getLogger(__name__)
+
+
+class LoraRegistry:
+    def __init__(self, settings: FrontendSettings) -> None:
+        self.max_loras, self.max_rank = settings.max_loras, settings.max_lora_rank
+        self.base_name = settings.model_name
+        self.base = BaseDims.from_model_dir(settings.base_model_dir)
+        self.adapters: dict[str, LoraRef] = {}
+        for name, path in settings.lora_modules:
+            self.load(name, path)  # a bad --lora-modules entry stops startup, named
+
+    def load(self, name: str, path: str) -> LoraRef:
+        """Check and register; raises ``APIError`` (400) naming what is wrong."""
+        if not name or name == self.base_name:
+            raise InvalidRequest(
+                f"lora_name {name!r} is empty or the base model's name", param="lora_name"
+            )
+        if name in self.adapters:
+            raise InvalidRequest(
+                f"the LoRA adapter {name!r} is already loaded; unload it first", param="lora_name"
+            )
+        if len(self.adapters) >= self.max_loras:
+            raise InvalidRequest(
+                f"{len(self.adapters)} LoRA adapters are loaded, as many as --max-loras "
+                f"({self.max_loras}) allows; unload one first",
+                param="lora_name",
+            )
+        try:
+            spec = read_lora(path)
+            spec.check_fits(self.base, self.max_rank)
+        except LoraError as e:
+            raise InvalidRequest(f"LoRA adapter {name!r}: {e}", param="lora_path") from None
+        ref = LoraRef(name=name, path=spec.path, fingerprint=spec.fingerprint)
+        self.adapters[name] = ref
+        logger.info(
+            "LoRA adapter %r registered: %s, rank %d, %s",
+            name,
+            spec.path,
+            spec.rank,
+            ",".join(spec.targets),
+        )
+        return ref
+
+    def unload(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise APIError(
+                f"no LoRA adapter named {name!r} is loaded",
+                param="lora_name",
+                code="lora_not_found",
+                status=404,
+            )
+        logger.info("LoRA adapter %r unregistered", name)
+
+    def resolve(self, model: str) -> LoraRef | None:
+        return self.adapters.get(model)
+
+    def cards(self) -> list[dict[str, object]]:
+        """/v1/models entries: one per adapter, its base as parent."""
+        return [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "pdserve",
+                "root": ref.path,
+                "parent": self.base_name,
+            }
+            for name, ref in self.adapters.items()
+        ]
