@@ -242,6 +242,16 @@ class HostStore:
             self.count("host_bytes_out", nbytes)
             self.count("host_load_ns", ns)
 
+    def held_run(self, keys: list[bytes]) -> int:
+        """How many leading ``keys`` are valid blocks here (the router's guess: no token
+        check, no copy, LRU order unchanged)."""
+        with self.locked():
+            for n, key in enumerate(keys):
+                s = self._find(key)
+                if s < 0 or int(self.meta[s, M_VERSION]) & 1:
+                    return n
+            return len(keys)
+
     def contains(self, key: bytes) -> bool:
         with self.locked():
             s = self._find(key)
