@@ -291,6 +291,11 @@ class ModelRunner:
         """Journal every prefix-hash change from now on (for a worker's prefix summary)."""
         self.allocator.watch_hashes()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every prefix the pool holds (the tiers are emptied by their owner, see
+        ``frontend/engine_link/prefix_reset.py``); the hashes dropped."""
+        return self.allocator.forget_hashes()
+
     def take_prefix_hash_changes(self) -> tuple[list[int], list[int]]:
         """(registered, evicted) hashes since the last call; ``watch_prefix_hashes`` first."""
         return self.allocator.take_hash_changes()

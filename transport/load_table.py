@@ -119,11 +119,11 @@ HEADER_NBYTES = 64
 ROW_NBYTES = 320  # a multiple of 64 (whole cache lines) and of 8 (aligned seq words)
 NODE_NBYTES = 64  # a node name's room in a row: UTF-8, NUL-padded (Linux host names fit)
 _MAGIC = 0x7064_6C6F_6164_7462  # "pdloadtb"
-_VERSION = 6  # 6: rows of 320 bytes with speculative decoding counters
+_VERSION = 7  # 7: + the prefix-cache reset a worker has done (POST /reset_prefix_cache)
 _HEADER = struct.Struct("<QII")  # magic, version, num_workers
 # Row payload after the 8-byte seq, packed in one call by the writer. The numpy dtype below
 # names the same bytes for the reader; test_load_table pins that the two agree.
-_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiixxxxqqq" + "q" * len(SPEC_FIELDS))
+_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiixxxxqqq" + "q" * len(SPEC_FIELDS) + "q")
 _PAYLOAD_FIELDS = (
     "heartbeat_ns",
     "queued_prefill_tokens",
@@ -145,6 +145,7 @@ _PAYLOAD_FIELDS = (
     "prefix_queried_tokens",
     "computed_prefill_tokens",
     *SPEC_FIELDS,
+    "prefix_reset_epoch",
 )
 # The node name follows the integers; the writer packs both in one call (``_ROW``).
 _NODE_OFFSET = 8 + _PAYLOAD.size
@@ -153,6 +154,8 @@ _FORMATS = ["<u8", *["<i8"] * 4, "<u4", *["<i4"] * 7, "u1", "u1", "<i4", "<i4", 
 _OFFSETS = [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76, 80, 88, 96, 104]
 _FORMATS += ["<i8"] * len(SPEC_FIELDS)
 _OFFSETS += range(112, 112 + 8 * len(SPEC_FIELDS), 8)
+_FORMATS.append("<i8")
+_OFFSETS.append(112 + 8 * len(SPEC_FIELDS))
 ROW_DTYPE = np.dtype(
     {
         "names": ["seq", *_PAYLOAD_FIELDS, "node"],

@@ -37,6 +37,7 @@ from frontend.engine_link.engine_client import (
     WorkerHealth,
     WorkerReport,
 )
+from frontend.engine_link.prefix_reset import ResetDone, reset_prefix_cache
 from frontend.engine_link.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream
 from frontend.engine_link.worker_status import (
     frontend_health,
@@ -96,10 +97,13 @@ class RingEngineClient(EngineClient):
         self.board = self.shared
         self._tier_seg = shared_segment(spec, "kvtier")
         residency = None
+        self.kv_tier: HostStore | None = None  # emptied by reset_prefix_cache
+        self.kv_tier_disk = False
         if self._tier_seg is not None:  # counters for /metrics, residency for the router
-            tier = HostStore(self._tier_seg.spec.fd, self._tier_seg.buf)
+            tier = self.kv_tier = HostStore(self._tier_seg.spec.fd, self._tier_seg.buf)
             self.kv_tier_counters = tier.counters
             residency = tier_residency(tier, spec.segments["kvtier"], node)
+            self.kv_tier_disk = bool(spec.segments["kvtier"].get("dir"))
         mapped = prefix_summaries(spec)  # each engine worker's; kept mapped with the client
         self._summary_segs = [seg for _, seg in mapped.values()]
         summaries = {_worker_key(name): summary for name, (summary, _) in mapped.items()}
@@ -239,6 +243,12 @@ class RingEngineClient(EngineClient):
             forks=s.req.forks if first else 0, fork_of=s.req.fork_of if first else -1,
         )  # fmt: skip
         await self._put(self.req_rings[s.placement.prefill], gen)
+
+    async def reset_prefix_cache(self) -> ResetDone:
+        """Empty every pool's prefix cache and the host tiers (``prefix_reset.py``)."""
+        rings = [*self.req_rings.values(), *self.decode_ctl.values()]
+        return await reset_prefix_cache(rings, self._put, self.table, self.node, self.kv_tier,
+                                        self.kv_tier_disk)  # fmt: skip
 
     async def _put(self, ring: Ring, msg: Control) -> None:
         """Publish without blocking the event loop; a ring full for long is an engine fault."""
