@@ -18,7 +18,7 @@ import torch
 from colocated.llm import LLM
 from engine.config import EngineConfig, ModelConfig
 from engine.kv.block_manager import block_hashes
-from engine.kv.kv_cache import block_nbytes
+from engine.kv.kv_cache import pool_layout
 from engine.kv.tiers.disk_store import HEADER_BYTES, encode_header
 from engine.kv.tiers.host_store import Geometry, HostStore, create_segment
 from engine.kv.tiers.keys import chain_keys, root_key
@@ -40,7 +40,7 @@ class Host:
 
 def _host(model: Path, dtype: torch.dtype = torch.float32, bs: int = BS,
           nbytes: int = 16 << 20) -> Host:  # fmt: skip
-    nb = block_nbytes(ModelConfig.from_pretrained(model), bs, dtype)
+    nb = pool_layout(ModelConfig.from_pretrained(model), 1, bs, dtype).block_nbytes
     g = Geometry.for_budget(nbytes, bs, nb)
     fd, buf = create_segment(g.offsets[3])
     HostStore.format(buf, g)
