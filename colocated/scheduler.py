@@ -91,7 +91,9 @@ class ColocatedScheduler:
         out.decoded = len(self.decode.running)
         dec = self.decode.step()
         out.tokens += dec.tokens.items()
-        if not pre.ran_tokens and not dec.tokens and self.has_work:
+        if not pre.ran_tokens and not dec.tokens and self.prefill.loading:
+            self.prefill.wait_for_loads()  # its reads end soon: no spin, no preemption
+        elif not pre.ran_tokens and not dec.tokens and self.has_work:
             # Nothing could run: partial prefills hold every block and none can grow (or
             # decode waits to resume). The newest gives its blocks back and starts over.
             self.prefill.preempt_newest()

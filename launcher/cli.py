@@ -300,7 +300,7 @@ def serve(config: ServerConfig) -> int:
     topo = _build_topology(config, model, backend, gpus)
     tiers = kv_tiers.create(config, model, _kv_layout(config, model, gpus))
     if tiers is not None:
-        topo.add_kv_tier(tiers.segment, tiers.engine_fields())
+        topo.add_kv_tier(tiers.segment, tiers.engine_fields(), tiers.frontend_fields())
     board = topo.board()
     sup = Supervisor(_children(config, topo, gpus, model, backend), topo.load_table(), topo.p,
                      board)  # fmt: skip

@@ -45,6 +45,7 @@ class HostTiers:
     segment: Segment
     store: HostStore
     persister: Persister | None
+    namespace: bytes  # the blocks' namespace digest (engine/kv/tiers/keys.py)
 
     def engine_fields(self) -> dict[str, object]:
         """What each engine worker's ``EngineConfig`` carries to attach the tiers."""
@@ -52,6 +53,12 @@ class HostTiers:
         return {"kv_offload_fd": self.segment.spec.fd,
                 "kv_offload_nbytes": self.segment.spec.nbytes,
                 "kv_offload_dir": None if d is None else str(d)}  # fmt: skip
+
+    def frontend_fields(self) -> dict[str, object]:
+        """What the frontend's router needs besides the segment to see the tiers' content
+        (``router/tier_residency.py``): the namespace its keys chain from, tier 3's dir."""
+        d = self.persister.disk.root if self.persister is not None else None
+        return {"namespace": self.namespace.hex(), "dir": None if d is None else str(d)}
 
     def stop(self) -> None:
         """Flush what tier 3 has not written yet (the workers are stopped by now)."""
@@ -71,6 +78,11 @@ def create(config: ServerConfig, model: Path, layout: KVLayout) -> HostTiers | N
     segment = Segment.attach_fd(fd, geometry.offsets[3], "kvtier")
     HostStore.format(segment.buf, geometry)
     store = HostStore(segment.spec.fd, segment.buf)
+    mcfg = ModelConfig.from_pretrained(model)
+    assert mcfg.num_layers == layout.num_layers
+    # The engine workers derive the same digest from their pools (tiered.open_tiers).
+    ns = Namespace(weights_fingerprint(model), str(layout.torch_dtype), layout.block_size,
+                   str(layout.shape[1:])).digest  # fmt: skip
     persister = None
     if config.kv_offload_dir is not None:
         root = config.kv_offload_dir
@@ -81,10 +93,6 @@ def create(config: ServerConfig, model: Path, layout: KVLayout) -> HostTiers | N
             probe.unlink()
         except OSError as e:
             raise ConfigError(f"--kv-offload-dir {root}: not a writable directory ({e})") from e
-        mcfg = ModelConfig.from_pretrained(model)
-        assert mcfg.num_layers == layout.num_layers
-        ns = Namespace(weights_fingerprint(model), str(layout.torch_dtype), layout.block_size,
-                       str(layout.shape[1:])).digest  # fmt: skip
         disk = DiskStore(root, ns, layout.block_size, layout.block_nbytes)
         st = os.statvfs(root)
         min_free = min(MIN_FREE_CAP, int(st.f_blocks * st.f_frsize * MIN_FREE_FRACTION))
@@ -94,4 +102,4 @@ def create(config: ServerConfig, model: Path, layout: KVLayout) -> HostTiers | N
                 nbytes / GIB, geometry.slots,
                 "" if persister is None else f"; tier 3: {config.kv_offload_dir}, "
                 f"{config.kv_offload_disk:g} GiB")  # fmt: skip
-    return HostTiers(segment, store, persister)
+    return HostTiers(segment, store, persister, ns)

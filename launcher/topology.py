@@ -79,6 +79,7 @@ class Topology:
         # blocks there, frontends read its counters; the fields go in each EngineConfig.
         self.kv_tier: Segment | None = None
         self.kv_tier_fields: dict[str, Any] = {}
+        self.kv_tier_frontend: dict[str, Any] = {}
 
     def _add(self, kind: RingKind, src: Peer, dst: Peer) -> None:
         if src in self.remote and dst in self.remote:
@@ -128,8 +129,10 @@ class Topology:
         name = str(Peer(Role.PREFILL, prefill))
         self.kv_segments[name] = (create_pool_segment(name, layout), layout)
 
-    def add_kv_tier(self, segment: Segment, engine_fields: dict[str, Any]) -> None:
+    def add_kv_tier(self, segment: Segment, engine_fields: dict[str, Any],
+                    frontend_fields: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.kv_tier, self.kv_tier_fields = segment, engine_fields
+        self.kv_tier_frontend = frontend_fields or {}
 
     def add_prefix_summaries(self, num_counters: int) -> None:
         """One summary segment per engine worker: it writes its own, the frontend reads all."""
@@ -175,6 +178,8 @@ class Topology:
         segments = segments if role is Role.FRONTEND else {}
         if self.kv_tier is not None and (role.is_engine or role is Role.FRONTEND):
             segments["kvtier"] = {"fd": self.kv_tier.spec.fd, "nbytes": self.kv_tier.spec.nbytes}
+            if role is Role.FRONTEND:  # what its router needs (router/tier_residency.py)
+                segments["kvtier"].update(self.kv_tier_frontend)
         # Slots: prefill workers, then decode workers; a colocated server has only c rows.
         slot = {Role.PREFILL: index, Role.DECODE: self.p + index, Role.COLOCATED: index}.get(
             role, -1

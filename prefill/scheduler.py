@@ -40,6 +40,8 @@ from wire.records import Finish, GenerateRequest, KVTransfer, TokenBatch
 
 logger = logging.getLogger(__name__)
 
+LOAD_POLL_S = 0.005  # with nothing to run, how long a step waits on a parked tier-3 load
+
 
 def fits(runner: ModelRunner, req: GenerateRequest) -> bool:
     """Could ``req`` ever run here (max_model_len, the whole KV pool)? Logs when not."""
@@ -178,8 +180,19 @@ class PrefillScheduler:
                     if p.seq.num_uncomputed_tokens == 0]  # fmt: skip
             if done:
                 sample = self._sample_done(logits, done, batcher, out)
+        elif not self.keep_kv:  # nothing ran: a parked load is worth a short wait, no spin
+            self.wait_for_loads()
         out.tokens = batcher.batches(sample)
         return out
+
+    @property
+    def loading(self) -> bool:
+        """Is a waiting request parked on tier-3 reads (``KVPool.reuse_prefix``)?"""
+        return any(self.runner.kv.tier_loading(p.seq) for p in self.waiting)
+
+    def wait_for_loads(self, timeout_s: float = LOAD_POLL_S) -> None:
+        """Sleep until a parked request's reads are done (at most ``timeout_s``)."""
+        self.runner.kv.wait_tier_loads([p.seq for p in self.waiting], timeout_s)
 
     def _sample_done(
         self, logits: torch.Tensor, done: list[tuple[int, Pending]], batcher: TokenBatcher,
@@ -232,7 +245,11 @@ class PrefillScheduler:
             if ready is None:
                 continue
             ready = self._forks_ready(p) and ready
-            self.runner.kv.reuse_prefix(p.seq)  # no-op unless this is its first chunk
+            # No-op unless this is its first chunk. A request whose prefix is read from
+            # the disk tier stays parked (the others step on) until its reads are done.
+            self.runner.kv.reuse_prefix(p.seq, wait=False)
+            if self.runner.kv.tier_loading(p.seq):
+                continue
             n = min(p.seq.num_uncomputed_tokens, budget)
             if not ready and n == p.seq.num_uncomputed_tokens:
                 # The last token's logits are sampled at once: that waits for the grammar

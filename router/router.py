@@ -27,6 +27,10 @@ leading blocks it probably holds; what is left is the request's ``new_tokens`` t
 prompt tokens to compute on a prefill worker, KV tokens to store (and copy) on a decode
 worker. The policy weighs them against each worker's cost above. Summaries are a guess:
 a wrong one misplaces a request, the worker's own allocator still decides what is reused.
+With the host's KV tiers on (``router/tier_residency.py``), a prefill or co-located
+worker on the tiers' node also holds, after its pool's prefix, the run of blocks the
+tiers would load into it: a prefix in tier 2 or 3 is a hit for every worker of the host.
+(Decode workers take handed-off KV from their pool only, so tiers do not lower theirs.)
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from engine.kv.block_allocator import block_hashes
 from router.ledger import Ledger, PeerBooks, WorkerKey
 from router.lora_affinity import AdapterAffinity
 from router.policy import Candidate, PolicyName, make_policy
+from router.tier_residency import TierQuery, TierResidency
 from transport.load_table import LoadRow, LoadTable, WorkerState
 from transport.prefix_summary import PrefixSummary
 from transport.segment import pid_alive
@@ -101,13 +106,16 @@ class Router:
         config: RouterConfig | None = None,
         summaries: Mapping[WorkerKey, PrefixSummary] | None = None,
         peers: PeerBooks | None = None,
+        tiers: TierResidency | None = None,
     ) -> None:
         """``peers``: the other frontends' books (``router/ledger.py``), when several
-        frontends route over the same workers; admission bounds then hold for their sum."""
+        frontends route over the same workers; admission bounds then hold for their sum.
+        ``tiers``: the host's KV tiers, a hit for every worker on ``tiers.node``."""
         self._table = table
         self._config = config or RouterConfig()
         # Prefix summaries by (role, index); read only by the cache-aware policy.
         self._summaries = dict(summaries or {})
+        self._tiers = tiers
         self.cache_aware = PolicyName(policy) is PolicyName.CACHE_AWARE
         self._block_size = 0  # the workers' KV block size, learnt from the table
         seed = self._config.seed
@@ -121,12 +129,18 @@ class Router:
     def hash_blocks(self, token_ids: Sequence[int], extra: bytes | None = None) -> list[int]:
         """The block hashes ``place`` wants for a request of ``token_ids``; [] (and no
         hashing cost) unless the policy is cache-aware. ``extra``: the salt the workers'
-        hashes have (a LoRA adapter's, ``LoraRef.salt``)."""
-        if not self.cache_aware or not self._summaries:
+        hashes have (a LoRA adapter's, ``LoraRef.salt``). With host tiers, the list also
+        carries the request's ``TierQuery`` (``PromptBlocks``)."""
+        if not self.cache_aware or not (self._summaries or self._tiers):
             return []
         if not self._block_size:
             self._snapshot()
-        return block_hashes(token_ids, self._block_size, extra) if self._block_size else []
+        if not self._block_size:
+            return []
+        hashes = PromptBlocks(block_hashes(token_ids, self._block_size, extra))
+        if self._tiers is not None:
+            hashes.tiers = self._tiers.query(token_ids, self._block_size, extra)
+        return hashes
 
     def place(
         self, prompt_len: int, max_tokens: int, hashes: Sequence[int] = (), *,
@@ -286,6 +300,9 @@ class Router:
         held = 0
         if summary is not None and req.hashes and bs > 0:
             held = summary.count_prefix(req.hashes)
+        tiers = getattr(req.hashes, "tiers", None)
+        if tiers is not None and r.role is not Role.DECODE and self._on_tier_node(r):
+            held += tiers.run(held)
         bs = max(bs, 1)
         # As the engines reuse: prefill recomputes at least the prompt's last token (so a
         # prompt ending on a block boundary recomputes that block); decode imports the KV
@@ -295,6 +312,10 @@ class Router:
         if r.role is Role.PREFILL:
             return compute
         return store if r.role is Role.DECODE else compute + store
+
+    def _on_tier_node(self, r: LoadRow) -> bool:
+        assert self._tiers is not None
+        return r.node == self._tiers.node
 
     def _commit(
         self, p_row: LoadRow, d_row: LoadRow, prompt_len: int, max_tokens: int
@@ -323,6 +344,13 @@ class Router:
         self.ledger.publish(p_key)
         self.ledger.publish(d_key)
         return placement
+
+
+class PromptBlocks(list[int]):
+    """A prompt's block hashes (what prefix summaries are keyed by), and what the host's
+    tiers hold of it (None: no tiers)."""
+
+    tiers: TierQuery | None = None
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from transport.load_table import WorkerState
 from transport.prefix_summary import PrefixSummary
 from transport.ring import Ring
 from transport.worker_load import SPEC_FIELDS, SPEC_POSITIONS, SPEC_SKIP_REASONS, WorkerLoad
-from wire.records import AbortRequest, Finish, GenerateRequest
+from wire.records import AbortRequest, Finish, GenerateRequest, ResetPrefixCache
 from wire.ring_names import Peer, RingKind
 from wire.roles import Role
 
@@ -73,6 +73,7 @@ class Worker(abc.ABC):
         # Prefill and co-located workers: one request ring from each frontend.
         self.req_in: list[Ring] = list(self.rings.sources(RingKind.REQ).values())
         self.summary: PrefixSummary | None = None  # opened in run(), once the engine exists
+        self.prefix_reset_epoch = 0  # the latest ResetPrefixCache done (reported each step)
 
     @property
     @abc.abstractmethod
@@ -114,6 +115,14 @@ class Worker(abc.ABC):
                                      len(msg.output_ids))  # fmt: skip
                 elif isinstance(msg, AbortRequest):
                     sched.abort(msg.rid)
+                elif isinstance(msg, ResetPrefixCache):
+                    self.reset_prefix_cache(msg)
+
+    def reset_prefix_cache(self, msg: ResetPrefixCache) -> None:
+        """Between steps: the pool forgets its prefixes; the row reports ``msg.epoch``."""
+        dropped = self.runner.kv.reset_prefix_cache()
+        self.prefix_reset_epoch = max(self.prefix_reset_epoch, msg.epoch)
+        logger.info("prefix cache reset (epoch %d): %d blocks forgotten", msg.epoch, dropped)
 
     def _open_summary(self) -> PrefixSummary | None:
         """This worker's prefix summary, emptied (a predecessor's pool is gone), or None."""
@@ -163,6 +172,7 @@ class Worker(abc.ABC):
                 prefix_hit_tokens=kv.hit_tokens,
                 prefix_queried_tokens=kv.queried_tokens,
                 **self._lora_counters(),
+                prefix_reset_epoch=self.prefix_reset_epoch,
                 **(spec_counters(spec.stats) if spec is not None else {}),
             )
         )

@@ -116,14 +116,14 @@ def describe_exit(status: int) -> str:
 
 
 HEADER_NBYTES = 64
-ROW_NBYTES = 320  # a multiple of 64 (whole cache lines) and of 8 (aligned seq words)
+ROW_NBYTES = 384  # a multiple of 64 (whole cache lines) and of 8 (aligned seq words)
 NODE_NBYTES = 64  # a node name's room in a row: UTF-8, NUL-padded (Linux host names fit)
 _MAGIC = 0x7064_6C6F_6164_7462  # "pdloadtb"
-_VERSION = 7  # 7: rows of 320 bytes with speculative decoding and LoRA counters
+_VERSION = 8  # 8: rows of 384 bytes, + LoRA counters and the prefix-cache reset epoch
 _HEADER = struct.Struct("<QII")  # magic, version, num_workers
 # Row payload after the 8-byte seq, packed in one call by the writer. The numpy dtype below
 # names the same bytes for the reader; test_load_table pins that the two agree.
-_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiixxxxqqqqq" + "q" * len(SPEC_FIELDS))
+_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiixxxxqqqqq" + "q" * len(SPEC_FIELDS) + "q")
 _PAYLOAD_FIELDS = (
     "heartbeat_ns",
     "queued_prefill_tokens",
@@ -147,6 +147,7 @@ _PAYLOAD_FIELDS = (
     "lora_adapters",
     "lora_loads",
     *SPEC_FIELDS,
+    "prefix_reset_epoch",
 )
 # The node name follows the integers; the writer packs both in one call (``_ROW``).
 _NODE_OFFSET = 8 + _PAYLOAD.size
@@ -155,6 +156,8 @@ _FORMATS = ["<u8", *["<i8"] * 4, "<u4", *["<i4"] * 7, "u1", "u1", "<i4", "<i4", 
 _OFFSETS = [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76, 80, 88, 96, 104, 112, 120]
 _FORMATS += ["<i8"] * len(SPEC_FIELDS)
 _OFFSETS += range(128, 128 + 8 * len(SPEC_FIELDS), 8)
+_FORMATS.append("<i8")
+_OFFSETS.append(128 + 8 * len(SPEC_FIELDS))
 ROW_DTYPE = np.dtype(
     {
         "names": ["seq", *_PAYLOAD_FIELDS, "node"],

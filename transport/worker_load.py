@@ -46,6 +46,9 @@ class WorkerLoad:
     # LoRA (engine/checkpoint/lora_loader.py): adapters resident now, and loads so far.
     lora_adapters: int = 0
     lora_loads: int = 0
+    # The latest prefix-cache reset (``ResetPrefixCache.epoch``) the worker has done: the
+    # frontend answers POST /reset_prefix_cache once every worker shows its epoch.
+    prefix_reset_epoch: int = 0
     # Speculative decoding (decode and co-located workers): request-steps that verified
     # drafts, draft tokens, accepted ones, accepted ones by draft position (the first
     # SPEC_POSITIONS), request-steps that did not speculate by reason (SPEC_SKIP_REASONS).

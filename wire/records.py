@@ -81,6 +81,13 @@ class AbortRequest(_Msg, tag="abort", frozen=True):
     rid: int
 
 
+class ResetPrefixCache(_Msg, tag="reset", frozen=True):
+    """Forget every cached prefix (POST /reset_prefix_cache); the worker reports ``epoch``
+    in its load-table row once done (``WorkerLoad.prefix_reset_epoch``)."""
+
+    epoch: int
+
+
 class DetokRegister(_Msg, tag="reg", frozen=True):
     """Opens a request's state in its detokenizer shard, before any token can arrive.
 
@@ -180,6 +187,7 @@ class TextBatch(_Msg, tag="text", frozen=True):
 Control = (
     GenerateRequest
     | AbortRequest
+    | ResetPrefixCache
     | DetokRegister
     | KVTransfer
     | KVRelease

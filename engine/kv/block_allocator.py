@@ -257,6 +257,20 @@ class BlockAllocator:
         out, self._journal = self._journal, ([], [])
         return out
 
+    def forget_hashes(self) -> int:
+        """Unhash every block (a prefix-cache reset): CACHED blocks become FREE, referenced
+        ones stay with their sequences but no lookup finds them any more. Journaled as
+        evictions; returns the hashes dropped."""
+        dropped = list(self._by_hash)
+        self._free.extend(self._cached)
+        self._cached.clear()
+        for b in self._by_hash.values():
+            self._hash[b] = None
+        self._by_hash.clear()
+        if self._journal is not None:
+            self._journal[1].extend(dropped)
+        return len(dropped)
+
     def share(self, ids: Sequence[int]) -> None:
         """One more sequence reference on each of ``ids``, which must be in use already.
 

@@ -84,7 +84,7 @@ class KVPool:
         if need:
             seq.block_table.extend(self.allocator.allocate(need))
 
-    def reuse_prefix(self, seq: Sequence) -> int:
+    def reuse_prefix(self, seq: Sequence, wait: bool = True) -> int:
         """Give a fresh ``seq`` the pool's blocks of its longest cached prefix, as computed.
 
         Returns the tokens reused (also ``seq.num_cached_tokens``); 0 and no change for a
@@ -94,13 +94,22 @@ class KVPool:
         must land in a block of the sequence's own, never in a shared one: reuse stops at
         the last block boundary before ``num_tokens``, so a fully cached prompt recomputes
         its last block rather than write into a cached one.
+        ``wait=False``: a sequence whose blocks come from tier 3 may be left parked
+        (``tier_loading``: 0 returned, nothing counted yet); call again on a later step.
         """
-        if not self.prefix_caching or seq.block_table or seq.num_computed_tokens:
-            return 0
-        hashes = seq.full_block_hashes((seq.num_tokens - 1) // self.block_size)
-        seq.block_table = self.allocator.acquire(hashes)
-        if self.tiers is not None and len(seq.block_table) < len(hashes):
-            self._load_from_tiers(seq, hashes)
+        if seq.tier_load is not None:  # parked: settle it once its reads are done
+            if not wait and not seq.tier_load.done():
+                return 0
+            self._settle_tier_load(seq)
+        else:
+            if not self.prefix_caching or seq.block_table or seq.num_computed_tokens:
+                return 0
+            hashes = seq.full_block_hashes((seq.num_tokens - 1) // self.block_size)
+            seq.block_table = self.allocator.acquire(hashes)
+            if self.tiers is not None and len(seq.block_table) < len(hashes):
+                self._load_from_tiers(seq, hashes, wait)
+                if seq.tier_load is not None:
+                    return 0
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
         # A hit ends the lookups (the sequence has blocks now), so hits count once; a miss
         # is looked up again while the sequence waits for blocks, but is one query.
@@ -111,8 +120,9 @@ class KVPool:
             stats.queried_tokens += seq.num_tokens
         return seq.num_cached_tokens
 
-    def _load_from_tiers(self, seq: Sequence, hashes: list[int]) -> None:
-        """Extend ``seq``'s pool hits with the tiers' run of the blocks after them."""
+    def _load_from_tiers(self, seq: Sequence, hashes: list[int], wait: bool) -> None:
+        """Extend ``seq``'s pool hits with the tiers' run of the blocks after them (tier-3
+        reads may be left in flight in ``seq.tier_load`` when not ``wait``)."""
         assert self.tiers is not None
         alloc = self.allocator
 
@@ -120,10 +130,36 @@ class KVPool:
             return alloc.allocate(min(n, alloc.num_available))
 
         first = len(seq.block_table)
-        loaded = self.tiers.load(seq, first, len(hashes), allocate, alloc.free)
-        for i, b in enumerate(loaded.blocks):
-            alloc.register(b, hashes[first + i])  # misses in the pool: never a duplicate
-        seq.block_table += loaded.blocks
+        loaded = self.tiers.load(seq, first, len(hashes), allocate, alloc.free, wait)
+        self._adopt(seq, hashes, loaded.blocks)
+        seq.tier_load = loaded.pending
+
+    def _settle_tier_load(self, seq: Sequence) -> None:
+        assert self.tiers is not None and seq.tier_load is not None
+        load, seq.tier_load = seq.tier_load, None
+        hashes = seq.full_block_hashes((seq.num_tokens - 1) // self.block_size)
+        assert load.first == len(seq.block_table), "tier-3 blocks follow the others"
+        self._adopt(seq, hashes, self.tiers.settle(load))
+
+    def _adopt(self, seq: Sequence, hashes: list[int], blocks: list[int]) -> None:
+        """Append tier-loaded ``blocks`` to ``seq`` and publish them in the pool."""
+        first = len(seq.block_table)
+        for i, b in enumerate(blocks):
+            # A block another sequence registered meanwhile keeps the pool's copy; this
+            # one stays private (register's rule), both hold the same KV.
+            self.allocator.register(b, hashes[first + i])
+        seq.block_table += blocks
+
+    def tier_loading(self, seq: Sequence) -> bool:
+        """Is ``seq`` parked while its blocks are read from tier 3?"""
+        return seq.tier_load is not None
+
+    def wait_tier_loads(self, seqs: list[Sequence], timeout_s: float) -> None:
+        """Block until one of ``seqs``' tier-3 loads is done, or ``timeout_s`` passed: a
+        scheduler with nothing else to run waits here rather than spin."""
+        loads = [s.tier_load for s in seqs if s.tier_load is not None]
+        if loads and not any(x.done() for x in loads):
+            loads[0].wait(timeout_s)
 
     def fork(self, parent: Sequence, child: Sequence, copy_tail: bool) -> None:
         """Give fresh ``child`` (same tokens as ``parent``) the parent's computed KV.
@@ -174,6 +210,9 @@ class KVPool:
         """Return a sequence's blocks to the pool; its KV is gone (num_computed_tokens = 0)."""
         for forget in self._on_free:
             forget(seq)
+        if seq.tier_load is not None:  # aborted or preempted while parked
+            seq.tier_load.cancel()
+            seq.tier_load = None
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
@@ -215,6 +254,11 @@ class KVPool:
     def watch_prefix_hashes(self) -> None:
         """Journal every prefix-hash change from now on (for a worker's prefix summary)."""
         self.allocator.watch_hashes()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every prefix the pool holds (the tiers are emptied by their owner, see
+        ``frontend/engine_link/prefix_reset.py``); the hashes dropped."""
+        return self.allocator.forget_hashes()
 
     def take_prefix_hash_changes(self) -> tuple[list[int], list[int]]:
         """(registered, evicted) hashes since the last call; ``watch_prefix_hashes`` first."""

@@ -21,6 +21,8 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -35,6 +37,7 @@ from frontend.engine_link.engine_client import (
     WorkerHealth,
     WorkerReport,
 )
+from frontend.engine_link.prefix_reset import ResetDone, reset_prefix_cache
 from frontend.engine_link.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream
 from frontend.engine_link.worker_status import (
     frontend_health,
@@ -43,6 +46,7 @@ from frontend.engine_link.worker_status import (
     worker_metrics,
 )
 from router.router import NoCapacity, Placement, Router, RouterConfig
+from router.tier_residency import TierResidency
 from runtime.process import (
     ProcessSpec,
     attach_rings,
@@ -92,13 +96,19 @@ class RingEngineClient(EngineClient):
         self.shared.claim()
         self.board = self.shared
         self._tier_seg = shared_segment(spec, "kvtier")
-        if self._tier_seg is not None:  # counters for /metrics
-            tier = HostStore(self._tier_seg.spec.fd, self._tier_seg.buf)
+        residency = None
+        self.kv_tier: HostStore | None = None  # emptied by reset_prefix_cache
+        self.kv_tier_disk = False
+        if self._tier_seg is not None:  # counters for /metrics, residency for the router
+            tier = self.kv_tier = HostStore(self._tier_seg.spec.fd, self._tier_seg.buf)
             self.kv_tier_counters = tier.counters
+            residency = tier_residency(tier, spec.segments["kvtier"], node)
+            self.kv_tier_disk = bool(spec.segments["kvtier"].get("dir"))
         mapped = prefix_summaries(spec)  # each engine worker's; kept mapped with the client
         self._summary_segs = [seg for _, seg in mapped.values()]
         summaries = {_worker_key(name): summary for name, (summary, _) in mapped.items()}
-        self.router = Router(self.table, policy, router_config, summaries, peers=self.shared)
+        self.router = Router(self.table, policy, router_config, summaries, peers=self.shared,
+                             tiers=residency)  # fmt: skip
         self.shard_ctl = rings.sinks(RingKind.CTL, Role.DETOK)
         self.decode_ctl = rings.sinks(RingKind.CTL, Role.DECODE)
         colocated = rings.sinks(RingKind.REQ, Role.COLOCATED)
@@ -237,6 +247,12 @@ class RingEngineClient(EngineClient):
         )  # fmt: skip
         await self._put(self.req_rings[s.placement.prefill], gen)
 
+    async def reset_prefix_cache(self) -> ResetDone:
+        """Empty every pool's prefix cache and the host tiers (``prefix_reset.py``)."""
+        rings = [*self.req_rings.values(), *self.decode_ctl.values()]
+        return await reset_prefix_cache(rings, self._put, self.table, self.node, self.kv_tier,
+                                        self.kv_tier_disk)  # fmt: skip
+
     async def _put(self, ring: Ring, msg: Control) -> None:
         """Publish without blocking the event loop; a ring full for long is an engine fault."""
         data = encode(msg)
@@ -291,6 +307,15 @@ class RingEngineClient(EngineClient):
             self._watchdog.cancel()
         if self._loop is not None:
             self._loop.remove_reader(self.doorbell.fileno())
+
+
+def tier_residency(tier: HostStore, fields: dict[str, Any], node: str) -> TierResidency | None:
+    """The router's view of the host tiers (None: the launcher named no namespace)."""
+    if not fields.get("namespace"):
+        return None
+    disk = fields.get("dir")
+    return TierResidency(tier, bytes.fromhex(fields["namespace"]),
+                         None if disk is None else Path(disk), node)  # fmt: skip
 
 
 def _worker_key(name: str) -> tuple[Role, int]:

@@ -161,5 +161,10 @@ class EngineClient(ABC):
     def metrics_snapshot(self) -> list[WorkerReport]:
         """Per-worker running/waiting requests and KV usage; non-blocking."""
 
+    async def reset_prefix_cache(self) -> object:
+        """Forget every cached prefix, in every worker's pool and every KV tier, and
+        return what was done once it is (``frontend/engine_link/prefix_reset.py``)."""
+        raise NotImplementedError("this engine client cannot reset prefix caches")
+
     async def close(self) -> None:  # noqa: B027 - optional hook, default does nothing
         """Release the client's resources at server shutdown."""

@@ -40,6 +40,7 @@ from frontend.errors import (
 )
 from frontend.http.guard import JSON_PATHS, Guard
 from frontend.http.openapi import with_request_bodies
+from frontend.http.reset_route import add_reset_route
 from frontend.openai.limits import check_depth, too_deep
 from frontend.openai.lora_registry import LoraRegistry
 from frontend.openai.messages_request import CountTokensRequest, MessagesRequest
@@ -360,6 +361,8 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
     app.openapi = with_request_bodies(  # type: ignore[method-assign]
         app, {path: model for path, (model, _) in ROUTES.items()}
     )
+
+    add_reset_route(app, client)
 
     @app.get("/version")
     async def server_version() -> Response:

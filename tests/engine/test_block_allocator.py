@@ -304,3 +304,21 @@ def test_shared_blocks_live_until_every_sharer_frees_them() -> None:
     a.check_invariants()
     with pytest.raises(ValueError, match="in use"):
         a.share([3])  # only blocks in use can be shared
+
+
+def test_forgetting_hashes_frees_cached_blocks_and_hides_used_ones() -> None:
+    a = BlockAllocator(8)
+    a.watch_hashes()
+    hashes = block_hashes(list(range(64)), 16)  # 4 blocks
+    used = a.allocate(4)
+    for b, h in zip(used, hashes, strict=True):
+        a.register(b, h)
+    a.free(used[2:])  # blocks 2-3 cached, 0-1 still used
+    a.take_hash_changes()
+    assert a.forget_hashes() == 4
+    a.check_invariants()
+    assert a.lookup(hashes) == 0 and a.num_cached == 0 and a.num_used == 2
+    assert a.take_hash_changes() == ([], hashes)  # the summary stops reporting them
+    a.free(used[:2])  # the used ones come back FREE, never CACHED
+    assert a.num_free == 8
+    a.check_invariants()

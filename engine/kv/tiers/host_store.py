@@ -44,6 +44,9 @@ _HEADER_WORDS = 64
 _ALIGN = 4096
 # header words
 H_MAGIC, H_FORMAT, H_SLOTS, H_BLOCK, H_PAYLOAD, H_STRIDE, H_TICK, H_EPOCH, H_DELETED = range(9)
+# The last ``clear`` epoch tier 3's writer has applied to the disk (it empties its
+# namespace's files when the epoch moves: ``Persister.persist_some``).
+H_DISK_EPOCH = 9
 # counters (header words from 16): what /metrics shows, summed over the host's workers
 COUNTERS = (
     "host_stores", "host_hit_blocks", "host_miss_blocks", "host_evictions",
@@ -242,6 +245,16 @@ class HostStore:
             self.count("host_bytes_out", nbytes)
             self.count("host_load_ns", ns)
 
+    def held_run(self, keys: list[bytes]) -> int:
+        """How many leading ``keys`` are valid blocks here (the router's guess: no token
+        check, no copy, LRU order unchanged)."""
+        with self.locked():
+            for n, key in enumerate(keys):
+                s = self._find(key)
+                if s < 0 or int(self.meta[s, M_VERSION]) & 1:
+                    return n
+            return len(keys)
+
     def contains(self, key: bytes) -> bool:
         with self.locked():
             s = self._find(key)
@@ -312,6 +325,22 @@ class HostStore:
             self.header[H_EPOCH] += np.uint64(1)
             self._rebuild_index()  # writes in flight keep their entries
             return int(valid.sum())
+
+    @property
+    def epoch(self) -> int:
+        """Bumped by every ``clear``."""
+        with self.locked():
+            return int(self.header[H_EPOCH])
+
+    @property
+    def disk_epoch(self) -> int:
+        """The latest ``clear`` tier 3 has applied too."""
+        with self.locked():
+            return int(self.header[H_DISK_EPOCH])
+
+    def set_disk_epoch(self, epoch: int) -> None:
+        with self.locked():
+            self.header[H_DISK_EPOCH] = epoch
 
     # ---- the persister's view ------------------------------------------------------
 

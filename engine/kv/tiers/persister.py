@@ -12,10 +12,16 @@ file's mtime on a hit: a file read since it was listed gets a second chance) to 
 within ``budget`` bytes and above ``min_free`` bytes free on the file system, and a
 failed write (disk full, quota, read-only) drops the block and refunds its bytes.
 While idle it wakes twice a second to look for new blocks (a few microseconds' work).
+
+A ``HostStore.clear`` (POST /reset_prefix_cache) moves tier 2's epoch; the writer then
+deletes every file of its namespace and reports the epoch back (``disk_epoch``). A write
+racing the clear (its slot checked just before it) lands before that deletion, which
+therefore removes it too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -44,6 +50,8 @@ class Persister:
         self.usage = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-persister", daemon=True)
+        self._epoch = host.epoch  # tier 2's clear epoch the disk has caught up with
+        host.set_disk_epoch(self._epoch)
         self.scan()
 
     def scan(self) -> None:
@@ -73,6 +81,19 @@ class Persister:
         self._publish()
         self._evict(0)
 
+    def clear(self) -> int:
+        """Delete every block file of this namespace (tier 2 was cleared); files deleted."""
+        deleted = 0
+        for dirpath, _dirs, names in os.walk(self.disk.dir):
+            for name in names:
+                if name.endswith((SUFFIX, TMP_SUFFIX)):
+                    with contextlib.suppress(OSError):
+                        (Path(dirpath) / name).unlink()
+                        deleted += 1
+        logger.info("KV tier 3 cleared: %d files of %s deleted", deleted, self.disk.dir)
+        self.scan()  # usage and LRU order of what is left (other namespaces)
+        return deleted
+
     def start(self) -> None:
         self._thread.start()
 
@@ -91,6 +112,11 @@ class Persister:
 
     def persist_some(self) -> int:
         """Write up to one batch of unpersisted tier-2 blocks; how many were looked at."""
+        epoch = self.host.epoch
+        if epoch != self._epoch:
+            self.clear()
+            self._epoch = epoch
+            self.host.set_disk_epoch(epoch)
         batch = self.host.unpersisted(BATCH)
         for found, key, parent, tokens in batch:
             path = self.disk.path(key)

@@ -9,9 +9,14 @@ while copied; tier 3: any check of ``disk_store``) ends the run there: the block
 it are kept, the rest are recomputed, and only blocks that arrived intact are counted
 as hits. A tier-3 hit is stored in tier 2 too, so the host's other workers find it fast.
 
+Tier 2 is copied inside the caller's step (a memcpy: a 4k-token history in a few ms).
+Tier 3 is read by loader threads (``disk_load.py``) into blocks reserved for the files
+that exist: with ``wait=False`` the load is returned pending and the caller parks the
+sequence until ``settle``, so other requests keep stepping meanwhile.
+
 NOTE: on CUDA the copies are synchronous host<->device copies on the current stream,
-which orders them after the step that wrote the block; pinned staging off the compute
-stream is not built.
+which orders them after the step that wrote the block, and tier 3 is read inside the
+step; pinned staging off the compute stream is not built.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
+from engine.kv.tiers.disk_load import BlockRead, DiskLoad, DiskLoader
 from engine.kv.tiers.disk_store import DiskStore
 from engine.kv.tiers.host_store import HostStore
 from engine.kv.tiers.keys import Namespace, chain_keys, root_key, weights_fingerprint
@@ -42,6 +48,7 @@ class TierLoad:
     blocks: list[int]
     from_host: int = 0
     from_disk: int = 0
+    pending: DiskLoad | None = None  # tier-3 reads still in flight (``settle`` them)
 
 
 class TieredKV:
@@ -57,6 +64,8 @@ class TieredKV:
                 f"bytes; this pool's are {self.block_size} tokens, {self.block_nbytes} bytes"
             )
         self._on_cpu = pool.device.type == "cpu"
+        self.loader = None if disk is None or not self._on_cpu else DiskLoader(disk, host)
+        self._quarantined = 0  # of disk.quarantined, what the host's counter has (settle)
 
     def _block_bytes(self, block: int) -> np.ndarray:
         """Pool block ``block`` as u8 (a view on CPU, a host copy on CUDA)."""
@@ -91,9 +100,11 @@ class TieredKV:
             self.host.put(keys[i], self._parent(seq, i), tokens[i - first], payload)
 
     def load(self, seq: Sequence, first: int, end: int,
-             allocate: Callable[[int], list[int]], free: Callable[[list[int]], None]) -> TierLoad:  # fmt: skip
+             allocate: Callable[[int], list[int]], free: Callable[[list[int]], None],
+             wait: bool = True) -> TierLoad:  # fmt: skip
         """Copy the longest run of ``seq``'s blocks ``first..end-1`` the tiers hold into
-        pool blocks from ``allocate``; what did not arrive intact goes back to ``free``."""
+        pool blocks from ``allocate``; what did not arrive intact goes back to ``free``.
+        ``wait=False``: tier-3 reads may still run on return (``TierLoad.pending``)."""
         if first >= end:
             return TierLoad([])
         keys = self.keys(seq, end)[first:end]
@@ -113,8 +124,52 @@ class TieredKV:
         free(blocks[ok:])
         out = TierLoad(blocks[:ok], from_host=ok)
         if ok == len(found) == len(blocks) and self.disk is not None:
-            self._load_disk(seq, first + ok, first, keys, tokens, allocate, free, out)
+            if self.loader is None:
+                self._load_disk(seq, first + ok, first, keys, tokens, allocate, free, out)
+            else:
+                out.pending = self._start_disk(seq, first + ok, first, keys, tokens, allocate,
+                                               free)  # fmt: skip
+                if wait and out.pending is not None:
+                    out.blocks += self.settle(out.pending)
+                    out.from_disk, out.pending = len(out.blocks) - ok, None
         return out
+
+    def _start_disk(self, seq: Sequence, i0: int, first: int, keys: list[bytes],
+                    tokens: np.ndarray, allocate: Callable[[int], list[int]],
+                    free: Callable[[list[int]], None]) -> DiskLoad | None:  # fmt: skip
+        """Reserve a pool block for each file of the run from block ``i0`` that exists and
+        start reading them; None if there is nothing to read (a miss, counted)."""
+        assert self.disk is not None and self.loader is not None
+        end, n = first + len(keys), 0
+        while i0 + n < end and self.disk.path(keys[i0 + n - first]).exists():
+            n += 1
+        blocks = allocate(n) if n else []
+        if not blocks:
+            with self.host.locked():
+                self.host.count("disk_miss_blocks", end - i0)
+            return None
+        reads = [
+            BlockRead(keys[i - first], self._parent(seq, i), tokens[i - first], b,
+                      self._block_bytes(b))
+            for i, b in zip(range(i0, end), blocks, strict=False)
+        ]  # fmt: skip
+        load = self.loader.start(i0, reads, free)
+        load.wanted = end - i0
+        return load
+
+    def settle(self, load: DiskLoad) -> list[int]:
+        """The pool blocks ``load`` filled intact (a leading run; the rest were freed),
+        counted as tier-3 hits once they are known to be."""
+        assert self.disk is not None
+        blocks = load.settle()
+        bad, self._quarantined = self.disk.quarantined - self._quarantined, self.disk.quarantined
+        with self.host.locked():
+            self.host.count("disk_hit_blocks", len(blocks))
+            self.host.count("disk_miss_blocks", load.wanted - len(blocks))
+            self.host.count("disk_bytes_read", len(blocks) * self.block_nbytes)
+            self.host.count("disk_load_ns", max(0, load.finished_ns - load.started_ns))
+            self.host.count("disk_quarantined", bad)
+        return blocks
 
     def _load_disk(self, seq: Sequence, i0: int, first: int, keys: list[bytes],
                    tokens: np.ndarray, allocate: Callable[[int], list[int]],
