@@ -47,7 +47,7 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
         ("settings", "errors"),
         ("engine_link",),
         ("telemetry",),
-        ("openai",),
+        ("api",),
         ("http",),
     ],
 }

@@ -2,7 +2,7 @@
 
 Who calls what, when:
 
-* The HTTP handlers (``frontend/openai/serving_*.py``) build an ``EngineRequest`` after
+* The HTTP handlers (``frontend/api/``) build an ``EngineRequest`` after
   tokenizing and validating (its rid from ``next_rid()``), then iterate ``generate(req)``. The first ``__anext__``
   admits the request: it raises ``Overloaded`` (answered with 503 + Retry-After) or
   ``EngineUnavailable`` before any delta is yielded, never after.

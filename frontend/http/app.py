@@ -1,6 +1,6 @@
 """The FastAPI app: routing, body limits, JSON parsing and error shaping.
 
-Handlers live in ``serving_*.py``; this module only gets a request to them and turns
+Handlers live in ``frontend/api/``; this module only gets a request to them and turns
 every failure into an OpenAI-shaped error. No input reaches a handler unparsed, and no
 exception escapes as anything but a JSON error (500 for our bugs, logged with traceback).
 Who may call at all (Host, API key, Content-Type) is decided before, by
@@ -27,6 +27,32 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from frontend.api.call import ClientGone
+from frontend.api.chat import create_chat_completion
+from frontend.api.completions import create_completion
+from frontend.api.context import ServingContext
+from frontend.api.generate import generate
+from frontend.api.limits import check_depth, too_deep
+from frontend.api.lora import (
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
+from frontend.api.lora_registry import LoraRegistry
+from frontend.api.messages import count_tokens, create_message
+from frontend.api.messages_request import CountTokensRequest, MessagesRequest
+from frontend.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    NativeGenerateRequest,
+    TokenizeRequest,
+    parse_body,
+)
+from frontend.api.responses import create_response
+from frontend.api.responses_request import ResponsesRequest
+from frontend.api.tokenize import detokenize, tokenize, version_response
 from frontend.engine_link.engine_client import EngineClient, Overloaded, WorkerHealth
 from frontend.engine_link.grammar_pool import GrammarPool
 from frontend.engine_link.grammar_worker import WorkerConfig
@@ -41,31 +67,6 @@ from frontend.errors import (
 from frontend.http.guard import JSON_PATHS, Guard
 from frontend.http.openapi import with_request_bodies
 from frontend.http.reset_route import add_reset_route
-from frontend.openai.limits import check_depth, too_deep
-from frontend.openai.lora_registry import LoraRegistry
-from frontend.openai.messages_request import CountTokensRequest, MessagesRequest
-from frontend.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    NativeGenerateRequest,
-    TokenizeRequest,
-    parse_body,
-)
-from frontend.openai.responses_request import ResponsesRequest
-from frontend.openai.serving_chat import create_chat_completion
-from frontend.openai.serving_common import ClientGone, ServingContext
-from frontend.openai.serving_completions import create_completion
-from frontend.openai.serving_generate import generate
-from frontend.openai.serving_lora import (
-    LoadLoraAdapterRequest,
-    UnloadLoraAdapterRequest,
-    load_lora_adapter,
-    unload_lora_adapter,
-)
-from frontend.openai.serving_messages import count_tokens, create_message
-from frontend.openai.serving_responses import create_response
-from frontend.openai.serving_tokenize import detokenize, tokenize, version_response
 from frontend.settings import FrontendSettings
 from frontend.telemetry.metrics import FrontendMetrics
 from frontend.telemetry.stats_log import StatsLog

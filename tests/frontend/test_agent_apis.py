@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
+from frontend.api import messages as messages_api
+from frontend.api.sse import with_keepalive
 from frontend.http.app import build_app
-from frontend.openai import serving_messages
-from frontend.openai.serving_common import with_keepalive
 from tests.frontend.conftest import MODEL, make_settings
 
 pytestmark = pytest.mark.anyio
@@ -71,7 +71,7 @@ async def test_edge_errors_on_anthropic_paths_are_anthropic_shaped(
 async def test_a_quiet_stream_gets_pings(
     make_client: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(serving_messages, "PING_S", 0.05)
+    monkeypatch.setattr(messages_api, "PING_S", 0.05)
     engine = make_client(step_delay_s=0.3)  # each token takes longer than a ping interval
     app = build_app(engine, engine.tokenizer, make_settings())
     transport = httpx.ASGITransport(app=app)

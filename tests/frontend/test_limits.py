@@ -1,4 +1,4 @@
-"""What one request may cost (frontend/openai/limits.py): depth without recursion, sizes."""
+"""What one request may cost (frontend/api/limits.py): depth without recursion, sizes."""
 
 from __future__ import annotations
 
@@ -8,14 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from frontend.api.limits import check_depth, check_size, decode_json_text, json_depth, raw_depth
 from frontend.errors import LimitExceeded
-from frontend.openai.limits import (
-    check_depth,
-    check_size,
-    decode_json_text,
-    json_depth,
-    raw_depth,
-)
 
 
 def nest(depth: int) -> object:

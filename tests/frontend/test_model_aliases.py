@@ -7,9 +7,8 @@ from typing import Any, cast
 
 import pytest
 
+from frontend.api.context import ServingContext, check_model
 from frontend.errors import ModelNotFound
-from frontend.openai.serving_common import ServingContext
-from frontend.openai.serving_completions import check_model
 from tests.frontend.conftest import MODEL, make_settings
 
 

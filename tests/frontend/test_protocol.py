@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from frontend.errors import InvalidRequest, NotImplementedField
-from frontend.openai.protocol import (
+from frontend.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     NativeGenerateRequest,
@@ -16,6 +15,7 @@ from frontend.openai.protocol import (
     resolve_max_tokens,
     to_engine_params,
 )
+from frontend.errors import InvalidRequest, NotImplementedField
 
 VOCAB = 1000
 

@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from frontend.errors import InvalidRequest
-from frontend.openai.protocol import (
+from frontend.api.protocol import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -21,6 +20,7 @@ from frontend.openai.protocol import (
     parse_body,
     to_engine_params,
 )
+from frontend.errors import InvalidRequest
 from launcher.topology import SMALL_RING_BYTES
 from transport.ring import footprint
 from wire.params import DetokParams, SamplingParams

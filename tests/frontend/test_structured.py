@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from frontend.api.structured import compile_checked, grammar_spec
 from frontend.engine_link.grammar_pool import GrammarPool
 from frontend.engine_link.grammar_worker import WorkerConfig
 from frontend.errors import InvalidRequest, LimitExceeded, NotImplementedField
-from frontend.openai.structured import compile_checked, grammar_spec
 from tests.frontend.conftest import make_settings
 from tests.frontend.test_protocol import chat, completion
 from wire.params import GrammarKind, GrammarSpec, choice_seed

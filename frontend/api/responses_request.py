@@ -28,9 +28,9 @@ from typing import Any
 
 from pydantic import Field
 
+from frontend.api.limits import decode_json_text
+from frontend.api.protocol import Body, ChatCompletionRequest, parse_body
 from frontend.errors import InvalidRequest, NotImplementedField
-from frontend.openai.limits import decode_json_text
-from frontend.openai.protocol import Body, ChatCompletionRequest, parse_body
 
 _NO_STATE = ("this server keeps no responses: send the whole conversation in 'input' "
              "(and leave 'store' unset or false)")  # fmt: skip

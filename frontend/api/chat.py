@@ -8,21 +8,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.openai.answer import Answer, finish_reason, read_answer
-from frontend.openai.chat_run import start_chat
-from frontend.openai.choices import check_choices, merged
-from frontend.openai.protocol import ChatCompletionRequest
-from frontend.openai.serving_common import (
-    EngineCall,
-    Generation,
-    ServingContext,
-    collect_all,
-    now_s,
-    sse_stream,
-    usage,
-)
-from frontend.openai.serving_completions import check_model
-from frontend.openai.tools import ToolCallDeltas, ToolPlan
+from frontend.api.answer import Answer, finish_reason, read_answer
+from frontend.api.call import EngineCall, Generation, collect_all
+from frontend.api.chat_run import start_chat
+from frontend.api.choices import check_choices, merged
+from frontend.api.context import ServingContext, check_model, now_s
+from frontend.api.protocol import ChatCompletionRequest
+from frontend.api.sse import sse_stream
+from frontend.api.tools import ToolCallDeltas, ToolPlan
+from frontend.api.usage import usage
 from wire.records import Finish, TokenLogprob
 
 

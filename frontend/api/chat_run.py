@@ -6,7 +6,7 @@ shapes. Each handler translates its body into a ``ChatCompletionRequest`` and ca
 structured output, sampling and detokenizer parameters (the reasoning split included),
 and admission into the engine (``EngineCall``: abort on client disconnect, metrics;
 recovery lives below, in the engine client). The output comes back through
-``frontend/openai/answer.py``; each API writes it in its own format.
+``frontend/api/answer.py``; each API writes it in its own format.
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ from msgspec.structs import replace
 from starlette.requests import Request
 
 from detokenizer.reasoning import CLOSE, OPEN
-from frontend.errors import InvalidRequest
-from frontend.openai.chat_prompt import encode_chat, encode_rendered
-from frontend.openai.choices import start_choices
-from frontend.openai.limits import check_size, decode_json_text
-from frontend.openai.protocol import (
+from frontend.api.call import EngineCall
+from frontend.api.chat_prompt import encode_chat, encode_rendered
+from frontend.api.choices import start_choices
+from frontend.api.context import ServingContext, check_model
+from frontend.api.limits import check_size, decode_json_text
+from frontend.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     check_prompt_ids,
     resolve_max_tokens,
     to_engine_params,
 )
-from frontend.openai.serving_common import EngineCall, ServingContext
-from frontend.openai.serving_completions import check_model
-from frontend.openai.structured import checked_grammar, compile_checked
-from frontend.openai.tools import ToolPlan, plan_tools
+from frontend.api.structured import checked_grammar, compile_checked
+from frontend.api.tools import ToolPlan, plan_tools
+from frontend.errors import InvalidRequest
 from wire.params import GrammarSpec, ReasoningMode
 
 # Prompt tokens decoded to see whether the template left a <think> block open.
@@ -63,7 +63,7 @@ def chat_prompt_ids(
     ctx: ServingContext, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
 ) -> list[int]:
     """The messages (and ``tools``) through the chat template, tokenized; content stays
-    text unless the server allows special tokens in it (``frontend/openai/chat_prompt.py``)."""
+    text unless the server allows special tokens in it (``frontend/api/chat_prompt.py``)."""
     template = ctx.settings.chat_template or getattr(ctx.tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequest(
@@ -128,7 +128,7 @@ async def start_chat(
 ) -> ChatRun:
     """Plan, tokenize, constrain and admit ``body`` (``n`` choices); returns once each
     choice's first delta is in, so admission errors are raised before any byte is sent."""
-    if body.tools:  # before any work is spent on them (frontend/openai/limits.py)
+    if body.tools:  # before any work is spent on them (frontend/api/limits.py)
         check_size(
             [t.model_dump(exclude_none=True) for t in body.tools],
             ctx.settings.max_tools_bytes,

@@ -2,7 +2,8 @@
 that change them (``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``, vLLM's
 names and bodies).
 
-The endpoints are ``serving_lora.py``'s. An adapter is checked here before any request can name it, without torch: its
+The endpoints are ``lora.py``'s. An adapter is checked here before any request can name
+it, without torch: its
 ``adapter_config.json`` and the safetensors header (``engine/weights/lora_spec.py``) must
 describe a plain LoRA on the served projections whose shapes fit the base and whose rank
 is at most ``--max-lora-rank``; at most ``--max-loras`` are registered at once. Every

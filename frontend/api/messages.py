@@ -30,8 +30,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.errors import APIError, InternalError
-from frontend.openai.answer import (
+from frontend.api.answer import (
     Answer,
     AnswerEvents,
     CallArgs,
@@ -40,16 +39,13 @@ from frontend.openai.answer import (
     Reasoning,
     read_answer,
 )
-from frontend.openai.chat_run import ChatRun, chat_prompt_ids, start_translated
-from frontend.openai.messages_request import CountTokensRequest, MessagesRequest, to_chat
-from frontend.openai.serving_common import (
-    ServingContext,
-    collect_all,
-    typed_sse_stream,
-    with_keepalive,
-)
-from frontend.openai.serving_completions import check_model
-from frontend.openai.tools import plan_tools
+from frontend.api.call import collect_all
+from frontend.api.chat_run import ChatRun, chat_prompt_ids, start_translated
+from frontend.api.context import ServingContext, check_model
+from frontend.api.messages_request import CountTokensRequest, MessagesRequest, to_chat
+from frontend.api.sse import typed_sse_stream, with_keepalive
+from frontend.api.tools import plan_tools
+from frontend.errors import APIError, InternalError
 from wire.records import Finish
 
 PING_S = 10.0  # a quiet stream gets a ping this often (a queued or slowly compiling request)

@@ -1,5 +1,6 @@
 """``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's names and
-bodies), and which adapter a request's ``model`` names (``lora_registry.py``)."""
+bodies); the registry they change is ``lora_registry.py``, and which adapter a request's
+``model`` names is ``context.check_model``."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ import asyncio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.errors import InvalidRequest, ModelNotFound
-from frontend.openai.lora_registry import LoraRegistry
-from frontend.openai.protocol import Body
-from frontend.openai.serving_common import ServingContext
-from wire.params import LoraRef
+from frontend.api.context import ServingContext
+from frontend.api.lora_registry import LoraRegistry
+from frontend.api.protocol import Body
+from frontend.errors import InvalidRequest
 
 
 class LoadLoraAdapterRequest(Body):
@@ -22,18 +22,6 @@ class LoadLoraAdapterRequest(Body):
 
 class UnloadLoraAdapterRequest(Body):
     lora_name: str
-
-
-def resolve_model(ctx: ServingContext, requested: str | None) -> LoraRef | None:
-    """A request's ``model``: None for the base (or none given), the adapter's ref for a
-    registered adapter; else 404 naming what is served."""
-    names = (ctx.settings.model_name, *ctx.settings.model_aliases)
-    if requested is None or requested in names:
-        return None
-    ref = ctx.loras.resolve(requested) if ctx.loras is not None else None
-    if ref is None:
-        raise ModelNotFound(requested, ctx.settings.model_name)
-    return ref
 
 
 def _registry(ctx: ServingContext) -> LoraRegistry:

@@ -21,9 +21,9 @@ import json
 from typing import Any
 
 from engine.sampling.grammar import GrammarError
+from frontend.api.limits import check_text_size, decode_json_text
 from frontend.engine_link.grammar_pool import GrammarPool, GrammarTimeout
 from frontend.errors import InvalidRequest, LimitExceeded, NotImplementedField
-from frontend.openai.limits import check_text_size, decode_json_text
 from frontend.settings import FrontendSettings
 from wire.params import GrammarKind, GrammarSpec
 

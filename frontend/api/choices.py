@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator
 from msgspec.structs import replace
 from starlette.requests import Request
 
+from frontend.api.call import EngineCall, Generation, start_all
+from frontend.api.context import ServingContext
 from frontend.engine_link.engine_client import EngineRequest
 from frontend.errors import InvalidRequest
-from frontend.openai.serving_common import EngineCall, Generation, ServingContext, start_all
 from wire.params import DetokParams, SamplingParams, choice_seed
 from wire.records import TextDelta
 

@@ -1,4 +1,4 @@
-"""What every endpoint shares: context, tokenization, one engine call, SSE framing.
+"""One engine call per choice: its lifecycle from admission to the last delta.
 
 ``EngineCall`` is the only code that iterates ``EngineClient.generate``. It owns three
 promises of the HTTP layer: admission errors become 503/500 before any byte is sent; a
@@ -12,66 +12,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TypeVar
 
 import anyio
-import msgspec
 from starlette.requests import Request
 
+from frontend.api.context import ServingContext
 from frontend.engine_link.engine_client import (
-    EngineClient,
     EngineRequest,
     EngineUnavailable,
     Overloaded,
 )
-from frontend.engine_link.grammar_pool import GrammarPool
-from frontend.errors import APIError, InternalError, ServiceUnavailable
-from frontend.settings import FrontendSettings
-from frontend.telemetry.metrics import FrontendMetrics
+from frontend.errors import InternalError, ServiceUnavailable
 from wire.records import Finish, TextDelta, TokenLogprob
-
-if TYPE_CHECKING:
-    from frontend.openai.lora_registry import LoraRegistry
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Prompts up to this many characters are tokenized on the event loop (tens of microseconds).
-INLINE_ENCODE_CHARS = 2048
 FINISH_REASONS = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort",
                   Finish.ERROR: "error"}  # fmt: skip
 
 
 class ClientGone(Exception):
     """The HTTP client disconnected; its request has been aborted."""
-
-
-@dataclass
-class ServingContext:
-    """Per-app state every handler needs."""
-
-    client: EngineClient
-    tokenizer: Any
-    settings: FrontendSettings
-    metrics: FrontendMetrics
-    grammars: GrammarPool
-    loras: LoraRegistry | None = None  # with --enable-lora
-
-    def next_rid(self) -> int:
-        return self.client.next_rid()
-
-    async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        if len(text) <= INLINE_ENCODE_CHARS:
-            # Cheaper than the round trip through a worker thread, and under a burst the
-            # thread pool's hand-offs cost the event loop more than the encoding itself.
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        # Tokenizing megabytes of text takes a while; keep the event loop serving.
-        ids = await asyncio.to_thread(
-            self.tokenizer.encode, text, add_special_tokens=add_special_tokens
-        )
-        return list(ids)
 
 
 @dataclass
@@ -247,97 +212,3 @@ async def collect_all(calls: list[EngineCall], request: Request) -> list[Generat
         for c in calls:
             if not c.finished:
                 await c._abort()
-
-
-def sse(payload: object) -> bytes:
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-async def _framed(
-    items: AsyncIterator[Any], rid: int, frame: Callable[[Any], bytes],
-    error_frame: Callable[[APIError], bytes],
-) -> AsyncIterator[bytes]:  # fmt: skip
-    """``items`` framed; an engine failure mid-stream becomes the API's error frame."""
-    try:
-        async for item in items:
-            yield frame(item)
-    except (EngineUnavailable, APIError) as e:
-        logger.error("rid=%d failed mid-stream: %s", rid, e)
-        err = e if isinstance(e, APIError) else InternalError(f"engine failure: {e}")
-        yield error_frame(err)
-
-
-async def sse_stream(chunks: AsyncIterator[object], rid: int) -> AsyncIterator[bytes]:
-    """Frame ``chunks`` as SSE; an engine failure mid-stream becomes an error event."""
-    async for frame in _framed(chunks, rid, sse, lambda err: sse(err.body())):
-        yield frame
-    yield SSE_DONE
-
-
-def typed_sse(payload: dict[str, Any]) -> bytes:
-    """An SSE event named by its payload's ``type`` (Anthropic's and Responses' framing)."""
-    name = str(payload["type"]).encode()
-    return b"event: " + name + b"\ndata: " + msgspec.json.encode(payload) + b"\n\n"
-
-
-async def typed_sse_stream(
-    events: AsyncIterator[dict[str, Any]], rid: int,
-    error_event: Callable[[APIError], dict[str, Any]],
-) -> AsyncIterator[bytes]:  # fmt: skip
-    """Frame ``events`` as named SSE events; an engine failure mid-stream becomes the
-    API's error event (there is no ``[DONE]`` in these APIs)."""
-    async for frame in _framed(events, rid, typed_sse, lambda err: typed_sse(error_event(err))):
-        yield frame
-
-
-async def with_keepalive(source: AsyncIterator[T], interval_s: float) -> AsyncIterator[T | None]:
-    """``source``'s items, and None whenever ``interval_s`` passes without one (a
-    keep-alive for streams whose clients or proxies drop a quiet connection)."""
-    pending = asyncio.ensure_future(anext(source))
-    try:
-        while True:
-            done, _ = await asyncio.wait([pending], timeout=interval_s)
-            if not done:
-                yield None
-                continue
-            try:
-                item = pending.result()
-            except StopAsyncIteration:
-                return
-            yield item
-            pending = asyncio.ensure_future(anext(source))
-    finally:
-        # Shielded: we are often here because the client left and our task was cancelled;
-        # closing ``source`` is what aborts the request in the engine.
-        with anyio.CancelScope(shield=True):
-            if not pending.done():
-                pending.cancel()
-                # NOTE: let the cancelled step unwind before closing the generator, or
-                # aclose() finds it still running (see until_disconnect).
-                await asyncio.wait([pending])
-            await source.aclose()  # type: ignore[attr-defined]
-
-
-def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
-    reasoning_tokens: int | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` once it is known,
-    ``completion_tokens_details.reasoning_tokens`` with a reasoning parser."""
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    if cached_tokens is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    if reasoning_tokens is not None:
-        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return out
-
-
-def now_s() -> int:
-    return int(time.time())

@@ -31,19 +31,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from frontend.api.answer import AnswerEvents, CallArgs, CallStart, Content, Reasoning, read_answer
+from frontend.api.call import collect_all
+from frontend.api.chat_run import ChatRun, start_translated
+from frontend.api.context import ServingContext
+from frontend.api.responses_request import ResponsesRequest, to_chat
+from frontend.api.sse import typed_sse_stream
+from frontend.api.tools import new_call_id
 from frontend.errors import APIError, InternalError
-from frontend.openai.answer import (
-    AnswerEvents,
-    CallArgs,
-    CallStart,
-    Content,
-    Reasoning,
-    read_answer,
-)
-from frontend.openai.chat_run import ChatRun, start_translated
-from frontend.openai.responses_request import ResponsesRequest, to_chat
-from frontend.openai.serving_common import ServingContext, collect_all, typed_sse_stream
-from frontend.openai.tools import new_call_id
 from wire.records import Finish
 
 

@@ -9,15 +9,14 @@ from importlib.metadata import PackageNotFoundError, version
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.openai.chat_run import chat_prompt_ids
-from frontend.openai.protocol import (
+from frontend.api.chat_run import chat_prompt_ids
+from frontend.api.context import ServingContext, check_model
+from frontend.api.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     check_prompt_ids,
 )
-from frontend.openai.serving_common import ServingContext
-from frontend.openai.serving_completions import check_model
 
 
 async def tokenize(

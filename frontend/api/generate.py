@@ -12,21 +12,18 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.engine_link.engine_client import EngineRequest
-from frontend.errors import InvalidRequest
-from frontend.openai.protocol import (
+from frontend.api.call import FINISH_REASONS, EngineCall
+from frontend.api.context import ServingContext
+from frontend.api.protocol import (
     NativeGenerateRequest,
     check_prompt_ids,
     resolve_max_tokens,
     to_engine_params,
 )
-from frontend.openai.serving_common import (
-    FINISH_REASONS,
-    EngineCall,
-    ServingContext,
-    sse_stream,
-    usage,
-)
+from frontend.api.sse import sse_stream
+from frontend.api.usage import usage
+from frontend.engine_link.engine_client import EngineRequest
+from frontend.errors import InvalidRequest
 from wire.records import Finish
 
 DEFAULT_MAX_NEW_TOKENS = 128

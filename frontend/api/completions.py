@@ -9,35 +9,21 @@ from msgspec.structs import replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.openai.choices import best, check_choices, merged, start_choices
-from frontend.openai.protocol import (
+from frontend.api.call import FINISH_REASONS, EngineCall, Generation, collect_all
+from frontend.api.choices import best, check_choices, merged, start_choices
+from frontend.api.context import ServingContext, check_model, now_s
+from frontend.api.protocol import (
     CompletionRequest,
     check_prompt_ids,
     resolve_max_tokens,
     to_engine_params,
 )
-from frontend.openai.serving_common import (
-    FINISH_REASONS,
-    EngineCall,
-    Generation,
-    ServingContext,
-    collect_all,
-    now_s,
-    sse_stream,
-    usage,
-)
-from frontend.openai.serving_lora import resolve_model
-from frontend.openai.structured import checked_grammar
-from wire.params import LoraRef
+from frontend.api.sse import sse_stream
+from frontend.api.structured import checked_grammar
+from frontend.api.usage import usage
 from wire.records import Finish, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
-
-
-def check_model(ctx: ServingContext, requested: str | None) -> LoraRef | None:
-    """The LoRA adapter a request's ``model`` names (None: the base); 404 if it names
-    nothing served."""
-    return resolve_model(ctx, requested)
 
 
 class CompletionLogprobs:

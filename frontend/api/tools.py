@@ -21,10 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.errors import InvalidRequest, NotImplementedField
-from frontend.openai.protocol import ChatTool
-from frontend.openai.structured import check_enforceable
-from frontend.openai.tool_parsers import (
+from frontend.api.protocol import ChatTool
+from frontend.api.structured import check_enforceable
+from frontend.api.tool_parsers import (
     PARSERS,
     CallArgs,
     CallStart,
@@ -33,6 +32,7 @@ from frontend.openai.tool_parsers import (
     RequiredCalls,
     ToolParser,
 )
+from frontend.errors import InvalidRequest, NotImplementedField
 from wire.params import GrammarKind, GrammarSpec
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
