@@ -45,12 +45,38 @@ import httpx
 from benchmarks.machine import describe as describe_machine
 from benchmarks.soak import launch, process_tree
 
-LAUNCH_ARGS = ("--prefill", "1", "--decode", "1", "--detokenizers", "1", "--device", "cpu",
-               "--kv-cache-tokens", "65536", "--max-model-len", "4096")  # fmt: skip
+LAUNCH_ARGS = (
+    "--prefill",
+    "1",
+    "--decode",
+    "1",
+    "--detokenizers",
+    "1",
+    "--device",
+    "cpu",
+    "--kv-cache-tokens",
+    "65536",
+    "--max-model-len",
+    "4096",
+)
 LONG_PROMPT_TOKENS = 2000
 WORKLOADS = ("short", "long")
-_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
-          "seven", "owls", "count", "stars")  # fmt: skip
+_WORDS = (
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "owls",
+    "count",
+    "stars",
+)
 
 
 @dataclass
@@ -87,8 +113,10 @@ class Run:
 
 def _request_bytes(host: str, path: str, body: dict[str, object]) -> bytes:
     payload = json.dumps(body).encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\n\r\n")  # fmt: skip
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    )
     return head.encode() + payload
 
 
@@ -103,8 +131,9 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, str | None]
     return status, headers.get("x-pdserve-frontend")
 
 
-async def _connection(url: str, requests: list[bytes], start: float, end: float,
-                      window: Window) -> None:  # fmt: skip
+async def _connection(
+    url: str, requests: list[bytes], start: float, end: float, window: Window
+) -> None:
     parts = urlsplit(url)
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     i = 0
@@ -125,15 +154,20 @@ async def _connection(url: str, requests: list[bytes], start: float, end: float,
         writer.close()
 
 
-def client_process(url: str, requests: list[bytes], clients: int, start: float,
-                   end: float) -> Window:  # fmt: skip
+def client_process(
+    url: str, requests: list[bytes], clients: int, start: float, end: float
+) -> Window:
     """``clients`` closed-loop connections until ``end`` (monotonic, host-wide); counts
     what was answered from ``start`` on."""
     window = Window()
 
     async def main() -> None:
-        await asyncio.gather(*(_connection(url, requests[k::clients] or requests, start, end,
-                                           window) for k in range(clients)))  # fmt: skip
+        await asyncio.gather(
+            *(
+                _connection(url, requests[k::clients] or requests, start, end, window)
+                for k in range(clients)
+            )
+        )
 
     asyncio.run(main())
     return window
@@ -165,8 +199,12 @@ def frontend_pids(root: int) -> list[int]:
 def workload_requests(workload: str, url: str, model: str, count: int = 256) -> list[bytes]:
     host = urlsplit(url).netloc
     if workload == "short":
-        body = {"model": model, "prompt": "Hello, how are you today?", "max_tokens": 1,
-                "temperature": 0}  # fmt: skip
+        body = {
+            "model": model,
+            "prompt": "Hello, how are you today?",
+            "max_tokens": 1,
+            "temperature": 0,
+        }
         return [_request_bytes(host, "/v1/completions", body)]
     # About LONG_PROMPT_TOKENS tokens: the tokenizer's count of the filler, checked here.
     filler = long_text(url)
@@ -191,8 +229,9 @@ def long_text(url: str, tokens: int = LONG_PROMPT_TOKENS) -> str:
     return " ".join(words[i % len(words)] for i in range(keep))
 
 
-def one_run(api_workers: int, workload: str, args: argparse.Namespace,
-            launch_args: list[str]) -> Run:  # fmt: skip
+def one_run(
+    api_workers: int, workload: str, args: argparse.Namespace, launch_args: list[str]
+) -> Run:
     proc, url = launch([*launch_args, "--api-workers", str(api_workers)])
     try:
         with httpx.Client(base_url=url, timeout=30) as client:
@@ -204,8 +243,10 @@ def one_run(api_workers: int, workload: str, args: argparse.Namespace,
         end = start + args.seconds
         per_proc = max(1, args.clients // args.client_procs)
         with ProcessPoolExecutor(args.client_procs, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(client_process, url, requests, per_proc, start, end)
-                       for _ in range(args.client_procs)]  # fmt: skip
+            futures = [
+                pool.submit(client_process, url, requests, per_proc, start, end)
+                for _ in range(args.client_procs)
+            ]
             time.sleep(max(0.0, start - time.monotonic()))
             before = {pid: cpu_seconds(pid) for pid in pids}
             time.sleep(max(0.0, end - time.monotonic()))
@@ -219,25 +260,36 @@ def one_run(api_workers: int, workload: str, args: argparse.Namespace,
     for w in windows:
         for key, n in w.by_frontend.items():
             by_frontend[key] = by_frontend.get(key, 0) + n
-    return Run(api_workers, workload, args.seconds, sum(w.done for w in windows),
-               sum(w.errors for w in windows), sum(used.values()),
-               max(used.values()) / args.seconds, dict(sorted(by_frontend.items())))  # fmt: skip
+    return Run(
+        api_workers,
+        workload,
+        args.seconds,
+        sum(w.done for w in windows),
+        sum(w.errors for w in windows),
+        sum(used.values()),
+        max(used.values()) / args.seconds,
+        dict(sorted(by_frontend.items())),
+    )
 
 
 # ---- report -------------------------------------------------------------------------
 
 
 def table(runs: list[Run]) -> list[str]:
-    lines = ["| workload | api workers | requests/s | vs 1 worker | frontend CPU ms/request "
-             "| busiest frontend, cores | answered by frontend | errors |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| workload | api workers | requests/s | vs 1 worker | frontend CPU ms/request "
+        "| busiest frontend, cores | answered by frontend | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     base = {r.workload: r.rate for r in runs if r.api_workers == 1}
     for r in runs:
         ratio = f"{r.rate / base[r.workload]:.2f}x" if base.get(r.workload) else "-"
         spread = ", ".join(f"{k}: {v}" for k, v in r.by_frontend.items())
-        lines.append(f"| {r.workload} | {r.api_workers} | {r.rate:.0f} | {ratio} | "
-                     f"{r.cpu_ms_per_request:.2f} | {r.busiest_core_share:.2f} | {spread} | "
-                     f"{r.errors} |")  # fmt: skip
+        lines.append(
+            f"| {r.workload} | {r.api_workers} | {r.rate:.0f} | {ratio} | "
+            f"{r.cpu_ms_per_request:.2f} | {r.busiest_core_share:.2f} | {spread} | "
+            f"{r.errors} |"
+        )
     return lines
 
 
@@ -260,18 +312,35 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads:
         for n in args.api_workers:
             run = one_run(n, workload, args, launch_args)
-            print(f"{workload}, --api-workers {n}: {run.rate:.0f} req/s, "
-                  f"{run.cpu_ms_per_request:.2f} ms frontend CPU/request, {run.by_frontend}, "
-                  f"{run.errors} errors", flush=True)  # fmt: skip
+            print(
+                f"{workload}, --api-workers {n}: {run.rate:.0f} req/s, "
+                f"{run.cpu_ms_per_request:.2f} ms frontend CPU/request, {run.by_frontend}, "
+                f"{run.errors} errors",
+                flush=True,
+            )
             runs.append(run)
     report = table(runs)
     print("\n".join(report))
     if args.out is not None:
         command = "python -m benchmarks.api_workers " + " ".join(sys.argv[1:])
-        args.out.write_text("\n".join([
-            "# Several frontends: request rate and frontend CPU per request", "",
-            f"`{command}`", "", *report, "", "Machine:", "", "```", describe_machine(),
-            "```", ""]))  # fmt: skip
+        args.out.write_text(
+            "\n".join(
+                [
+                    "# Several frontends: request rate and frontend CPU per request",
+                    "",
+                    f"`{command}`",
+                    "",
+                    *report,
+                    "",
+                    "Machine:",
+                    "",
+                    "```",
+                    describe_machine(),
+                    "```",
+                    "",
+                ]
+            )
+        )
     return 0
 
 

@@ -75,21 +75,56 @@ def run_case(model: Path, streams: int, heal_after: float | None) -> dict[str, A
     """One cluster, streams started, the link cut (and mended after ``heal_after`` s)."""
     with NetnsPair() as pair:
         advertise = f"{pair.addr('a')}:{CLUSTER_PORT}"
-        common = ["--model", str(model), "--device", "cpu", "--kv-cache-tokens", "8192",
-                  "--cluster-key", KEY]  # fmt: skip
-        head = NetnsLaunch(pair, "a", [*common, "--prefill", "1", "--decode", "0",
-                                       "--remote-decode", "1", "--advertise", advertise,
-                                       "--node-name", "a", "--port", str(PORT)])  # fmt: skip
-        member = NetnsLaunch(pair, "b", [*common, "--prefill", "0", "--decode", "1",
-                                         "--join", advertise, "--node-name", "b"])  # fmt: skip
+        common = [
+            "--model",
+            str(model),
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "8192",
+            "--cluster-key",
+            KEY,
+        ]
+        head = NetnsLaunch(
+            pair,
+            "a",
+            [
+                *common,
+                "--prefill",
+                "1",
+                "--decode",
+                "0",
+                "--remote-decode",
+                "1",
+                "--advertise",
+                advertise,
+                "--node-name",
+                "a",
+                "--port",
+                str(PORT),
+            ],
+        )
+        member = NetnsLaunch(
+            pair,
+            "b",
+            [*common, "--prefill", "0", "--decode", "1", "--join", advertise, "--node-name", "b"],
+        )
         try:
             member.wait_for("pdserve node")
             head.wait_for("pdserve is serving")
             client = pair.popen(
-                "a", [sys.executable, "-c", CLIENT, f"http://127.0.0.1:{PORT}", str(streams),
-                      str(MAX_TOKENS)],
-                stdout=subprocess.PIPE, text=True,
-            )  # fmt: skip
+                "a",
+                [
+                    sys.executable,
+                    "-c",
+                    CLIENT,
+                    f"http://127.0.0.1:{PORT}",
+                    str(streams),
+                    str(MAX_TOKENS),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             assert client.stdout is not None
             if client.stdout.readline().strip() != "started":
                 raise RuntimeError("the streams did not start:\n" + "".join(head.log[-30:]))
@@ -104,9 +139,15 @@ def run_case(model: Path, streams: int, heal_after: float | None) -> dict[str, A
             pair.set_link(True)
             member.stop()
             head.stop()
-    events = [line.rstrip() for line in head.log + member.log
-              if "silent" in line or "resumed" in line or "request failed" in line
-              or "joined" in line or "heard again" in line]  # fmt: skip
+    events = [
+        line.rstrip()
+        for line in head.log + member.log
+        if "silent" in line
+        or "resumed" in line
+        or "request failed" in line
+        or "joined" in line
+        or "heard again" in line
+    ]
     results = json.loads(answer)
     for r in results:
         r["after_cut_s"] = r.pop("end") - cut
@@ -114,21 +155,36 @@ def run_case(model: Path, streams: int, heal_after: float | None) -> dict[str, A
 
 
 def report(cases: dict[str, dict[str, Any]], command: str, streams: int) -> str:
-    lines = [*report_head("A partition between two hosts", command),
-             f"A head (frontend, prefill) in namespace a, a decode node in namespace b, the "
-             f"tiny test model on CPU; {streams} greedy streams of {MAX_TOKENS} tokens from "
-             "inside namespace a; once each has a token, both ends of the veth go down.", ""]  # fmt: skip
+    lines = [
+        *report_head("A partition between two hosts", command),
+        f"A head (frontend, prefill) in namespace a, a decode node in namespace b, the "
+        f"tiny test model on CPU; {streams} greedy streams of {MAX_TOKENS} tokens from "
+        "inside namespace a; once each has a token, both ends of the veth go down.",
+        "",
+    ]
     for name, case in cases.items():
         heal = case["heal_after_s"]
         what = f"the link is back after {heal:g} s" if heal is not None else "the link stays cut"
-        lines += [f"## {name}: {what}", "",
-                  "| stream | finish | tokens | seconds from the cut to its end | error |",
-                  "| ---: | --- | ---: | ---: | --- |"]  # fmt: skip
+        lines += [
+            f"## {name}: {what}",
+            "",
+            "| stream | finish | tokens | seconds from the cut to its end | error |",
+            "| ---: | --- | ---: | ---: | --- |",
+        ]
         for k, r in enumerate(case["streams"]):
-            lines.append(f"| {k} | {r['finish']} | {r['tokens']} | {r['after_cut_s']:.1f} | "
-                         f"{r['error'] or ''} |")  # fmt: skip
-        lines += ["", "What the nodes logged:", "", "```",
-                  *[e.split(" ", 2)[-1] for e in case["events"][-12:]], "```", ""]  # fmt: skip
+            lines.append(
+                f"| {k} | {r['finish']} | {r['tokens']} | {r['after_cut_s']:.1f} | "
+                f"{r['error'] or ''} |"
+            )
+        lines += [
+            "",
+            "What the nodes logged:",
+            "",
+            "```",
+            *[e.split(" ", 2)[-1] for e in case["events"][-12:]],
+            "```",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -144,8 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m benchmarks.cluster_partition " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
-    cases = {"heals": run_case(model, args.streams, args.heal_after),
-             "lasts": run_case(model, args.streams, None)}  # fmt: skip
+    cases = {
+        "heals": run_case(model, args.streams, args.heal_after),
+        "lasts": run_case(model, args.streams, None),
+    }
     text = report(cases, portable(command.strip()), args.streams)
     print(text)
     if args.out:

@@ -59,8 +59,16 @@ CLUSTER_PORT = 7481
 # A key for this run's own throwaway cluster inside two private namespaces.
 KEY = "cluster-serving-benchmark-key"
 SETUPS = ("one host", "two nodes")
-LAUNCH = ("--device", "cpu", "--kv-cache-tokens", "16384", "--max-model-len", "2048",
-          "--port", str(PORT))  # fmt: skip
+LAUNCH = (
+    "--device",
+    "cpu",
+    "--kv-cache-tokens",
+    "16384",
+    "--max-model-len",
+    "2048",
+    "--port",
+    str(PORT),
+)
 
 
 def node(pair: NetnsPair, side: Side, args: list[str], own_cores: bool = True) -> NetnsLaunch:
@@ -75,12 +83,41 @@ def start(pair: NetnsPair, setup: str) -> list[NetnsLaunch]:
     else:
         advertise = f"{pair.addr('a')}:{CLUSTER_PORT}"
         nodes = [
-            node(pair, "a", ["--prefill", "1", "--decode", "0", "--remote-decode", "1",
-                             "--advertise", advertise, "--cluster-key", KEY,
-                             "--node-name", "a"]),
-            node(pair, "b", ["--prefill", "0", "--decode", "1", "--join", advertise,
-                             "--cluster-key", KEY, "--node-name", "b0"]),
-        ]  # fmt: skip
+            node(
+                pair,
+                "a",
+                [
+                    "--prefill",
+                    "1",
+                    "--decode",
+                    "0",
+                    "--remote-decode",
+                    "1",
+                    "--advertise",
+                    advertise,
+                    "--cluster-key",
+                    KEY,
+                    "--node-name",
+                    "a",
+                ],
+            ),
+            node(
+                pair,
+                "b",
+                [
+                    "--prefill",
+                    "0",
+                    "--decode",
+                    "1",
+                    "--join",
+                    advertise,
+                    "--cluster-key",
+                    KEY,
+                    "--node-name",
+                    "b0",
+                ],
+            ),
+        ]
     try:
         for member in nodes[1:]:
             member.wait_for("pdserve node")
@@ -96,15 +133,43 @@ def stop(nodes: list[NetnsLaunch]) -> None:
         node.stop()
 
 
-def harness(pair: NetnsPair, args: argparse.Namespace, model: Path, prompts: int, seed: int,
-            result_file: Path) -> dict[str, Any]:  # fmt: skip
+def harness(
+    pair: NetnsPair,
+    args: argparse.Namespace,
+    model: Path,
+    prompts: int,
+    seed: int,
+    result_file: Path,
+) -> dict[str, Any]:
     """One ``benchmarks.serving`` run inside namespace a; its result JSON."""
-    cmd = [sys.executable, "-m", "benchmarks.serving", "--base-url", f"http://127.0.0.1:{PORT}",
-           "--model", model.name, "--tokenizer", str(model), "--dataset", "random",
-           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-           "--num-prompts", str(prompts), "--max-concurrency", str(args.concurrency),
-           "--seed", str(seed), "--metric-percentiles", "50,90", "--disable-tqdm",
-           "--result-file", str(result_file)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.serving",
+        "--base-url",
+        f"http://127.0.0.1:{PORT}",
+        "--model",
+        model.name,
+        "--tokenizer",
+        str(model),
+        "--dataset",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(args.concurrency),
+        "--seed",
+        str(seed),
+        "--metric-percentiles",
+        "50,90",
+        "--disable-tqdm",
+        "--result-file",
+        str(result_file),
+    ]
     done = pair.run("a", cmd, timeout=600)
     if not result_file.exists():  # failed requests still write a result; anything else not
         raise RuntimeError(
@@ -113,8 +178,9 @@ def harness(pair: NetnsPair, args: argparse.Namespace, model: Path, prompts: int
     return json.loads(result_file.read_text())
 
 
-def one_run(pair: NetnsPair, args: argparse.Namespace, model: Path, setup: str,
-            tmp: Path) -> dict[str, Any]:  # fmt: skip
+def one_run(
+    pair: NetnsPair, args: argparse.Namespace, model: Path, setup: str, tmp: Path
+) -> dict[str, Any]:
     """Start ``setup``, warm it, measure, stop it. Returns the harness's raw series plus
     the veth bytes of the measured part and the nodes' logs' evidence of where KV went."""
     t0 = time.monotonic()
@@ -131,16 +197,25 @@ def one_run(pair: NetnsPair, args: argparse.Namespace, model: Path, setup: str,
     warnings = [
         line.rstrip() for n in nodes for line in n.log if "WARNING" in line or "ERROR" in line
     ]
-    return {"setup": setup, "ready_s": ready_s, "duration": res["duration"],
-            "completed": res["completed"], "total_input_tokens": res["total_input_tokens"],
-            "total_output_tokens": res["total_output_tokens"], "ttfts": ok(res, "ttfts"),
-            "itls": ok(res, "itls"),
-            "failed": res["failed"],
-            "errors_summary": res["errors_summary"], "p50_ttft_ms": res["p50_ttft_ms"],
-            "p50_itl_ms": res["p50_itl_ms"], "output_throughput": res["output_throughput"],
-            "veth_b_rx_bytes": rx1 - rx0, "veth_b_tx_bytes": tx1 - tx0,
-            "member_mapped_prefill_pool": mapped,
-            "warnings": warnings[-50:]}  # fmt: skip
+    return {
+        "setup": setup,
+        "ready_s": ready_s,
+        "duration": res["duration"],
+        "completed": res["completed"],
+        "total_input_tokens": res["total_input_tokens"],
+        "total_output_tokens": res["total_output_tokens"],
+        "ttfts": ok(res, "ttfts"),
+        "itls": ok(res, "itls"),
+        "failed": res["failed"],
+        "errors_summary": res["errors_summary"],
+        "p50_ttft_ms": res["p50_ttft_ms"],
+        "p50_itl_ms": res["p50_itl_ms"],
+        "output_throughput": res["output_throughput"],
+        "veth_b_rx_bytes": rx1 - rx0,
+        "veth_b_tx_bytes": tx1 - tx0,
+        "member_mapped_prefill_pool": mapped,
+        "warnings": warnings[-50:],
+    }
 
 
 def ok(res: dict[str, Any], key: str) -> list[Any]:
@@ -153,15 +228,18 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, float]:
     ttft = np.array([t for r in runs for t in r["ttfts"]]) * 1e3
     itl = np.array([g for r in runs for gaps in r["itls"] for g in gaps]) * 1e3
     out_tokens = sum(r["total_output_tokens"] for r in runs)
-    return {"requests": float(len(ttft)),
-            "failed": float(sum(r["failed"] for r in runs)), "itl_gaps": float(len(itl)),
-            "ttft_p50_ms": float(np.percentile(ttft, 50)),
-            "ttft_p90_ms": float(np.percentile(ttft, 90)),
-            "itl_p50_ms": float(np.percentile(itl, 50)),
-            "itl_p90_ms": float(np.percentile(itl, 90)),
-            "output_tok_s": out_tokens / sum(r["duration"] for r in runs),
-            "veth_b_rx_bytes": float(sum(r["veth_b_rx_bytes"] for r in runs)),
-            "veth_b_tx_bytes": float(sum(r["veth_b_tx_bytes"] for r in runs))}  # fmt: skip
+    return {
+        "requests": float(len(ttft)),
+        "failed": float(sum(r["failed"] for r in runs)),
+        "itl_gaps": float(len(itl)),
+        "ttft_p50_ms": float(np.percentile(ttft, 50)),
+        "ttft_p90_ms": float(np.percentile(ttft, 90)),
+        "itl_p50_ms": float(np.percentile(itl, 50)),
+        "itl_p90_ms": float(np.percentile(itl, 90)),
+        "output_tok_s": out_tokens / sum(r["duration"] for r in runs),
+        "veth_b_rx_bytes": float(sum(r["veth_b_rx_bytes"] for r in runs)),
+        "veth_b_tx_bytes": float(sum(r["veth_b_tx_bytes"] for r in runs)),
+    }
 
 
 def kv_bytes_per_prompt(model: Path, tokens: int) -> int:
@@ -184,23 +262,33 @@ def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         for setup in order:
             print(f"-- {setup}", file=sys.stderr, flush=True)
             run = one_run(pair, args, model, setup, Path(tmp))
-            print(f"   TTFT p50 {run['p50_ttft_ms']:.1f} ms, ITL p50 {run['p50_itl_ms']:.1f} ms,"
-                  f" {run['output_throughput']:.1f} tok/s, veth {run['veth_b_rx_bytes']} B",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"   TTFT p50 {run['p50_ttft_ms']:.1f} ms, ITL p50 {run['p50_itl_ms']:.1f} ms,"
+                f" {run['output_throughput']:.1f} tok/s, veth {run['veth_b_rx_bytes']} B",
+                file=sys.stderr,
+                flush=True,
+            )
             runs.append(run)
-        cores = {"all": sorted(os.sched_getaffinity(0)), "a": pair.cores("a"),
-                 "b": pair.cores("b")}  # fmt: skip
-    return {"order": order, "runs": runs, "cores": cores,
-            "pooled": {s: pooled([r for r in runs if r["setup"] == s]) for s in SETUPS},
-            "kv_bytes_per_prompt": kv_bytes_per_prompt(model, args.input_len)}  # fmt: skip
+        cores = {"all": sorted(os.sched_getaffinity(0)), "a": pair.cores("a"), "b": pair.cores("b")}
+    return {
+        "order": order,
+        "runs": runs,
+        "cores": cores,
+        "pooled": {s: pooled([r for r in runs if r["setup"] == s]) for s in SETUPS},
+        "kv_bytes_per_prompt": kv_bytes_per_prompt(model, args.input_len),
+    }
 
 
 def report(result: dict[str, Any], args: argparse.Namespace, command: str) -> str:
     one, two = (result["pooled"][s] for s in SETUPS)
     pair_cores = result["cores"]
-    rows = [("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p90 ms", "ttft_p90_ms"),
-            ("ITL p50 ms", "itl_p50_ms"), ("ITL p90 ms", "itl_p90_ms"),
-            ("output tok/s", "output_tok_s")]  # fmt: skip
+    rows = [
+        ("TTFT p50 ms", "ttft_p50_ms"),
+        ("TTFT p90 ms", "ttft_p90_ms"),
+        ("ITL p50 ms", "itl_p50_ms"),
+        ("ITL p90 ms", "itl_p90_ms"),
+        ("output tok/s", "output_tok_s"),
+    ]
     lines = [
         *report_head("Serving across two nodes vs one host", command),
         f"Load: `python -m benchmarks.serving --dataset random --random-input-len "
@@ -224,13 +312,19 @@ def report(result: dict[str, Any], args: argparse.Namespace, command: str) -> st
     ]
     for label, key in rows:
         lines.append(f"| {label} | {one[key]:.1f} | {two[key]:.1f} | {two[key] / one[key]:.2f}x |")
-    lines += ["", "Per run (the harness's own medians):", "",
-              "| # | setup | ready s | TTFT p50 ms | ITL p50 ms | output tok/s | veth b rx MiB |",
-              "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines += [
+        "",
+        "Per run (the harness's own medians):",
+        "",
+        "| # | setup | ready s | TTFT p50 ms | ITL p50 ms | output tok/s | veth b rx MiB |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for i, r in enumerate(result["runs"], 1):
-        lines.append(f"| {i} | {r['setup']} | {r['ready_s']:.1f} | {r['p50_ttft_ms']:.1f} | "
-                     f"{r['p50_itl_ms']:.1f} | {r['output_throughput']:.1f} | "
-                     f"{r['veth_b_rx_bytes'] / 2**20:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {i} | {r['setup']} | {r['ready_s']:.1f} | {r['p50_ttft_ms']:.1f} | "
+            f"{r['p50_itl_ms']:.1f} | {r['output_throughput']:.1f} | "
+            f"{r['veth_b_rx_bytes'] / 2**20:.1f} |"
+        )
     for r in result["runs"]:
         if r["failed"]:
             lines += [

@@ -256,8 +256,11 @@ def report(rows: list[Row], command: str, device: str = "cpu", dtype: str = "flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer repeats and steps (smoke run; writes no results file)")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer repeats and steps (smoke run; writes no results file)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")

@@ -114,8 +114,10 @@ def _runner(model: Path, variant: str, context: int) -> ModelRunner:
 
 def measure(runner: ModelRunner, b: int, context: int, rounds: int) -> tuple[float, float]:
     """(median step ms, median bare ms) at batch ``b``."""
-    seqs = [Sequence(i, [(7 * i + j) % 1000 + 10 for j in range(context)],
-                     sampling=SamplingParams()) for i in range(b)]  # fmt: skip
+    seqs = [
+        Sequence(i, [(7 * i + j) % 1000 + 10 for j in range(context)], sampling=SamplingParams())
+        for i in range(b)
+    ]
     runner.prefill([(s, s.num_tokens) for s in seqs])
     for s in seqs:
         s.output_ids.append(11)

@@ -52,8 +52,14 @@ LINK_BLOCKS = (
 
 
 def layout(num_blocks: int = LINK_BLOCKS) -> KVLayout:
-    return KVLayout(num_blocks=num_blocks, num_layers=30, block_size=BLOCK, num_kv_heads=3,
-                    head_dim=64, dtype="bfloat16")  # fmt: skip
+    return KVLayout(
+        num_blocks=num_blocks,
+        num_layers=30,
+        block_size=BLOCK,
+        num_kv_heads=3,
+        head_dim=64,
+        dtype="bfloat16",
+    )
 
 
 def scattered(tokens: int, seed: int) -> tuple[list[int], list[int]]:
@@ -160,15 +166,22 @@ def measure(tokens: list[int], repeats: int) -> dict[str, Any]:
         def env(side: Side) -> dict[str, str]:
             return {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": pair.dev(side)}
 
-        source = pair.popen("a", [*me, "source"], env=env("a"),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        source = pair.popen(
+            "a", [*me, "source"], env=env("a"), stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
         assert source.stdout is not None and source.stdin is not None
         handle = read_frame(source.stdout)
         rx0, _ = pair.link_bytes("b")
         frame = len(handle).to_bytes(4, "big") + handle
-        reader = subprocess.run(pair.argv("b", [*me, "reader", "--tokens", *map(str, tokens),
-                                                "--repeats", str(repeats)]),
-                                timeout=600, input=frame, env=env("b"), capture_output=True)  # fmt: skip
+        reader = subprocess.run(
+            pair.argv(
+                "b", [*me, "reader", "--tokens", *map(str, tokens), "--repeats", str(repeats)]
+            ),
+            timeout=600,
+            input=frame,
+            env=env("b"),
+            capture_output=True,
+        )
         rx1, _ = pair.link_bytes("b")
         if reader.returncode != 0:
             err = reader.stderr[-3000:].decode(errors="replace")

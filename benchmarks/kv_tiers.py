@@ -56,11 +56,20 @@ class Rig:
             fd, buf = create_segment(g.offsets[3])
             HostStore.format(buf, g)
             self.host = HostStore(fd, buf)
-            kw = {"kv_offload_fd": fd, "kv_offload_nbytes": g.offsets[3],
-                  "kv_offload_dir": None if disk is None else str(disk)}  # fmt: skip
-        self.llm = LLM(EngineConfig(model=str(model), dtype="bfloat16",
-                                    num_kv_blocks=pool_tokens // BS,
-                                    max_model_len=8192, **kw))  # fmt: skip
+            kw = {
+                "kv_offload_fd": fd,
+                "kv_offload_nbytes": g.offsets[3],
+                "kv_offload_dir": None if disk is None else str(disk),
+            }
+        self.llm = LLM(
+            EngineConfig(
+                model=str(model),
+                dtype="bfloat16",
+                num_kv_blocks=pool_tokens // BS,
+                max_model_len=8192,
+                **kw,
+            )
+        )
         self.llm.generate([list(range(2000, 2040))], FIRST)  # warm-up, below a block's reuse
 
     def ttft(self, prompt: list[int]) -> float:
@@ -113,8 +122,11 @@ def no_reuse_cost(model: Path, n: int, length: int, disk: Path) -> dict[str, flo
     rng = np.random.default_rng(7)
     prompts = [_tokens(rng, length) for _ in range(n)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    rigs = {"off": Rig(model, 8192, 0.0, None), "tier 2": Rig(model, 8192, 1.0, None),
-            "tiers 2+3": Rig(model, 8192, 1.0, disk)}  # fmt: skip
+    rigs = {
+        "off": Rig(model, 8192, 0.0, None),
+        "tier 2": Rig(model, 8192, 1.0, None),
+        "tiers 2+3": Rig(model, 8192, 1.0, disk),
+    }
     tiers = rigs["tiers 2+3"].llm.runner.kv.tiers
     assert tiers is not None and tiers.disk is not None
     pers = Persister(tiers.host, tiers.disk, 64 << 30, 0)
@@ -181,22 +193,37 @@ def bandwidth(model: Path, disk: Path) -> dict[str, float]:
     read = len(data) / (time.perf_counter_ns() - t0)
     os.close(fd)
     probe.unlink()
-    return {"tier 2 load": t2, "memcpy": memcpy, "tier 3 load (cold)": t3,
-            "disk read (cold)": read, "disk write (fsync)": write}  # fmt: skip
+    return {
+        "tier 2 load": t2,
+        "memcpy": memcpy,
+        "tier 3 load (cold)": t3,
+        "disk read (cold)": read,
+        "disk write (fsync)": write,
+    }
 
 
-def report(ttft: dict[int, dict[str, float]], cost: dict[str, float], bw: dict[str, float],
-           command: str, load_before: str) -> str:  # fmt: skip
+def report(
+    ttft: dict[int, dict[str, float]],
+    cost: dict[str, float],
+    bw: dict[str, float],
+    command: str,
+    load_before: str,
+) -> str:
     lines = report_head("KV tiers beyond the pool", command)
     lines += [f"Load average at the start: {load_before}; at the end: {_load()}.", ""]
     lines += ["## Turn-k time to first token (seconds), history pushed out of the pool", ""]
     cols = ["recompute", "tier 2", "tier 3", "tier 3 after restart"]
-    lines += ["| history tokens | " + " | ".join(cols) + " | tier 2 speed-up | "
-              "tier 3 after restart speed-up |", "|---" * (len(cols) + 3) + "|"]  # fmt: skip
+    lines += [
+        "| history tokens | " + " | ".join(cols) + " | tier 2 speed-up | "
+        "tier 3 after restart speed-up |",
+        "|---" * (len(cols) + 3) + "|",
+    ]
     for n, row in sorted(ttft.items()):
         vals = " | ".join(f"{row[c]:.3f}" for c in cols)
-        lines.append(f"| {n} | {vals} | {row['recompute'] / row['tier 2']:.1f}x | "
-                     f"{row['recompute'] / row['tier 3 after restart']:.1f}x |")  # fmt: skip
+        lines.append(
+            f"| {n} | {vals} | {row['recompute'] / row['tier 2']:.1f}x | "
+            f"{row['recompute'] / row['tier 3 after restart']:.1f}x |"
+        )
     wins = [n for n, row in sorted(ttft.items()) if row["tier 2"] < row["recompute"]]
     lines += [
         "",
@@ -204,8 +231,12 @@ def report(ttft: dict[int, dict[str, float]], cost: dict[str, float], bw: dict[s
         "history tokens on (the shortest length measured where it does).",
         "",
     ]
-    lines += ["## No reuse: median seconds per request (distinct 1024-token prompts, 16 tokens)",
-              "", "| tiers | seconds | cost vs off |", "|---|---|---|"]  # fmt: skip
+    lines += [
+        "## No reuse: median seconds per request (distinct 1024-token prompts, 16 tokens)",
+        "",
+        "| tiers | seconds | cost vs off |",
+        "|---|---|---|",
+    ]
     direct = cost.pop("tier 2 store time")
     for name, s in cost.items():
         lines.append(f"| {name} | {s:.3f} | {100 * (s / cost['off'] - 1):+.1f} % |")
@@ -214,12 +245,21 @@ def report(ttft: dict[int, dict[str, float]], cost: dict[str, float], bw: dict[s
         f"Time spent storing blocks into tier 2 (its counters): {direct * 1e3:.1f} ms "
         f"per request, {100 * direct / cost['off']:.2f} % of a request with tiers off.",
     ]
-    lines += ["", "## Bandwidth (GB/s), measured in the same run", "", "| path | GB/s |",
-              "|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "## Bandwidth (GB/s), measured in the same run",
+        "",
+        "| path | GB/s |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {v:.2f} |" for k, v in bw.items()]
-    lines += ["", f"Tier 2 moves {100 * bw['tier 2 load'] / bw['memcpy']:.0f} % of memcpy; "
-              f"tier 3 reads {100 * bw['tier 3 load (cold)'] / bw['disk read (cold)']:.0f} % of "
-              "the disk's cold sequential read.", ""]  # fmt: skip
+    lines += [
+        "",
+        f"Tier 2 moves {100 * bw['tier 2 load'] / bw['memcpy']:.0f} % of memcpy; "
+        f"tier 3 reads {100 * bw['tier 3 load (cold)'] / bw['disk read (cold)']:.0f} % of "
+        "the disk's cold sequential read.",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -32,16 +32,29 @@ def report_head(title: str, command: str) -> list[str]:
 
 
 # The flags that decide which CPU kernels are fast (bfloat16 and int8 dot products, AMX).
-VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-                "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")  # fmt: skip
+VECTOR_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 
 
 def vector_flags() -> list[str]:
     """Which of ``VECTOR_FLAGS`` this CPU reports (``/proc/cpuinfo``; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f
-                          if line.startswith("flags")), [])  # fmt: skip
+            flags = next(
+                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
+            )
     except OSError:
         return []
     return [flag for flag in VECTOR_FLAGS if flag in flags]

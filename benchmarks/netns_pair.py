@@ -277,9 +277,15 @@ class NetnsLaunch:
         # launcher's children inherit the affinity, and the core lease counts it.
         cpus = pair.cores(side) if own_cores else []
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        self.proc = pair.popen(side, cmd, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True,
-                               preexec_fn=pin)  # fmt: skip
+        self.proc = pair.popen(
+            side,
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=pin,
+        )
         self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
 

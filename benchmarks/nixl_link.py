@@ -100,8 +100,9 @@ def _agent(name: str) -> Any:
     return nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
 
 
-def _source(inp: IO[bytes], out: IO[bytes], nbytes: int, seed: int, reads: int,
-            deadline: float) -> None:  # fmt: skip
+def _source(
+    inp: IO[bytes], out: IO[bytes], nbytes: int, seed: int, reads: int, deadline: float
+) -> None:
     """Serve one buffer; report the READ notifications that arrive (``reads`` expected)."""
     agent = _agent("source")
     buf = pattern(nbytes, seed)
@@ -116,8 +117,9 @@ def _source(inp: IO[bytes], out: IO[bytes], nbytes: int, seed: int, reads: int,
     write_json(out, {"notifs": notifs})
 
 
-def _reader(inp: IO[bytes], out: IO[bytes], nbytes: int, seed: int, desc: int, reads: int,
-            deadline: float) -> None:  # fmt: skip
+def _reader(
+    inp: IO[bytes], out: IO[bytes], nbytes: int, seed: int, desc: int, reads: int, deadline: float
+) -> None:
     """READ the source's buffer ``reads`` times as ``desc``-byte descriptors; time each."""
     head = read_json(inp)
     meta = read_frame(inp)
@@ -126,8 +128,9 @@ def _reader(inp: IO[bytes], out: IO[bytes], nbytes: int, seed: int, desc: int, r
     agent.register_memory([(dst.ctypes.data, nbytes, 0, "")], "DRAM")
     remote = agent.add_remote_agent(meta)
     offsets = range(0, nbytes, desc)
-    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT",
-                                  [(dst.ctypes.data + o, desc, 0) for o in offsets], "DRAM")  # fmt: skip
+    local = agent.prep_xfer_dlist(
+        "NIXL_INIT_AGENT", [(dst.ctypes.data + o, desc, 0) for o in offsets], "DRAM"
+    )
     far = agent.prep_xfer_dlist(remote, [(head["addr"] + o, desc, 0) for o in offsets], "DRAM")
     idx = np.arange(len(offsets), dtype=np.int32)
     xfer = agent.make_prepped_xfer("READ", local, idx, far, idx)
@@ -230,8 +233,16 @@ def measure_read(
     if nbytes % desc:
         raise ValueError("--mib must be a whole number of descriptors")
     reads = WARMUP + repeats
-    common = ["--nbytes", str(nbytes), "--desc", str(desc), "--reads", str(reads),
-              "--timeout", str(timeout)]  # fmt: skip
+    common = [
+        "--nbytes",
+        str(nbytes),
+        "--desc",
+        str(desc),
+        "--reads",
+        str(reads),
+        "--timeout",
+        str(timeout),
+    ]
     procs: dict[str, subprocess.Popen[bytes]] = {}
     errs: dict[str, IO[bytes]] = {}
     envs: dict[str, dict[str, str]] = {}
@@ -244,8 +255,9 @@ def measure_read(
             env = {**os.environ, "PYTHONPATH": str(REPO), **info, **envs[role]}
             argv = [sys.executable, "-m", "benchmarks.nixl_link", "--role", role, *common]
             errs[role] = stack.enter_context(tempfile.TemporaryFile())
-            kw: dict[str, Any] = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=errs[role], env=env, cwd=REPO)  # fmt: skip
+            kw: dict[str, Any] = dict(
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errs[role], env=env, cwd=REPO
+            )
             if pair is not None and side is not None:
                 procs[role] = pair.popen(side, argv, **kw)
             else:
@@ -348,16 +360,20 @@ def run_placement(pair: NetnsPair, placement: str, **kw: Any) -> LinkResult:
 
 def write_report(results: list[LinkResult], out: Path, command: str, repeats: int) -> str:
     machine = describe_machine()
-    doc = {"command": command, "machine": machine,
-           "results": [{**asdict(r), "gbps": r.gbps, "median_gbps": r.median_gbps}
-                       for r in results]}  # fmt: skip
+    doc = {
+        "command": command,
+        "machine": machine,
+        "results": [{**asdict(r), "gbps": r.gbps, "median_gbps": r.median_gbps} for r in results],
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     # portable(): the children's stderr tails may name this checkout's paths.
     out.with_suffix(".json").write_text(portable(json.dumps(doc, indent=2)) + "\n")
     r0 = results[0]
     lines = [
-        "# NIXL READ between two processes: across a veth (UCX over TCP) vs one host", "",
-        f"Command: `{command}`", "",
+        "# NIXL READ between two processes: across a veth (UCX over TCP) vs one host",
+        "",
+        f"Command: `{command}`",
+        "",
         f"Each placement: the reader READs {r0.nbytes >> 20} MiB from the source as "
         f"{r0.nbytes // r0.desc_bytes} descriptors of {r0.desc_bytes >> 10} KiB in one "
         f"transfer request, checks every byte, {WARMUP} untimed warm-up READ then "
@@ -370,18 +386,21 @@ def write_report(results: list[LinkResult], out: Path, command: str, repeats: in
         "memory: `veth-tcp` measures UCX's TCP path through the kernel (UCX's tcp transport "
         "has no RDMA read, so a READ is emulated by messages), not a network's bandwidth, "
         "and on a machine with few cores the UCX progress threads of both sides compete "
-        "with the copies.", "",
+        "with the copies.",
+        "",
         "| placement | UCX env (source\\|reader) | READ served by (UCX_PROTO_INFO) "
         "| median GB/s | min / max GB/s | notifications | veth rx MiB |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: |",
-    ]  # fmt: skip
+    ]
     for r in results:
         env = " ".join(f"{k}={v}" for k, v in r.env.items()) or "(default)"
         rx = "" if r.reader_veth_rx_bytes is None else f"{r.reader_veth_rx_bytes / 2**20:,.1f}"
         env = env.replace("|", "\\|")
-        lines.append(f"| {r.label} | `{env}` | {r.read_protocol} "
-                     f"| **{r.median_gbps:.2f}** | {min(r.gbps):.2f} / "
-                     f"{max(r.gbps):.2f} | {r.notifs} | {rx} |")  # fmt: skip
+        lines.append(
+            f"| {r.label} | `{env}` | {r.read_protocol} "
+            f"| **{r.median_gbps:.2f}** | {min(r.gbps):.2f} / "
+            f"{max(r.gbps):.2f} | {r.notifs} | {rx} |"
+        )
     if len(results) == 2 and results[1].median_gbps:
         ratio = results[0].median_gbps / results[1].median_gbps
         lines += ["", f"{results[0].label} / {results[1].label}: **{ratio:.2f}x**."]
@@ -410,8 +429,16 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with NetnsPair() as pair:
         for placement in args.placements.split(","):
-            results.append(run_placement(pair, placement, mib=args.mib, desc_kib=args.desc_kib,
-                                         repeats=args.repeats, timeout=args.timeout))  # fmt: skip
+            results.append(
+                run_placement(
+                    pair,
+                    placement,
+                    mib=args.mib,
+                    desc_kib=args.desc_kib,
+                    repeats=args.repeats,
+                    timeout=args.timeout,
+                )
+            )
     command = portable(" ".join(["python -m benchmarks.nixl_link", *argv]))
     sys.stdout.write(write_report(results, args.out, command, args.repeats))
     return 0

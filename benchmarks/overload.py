@@ -33,9 +33,24 @@ from benchmarks.soak import launch, process_tree, rss_bytes
 
 logger = logging.getLogger(__name__)
 
-LAUNCH_ARGS = ("--prefill", "1", "--decode", "1", "--detokenizers", "1", "--device", "cpu",
-               "--kv-cache-tokens", "2048", "--max-model-len", "256",
-               "--max-waiting-requests", "8", "--max-num-seqs", "8")  # fmt: skip
+LAUNCH_ARGS = (
+    "--prefill",
+    "1",
+    "--decode",
+    "1",
+    "--detokenizers",
+    "1",
+    "--device",
+    "cpu",
+    "--kv-cache-tokens",
+    "2048",
+    "--max-model-len",
+    "256",
+    "--max-waiting-requests",
+    "8",
+    "--max-num-seqs",
+    "8",
+)
 CLIENTS = 500
 MAX_TOKENS = 4
 STORM_TIMEOUT_S = 90.0
@@ -68,8 +83,12 @@ class Probe:
     """The probe process; ``stop()`` returns (latencies in s, HTTP status lines)."""
 
     def __init__(self, port: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", PROBE, str(port)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PROBE, str(port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
 
     def stop(self) -> tuple[list[float], list[str]]:
@@ -78,8 +97,13 @@ class Probe:
 
 
 async def _stream(client: httpx.AsyncClient, i: int) -> dict[str, object]:
-    body = {"prompt": f"request {i}: count to ten", "max_tokens": MAX_TOKENS, "stream": True,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "prompt": f"request {i}: count to ten",
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raw = await r.aread()
@@ -178,38 +202,59 @@ def _row(i: int, r: Run) -> str:
         return f"{percentile(xs, q):.0f}" if xs else "-"
 
     mib = 2**20
-    return (f"| {i} | {r.refused} | {r.finished} | {sum(r.other.values())} | {r.storm_s:.1f} s "
-            f"| {ms(r.idle_ms, 0.5)} / {ms(r.idle_ms, 0.99)} "
-            f"| {len(r.storm_ms)} | {ms(r.storm_ms, 0.5)} | **{ms(r.storm_ms, 0.99)}** "
-            f"| {max(r.storm_ms, default=0):.0f} | {r.non_200_probes} "
-            f"| {r.rss_before / mib:.1f} → {r.rss_after / mib:.1f} |")  # fmt: skip
+    return (
+        f"| {i} | {r.refused} | {r.finished} | {sum(r.other.values())} | {r.storm_s:.1f} s "
+        f"| {ms(r.idle_ms, 0.5)} / {ms(r.idle_ms, 0.99)} "
+        f"| {len(r.storm_ms)} | {ms(r.storm_ms, 0.5)} | **{ms(r.storm_ms, 0.99)}** "
+        f"| {max(r.storm_ms, default=0):.0f} | {r.non_200_probes} "
+        f"| {r.rss_before / mib:.1f} → {r.rss_after / mib:.1f} |"
+    )
 
 
 def write_report(runs: list[Run], out: Path, command: str, clients: int, sustain_s: float) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"command": command, "machine": describe_machine(), "clients": clients,
-           "sustain_s": sustain_s, "runs": [asdict(r) for r in runs]}  # fmt: skip
-    how = (f"each client re-asking as soon as it is answered (503s included) for {sustain_s:g} s"
-           if sustain_s else "once each")  # fmt: skip
+    doc = {
+        "command": command,
+        "machine": describe_machine(),
+        "clients": clients,
+        "sustain_s": sustain_s,
+        "runs": [asdict(r) for r in runs],
+    }
+    how = (
+        f"each client re-asking as soon as it is answered (503s included) for {sustain_s:g} s"
+        if sustain_s
+        else "once each"
+    )
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     p99s = [percentile(r.storm_ms, 0.99) for r in runs if r.storm_ms]
     lines = [
-        f"# Overload: /health under {clients} concurrent streaming clients", "",
-        f"Command: `{command}`", "",
+        f"# Overload: /health under {clients} concurrent streaming clients",
+        "",
+        f"Command: `{command}`",
+        "",
         f"Server: `launch {' '.join(LAUNCH_ARGS)}` unless the command says `--url`. Each run: "
         "/health probed for 3 s on the idle server (baseline), then "
         f"{clients} `/v1/completions` streams (max_tokens {MAX_TOKENS}) at once from one "
         f"httpx.AsyncClient, {how}, while a separate process probes `GET /health` every 50 ms "
-        "over a fresh TCP connection. Target: /health p99 < 100 ms.", "",
+        "over a fresh TCP connection. Target: /health p99 < 100 ms.",
+        "",
         "| run | 503 + Retry-After | 200, finished | other | storm | idle /health p50 / p99 ms "
         "| probes | storm /health p50 ms | p99 ms | max ms | non-200 probes "
         "| frontend RSS MiB |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        *(_row(i + 1, r) for i, r in enumerate(runs)), "",
+        *(_row(i + 1, r) for i, r in enumerate(runs)),
+        "",
         f"Median over runs of the storm p99: **{statistics.median(p99s):.0f} ms**; "
-        f"worst {max(p99s):.0f} ms." if p99s else "", "",
-        "Machine:", "", "```", describe_machine(), "```",
-    ]  # fmt: skip
+        f"worst {max(p99s):.0f} ms."
+        if p99s
+        else "",
+        "",
+        "Machine:",
+        "",
+        "```",
+        describe_machine(),
+        "```",
+    ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -217,8 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--clients", type=int, default=CLIENTS)
-    p.add_argument("--sustain", type=float, default=0.0,
-                   help="seconds each client keeps re-asking (0: one request each)")  # fmt: skip
+    p.add_argument(
+        "--sustain",
+        type=float,
+        default=0.0,
+        help="seconds each client keeps re-asking (0: one request each)",
+    )
     p.add_argument("--url", help="measure this server instead of launching one")
     p.add_argument("--out", type=Path, help="write <out>.md and <out>.json")
     args = p.parse_args(argv)
@@ -233,10 +282,18 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.runs):
             runs.append(one_run(url, frontend, args.clients, args.sustain))
             r = runs[-1]
-            logger.info("run %d: %d refused, %d finished, %s other; /health p50 %.0f p99 %.0f "
-                        "max %.0f ms (idle p99 %.0f ms)", i + 1, r.refused, r.finished, r.other,
-                        percentile(r.storm_ms, 0.5), percentile(r.storm_ms, 0.99),
-                        max(r.storm_ms), percentile(r.idle_ms, 0.99))  # fmt: skip
+            logger.info(
+                "run %d: %d refused, %d finished, %s other; /health p50 %.0f p99 %.0f "
+                "max %.0f ms (idle p99 %.0f ms)",
+                i + 1,
+                r.refused,
+                r.finished,
+                r.other,
+                percentile(r.storm_ms, 0.5),
+                percentile(r.storm_ms, 0.99),
+                max(r.storm_ms),
+                percentile(r.idle_ms, 0.99),
+            )
     finally:
         if proc is not None:
             proc.terminate()

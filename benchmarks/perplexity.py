@@ -84,8 +84,11 @@ def main() -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--storages", default=",".join(STORAGES))
-    p.add_argument("--by-decode", action="store_true",
-                   help="score through decode steps over the KV cache (see score())")  # fmt: skip
+    p.add_argument(
+        "--by-decode",
+        action="store_true",
+        help="score through decode steps over the KV cache (see score())",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -103,8 +106,11 @@ def main() -> None:
         target = TARGETS.get(storage)
         verdict = "" if target is None else ("met" if ratio - 1 <= target else "NOT met")
         rows.append((storage, math.exp(nll), ratio, agree, target, verdict))
-        print(f"{storage}: ppl {math.exp(nll):.4f} ({ratio:.4f}x), argmax agreement "
-              f"{agree:.1%} [{time.perf_counter() - t0:.0f} s]", flush=True)  # fmt: skip
+        print(
+            f"{storage}: ppl {math.exp(nll):.4f} ({ratio:.4f}x), argmax agreement "
+            f"{agree:.1%} [{time.perf_counter() - t0:.0f} s]",
+            flush=True,
+        )
     lines = [
         "# Perplexity by weight storage",
         "",

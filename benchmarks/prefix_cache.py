@@ -43,21 +43,65 @@ BS = 16
 # NOTE: 512-token prefill chunks keep every engine step well under the router's 1 s
 # staleness bound on a loaded 2-core machine; with 2048-token chunks of long prompts both
 # prefill workers can be mid-step at once and a request is refused 503 (no live worker).
-SERVER = ["--prefill", "2", "--decode", "2", "--detokenizers", "1", "--device", "cpu",
-          "--kv-cache-tokens", "65536", "--max-model-len", "4096",
-          "--chunked-prefill-size", "512", "--log-level", "warning"]  # fmt: skip
-CONFIGS = {"on": [], "off": ["--no-enable-prefix-caching"],
-           "on-ll": ["--router-policy", "least-load"]}  # fmt: skip
+SERVER = [
+    "--prefill",
+    "2",
+    "--decode",
+    "2",
+    "--detokenizers",
+    "1",
+    "--device",
+    "cpu",
+    "--kv-cache-tokens",
+    "65536",
+    "--max-model-len",
+    "4096",
+    "--chunked-prefill-size",
+    "512",
+    "--log-level",
+    "warning",
+]
+CONFIGS = {
+    "on": [],
+    "off": ["--no-enable-prefix-caching"],
+    "on-ll": ["--router-policy", "least-load"],
+}
 # (dataset, endpoint, benchmarks.serving flags). shared-prefix: 80 % of each prompt is
 # the shared prefix; multiturn: 16 conversations of 4 turns on one system prompt.
 DATASETS = {
-    "shared-prefix": ("/v1/completions", ["--num-prompts", "32", "--prefix-len", "3072",
-                      "--random-input-len", "768", "--random-output-len", "16",
-                      "--request-rate", "0.6"]),
-    "multiturn": ("/v1/chat/completions", ["--num-prompts", "64", "--turns", "4",
-                  "--prefix-len", "1024", "--random-input-len", "128",
-                  "--random-output-len", "64", "--request-rate", "4"]),
-}  # fmt: skip
+    "shared-prefix": (
+        "/v1/completions",
+        [
+            "--num-prompts",
+            "32",
+            "--prefix-len",
+            "3072",
+            "--random-input-len",
+            "768",
+            "--random-output-len",
+            "16",
+            "--request-rate",
+            "0.6",
+        ],
+    ),
+    "multiturn": (
+        "/v1/chat/completions",
+        [
+            "--num-prompts",
+            "64",
+            "--turns",
+            "4",
+            "--prefix-len",
+            "1024",
+            "--random-input-len",
+            "128",
+            "--random-output-len",
+            "64",
+            "--request-rate",
+            "4",
+        ],
+    ),
+}
 _SAMPLE = re.compile(r'^(pdserve_\w+)\{index="(\d+)",node="[^"]*",role="(\w+)"\} (\S+)$')
 
 
@@ -117,10 +161,26 @@ def run_one(config: str, dataset: str, tokenizer_dir: Path, out_dir: Path) -> di
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         before = scrape(url)
         result_file = out_dir / f"prefix_cache_{dataset}_{config}.json"
-        argv = ["--base-url", url, "--model", model, "--tokenizer", str(tokenizer_dir),
-                "--endpoint", endpoint, "--dataset", dataset, *extra, "--seed", "0",
-                "--metric-percentiles", "50,90,99", "--disable-tqdm",
-                "--result-file", str(result_file)]  # fmt: skip
+        argv = [
+            "--base-url",
+            url,
+            "--model",
+            model,
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--endpoint",
+            endpoint,
+            "--dataset",
+            dataset,
+            *extra,
+            "--seed",
+            "0",
+            "--metric-percentiles",
+            "50,90,99",
+            "--disable-tqdm",
+            "--result-file",
+            str(result_file),
+        ]
         rc = serving_main(argv)
         after = scrape(url)
     finally:
@@ -128,51 +188,73 @@ def run_one(config: str, dataset: str, tokenizer_dir: Path, out_dir: Path) -> di
         proc.wait(60)
     res = json.loads(result_file.read_text())
     return {
-        "config": config, "dataset": dataset, "rc": rc, "failed": res["failed"],
-        "p50_ttft_ms": res["median_ttft_ms"], "p90_ttft_ms": res["p90_ttft_ms"],
-        "p99_ttft_ms": res["p99_ttft_ms"], "p50_tpot_ms": res["median_tpot_ms"],
-        "duration_s": res["duration"], "reported_cached": res["prefix_cache_hit_rate"],
+        "config": config,
+        "dataset": dataset,
+        "rc": rc,
+        "failed": res["failed"],
+        "p50_ttft_ms": res["median_ttft_ms"],
+        "p90_ttft_ms": res["p90_ttft_ms"],
+        "p99_ttft_ms": res["p99_ttft_ms"],
+        "p50_tpot_ms": res["median_tpot_ms"],
+        "duration_s": res["duration"],
+        "reported_cached": res["prefix_cache_hit_rate"],
         "prefill_hit_rate": hit_rate(before, after, "prefill"),
         "decode_hit_rate": hit_rate(before, after, "decode"),
         "prefill_tokens": _delta(before, after, "pdserve_router_assigned_tokens_total", "prefill"),
-    }  # fmt: skip
+    }
 
 
 def report(rows: list[dict[str, Any]], ideal: dict[str, float], command: str) -> str:
-    lines = ["# Prefix caching: TTFT on vs off, hit rates, cache-aware vs least-load routing",
-             "", f"Command: `{command}`", "",
-             f"Servers (one at a time): `launch {' '.join(SERVER)}` plus "
-             + ", ".join(f"{k}: `{' '.join(v) or '(defaults)'}`" for k, v in CONFIGS.items()),
-             "", "Datasets (`python -m benchmarks.serving` flags):", ""]  # fmt: skip
+    lines = [
+        "# Prefix caching: TTFT on vs off, hit rates, cache-aware vs least-load routing",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Servers (one at a time): `launch {' '.join(SERVER)}` plus "
+        + ", ".join(f"{k}: `{' '.join(v) or '(defaults)'}`" for k, v in CONFIGS.items()),
+        "",
+        "Datasets (`python -m benchmarks.serving` flags):",
+        "",
+    ]
     for name, (endpoint, extra) in DATASETS.items():
         lines.append(f"- `{name}` on `{endpoint}`: `{' '.join(extra)}`")
-    lines += ["", "| dataset | server | p50 TTFT ms | p90 | p99 | p50 TPOT ms | prefill hit "
-              "rate | ideal | decode hit rate | prefill tokens per worker |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    lines += [
+        "",
+        "| dataset | server | p50 TTFT ms | p90 | p99 | p50 TPOT ms | prefill hit "
+        "rate | ideal | decode hit rate | prefill tokens per worker |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in rows:
         split = " / ".join(f"{v:.0f}" for _, v in sorted(r["prefill_tokens"].items()))
-        lines.append(f"| {r['dataset']} | {r['config']} | {r['p50_ttft_ms']:.1f} | "
-                     f"{r['p90_ttft_ms']:.1f} | {r['p99_ttft_ms']:.1f} | {r['p50_tpot_ms']:.1f} | "
-                     f"{r['prefill_hit_rate']:.3f} | {ideal[r['dataset']]:.3f} | "
-                     f"{r['decode_hit_rate']:.3f} | {split} |")  # fmt: skip
+        lines.append(
+            f"| {r['dataset']} | {r['config']} | {r['p50_ttft_ms']:.1f} | "
+            f"{r['p90_ttft_ms']:.1f} | {r['p99_ttft_ms']:.1f} | {r['p50_tpot_ms']:.1f} | "
+            f"{r['prefill_hit_rate']:.3f} | {ideal[r['dataset']]:.3f} | "
+            f"{r['decode_hit_rate']:.3f} | {split} |"
+        )
     lines += ["", "Ratios (same run):", ""]
     by = {(r["dataset"], r["config"]): r for r in rows}
     for name in DATASETS:
         on, off, ll = by[(name, "on")], by[(name, "off")], by[(name, "on-ll")]
-        lines.append(f"- `{name}`: p50 TTFT off / on = **{off['p50_ttft_ms'] / on['p50_ttft_ms']:.2f}x**"
-                     f"; prefill hit rate on = {on['prefill_hit_rate']:.3f} of ideal "
-                     f"{ideal[name]:.3f} ({on['prefill_hit_rate'] / ideal[name]:.0%}); "
-                     f"cache-aware vs least-load: hit rate {on['prefill_hit_rate']:.3f} vs "
-                     f"{ll['prefill_hit_rate']:.3f}, p50 TTFT {on['p50_ttft_ms']:.1f} vs "
-                     f"{ll['p50_ttft_ms']:.1f} ms")  # fmt: skip
+        lines.append(
+            f"- `{name}`: p50 TTFT off / on = **{off['p50_ttft_ms'] / on['p50_ttft_ms']:.2f}x**"
+            f"; prefill hit rate on = {on['prefill_hit_rate']:.3f} of ideal "
+            f"{ideal[name]:.3f} ({on['prefill_hit_rate'] / ideal[name]:.0%}); "
+            f"cache-aware vs least-load: hit rate {on['prefill_hit_rate']:.3f} vs "
+            f"{ll['prefill_hit_rate']:.3f}, p50 TTFT {on['p50_ttft_ms']:.1f} vs "
+            f"{ll['p50_ttft_ms']:.1f} ms"
+        )
     lines += ["", "Machine:", "```", describe(), "```", ""]
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="16 requests per dataset (smoke run; writes no results file)")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="16 requests per dataset (smoke run; writes no results file)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -183,8 +265,10 @@ def main() -> int:
 
     tokenizer_dir = tiny.tokenizer_dir()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    ideal = {name: ideal_hit_rate(_prompt_ids(tokenizer, name, extra))
-             for name, (_, extra) in DATASETS.items()}  # fmt: skip
+    ideal = {
+        name: ideal_hit_rate(_prompt_ids(tokenizer, name, extra))
+        for name, (_, extra) in DATASETS.items()
+    }
     out_dir = RESULTS.parent if not args.quick else Path("/tmp")
     rows = []
     started = time.monotonic()

@@ -71,9 +71,14 @@ class Measured:
 
 def request_body(model: str, max_tokens: int) -> dict[str, object]:
     return {
-        "model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def parse_sse(line: str) -> tuple[bool, int]:
@@ -116,8 +121,10 @@ class SocketClient:
     def ttft_ms(self, model: str) -> float:
         """Send one max_tokens=1 request; ms until its first chunk with text (read to end)."""
         payload = json.dumps(request_body(model, 1)).encode()
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")  # fmt: skip
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+        )
         t0 = time.perf_counter()
         self.sock.sendall(head.encode() + payload)
         resp = http.client.HTTPResponse(self.sock, method="POST")
@@ -144,8 +151,9 @@ class InProcess:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
         # On CUDA it shares the GPU with the served workers: a fixed small pool, not a share.
         blocks = None if device == "cpu" else 256
-        self.runner = ModelRunner(EngineConfig(model=str(model), device=device,
-                                               num_kv_blocks=blocks))  # fmt: skip
+        self.runner = ModelRunner(
+            EngineConfig(model=str(model), device=device, num_kv_blocks=blocks)
+        )
         self.cuda = device != "cpu"
         self.greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS + 1, ignore_eos=True)
         g = torch.Generator().manual_seed(0)
@@ -244,17 +252,17 @@ def report(m: Measured, cmd: str, served: list[str], device: str) -> str:
         ("ITL p90, 16 streams (served)", f"{pct(m.itl_ms, 90):.2f} ms"),
         ("decode step p50, batch 16 (in-process, forward + sample)", f"{step50:.2f} ms"),
         ("**ITL p50 / decode step p50** (target <= 1.3)", f"**{itl50 / step50:.2f}x**"),
-        (f"TTFT p50, one at a time, {m.prompt_tokens}-token prompt, socket client",
-         f"{ttft50:.2f} ms"),
+        (
+            f"TTFT p50, one at a time, {m.prompt_tokens}-token prompt, socket client",
+            f"{ttft50:.2f} ms",
+        ),
         ("TTFT p50, same, httpx AsyncClient (its own cost included)", f"{httpx50:.2f} ms"),
-        ("prefill p50, same length (in-process, forward + sample, interleaved)",
-         f"{pre50:.2f} ms"),
+        ("prefill p50, same length (in-process, forward + sample, interleaved)", f"{pre50:.2f} ms"),
         ("**TTFT p50 - prefill p50** (target <= 5 ms)", f"**{ttft50 - pre50:.2f} ms**"),
         ("TTFT p50 (httpx) - prefill p50", f"{httpx50 - pre50:.2f} ms"),
-    ]  # fmt: skip
+    ]
     title = f"# Serving overhead: launched 1P+1D vs the engine in-process ({device.upper()})"
-    lines = [title, "",
-             f"Command: `{cmd}`", "", "| measurement | value |", "| --- | ---: |"]  # fmt: skip
+    lines = [title, "", f"Command: `{cmd}`", "", "| measurement | value |", "| --- | ---: |"]
     lines += [f"| {a} | {b} |" for a, b in rows]
     lines += [
         "",
@@ -274,8 +282,11 @@ def report(m: Measured, cmd: str, served: list[str], device: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer requests (smoke run; prints, writes no results file)")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer requests (smoke run; prints, writes no results file)",
+    )
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -287,8 +298,18 @@ def main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model = args.model or tiny.tiny_model_dir()
     rounds, ttfts = (1, 5) if args.quick else (3, 50)
-    served = ["--prefill", "1", "--decode", "1", "--detokenizers", "1", "--device", args.device,
-              "--model", str(model)]  # fmt: skip
+    served = [
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--detokenizers",
+        "1",
+        "--device",
+        args.device,
+        "--model",
+        str(model),
+    ]
     if args.device == "cuda":  # the two workers take half the GPU; the rest is ours
         served += ["--prefill-gpus", "0", "--decode-gpus", "0", "--gpu-memory-utilization", "0.5"]
     proc, url = launch(served)

@@ -80,9 +80,15 @@ def served_runs(model_dir: Path, layout: str, tokens: int, runs: int) -> list[Ti
     try:
         with httpx.Client(base_url=url, timeout=600) as c:
             model = c.get("/v1/models").json()["data"][0]["id"]
-            body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": PROMPT,
+                "max_tokens": tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             _stream(c, {**body, "max_tokens": 8})  # warm-up
             return [_stream(c, body, tokens) for _ in range(runs)]
     finally:
@@ -129,21 +135,34 @@ def main() -> None:
         served = served_runs(model_dir, layout, a.tokens, a.runs)
         hf_rate = [statistics.median(t.rates(a.tokens)[k] for t in hf) for k in (0, 1)]
         pd_rate = [statistics.median(t.rates(a.tokens)[k] for t in served) for k in (0, 1)]
-        rows.append(f"| {layout} | {threads} | {hf_rate[0]:.1f} | {pd_rate[0]:.1f} | "
-                    f"**{pd_rate[0] / hf_rate[0]:.2f}x** | {hf_rate[1]:.1f} | {pd_rate[1]:.1f} | "
-                    f"{pd_rate[1] / hf_rate[1]:.2f}x |")  # fmt: skip
+        rows.append(
+            f"| {layout} | {threads} | {hf_rate[0]:.1f} | {pd_rate[0]:.1f} | "
+            f"**{pd_rate[0] / hf_rate[0]:.2f}x** | {hf_rate[1]:.1f} | {pd_rate[1]:.1f} | "
+            f"{pd_rate[1] / hf_rate[1]:.2f}x |"
+        )
     command = "python -m benchmarks.single_stream " + " ".join(sys.argv[1:])
-    text = "\n".join([
-        "# One greedy stream: pdserve served vs transformers generate in-process", "",
-        f"Command: `{command.strip()}`", "", "```", describe_machine(), "```", "",
-        f"Model `{model_dir.name}`, float32, {a.tokens} new tokens (EOS ignored), prompt "
-        f"{PROMPT!r}; median of {a.runs} runs. pdserve: one streamed `/v1/completions` "
-        "request, timed at the client from send to last token; transformers: "
-        "`generate` in this process, with the thread count of pdserve's decoding worker.", "",
-        "| pdserve layout | threads | transformers tok/s | pdserve tok/s | pdserve / "
-        "transformers | transformers decode tok/s | pdserve decode tok/s | ratio |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", *rows, "",
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            "# One greedy stream: pdserve served vs transformers generate in-process",
+            "",
+            f"Command: `{command.strip()}`",
+            "",
+            "```",
+            describe_machine(),
+            "```",
+            "",
+            f"Model `{model_dir.name}`, float32, {a.tokens} new tokens (EOS ignored), prompt "
+            f"{PROMPT!r}; median of {a.runs} runs. pdserve: one streamed `/v1/completions` "
+            "request, timed at the client from send to last token; transformers: "
+            "`generate` in this process, with the thread count of pdserve's decoding worker.",
+            "",
+            "| pdserve layout | threads | transformers tok/s | pdserve tok/s | pdserve / "
+            "transformers | transformers decode tok/s | pdserve decode tok/s | ratio |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            *rows,
+            "",
+        ]
+    )
     print(text)
     if not a.no_write:
         RESULTS.write_text(text)

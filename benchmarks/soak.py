@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -34,8 +35,12 @@ from benchmarks.machine import describe as describe_machine
 
 logger = logging.getLogger(__name__)
 
-LAUNCH_ARGS = ("--prefill", "2", "--decode", "2", "--detokenizers", "2", "--device", "cpu",
-               "--kv-cache-tokens", "16384", "--max-model-len", "1024")  # fmt: skip
+LAUNCH_ARGS = tuple(
+    shlex.split(
+        "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 16384 "
+        "--max-model-len 1024"
+    )
+)
 # Plain English words: every one is a token or two of the Qwen2 vocabulary, so a prompt of
 # n words is about n to 2n tokens. Long prompts stay under --max-model-len with room to answer.
 WORDS = tuple(
@@ -241,8 +246,11 @@ def _request(rng: random.Random, cfg: SoakConfig) -> tuple[str, dict[str, object
     text = " ".join(rng.choice(WORDS) for _ in range(n_words))
     max_tokens = rng.randint(100, 250) if rng.random() < cfg.long_output_p else rng.randint(1, 16)
     stream = rng.random() < 0.5
-    sampling = {"max_tokens": max_tokens, "temperature": rng.choice([0.0, 0.8]),
-                "ignore_eos": rng.random() < 0.5}  # fmt: skip
+    sampling = {
+        "max_tokens": max_tokens,
+        "temperature": rng.choice([0.0, 0.8]),
+        "ignore_eos": rng.random() < 0.5,
+    }
     path = rng.choice(["/v1/completions", "/v1/chat/completions", "/generate"])
     if path == "/generate":
         return path, {"text": text, "stream": stream, "sampling_params": sampling}
@@ -355,9 +363,10 @@ def soak(cfg: SoakConfig, root_pid: int | None) -> SoakResult:
     wait_quiet(cfg.url)
     time.sleep(1.0)
     after = snapshot(cfg.url, root_pid)
-    return SoakResult(cfg, {"outcomes": dict(warm.outcomes)}, dict(tally.outcomes),
-                      dict(tally.by_endpoint), tally.tokens, before, after,
-                      leaks(before, after), wall)  # fmt: skip
+    warmup: dict[str, object] = {"outcomes": dict(warm.outcomes)}
+    outcomes, by_endpoint = dict(tally.outcomes), dict(tally.by_endpoint)
+    found = leaks(before, after)
+    return SoakResult(cfg, warmup, outcomes, by_endpoint, tally.tokens, before, after, found, wall)
 
 
 def launch(args: list[str]) -> tuple[subprocess.Popen[str], str]:
@@ -413,20 +422,35 @@ def write_report(res: SoakResult, out: Path, command: str) -> None:
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     total = sum(res.outcomes.values())
     lines = [
-        "# Soak: mixed load with disconnects and aborts", "",
-        f"Command: `{command}`", "", "Machine:", "", "```", describe_machine(), "```", "",
+        "# Soak: mixed load with disconnects and aborts",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Machine:",
+        "",
+        "```",
+        describe_machine(),
+        "```",
+        "",
         f"Main run: {res.wall_s:.0f} s, {total} requests ({total / res.wall_s:.1f}/s), "
         f"{res.tokens} tokens (whole responses) + chunks (streams) received, "
         f"concurrency {res.config.concurrency}; "
-        f"warm-up {res.config.warmup_s:.0f} s: {res.warmup['outcomes']}.", "",
-        "| outcome | count |", "| --- | --- |",
-        *(f"| {k} | {v} |" for k, v in sorted(res.outcomes.items())), "",
-        "| endpoint | requests |", "| --- | --- |",
-        *(f"| {k} | {v} |" for k, v in sorted(res.by_endpoint.items())), "",
-        *_resource_rows(res.before, res.after), "",
-        f"Per worker KV held after: {res.after.kv_used}", "",
+        f"warm-up {res.config.warmup_s:.0f} s: {res.warmup['outcomes']}.",
+        "",
+        "| outcome | count |",
+        "| --- | --- |",
+        *(f"| {k} | {v} |" for k, v in sorted(res.outcomes.items())),
+        "",
+        "| endpoint | requests |",
+        "| --- | --- |",
+        *(f"| {k} | {v} |" for k, v in sorted(res.by_endpoint.items())),
+        "",
+        *_resource_rows(res.before, res.after),
+        "",
+        f"Per worker KV held after: {res.after.kv_used}",
+        "",
         "Leaks (KV held, new shm entries, > 10 % growth): " + ("; ".join(res.leaks) or "none"),
-    ]  # fmt: skip
+    ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -447,8 +471,13 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         proc, url = launch(launch_args or list(LAUNCH_ARGS))
         pid = proc.pid
-    cfg = SoakConfig(url=url, duration_s=args.duration, warmup_s=args.warmup,
-                     concurrency=args.concurrency, seed=args.seed)  # fmt: skip
+    cfg = SoakConfig(
+        url=url,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        concurrency=args.concurrency,
+        seed=args.seed,
+    )
     try:
         res = soak(cfg, pid)
     finally:

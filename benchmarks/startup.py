@@ -29,8 +29,10 @@ from benchmarks.machine import describe as describe_machine
 from benchmarks.peers.servers import free_port
 from benchmarks.soak import process_tree, rss_bytes
 
-_KV_LINE = re.compile(r"KV cache: ([\d.]+) GiB = \d+ tokens per pool x (\d+) pools; "
-                      r"weights ([\d.]+) GiB per replica")  # fmt: skip
+_KV_LINE = re.compile(
+    r"KV cache: ([\d.]+) GiB = \d+ tokens per pool x (\d+) pools; "
+    r"weights ([\d.]+) GiB per replica"
+)
 
 
 @dataclass
@@ -75,8 +77,12 @@ def one_run(launch_args: list[str]) -> Run:
                     all_ready = now
             time.sleep(0.05)
         model = c.get("/v1/models").json()["data"][0]["id"]
-        body = {"model": model, "max_tokens": 20, "temperature": 0,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}]}  # fmt: skip
+        body = {
+            "model": model,
+            "max_tokens": 20,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        }
         answer = c.post("/v1/chat/completions", json=body, timeout=120).json()
     rss = sum(rss_bytes(p) for p in process_tree(proc.pid))
     kv = next((m for m in map(_KV_LINE.search, log) if m), None)
@@ -84,10 +90,17 @@ def one_run(launch_args: list[str]) -> Run:
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=60)
     assert first_200 is not None
-    return Run(first_200, all_ready, time.monotonic() - t1, code, rss / 2**30,
-               float(kv.group(1)) if kv else 0.0, int(kv.group(2)) if kv else 0,
-               float(kv.group(3)) if kv else 0.0,
-               answer["choices"][0]["message"]["content"] if "choices" in answer else str(answer))  # fmt: skip
+    return Run(
+        first_200,
+        all_ready,
+        time.monotonic() - t1,
+        code,
+        rss / 2**30,
+        float(kv.group(1)) if kv else 0.0,
+        int(kv.group(2)) if kv else 0,
+        float(kv.group(3)) if kv else 0.0,
+        answer["choices"][0]["message"]["content"] if "choices" in answer else str(answer),
+    )
 
 
 def main() -> None:
@@ -105,16 +118,28 @@ def main() -> None:
     resolve_model(Path(given) if given else None)
     runs = [one_run(a.launch_args) for _ in range(a.runs)]
     cmd = "python -m benchmarks.startup --runs {} -- {}".format(a.runs, " ".join(a.launch_args))
-    lines = ["# Startup: launch to serving", "", f"Command: `{cmd}`", "", "Machine:", "", "```",
-             describe_machine(), "```", "",
-             "| run | /health 200 s | every worker ready s | tree RSS GiB | KV budget GiB "
-             "(pools x per pool) | weights GiB x replicas | SIGTERM to exit s | answer |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "# Startup: launch to serving",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        "Machine:",
+        "",
+        "```",
+        describe_machine(),
+        "```",
+        "",
+        "| run | /health 200 s | every worker ready s | tree RSS GiB | KV budget GiB "
+        "(pools x per pool) | weights GiB x replicas | SIGTERM to exit s | answer |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for i, r in enumerate(runs, 1):
         kv = f"{r.pools * r.kv_gib_per_pool:.2f} ({r.pools} x {r.kv_gib_per_pool})"
-        lines.append(f"| {i} | {r.health_200_s:.1f} | {r.all_ready_s:.1f} | {r.rss_gib:.2f} | "
-                     f"{kv} | {r.weights_gib} x {r.pools} | "
-                     f"{r.sigterm_exit_s:.1f} (exit {r.exit_code}) | {r.answer!r} |")  # fmt: skip
+        lines.append(
+            f"| {i} | {r.health_200_s:.1f} | {r.all_ready_s:.1f} | {r.rss_gib:.2f} | "
+            f"{kv} | {r.weights_gib} x {r.pools} | "
+            f"{r.sigterm_exit_s:.1f} (exit {r.exit_code}) | {r.answer!r} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -42,11 +42,19 @@ CONTEXT = 64
 # Both stay open for every timed step: 64 strings, each at least `"", ` (3 tokens). The
 # first bounds its strings (xgrammar's costly case: a counted repetition), the second not.
 STEP_SCHEMAS: dict[str, Any] = {
-    "strings with maxLength": {"type": "array", "items": {"type": "string", "maxLength": 32},
-                               "minItems": 64, "maxItems": 64},
-    "strings, no maxLength": {"type": "array", "items": {"type": "string"},
-                              "minItems": 64, "maxItems": 64},
-}  # fmt: skip
+    "strings with maxLength": {
+        "type": "array",
+        "items": {"type": "string", "maxLength": 32},
+        "minItems": 64,
+        "maxItems": 64,
+    },
+    "strings, no maxLength": {
+        "type": "array",
+        "items": {"type": "string"},
+        "minItems": 64,
+        "maxItems": 64,
+    },
+}
 COMPILE_SCHEMAS: dict[str, Any] = {
     "flat object (2 fields)": {
         "type": "object",
@@ -91,11 +99,13 @@ def _batch(runner: ModelRunner, n: int, constrained: int, schema: Any) -> list[S
         grammar = _spec(schema) if i < constrained else None
         # Greedy: the step's sampling costs the same in every case, so the difference
         # between them is the grammar's (mask fill, mask apply, matcher advance).
-        params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True,
-                                grammar=grammar)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=10_000, temperature=0.0, ignore_eos=True, grammar=grammar
+        )
         prompt = torch.randint(0, runner.model_config.vocab_size, (CONTEXT,), generator=g).tolist()
-        seqs.append(Sequence(rid=i, prompt_ids=prompt, sampling=params,
-                             block_size=runner.block_size))  # fmt: skip
+        seqs.append(
+            Sequence(rid=i, prompt_ids=prompt, sampling=params, block_size=runner.block_size)
+        )
     logits = runner.prefill([(s, CONTEXT) for s in seqs])
     out = runner.sample(logits, seqs)  # builds the matchers (compiled once, then cached)
     for s, t in zip(seqs, out.token_ids.tolist(), strict=True):
@@ -125,9 +135,14 @@ def bench_steps(model_dir: Path, batch: int, steps: int) -> dict[str, list[float
     for name, (k, schema) in cases.items():
         # NOTE: a runner per case: on CPU a runner keeps its batch's K/V dense between
         # steps, and alternating batches on one runner would rebuild it every step.
-        runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32",
-                                          num_kv_blocks=kv_tokens // 16 + batch,
-                                          max_model_len=1024))  # fmt: skip
+        runner = ModelRunner(
+            EngineConfig(
+                model=str(model_dir),
+                dtype="float32",
+                num_kv_blocks=kv_tokens // 16 + batch,
+                max_model_len=1024,
+            )
+        )
         runner.grammars.prepare(_spec(schema)).result()  # compiled before timing
         runners[name], groups[name] = runner, _batch(runner, batch, k, schema)
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -135,8 +150,9 @@ def bench_steps(model_dir: Path, batch: int, steps: int) -> dict[str, list[float
         for name, seqs in groups.items():
             times[name].append(_step(runners[name], seqs))
     for name, seqs in groups.items():  # every constrained row stayed inside its grammar
-        assert all(s.grammar is None or not (s.grammar.failed or s.grammar.terminated)
-                   for s in seqs), name  # fmt: skip
+        assert all(
+            s.grammar is None or not (s.grammar.failed or s.grammar.terminated) for s in seqs
+        ), name
     return times
 
 
@@ -148,8 +164,12 @@ def bench_compile() -> tuple[dict[str, float], float, float]:
     vocab = 151936
 
     def fresh(model_dir: str | None) -> tuple[GrammarCache, float]:
-        cache = GrammarCache(lambda: AutoTokenizer.from_pretrained(model), vocab, [151645, 151643],
-                             model_dir=model_dir)  # fmt: skip
+        cache = GrammarCache(
+            lambda: AutoTokenizer.from_pretrained(model),
+            vocab,
+            [151645, 151643],
+            model_dir=model_dir,
+        )
         t0 = time.perf_counter()
         cache.compile_now(GrammarSpec(kind=GrammarKind.REGEX, text="x"))  # vocabulary only
         return cache, time.perf_counter() - t0
@@ -168,13 +188,18 @@ def bench_compile() -> tuple[dict[str, float], float, float]:
     return compile_s, cold_vocab, cached_vocab
 
 
-MODELS = {"tiny": ("tiny Qwen2 (random weights, 152k vocabulary)", tiny.tiny_model_dir),
-          "smollm2": ("SmolLM2-135M-Instruct (49k vocabulary)", default_model_dir)}  # fmt: skip
+MODELS = {
+    "tiny": ("tiny Qwen2 (random weights, 152k vocabulary)", tiny.tiny_model_dir),
+    "smollm2": ("SmolLM2-135M-Instruct (49k vocabulary)", default_model_dir),
+}
 
 
-def render(times: dict[str, dict[str, list[float]]],
-           compiles: tuple[dict[str, float], float, float], args: argparse.Namespace,
-           command: str) -> str:  # fmt: skip
+def render(
+    times: dict[str, dict[str, list[float]]],
+    compiles: tuple[dict[str, float], float, float],
+    args: argparse.Namespace,
+    command: str,
+) -> str:
     lines = [
         "# Structured output: constrained decode step and grammar compile time",
         "",
@@ -208,8 +233,10 @@ def _step_table(label: str, times: dict[str, list[float]], args: argparse.Namesp
     for name, ts in times.items():
         med = statistics.median(ts) * 1e3
         p90 = sorted(ts)[int(0.9 * (len(ts) - 1))] * 1e3
-        lines.append(f"| {name} | {med:.2f} | {p90:.2f} | {med - base:+.2f} ms "
-                     f"({(med / base - 1) * 100:+.0f} %) |")  # fmt: skip
+        lines.append(
+            f"| {name} | {med:.2f} | {p90:.2f} | {med - base:+.2f} ms "
+            f"({(med / base - 1) * 100:+.0f} %) |"
+        )
     return [*lines, ""]
 
 
@@ -239,8 +266,7 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    times = {m: bench_steps(MODELS[m][1](), args.batch, args.steps)
-             for m in args.models.split(",")}  # fmt: skip
+    times = {m: bench_steps(MODELS[m][1](), args.batch, args.steps) for m in args.models.split(",")}
     compiles = bench_compile()
     command = "python -m benchmarks.structured_output " + " ".join(sys.argv[1:])
     text = render(times, compiles, args, command.strip())

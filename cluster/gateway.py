@@ -100,8 +100,7 @@ class _Rings:
     stats: dict[str, int] = field(default_factory=lambda: {"out": 0, "in": 0, "dropped": 0})
 
 
-def join_refusal(join: Join, cfg: GatewaySpec, layout: KVLayout,
-                 members: dict[str, Member]) -> str:  # fmt: skip
+def join_refusal(join: Join, cfg: GatewaySpec, layout: KVLayout, members: dict[str, Member]) -> str:
     """Why the head refuses ``join`` ("" to admit it): a node name the load table cannot
     hold or that is the head's own (``/health`` names each worker's node by it), another
     model, a KV layout whose blocks differ, a count that changed since the node last
@@ -123,8 +122,7 @@ def join_refusal(join: Join, cfg: GatewaySpec, layout: KVLayout,
     member = members.get(join.node)
     if member is not None:
         if len(member.decode) != join.decode:
-            return (f"it joined before with {len(member.decode)} decode workers, "
-                    f"now {join.decode}")  # fmt: skip
+            return f"it joined before with {len(member.decode)} decode workers, now {join.decode}"
         if join.base >= 0 and member.decode[0] != join.base:
             return f"it runs decode workers from {join.base}, this head gave it {member.decode}"
         return ""
@@ -136,8 +134,10 @@ def join_refusal(join: Join, cfg: GatewaySpec, layout: KVLayout,
             f"it runs decode workers {want}, which are not free in this head's reserve {cfg.decode}"
         )
     left = len(_free(cfg, members))
-    return (f"it brings {join.decode} decode workers but only {left} of the head's "
-            f"--remote-decode {len(cfg.decode)} are left")  # fmt: skip
+    return (
+        f"it brings {join.decode} decode workers but only {left} of the head's "
+        f"--remote-decode {len(cfg.decode)} are left"
+    )
 
 
 def _free(cfg: GatewaySpec, members: dict[str, Member]) -> list[int]:
@@ -166,8 +166,10 @@ class Gateway:
         spec, self.stopping = bootstrap()
         self.cfg = exit_on_bad_spec(spec.settings, GatewaySpec)
         rings = attach_rings(spec)
-        self.rings = _Rings({n: (str(n), r) for n, r in rings.inbound.items()},
-                            {str(n): (n, r) for n, r in rings.outbound.items()})  # fmt: skip
+        self.rings = _Rings(
+            {n: (str(n), r) for n, r in rings.inbound.items()},
+            {str(n): (n, r) for n, r in rings.outbound.items()},
+        )
         self.doorbell = rings.doorbell
         self.table, self._table_seg = _table(spec.load_table)
         self.layout = KVLayout.from_json(self.cfg.layout)
@@ -216,14 +218,18 @@ class Gateway:
         held = self.rings.outbound.get(relay.ring)
         if held is None:
             self.rings.stats["dropped"] += 1
-            logger.warning("a record for ring %s, which this node does not relay; dropped",
-                           relay.ring)  # fmt: skip
+            logger.warning(
+                "a record for ring %s, which this node does not relay; dropped", relay.ring
+            )
             return
         name, ring = held
         if sender is not None and name.src.index not in sender.decode:
             self.rings.stats["dropped"] += 1
-            logger.warning("node %s sent a record for %s, not one of its rings; dropped",
-                           sender.node, relay.ring)  # fmt: skip
+            logger.warning(
+                "node %s sent a record for %s, not one of its rings; dropped",
+                sender.node,
+                relay.ring,
+            )
             return
         try:
             records.decode(relay.payload)
@@ -236,8 +242,11 @@ class Gateway:
             self.rings.stats["in"] += 1
         except RingFull:
             self.rings.stats["dropped"] += 1
-            logger.error("ring %s stayed full for %.0f s; a record from the link is lost",
-                         relay.ring, _PUT_TIMEOUT_S)  # fmt: skip
+            logger.error(
+                "ring %s stayed full for %.0f s; a record from the link is lost",
+                relay.ring,
+                _PUT_TIMEOUT_S,
+            )
         except PeerDead as e:
             # The worker it was for died: its successor resets the ring and starts afresh,
             # and the frontend resumes what the dead one held. The gateway lives on.
@@ -279,8 +288,12 @@ class Gateway:
                 logger.warning("node %s sent a bad row (%s); ignored", member.node, e)
                 continue
             if row.role is not Role.DECODE or row.index not in member.decode:
-                logger.warning("node %s sent a row for %s-%d, not one of its workers",
-                               member.node, row.role, row.index)  # fmt: skip
+                logger.warning(
+                    "node %s sent a row for %s-%d, not one of its workers",
+                    member.node,
+                    row.role,
+                    row.index,
+                )
                 continue
             # Named after the member that joined, whatever its row says.
             writer = self.table.writer(self.cfg.num_prefill + row.index)
@@ -293,8 +306,12 @@ class Gateway:
             if m.silent or not m.identity or m.last_heard >= cutoff:
                 continue
             m.silent = True
-            logger.error("node %s silent for %.1f s: its decode workers %s are marked dead",
-                         m.node, self.cfg.silent_after_s, m.decode)  # fmt: skip
+            logger.error(
+                "node %s silent for %.1f s: its decode workers %s are marked dead",
+                m.node,
+                self.cfg.silent_after_s,
+                m.decode,
+            )
             for g in m.decode:
                 w = self.table.writer(self.cfg.num_prefill + g)
                 w.mark_exited(WorkerState.DEAD, 0, Role.DECODE, g)
@@ -422,8 +439,13 @@ class Gateway:
             self.doorbell.clear()
 
     def run(self) -> None:
-        logger.info("gateway of node %s (pid %d): %d rings in, %d out", self.cfg.node,
-                    os.getpid(), len(self.rings.inbound), len(self.rings.outbound))  # fmt: skip
+        logger.info(
+            "gateway of node %s (pid %d): %d rings in, %d out",
+            self.cfg.node,
+            os.getpid(),
+            len(self.rings.inbound),
+            len(self.rings.outbound),
+        )
         try:
             if self.cfg.listen:
                 self._serve_head()

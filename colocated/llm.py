@@ -85,8 +85,12 @@ class LLM:
 
 
 def _collect(batch: TokenBatch, outputs: dict[int, _Output]) -> None:
-    rows = zip(batch.rids.tolist(), batch.token_ids.tolist(), batch.logprobs.tolist(),
-               batch.finish.tolist())  # fmt: skip
+    rows = zip(
+        batch.rids.tolist(),
+        batch.token_ids.tolist(),
+        batch.logprobs.tolist(),
+        batch.finish.tolist(),
+    )
     for i, (rid, token, logprob, finish) in enumerate(rows):
         out = outputs[rid]
         out.token_ids.append(token)

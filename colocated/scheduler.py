@@ -114,8 +114,9 @@ class ColocatedScheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.queued or self.prefill.waiting or self.decode.running
-                    or self.decode.preempted)  # fmt: skip
+        return bool(
+            self.queued or self.prefill.waiting or self.decode.running or self.decode.preempted
+        )
 
     @property
     def queued_tokens(self) -> int:

@@ -29,8 +29,9 @@ class ColocatedWorker(Worker):
         super().__init__()
         cfg = self.config
         runner = ModelRunner(cfg)
-        self.sched = ColocatedScheduler(runner, self.index, cfg.chunked_prefill_size,
-                                        cfg.max_num_seqs)  # fmt: skip
+        self.sched = ColocatedScheduler(
+            runner, self.index, cfg.chunked_prefill_size, cfg.max_num_seqs
+        )
         self.stop_in = list(self.rings.sources(RingKind.STOP).values())
 
     @property

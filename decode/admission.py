@@ -93,8 +93,11 @@ class Admission:
         self._aborted[rid] = None
         while len(self._aborted) > _ABORT_MEMORY:
             self._aborted.popitem(last=False)
-        releases = [(t.prefill_worker, KVRelease(rid=rid, accepted=False))
-                    for t in (*self.pending, *self.compiling) if t.rid == rid]  # fmt: skip
+        releases = [
+            (t.prefill_worker, KVRelease(rid=rid, accepted=False))
+            for t in (*self.pending, *self.compiling)
+            if t.rid == rid
+        ]
         self.pending = deque(t for t in self.pending if t.rid != rid)
         self.compiling = [t for t in self.compiling if t.rid != rid]
         reading = self.reading.pop(rid, None)
@@ -128,8 +131,12 @@ class Admission:
                 self._lose(t, e, releases)
                 continue
             except KVTransferError as e:  # refused as asked: it would be refused anywhere
-                logger.error("rid %d: KV of prefill %d refused (%s); the request fails",
-                             t.rid, t.prefill_worker, e)  # fmt: skip
+                logger.error(
+                    "rid %d: KV of prefill %d refused (%s); the request fails",
+                    t.rid,
+                    t.prefill_worker,
+                    e,
+                )
                 self.pending.popleft()
                 self._ended.append((t, Finish.ERROR))
                 releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=False)))
@@ -179,9 +186,12 @@ class Admission:
         for it cannot be had now."""
         kv, bs = self.runner.kv, self.runner.block_size
         seq = Sequence(
-            rid=t.rid, prompt_ids=list(t.prompt_ids), sampling=t.sampling,
-            output_ids=list(t.output_ids), block_size=bs,
-        )  # fmt: skip
+            rid=t.rid,
+            prompt_ids=list(t.prompt_ids),
+            sampling=t.sampling,
+            output_ids=list(t.output_ids),
+            block_size=bs,
+        )
         if kv.prefix_caching and t.block_hashes:
             # NOTE: only the KV's full blocks (num_tokens // bs) may be shared: the block
             # decode writes its next token into must be this sequence's own.
@@ -197,8 +207,9 @@ class Admission:
             return None
         first, n_src = held // bs, -(-t.num_tokens // bs)
         try:
-            read = self.receiver.start_fetch(t.prefill_worker, t.src_blocks[first:n_src],
-                                             seq.block_table[first:n_src])  # fmt: skip
+            read = self.receiver.start_fetch(
+                t.prefill_worker, t.src_blocks[first:n_src], seq.block_table[first:n_src]
+            )
         except KVTransferError:  # nothing is in flight (start_fetch saw to it)
             kv.free_blocks(seq)
             raise
@@ -235,8 +246,12 @@ class Admission:
     def _lose(self, t: KVTransfer, e: KVReadFailed, releases: Releases) -> None:
         """``t``'s KV cannot be had (e.g. its prefill host died or is cut off): a LOST row
         tells the frontend, which re-prefills the request elsewhere."""
-        logger.error("rid %d: KV of prefill %d unreadable (%s); handed back to be "
-                     "prefilled again", t.rid, t.prefill_worker, e)  # fmt: skip
+        logger.error(
+            "rid %d: KV of prefill %d unreadable (%s); handed back to be prefilled again",
+            t.rid,
+            t.prefill_worker,
+            e,
+        )
         self._ended.append((t, Finish.LOST))
         releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=False)))
 

@@ -154,9 +154,14 @@ class DecodeScheduler:
         return v.sample
 
     def _emit(
-        self, r: _Running, token: int, row: int, logprob: float, batcher: TokenBatcher,
+        self,
+        r: _Running,
+        token: int,
+        row: int,
+        logprob: float,
+        batcher: TokenBatcher,
         out: DecodeStep,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """Append ``token`` to ``r``; True if that ended the request (its blocks freed)."""
         finish = batcher.emit(r.seq, r.detok_shard, token, row, logprob, self.runner.check_stop)
         if finish == Finish.NONE:

@@ -126,8 +126,11 @@ class DecodeWorker(Worker):
         elif verdict is Verdict.DROP:  # the frontend resumes it: prefill i has died
             logger.info("rid %d: dropped, its prefill worker %d died", t.rid, t.prefill_worker)
         else:
-            logger.error("rid %d: KV from prefill %d, whose pool handle never came; refused",
-                         t.rid, t.prefill_worker)  # fmt: skip
+            logger.error(
+                "rid %d: KV from prefill %d, whose pool handle never came; refused",
+                t.rid,
+                t.prefill_worker,
+            )
             send(self.rel_out[t.prefill_worker], KVRelease(rid=t.rid, accepted=False))
             fail_request(self.tok_out, t.rid, t.detok_shard, len(t.output_ids))
 

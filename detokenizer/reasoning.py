@@ -43,8 +43,15 @@ def partial_suffix(text: str, tag: str) -> int:
 
 
 class ReasoningSplitter:
-    __slots__ = ("_answer_started", "_held", "_maybe", "_opened", "_reasoning_started", "_state",
-                 "tokens")  # fmt: skip
+    __slots__ = (
+        "_answer_started",
+        "_held",
+        "_maybe",
+        "_opened",
+        "_reasoning_started",
+        "_state",
+        "tokens",
+    )
 
     def __init__(self, mode: ReasoningMode) -> None:
         assert mode != ReasoningMode.OFF

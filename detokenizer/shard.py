@@ -135,9 +135,15 @@ class DetokShard:
         reasoning = ReasoningSplitter(ReasoningMode(params.reasoning)) if split else None
         plain = not stop.active and msg.num_logprobs is None and reasoning is None
         req = _Request(
-            msg.rid, detok, detok.feed, stop if stop.active else None, reasoning,
-            msg.num_logprobs, plain, stop_token_ids=frozenset(params.stop_token_ids),
-        )  # fmt: skip
+            msg.rid,
+            detok,
+            detok.feed,
+            stop if stop.active else None,
+            reasoning,
+            msg.num_logprobs,
+            plain,
+            stop_token_ids=frozenset(params.stop_token_ids),
+        )
         self._reqs[msg.rid] = req
         self._replay(req, msg.output_ids)
         for pos, tok in sorted(self._early.pop(msg.rid, {}).items()):
@@ -201,8 +207,9 @@ class DetokShard:
                 dirty[rid] = req
                 continue
             raw = _raw_logprobs(batch, i) if with_logprobs else None
-            tok = _Token(token_ids[i], text_ids[i], finish[i], source_decode, raw,
-                         cached.get(i, -1))  # fmt: skip
+            tok = _Token(
+                token_ids[i], text_ids[i], finish[i], source_decode, raw, cached.get(i, -1)
+            )
             if req is None:
                 self._orphan(rid, positions[i], tok)
             elif positions[i] == req.next_pos and not req.pending:

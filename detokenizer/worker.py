@@ -89,8 +89,9 @@ class DetokWorker:
                 elif isinstance(msg, AbortRequest):
                     self.shard.abort(msg.rid)
                 else:
-                    logger.error("shard %d: unexpected control record %s", self.cfg.index,
-                                 type(msg))  # fmt: skip
+                    logger.error(
+                        "shard %d: unexpected control record %s", self.cfg.index, type(msg)
+                    )
         for source, ring in self.token_rings:
             for raw in ring.drain(self.cfg.max_records):
                 busy = True
@@ -113,8 +114,12 @@ class DetokWorker:
             # Dead: every step, also registrations drained since. Replaced: what the
             # predecessor registered (the watch runs before this step's registrations).
             if abandoned := self.shard.abandon(n):
-                logger.warning("shard %d: frontend %d is gone; abandoned its %d requests",
-                               self.cfg.index, n, len(abandoned))  # fmt: skip
+                logger.warning(
+                    "shard %d: frontend %d is gone; abandoned its %d requests",
+                    self.cfg.index,
+                    n,
+                    len(abandoned),
+                )
             self.readers[n] = pid
             if alive:
                 self.gone.discard(n)

@@ -86,8 +86,9 @@ class ModelRunner:
         self.grammars = GrammarCache(
             lambda: load_tokenizer(config.model),  # when a grammar first needs it
             self.model_config.vocab_size,
-            self.eos_token_ids, model_dir=config.model,
-        )  # fmt: skip
+            self.eos_token_ids,
+            model_dir=config.model,
+        )
         # CPU only: on CUDA gathering is cheap and a second copy of the KV would cost memory.
         self._dense = DenseDecodeKV() if self.device.type == "cpu" else None
         self._kernels: KernelPath | None = None
@@ -110,9 +111,14 @@ class ModelRunner:
                 self._kernels.enable_graphs()  # the pool is final: graphs may hold it
         logger.info(
             "%s: %d KV blocks of %d tokens, max_model_len %d, %s weights, %s on %s",
-            self.model_config.architecture, self.kv.num_blocks, self.block_size,
-            self.max_model_len, self.quantization, self.dtype, self.device,
-        )  # fmt: skip
+            self.model_config.architecture,
+            self.kv.num_blocks,
+            self.block_size,
+            self.max_model_len,
+            self.quantization,
+            self.dtype,
+            self.device,
+        )
 
     def _make_pool(self, kv_pool: torch.Tensor | None) -> KVPool:
         def num_blocks() -> int:
@@ -147,9 +153,11 @@ class ModelRunner:
         return wanted
 
     def prefill(
-        self, chunks: list[tuple[Sequence, int]], pool: torch.Tensor | None = None,
+        self,
+        chunks: list[tuple[Sequence, int]],
+        pool: torch.Tensor | None = None,
         every_position: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """Run the next ``n`` uncomputed tokens of each sequence in one forward.
 
         Returns float32 logits (len(chunks), vocab) at each chunk's last position, or with
@@ -170,8 +178,10 @@ class ModelRunner:
             self._dense.forget([seq for seq, _ in chunks])
         for seq, n in chunks:
             if not 0 < n <= seq.num_uncomputed_tokens:
-                raise ValueError(f"rid {seq.rid}: cannot prefill {n} of "
-                                 f"{seq.num_uncomputed_tokens} uncomputed tokens")  # fmt: skip
+                raise ValueError(
+                    f"rid {seq.rid}: cannot prefill {n} of "
+                    f"{seq.num_uncomputed_tokens} uncomputed tokens"
+                )
             self._ensure_blocks(seq, n, pool)
         spans = [(seq, seq.num_computed_tokens, n) for seq, n in chunks]
         # NOTE: checked for prefill only, where a reused prefix makes it a risk; decode
@@ -179,9 +189,10 @@ class ModelRunner:
         # A scratch pool (``pool``) has no allocator: its sequences own their blocks.
         bs = self.block_size
         assert pool is not None or all(
-            self.kv.writable(b) for seq, start, n in spans
+            self.kv.writable(b)
+            for seq, start, n in spans
             for b in seq.block_table[start // bs : (start + n - 1) // bs + 1]
-        ), "a prefill would write into a shared or cached block"  # fmt: skip
+        ), "a prefill would write into a shared or cached block"
         tokens = [t for seq, start, n in spans for t in _token_span(seq, start, n)]
         logits = self._forward(spans, tokens, False, pool, every_position)
         self._advance(spans, publish=pool is None)
@@ -199,8 +210,10 @@ class ModelRunner:
                 return in_batch_order(parts, runs, [])
         for seq in seqs:
             if seq.num_uncomputed_tokens != 1:
-                raise ValueError(f"rid {seq.rid}: decode needs exactly one uncomputed token, "
-                                 f"has {seq.num_uncomputed_tokens}")  # fmt: skip
+                raise ValueError(
+                    f"rid {seq.rid}: decode needs exactly one uncomputed token, "
+                    f"has {seq.num_uncomputed_tokens}"
+                )
             self._ensure_blocks(seq, 1, pool)
         spans = [(seq, seq.num_computed_tokens, 1) for seq in seqs]
         newest = [_newest(seq) for seq in seqs]
@@ -260,14 +273,20 @@ class ModelRunner:
                 self.kv.cache_full_blocks(seq, start)
 
     def _forward(
-        self, spans: list[tuple[Sequence, int, int]], tokens: list[int], is_decode: bool,
-        pool: torch.Tensor | None, every_position: bool = False, decode_weights: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        spans: list[tuple[Sequence, int, int]],
+        tokens: list[int],
+        is_decode: bool,
+        pool: torch.Tensor | None,
+        every_position: bool = False,
+        decode_weights: bool = False,
+    ) -> torch.Tensor:
         kv_pool = self.kv.tensor if pool is None else pool
         for seq, start, n in spans:
             if start + n > self.max_model_len:
-                raise ValueError(f"rid {seq.rid}: {start + n} tokens exceed max_model_len "
-                                 f"{self.max_model_len}")  # fmt: skip
+                raise ValueError(
+                    f"rid {seq.rid}: {start + n} tokens exceed max_model_len {self.max_model_len}"
+                )
         adapters = self._lora_batch(spans)
         if self._kernels is not None and not every_position:
             if adapters is not None:
@@ -348,9 +367,12 @@ class ModelRunner:
         return meta, last
 
     def _decode_fields(
-        self, spans: list[tuple[Sequence, int, int]], block_tables: torch.Tensor,
-        ctx_lens: list[int], kv_pool: torch.Tensor,
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        spans: list[tuple[Sequence, int, int]],
+        block_tables: torch.Tensor,
+        ctx_lens: list[int],
+        kv_pool: torch.Tensor,
+    ) -> dict[str, Any]:
         """Where decode attention reads: the kept dense K/V (CPU) or the pool's blocks."""
         dev = self.device
         base = block_tables.flatten() * (2 * self.model_config.num_layers)
@@ -389,8 +411,9 @@ class ModelRunner:
         if out.token_ids.is_cuda:
             # Every caller reads the sample on the host (token lists, numpy batches):
             # one copy per step, not one sync per element.
-            out = SampleOutput(out.token_ids.cpu(), out.logprobs.cpu(), out.top_ids.cpu(),
-                               out.top_logprobs.cpu())  # fmt: skip
+            out = SampleOutput(
+                out.token_ids.cpu(), out.logprobs.cpu(), out.top_ids.cpu(), out.top_logprobs.cpu()
+            )
         return out
 
     def grammar_ready(self, seq: Sequence) -> bool:

@@ -17,10 +17,16 @@ from fastapi.responses import JSONResponse
 
 ANTHROPIC_PATHS = "/v1/messages"  # the prefix of every path that answers in Anthropic's shape
 _ANTHROPIC_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-    500: "api_error", 503: "overloaded_error", 529: "overloaded_error",
-}  # fmt: skip
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 class APIError(Exception):
@@ -70,8 +76,7 @@ class APIError(Exception):
         """The response in the shape of the API ``path`` belongs to."""
         if not path.startswith(ANTHROPIC_PATHS):
             return self.response()
-        return JSONResponse(self.anthropic_body(), status_code=self.status,
-                            headers=self.headers())  # fmt: skip
+        return JSONResponse(self.anthropic_body(), status_code=self.status, headers=self.headers())
 
 
 class InvalidRequest(APIError):

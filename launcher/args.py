@@ -39,12 +39,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
 
 def validate(config: ServerConfig) -> None:
     c = config
-    _positive(("--detokenizers", c.detokenizers), ("--api-workers", c.api_workers),
-              ("--block-size", c.block_size),
-              ("--max-num-seqs", c.max_num_seqs),
-              ("--chunked-prefill-size", c.chunked_prefill_size),
-              ("--max-waiting-requests", c.max_waiting_requests),
-              ("--max-queued-prefill-tokens", c.max_queued_prefill_tokens))  # fmt: skip
+    _positive(
+        ("--detokenizers", c.detokenizers),
+        ("--api-workers", c.api_workers),
+        ("--block-size", c.block_size),
+        ("--max-num-seqs", c.max_num_seqs),
+        ("--chunked-prefill-size", c.chunked_prefill_size),
+        ("--max-waiting-requests", c.max_waiting_requests),
+        ("--max-queued-prefill-tokens", c.max_queued_prefill_tokens),
+    )
     if c.gemm_min_rows < 0:
         raise ConfigError(f"--gemm-min-rows must be >= 0 (0: measured), got {c.gemm_min_rows}")
     if c.api_workers > MAX_FRONTENDS:
@@ -84,16 +87,22 @@ def validate(config: ServerConfig) -> None:
     if c.kv_offload_memory < 0 or c.kv_offload_disk <= 0:
         raise ConfigError("--kv-offload-memory must be >= 0 and --kv-offload-disk > 0 GiB")
     if c.kv_offload_dir is not None and not (c.kv_offload_memory and c.enable_prefix_caching):
-        raise ConfigError("--kv-offload-dir is fed from host RAM: it needs prefix caching and "
-                          "--kv-offload-memory > 0")  # fmt: skip
+        raise ConfigError(
+            "--kv-offload-dir is fed from host RAM: it needs prefix caching and "
+            "--kv-offload-memory > 0"
+        )
     if c.router_policy == "cache-aware" and not c.enable_prefix_caching:
-        raise ConfigError("--router-policy cache-aware needs prefix caching: drop "
-                          "--no-enable-prefix-caching or pick another policy")  # fmt: skip
+        raise ConfigError(
+            "--router-policy cache-aware needs prefix caching: drop "
+            "--no-enable-prefix-caching or pick another policy"
+        )
     if c.stall_timeout <= 0:
         raise ConfigError("--stall-timeout must be a positive number of seconds")
-    for flag, seconds in (("--timeout-header", c.timeout_header),
-                          ("--timeout-body", c.timeout_body),
-                          ("--timeout-keep-alive", c.timeout_keep_alive)):  # fmt: skip
+    for flag, seconds in (
+        ("--timeout-header", c.timeout_header),
+        ("--timeout-body", c.timeout_body),
+        ("--timeout-keep-alive", c.timeout_keep_alive),
+    ):
         if not seconds > 0:
             raise ConfigError(f"{flag} must be > 0 seconds, got {seconds}")
     if c.max_connections < 0 or c.max_connections_per_peer < 0:
@@ -109,8 +118,10 @@ def validate(config: ServerConfig) -> None:
         raise ConfigError(
             f"--model {c.model}: no config.json there; give a checkpoint directory or a .gguf file"
         )
-    for flag, gpus, count in (("--prefill-gpus", c.prefill_gpus, c.prefill),
-                              ("--decode-gpus", c.decode_gpus, c.decode)):  # fmt: skip
+    for flag, gpus, count in (
+        ("--prefill-gpus", c.prefill_gpus, c.prefill),
+        ("--decode-gpus", c.decode_gpus, c.decode),
+    ):
         if gpus is not None and len(gpus) != count:
             raise ConfigError(f"{flag} lists {len(gpus)} GPUs for {count} workers; give one each")
     if c.device is Device.CPU and (c.prefill_gpus or c.decode_gpus):
@@ -157,13 +168,16 @@ def _validate_cluster(c: ServerConfig) -> None:
     if c.advertise is not None:
         split_host_port(c.advertise, "--advertise", DEFAULT_CLUSTER_PORT)
         if c.remote_decode < 1:
-            raise ConfigError("--advertise needs --remote-decode N: the decode workers "
-                              "other nodes will bring")  # fmt: skip
+            raise ConfigError(
+                "--advertise needs --remote-decode N: the decode workers other nodes will bring"
+            )
     if c.join is not None:
         split_host_port(c.join, "--join")
     if not c.cluster_key or len(c.cluster_key) < 16:
-        raise ConfigError(f"several hosts need --cluster-key (or {CLUSTER_KEY_ENV}) of at "
-                          "least 16 characters, the same on every node")  # fmt: skip
+        raise ConfigError(
+            f"several hosts need --cluster-key (or {CLUSTER_KEY_ENV}) of at "
+            "least 16 characters, the same on every node"
+        )
 
 
 def _positive(*pairs: tuple[str, int]) -> None:

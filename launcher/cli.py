@@ -80,27 +80,36 @@ def _aliases(model: Path | None) -> tuple[str, ...]:
 
 
 def _engine_spec(
-    config: ServerConfig, model: Path, place: WorkerPlace, backend: KVBackend | str | None,
+    config: ServerConfig,
+    model: Path,
+    place: WorkerPlace,
+    backend: KVBackend | str | None,
     tiers: dict[str, Any],
-) -> EngineWorkerSpec:  # fmt: skip
+) -> EngineWorkerSpec:
     assert config.kv_cache_tokens is not None, "sized by _size_kv"
     engine = EngineConfig(
-        model=str(model), dtype=config.dtype.value, device=place.device,
+        model=str(model),
+        dtype=config.dtype.value,
+        device=place.device,
         quantization=config.quantization,
         # Packed layers also hold a bfloat16 GEMM for calls of many rows, in every role:
         # prefill chunks, and decode batches past the crossover measured at load.
-        large_batch_gemm=True, gemm_min_rows=config.gemm_min_rows,
-        block_size=config.block_size, kv_cache_tokens=config.kv_cache_tokens,
+        large_batch_gemm=True,
+        gemm_min_rows=config.gemm_min_rows,
+        block_size=config.block_size,
+        kv_cache_tokens=config.kv_cache_tokens,
         gpu_memory_utilization=config.gpu_memory_utilization,
         gpu_memory_share=place.gpu_memory_share,  # None on CPU
-        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
         chunked_prefill_size=config.chunked_prefill_size,
         enable_prefix_caching=config.enable_prefix_caching,
-        attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
+        attention_backend=config.attention_backend,
+        enforce_eager=config.enforce_eager,
         max_loras=config.max_loras if config.enable_lora else 0,
         max_lora_rank=config.max_lora_rank,
         **tiers,
-    )  # fmt: skip
+    )
     if place.role in (Role.DECODE, Role.COLOCATED):  # prefill workers never speculate
         engine = replace(engine, speculative=config.speculative_config)
     # Prefill and decode workers: how KV moves between them; co-located workers: None.
@@ -112,9 +121,13 @@ def _engine_spec(
 
 
 def _engine_children(
-    config: ServerConfig, topo: Topology, gpus: GpuAssignment, model: Path,
-    backend: KVBackend | str, first_decode: int = 0,
-) -> list[Child]:  # fmt: skip
+    config: ServerConfig,
+    topo: Topology,
+    gpus: GpuAssignment,
+    model: Path,
+    backend: KVBackend | str,
+    first_decode: int = 0,
+) -> list[Child]:
     """The engine workers of this host; on a cluster member, decode workers are numbered
     from ``first_decode`` (the cluster's numbering)."""
     cores = os.cpu_count() or 1
@@ -144,31 +157,47 @@ def _children(
     for k in range(config.detokenizers):
         out.append(Child(topo.spec(Role.DETOK, k, common), dict(cpu_only)))
     http = FrontendSettings(
-        model_name=config.served_model_name or model.name, model_aliases=_aliases(config.model),
-        max_model_len=engine.resolve_max_model_len(mcfg), vocab_size=mcfg.vocab_size,
-        api_key=config.api_key, metrics_no_auth=config.metrics_no_auth,
+        model_name=config.served_model_name or model.name,
+        model_aliases=_aliases(config.model),
+        max_model_len=engine.resolve_max_model_len(mcfg),
+        vocab_size=mcfg.vocab_size,
+        api_key=config.api_key,
+        metrics_no_auth=config.metrics_no_auth,
         allowed_hosts=tuple(config.allowed_hosts),
         allow_special_tokens_in_content=config.allow_special_tokens_in_content,
-        chat_template=config.chat_template, host=config.host, port=config.port,
-        eos_token_ids=mcfg.eos_token_ids, tool_call_parser=config.tool_call_parser,
-        reasoning_parser=config.reasoning_parser, max_json_depth=config.max_json_depth,
-        max_tools_bytes=config.max_tools_bytes, max_schema_bytes=config.max_schema_bytes,
+        chat_template=config.chat_template,
+        host=config.host,
+        port=config.port,
+        eos_token_ids=mcfg.eos_token_ids,
+        tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
+        max_json_depth=config.max_json_depth,
+        max_tools_bytes=config.max_tools_bytes,
+        max_schema_bytes=config.max_schema_bytes,
         grammar_compile_timeout_s=config.grammar_compile_timeout,
         grammar_workers=config.grammar_workers,
         max_loras=config.max_loras if config.enable_lora else 0,
-        max_lora_rank=config.max_lora_rank, lora_modules=lora_modules(config),
+        max_lora_rank=config.max_lora_rank,
+        lora_modules=lora_modules(config),
         base_model_dir=str(model),
-    )  # fmt: skip
+    )
     frontend = FrontendLaunch(
-        model=str(model), log_level=config.log_level.value, http=http,
-        connections=config.connection_limits, router_policy=config.resolved_router_policy,
+        model=str(model),
+        log_level=config.log_level.value,
+        http=http,
+        connections=config.connection_limits,
+        router_policy=config.resolved_router_policy,
         max_waiting_requests=config.max_waiting_requests,
         max_queued_prefill_tokens=config.max_queued_prefill_tokens,
-        stall_timeout_s=config.stall_timeout, api_workers=config.api_workers,
-        node=cluster.node_name(config), remote_decode=tuple(cluster.remote_decode(config)),
-    ).to_json()  # fmt: skip
-    frontends = [Child(topo.spec(Role.FRONTEND, n, frontend), dict(cpu_only))
-                 for n in range(config.api_workers)]  # fmt: skip
+        stall_timeout_s=config.stall_timeout,
+        api_workers=config.api_workers,
+        node=cluster.node_name(config),
+        remote_decode=tuple(cluster.remote_decode(config)),
+    ).to_json()
+    frontends = [
+        Child(topo.spec(Role.FRONTEND, n, frontend), dict(cpu_only))
+        for n in range(config.api_workers)
+    ]
     if config.advertise is not None:
         layout = _kv_layout(config, model, gpus)
         out.append(cluster.head_gateway(config, topo, layout, _model_name(config, model)))
@@ -195,11 +224,14 @@ def _serving(
 def _build_topology(
     config: ServerConfig, model: Path, backend: KVBackend, gpus: GpuAssignment | None = None
 ) -> Topology:
-    topo = Topology(config.prefill if config.disaggregated else 0,
-                    config.decode + config.remote_decode if config.disaggregated else 0,
-                    config.detokenizers, num_colocated=config.colocated,
-                    num_frontends=config.api_workers,
-                    remote=cluster.head_topology_remote(config))  # fmt: skip
+    topo = Topology(
+        config.prefill if config.disaggregated else 0,
+        config.decode + config.remote_decode if config.disaggregated else 0,
+        config.detokenizers,
+        num_colocated=config.colocated,
+        num_frontends=config.api_workers,
+        remote=cluster.head_topology_remote(config),
+    )
     if config.enable_prefix_caching:
         # A GPU pool is sized by its worker, after the launcher is done: plan for many.
         assert config.kv_cache_tokens is not None, "sized by _size_kv"
@@ -241,18 +273,21 @@ def _size_kv(
     if pools == 0:
         return replace(config, kv_cache_tokens=config.kv_cache_tokens or DEFAULT_GPU_KV_TOKENS)
     engine = EngineConfig(model=str(model), max_model_len=config.max_model_len)
-    demand = Demand(engines=engines, others=config.api_workers + config.detokenizers, pools=pools,
-                    chunk=config.chunked_prefill_size,
-                    max_model_len=engine.resolve_max_model_len(mcfg),
-                    offload=kv_tiers.offload_bytes(config))  # fmt: skip
+    demand = Demand(
+        engines=engines,
+        others=config.api_workers + config.detokenizers,
+        pools=pools,
+        chunk=config.chunked_prefill_size,
+        max_model_len=engine.resolve_max_model_len(mcfg),
+        offload=kv_tiers.offload_bytes(config),
+    )
     try:
         # Packed weights take at most a byte a parameter (int8: one, int4: about 0.6), and
         # their bfloat16 GEMM copies two more (engine/weights/gemm.py).
         weights = weight_bytes(model, dtype if quantization == "none" else torch.int8)
         if quantization != "none":
             weights += weight_bytes(model, torch.bfloat16)
-        plan = plan_kv(mcfg, weights, dtype, demand,
-                       config.kv_cache_memory, config.kv_cache_tokens)  # fmt: skip
+        plan = plan_kv(mcfg, weights, dtype, demand, config.kv_cache_memory, config.kv_cache_tokens)
     except (MemoryBudgetError, ValueError) as e:
         raise ConfigError(str(e)) from e
     logger.info("%s", plan.describe(pools))
@@ -266,8 +301,9 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as e:
-            raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); "
-                              "pick another --port") from e  # fmt: skip
+            raise ConfigError(
+                f"cannot listen on {host}:{port} ({e.strerror}); pick another --port"
+            ) from e
 
 
 def _http_ready(url: str) -> bool:
@@ -290,8 +326,10 @@ def serve(config: ServerConfig) -> int:
     gpus = assign_gpus(config)
     backend = kv_transfer_backend(config, gpus)
     if config.advertise is not None and backend is not KVBackend.SHM:
-        raise ConfigError("a head node keeps its local KV handoffs on --kv-transfer shm "
-                          "for now; give --kv-transfer shm with --advertise")  # fmt: skip
+        raise ConfigError(
+            "a head node keeps its local KV handoffs on --kv-transfer shm "
+            "for now; give --kv-transfer shm with --advertise"
+        )
     places = placements(gpus, config.gpu_memory_utilization)
     if not gpus.on_cpu:
         logger.info("on GPUs: %s; KV transfer: %s", describe(places), backend.value)
@@ -302,20 +340,26 @@ def serve(config: ServerConfig) -> int:
     if tiers is not None:
         topo.add_kv_tier(tiers.segment, tiers.engine_fields(), tiers.frontend_fields())
     board = topo.board()
-    sup = Supervisor(_children(config, topo, gpus, model, backend), topo.load_table(), topo.p,
-                     board)  # fmt: skip
+    sup = Supervisor(
+        _children(config, topo, gpus, model, backend), topo.load_table(), topo.p, board
+    )
 
     url = f"http://{config.host}:{config.port}"
     # Ready once every frontend serves (any one of them may answer the probe).
-    return _supervise(sup, lambda: board.all_ready() and _http_ready(url + "/health"),
-                      f"pdserve is serving {model} at {url}",
-                      after_stop=None if tiers is None else tiers.stop)  # fmt: skip
+    return _supervise(
+        sup,
+        lambda: board.all_ready() and _http_ready(url + "/health"),
+        f"pdserve is serving {model} at {url}",
+        after_stop=None if tiers is None else tiers.stop,
+    )
 
 
 def _supervise(
-    sup: Supervisor, ready: Callable[[], bool], banner: str,
+    sup: Supervisor,
+    ready: Callable[[], bool],
+    banner: str,
     after_stop: Callable[[], None] | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Start every child, say ``banner`` once ``ready()``, then tend them until a signal."""
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -350,17 +394,24 @@ def serve_member(config: ServerConfig) -> int:
     layout = _kv_layout(config, model, gpus)
     base, shape = cluster.join(config, layout, _model_name(config, model))
     mine = range(base, base + config.decode)
-    topo = Topology(shape["prefill"], shape["decode"], shape["detok"],
-                    num_frontends=shape["frontends"],
-                    remote=cluster.member_remote(shape, mine))  # fmt: skip
+    topo = Topology(
+        shape["prefill"],
+        shape["decode"],
+        shape["detok"],
+        num_frontends=shape["frontends"],
+        remote=cluster.member_remote(shape, mine),
+    )
     if config.enable_prefix_caching:
         topo.add_prefix_summaries(summary_counters(layout.num_blocks))
     children = _engine_children(config, topo, gpus, model, "nixl", first_decode=base)
     children.append(cluster.member_gateway(config, topo, layout, _model_name(config, model), mine))
     sup = Supervisor(children, topo.load_table(), topo.p)
-    return _supervise(sup, lambda: True,
-                      f"pdserve node {cluster.node_name(config)} serves decode workers "
-                      f"{list(mine)} of the cluster at {config.join}")  # fmt: skip
+    return _supervise(
+        sup,
+        lambda: True,
+        f"pdserve node {cluster.node_name(config)} serves decode workers "
+        f"{list(mine)} of the cluster at {config.join}",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

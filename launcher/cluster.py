@@ -103,12 +103,19 @@ def ucx_env(config: ServerConfig) -> dict[str, str]:
     addr = local_address(config)
     name = interface_of(addr) if addr else None
     if name is None:
-        logger.warning("no interface holds this node's cluster address %s: UCX may listen on "
-                       "every interface; set UCX_NET_DEVICES to choose", addr)  # fmt: skip
+        logger.warning(
+            "no interface holds this node's cluster address %s: UCX may listen on "
+            "every interface; set UCX_NET_DEVICES to choose",
+            addr,
+        )
         return {}
     devices = ",".join([name, *rdma_ports(name)])
-    logger.info("KV across hosts (NIXL over UCX) on interface %s (%s): UCX_NET_DEVICES=%s",
-                name, addr, devices)  # fmt: skip
+    logger.info(
+        "KV across hosts (NIXL over UCX) on interface %s (%s): UCX_NET_DEVICES=%s",
+        name,
+        addr,
+        devices,
+    )
     return {"UCX_NET_DEVICES": devices}
 
 
@@ -152,12 +159,19 @@ def head_gateway(config: ServerConfig, topo: Topology, layout: KVLayout, model_n
     host, port = split_host_port(config.advertise or "", "--advertise", DEFAULT_CLUSTER_PORT)
     shape = {"frontends": topo.f, "prefill": topo.p, "detok": topo.k, "decode": topo.d}
     spec = GatewaySpec(
-        log_level=config.log_level.value, node=node_name(config),
-        cluster_key=config.cluster_key or "", listen=f"{host}:{port}", join="",
-        num_prefill=topo.p, decode=remote_decode(config), shape=json.dumps(shape),
-        layout=layout.to_json(), model=model_name, beat_s=BEAT_S,
+        log_level=config.log_level.value,
+        node=node_name(config),
+        cluster_key=config.cluster_key or "",
+        listen=f"{host}:{port}",
+        join="",
+        num_prefill=topo.p,
+        decode=remote_decode(config),
+        shape=json.dumps(shape),
+        layout=layout.to_json(),
+        model=model_name,
+        beat_s=BEAT_S,
         silent_after_s=silent_after(config),
-    )  # fmt: skip
+    )
     return Child(topo.gateway_spec(encode_spec(spec)), {"CUDA_VISIBLE_DEVICES": ""})
 
 
@@ -165,11 +179,19 @@ def member_gateway(
     config: ServerConfig, topo: Topology, layout: KVLayout, model_name: str, mine: range
 ) -> Child:
     spec = GatewaySpec(
-        log_level=config.log_level.value, node=node_name(config),
-        cluster_key=config.cluster_key or "", listen="", join=config.join or "",
-        num_prefill=topo.p, decode=list(mine), shape="", layout=layout.to_json(),
-        model=model_name, beat_s=BEAT_S, silent_after_s=silent_after(config),
-    )  # fmt: skip
+        log_level=config.log_level.value,
+        node=node_name(config),
+        cluster_key=config.cluster_key or "",
+        listen="",
+        join=config.join or "",
+        num_prefill=topo.p,
+        decode=list(mine),
+        shape="",
+        layout=layout.to_json(),
+        model=model_name,
+        beat_s=BEAT_S,
+        silent_after_s=silent_after(config),
+    )
     return Child(topo.gateway_spec(encode_spec(spec)), {"CUDA_VISIBLE_DEVICES": ""})
 
 

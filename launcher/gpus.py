@@ -87,8 +87,11 @@ def visible_subset(gpus: Sequence[GpuInfo], visible: str | None) -> tuple[GpuInf
             match = [g for g in gpus if g.uuid and g.uuid.startswith(entry)] if entry else []
         if len(match) != 1:
             if entry:
-                logger.warning("CUDA_VISIBLE_DEVICES entry %r names no single GPU; the GPUs "
-                               "after it are not used", entry)  # fmt: skip
+                logger.warning(
+                    "CUDA_VISIBLE_DEVICES entry %r names no single GPU; the GPUs "
+                    "after it are not used",
+                    entry,
+                )
             break
         if match[0] not in out:
             out.append(match[0])
@@ -125,8 +128,13 @@ def _query(nvml: ModuleType, i: int) -> GpuInfo:
         name = name.decode()
     if isinstance(uuid, bytes):
         uuid = uuid.decode()
-    return GpuInfo(index=i, name=str(name), total_bytes=int(mem.total), free_bytes=int(mem.free),
-                   uuid=str(uuid))  # fmt: skip
+    return GpuInfo(
+        index=i,
+        name=str(name),
+        total_bytes=int(mem.total),
+        free_bytes=int(mem.free),
+        uuid=str(uuid),
+    )
 
 
 def assign_gpus(config: ServerConfig, inventory: Sequence[GpuInfo] | None = None) -> GpuAssignment:

@@ -50,9 +50,11 @@ class HostTiers:
     def engine_fields(self) -> dict[str, object]:
         """What each engine worker's ``EngineConfig`` carries to attach the tiers."""
         d = self.persister.disk.root if self.persister is not None else None
-        return {"kv_offload_fd": self.segment.spec.fd,
-                "kv_offload_nbytes": self.segment.spec.nbytes,
-                "kv_offload_dir": None if d is None else str(d)}  # fmt: skip
+        return {
+            "kv_offload_fd": self.segment.spec.fd,
+            "kv_offload_nbytes": self.segment.spec.nbytes,
+            "kv_offload_dir": None if d is None else str(d),
+        }
 
     def frontend_fields(self) -> dict[str, object]:
         """What the frontend's router needs besides the segment to see the tiers' content
@@ -64,8 +66,11 @@ class HostTiers:
         """Flush what tier 3 has not written yet (the workers are stopped by now)."""
         if self.persister is not None:
             self.persister.stop(flush=True)
-            logger.info("KV tier 3 flushed: %d files, %.1f MiB", len(self.persister.files),
-                        self.persister.usage / (1 << 20))  # fmt: skip
+            logger.info(
+                "KV tier 3 flushed: %d files, %.1f MiB",
+                len(self.persister.files),
+                self.persister.usage / (1 << 20),
+            )
 
 
 def create(config: ServerConfig, model: Path, layout: KVLayout) -> HostTiers | None:
@@ -81,8 +86,12 @@ def create(config: ServerConfig, model: Path, layout: KVLayout) -> HostTiers | N
     mcfg = ModelConfig.from_pretrained(model)
     assert mcfg.num_layers == layout.num_layers
     # The engine workers derive the same digest from their pools (tiered.open_tiers).
-    ns = Namespace(weights_fingerprint(model), str(layout.torch_dtype), layout.block_size,
-                   str(layout.shape[1:])).digest  # fmt: skip
+    ns = Namespace(
+        weights_fingerprint(model),
+        str(layout.torch_dtype),
+        layout.block_size,
+        str(layout.shape[1:]),
+    ).digest
     persister = None
     if config.kv_offload_dir is not None:
         root = config.kv_offload_dir
@@ -98,8 +107,12 @@ def create(config: ServerConfig, model: Path, layout: KVLayout) -> HostTiers | N
         min_free = min(MIN_FREE_CAP, int(st.f_blocks * st.f_frsize * MIN_FREE_FRACTION))
         persister = Persister(store, disk, int(config.kv_offload_disk * GIB), min_free)
         persister.start()
-    logger.info("KV tier 2: %.2f GiB of host RAM, %d blocks, shared by every worker%s",
-                nbytes / GIB, geometry.slots,
-                "" if persister is None else f"; tier 3: {config.kv_offload_dir}, "
-                f"{config.kv_offload_disk:g} GiB")  # fmt: skip
+    logger.info(
+        "KV tier 2: %.2f GiB of host RAM, %d blocks, shared by every worker%s",
+        nbytes / GIB,
+        geometry.slots,
+        ""
+        if persister is None
+        else f"; tier 3: {config.kv_offload_dir}, {config.kv_offload_disk:g} GiB",
+    )
     return HostTiers(segment, store, persister, ns)

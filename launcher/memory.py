@@ -61,10 +61,12 @@ class KVPlan:
     weight_bytes: int  # one replica, in the serving dtype
 
     def describe(self, pools: int) -> str:
-        return (f"KV cache: {self.bytes_per_pool / GIB:.2f} GiB = {self.tokens_per_pool} tokens "
-                f"per pool x {pools} pools; weights {self.weight_bytes / GIB:.2f} GiB per "
-                f"replica; {self.memory.available / GIB:.1f} GiB available "
-                f"({self.memory.source})")  # fmt: skip
+        return (
+            f"KV cache: {self.bytes_per_pool / GIB:.2f} GiB = {self.tokens_per_pool} tokens "
+            f"per pool x {pools} pools; weights {self.weight_bytes / GIB:.2f} GiB per "
+            f"replica; {self.memory.available / GIB:.1f} GiB available "
+            f"({self.memory.source})"
+        )
 
 
 @dataclass(frozen=True)
@@ -187,8 +189,9 @@ def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
                 if not 0 < n <= size - 8:
                     raise ValueError("header length out of range")
                 header = json.loads(f.read(n))
-                shapes = [entry["shape"] for name, entry in header.items()
-                          if name != "__metadata__"]  # fmt: skip
+                shapes = [
+                    entry["shape"] for name, entry in header.items() if name != "__metadata__"
+                ]
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path} is not a safetensors file ({e})") from e
         for shape in shapes:
@@ -222,10 +225,14 @@ class Demand:
 
 
 def plan_kv(
-    m: ModelConfig, weights: int, dtype: torch.dtype, demand: Demand,
-    kv_cache_memory_gib: float | None = None, kv_cache_tokens: int | None = None,
+    m: ModelConfig,
+    weights: int,
+    dtype: torch.dtype,
+    demand: Demand,
+    kv_cache_memory_gib: float | None = None,
+    kv_cache_tokens: int | None = None,
     memory: HostMemory | None = None,
-) -> KVPlan:  # fmt: skip
+) -> KVPlan:
     """Tokens per KV pool, or ``MemoryBudgetError`` before anything is spawned."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_token = kv_bytes_per_token(m, itemsize)
@@ -244,9 +251,11 @@ def plan_kv(
     else:
         want, flag = min(DEFAULT_KV_CAP, room // pools), ""
     need_one = per_token * demand.max_model_len  # one longest sequence must fit a pool
-    what = (f"{demand.engines} model replicas of {weights / GIB:.2f} GiB and "
-            f"{demand.pools} KV pools need more than the {available / GIB:.1f} GiB available "
-            f"({memory.source})")  # fmt: skip
+    what = (
+        f"{demand.engines} model replicas of {weights / GIB:.2f} GiB and "
+        f"{demand.pools} KV pools need more than the {available / GIB:.1f} GiB available "
+        f"({memory.source})"
+    )
     if flag and want * pools > room:
         raise MemoryBudgetError(
             f"{flag}: {what} ({want * pools / GIB:.2f} GiB of KV on top of "

@@ -106,9 +106,12 @@ class Child:
 
 class Supervisor:
     def __init__(
-        self, children: list[Child], table: LoadTable, num_prefill: int,
+        self,
+        children: list[Child],
+        table: LoadTable,
+        num_prefill: int,
         board: FrontendBoard | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.children = children
         self.table = table
         self.num_prefill = num_prefill
@@ -129,8 +132,7 @@ class Supervisor:
         roles = {c.spec.role for c in self.children if c.spec.role.is_engine}
         while time.monotonic() < deadline and not self.stopping:
             self._tend(0.1)
-            ready = {r.role for r in self.table.snapshot()
-                     if r.state == WorkerState.READY}  # fmt: skip
+            ready = {r.role for r in self.table.snapshot() if r.state == WorkerState.READY}
             if roles <= ready and frontend_ready():
                 return
         if not self.stopping:
@@ -191,8 +193,9 @@ class Supervisor:
             self.board.mark_dead(child.spec.index, failed=state == WorkerState.FAILED)
         if child.slot >= 0:
             # slots belong to engine workers only
-            self.table.writer(child.slot).mark_exited(state, code, child.spec.role,
-                                                      child.spec.index)  # fmt: skip
+            self.table.writer(child.slot).mark_exited(
+                state, code, child.spec.role, child.spec.index
+            )
 
     def _check_roles(self) -> None:
         """A role all of whose workers failed can serve nothing: give up."""

@@ -31,8 +31,12 @@ from wire.roles import Role
 MiB = 1 << 20
 # Capacities: a request ring holds long prompts; token rings a few steps of a full batch
 # with top-20 logprobs (~46 KB per 256-request step); control rings small records.
-RING_BYTES = {RingKind.REQ: 8 * MiB, RingKind.KV: 4 * MiB, RingKind.TOK: 4 * MiB,
-              RingKind.TEXT: 8 * MiB}  # fmt: skip
+RING_BYTES = {
+    RingKind.REQ: 8 * MiB,
+    RingKind.KV: 4 * MiB,
+    RingKind.TOK: 4 * MiB,
+    RingKind.TEXT: 8 * MiB,
+}
 SMALL_RING_BYTES = 256 * 1024
 
 
@@ -49,9 +53,14 @@ class Topology:
     GATEWAY = Peer(Role.GATEWAY, 0)
 
     def __init__(
-        self, num_prefill: int, num_decode: int, num_detok: int, num_colocated: int = 0,
-        num_frontends: int = 1, remote: frozenset[Peer] = frozenset(),
-    ) -> None:  # fmt: skip
+        self,
+        num_prefill: int,
+        num_decode: int,
+        num_detok: int,
+        num_colocated: int = 0,
+        num_frontends: int = 1,
+        remote: frozenset[Peer] = frozenset(),
+    ) -> None:
         self.p, self.d, self.k, self.c = num_prefill, num_decode, num_detok, num_colocated
         self.f = num_frontends
         self.remote = remote
@@ -129,8 +138,12 @@ class Topology:
         name = str(Peer(Role.PREFILL, prefill))
         self.kv_segments[name] = (create_pool_segment(name, layout), layout)
 
-    def add_kv_tier(self, segment: Segment, engine_fields: dict[str, Any],
-                    frontend_fields: dict[str, Any] | None = None) -> None:  # fmt: skip
+    def add_kv_tier(
+        self,
+        segment: Segment,
+        engine_fields: dict[str, Any],
+        frontend_fields: dict[str, Any] | None = None,
+    ) -> None:
         self.kv_tier, self.kv_tier_fields = segment, engine_fields
         self.kv_tier_frontend = frontend_fields or {}
 

@@ -121,9 +121,12 @@ class PrefillScheduler:
         if not self.intake.take(req):
             return Finish.ERROR
         seq = Sequence(
-            rid=req.rid, prompt_ids=list(req.prompt_ids), sampling=req.sampling,
-            output_ids=list(req.output_ids), block_size=self.runner.block_size,
-        )  # fmt: skip
+            rid=req.rid,
+            prompt_ids=list(req.prompt_ids),
+            sampling=req.sampling,
+            output_ids=list(req.output_ids),
+            block_size=self.runner.block_size,
+        )
         if req.sampling.grammar is not None:
             self.runner.grammars.prepare(req.sampling.grammar)
         p = Pending(seq, req.decode_worker, req.detok_shard)
@@ -176,8 +179,9 @@ class PrefillScheduler:
             logits = self.runner.prefill([(p.seq, n) for p, n in chunks])
             out.ran_tokens = sum(n for _, n in chunks)
             self.computed_tokens += out.ran_tokens
-            done = [(row, p) for row, (p, _) in enumerate(chunks)
-                    if p.seq.num_uncomputed_tokens == 0]  # fmt: skip
+            done = [
+                (row, p) for row, (p, _) in enumerate(chunks) if p.seq.num_uncomputed_tokens == 0
+            ]
             if done:
                 sample = self._sample_done(logits, done, batcher, out)
         elif not self.keep_kv:  # nothing ran: a parked load is worth a short wait, no spin
@@ -195,9 +199,12 @@ class PrefillScheduler:
         self.runner.kv.wait_tier_loads([p.seq for p in self.waiting], timeout_s)
 
     def _sample_done(
-        self, logits: torch.Tensor, done: list[tuple[int, Pending]], batcher: TokenBatcher,
+        self,
+        logits: torch.Tensor,
+        done: list[tuple[int, Pending]],
+        batcher: TokenBatcher,
         out: PrefillStep,
-    ) -> SampleOutput:  # fmt: skip
+    ) -> SampleOutput:
         """First tokens of the requests whose prompt is computed (and of their forks, from
         the same logits row); their KV goes on."""
         for _, p in done:
@@ -208,8 +215,9 @@ class PrefillScheduler:
         tokens, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
         for i, (_, p) in enumerate(done):
             cached = p.seq.num_cached_tokens
-            finish = batcher.emit(p.seq, p.detok_shard, tokens[i], i, logprobs[i],
-                                  self.runner.check_stop, cached)  # fmt: skip
+            finish = batcher.emit(
+                p.seq, p.detok_shard, tokens[i], i, logprobs[i], self.runner.check_stop, cached
+            )
             out.cached_tokens[p.seq.rid] = cached
             if finish != Finish.NONE:
                 self.runner.kv.free_blocks(p.seq)
@@ -296,14 +304,22 @@ class PrefillScheduler:
         # Prefix caching: the hashes of the full blocks (already computed when they were
         # published), so decode finds the blocks it holds without rehashing the prompt.
         bs = self.runner.block_size
-        hashes = (seq.full_block_hashes(seq.num_computed_tokens // bs)
-                  if self.runner.config.enable_prefix_caching else [])  # fmt: skip
+        hashes = (
+            seq.full_block_hashes(seq.num_computed_tokens // bs)
+            if self.runner.config.enable_prefix_caching
+            else []
+        )
         return KVTransfer(
-            rid=seq.rid, prefill_worker=self.index, src_blocks=blocks,
-            num_tokens=seq.num_computed_tokens, prompt_ids=seq.prompt_ids,
-            output_ids=seq.output_ids, sampling=seq.sampling, detok_shard=p.detok_shard,
+            rid=seq.rid,
+            prefill_worker=self.index,
+            src_blocks=blocks,
+            num_tokens=seq.num_computed_tokens,
+            prompt_ids=seq.prompt_ids,
+            output_ids=seq.output_ids,
+            sampling=seq.sampling,
+            detok_shard=p.detok_shard,
             block_hashes=hashes,
-        )  # fmt: skip
+        )
 
     # ---- load --------------------------------------------------------------------------
 

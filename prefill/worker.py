@@ -72,8 +72,9 @@ class PrefillWorker(Worker):
         name = f"{self.settings.node}-prefill-{self.index}-{os.getpid()}"
         self.nixl = NixlExporter(runner.kv.tensor, layout, name)
         self.handles, self._handle = HandleSender(), self.nixl.handle()
-        logger.info("KV pool registered with NIXL as %s for decode workers %s", name,
-                    sorted(self.remote))  # fmt: skip
+        logger.info(
+            "KV pool registered with NIXL as %s for decode workers %s", name, sorted(self.remote)
+        )
 
     def _shm_runner(self, config: EngineConfig) -> ModelRunner:
         """The pool on CPU is the shared segment; on GPU the segment is its pinned mirror."""
@@ -122,9 +123,13 @@ class PrefillWorker(Worker):
         """cuda_ipc (or nixl, to other hosts): every live decode process that maps this pool
         gets its handle before any transfer."""
         assert self.handles is not None
-        live = {r.index: r.generation for r in self.table.snapshot()
-                if r.role is Role.DECODE and r.state in _LIVE
-                and (not self.remote or r.index in self.remote)}  # fmt: skip
+        live = {
+            r.index: r.generation
+            for r in self.table.snapshot()
+            if r.role is Role.DECODE
+            and r.state in _LIVE
+            and (not self.remote or r.index in self.remote)
+        }
         self._forget_lost_remote(live)
         for j in self.handles.due(live):
             if j in self.kv_out:

@@ -139,12 +139,10 @@ class Ledger:
         if self.peers is None:
             # Baseline at what the worker already reports, so a router that starts
             # after the workers does not count their history as in flight.
-            return Books(r.generation, r.requests_received, r.prompt_tokens_received,
-                         slot=r.slot)  # fmt: skip
+            return Books(r.generation, r.requests_received, r.prompt_tokens_received, slot=r.slot)
         mine = self.peers.own(r.slot)
         if mine is not None and r.worker not in self.assigned:
-            self.assigned[r.worker] = Assigned(mine.assigned_requests,
-                                                        mine.assigned_tokens)  # fmt: skip
+            self.assigned[r.worker] = Assigned(mine.assigned_requests, mine.assigned_tokens)
         if mine is not None and mine.generation == r.generation:
             # A predecessor of this frontend sent these: they are in what r received.
             return Books(r.generation, mine.sent_requests, mine.sent_tokens, slot=r.slot)
@@ -156,9 +154,18 @@ class Ledger:
         if self.peers is None or b is None:
             return
         a = self.assigned[key]
-        self.peers.publish(b.slot, Cell(b.generation, b.sent_requests, b.sent_tokens,
-                                        len(b.reserved), sum(b.reserved.values()),
-                                        a.requests, a.tokens))  # fmt: skip
+        self.peers.publish(
+            b.slot,
+            Cell(
+                b.generation,
+                b.sent_requests,
+                b.sent_tokens,
+                len(b.reserved),
+                sum(b.reserved.values()),
+                a.requests,
+                a.tokens,
+            ),
+        )
 
     def of(self, r: LoadRow) -> Books:
         return self.books[r.worker]

@@ -143,9 +143,14 @@ class Router:
         return hashes
 
     def place(
-        self, prompt_len: int, max_tokens: int, hashes: Sequence[int] = (), *,
-        prefill: int | None = None, lora: str | None = None,
-    ) -> Placement:  # fmt: skip
+        self,
+        prompt_len: int,
+        max_tokens: int,
+        hashes: Sequence[int] = (),
+        *,
+        prefill: int | None = None,
+        lora: str | None = None,
+    ) -> Placement:
         """Choose the workers for a request, or raise ``NoCapacity``.
 
         ``hashes``: ``hash_blocks`` of the tokens prefill will compute (the prompt, plus
@@ -229,11 +234,18 @@ class Router:
         return rows, time.monotonic_ns()
 
     def _choose(
-        self, rows: list[LoadRow], role: Role, req: _Request, now_ns: int,
+        self,
+        rows: list[LoadRow],
+        role: Role,
+        req: _Request,
+        now_ns: int,
         only: int | None = None,
-    ) -> LoadRow:  # fmt: skip
-        live = [r for r in rows if r.role is role and self._routable(r, now_ns)
-                and (only is None or r.index == only)]  # fmt: skip
+    ) -> LoadRow:
+        live = [
+            r
+            for r in rows
+            if r.role is role and self._routable(r, now_ns) and (only is None or r.index == only)
+        ]
         if not live:
             raise NoCapacity(self._config.retry_after_dead_s, f"no live {role} worker")
         admitted = sorted((r for r in live if self._admits(r, req.prompt_len)), key=_index)
@@ -241,10 +253,9 @@ class Router:
             raise NoCapacity(self._config.retry_after_s, f"every {role} worker is full")
         assigned = self.ledger.assigned
         candidates = [
-            Candidate(r.index, self._cost(r), assigned[r.worker].tokens,
-                      self._new_tokens(r, req))
+            Candidate(r.index, self._cost(r), assigned[r.worker].tokens, self._new_tokens(r, req))
             for r in admitted
-        ]  # fmt: skip
+        ]
         if req.lora is not None:
             candidates = self._adapter_holders(admitted, candidates, req.lora)
         policy = self._decode_policy if role is Role.DECODE else self._prefill_policy

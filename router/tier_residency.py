@@ -36,15 +36,17 @@ from engine.kv.tiers.keys import chain_keys, root_key
 class TierResidency:
     """The host tiers of node ``node``: ``host`` (tier 2), tier 3 under ``disk_dir``."""
 
-    def __init__(self, host: HostStore, namespace: bytes, disk_dir: Path | None,
-                 node: str = "") -> None:  # fmt: skip
+    def __init__(
+        self, host: HostStore, namespace: bytes, disk_dir: Path | None, node: str = ""
+    ) -> None:
         self.host, self.namespace, self.node = host, namespace, node
         g = host.geometry
         # Reads only ``path``: the payload size is the tier-2 geometry's.
         self.disk = (
-            None if disk_dir is None
+            None
+            if disk_dir is None
             else DiskStore(disk_dir, namespace, g.block_size, g.payload_nbytes)
-        )  # fmt: skip
+        )
 
     def query(
         self, token_ids: Sequence[int], block_size: int, extra: bytes | None = None

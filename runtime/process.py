@@ -117,13 +117,19 @@ class Rings:
 
     def sources(self, kind: RingKind, role: Role | None = None) -> dict[int, Ring]:
         """Inbound rings of ``kind`` (from peers of ``role``), by the sender's index."""
-        return {n.src.index: r for n, r in sorted(self.inbound.items())
-                if n.kind is kind and role in (None, n.src.role)}  # fmt: skip
+        return {
+            n.src.index: r
+            for n, r in sorted(self.inbound.items())
+            if n.kind is kind and role in (None, n.src.role)
+        }
 
     def sinks(self, kind: RingKind, role: Role | None = None) -> dict[int, Ring]:
         """Outbound rings of ``kind`` (to peers of ``role``), by the receiver's index."""
-        return {n.dst.index: r for n, r in sorted(self.outbound.items())
-                if n.kind is kind and role in (None, n.dst.role)}  # fmt: skip
+        return {
+            n.dst.index: r
+            for n, r in sorted(self.outbound.items())
+            if n.kind is kind and role in (None, n.dst.role)
+        }
 
     def one_in(self, kind: RingKind) -> Ring:
         """The single inbound ring of ``kind`` (e.g. a worker's request ring)."""
@@ -137,10 +143,12 @@ class Rings:
 
 def attach_rings(spec: ProcessSpec) -> Rings:
     """Attach every ring of the spec; inbound rings are reset (a predecessor's leftovers)."""
-    inbound = {RingName.parse(n): Ring.attach(RingSpec(**s), "consumer")
-               for n, s in spec.rings_in.items()}  # fmt: skip
-    outbound = {RingName.parse(n): Ring.attach(RingSpec(**s), "producer")
-                for n, s in spec.rings_out.items()}  # fmt: skip
+    inbound = {
+        RingName.parse(n): Ring.attach(RingSpec(**s), "consumer") for n, s in spec.rings_in.items()
+    }
+    outbound = {
+        RingName.parse(n): Ring.attach(RingSpec(**s), "producer") for n, s in spec.rings_out.items()
+    }
     for ring in inbound.values():
         ring.reset()
     return Rings(inbound, outbound, Doorbell(spec.doorbell_fd))

@@ -38,9 +38,16 @@ class TokenBatcher:
         self._by_shard: dict[int, _Columns] = {}
 
     def add(
-        self, shard: int, rid: int, position: int, token: int, row: int, logprob: float,
-        finish: Finish, cached_tokens: int = -1,
-    ) -> None:  # fmt: skip
+        self,
+        shard: int,
+        rid: int,
+        position: int,
+        token: int,
+        row: int,
+        logprob: float,
+        finish: Finish,
+        cached_tokens: int = -1,
+    ) -> None:
         """``cached_tokens``: on a request's first token, its prompt tokens reused from the
         prefix cache (-1 on every other token)."""
         cols = self._by_shard.setdefault(shard, _Columns())
@@ -85,9 +92,14 @@ class TokenBatcher:
         for shard, c in self._by_shard.items():
             rows = np.asarray(c.rows, dtype=np.int64)
             out[shard] = TokenBatch.build(
-                c.rids, c.positions, c.token_ids, c.logprobs, c.finish,
+                c.rids,
+                c.positions,
+                c.token_ids,
+                c.logprobs,
+                c.finish,
                 top_ids[rows] if top_ids is not None else None,
-                top_lps[rows] if top_lps is not None else None, c.cached_tokens,
-            )  # fmt: skip
+                top_lps[rows] if top_lps is not None else None,
+                c.cached_tokens,
+            )
         self._by_shard.clear()
         return out

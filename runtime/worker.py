@@ -61,8 +61,9 @@ class Worker(abc.ABC):
         self.table, self._load_seg = load_table(self.spec)
         self.row = self.table.writer(self.spec.load_table["slot"])
         # The node's name travels in the row: /health and /metrics say where a worker runs.
-        self.row.claim(self.role, self.index, block_size=self.config.block_size,
-                       node=self.settings.node)  # fmt: skip
+        self.row.claim(
+            self.role, self.index, block_size=self.config.block_size, node=self.settings.node
+        )
         # CPU workers lease cores per step (transport/core_lease.py); on a GPU the host
         # threads only feed the device.
         self.cores: CoreLease | None = None
@@ -111,8 +112,7 @@ class Worker(abc.ABC):
             for msg in drain(ring):
                 if isinstance(msg, GenerateRequest):
                     if sched.add(msg) == Finish.ERROR:
-                        fail_request(self.tok_out, msg.rid, msg.detok_shard,
-                                     len(msg.output_ids))  # fmt: skip
+                        fail_request(self.tok_out, msg.rid, msg.detok_shard, len(msg.output_ids))
                 elif isinstance(msg, AbortRequest):
                     sched.abort(msg.rid)
                 elif isinstance(msg, ResetPrefixCache):

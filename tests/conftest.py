@@ -115,9 +115,21 @@ class LaunchedServer:
 def server(default_model_path: Path):  # type: ignore[no-untyped-def]
     """One shared disaggregated server: 2 prefill, 2 decode, 2 detokenizer shards, CPU."""
     srv = LaunchedServer(
-        ["--prefill", "2", "--decode", "2", "--detokenizers", "2", "--device", "cpu",
-         "--kv-cache-tokens", "16384", "--max-model-len", "1024"]
-    )  # fmt: skip
+        [
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--detokenizers",
+            "2",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "16384",
+            "--max-model-len",
+            "1024",
+        ]
+    )
     srv.wait_ready()
     yield srv
     srv.stop()

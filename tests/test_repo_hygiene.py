@@ -25,8 +25,9 @@ _NOT_YET_WRITTEN = {"benchmarks/results/api_workers.md", "benchmarks/results/eng
 
 
 def _tracked(*patterns: str) -> list[Path]:
-    out = subprocess.run(["git", "ls-files", "-z", *patterns], cwd=REPO, check=True,
-                         capture_output=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["git", "ls-files", "-z", *patterns], cwd=REPO, check=True, capture_output=True
+    ).stdout
     return [REPO / p for p in out.decode().split("\0") if p and (REPO / p).is_file()]
 
 

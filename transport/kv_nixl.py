@@ -147,11 +147,15 @@ def _block_descs(base: int, blocks: int, block_nbytes: int, device: int) -> np.n
 def nixl_errors(nixl: ModuleType) -> tuple[type[Exception], ...]:
     """The exception types NIXL's bindings raise (they share no base class but Exception)."""
     bindings = getattr(importlib.import_module(nixl.nixl_agent.__module__), "nixlBind", None)
-    found = tuple(
-        obj
-        for name, obj in vars(bindings).items()
-        if name.startswith("nixl") and isinstance(obj, type) and issubclass(obj, Exception)
-    ) if bindings is not None else ()  # fmt: skip
+    found = (
+        tuple(
+            obj
+            for name, obj in vars(bindings).items()
+            if name.startswith("nixl") and isinstance(obj, type) and issubclass(obj, Exception)
+        )
+        if bindings is not None
+        else ()
+    )
     return found or (RuntimeError,)
 
 
@@ -329,9 +333,10 @@ class NixlReceiver(KVReceiver):
             name = self.agent.add_remote_agent(desc.metadata)
             name = name.decode() if isinstance(name, bytes) else name
             descs = self.agent.prep_xfer_dlist(
-                name, _block_descs(desc.base, layout.num_blocks, layout.block_nbytes, desc.device),
+                name,
+                _block_descs(desc.base, layout.num_blocks, layout.block_nbytes, desc.device),
                 desc.mem,
-            )  # fmt: skip
+            )
         except self._errors as e:
             raise KVTransferError(f"prefill {src_worker}: nixl cannot open its pool: {e}") from e
         self.sources[src_worker] = _Source(name, layout, descs, handle)
@@ -475,8 +480,9 @@ class _NixlRead(PendingFetch):
         try:
             self.rx.agent.release_xfer_handle(self.xfer)
         except self.rx._errors as e:  # the read itself is over either way
-            logger.warning("nixl: releasing a READ handle of prefill %d failed: %s",
-                           self.src_worker, e)  # fmt: skip
+            logger.warning(
+                "nixl: releasing a READ handle of prefill %d failed: %s", self.src_worker, e
+            )
         self.xfer = None
 
 

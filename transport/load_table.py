@@ -182,8 +182,10 @@ def encode_node(name: str) -> bytes:
     holds a NUL (the padding: a name cut at one would read back as another)."""
     raw = name.encode()
     if len(raw) > NODE_NBYTES:
-        raise ValueError(f"node name {name!r} is {len(raw)} bytes of UTF-8; at most "
-                         f"{NODE_NBYTES} fit in a load-table row")  # fmt: skip
+        raise ValueError(
+            f"node name {name!r} is {len(raw)} bytes of UTF-8; at most "
+            f"{NODE_NBYTES} fit in a load-table row"
+        )
     if b"\0" in raw:
         raise ValueError(f"node name {name!r} holds a NUL character")
     return raw
@@ -254,8 +256,11 @@ class LoadTable:
                 if time.monotonic_ns() > deadline:
                     for s in pending:
                         load = self._last[s] or self._unknown(s)
-                        logger.debug("load-table row %d stayed mid-write; reporting it as %s",
-                                     s, load.state.name)  # fmt: skip
+                        logger.debug(
+                            "load-table row %d stayed mid-write; reporting it as %s",
+                            s,
+                            load.state.name,
+                        )
                         out[s] = load
                     break
                 os.sched_yield()
@@ -269,9 +274,16 @@ class LoadTable:
         zeros = dict.fromkeys(_PAYLOAD_FIELDS, 0)
         del zeros["role"], zeros["state"], zeros["index"], zeros["pid"], zeros["generation"]
         # The node, like the role and index, is written once per generation.
-        return LoadRow(slot=slot, role=loaded.role, index=loaded.index, pid=loaded.pid,
-                       generation=loaded.generation, state=WorkerState.UNKNOWN,
-                       node=loaded.node, **zeros)  # fmt: skip
+        return LoadRow(
+            slot=slot,
+            role=loaded.role,
+            index=loaded.index,
+            pid=loaded.pid,
+            generation=loaded.generation,
+            state=WorkerState.UNKNOWN,
+            node=loaded.node,
+            **zeros,
+        )
 
     def _read_pass(self, slots: list[int], out: list[LoadRow | None]) -> list[int]:
         """Read ``slots`` under their seqlocks; fill ``out``; return the slots to retry."""
@@ -305,9 +317,13 @@ class RowWriter:
         return self._values["generation"]
 
     def claim(
-        self, role: Role, index: int, pid: int | None = None, block_size: int = 0,
+        self,
+        role: Role,
+        index: int,
+        pid: int | None = None,
+        block_size: int = 0,
         node: str = "",
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Take the slot for a (re)started worker: a new generation, state STARTING, no load.
 
         ``node`` names the host the worker runs on (``ValueError`` if it does not fit, see
@@ -423,8 +439,9 @@ def row_from_fields(slot: int, fields: dict[str, int]) -> LoadRow:
     missing or unknown (a ``node`` among them)."""
     missing = [name for name in _FIELD_NAMES if name not in fields]
     if missing or set(fields) - set(_FIELD_NAMES):
-        raise ValueError(f"load row fields: missing {missing}, unknown "
-                         f"{sorted(set(fields) - set(_FIELD_NAMES))}")  # fmt: skip
+        raise ValueError(
+            f"load row fields: missing {missing}, unknown {sorted(set(fields) - set(_FIELD_NAMES))}"
+        )
     role = Role.from_table_code(fields["role"])
     if role is None:
         raise ValueError("an unclaimed row")

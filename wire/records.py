@@ -250,11 +250,15 @@ class TokenBatch:
         rows["finish"] = finish if finish is not None else 0
         rows["cached_tokens"] = cached_tokens if cached_tokens is not None else -1
         return cls(
-            rows["rids"], rows["positions"], rows["token_ids"], rows["logprobs"], rows["finish"],
+            rows["rids"],
+            rows["positions"],
+            rows["token_ids"],
+            rows["logprobs"],
+            rows["finish"],
             _no_top(b, _I32) if top_ids is None else top_ids.astype(_I32, copy=False),
             _no_top(b, _F32) if top_logprobs is None else top_logprobs.astype(_F32, copy=False),
             rows["cached_tokens"],
-        )  # fmt: skip
+        )
 
 
 _KIND_TOKENS = 1
@@ -333,9 +337,15 @@ def _decode_tokens(buf: bytes | bytearray | memoryview) -> TokenBatch:
     else:
         top_ids, top_logprobs = _no_top(b, _I32), _no_top(b, _F32)
     return TokenBatch(
-        rows["rids"], rows["positions"], rows["token_ids"], rows["logprobs"], rows["finish"],
-        top_ids, top_logprobs, rows["cached_tokens"],
-    )  # fmt: skip
+        rows["rids"],
+        rows["positions"],
+        rows["token_ids"],
+        rows["logprobs"],
+        rows["finish"],
+        top_ids,
+        top_logprobs,
+        rows["cached_tokens"],
+    )
 
 
 def _shared_rows(msg: TokenBatch) -> np.ndarray | None:

@@ -71,8 +71,14 @@ class Role(enum.StrEnum):
 
 # NOTE: the stored codes are part of the load table's layout: never renumber them.
 _TABLE_CODES = {Role.PREFILL: 1, Role.DECODE: 2, Role.COLOCATED: 3}
-_LETTERS = {Role.FRONTEND: "f", Role.PREFILL: "p", Role.DECODE: "d", Role.DETOK: "k",
-            Role.COLOCATED: "c", Role.GATEWAY: "g"}  # fmt: skip
+_LETTERS = {
+    Role.FRONTEND: "f",
+    Role.PREFILL: "p",
+    Role.DECODE: "d",
+    Role.DETOK: "k",
+    Role.COLOCATED: "c",
+    Role.GATEWAY: "g",
+}
 _BY_LETTER = {letter: role for role, letter in _LETTERS.items()}
 _BY_CODE = {code: role for role, code in _TABLE_CODES.items()}
 ENGINE_ROLES = tuple(_TABLE_CODES)

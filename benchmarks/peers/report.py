@@ -78,16 +78,22 @@ def figure_rows(points: Sequence[Point], workload: str) -> list[str]:
     mine = [p for p in points if p.workload == workload]
     for p in sorted(mine, key=lambda p: (p.concurrency, order[p.server])):
         cells = [_fmt(p.figures.get(key, math.nan), d) for _, key, d in COLUMNS]
-        rows.append(f"| {p.concurrency} | {_server(p)} | " + " | ".join(cells)
-                    + f" | {p.completed} / {p.failed} | {p.load_avg:.1f} |")  # fmt: skip
+        rows.append(
+            f"| {p.concurrency} | {_server(p)} | "
+            + " | ".join(cells)
+            + f" | {p.completed} / {p.failed} | {p.load_avg:.1f} |"
+        )
     return rows
 
 
 def failure_lines(points: Sequence[Point], workload: str) -> list[str]:
     """What failed requests said, per server and concurrency (empty when none failed)."""
-    return [f"- {p.server}, concurrency {p.concurrency}: {n} x `{error[:200]}`"
-            for p in points if p.workload == workload
-            for error, n in p.errors.items()]  # fmt: skip
+    return [
+        f"- {p.server}, concurrency {p.concurrency}: {n} x `{error[:200]}`"
+        for p in points
+        if p.workload == workload
+        for error, n in p.errors.items()
+    ]
 
 
 def ratio_rows(points: Sequence[Point], workload: str, baseline: str) -> list[str]:
@@ -103,8 +109,9 @@ def ratio_rows(points: Sequence[Point], workload: str, baseline: str) -> list[st
     return rows
 
 
-def peer_ratio_rows(points: Sequence[Point], workload: str, ours: Sequence[str],
-                    peers: Sequence[str]) -> list[str]:  # fmt: skip
+def peer_ratio_rows(
+    points: Sequence[Point], workload: str, ours: Sequence[str], peers: Sequence[str]
+) -> list[str]:
     """Each pdserve server / each peer of one group, by concurrency (a dash where either
     side has no figure)."""
     at = {(p.server, p.concurrency): p for p in points if p.workload == workload}
@@ -117,12 +124,22 @@ def peer_ratio_rows(points: Sequence[Point], workload: str, ours: Sequence[str],
                 mine, theirs = at.get((name, c)), at.get((peer, c))
                 if mine is None and theirs is None:
                     continue
-                cells = [_fmt(ratio(mine.figures.get(k, math.nan) if mine else math.nan,
-                                    theirs.figures.get(k, math.nan) if theirs else math.nan), 2)
-                         for _, k in PEER_COLUMNS]  # fmt: skip
+                cells = [
+                    _fmt(
+                        ratio(
+                            mine.figures.get(k, math.nan) if mine else math.nan,
+                            theirs.figures.get(k, math.nan) if theirs else math.nan,
+                        ),
+                        2,
+                    )
+                    for _, k in PEER_COLUMNS
+                ]
                 shown = _server(mine) if mine else name
-                rows.append(f"| {c} | {shown} | {_server(theirs) if theirs else peer} | "
-                            + " | ".join(cells) + " |")  # fmt: skip
+                rows.append(
+                    f"| {c} | {shown} | {_server(theirs) if theirs else peer} | "
+                    + " | ".join(cells)
+                    + " |"
+                )
     return rows
 
 
@@ -146,17 +163,43 @@ def render(report: Report, points: Iterable[Point]) -> str:
     pts = list(points)
     if report.groups:
         return _render_groups(report, pts)
-    out = [f"# {report.title}", "", f"Command: `{report.command}`", "", "Machine:", "", "```",
-           report.machine, "```", "", "Setup:", "", *(f"- {s}" for s in report.setup), ""]  # fmt: skip
+    out = [
+        f"# {report.title}",
+        "",
+        f"Command: `{report.command}`",
+        "",
+        "Machine:",
+        "",
+        "```",
+        report.machine,
+        "```",
+        "",
+        "Setup:",
+        "",
+        *(f"- {s}" for s in report.setup),
+        "",
+    ]
     if report.baseline_failure is not None:
-        out += [f"**{report.baseline} could not run here**, so there are no ratios:", "",
-                "```", report.baseline_failure.rstrip(), "```", ""]  # fmt: skip
+        out += [
+            f"**{report.baseline} could not run here**, so there are no ratios:",
+            "",
+            "```",
+            report.baseline_failure.rstrip(),
+            "```",
+            "",
+        ]
     else:
-        out += [f"Ratios are pdserve / {report.baseline}: above 1.00 is better for pdserve in "
-                "the throughput columns (out tok/s, req/s), below 1.00 is better in the latency "
-                "columns.", ""]  # fmt: skip
-    out += ["`load` is the machine's 1-minute load average as the point finished (the cores "
-            "are shared with other jobs).", ""]  # fmt: skip
+        out += [
+            f"Ratios are pdserve / {report.baseline}: above 1.00 is better for pdserve in "
+            "the throughput columns (out tok/s, req/s), below 1.00 is better in the latency "
+            "columns.",
+            "",
+        ]
+    out += [
+        "`load` is the machine's 1-minute load average as the point finished (the cores "
+        "are shared with other jobs).",
+        "",
+    ]
     for name, how in report.workloads:
         out += [f"## {name}", "", how, "", *figure_rows(pts, name), ""]
         if failed := failure_lines(pts, name):
@@ -168,16 +211,40 @@ def render(report: Report, points: Iterable[Point]) -> str:
 
 
 def _render_groups(report: Report, pts: list[Point]) -> str:
-    out = [f"# {report.title}", "", f"Command: `{report.command}`", "", "Machine:", "", "```",
-           report.machine, "```", "", "Setup:", "", *(f"- {s}" for s in report.setup), ""]  # fmt: skip
+    out = [
+        f"# {report.title}",
+        "",
+        f"Command: `{report.command}`",
+        "",
+        "Machine:",
+        "",
+        "```",
+        report.machine,
+        "```",
+        "",
+        "Setup:",
+        "",
+        *(f"- {s}" for s in report.setup),
+        "",
+    ]
     for peer, why in report.peer_failures.items():
-        out += [f"**{peer} could not run here**, so its rows and ratios are missing:", "",
-                "```", why.rstrip(), "```", ""]  # fmt: skip
-    out += ["Servers are compared within a precision group (the same weights, as each "
-            "server stores them). Ratios are pdserve / peer: above 1.00 is better for "
-            "pdserve in out tok/s, below 1.00 is better in TTFT and ITL.", "",
-            "`load` is the machine's 1-minute load average as the point finished (the cores "
-            "are shared with other jobs).", ""]  # fmt: skip
+        out += [
+            f"**{peer} could not run here**, so its rows and ratios are missing:",
+            "",
+            "```",
+            why.rstrip(),
+            "```",
+            "",
+        ]
+    out += [
+        "Servers are compared within a precision group (the same weights, as each "
+        "server stores them). Ratios are pdserve / peer: above 1.00 is better for "
+        "pdserve in out tok/s, below 1.00 is better in TTFT and ITL.",
+        "",
+        "`load` is the machine's 1-minute load average as the point finished (the cores "
+        "are shared with other jobs).",
+        "",
+    ]
     for name, how in report.workloads:
         out += [f"## {name}", "", how, ""]
         for precision, ours, peers in report.groups:

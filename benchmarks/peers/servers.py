@@ -72,16 +72,22 @@ def ensure_vllm(venv: Path, spec: str = VLLM_SPEC) -> Path:
     _run([str(python), "-m", "pip", "install", "-q", spec])
     _run([str(python), "-m", "pip", "uninstall", "-q", "-y", *VLLM_UNWANTED])
     if not _vllm_imports(python):
-        out = subprocess.run([str(python), "-c", f"import {VLLM_ENTRY}"],
-                             capture_output=True, text=True)  # fmt: skip
-        raise ServerFailed(f"{spec} installed but `import {VLLM_ENTRY}` fails:\n"
-                           + _tail(out.stdout + out.stderr))  # fmt: skip
+        out = subprocess.run(
+            [str(python), "-c", f"import {VLLM_ENTRY}"], capture_output=True, text=True
+        )
+        raise ServerFailed(
+            f"{spec} installed but `import {VLLM_ENTRY}` fails:\n" + _tail(out.stdout + out.stderr)
+        )
     return python
 
 
 def vllm_version(python: Path) -> str:
-    out = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"],
-                         capture_output=True, text=True, env={**os.environ, **OFFLINE})  # fmt: skip
+    out = subprocess.run(
+        [str(python), "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **OFFLINE},
+    )
     return out.stdout.strip() or "unknown"
 
 
@@ -93,8 +99,9 @@ def _vllm_imports(python: Path) -> bool:
 def _run(cmd: list[str]) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
-        raise ServerFailed(f"`{' '.join(cmd)}` exited {out.returncode}:\n"
-                           + _tail(out.stdout + out.stderr))  # fmt: skip
+        raise ServerFailed(
+            f"`{' '.join(cmd)}` exited {out.returncode}:\n" + _tail(out.stdout + out.stderr)
+        )
 
 
 # ---- running a server -----------------------------------------------------------------
@@ -114,9 +121,15 @@ def running(spec: ServerSpec, log_dir: Path) -> Iterator[str]:
     log_path = log_dir / (spec.name.replace(" ", "_").replace("+", "") + ".log")
     logger.info("starting %s (log: %s)", spec.name, log_path)
     with log_path.open("w") as log:
-        proc = subprocess.Popen(argv, env={**os.environ, **spec.env}, cwd=spec.cwd,
-                                stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **spec.env},
+            cwd=spec.cwd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_ready(proc, url, spec.start_timeout_s, log_path)

@@ -35,12 +35,16 @@ class Workload:
 
     def describe(self) -> str:
         if self.dataset == "mixed":
-            return (f"`{self.endpoint}`, `mixed` prompts (one user message through the chat "
-                    f"template): even requests {self.input_len} tokens in / "
-                    f"{max(1, self.output_len // 8)} out, odd ones {max(4, self.input_len // 8)}"
-                    f" in / {self.output_len} out; greedy, `ignore_eos`.")  # fmt: skip
-        return (f"`{self.endpoint}`, `random` prompts of {self.input_len} tokens, "
-                f"{self.output_len} output tokens each; greedy, `ignore_eos`.")  # fmt: skip
+            return (
+                f"`{self.endpoint}`, `mixed` prompts (one user message through the chat "
+                f"template): even requests {self.input_len} tokens in / "
+                f"{max(1, self.output_len // 8)} out, odd ones {max(4, self.input_len // 8)}"
+                f" in / {self.output_len} out; greedy, `ignore_eos`."
+            )
+        return (
+            f"`{self.endpoint}`, `random` prompts of {self.input_len} tokens, "
+            f"{self.output_len} output tokens each; greedy, `ignore_eos`."
+        )
 
 
 WORKLOADS = {
@@ -49,8 +53,15 @@ WORKLOADS = {
 }
 
 
-def _run(url: str, model: str, tokenizer: Any, w: Workload, requests: list[SampleRequest],
-         concurrency: int, timeout_s: float) -> dict[str, Any]:  # fmt: skip
+def _run(
+    url: str,
+    model: str,
+    tokenizer: Any,
+    w: Workload,
+    requests: list[SampleRequest],
+    concurrency: int,
+    timeout_s: float,
+) -> dict[str, Any]:
     cfg = RequestConfig(url, w.endpoint, model, ignore_eos=True, timeout_s=timeout_s)
     load = LoadConfig(max_concurrency=concurrency)
     records, duration = asyncio.run(run_load(requests, cfg, load, tokenizer, disable_tqdm=True))
@@ -68,11 +79,27 @@ def warm_up(url: str, model: str, tokenizer: Any, concurrency: int, workloads: l
             raise RuntimeError(f"warm-up of {url} failed: {result['errors_summary']}")
 
 
-def measure(server: str, url: str, model: str, tokenizer: Any, workload: str,
-            concurrency: int, n: int, timeout_s: float) -> Point:  # fmt: skip
+def measure(
+    server: str,
+    url: str,
+    model: str,
+    tokenizer: Any,
+    workload: str,
+    concurrency: int,
+    n: int,
+    timeout_s: float,
+) -> Point:
     w = WORKLOADS[workload]
     seed = 1000 * sorted(WORKLOADS).index(workload) + concurrency
     requests = w.requests(tokenizer, n, seed)
     result = _run(url, model, tokenizer, w, requests, concurrency, timeout_s)
-    return Point(server, workload, concurrency, summary_figures(result), result["completed"],
-                 result["failed"], os.getloadavg()[0], dict(result["errors_summary"]))  # fmt: skip
+    return Point(
+        server,
+        workload,
+        concurrency,
+        summary_figures(result),
+        result["completed"],
+        result["failed"],
+        os.getloadavg()[0],
+        dict(result["errors_summary"]),
+    )

@@ -37,8 +37,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--model", required=True, help="model name sent in each request")
     a("--tokenizer", help="tokenizer dir or name (default: --model)")
     a("--api-key", default=None)
-    a("--dataset", default="random",
-      choices=("random", "sharegpt", "mixed", "multiturn", "shared-prefix"))  # fmt: skip
+    a(
+        "--dataset",
+        default="random",
+        choices=("random", "sharegpt", "mixed", "multiturn", "shared-prefix"),
+    )
     a("--dataset-path", type=Path, help="ShareGPT JSON file (for --dataset sharegpt)")
     a("--sharegpt-output-len", type=int, default=None, help="override reply lengths")
     a("--num-prompts", type=int, default=100)
@@ -51,10 +54,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1024,
         help="shared-prefix: the shared prefix; multiturn: the system prompt (tokens)",
     )
-    a("--turns", type=int, default=4, help="multiturn: turns per conversation "
-      "(--num-prompts // turns conversations; --random-input-len tokens per message)")  # fmt: skip
-    a("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-      help="send ignore_eos (default: on for random and mixed datasets)")  # fmt: skip
+    a(
+        "--turns",
+        type=int,
+        default=4,
+        help="multiturn: turns per conversation "
+        "(--num-prompts // turns conversations; --random-input-len tokens per message)",
+    )
+    a(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send ignore_eos (default: on for random and mixed datasets)",
+    )
     a("--request-rate", type=float, default=math.inf, help="req/s; inf = all at once")
     a("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson arrivals")
     a("--max-concurrency", type=int, default=None)
@@ -79,18 +91,31 @@ def load_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleReques
     if args.dataset == "mixed":
         return mixed_dataset(tokenizer, n, args.random_input_len, args.random_output_len, seed)
     if args.dataset == "multiturn":
-        return multiturn_dataset(tokenizer, n, args.turns, args.prefix_len,
-                                 args.random_input_len, args.random_output_len, seed)  # fmt: skip
+        return multiturn_dataset(
+            tokenizer,
+            n,
+            args.turns,
+            args.prefix_len,
+            args.random_input_len,
+            args.random_output_len,
+            seed,
+        )
     if args.dataset == "shared-prefix":
-        return shared_prefix_dataset(tokenizer, n, args.prefix_len, args.random_input_len,
-                                     args.random_output_len, seed)  # fmt: skip
-    return random_dataset(tokenizer, n, args.random_input_len, args.random_output_len,
-                          args.random_range_ratio, seed)  # fmt: skip
+        return shared_prefix_dataset(
+            tokenizer, n, args.prefix_len, args.random_input_len, args.random_output_len, seed
+        )
+    return random_dataset(
+        tokenizer, n, args.random_input_len, args.random_output_len, args.random_range_ratio, seed
+    )
 
 
 def sweep_points(args: argparse.Namespace) -> list[LoadConfig]:
-    base = dict(request_rate=args.request_rate, burstiness=args.burstiness,
-                max_concurrency=args.max_concurrency, seed=args.seed)  # fmt: skip
+    base = dict(
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+    )
     if args.sweep is None:
         return [LoadConfig(**base)]
     name, _, values = args.sweep.partition("=")
@@ -101,13 +126,15 @@ def sweep_points(args: argparse.Namespace) -> list[LoadConfig]:
 
 
 def print_summary(result: dict[str, Any], metrics: list[str], percentiles: list[float]) -> None:
-    lines = [f"{'Successful requests:':<40}{result['completed']}",
-             f"{'Failed requests:':<40}{result['failed']}",
-             f"{'Benchmark duration (s):':<40}{result['duration']:.2f}",
-             f"{'Request throughput (req/s):':<40}{result['request_throughput']:.2f}",
-             f"{'Output token throughput (tok/s):':<40}{result['output_throughput']:.2f}",
-             f"{'Total token throughput (tok/s):':<40}{result['total_token_throughput']:.2f}",
-             f"{'Prompt tokens cached (reported):':<40}{result['prefix_cache_hit_rate']:.3f}"]  # fmt: skip
+    lines = [
+        f"{'Successful requests:':<40}{result['completed']}",
+        f"{'Failed requests:':<40}{result['failed']}",
+        f"{'Benchmark duration (s):':<40}{result['duration']:.2f}",
+        f"{'Request throughput (req/s):':<40}{result['request_throughput']:.2f}",
+        f"{'Output token throughput (tok/s):':<40}{result['output_throughput']:.2f}",
+        f"{'Total token throughput (tok/s):':<40}{result['total_token_throughput']:.2f}",
+        f"{'Prompt tokens cached (reported):':<40}{result['prefix_cache_hit_rate']:.3f}",
+    ]
     if result["request_goodput"] is not None:
         lines.append(f"{'Request goodput (req/s):':<40}{result['request_goodput']:.2f}")
     for m in metrics:
@@ -132,20 +159,33 @@ def main(argv: list[str] | None = None) -> int:
     slos = parse_goodput(args.goodput)
     requests = load_requests(args, tokenizer)
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset != "sharegpt"
-    cfg = RequestConfig(args.base_url, args.endpoint, args.model, ignore_eos, args.api_key,
-                        args.request_timeout)  # fmt: skip
+    cfg = RequestConfig(
+        args.base_url, args.endpoint, args.model, ignore_eos, args.api_key, args.request_timeout
+    )
     results = []
     for load in sweep_points(args):
-        logger.info("run: rate=%s burstiness=%s max_concurrency=%s", load.request_rate,
-                    load.burstiness, load.max_concurrency)  # fmt: skip
+        logger.info(
+            "run: rate=%s burstiness=%s max_concurrency=%s",
+            load.request_rate,
+            load.burstiness,
+            load.max_concurrency,
+        )
         records, duration = asyncio.run(run_load(requests, cfg, load, tokenizer, args.disable_tqdm))
         result = summarize(records, duration, percentiles, slos)
-        result.update(date=time.strftime("%Y%m%d-%H%M%S"), backend="openai", model_id=args.model,
-                      tokenizer_id=args.tokenizer or args.model, endpoint=args.endpoint,
-                      dataset=args.dataset, num_prompts=len(requests),
-                      request_rate=load.request_rate, burstiness=load.burstiness,
-                      max_concurrency=load.max_concurrency, machine=platform.platform(),
-                      command=" ".join(sys.argv))  # fmt: skip
+        result.update(
+            date=time.strftime("%Y%m%d-%H%M%S"),
+            backend="openai",
+            model_id=args.model,
+            tokenizer_id=args.tokenizer or args.model,
+            endpoint=args.endpoint,
+            dataset=args.dataset,
+            num_prompts=len(requests),
+            request_rate=load.request_rate,
+            burstiness=load.burstiness,
+            max_concurrency=load.max_concurrency,
+            machine=platform.platform(),
+            command=" ".join(sys.argv),
+        )
         print_summary(result, metrics, percentiles)
         results.append(result)
     write_outputs(args, results)

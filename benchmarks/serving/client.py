@@ -91,8 +91,12 @@ async def send_request(
     start = time.perf_counter()
     timing = _Timing(record, start)
     try:
-        async with http.stream("POST", cfg.base_url.rstrip("/") + cfg.endpoint,
-                               json=build_body(cfg, req), headers=headers) as resp:  # fmt: skip
+        async with http.stream(
+            "POST",
+            cfg.base_url.rstrip("/") + cfg.endpoint,
+            json=build_body(cfg, req),
+            headers=headers,
+        ) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")[:200]
                 raise RuntimeError(f"HTTP {resp.status_code}: {body}")

@@ -131,9 +131,14 @@ def _render(messages: list[tuple[str, str]]) -> str:
 
 
 def multiturn_dataset(
-    tokenizer: Any, n: int, turns: int, prefix_len: int, input_len: int, output_len: int,
+    tokenizer: Any,
+    n: int,
+    turns: int,
+    prefix_len: int,
+    input_len: int,
+    output_len: int,
     seed: int,
-) -> list[SampleRequest]:  # fmt: skip
+) -> list[SampleRequest]:
     """``n // turns`` conversations of ``turns`` turns (see the module docstring)."""
     if turns < 1 or n < turns:
         raise ValueError(f"--num-prompts {n} must hold at least one conversation of {turns}")
@@ -147,8 +152,15 @@ def multiturn_dataset(
             history.append(("user", random_prompt(tokenizer, vocab, input_len, rng)))
             text = _render(history)
             after = len(out) - len(histories) if turn else None  # this conversation's last
-            out.append(SampleRequest(text, len(tokenizer.encode(text, add_special_tokens=False)),
-                                     output_len, tuple(history), after))  # fmt: skip
+            out.append(
+                SampleRequest(
+                    text,
+                    len(tokenizer.encode(text, add_special_tokens=False)),
+                    output_len,
+                    tuple(history),
+                    after,
+                )
+            )
             history.append(("assistant", random_prompt(tokenizer, vocab, output_len, rng)))
     return out
 

@@ -33,12 +33,19 @@ def plot_sweep(results: list[dict[str, Any]], path: Path, x_label: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, ("ttft", "tpot")):
         for stat in ("median", "p99"):
-            ax.plot(thr, [r[f"{stat}_{metric}_ms"] for r in results], marker="o",
-                    label=f"{'p50' if stat == 'median' else stat}")  # fmt: skip
+            ax.plot(
+                thr,
+                [r[f"{stat}_{metric}_ms"] for r in results],
+                marker="o",
+                label=f"{'p50' if stat == 'median' else stat}",
+            )
         for r, x in zip(results, thr):
             ax.annotate(str(r.get(x_label, "")), (x, r[f"p99_{metric}_ms"]), fontsize=7)
-        ax.set(xlabel="output throughput (tok/s)", ylabel=f"{metric.upper()} (ms)",
-               title=f"{metric.upper()} vs throughput ({x_label})")  # fmt: skip
+        ax.set(
+            xlabel="output throughput (tok/s)",
+            ylabel=f"{metric.upper()} (ms)",
+            title=f"{metric.upper()} vs throughput ({x_label})",
+        )
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()

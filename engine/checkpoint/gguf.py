@@ -43,9 +43,22 @@ from engine.weights.quant import PACKABLE_GGUF_TYPES, from_gguf_blocks
 logger = logging.getLogger(__name__)
 
 SUPPORTED_TENSOR_TYPES = frozenset(
-    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
-)  # fmt: skip
+    {
+        Q.F32,
+        Q.F16,
+        Q.BF16,
+        Q.Q4_0,
+        Q.Q4_1,
+        Q.Q5_0,
+        Q.Q5_1,
+        Q.Q8_0,
+        Q.Q2_K,
+        Q.Q3_K,
+        Q.Q4_K,
+        Q.Q5_K,
+        Q.Q6_K,
+    }
+)
 _KEPT = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # stored as-is, not widened
 SHARD_BYTES = 2 << 30
 
@@ -89,8 +102,9 @@ class GGUFCheckpoint:
                 f"supported: {', '.join(GGUF_ARCHITECTURES)}"
             )
         self.tensors = self.header.tensors
-        bad = sorted({t.qtype.name for t in self.tensors.values()}
-                     - {q.name for q in SUPPORTED_TENSOR_TYPES})  # fmt: skip
+        bad = sorted(
+            {t.qtype.name for t in self.tensors.values()} - {q.name for q in SUPPORTED_TENSOR_TYPES}
+        )
         if bad:
             raise UnsupportedModelError(
                 f"{path}: GGUF tensor type(s) {', '.join(bad)} are not supported; supported: "
@@ -204,16 +218,20 @@ def _save_sharded(tensors: Iterator[tuple[str, torch.Tensor]], out: Path) -> Non
     size = 0
     for name, t in tensors:
         if shard and size + t.nbytes > SHARD_BYTES:
-            _write_shard(shard, out / f"model-{len(set(weight_map.values())) + 1:05d}.safetensors",
-                         weight_map)  # fmt: skip
+            _write_shard(
+                shard,
+                out / f"model-{len(set(weight_map.values())) + 1:05d}.safetensors",
+                weight_map,
+            )
             shard, size = {}, 0
         shard[name] = t
         size += t.nbytes
     if not weight_map:  # everything fits one file
         save_file(shard, str(out / "model.safetensors"), metadata={"format": "pt"})
         return
-    _write_shard(shard, out / f"model-{len(set(weight_map.values())) + 1:05d}.safetensors",
-                 weight_map)  # fmt: skip
+    _write_shard(
+        shard, out / f"model-{len(set(weight_map.values())) + 1:05d}.safetensors", weight_map
+    )
     index = {"metadata": {}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 

@@ -25,8 +25,19 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quant_shape_to_byte_shape
 
 # Metadata value types (GGUFValueType): fixed-size scalars, 8 = string, 9 = array.
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-           10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
+_SCALAR = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 _PLAIN = {Q.F32: np.float32, Q.F16: np.float16}  # stored as values; the rest as bytes
 

@@ -310,8 +310,12 @@ def load_weights(
         raise UnsupportedModelError(f"{root}: checkpoint lacks weights for {missing}")
     loader.set_crossovers()
     _release_freed_memory()
-    logger.info("loaded %s (%s): %s", root.name, quantization,
-                ", ".join(f"{n} {k}" for k, n in sorted(loader.kinds.items())))  # fmt: skip
+    logger.info(
+        "loaded %s (%s): %s",
+        root.name,
+        quantization,
+        ", ".join(f"{n} {k}" for k, n in sorted(loader.kinds.items())),
+    )
     for (kinds, n, k), rows in sorted(loader.crossovers.items()):
         from_rows = str(rows) if rows < NEVER else "no"
         logger.info("(%d, %d) %s: the GEMM from %s rows", n, k, kinds, from_rows)

@@ -72,8 +72,13 @@ def gpu_kv_blocks(runner: Profiled) -> int:
     blocks = kv_blocks_for_budget(total, share, weights, peak, per_block)
     logger.info(
         "GPU memory: %.2f GiB share (%.1f%%), %.2f GiB weights, %.2f GiB activation peak "
-        "-> %d KV blocks", total * share / GIB, 100 * share, weights / GIB, peak / GIB, blocks,
-    )  # fmt: skip
+        "-> %d KV blocks",
+        total * share / GIB,
+        100 * share,
+        weights / GIB,
+        peak / GIB,
+        blocks,
+    )
     return blocks
 
 

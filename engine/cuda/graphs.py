@@ -76,10 +76,14 @@ def pad_decode(a: StepArrays, bucket: int) -> StepArrays:
 
     rows = np.arange(bucket, dtype=np.int32)
     return StepArrays(
-        token_ids=ext(a.token_ids, 0), positions=ext(a.positions, 0), slots=ext(a.slots, -1),
-        seq_rows=ext(a.seq_rows, PAD_ROW), ctx_lens=ext(a.ctx_lens, 0), logits_rows=rows,
+        token_ids=ext(a.token_ids, 0),
+        positions=ext(a.positions, 0),
+        slots=ext(a.slots, -1),
+        seq_rows=ext(a.seq_rows, PAD_ROW),
+        ctx_lens=ext(a.ctx_lens, 0),
+        logits_rows=rows,
         q_starts=np.arange(bucket + 1, dtype=np.int32),
-    )  # fmt: skip
+    )
 
 
 _TOKEN_FIELDS = ("token_ids", "positions", "slots")
@@ -109,9 +113,12 @@ class StepInputs:
         self.max_tokens, self.max_seqs, self.max_updates = max_tokens, max_seqs, max_updates
         self._offsets: dict[str, int] = {}
         at = 0
-        for name, size in [*((f, max_tokens) for f in _TOKEN_FIELDS),
-                           *((f, max_seqs) for f in _SEQ_FIELDS),
-                           ("q_starts", max_seqs + 1), ("updates", 2 * max_updates)]:  # fmt: skip
+        for name, size in [
+            *((f, max_tokens) for f in _TOKEN_FIELDS),
+            *((f, max_seqs) for f in _SEQ_FIELDS),
+            ("q_starts", max_seqs + 1),
+            ("updates", 2 * max_updates),
+        ]:
             self._offsets[name] = at
             at += size
         pin = self.device.type == "cuda"  # DMA, and what makes non_blocking truly async
@@ -125,8 +132,11 @@ class StepInputs:
         the one host -> device copy of its used prefix."""
         u = len(updates) // 2
         if a.num_tokens > self.max_tokens or a.num_seqs > self.max_seqs or u > self.max_updates:
-            self._allocate(_grown(a.num_tokens, self.max_tokens), _grown(a.num_seqs, self.max_seqs),
-                           _grown(u, self.max_updates))  # fmt: skip
+            self._allocate(
+                _grown(a.num_tokens, self.max_tokens),
+                _grown(a.num_seqs, self.max_seqs),
+                _grown(u, self.max_updates),
+            )
         if self._done is not None and not self._done.query():
             # NOTE: the previous step's copy is still reading the pinned buffer. Rare: the
             # step's sample, read on the host, waited for everything queued before it.
@@ -216,8 +226,9 @@ class DecodeGraphs:
                 out = self._forward(bucket)
         except RuntimeError as e:  # OutOfMemoryError included
             # NOTE: the forward itself just ran (warm-up): what failed is the capture.
-            logger.warning("decode batch size %d runs eager: its CUDA graph capture failed "
-                           "(%s)", bucket, e)  # fmt: skip
+            logger.warning(
+                "decode batch size %d runs eager: its CUDA graph capture failed (%s)", bucket, e
+            )
             self._eager.add(bucket)
             return None
         self._pool = graph.pool()

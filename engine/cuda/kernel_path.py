@@ -55,16 +55,20 @@ class KernelPath:
         self.rows = BlockTableRows(width, capacity=2 * seqs + 2, device=device)
         # NOTE: a step copies only the used prefix of the buffers, and updates come last:
         # room for many (an admission wave of long prompts) costs pinned memory, not copies.
-        self.inputs = StepInputs(max(config.chunked_prefill_size, seqs), seqs,
-                                 max_updates=max(1 << 16, 2 * seqs + width),
-                                 device=device)  # fmt: skip
+        self.inputs = StepInputs(
+            max(config.chunked_prefill_size, seqs),
+            seqs,
+            max_updates=max(1 << 16, 2 * seqs + width),
+            device=device,
+        )
         self.buckets = graph_buckets(seqs)
         self.graphs: DecodeGraphs | None = None
         self._pool: torch.Tensor | None = None  # the pool graphs read (set before a run)
         self._num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda" else 1
-        )  # fmt: skip
+            if device.type == "cuda"
+            else 1
+        )
 
     def enable_graphs(self) -> None:
         """Capture decode graphs from now on (the pool they read must not change after)."""
@@ -123,36 +127,52 @@ class KernelPath:
     ) -> KernelBatch:
         v = self.inputs.view
         return KernelBatch(
-            token_ids=v("token_ids", num_tokens), positions=v("positions", num_tokens),
-            slots=v("slots", num_tokens), seq_rows=v("seq_rows", num_seqs),
-            ctx_lens=v("ctx_lens", num_seqs), q_starts=v("q_starts", num_seqs + 1),
-            block_tables=self.rows.table, is_decode=is_decode, max_q_len=max_q_len,
-            num_splits=splits, logits_rows=None if is_decode else v("logits_rows", num_seqs),
-        )  # fmt: skip
+            token_ids=v("token_ids", num_tokens),
+            positions=v("positions", num_tokens),
+            slots=v("slots", num_tokens),
+            seq_rows=v("seq_rows", num_seqs),
+            ctx_lens=v("ctx_lens", num_seqs),
+            q_starts=v("q_starts", num_seqs + 1),
+            block_tables=self.rows.table,
+            is_decode=is_decode,
+            max_q_len=max_q_len,
+            num_splits=splits,
+            logits_rows=None if is_decode else v("logits_rows", num_seqs),
+        )
 
     def _arrays(
         self, spans: list[Span], tokens: list[int], is_decode: bool, updates: list[int]
     ) -> StepArrays:
         """Host-side inputs of a step; appends the block-table updates to ``updates``."""
         bs, b = self.block_size, len(spans)
-        rows = np.fromiter((self.rows.row(seq, seq.block_table, updates) for seq, _, _ in spans),
-                           dtype=np.int32, count=b)  # fmt: skip
+        rows = np.fromiter(
+            (self.rows.row(seq, seq.block_table, updates) for seq, _, _ in spans),
+            dtype=np.int32,
+            count=b,
+        )
         counts = np.fromiter((n for _, _, n in spans), dtype=np.int32, count=b)
         starts = np.fromiter((start for _, start, _ in spans), dtype=np.int32, count=b)
         q_starts = np.zeros(b + 1, dtype=np.int32)
         np.cumsum(counts, out=q_starts[1:])
         if is_decode:  # one token each: plain Python beats per-sequence numpy calls
             positions = starts
-            slots = np.fromiter((seq.block_table[p // bs] * bs + p % bs for seq, p, _ in spans),
-                                dtype=np.int32, count=b)  # fmt: skip
+            slots = np.fromiter(
+                (seq.block_table[p // bs] * bs + p % bs for seq, p, _ in spans),
+                dtype=np.int32,
+                count=b,
+            )
         else:
             positions = np.concatenate([np.arange(s, s + n, dtype=np.int32) for _, s, n in spans])
             slots = np.concatenate([_slots(seq.block_table, s, n, bs) for seq, s, n in spans])
         return StepArrays(
-            token_ids=np.asarray(tokens, dtype=np.int32), positions=positions, slots=slots,
-            seq_rows=rows, ctx_lens=starts + counts, logits_rows=q_starts[1:] - 1,
+            token_ids=np.asarray(tokens, dtype=np.int32),
+            positions=positions,
+            slots=slots,
+            seq_rows=rows,
+            ctx_lens=starts + counts,
+            logits_rows=q_starts[1:] - 1,
             q_starts=q_starts,
-        )  # fmt: skip
+        )
 
 
 def _slots(block_table: list[int], start: int, n: int, bs: int) -> np.ndarray:

@@ -61,9 +61,12 @@ def root_hash(extra: bytes | None = None) -> int:
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, extra: bytes | None = None,
-    *, parent: int | None = None,
-) -> list[int]:  # fmt: skip
+    token_ids: Sequence[int],
+    block_size: int,
+    extra: bytes | None = None,
+    *,
+    parent: int | None = None,
+) -> list[int]:
     """64-bit chained hashes of every *full* block of ``token_ids`` (a tail is not hashed).
 
     Block i's hash covers block i-1's hash and its own token ids, so it names the whole
@@ -168,8 +171,13 @@ class BlockAllocator:
         return len(self._by_hash)
 
     def figures(self) -> KVFigures:
-        return KVFigures(self.num_available, self.num_blocks, self.num_hashed,
-                         self.stats.hit_tokens, self.stats.queried_tokens)  # fmt: skip
+        return KVFigures(
+            self.num_available,
+            self.num_blocks,
+            self.num_hashed,
+            self.stats.hit_tokens,
+            self.stats.queried_tokens,
+        )
 
     def state(self, block_id: int) -> BlockState:
         if self._pins[block_id]:
@@ -180,9 +188,11 @@ class BlockAllocator:
 
     def writable(self, block_id: int) -> bool:
         """May a sequence write KV here: its only reference is the writer's, and unhashed."""
-        return self._refs[block_id] == 1 and not self._pins[block_id] and (
-            self._hash[block_id] is None
-        )  # fmt: skip
+        return (
+            self._refs[block_id] == 1
+            and not self._pins[block_id]
+            and (self._hash[block_id] is None)
+        )
 
     # ---- verbs ---------------------------------------------------------------------
 

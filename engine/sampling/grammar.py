@@ -155,10 +155,13 @@ class GrammarCache:
     """
 
     def __init__(
-        self, load_tokenizer: Callable[[], Any], vocab_size: int,
-        stop_token_ids: Sequence[int] | None = None, model_dir: str | None = None,
+        self,
+        load_tokenizer: Callable[[], Any],
+        vocab_size: int,
+        stop_token_ids: Sequence[int] | None = None,
+        model_dir: str | None = None,
         max_cached: int = MAX_CACHED_GRAMMARS,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._load_tokenizer = load_tokenizer
         self._model_dir = model_dir
         self.vocab_size = vocab_size

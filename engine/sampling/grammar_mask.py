@@ -53,8 +53,11 @@ def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[i
     """``states[k].fill(bitmask, rows[k])`` for every k, on several threads at once."""
     import xgrammar as xgr
 
-    live = [(s, r) for s, r in zip(states, rows, strict=True)
-            if not s.failed and not s._matcher.is_terminated()]  # fmt: skip
+    live = [
+        (s, r)
+        for s, r in zip(states, rows, strict=True)
+        if not s.failed and not s._matcher.is_terminated()
+    ]
     if len(live) < 2:
         for s, r in live:
             s.fill(bitmask, r)
@@ -102,8 +105,9 @@ def _apply(xgr: Any, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int
         _apply_sparse(logits, words[sparse], sparse_rows)
     if dense_rows:
         mask = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1],
-                                        indices=dense_rows)  # fmt: skip
+        xgr.apply_token_bitmask_inplace(
+            logits, mask, vocab_size=logits.shape[1], indices=dense_rows
+        )
 
 
 _SPARSE_WORDS_FRACTION = 4  # a row is sparse when at most 1/4 of its words allow anything

@@ -26,8 +26,14 @@ from engine.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                    "tokenizer.model", "special_tokens_map.json")  # fmt: skip
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "special_tokens_map.json",
+)
 
 
 def _cache_file(model_dir: str, vocab_size: int, stop_ids: Sequence[int] | None) -> Path | None:
@@ -46,9 +52,11 @@ def _cache_file(model_dir: str, vocab_size: int, stop_ids: Sequence[int] | None)
 
 
 def tokenizer_info(
-    load_tokenizer: Callable[[], Any], vocab_size: int, stop_ids: Sequence[int] | None,
+    load_tokenizer: Callable[[], Any],
+    vocab_size: int,
+    stop_ids: Sequence[int] | None,
     model_dir: str | None,
-) -> Any:  # fmt: skip
+) -> Any:
     """The ``xgrammar.TokenizerInfo`` of a model, from the disk cache when it is there."""
     import xgrammar as xgr
 

@@ -174,9 +174,11 @@ def draw(
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SampleRequest], generator: torch.Generator,
+    logits: torch.Tensor,
+    rows: list[SampleRequest],
+    generator: torch.Generator,
     constrain: Constraint | None = None,
-) -> SampleOutput:  # fmt: skip
+) -> SampleOutput:
     """logits: (B, V) float32 -> one token per row, with logprobs where asked.
 
     ``constrain`` masks disallowed tokens of a (B, V) tensor in place (a grammar); it may

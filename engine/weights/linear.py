@@ -116,9 +116,10 @@ class Int4Kernel(nn.Module):
         self.out_features, self.in_features = n, k
         self.shape = (n, k)
         self.register_buffer(
-            "packed", torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1),
+            "packed",
+            torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1),
             persistent=False,
-        )  # fmt: skip
+        )
         # (K / GROUP, N, 2): the kernel's layout, in the activation dtype it requires.
         sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(dtype)
         self.register_buffer("scales_zeros", sz, persistent=False)
@@ -229,9 +230,13 @@ class Linear(nn.Module):
     """``y = x W^T + b`` for x: (T, in_features); W's storage is the loader's choice."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
         device: torch.device,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias: nn.Parameter | None = (

@@ -59,10 +59,16 @@ def read_answer(gen: Generation, plan: ToolPlan) -> Answer:
         parsed = parse_output(plan.parser(), gen.text)
         content, calls = parsed.content, parsed.tool_calls
     return Answer(
-        reasoning=gen.reasoning, content=content, tool_calls=calls, finish=gen.finish,
-        finish_reason=finish_reason(gen.finish, len(calls), plan), stop_reason=gen.stop_reason,
-        num_tokens=len(gen.token_ids), reasoning_tokens=gen.reasoning_tokens, error=gen.error,
-    )  # fmt: skip
+        reasoning=gen.reasoning,
+        content=content,
+        tool_calls=calls,
+        finish=gen.finish,
+        finish_reason=finish_reason(gen.finish, len(calls), plan),
+        stop_reason=gen.stop_reason,
+        num_tokens=len(gen.token_ids),
+        reasoning_tokens=gen.reasoning_tokens,
+        error=gen.error,
+    )
 
 
 @dataclass
@@ -102,5 +108,13 @@ class AnswerEvents:
         return finish_reason(self.finish, self.num_calls, self.plan)
 
 
-__all__ = ["Answer", "AnswerEvent", "AnswerEvents", "CallArgs", "CallStart", "Content",
-           "Reasoning", "read_answer"]  # fmt: skip
+__all__ = [
+    "Answer",
+    "AnswerEvent",
+    "AnswerEvents",
+    "CallArgs",
+    "CallStart",
+    "Content",
+    "Reasoning",
+    "read_answer",
+]

@@ -31,8 +31,12 @@ from wire.records import Finish, TextDelta, TokenLogprob
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FINISH_REASONS = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort",
-                  Finish.ERROR: "error"}  # fmt: skip
+FINISH_REASONS = {
+    Finish.STOP: "stop",
+    Finish.LENGTH: "length",
+    Finish.ABORT: "abort",
+    Finish.ERROR: "error",
+}
 
 
 class ClientGone(Exception):

@@ -51,11 +51,17 @@ async def create_chat_completion(
     response: dict[str, Any] = {
         **head,
         "object": "chat.completion",
-        "choices": [_choice(i, gen, a, body, reasoning) for i, (gen, a) in
-                    enumerate(zip(gens, answers, strict=True))],
-        "usage": usage(len(prompt_ids), sum(a.num_tokens for a in answers), run.cached_tokens,
-                       sum(a.reasoning_tokens for a in answers) if reasoning else None),
-    }  # fmt: skip
+        "choices": [
+            _choice(i, gen, a, body, reasoning)
+            for i, (gen, a) in enumerate(zip(gens, answers, strict=True))
+        ],
+        "usage": usage(
+            len(prompt_ids),
+            sum(a.num_tokens for a in answers),
+            run.cached_tokens,
+            sum(a.reasoning_tokens for a in answers) if reasoning else None,
+        ),
+    }
     if body.return_token_ids:
         response["prompt_token_ids"] = prompt_ids
     return JSONResponse(response)
@@ -84,9 +90,12 @@ def _choice(
 
 
 async def _stream_chunks(
-    calls: list[EngineCall], body: ChatCompletionRequest, head: dict[str, Any], plan: ToolPlan,
+    calls: list[EngineCall],
+    body: ChatCompletionRequest,
+    head: dict[str, Any],
+    plan: ToolPlan,
     reasoning: bool,
-) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+) -> AsyncIterator[dict[str, Any]]:
     def chunk(i: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
         choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None, **extra}
         return {**head, "object": "chat.completion.chunk", "choices": [choice], "usage": None}
@@ -118,6 +127,10 @@ async def _stream_chunks(
             extra["error"] = d.error
         yield chunk(i, delta, **extra)
     if body.include_usage:
-        final = usage(len(calls[0].req.prompt_ids), num_tokens, calls[0].cached_tokens,
-                      sum(reasoning_tokens) if reasoning else None)  # fmt: skip
+        final = usage(
+            len(calls[0].req.prompt_ids),
+            num_tokens,
+            calls[0].cached_tokens,
+            sum(reasoning_tokens) if reasoning else None,
+        )
         yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": final}

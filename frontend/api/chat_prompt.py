@@ -31,8 +31,9 @@ Conversation = list[dict[str, Any]]  # role, content, and for tool turns their f
 def control_tokens(tokenizer: Any, template: str) -> tuple[str, ...]:
     """Longest first, so that a token wins over the tokens it contains."""
     added = getattr(tokenizer, "added_tokens_decoder", {}).values()
-    found = {t.content for t in added
-             if t.special or (t.content in template and not t.content.isspace())}  # fmt: skip
+    found = {
+        t.content for t in added if t.special or (t.content in template and not t.content.isspace())
+    }
     return tuple(sorted(found, key=len, reverse=True))
 
 
@@ -42,9 +43,14 @@ def _pattern(tokens: tuple[str, ...]) -> re.Pattern[str]:
 
 
 def encode_chat(
-    tokenizer: Any, template: str, conversation: Conversation, add_generation_prompt: bool,
-    tools: list[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
-) -> list[int]:  # fmt: skip
+    tokenizer: Any,
+    template: str,
+    conversation: Conversation,
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    continue_final_message: bool = False,
+) -> list[int]:
     """Render ``conversation`` with ``template`` and tokenize it, content as text.
 
     ``continue_final_message``: the last (assistant) message is left open, so that the
@@ -53,14 +59,28 @@ def encode_chat(
     """
     pattern = _pattern(control_tokens(tokenizer, template))
     if not any(pattern.search(m["content"]) for m in conversation):
-        return encode_rendered(tokenizer, template, conversation, add_generation_prompt, tools,
-                               continue_final_message=continue_final_message)  # fmt: skip
+        return encode_rendered(
+            tokenizer,
+            template,
+            conversation,
+            add_generation_prompt,
+            tools,
+            continue_final_message=continue_final_message,
+        )
     nonce = secrets.token_hex(8)
     start, end = f"\ue000{nonce}", f"\ue001{nonce}"  # private-use characters: no token's text
-    marked = [{**m, "content": pattern.sub(lambda t: start + t.group(0) + end, m["content"])}
-              for m in conversation]  # fmt: skip
-    text = render(tokenizer, template, marked, add_generation_prompt, tools,
-                  continue_final_message=continue_final_message)  # fmt: skip
+    marked = [
+        {**m, "content": pattern.sub(lambda t: start + t.group(0) + end, m["content"])}
+        for m in conversation
+    ]
+    text = render(
+        tokenizer,
+        template,
+        marked,
+        add_generation_prompt,
+        tools,
+        continue_final_message=continue_final_message,
+    )
     s, e = re.escape(start), re.escape(end)
     # [text, wrapped token, text, wrapped token, ..., text]; None for a lone marker.
     pieces = re.split(f"{s}({pattern.pattern}){e}|{s}|{e}", text)
@@ -72,9 +92,14 @@ def encode_chat(
 
 
 def render(
-    tokenizer: Any, template: str, conversation: Conversation, add_generation_prompt: bool,
-    tools: list[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
-) -> str:  # fmt: skip
+    tokenizer: Any,
+    template: str,
+    conversation: Conversation,
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    continue_final_message: bool = False,
+) -> str:
     text = tokenizer.apply_chat_template(
         conversation,
         tools=tools,
@@ -88,13 +113,24 @@ def render(
 
 
 def encode_rendered(
-    tokenizer: Any, template: str, conversation: Conversation, add_generation_prompt: bool,
-    tools: list[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
-) -> list[int]:  # fmt: skip
+    tokenizer: Any,
+    template: str,
+    conversation: Conversation,
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    continue_final_message: bool = False,
+) -> list[int]:
     """The rendered prompt tokenized whole: control-token text in content becomes tokens
     (``--allow-special-tokens-in-content``, and the path for content with none)."""
-    text = render(tokenizer, template, conversation, add_generation_prompt, tools,
-                  continue_final_message=continue_final_message)  # fmt: skip
+    text = render(
+        tokenizer,
+        template,
+        conversation,
+        add_generation_prompt,
+        tools,
+        continue_final_message=continue_final_message,
+    )
     # The template writes BOS and role markers itself: no special tokens added again.
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -127,6 +163,9 @@ def _plain_text_ids(tokenizer: Any, text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
     if backend.normalizer is not None:
         text = backend.normalizer.normalize_str(text)
-    words = [w for w, _ in backend.pre_tokenizer.pre_tokenize_str(text)] if (
-        backend.pre_tokenizer is not None) else [text]  # fmt: skip
+    words = (
+        [w for w, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+        if (backend.pre_tokenizer is not None)
+        else [text]
+    )
     return [t.id for w in words for t in backend.model.tokenize(w)]

@@ -75,8 +75,14 @@ def chat_prompt_ids(
     conversation = [_template_message(i, m, depth) for i, m in enumerate(body.messages)]
     encode = encode_rendered if ctx.settings.allow_special_tokens_in_content else encode_chat
     try:
-        return encode(ctx.tokenizer, template, conversation, body.add_generation_prompt, tools,
-                      continue_final_message=body.continue_final_message)  # fmt: skip
+        return encode(
+            ctx.tokenizer,
+            template,
+            conversation,
+            body.add_generation_prompt,
+            tools,
+            continue_final_message=body.continue_final_message,
+        )
     except Exception as e:  # jinja's raise_exception: e.g. roles must alternate
         raise InvalidRequest(
             f"the chat template rejected the messages: {e}", param="messages"
@@ -93,13 +99,20 @@ def _template_message(i: int, m: ChatMessage, max_depth: int) -> dict[str, Any]:
     if m.tool_calls:
         # Templates render arguments with ``tojson``: they want the object, not its text.
         out["tool_calls"] = [
-            {"id": c.id, "type": c.type,
-             "function": {"name": c.function.name,
-                          "arguments": _arguments(c.function.arguments,
-                                                  f"messages[{i}].tool_calls[{k}].function"
-                                                  ".arguments", max_depth)}}
+            {
+                "id": c.id,
+                "type": c.type,
+                "function": {
+                    "name": c.function.name,
+                    "arguments": _arguments(
+                        c.function.arguments,
+                        f"messages[{i}].tool_calls[{k}].function.arguments",
+                        max_depth,
+                    ),
+                },
+            }
             for k, c in enumerate(m.tool_calls)
-        ]  # fmt: skip
+        ]
     return out
 
 
@@ -111,9 +124,12 @@ def _arguments(text: str, param: str, max_depth: int) -> Any:
 
 
 async def start_translated(
-    ctx: ServingContext, request: Request, body: Any,
-    to_chat: Callable[[Any], ChatCompletionRequest], arrival: float,
-) -> ChatRun:  # fmt: skip
+    ctx: ServingContext,
+    request: Request,
+    body: Any,
+    to_chat: Callable[[Any], ChatCompletionRequest],
+    arrival: float,
+) -> ChatRun:
     """Run another API's request as the chat request ``to_chat`` makes of it: what either
     side cannot serve is refused first (``reject_unsupported``), and the model checked."""
     body.reject_unsupported()
@@ -152,8 +168,9 @@ async def start_chat(
             mode = ReasoningMode.OPEN if opened else ReasoningMode.AT_START
     max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(prompt_ids), s.max_model_len)
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling, detok = to_engine_params(body, max_tokens, num_logprobs, s.vocab_size,
-                                       s.max_logprobs, grammar, mode)  # fmt: skip
+    sampling, detok = to_engine_params(
+        body, max_tokens, num_logprobs, s.vocab_size, s.max_logprobs, grammar, mode
+    )
     sampling = replace(sampling, lora=check_model(ctx, body.model))
     calls = await start_choices(ctx, request, prompt_ids, sampling, detok, n, arrival)
     return ChatRun(calls, plan, prompt_ids)
@@ -179,7 +196,10 @@ async def _grammar(
     if plan.grammar is None:
         return own
     if own is not None:
-        raise InvalidRequest("tool_choice 'required' or a named function cannot be combined "
-                             "with another output constraint", param="tool_choice")  # fmt: skip
+        raise InvalidRequest(
+            "tool_choice 'required' or a named function cannot be combined "
+            "with another output constraint",
+            param="tool_choice",
+        )
     await compile_checked(ctx.grammars, plan.grammar, "tool_choice", ctx.settings)
     return plan.grammar

@@ -43,9 +43,14 @@ def check_choices(n: int | None, best_of: int | None, stream: bool) -> tuple[int
 
 
 async def start_choices(
-    ctx: ServingContext, request: Request, prompt_ids: list[int], sampling: SamplingParams,
-    detok: DetokParams, runs: int, arrival: float,
-) -> list[EngineCall]:  # fmt: skip
+    ctx: ServingContext,
+    request: Request,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    detok: DetokParams,
+    runs: int,
+    arrival: float,
+) -> list[EngineCall]:
     """Submit ``runs`` choices (the first, then its forks) and wait for each first delta."""
     rids = [ctx.next_rid() for _ in range(runs)]
     calls = []
@@ -53,9 +58,14 @@ async def start_choices(
         params = sampling
         if sampling.seed is not None and i:
             params = replace(sampling, seed=choice_seed(sampling.seed, i))
-        req = EngineRequest(rid=rid, prompt_ids=prompt_ids, sampling=params, detok=detok,
-                            forks=runs - 1 if i == 0 else 0,
-                            fork_of=rids[0] if i else -1)  # fmt: skip
+        req = EngineRequest(
+            rid=rid,
+            prompt_ids=prompt_ids,
+            sampling=params,
+            detok=detok,
+            forks=runs - 1 if i == 0 else 0,
+            fork_of=rids[0] if i else -1,
+        )
         calls.append(EngineCall(ctx, req, arrival))
     await start_all(calls, request)
     return calls

@@ -34,8 +34,11 @@ class CompletionLogprobs:
 
     def render(self, lps: list[TokenLogprob]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {
-            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": [],
-        }  # fmt: skip
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
         for t in lps:
             out["tokens"].append(t.token)
             out["token_logprobs"].append(t.logprob)
@@ -78,8 +81,9 @@ async def create_completion(
     echo = _echo_text(ctx, body, prompt_ids)
     if body.stream:
         chunks = _stream_chunks(calls, body, head, echo)
-        return StreamingResponse(sse_stream(chunks, calls[0].req.rid),
-                                 media_type="text/event-stream")  # fmt: skip
+        return StreamingResponse(
+            sse_stream(chunks, calls[0].req.rid), media_type="text/event-stream"
+        )
     gens = await collect_all(calls, request)
     choices = [_choice(i, gen, body, prompt_ids, echo) for i, gen in enumerate(best(gens, n))]
     return JSONResponse(

@@ -68,21 +68,31 @@ async def create_message(
     ctx: ServingContext, request: Request, body: MessagesRequest, arrival: float
 ) -> Response:
     run = await start_translated(ctx, request, body, to_chat, arrival)
-    head = {"id": f"msg_{run.rid:x}{secrets.token_hex(4)}", "type": "message",
-            "role": "assistant", "model": ctx.settings.model_name}  # fmt: skip
+    head = {
+        "id": f"msg_{run.rid:x}{secrets.token_hex(4)}",
+        "type": "message",
+        "role": "assistant",
+        "model": ctx.settings.model_name,
+    }
     if body.stream:
         events = _stream(run, head)
-        return StreamingResponse(typed_sse_stream(events, run.rid, _error_event),
-                                 media_type="text/event-stream")  # fmt: skip
+        return StreamingResponse(
+            typed_sse_stream(events, run.rid, _error_event), media_type="text/event-stream"
+        )
     (gen,) = await collect_all(run.calls, request)
     answer = read_answer(gen, run.plan)
     if answer.finish == Finish.ERROR:
         raise InternalError(f"the engine failed this request: {answer.error}")
     reason, sequence = _stop_reason(answer.finish, answer.stop_reason, bool(answer.tool_calls))
-    return JSONResponse({
-        **head, "content": _blocks(answer), "stop_reason": reason, "stop_sequence": sequence,
-        "usage": _usage(run, answer.num_tokens),
-    })  # fmt: skip
+    return JSONResponse(
+        {
+            **head,
+            "content": _blocks(answer),
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": _usage(run, answer.num_tokens),
+        }
+    )
 
 
 def _blocks(answer: Answer) -> list[dict[str, Any]]:
@@ -98,8 +108,9 @@ def _blocks(answer: Answer) -> list[dict[str, Any]]:
         except ValueError:
             args = None
         if isinstance(args, dict):
-            blocks.append({"type": "tool_use", "id": _tool_use_id(), "name": fn["name"],
-                           "input": args})  # fmt: skip
+            blocks.append(
+                {"type": "tool_use", "id": _tool_use_id(), "name": fn["name"], "input": args}
+            )
         else:  # cut short by max_tokens: what was written, as text, rather than nothing
             blocks.append({"type": "text", "text": fn["arguments"]})
     return blocks
@@ -124,8 +135,12 @@ def _stop_reason(
 
 def _usage(run: ChatRun, output_tokens: int) -> dict[str, int]:
     cached = run.cached_tokens or 0
-    return {"input_tokens": len(run.prompt_ids) - cached, "output_tokens": output_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}  # fmt: skip
+    return {
+        "input_tokens": len(run.prompt_ids) - cached,
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def _error_event(err: APIError) -> dict[str, Any]:
@@ -149,12 +164,14 @@ class _Blocks:
         block = start or {"type": kind, kind: ""}
         if kind == "thinking":
             block = {**block, "signature": ""}
-        self.events.append({"type": "content_block_start", "index": self.index,
-                            "content_block": block})  # fmt: skip
+        self.events.append(
+            {"type": "content_block_start", "index": self.index, "content_block": block}
+        )
 
     def delta(self, kind: str, **fields: Any) -> None:
-        self.events.append({"type": "content_block_delta", "index": self.index,
-                            "delta": {"type": kind, **fields}})  # fmt: skip
+        self.events.append(
+            {"type": "content_block_delta", "index": self.index, "delta": {"type": kind, **fields}}
+        )
 
     def close(self) -> None:
         if self.open is not None:
@@ -183,8 +200,10 @@ async def _stream(run: ChatRun, head: dict[str, Any]) -> AsyncIterator[dict[str,
                 blocks.to("text")
                 blocks.delta("text_delta", text=event.text)
             elif isinstance(event, CallStart):
-                blocks.to("tool_use", {"type": "tool_use", "id": _tool_use_id(),
-                                       "name": event.name, "input": {}})  # fmt: skip
+                blocks.to(
+                    "tool_use",
+                    {"type": "tool_use", "id": _tool_use_id(), "name": event.name, "input": {}},
+                )
             elif isinstance(event, CallArgs):
                 blocks.delta("input_json_delta", partial_json=event.text)
         for out in blocks.take():
@@ -195,6 +214,9 @@ async def _stream(run: ChatRun, head: dict[str, Any]) -> AsyncIterator[dict[str,
     for out in blocks.take():
         yield out
     reason, sequence = _stop_reason(reader.finish, reader.stop_reason, reader.num_calls > 0)
-    yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-           "usage": _usage(run, reader.num_tokens)}  # fmt: skip
+    yield {
+        "type": "message_delta",
+        "delta": {"stop_reason": reason, "stop_sequence": sequence},
+        "usage": _usage(run, reader.num_tokens),
+    }
     yield {"type": "message_stop"}

@@ -75,9 +75,12 @@ class ThinkingBlock(Body):
 
 Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
 _BLOCKS: dict[str, type[Body]] = {
-    "text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
-    "thinking": ThinkingBlock, "redacted_thinking": ThinkingBlock,
-}  # fmt: skip
+    "text": TextBlock,
+    "tool_use": ToolUseBlock,
+    "tool_result": ToolResultBlock,
+    "thinking": ThinkingBlock,
+    "redacted_thinking": ThinkingBlock,
+}
 
 
 class MessageParam(Body):
@@ -138,8 +141,10 @@ class MessagesRequest(CountTokensRequest):
     def reject_unsupported(self) -> None:
         config = self.output_config or OutputConfig()
         if config.effort is not None:
-            raise NotImplementedField("output_config.effort", "how long a model reasons is "
-                                      "its own (and its chat template's) choice here")  # fmt: skip
+            raise NotImplementedField(
+                "output_config.effort",
+                "how long a model reasons is its own (and its chat template's) choice here",
+            )
         if unknown := config.unknown_fields():
             raise NotImplementedField(f"output_config.{unknown[0]}", "only 'format' is served")
         if self.container is not None:
@@ -154,8 +159,9 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     """The internal chat request ``body`` means; a 400 naming the field if it means none."""
     messages: list[dict[str, Any]] = []
     if body.system:
-        system = body.system if isinstance(body.system, str) else "".join(
-            b.text for b in body.system)  # fmt: skip
+        system = (
+            body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
+        )
         messages.append({"role": "system", "content": system})
     if not body.messages:
         raise InvalidRequest("messages: at least one message is required", param="messages")
@@ -203,10 +209,14 @@ def _sampling(body: MessagesRequest) -> dict[str, Any]:
     fmt = body.output_config.format if body.output_config else None
     if fmt is not None:
         if fmt.get("type") != "json_schema" or "schema" not in fmt:
-            raise InvalidRequest('output_config.format must be {"type": "json_schema", '
-                                 '"schema": {...}}', param="output_config.format")  # fmt: skip
-        out["response_format"] = {"type": "json_schema",
-                                  "json_schema": {"name": "output", "schema": fmt["schema"]}}  # fmt: skip
+            raise InvalidRequest(
+                'output_config.format must be {"type": "json_schema", "schema": {...}}',
+                param="output_config.format",
+            )
+        out["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": fmt["schema"]},
+        }
     return out
 
 
@@ -222,12 +232,16 @@ def _blocks(
         param = f"{where}[{j}]"
         kind = raw.type
         if kind in _UNREADABLE:
-            raise InvalidRequest(f"{param}: content blocks of type '{kind}' are not supported: "
-                                 f"{_UNREADABLE[kind]}", param=f"{param}.type")  # fmt: skip
+            raise InvalidRequest(
+                f"{param}: content blocks of type '{kind}' are not supported: {_UNREADABLE[kind]}",
+                param=f"{param}.type",
+            )
         known = allowed or tuple(_BLOCKS)
         if kind not in known:
-            raise InvalidRequest(f"{param}: unknown content block type {kind!r}; expected one "
-                                 f"of {', '.join(known)}", param=f"{param}.type")  # fmt: skip
+            raise InvalidRequest(
+                f"{param}: unknown content block type {kind!r}; expected one of {', '.join(known)}",
+                param=f"{param}.type",
+            )
         out.append(parse_body(_BLOCKS[kind], raw.model_dump(), prefix=param))
     return out
 
@@ -241,20 +255,28 @@ def _user_turn(i: int, blocks: list[Block], tool_uses: set[str]) -> list[dict[st
         param = f"messages[{i}].content[{j}]"
         if isinstance(b, ToolResultBlock):
             if b.tool_use_id not in tool_uses:
-                raise InvalidRequest(f"{param}: the tool_result's tool_use_id "
-                                     f"{b.tool_use_id!r} matches no earlier tool_use block",
-                                     param=f"{param}.tool_use_id")  # fmt: skip
+                raise InvalidRequest(
+                    f"{param}: the tool_result's tool_use_id "
+                    f"{b.tool_use_id!r} matches no earlier tool_use block",
+                    param=f"{param}.tool_use_id",
+                )
             result = b.content if b.content is not None else ""
             if not isinstance(result, str):
                 parts = _blocks(f"{param}.content", result, ("text",))
                 result = "".join(t.text for t in parts if isinstance(t, TextBlock))
-            out.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                        "content": f"Error: {result}" if b.is_error else result})  # fmt: skip
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": b.tool_use_id,
+                    "content": f"Error: {result}" if b.is_error else result,
+                }
+            )
         elif isinstance(b, TextBlock):
             text += b.text
         else:
-            raise InvalidRequest(f"{param}: a user turn cannot hold a '{b.type}' block",
-                                 param=f"{param}.type")  # fmt: skip
+            raise InvalidRequest(
+                f"{param}: a user turn cannot hold a '{b.type}' block", param=f"{param}.type"
+            )
     if text or not out:
         out.append({"role": "user", "content": text})
     return out
@@ -267,8 +289,13 @@ def _assistant_turn(i: int, blocks: list[Block], tool_uses: set[str]) -> dict[st
             text += b.text
         elif isinstance(b, ToolUseBlock):
             tool_uses.add(b.id)
-            calls.append({"id": b.id, "type": "function",
-                          "function": {"name": b.name, "arguments": json.dumps(b.input)}})  # fmt: skip
+            calls.append(
+                {
+                    "id": b.id,
+                    "type": "function",
+                    "function": {"name": b.name, "arguments": json.dumps(b.input)},
+                }
+            )
         elif isinstance(b, ToolResultBlock):
             raise InvalidRequest(
                 f"messages[{i}].content[{j}]: tool_result blocks belong in a user turn",
@@ -283,9 +310,12 @@ def _assistant_turn(i: int, blocks: list[Block], tool_uses: set[str]) -> dict[st
 def _tool(i: int, entry: ToolEntry) -> dict[str, Any]:
     kind = entry.type
     if kind not in (None, "custom"):
-        raise NotImplementedField(f"tools[{i}].type", f"tool type {kind!r}: Anthropic's own "
-                                  "tools run on its servers; only client tools (name, "
-                                  "description, input_schema) are served here")  # fmt: skip
+        raise NotImplementedField(
+            f"tools[{i}].type",
+            f"tool type {kind!r}: Anthropic's own "
+            "tools run on its servers; only client tools (name, "
+            "description, input_schema) are served here",
+        )
     raw = entry.model_dump(exclude={"type"})
     tool = parse_body(ToolParam, raw, f"tools[{i}]")
     function: dict[str, Any] = {"name": tool.name}
@@ -309,6 +339,9 @@ def _tool_choice(choice: ToolChoiceParam | None, have_tools: bool) -> dict[str, 
     elif kind == "tool" and choice.name is not None:
         out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     else:
-        raise InvalidRequest('tool_choice must be {"type": "auto" | "any" | "none"} or '
-                             '{"type": "tool", "name": ...}', param="tool_choice")  # fmt: skip
+        raise InvalidRequest(
+            'tool_choice must be {"type": "auto" | "any" | "none"} or '
+            '{"type": "tool", "name": ...}',
+            param="tool_choice",
+        )
     return out

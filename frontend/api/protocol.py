@@ -210,8 +210,11 @@ class ChatCompletionRequest(OpenAIFields):
         if self.continue_final_message and (
             self.add_generation_prompt or self.messages[-1].role != "assistant"
         ):
-            raise InvalidRequest("continue_final_message needs add_generation_prompt=false "
-                                 "and an assistant message last", param="continue_final_message")  # fmt: skip
+            raise InvalidRequest(
+                "continue_final_message needs add_generation_prompt=false "
+                "and an assistant message last",
+                param="continue_final_message",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs=true", param="top_logprobs")
 

@@ -49,8 +49,10 @@ async def create_response(
     run = await start_translated(ctx, request, body, translate, arrival)
     shell = _shell(ctx, body, run)
     if body.stream:
-        return StreamingResponse(typed_sse_stream(_stream(run, shell), run.rid, _error_event),
-                                 media_type="text/event-stream")  # fmt: skip
+        return StreamingResponse(
+            typed_sse_stream(_stream(run, shell), run.rid, _error_event),
+            media_type="text/event-stream",
+        )
     (gen,) = await collect_all(run.calls, request)
     answer = read_answer(gen, run.plan)
     if answer.finish == Finish.ERROR:
@@ -63,28 +65,49 @@ async def create_response(
     for call in answer.tool_calls:
         items.open("function_call", call["function"]["name"]).text = call["function"]["arguments"]
     items.close(answer.finish)
-    return JSONResponse(_final(shell, items, answer.finish, run, answer.num_tokens,
-                               answer.reasoning_tokens))  # fmt: skip
+    return JSONResponse(
+        _final(shell, items, answer.finish, run, answer.num_tokens, answer.reasoning_tokens)
+    )
 
 
 def _shell(ctx: ServingContext, body: ResponsesRequest, run: ChatRun) -> dict[str, Any]:
     """The response object as it stands before any output: what the request set."""
-    tools = [{"type": "function", "name": t["function"]["name"],
-              "description": t["function"].get("description"),
-              "parameters": t["function"]["parameters"], "strict": None}
-             for t in run.plan.template_tools or []]  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "name": t["function"]["name"],
+            "description": t["function"].get("description"),
+            "parameters": t["function"]["parameters"],
+            "strict": None,
+        }
+        for t in run.plan.template_tools or []
+    ]
     fmt = (body.text or {}).get("format") or {"type": "text"}
     return {
-        "id": f"resp_{run.rid:x}{secrets.token_hex(4)}", "object": "response",
-        "created_at": int(time.time()), "status": "in_progress", "model": ctx.settings.model_name,
-        "output": [], "error": None, "incomplete_details": None,
-        "instructions": body.instructions, "metadata": body.metadata or {},
-        "max_output_tokens": body.max_output_tokens, "temperature": body.temperature,
-        "top_p": body.top_p, "tools": tools, "tool_choice": _choice(body),
+        "id": f"resp_{run.rid:x}{secrets.token_hex(4)}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "model": ctx.settings.model_name,
+        "output": [],
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.instructions,
+        "metadata": body.metadata or {},
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "tools": tools,
+        "tool_choice": _choice(body),
         "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "text": {"format": fmt}, "store": False, "previous_response_id": None,
-        "reasoning": None, "truncation": "disabled", "user": body.user, "usage": None,
-    }  # fmt: skip
+        "text": {"format": fmt},
+        "store": False,
+        "previous_response_id": None,
+        "reasoning": None,
+        "truncation": "disabled",
+        "user": body.user,
+        "usage": None,
+    }
 
 
 def _choice(body: ResponsesRequest) -> str | dict[str, Any]:
@@ -94,20 +117,28 @@ def _choice(body: ResponsesRequest) -> str | dict[str, Any]:
 
 
 def _final(
-    shell: dict[str, Any], items: _Items, finish: Finish, run: ChatRun, num_tokens: int,
+    shell: dict[str, Any],
+    items: _Items,
+    finish: Finish,
+    run: ChatRun,
+    num_tokens: int,
     reasoning_tokens: int,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     cached, prompt = run.cached_tokens or 0, len(run.prompt_ids)
     cut = finish == Finish.LENGTH
     return {
-        **shell, "status": "incomplete" if cut else "completed",
+        **shell,
+        "status": "incomplete" if cut else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "output": [item.render() for item in items.done],
-        "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-                  "output_tokens": num_tokens,
-                  "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                  "total_tokens": prompt + num_tokens},
-    }  # fmt: skip
+        "usage": {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": num_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": prompt + num_tokens,
+        },
+    }
 
 
 def _error_event(err: APIError) -> dict[str, Any]:
@@ -125,13 +156,29 @@ class _Item:
 
     def render(self) -> dict[str, Any]:
         if self.kind == "reasoning":
-            return {"type": "reasoning", "id": self.id, "summary": [], "status": self.status,
-                    "content": [{"type": "reasoning_text", "text": self.text}]}  # fmt: skip
+            return {
+                "type": "reasoning",
+                "id": self.id,
+                "summary": [],
+                "status": self.status,
+                "content": [{"type": "reasoning_text", "text": self.text}],
+            }
         if self.kind == "message":
-            return {"type": "message", "id": self.id, "role": "assistant", "status": self.status,
-                    "content": [_text_part(self.text)]}  # fmt: skip
-        return {"type": "function_call", "id": self.id, "call_id": self.call_id,
-                "name": self.name, "arguments": self.text, "status": self.status}  # fmt: skip
+            return {
+                "type": "message",
+                "id": self.id,
+                "role": "assistant",
+                "status": self.status,
+                "content": [_text_part(self.text)],
+            }
+        return {
+            "type": "function_call",
+            "id": self.id,
+            "call_id": self.call_id,
+            "name": self.name,
+            "arguments": self.text,
+            "status": self.status,
+        }
 
     def shell(self) -> dict[str, Any]:
         """As ``output_item.added`` announces it: nothing written yet."""
@@ -155,8 +202,12 @@ class _Items:
     def open(self, kind: str, name: str = "") -> _Item:
         self.close(None)
         prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
-        self.current = _Item(kind, f"{prefix}_{secrets.token_hex(12)}", name,
-                             new_call_id() if kind == "function_call" else "")  # fmt: skip
+        self.current = _Item(
+            kind,
+            f"{prefix}_{secrets.token_hex(12)}",
+            name,
+            new_call_id() if kind == "function_call" else "",
+        )
         return self.current
 
     def close(self, finish: Finish | None) -> None:
@@ -185,8 +236,12 @@ async def _stream(run: ChatRun, shell: dict[str, Any]) -> AsyncIterator[dict[str
     yield ev("response.in_progress", response=shell)
     async for d in run.calls[0].deltas():
         for event in reader.feed(d):
-            kind = {Reasoning: "reasoning", Content: "message", CallStart: "function_call",
-                    CallArgs: "function_call"}[type(event)]  # fmt: skip
+            kind = {
+                Reasoning: "reasoning",
+                Content: "message",
+                CallStart: "function_call",
+                CallArgs: "function_call",
+            }[type(event)]
             item = items.current
             if item is None or item.kind != kind or isinstance(event, CallStart):
                 for out in _close(ev, items, None):
@@ -232,8 +287,9 @@ def _opened(ev: _Events, items: _Items) -> list[dict[str, Any]]:
     assert item is not None
     out = [ev("response.output_item.added", output_index=len(items.done), item=item.shell())]
     if item.kind != "function_call":
-        out.append(ev("response.content_part.added", **_where(items), content_index=0,
-                      part=_part(item)))  # fmt: skip
+        out.append(
+            ev("response.content_part.added", **_where(items), content_index=0, part=_part(item))
+        )
     return out
 
 
@@ -253,16 +309,21 @@ def _close(ev: _Events, items: _Items, finish: Finish | None) -> list[dict[str, 
         return []
     where, out = _where(items), []
     if item.kind == "function_call":
-        out.append(ev("response.function_call_arguments.done", **where, name=item.name,
-                      arguments=item.text))  # fmt: skip
+        out.append(
+            ev(
+                "response.function_call_arguments.done",
+                **where,
+                name=item.name,
+                arguments=item.text,
+            )
+        )
     else:
         kind = "reasoning_text" if item.kind == "reasoning" else "output_text"
         extra: dict[str, Any] = {"logprobs": []} if kind == "output_text" else {}
-        out.append(ev(f"response.{kind}.done", **where, content_index=0, text=item.text,
-                      **extra))  # fmt: skip
-        out.append(ev("response.content_part.done", **where, content_index=0,
-                      part=_part(item)))  # fmt: skip
+        out.append(ev(f"response.{kind}.done", **where, content_index=0, text=item.text, **extra))
+        out.append(ev("response.content_part.done", **where, content_index=0, part=_part(item)))
     items.close(finish)
-    out.append(ev("response.output_item.done", output_index=where["output_index"],
-                  item=item.render()))  # fmt: skip
+    out.append(
+        ev("response.output_item.done", output_index=where["output_index"], item=item.render())
+    )
     return out

@@ -32,11 +32,15 @@ from frontend.api.limits import decode_json_text
 from frontend.api.protocol import Body, ChatCompletionRequest, parse_body
 from frontend.errors import InvalidRequest, NotImplementedField
 
-_NO_STATE = ("this server keeps no responses: send the whole conversation in 'input' "
-             "(and leave 'store' unset or false)")  # fmt: skip
-_UNREADABLE_PARTS = {"input_image": "images need a vision model, and none is served here",
-                     "input_file": "files are not read by this server",
-                     "input_audio": "audio is not read by this server"}  # fmt: skip
+_NO_STATE = (
+    "this server keeps no responses: send the whole conversation in 'input' "
+    "(and leave 'store' unset or false)"
+)
+_UNREADABLE_PARTS = {
+    "input_image": "images need a vision model, and none is served here",
+    "input_file": "files are not read by this server",
+    "input_audio": "audio is not read by this server",
+}
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
@@ -107,8 +111,7 @@ class ResponsesRequest(Body):
 
     def reject_unsupported(self) -> None:
         if self.previous_response_id is not None:
-            raise InvalidRequest(f"previous_response_id: {_NO_STATE}",
-                                 param="previous_response_id")  # fmt: skip
+            raise InvalidRequest(f"previous_response_id: {_NO_STATE}", param="previous_response_id")
         if self.store:
             raise InvalidRequest(f"store: {_NO_STATE}", param="store")
         if self.conversation is not None:
@@ -116,16 +119,22 @@ class ResponsesRequest(Body):
         refused = {
             "background": (bool(self.background), "responses are served while you wait"),
             "include": (bool(self.include), "no extra output data is kept or encrypted"),
-            "reasoning": (bool(self.reasoning and self.reasoning.get("effort")),
-                          "how long a model reasons is its own (and its template's) choice"),
+            "reasoning": (
+                bool(self.reasoning and self.reasoning.get("effort")),
+                "how long a model reasons is its own (and its template's) choice",
+            ),
             "max_tool_calls": (self.max_tool_calls is not None, "calls are not counted"),
             "top_logprobs": (bool(self.top_logprobs), "use /v1/chat/completions for logprobs"),
             "prompt": (self.prompt is not None, "no prompt templates are stored here"),
-            "truncation": (self.truncation not in (None, "disabled"),
-                           "an input longer than the context is refused, never truncated"),
-            "service_tier": (self.service_tier not in (None, "auto", "default"),
-                             "there is one service tier"),
-        }  # fmt: skip
+            "truncation": (
+                self.truncation not in (None, "disabled"),
+                "an input longer than the context is refused, never truncated",
+            ),
+            "service_tier": (
+                self.service_tier not in (None, "auto", "default"),
+                "there is one service tier",
+            ),
+        }
         for name, (bad, why) in refused.items():
             if bad:
                 raise NotImplementedField(name, why)
@@ -145,8 +154,10 @@ def to_chat(body: ResponsesRequest, max_depth: int = 64) -> ChatCompletionReques
         raise InvalidRequest("input: give at least one message", param="input")
     first = next(m for m in messages if m["role"] != "system")
     if first["role"] != "user":
-        raise InvalidRequest("input: the conversation must start with a user message, not "
-                             f"an {first['role']} turn", param="input")  # fmt: skip
+        raise InvalidRequest(
+            f"input: the conversation must start with a user message, not an {first['role']} turn",
+            param="input",
+        )
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream}
     tools = [_tool(i, t) for i, t in enumerate(body.tools or [])]
     if tools:
@@ -155,8 +166,11 @@ def to_chat(body: ResponsesRequest, max_depth: int = 64) -> ChatCompletionReques
         fields["tool_choice"] = _tool_choice(body.tool_choice)
     if body.parallel_tool_calls is not None:
         fields["parallel_tool_calls"] = body.parallel_tool_calls
-    for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"),
-                         ("top_p", "top_p")):  # fmt: skip
+    for ours, theirs in (
+        ("max_tokens", "max_output_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+    ):
         if getattr(body, theirs) is not None:
             fields[ours] = getattr(body, theirs)
     fmt = (body.text or {}).get("format")
@@ -184,17 +198,22 @@ def _items(items: list[InputItem], max_depth: int) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             out.append(_call_output(item, param, calls))
         elif kind != "reasoning":
-            raise NotImplementedField(f"{param}.type", f"input items of type {kind!r}: only "
-                                      "message, function_call, function_call_output and "
-                                      "reasoning items are served")  # fmt: skip
+            raise NotImplementedField(
+                f"{param}.type",
+                f"input items of type {kind!r}: only "
+                "message, function_call, function_call_output and "
+                "reasoning items are served",
+            )
     return out
 
 
 def _message(item: InputItem, param: str) -> dict[str, Any]:
     role = item.role
     if role not in ("system", "developer", "user", "assistant"):
-        raise InvalidRequest(f"{param}.role must be 'system', 'developer', 'user' or "
-                             f"'assistant', not {role!r}", param=f"{param}.role")  # fmt: skip
+        raise InvalidRequest(
+            f"{param}.role must be 'system', 'developer', 'user' or 'assistant', not {role!r}",
+            param=f"{param}.role",
+        )
     role = "system" if role == "developer" else role  # what chat templates know it as
     return {"role": role, "content": _text(item.content, f"{param}.content")}
 
@@ -210,13 +229,18 @@ def _text(content: str | list[InputPart] | None, param: str) -> str:
         where = f"{param}[{j}]"
         kind = part.type
         if kind in _UNREADABLE_PARTS:
-            raise InvalidRequest(f"{where}: content parts of type '{kind}' are not supported: "
-                                 f"{_UNREADABLE_PARTS[kind]}", param=f"{where}.type")  # fmt: skip
+            raise InvalidRequest(
+                f"{where}: content parts of type '{kind}' are not supported: "
+                f"{_UNREADABLE_PARTS[kind]}",
+                param=f"{where}.type",
+            )
         value = part.text if part.text is not None else part.refusal
         if kind not in _TEXT_PARTS or value is None:
-            raise InvalidRequest(f"{where}: expected a text part ({', '.join(_TEXT_PARTS[:2])} "
-                                 f"with a 'text' string), got type {kind!r}",
-                                 param=f"{where}.type")  # fmt: skip
+            raise InvalidRequest(
+                f"{where}: expected a text part ({', '.join(_TEXT_PARTS[:2])} "
+                f"with a 'text' string), got type {kind!r}",
+                param=f"{where}.type",
+            )
         text += value
     return text
 
@@ -232,8 +256,11 @@ def _function_call(item: InputItem, param: str, max_depth: int) -> dict[str, Any
         raise InvalidRequest(
             f"{param}.arguments must be JSON text", param=f"{param}.arguments"
         ) from e
-    return {"id": fields["call_id"], "type": "function",
-            "function": {"name": fields["name"], "arguments": fields["arguments"]}}  # fmt: skip
+    return {
+        "id": fields["call_id"],
+        "type": "function",
+        "function": {"name": fields["name"], "arguments": fields["arguments"]},
+    }
 
 
 def _call_output(item: InputItem, param: str, calls: set[str]) -> dict[str, Any]:
@@ -241,8 +268,11 @@ def _call_output(item: InputItem, param: str, calls: set[str]) -> dict[str, Any]
     if call_id is None:
         raise InvalidRequest(f"{param}.call_id must be a string", param=f"{param}.call_id")
     if call_id not in calls:
-        raise InvalidRequest(f"{param}: function_call_output's call_id {call_id!r} matches no "
-                             "earlier function_call item", param=f"{param}.call_id")  # fmt: skip
+        raise InvalidRequest(
+            f"{param}: function_call_output's call_id {call_id!r} matches no "
+            "earlier function_call item",
+            param=f"{param}.call_id",
+        )
     return {
         "role": "tool",
         "tool_call_id": call_id,
@@ -271,8 +301,10 @@ def _tool_choice(choice: str | NamedChoice) -> str | dict[str, Any]:
         return choice
     if isinstance(choice, NamedChoice) and choice.type == "function" and choice.name is not None:
         return {"type": "function", "function": {"name": choice.name}}
-    raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or "
-                         '{"type": "function", "name": ...}', param="tool_choice")  # fmt: skip
+    raise InvalidRequest(
+        "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
+        param="tool_choice",
+    )
 
 
 def _response_format(fmt: Any) -> dict[str, Any]:
@@ -282,5 +314,6 @@ def _response_format(fmt: Any) -> dict[str, Any]:
     if kind == "json_schema" and isinstance(fmt, dict):
         inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": inner}
-    raise InvalidRequest("text.format.type must be 'text', 'json_object' or 'json_schema'",
-                         param="text.format.type")  # fmt: skip
+    raise InvalidRequest(
+        "text.format.type must be 'text', 'json_object' or 'json_schema'", param="text.format.type"
+    )

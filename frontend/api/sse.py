@@ -27,9 +27,11 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 async def _framed(
-    items: AsyncIterator[Any], rid: int, frame: Callable[[Any], bytes],
+    items: AsyncIterator[Any],
+    rid: int,
+    frame: Callable[[Any], bytes],
     error_frame: Callable[[APIError], bytes],
-) -> AsyncIterator[bytes]:  # fmt: skip
+) -> AsyncIterator[bytes]:
     """``items`` framed; an engine failure mid-stream becomes the API's error frame."""
     try:
         async for item in items:
@@ -54,9 +56,10 @@ def typed_sse(payload: dict[str, Any]) -> bytes:
 
 
 async def typed_sse_stream(
-    events: AsyncIterator[dict[str, Any]], rid: int,
+    events: AsyncIterator[dict[str, Any]],
+    rid: int,
     error_event: Callable[[APIError], dict[str, Any]],
-) -> AsyncIterator[bytes]:  # fmt: skip
+) -> AsyncIterator[bytes]:
     """Frame ``events`` as named SSE events; an engine failure mid-stream becomes the
     API's error event (there is no ``[DONE]`` in these APIs)."""
     async for frame in _framed(events, rid, typed_sse, lambda err: typed_sse(error_event(err))):

@@ -47,16 +47,19 @@ def grammar_spec(body: Any, max_depth: int = 64) -> tuple[str, GrammarSpec] | No
     if body.structured_outputs is not None:
         found += _from_structured_outputs(body.structured_outputs, max_depth)
     legacy = {
-        "guided_json": body.guided_json, "guided_regex": body.guided_regex,
-        "guided_choice": body.guided_choice, "guided_grammar": body.guided_grammar,
-    }  # fmt: skip
+        "guided_json": body.guided_json,
+        "guided_regex": body.guided_regex,
+        "guided_choice": body.guided_choice,
+        "guided_grammar": body.guided_grammar,
+    }
     for name, value in legacy.items():
         if value is not None:
             found.append((name, _spec(name.removeprefix("guided_"), value, name, max_depth)))
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
-        raise InvalidRequest(f"give one output constraint, not several ({names})",
-                             param=found[1][0])  # fmt: skip
+        raise InvalidRequest(
+            f"give one output constraint, not several ({names})", param=found[1][0]
+        )
     return found[0] if found else None
 
 
@@ -73,8 +76,10 @@ def _from_response_format(fmt: dict[str, Any], max_depth: int) -> GrammarSpec | 
         )
     inner = fmt.get("json_schema")
     if not isinstance(inner, dict) or "schema" not in inner:
-        raise InvalidRequest("response_format json_schema needs json_schema.schema",
-                             param="response_format.json_schema")  # fmt: skip
+        raise InvalidRequest(
+            "response_format json_schema needs json_schema.schema",
+            param="response_format.json_schema",
+        )
     return _spec("json", inner["schema"], "response_format.json_schema.schema", max_depth)
 
 
@@ -89,8 +94,10 @@ def _from_structured_outputs(so: dict[str, Any], max_depth: int) -> list[tuple[s
         elif key == "json_object":
             out.append((param, GrammarSpec(kind=GrammarKind.JSON_OBJECT)))
         else:
-            raise NotImplementedField(param, "only json, regex, choice, grammar and "
-                                             "json_object constraints are implemented")  # fmt: skip
+            raise NotImplementedField(
+                param,
+                "only json, regex, choice, grammar and json_object constraints are implemented",
+            )
     return out
 
 
@@ -103,8 +110,9 @@ def _spec(key: str, value: Any, param: str, max_depth: int) -> GrammarSpec:
     if key == "choice":
         ok = isinstance(value, list) and value and all(isinstance(c, str) for c in value)
         if not ok or len(value) > MAX_CHOICES:
-            raise InvalidRequest(f"{param} must be a list of 1 to {MAX_CHOICES} strings",
-                                 param=param)  # fmt: skip
+            raise InvalidRequest(
+                f"{param} must be a list of 1 to {MAX_CHOICES} strings", param=param
+            )
         return GrammarSpec(kind=GrammarKind.CHOICE, text=json.dumps(value))
     if not isinstance(value, str) or not value:
         raise InvalidRequest(f"{param} must be a non-empty string", param=param)
@@ -129,8 +137,9 @@ def check_enforceable(schema: Any, param: str) -> None:
         return
     for word in UNENFORCED_KEYWORDS:
         if word in schema:
-            raise NotImplementedField(param, f"the JSON-schema keyword '{word}' is not "
-                                             "enforced by the grammar engine")  # fmt: skip
+            raise NotImplementedField(
+                param, f"the JSON-schema keyword '{word}' is not enforced by the grammar engine"
+            )
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         raise NotImplementedField(param, f"only local $ref ('#/...') is supported, not {ref!r}")

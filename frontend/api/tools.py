@@ -66,17 +66,19 @@ def plan_tools(body: Any, parser_name: str | None) -> ToolPlan:
         raise InvalidRequest("tool_choice needs tools", param="tool_choice")
     if choice == "auto":
         if parser_name is None:
-            raise InvalidRequest("tool_choice 'auto' needs the server started with "
-                                 "--tool-call-parser", param="tool_choice")  # fmt: skip
+            raise InvalidRequest(
+                "tool_choice 'auto' needs the server started with --tool-call-parser",
+                param="tool_choice",
+            )
         return ToolPlan(tools, parser=PARSERS[parser_name])
     if choice == "required":
-        return ToolPlan(tools, _required_grammar(tools, body.parallel_tool_calls),
-                        RequiredCalls)  # fmt: skip
+        return ToolPlan(tools, _required_grammar(tools, body.parallel_tool_calls), RequiredCalls)
     name = _named(choice)
     tool = next((t for t in tools if t["function"]["name"] == name), None)
     if tool is None:
-        raise InvalidRequest(f"tool_choice names {name!r}, which is not in tools",
-                             param="tool_choice")  # fmt: skip
+        raise InvalidRequest(
+            f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+        )
     params = _parameters(tool)
     spec = GrammarSpec(kind=GrammarKind.JSON_SCHEMA, text=json.dumps(params))
     return ToolPlan(tools, spec, lambda: NamedCall(name), named=True)
@@ -87,8 +89,10 @@ def _checked_tool(i: int, tool: ChatTool) -> dict[str, Any]:
     if tool.type != "function":
         raise NotImplementedField(f"{param}.type", "only tools of type 'function' are implemented")
     if tool.function is None or not _NAME.match(tool.function.name):
-        raise InvalidRequest("a function needs a name of 1-64 letters, digits, _ or -",
-                             param=f"{param}.function.name")  # fmt: skip
+        raise InvalidRequest(
+            "a function needs a name of 1-64 letters, digits, _ or -",
+            param=f"{param}.function.name",
+        )
     fn = tool.function.model_dump(exclude_none=True)
     params = fn.get("parameters", {"type": "object", "properties": {}})
     check_enforceable(params, f"{param}.function.parameters")
@@ -104,19 +108,25 @@ def _named(choice: Any) -> str:
     ok = isinstance(choice, dict) and choice.get("type") == "function"
     fn = choice.get("function") if ok else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or "
-                             '{"type": "function", "function": {"name": ...}}',
-                             param="tool_choice")  # fmt: skip
+        raise InvalidRequest(
+            "tool_choice must be 'none', 'auto', 'required' or "
+            '{"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
     return str(fn["name"])
 
 
 def _required_grammar(tools: list[dict[str, Any]], parallel: bool | None) -> GrammarSpec:
     """Calls as a JSON array: each item one of the tools, by name, with its parameters."""
-    items = [{"type": "object",
-              "properties": {"name": {"const": t["function"]["name"]},
-                             "parameters": _parameters(t)},
-              "required": ["name", "parameters"], "additionalProperties": False}
-             for t in tools]  # fmt: skip
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
     if parallel is False:
         schema["maxItems"] = 1
@@ -145,9 +155,10 @@ def parse_output(parser: ToolParser, text: str) -> ParsedOutput:
             args.append("")
         elif isinstance(ev, CallArgs):
             args[-1] += ev.text
-    tool_calls = [{"id": new_call_id(), "type": "function",
-                   "function": {"name": name, "arguments": a}}
-                  for name, a in zip(calls, args, strict=True)]  # fmt: skip
+    tool_calls = [
+        {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": a}}
+        for name, a in zip(calls, args, strict=True)
+    ]
     return ParsedOutput(content if content or not calls else None, tool_calls)
 
 
@@ -168,15 +179,20 @@ class ToolCallDeltas:
             if isinstance(ev, Content):
                 delta["content"] = delta.get("content", "") + ev.text
             elif isinstance(ev, CallStart):
-                calls.append({"index": self.num_calls, "id": new_call_id(), "type": "function",
-                              "function": {"name": ev.name, "arguments": ""}})  # fmt: skip
+                calls.append(
+                    {
+                        "index": self.num_calls,
+                        "id": new_call_id(),
+                        "type": "function",
+                        "function": {"name": ev.name, "arguments": ""},
+                    }
+                )
                 self.num_calls += 1
             elif isinstance(ev, CallArgs):
                 if calls and calls[-1]["index"] == self.num_calls - 1:
                     calls[-1]["function"]["arguments"] += ev.text
                 else:
-                    calls.append({"index": self.num_calls - 1,
-                                  "function": {"arguments": ev.text}})  # fmt: skip
+                    calls.append({"index": self.num_calls - 1, "function": {"arguments": ev.text}})
         if calls:
             delta["tool_calls"] = calls
         return delta

@@ -6,9 +6,11 @@ from typing import Any
 
 
 def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int | None = None,
     reasoning_tokens: int | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` once it is known,
     ``completion_tokens_details.reasoning_tokens`` with a reasoning parser."""
     out: dict[str, Any] = {

@@ -85,8 +85,9 @@ class FrontendBoard:
         return _HEADER + num_frontends * _row_bytes(num_shards, num_workers)
 
     @staticmethod
-    def format(buf: memoryview | bytearray, num_frontends: int, num_shards: int,
-               num_workers: int) -> None:  # fmt: skip
+    def format(
+        buf: memoryview | bytearray, num_frontends: int, num_shards: int, num_workers: int
+    ) -> None:
         """Write the header of a zero-filled board."""
         header = np.ndarray((5,), np.int64, buf, 0)
         header[:] = (_MAGIC, num_frontends, num_shards, num_workers, METRIC_WORDS)
@@ -122,8 +123,10 @@ class FrontendBoard:
     def frontends(self) -> list[FrontendRow]:
         rows = self._ints.copy()
         actives = rows[:, _META : _META + self.num_shards].sum(axis=1)
-        return [FrontendRow(i, int(r[_PID]), _state(int(r[_STATE])), int(a))
-                for i, (r, a) in enumerate(zip(rows, actives, strict=True))]  # fmt: skip
+        return [
+            FrontendRow(i, int(r[_PID]), _state(int(r[_STATE])), int(a))
+            for i, (r, a) in enumerate(zip(rows, actives, strict=True))
+        ]
 
     def all_ready(self) -> bool:
         return bool((self._ints[:, _STATE] == WorkerState.READY).all())
@@ -152,14 +155,23 @@ class FrontendBoard:
         # A dead frontend's reservations are orphans now, their KV counted by the worker
         # itself; what it sent stays counted: the worker has received (or will) those.
         live = same & (self._ints[:, _STATE] == WorkerState.READY)
-        return InFlight(int(cells[same, _SENT_REQ].sum()), int(cells[same, _SENT_TOK].sum()),
-                        int(cells[live, _RES_REQ].sum()), int(cells[live, _RES_TOK].sum()))  # fmt: skip
+        return InFlight(
+            int(cells[same, _SENT_REQ].sum()),
+            int(cells[same, _SENT_TOK].sum()),
+            int(cells[live, _RES_REQ].sum()),
+            int(cells[live, _RES_TOK].sum()),
+        )
 
     def publish(self, slot: int, cell: Cell) -> None:
         self._books[self._mine, slot, :7] = (
-            cell.generation, cell.sent_requests, cell.sent_tokens, cell.reserved_requests,
-            cell.reserved_tokens, cell.assigned_requests, cell.assigned_tokens,
-        )  # fmt: skip
+            cell.generation,
+            cell.sent_requests,
+            cell.sent_tokens,
+            cell.reserved_requests,
+            cell.reserved_tokens,
+            cell.assigned_requests,
+            cell.assigned_tokens,
+        )
 
     def assigned(self, slot: int) -> tuple[int, int]:
         cells = self._books[:, slot]

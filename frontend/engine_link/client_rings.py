@@ -78,10 +78,14 @@ _NO_SHARD_RETRY_S = 5.0  # a shard restarts in a few seconds
 
 class RingEngineClient(EngineClient):
     def __init__(
-        self, spec: ProcessSpec, policy: str, router_config: RouterConfig,
-        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, node: str = "",
+        self,
+        spec: ProcessSpec,
+        policy: str,
+        router_config: RouterConfig,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        node: str = "",
         remote_decode: Sequence[int] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         rings = attach_rings(spec)
         self.doorbell = rings.doorbell
         self.table, self._table_seg = load_table(spec)
@@ -90,9 +94,10 @@ class RingEngineClient(EngineClient):
         self.owner = spec.index
         self._board_seg = shared_segment(spec, "frontends")
         self.shared = (
-            FrontendBoard(self._board_seg.buf, me=spec.index) if self._board_seg is not None
+            FrontendBoard(self._board_seg.buf, me=spec.index)
+            if self._board_seg is not None
             else FrontendBoard.private(self.num_shards, self.table.num_workers)
-        )  # fmt: skip
+        )
         self.shared.claim()
         self.board = self.shared
         self._tier_seg = shared_segment(spec, "kvtier")
@@ -107,17 +112,20 @@ class RingEngineClient(EngineClient):
         mapped = prefix_summaries(spec)  # each engine worker's; kept mapped with the client
         self._summary_segs = [seg for _, seg in mapped.values()]
         summaries = {_worker_key(name): summary for name, (summary, _) in mapped.items()}
-        self.router = Router(self.table, policy, router_config, summaries, peers=self.shared,
-                             tiers=residency)  # fmt: skip
+        self.router = Router(
+            self.table, policy, router_config, summaries, peers=self.shared, tiers=residency
+        )
         self.shard_ctl = rings.sinks(RingKind.CTL, Role.DETOK)
         self.decode_ctl = rings.sinks(RingKind.CTL, Role.DECODE)
         colocated = rings.sinks(RingKind.REQ, Role.COLOCATED)
         # Under ``launch --colocated`` a placement's prefill == decode == the worker c.
         self.req_rings = colocated or rings.sinks(RingKind.REQ, Role.PREFILL)
         self.expected_workers = (
-            [(Role.COLOCATED, i) for i in colocated] if colocated
-            else [(Role.PREFILL, i) for i in self.req_rings] + [(Role.DECODE, i) for i in self.decode_ctl]
-        )  # fmt: skip
+            [(Role.COLOCATED, i) for i in colocated]
+            if colocated
+            else [(Role.PREFILL, i) for i in self.req_rings]
+            + [(Role.DECODE, i) for i in self.decode_ctl]
+        )
         self.streams: dict[int, Stream] = {}  # by current rid
         self.by_origin: dict[int, Stream] = {}  # by the rid the frontend gave the request
         self.recovery = Recovery(self, self.router, self.table, self.text_rings, stall_timeout_s)
@@ -169,8 +177,11 @@ class RingEngineClient(EngineClient):
         if delta.text or delta.token_ids or delta.reasoning:
             stream.queue.put_nowait(msgspec.structs.replace(delta, finish=int(Finish.NONE)))
         if stream.lost_since is None:
-            logger.warning("rid %d: the engine lost it after %d tokens; resuming it",
-                           stream.rid, len(stream.token_ids))  # fmt: skip
+            logger.warning(
+                "rid %d: the engine lost it after %d tokens; resuming it",
+                stream.rid,
+                len(stream.token_ids),
+            )
             stream.lost_since = time.monotonic()
 
     # ---- requests ----------------------------------------------------------------------
@@ -226,8 +237,9 @@ class RingEngineClient(EngineClient):
         if leader is not None and not leader.resumes:
             try:
                 prefill = leader.placement.prefill
-                return self.router.place(len(req.prompt_ids), req.sampling.max_tokens, hashes,
-                                         prefill=prefill, lora=fp)  # fmt: skip
+                return self.router.place(
+                    len(req.prompt_ids), req.sampling.max_tokens, hashes, prefill=prefill, lora=fp
+                )
             except NoCapacity:
                 pass  # it runs as an ordinary request, wherever the router puts it
         return self.router.place(len(req.prompt_ids), req.sampling.max_tokens, hashes, lora=fp)
@@ -235,23 +247,32 @@ class RingEngineClient(EngineClient):
     async def submit(self, s: Stream) -> None:
         """Register with the shard, then send to prefill (continuing after ``token_ids``)."""
         register = DetokRegister(
-            rid=s.rid, params=s.req.detok, prompt_len=len(s.req.prompt_ids),
-            num_logprobs=s.req.num_logprobs, output_ids=list(s.token_ids),
-        )  # fmt: skip
+            rid=s.rid,
+            params=s.req.detok,
+            prompt_len=len(s.req.prompt_ids),
+            num_logprobs=s.req.num_logprobs,
+            output_ids=list(s.token_ids),
+        )
         await self._put(self.shard_ctl[s.shard], register)
         first = not s.resumes  # a resumed choice has output of its own: nothing to share
         gen = GenerateRequest(
-            rid=s.rid, prompt_ids=s.req.prompt_ids, sampling=s.req.sampling,
-            decode_worker=s.placement.decode, detok_shard=s.shard, output_ids=list(s.token_ids),
-            forks=s.req.forks if first else 0, fork_of=s.req.fork_of if first else -1,
-        )  # fmt: skip
+            rid=s.rid,
+            prompt_ids=s.req.prompt_ids,
+            sampling=s.req.sampling,
+            decode_worker=s.placement.decode,
+            detok_shard=s.shard,
+            output_ids=list(s.token_ids),
+            forks=s.req.forks if first else 0,
+            fork_of=s.req.fork_of if first else -1,
+        )
         await self._put(self.req_rings[s.placement.prefill], gen)
 
     async def reset_prefix_cache(self) -> ResetDone:
         """Empty every pool's prefix cache and the host tiers (``prefix_reset.py``)."""
         rings = [*self.req_rings.values(), *self.decode_ctl.values()]
-        return await reset_prefix_cache(rings, self._put, self.table, self.node, self.kv_tier,
-                                        self.kv_tier_disk)  # fmt: skip
+        return await reset_prefix_cache(
+            rings, self._put, self.table, self.node, self.kv_tier, self.kv_tier_disk
+        )
 
     async def _put(self, ring: Ring, msg: Control) -> None:
         """Publish without blocking the event loop; a ring full for long is an engine fault."""
@@ -293,14 +314,21 @@ class RingEngineClient(EngineClient):
             mine[st.shard] += 1
         self.shared.set_active(mine)
         active = dict(enumerate(self.shared.active_per_shard()))
-        workers = worker_health(self.table, self.expected_workers, self.text_rings, active,
-                                self.stall_timeout_s / 4, node=self.node,
-                                remote=self.remote)  # fmt: skip
+        workers = worker_health(
+            self.table,
+            self.expected_workers,
+            self.text_rings,
+            active,
+            self.stall_timeout_s / 4,
+            node=self.node,
+            remote=self.remote,
+        )
         return workers + frontend_health(self.shared, node=self.node)
 
     def metrics_snapshot(self) -> list[WorkerReport]:
-        return worker_metrics(self.table, self.router.assigned(), node=self.node,
-                              remote=self.remote)  # fmt: skip
+        return worker_metrics(
+            self.table, self.router.assigned(), node=self.node, remote=self.remote
+        )
 
     async def close(self) -> None:
         if self._watchdog is not None:
@@ -314,8 +342,9 @@ def tier_residency(tier: HostStore, fields: dict[str, Any], node: str) -> TierRe
     if not fields.get("namespace"):
         return None
     disk = fields.get("dir")
-    return TierResidency(tier, bytes.fromhex(fields["namespace"]),
-                         None if disk is None else Path(disk), node)  # fmt: skip
+    return TierResidency(
+        tier, bytes.fromhex(fields["namespace"]), None if disk is None else Path(disk), node
+    )
 
 
 def _worker_key(name: str) -> tuple[Role, int]:

@@ -48,19 +48,26 @@ class ResetDone:
 
 
 async def reset_prefix_cache(
-    rings: Iterable[Ring], put: Callable[[Ring, Control], Awaitable[None]], table: LoadTable,
-    node: str, host: HostStore | None, has_disk: bool,
+    rings: Iterable[Ring],
+    put: Callable[[Ring, Control], Awaitable[None]],
+    table: LoadTable,
+    node: str,
+    host: HostStore | None,
+    has_disk: bool,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> ResetDone:  # fmt: skip
+) -> ResetDone:
     """Run the reset above over ``rings`` (one per engine worker) with ``put``; raises
     ``ResetTimeout`` naming what did not confirm within ``timeout_s``."""
     epoch = time.time_ns()
     # Which workers must confirm: the live engine workers of this node, as they are now.
     waiting = {
-        r.slot: r.generation for r in table.snapshot()
-        if r.role in (Role.PREFILL, Role.DECODE, Role.COLOCATED) and r.node == node
-        and r.state is WorkerState.READY and pid_alive(r.pid)
-    }  # fmt: skip
+        r.slot: r.generation
+        for r in table.snapshot()
+        if r.role in (Role.PREFILL, Role.DECODE, Role.COLOCATED)
+        and r.node == node
+        and r.state is WorkerState.READY
+        and pid_alive(r.pid)
+    }
     msg = ResetPrefixCache(epoch)
     for ring in rings:
         with contextlib.suppress(EngineUnavailable):  # a dead worker restarts empty

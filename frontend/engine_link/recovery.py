@@ -81,9 +81,13 @@ def stalled(row_heartbeat_ns: int, now_ns: int, timeout_s: float) -> bool:
 
 class Recovery:
     def __init__(
-        self, client: Resubmitter, router: Router, table: LoadTable, text_rings: Sequence[Ring],
+        self,
+        client: Resubmitter,
+        router: Router,
+        table: LoadTable,
+        text_rings: Sequence[Ring],
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.client, self.router, self.table = client, router, table
         self.text_rings = text_rings
         self.stall_timeout_s = stall_timeout_s
@@ -140,8 +144,9 @@ class Recovery:
             salt = None if lora is None else lora.salt
             hashes = self.router.hash_blocks(s.req.prompt_ids + s.token_ids, salt)
             fp = None if lora is None else lora.fingerprint
-            placement = self.router.place(len(s.req.prompt_ids), s.req.sampling.max_tokens,
-                                          hashes, lora=fp)  # fmt: skip
+            placement = self.router.place(
+                len(s.req.prompt_ids), s.req.sampling.max_tokens, hashes, lora=fp
+            )
         except NoCapacity as e:
             if now - s.lost_since > RESUME_WINDOW_S:
                 self.fail(s, f"request failed: no live worker to resume it on ({e.reason})")
@@ -158,9 +163,15 @@ class Recovery:
         s.lost_since, s.retry_at = None, 0.0
         s.resumes += 1
         streams[s.rid] = s
-        logger.warning("rid %d: resumed as rid %d after %d tokens (prefill %d, decode %d, "
-                       "shard %d)", old, s.rid, len(s.token_ids), placement.prefill,
-                       placement.decode, shard)  # fmt: skip
+        logger.warning(
+            "rid %d: resumed as rid %d after %d tokens (prefill %d, decode %d, shard %d)",
+            old,
+            s.rid,
+            len(s.token_ids),
+            placement.prefill,
+            placement.decode,
+            shard,
+        )
         try:
             await self.client.submit(s)
         except EngineUnavailable as e:
@@ -180,8 +191,7 @@ class Recovery:
                 dead.add((role, index, row.generation))
         for p in {s.placement for s in self.client.streams.values()}:
             p_key, d_key = p.keys
-            for (role, index), gen in ((p_key, p.prefill_generation),
-                                       (d_key, p.decode_generation)):  # fmt: skip
+            for (role, index), gen in ((p_key, p.prefill_generation), (d_key, p.decode_generation)):
                 now = live.get((role, index))
                 if now is not None and now.generation != gen:
                     dead.add((role, index, gen))  # restarted since placement

@@ -29,15 +29,24 @@ def shards_alive(text_rings: Sequence[Ring]) -> list[bool]:
 
 
 # An engine worker's load as /health shows it (LoadRow fields).
-_LOAD_FIELDS = ("queued_prefill_tokens", "waiting_requests", "running_requests",
-                "free_kv_blocks", "total_kv_blocks", "cached_blocks", "prefix_hit_tokens",
-                "prefix_queried_tokens", "computed_prefill_tokens", "lora_adapters",
-                "lora_loads")  # fmt: skip
+_LOAD_FIELDS = (
+    "queued_prefill_tokens",
+    "waiting_requests",
+    "running_requests",
+    "free_kv_blocks",
+    "total_kv_blocks",
+    "cached_blocks",
+    "prefix_hit_tokens",
+    "prefix_queried_tokens",
+    "computed_prefill_tokens",
+    "lora_adapters",
+    "lora_loads",
+)
 
 
 def _node_of(
     worker: tuple[Role, int], claimed: str, node: str, remote: Collection[tuple[Role, int]]
-) -> str:  # fmt: skip
+) -> str:
     """The node a worker runs on, by the rules of this module's docstring."""
     if claimed:
         return claimed
@@ -45,10 +54,15 @@ def _node_of(
 
 
 def worker_health(
-    table: LoadTable, expected: Sequence[tuple[Role, int]], text_rings: Sequence[Ring],
-    active_per_shard: Mapping[int, int], stall_report_s: float, *, node: str,
+    table: LoadTable,
+    expected: Sequence[tuple[Role, int]],
+    text_rings: Sequence[Ring],
+    active_per_shard: Mapping[int, int],
+    stall_report_s: float,
+    *,
+    node: str,
     remote: Collection[tuple[Role, int]] = (),
-) -> list[WorkerHealth]:  # fmt: skip
+) -> list[WorkerHealth]:
     """Every worker's role, index, pid, liveness, load and node; then every detokenizer
     shard (on ``node``, the frontend's). ``remote``: the reserve other nodes bring.
 
@@ -68,8 +82,9 @@ def worker_health(
         where = _node_of((role, index), "" if r is None else r.node, node, remote)
         if r is None:  # spawned, not yet in the table
             load = dict.fromkeys(_LOAD_FIELDS, 0.0)
-            out.append(WorkerHealth(role.health_label, index, 0, False, load, "starting",
-                                    node=where))  # fmt: skip
+            out.append(
+                WorkerHealth(role.health_label, index, 0, False, load, "starting", node=where)
+            )
             continue
         state = r.state.name.lower()
         if r.state == WorkerState.READY and now_ns - r.heartbeat_ns > stall_report_s * 1e9:
@@ -78,13 +93,15 @@ def worker_health(
         load = {f: float(getattr(r, f)) for f in _LOAD_FIELDS}
         dead = r.state in (WorkerState.DEAD, WorkerState.FAILED) and r.exit_status != 0
         reason = describe_exit(r.exit_status) if dead else None
-        out.append(WorkerHealth(role.health_label, r.index, r.pid, alive, load, state,
-                                reason, node=where))  # fmt: skip
+        out.append(
+            WorkerHealth(role.health_label, r.index, r.pid, alive, load, state, reason, node=where)
+        )
     for k, (ring, alive) in enumerate(zip(text_rings, shards_alive(text_rings), strict=True)):
         load = {"active_requests": float(active_per_shard.get(k, 0))}
         state = "ready" if alive else "dead"
-        out.append(WorkerHealth(Role.DETOK.health_label, k, ring.peer_pid, alive, load, state,
-                                node=node))  # fmt: skip
+        out.append(
+            WorkerHealth(Role.DETOK.health_label, k, ring.peer_pid, alive, load, state, node=node)
+        )
     return out
 
 
@@ -95,15 +112,27 @@ def frontend_health(board: FrontendBoard, *, node: str) -> list[WorkerHealth]:
     for f in board.frontends():
         load = {"active_requests": float(f.active)}
         alive = f.state == WorkerState.READY
-        out.append(WorkerHealth(Role.FRONTEND.health_label, f.index, f.pid, alive, load,
-                                f.state.name.lower(), node=node))  # fmt: skip
+        out.append(
+            WorkerHealth(
+                Role.FRONTEND.health_label,
+                f.index,
+                f.pid,
+                alive,
+                load,
+                f.state.name.lower(),
+                node=node,
+            )
+        )
     return out
 
 
 def worker_metrics(
-    table: LoadTable, assigned: Mapping[tuple[Role, int], tuple[int, int]], *, node: str,
+    table: LoadTable,
+    assigned: Mapping[tuple[Role, int], tuple[int, int]],
+    *,
+    node: str,
     remote: Collection[tuple[Role, int]] = (),
-) -> list[WorkerReport]:  # fmt: skip
+) -> list[WorkerReport]:
     """Per-worker running/waiting requests, KV usage, prefix-cache figures and what the
     router assigned, each with its node (as ``worker_health`` names it)."""
     out = []

@@ -168,5 +168,7 @@ class HealthAcceptor:
                 return fds
             if not data:
                 return fds
-            fds += [int.from_bytes(data[i : i + 4], sys.byteorder, signed=True)
-                    for i in range(0, len(data), 4)]  # fmt: skip
+            fds += [
+                int.from_bytes(data[i : i + 4], sys.byteorder, signed=True)
+                for i in range(0, len(data), 4)
+            ]

@@ -226,8 +226,11 @@ def health_report(client: EngineClient) -> tuple[int, bytes]:
         roles[w.role] = roles.get(w.role, False) or w.alive
     serving = all(roles.values())
     status = ("ok" if all(w.alive for w in workers) else "degraded") if serving else "unavailable"
-    body = {"status": status, "workers": [asdict(w) for w in workers],
-            "nodes": node_summary(workers)}  # fmt: skip
+    body = {
+        "status": status,
+        "workers": [asdict(w) for w in workers],
+        "nodes": node_summary(workers),
+    }
     return 200 if serving else 503, msgspec.json.encode(body)
 
 
@@ -301,8 +304,9 @@ def _warn_if_exposed(settings: FrontendSettings) -> None:
     except ValueError:
         loopback = False
     if not loopback and settings.api_key is None:
-        logger.warning("binding %s without an API key: anyone who can reach it can use it",
-                       settings.host)  # fmt: skip
+        logger.warning(
+            "binding %s without an API key: anyone who can reach it can use it", settings.host
+        )
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -371,8 +375,13 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": settings.model_name, "object": "model", "created": 0,
-                "owned_by": "pdserve", "max_model_len": settings.max_model_len}  # fmt: skip
+        card = {
+            "id": settings.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": settings.max_model_len,
+        }
         adapters = ctx.loras.cards() if ctx.loras is not None else []
         return JSONResponse({"object": "list", "data": [card, *adapters]})
 

@@ -142,8 +142,11 @@ class TimedHttpProtocol(HttpToolsProtocol):
         peer = self.client[0] if self.client else ""
         refused = self.limiter.admit(peer)
         if refused is not None:
-            transport.write(error_response(503, f"Too many connections: {refused}",
-                                           "too_many_connections", retry_after_s=1))  # fmt: skip
+            transport.write(
+                error_response(
+                    503, f"Too many connections: {refused}", "too_many_connections", retry_after_s=1
+                )
+            )
             transport.close()
             return
         self._peer = peer
@@ -207,8 +210,9 @@ class TimedHttpProtocol(HttpToolsProtocol):
     def _give_up(self, what: str, timeout_s: float, answer: bool) -> None:
         if self.transport.is_closing():
             return
-        logger.info("%s: %s not received within %g s; closing the connection",
-                    self._peer, what, timeout_s)  # fmt: skip
+        logger.info(
+            "%s: %s not received within %g s; closing the connection", self._peer, what, timeout_s
+        )
         self.limiter.timed_out += 1
         if answer:
             message = f"The {what} was not received within {timeout_s:g} s"

@@ -36,10 +36,19 @@ from frontend.errors import APIError, MisdirectedRequest, Unauthorized, Unsuppor
 from frontend.settings import FrontendSettings
 
 JSON_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize",
-     "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
-     "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
-)  # fmt: skip
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/generate",
+        "/tokenize",
+        "/detokenize",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/responses",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+    }
+)
 
 
 class Guard:

@@ -35,6 +35,11 @@ def add_reset_route(app: FastAPI, client: EngineClient) -> None:
             return APIError(f"prefix cache reset incomplete: {e}", status=503).response()
         assert isinstance(done, ResetDone)
         logger.info("prefix caches reset: %s", done)
-        return JSONResponse({"reset": True, "workers": done.workers,
-                             "host_blocks_dropped": done.host_blocks,
-                             "disk_cleared": done.disk_cleared})  # fmt: skip
+        return JSONResponse(
+            {
+                "reset": True,
+                "workers": done.workers,
+                "host_blocks_dropped": done.host_blocks,
+                "disk_cleared": done.disk_cleared,
+            }
+        )

@@ -59,17 +59,24 @@ class _Server(uvicorn.Server):
 
         # Counted now, with everything but connections open: what is left is theirs.
         budget = connection_budget(raise_fd_limit(), fds_open())
-        limiter = ConnectionLimiter(self.limits.max_connections or budget,
-                                    self.limits.max_connections_per_peer)  # fmt: skip
-        logger.info("at most %d connections (%s per client address)", limiter.max_connections,
-                    limiter.max_per_peer or "no cap")  # fmt: skip
+        limiter = ConnectionLimiter(
+            self.limits.max_connections or budget, self.limits.max_connections_per_peer
+        )
+        logger.info(
+            "at most %d connections (%s per client address)",
+            limiter.max_connections,
+            limiter.max_per_peer or "no cap",
+        )
         self.metrics.add_connections(limiter.stats)
 
         def protocol() -> asyncio.Protocol:
             return TimedHttpProtocol(
-                config=self.config, server_state=self.server_state,
-                app_state=self.lifespan.state, limits=self.limits, limiter=limiter,
-            )  # fmt: skip
+                config=self.config,
+                server_state=self.server_state,
+                app_state=self.lifespan.state,
+                limits=self.limits,
+                limiter=limiter,
+            )
 
         self.acceptor = HealthAcceptor(self.sock, protocol, lambda: health_report(self.client))
         if self.client.board is not None:  # before the first report the acceptor publishes
@@ -99,8 +106,14 @@ def main() -> None:
         stale_after_s=launch.stall_timeout_s / 4,  # when /health starts to call it stalled
         max_loras=max(1, settings.max_loras),
     )
-    client = RingEngineClient(spec, launch.router_policy, router_config, launch.stall_timeout_s,
-                              node=launch.node, remote_decode=launch.remote_decode)  # fmt: skip
+    client = RingEngineClient(
+        spec,
+        launch.router_policy,
+        router_config,
+        launch.stall_timeout_s,
+        node=launch.node,
+        remote_decode=launch.remote_decode,
+    )
     app = build_app(client, tokenizer, settings)
     config = uvicorn.Config(
         app,
@@ -114,8 +127,9 @@ def main() -> None:
     # Bound here, before the model-sized work is done, so a taken port fails fast; backlog
     # as uvicorn's default, enough for a burst of thousands of clients. SO_REUSEPORT only
     # with several frontends: it would let another process of this user share the port.
-    sock = socket.create_server((settings.host, settings.port), backlog=2048,
-                                reuse_port=launch.api_workers > 1)  # fmt: skip
+    sock = socket.create_server(
+        (settings.host, settings.port), backlog=2048, reuse_port=launch.api_workers > 1
+    )
     _Server(config, sock, client, app.state.ctx.metrics, limits).run()
 
 

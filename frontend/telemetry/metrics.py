@@ -37,168 +37,19 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from frontend.engine_link.board import METRIC_WORDS, FrontendBoard
-from frontend.engine_link.engine_client import EngineClient, WorkerReport
+from frontend.engine_link.engine_client import EngineClient
 from frontend.errors import LIMITS
+from frontend.telemetry.engine_metrics import EngineCollector
 from transport.load_table import WorkerState
-from transport.worker_load import SPEC_POSITIONS, SPEC_SKIP_REASONS
-from wire.roles import Role
 
 logger = logging.getLogger(__name__)
 
+# Histogram bounds in seconds. Kept as two-line tables (fmt: skip): the formatter would
+# set them one number a line, 40 lines that read worse.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0)  # fmt: skip
-
-
-class _EngineCollector(Collector):
-    def __init__(self, client: EngineClient) -> None:
-        self._client = client
-
-    def collect(self) -> Iterator[Metric]:
-        labels = ["role", "index", "node"]  # node: the host the worker runs on
-        running = GaugeMetricFamily(
-            "pdserve_num_requests_running", "Requests running", labels=labels
-        )
-        waiting = GaugeMetricFamily(
-            "pdserve_num_requests_waiting", "Requests queued", labels=labels
-        )
-        kv = GaugeMetricFamily(
-            "pdserve_kv_cache_usage_perc", "KV blocks in use, 0-1", labels=labels
-        )
-        assigned = CounterMetricFamily(
-            "pdserve_router_assigned_requests", "Requests the router placed", labels=labels
-        )
-        assigned_tokens = CounterMetricFamily(
-            "pdserve_router_assigned_tokens",
-            "Tokens the router placed: prompts on prefill, prompt + max_tokens on decode",
-            labels=labels,
-        )
-        cached = GaugeMetricFamily(
-            "pdserve_prefix_cache_blocks",
-            "KV blocks holding a reusable prompt prefix (in use or evictable)",
-            labels=labels,
-        )
-        hit_rate = GaugeMetricFamily(
-            "pdserve_prefix_cache_hit_rate",
-            "Prompt tokens found in the prefix cache / tokens looked up, 0-1, since the "
-            "worker started (decode: handed-off KV tokens it already held)",
-            labels=labels,
-        )
-        hits = GaugeMetricFamily(
-            "pdserve_prefix_cache_hit_tokens",
-            "Tokens found in the prefix cache since the worker started",
-            labels=labels,
-        )
-        queries = GaugeMetricFamily(
-            "pdserve_prefix_cache_queried_tokens",
-            "Tokens looked up in the prefix cache since the worker started",
-            labels=labels,
-        )
-        computed = CounterMetricFamily(
-            "pdserve_prefill_computed_tokens",
-            "Prompt tokens run through the model (below the tokens sent when prompts share "
-            "KV: n > 1 choices, cached prefixes)",
-            labels=labels,
-        )
-        try:
-            loads = self._client.metrics_snapshot()
-        except Exception:  # a scrape must never take the server down
-            logger.exception("engine metrics snapshot failed")
-            loads = []
-        for w in loads:
-            key = [w.role, str(w.index), w.node]
-            load = w.load
-            running.add_metric(key, load.running_requests)
-            waiting.add_metric(key, load.waiting_requests)
-            kv.add_metric(key, load.kv_usage)
-            assigned.add_metric(key, w.assigned_requests)
-            assigned_tokens.add_metric(key, w.assigned_tokens)
-            cached.add_metric(key, load.cached_blocks)
-            hit_rate.add_metric(key, load.prefix_hit_rate)
-            hits.add_metric(key, load.prefix_hit_tokens)
-            queries.add_metric(key, load.prefix_queried_tokens)
-            if w.role != Role.DECODE:  # a StrEnum: equal to its value
-                computed.add_metric(key, load.computed_prefill_tokens)
-        yield from (running, waiting, kv, assigned, assigned_tokens, cached, hit_rate, hits,
-                    queries, computed)  # fmt: skip
-        yield from _speculation(loads, labels)
-        tiers = self._client.kv_tier_counters
-        if tiers is not None:
-            yield from _tier_metrics(tiers())
-
-
-# KV tiers beyond the pools (engine/kv/tiers/): metric, help, and its counter per tier.
-_TIER_COUNTERS = (
-    ("pdserve_kv_tier_hit_blocks", "Blocks loaded into a pool from the tier",
-     {"host": "host_hit_blocks", "disk": "disk_hit_blocks"}),
-    ("pdserve_kv_tier_miss_blocks", "Blocks looked up in the tier and not loaded from it",
-     {"host": "host_miss_blocks", "disk": "disk_miss_blocks"}),
-    ("pdserve_kv_tier_read_bytes", "Bytes loaded from the tier into pools",
-     {"host": "host_bytes_out", "disk": "disk_bytes_read"}),
-    ("pdserve_kv_tier_written_bytes", "Bytes stored into the tier",
-     {"host": "host_bytes_in", "disk": "disk_bytes_written"}),
-    ("pdserve_kv_tier_load_seconds", "Seconds spent loading blocks from the tier",
-     {"host": "host_load_ns", "disk": "disk_load_ns"}),
-    ("pdserve_kv_tier_store_seconds", "Seconds spent storing blocks into the tier",
-     {"host": "host_store_ns", "disk": "disk_store_ns"}),
-    ("pdserve_kv_tier_evictions", "Blocks the tier evicted to make room",
-     {"host": "host_evictions", "disk": "disk_evictions"}),
-    ("pdserve_kv_tier_quarantined", "Block files that failed a check on load, moved aside",
-     {"disk": "disk_quarantined"}),
-    ("pdserve_kv_tier_dropped", "Blocks the disk tier could not write (budget, disk full)",
-     {"disk": "disk_dropped"}),
-)  # fmt: skip
-
-
-def _tier_metrics(c: dict[str, int]) -> Iterator[Metric]:
-    for name, doc, per_tier in _TIER_COUNTERS:
-        fam = CounterMetricFamily(name, doc, labels=["tier"])
-        for tier, key in per_tier.items():
-            fam.add_metric([tier], c[key] / 1e9 if key.endswith("_ns") else c[key])
-        yield fam
-    usage = GaugeMetricFamily("pdserve_kv_tier_disk_usage_bytes", "Bytes of block files on disk")
-    usage.add_metric([], c["disk_usage_bytes"])
-    yield usage
-
-
-def _speculation(loads: list[WorkerReport], labels: list[str]) -> Iterator[Metric]:
-    """vLLM's speculative-decoding counters, per decoding worker, and the request-steps
-    that did not speculate, by reason (engine/spec/speculator.py)."""
-    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-    docs = (
-        "Request-steps that verified drafts",
-        "Draft tokens verified",
-        "Draft tokens accepted",
-    )
-    totals = [
-        CounterMetricFamily(f"pdserve_spec_decode_{n}", d, labels=labels)
-        for n, d in zip(names, docs, strict=True)
-    ]
-    per_pos = CounterMetricFamily(
-        "pdserve_spec_decode_num_accepted_tokens_per_pos",
-        "Draft tokens accepted, by draft position (0: the first draft)",
-        labels=[*labels, "position"],
-    )
-    skipped = CounterMetricFamily(
-        "pdserve_spec_decode_skipped",
-        "Request-steps that decoded one token without speculation, by reason",
-        labels=[*labels, "reason"],
-    )
-    for w in loads:
-        if not w.speculation:
-            continue
-        key = [w.role, str(w.index), w.node]
-        for family, value in zip(totals, w.speculation[:3], strict=True):
-            family.add_metric(key, value)
-        pos = w.speculation[3 : 3 + SPEC_POSITIONS]
-        for i, value in enumerate(pos):
-            per_pos.add_metric([*key, str(i)], value)
-        for reason, value in zip(
-            SPEC_SKIP_REASONS, w.speculation[3 + SPEC_POSITIONS :], strict=True
-        ):
-            skipped.add_metric([*key, reason], value)
-    yield from (*totals, per_pos, skipped)
 
 
 class _NvmlCollector(Collector):
@@ -314,19 +165,24 @@ class FrontendMetrics:
             self._counters.append(f)
             return SharedCounter(words, f.first)
 
-        self.ttft = histogram("pdserve_time_to_first_token_seconds", "Arrival to first token",
-                              _LATENCY_BUCKETS)  # fmt: skip
-        self.itl = histogram("pdserve_inter_token_latency_seconds",
-                             "Gap between output deltas", _LATENCY_BUCKETS)  # fmt: skip
-        self.e2e = histogram("pdserve_e2e_request_latency_seconds", "Arrival to last token",
-                             _E2E_BUCKETS)  # fmt: skip
+        self.ttft = histogram(
+            "pdserve_time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "pdserve_inter_token_latency_seconds", "Gap between output deltas", _LATENCY_BUCKETS
+        )
+        self.e2e = histogram(
+            "pdserve_e2e_request_latency_seconds", "Arrival to last token", _E2E_BUCKETS
+        )
         self.prompt_tokens = counter("pdserve_prompt_tokens", "Prompt tokens admitted")
         self.generation_tokens = counter("pdserve_generation_tokens", "Output tokens")
-        self.refused = counter("pdserve_requests_refused",
-                               "Requests answered 503: no worker could take them")  # fmt: skip
+        self.refused = counter(
+            "pdserve_requests_refused", "Requests answered 503: no worker could take them"
+        )
         self._requests = w.take(len(FINISH_REASONS))
-        self.requests = _Labelled({r: SharedCounter(words, self._requests + i)
-                                   for i, r in enumerate(FINISH_REASONS)})  # fmt: skip
+        self.requests = _Labelled(
+            {r: SharedCounter(words, self._requests + i) for i, r in enumerate(FINISH_REASONS)}
+        )
         self._by_limit = w.take(len(LIMITS))
         self.limit_refusals = _Labelled(
             {name: SharedCounter(words, self._by_limit + i) for i, name in enumerate(LIMITS)}
@@ -339,15 +195,18 @@ class FrontendMetrics:
         )
         # Process-local figures, copied in by ``publish`` (the accept thread counts in C).
         self._accepted = counter("pdserve_http_connections_accepted", "TCP connections accepted")
-        self._answered = counter("pdserve_health_probes_answered",
-                                 "GET /health probes answered by the accept thread, off the "
-                                 "event loop")  # fmt: skip
-        self._conn_refused = counter("pdserve_http_connections_refused",
-                                     "Connections refused with 503: over "
-                                     "--max-connections(-per-peer)")  # fmt: skip
-        self._timeouts = counter("pdserve_http_request_timeouts",
-                                 "Connections closed because a request head or body came "
-                                 "too slowly")  # fmt: skip
+        self._answered = counter(
+            "pdserve_health_probes_answered",
+            "GET /health probes answered by the accept thread, off the event loop",
+        )
+        self._conn_refused = counter(
+            "pdserve_http_connections_refused",
+            "Connections refused with 503: over --max-connections(-per-peer)",
+        )
+        self._timeouts = counter(
+            "pdserve_http_request_timeouts",
+            "Connections closed because a request head or body came too slowly",
+        )
         self._held = w.take(1)
         assert w.used <= METRIC_WORDS, f"{w.used} metric words; the board has {METRIC_WORDS}"
         self._words = words
@@ -358,7 +217,7 @@ class FrontendMetrics:
         self._connections: Callable[[], tuple[int, int, int]] | None = None
         self.registry = CollectorRegistry()
         self.registry.register(_SharedCollector(self))
-        self.registry.register(_EngineCollector(client))
+        self.registry.register(EngineCollector(client))
         gpu = _NvmlCollector.try_create() if nvml else None
         if gpu is not None:
             self.registry.register(gpu)
@@ -409,14 +268,17 @@ class _SharedCollector(Collector):
         for f in m._histograms:
             n = len(f.bounds) + 1
             cumulative = np.cumsum(total[f.first : f.first + n])
-            buckets = [(_le(b), float(c)) for b, c in zip((*f.bounds, None), cumulative,
-                                                          strict=True)]  # fmt: skip
-            yield HistogramMetricFamily(f.name, f.doc, buckets=buckets,
-                                        sum_value=float(total[f.first + n]))  # fmt: skip
+            buckets = [
+                (_le(b), float(c)) for b, c in zip((*f.bounds, None), cumulative, strict=True)
+            ]
+            yield HistogramMetricFamily(
+                f.name, f.doc, buckets=buckets, sum_value=float(total[f.first + n])
+            )
         for f in m._counters:
             yield CounterMetricFamily(f.name, f.doc, value=float(total[f.first]))
-        requests = CounterMetricFamily("pdserve_requests", "Finished requests",
-                                       labels=["finish_reason"])  # fmt: skip
+        requests = CounterMetricFamily(
+            "pdserve_requests", "Finished requests", labels=["finish_reason"]
+        )
         for i, reason in enumerate(FINISH_REASONS):
             if total[m._requests + i]:
                 requests.add_metric([reason], float(total[m._requests + i]))
@@ -429,17 +291,21 @@ class _SharedCollector(Collector):
         for i, name in enumerate(LIMITS):
             by_limit.add_metric([name], float(total[m._by_limit + i]))
         yield by_limit
-        per_frontend = CounterMetricFamily("pdserve_frontend_requests",
-                                           "Finished requests, by the frontend that served them",
-                                           labels=["frontend"])  # fmt: skip
+        per_frontend = CounterMetricFamily(
+            "pdserve_frontend_requests",
+            "Finished requests, by the frontend that served them",
+            labels=["frontend"],
+        )
         done = rows[:, m._requests : m._requests + len(FINISH_REASONS)].sum(axis=1)
         for n, count in enumerate(done):
             per_frontend.add_metric([str(n)], float(count))
         yield per_frontend
-        live = [r.state == WorkerState.READY or r.index == m.board.me
-                for r in m.board.frontends()]  # fmt: skip
-        yield GaugeMetricFamily("pdserve_http_connections_open", "Client connections held",
-                                value=float(rows[live, m._held].sum()))  # fmt: skip
+        live = [r.state == WorkerState.READY or r.index == m.board.me for r in m.board.frontends()]
+        yield GaugeMetricFamily(
+            "pdserve_http_connections_open",
+            "Client connections held",
+            value=float(rows[live, m._held].sum()),
+        )
 
 
 def _le(bound: float | None) -> str:

@@ -43,9 +43,11 @@ class StatsLog:
             return None
         kv = max((w.load.kv_usage for w in workers), default=0.0)
         dt = max(now - then, 1e-9)
-        return (f"prompt {(prompt - prompt0) / dt:.1f} tok/s, generation "
-                f"{(generated - generated0) / dt:.1f} tok/s, running {running} reqs, waiting "
-                f"{waiting} reqs, KV {100 * kv:.1f}% (fullest worker)")  # fmt: skip
+        return (
+            f"prompt {(prompt - prompt0) / dt:.1f} tok/s, generation "
+            f"{(generated - generated0) / dt:.1f} tok/s, running {running} reqs, waiting "
+            f"{waiting} reqs, KV {100 * kv:.1f}% (fullest worker)"
+        )
 
     async def run(self, interval_s: float = INTERVAL_S) -> None:
         while True:

@@ -64,13 +64,18 @@ def test_tcp_echo_crosses_the_veth_and_the_namespaces_are_gone_after() -> None:
     with NetnsPair() as pair:
         names = set(pair.names.values())
         assert names <= set(list_namespaces())
-        server = pair.popen("a", [sys.executable, "-c", SERVER, pair.addr("a"), str(PORT)],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+        server = pair.popen(
+            "a",
+            [sys.executable, "-c", SERVER, pair.addr("a"), str(PORT)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert server.stdout is not None
         assert server.stdout.readline().strip() == "ready"
         sent_before = pair.link_bytes("b")[1]
-        client = pair.run("b", [sys.executable, "-c", CLIENT, pair.addr("a"), str(PORT)],
-                          timeout=20)  # fmt: skip
+        client = pair.run(
+            "b", [sys.executable, "-c", CLIENT, pair.addr("a"), str(PORT)], timeout=20
+        )
         assert client.returncode == 0, client.stderr
         assert client.stdout.strip() == "echoed 20"
         assert server.wait(timeout=10) == 0
@@ -119,7 +124,12 @@ def test_each_side_has_cores_of_its_own_that_its_processes_run_on() -> None:
         # What a launched node sees: the affinity set before exec, inherited through
         # ``ip netns exec`` (the same pin NetnsLaunch applies).
         probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
-        proc = pair.popen("b", probe, stdout=subprocess.PIPE, text=True,
-                          preexec_fn=lambda: os.sched_setaffinity(0, b))  # fmt: skip
+        proc = pair.popen(
+            "b",
+            probe,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: os.sched_setaffinity(0, b),
+        )
         out, _ = proc.communicate(timeout=30)
         assert out.strip() == str(b)

@@ -54,8 +54,9 @@ ok, why = netns_pair.available()
 def test_a_small_read_crosses_the_veth_over_tcp_and_is_notified() -> None:
     with netns_pair.NetnsPair() as pair:
         names = set(pair.names.values())
-        r = measure_read(pair, "a", "b", transport="tcp", mib=4, desc_kib=256, repeats=1,
-                         timeout=30)  # fmt: skip
+        r = measure_read(
+            pair, "a", "b", transport="tcp", mib=4, desc_kib=256, repeats=1, timeout=30
+        )
     assert len(r.seconds) == 1 and r.notifs == 2  # warm-up + timed, each notified
     assert r.reader_veth_rx_bytes is not None and r.reader_veth_rx_bytes >= 2 * (4 << 20)
     assert r.read_protocol == "unknown" or "tcp/" in r.read_protocol

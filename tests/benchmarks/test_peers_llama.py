@@ -10,13 +10,15 @@ import pytest
 
 import benchmarks.peers.__main__ as cli
 from benchmarks.machine import vector_flags
-from benchmarks.peers import llama_cpp
+from benchmarks.peers import contenders, llama_cpp
 from benchmarks.peers.report import Point, Report, peer_ratio_rows, render
 from benchmarks.peers.servers import ServerFailed
 
-AVX512_VM = ("processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd "
-             "avx512vl avx512dq avx512bw avx512_vnni avx512_bf16 avx512vbmi avx_vnni amx_tile "
-             "amx_int8 amx_bf16\n")  # fmt: skip
+AVX512_VM = (
+    "processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd "
+    "avx512vl avx512dq avx512bw avx512_vnni avx512_bf16 avx512vbmi avx_vnni amx_tile "
+    "amx_int8 amx_bf16\n"
+)
 AVX2_ONLY = "flags\t\t: fpu sse4_2 avx avx2 fma f16c bmi2\n"
 
 
@@ -28,8 +30,14 @@ def flags_of(cpuinfo: str) -> dict[str, str]:
 def test_build_names_every_extension_the_cpu_reports_and_never_native_or_amx() -> None:
     d = flags_of(AVX512_VM)
     assert d["GGML_NATIVE"] == "OFF"
-    for opt in ("GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_AVX512", "GGML_AVX512_VNNI",
-                "GGML_AVX512_BF16"):  # fmt: skip
+    for opt in (
+        "GGML_AVX2",
+        "GGML_FMA",
+        "GGML_F16C",
+        "GGML_AVX512",
+        "GGML_AVX512_VNNI",
+        "GGML_AVX512_BF16",
+    ):
         assert d[opt] == "ON", opt
     # the VM reports AMX, and a build using it died with SIGILL: always off
     assert d["GGML_AMX_TILE"] == d["GGML_AMX_INT8"] == d["GGML_AMX_BF16"] == "OFF"
@@ -47,21 +55,28 @@ def test_build_leaves_out_what_the_cpu_does_not_report() -> None:
 
 
 def test_a_build_with_the_same_flags_is_not_redone(tmp_path: Path) -> None:
-    build = llama_cpp.LlamaBuild(tmp_path, llama_cpp.source_dir(tmp_path),
-                                 llama_cpp.cmake_flags(llama_cpp.cpu_flags(AVX2_ONLY)))  # fmt: skip
+    build = llama_cpp.LlamaBuild(
+        tmp_path,
+        llama_cpp.source_dir(tmp_path),
+        llama_cpp.cmake_flags(llama_cpp.cpu_flags(AVX2_ONLY)),
+    )
     for exe in (build.server, build.quantize):
         exe.parent.mkdir(parents=True, exist_ok=True)
         exe.write_text("")
-    stamp = {"spec": build.spec, "cmake_flags": list(build.cmake_flags),
-             "targets": list(llama_cpp.TARGETS)}  # fmt: skip
+    stamp = {
+        "spec": build.spec,
+        "cmake_flags": list(build.cmake_flags),
+        "targets": list(llama_cpp.TARGETS),
+    }
     (tmp_path / "build" / "pdserve-build.json").write_text(json.dumps(stamp))
     assert llama_cpp.ensure_llama_cpp(tmp_path, cpuinfo=AVX2_ONLY) == build  # no pip, no cmake
 
 
 def test_llama_server_gives_every_slot_a_whole_max_model_len() -> None:
     build = llama_cpp.LlamaBuild(Path("x"), Path("src"), ())
-    argv = llama_cpp.server_argv(build, Path("m.gguf"), threads=2, parallel=8,
-                                 max_model_len=2048, alias="Model")  # fmt: skip
+    argv = llama_cpp.server_argv(
+        build, Path("m.gguf"), threads=2, parallel=8, max_model_len=2048, alias="Model"
+    )
     assert argv[0] == str(Path("x/build/bin/llama-server"))
     pairs = dict(zip(argv[1::2], argv[2::2]))
     assert pairs["-m"] == "m.gguf" and pairs["-t"] == "2" and pairs["--parallel"] == "8"
@@ -90,21 +105,36 @@ def test_plan_groups_servers_by_precision_with_the_peers_of_each(model: Path) ->
     groups = dry_plan(model)
     assert [g.precision for g in groups] == ["F32", "Q8_0", "Q4_1"]
     names = {g.precision: [s.name for s in g.specs] for g in groups}
-    assert names["F32"] == ["vLLM F32", "llama.cpp F32", "pdserve 1P+1D F32",
-                            "pdserve co-located F32"]  # fmt: skip
+    assert names["F32"] == [
+        "vLLM F32",
+        "llama.cpp F32",
+        "pdserve 1P+1D F32",
+        "pdserve co-located F32",
+    ]
     assert names["Q8_0"] == ["llama.cpp Q8_0", "pdserve 1P+1D int8", "pdserve co-located int8"]
     # vLLM in bfloat16 joins the Q4_1 group on CPUs with native bfloat16 only.
     native_bf16 = {"avx512_bf16", "amx_bf16"} & set(vector_flags())
-    assert names["Q4_1"] == [*(["vLLM BF16"] if native_bf16 else []), "llama.cpp Q4_1",
-                             "pdserve 1P+1D int4", "pdserve co-located int4",
-                             "pdserve 1P+1D GGUF Q4_1", "pdserve co-located GGUF Q4_1"]  # fmt: skip
+    assert names["Q4_1"] == [
+        *(["vLLM BF16"] if native_bf16 else []),
+        "llama.cpp Q4_1",
+        "pdserve 1P+1D int4",
+        "pdserve co-located int4",
+        "pdserve 1P+1D GGUF Q4_1",
+        "pdserve co-located GGUF Q4_1",
+    ]
     without = {g.precision: [s.name for s in g.specs] for g in dry_plan(model, "--no-vllm-bf16")}
     assert "vLLM BF16" not in without["Q4_1"]
 
 
 def test_pdserve_variants_pass_quantization_and_the_peers_gguf(model: Path) -> None:
-    groups = dry_plan(model, "--pdserve", "pdserve co-located", "--no-vllm",
-                      "--pdserve-quant", "none,int8,gguf-q8_0,gguf-q4_1")  # fmt: skip
+    groups = dry_plan(
+        model,
+        "--pdserve",
+        "pdserve co-located",
+        "--no-vllm",
+        "--pdserve-quant",
+        "none,int8,gguf-q8_0,gguf-q4_1",
+    )
     by = {s.name: list(s.argv) for g in groups for s in g.specs}
 
     def opt(name: str, flag: str) -> str:
@@ -125,20 +155,26 @@ def test_pdserve_variants_pass_quantization_and_the_peers_gguf(model: Path) -> N
 def test_precisions_and_no_llama_cpp_narrow_the_plan(model: Path) -> None:
     groups = dry_plan(model, "--precisions", "F32", "--no-llama-cpp", "--no-vllm")
     assert [(g.precision, [s.name for s in g.specs]) for g in groups] == [
-        ("F32", ["pdserve 1P+1D F32", "pdserve co-located F32"])]  # fmt: skip
+        ("F32", ["pdserve 1P+1D F32", "pdserve co-located F32"])
+    ]
     with pytest.raises(SystemExit, match="unknown"):
         dry_plan(model, "--pdserve-quant", "fp8")
 
 
 def test_without_launch_quantization_only_the_unquantized_variant_runs(model: Path) -> None:
-    s = cli.Settings(model, "float32", 1, 2048, 2, 8)
-    spec = cli.pdserve_server("pdserve co-located", cli.PDSERVE_QUANTS["none"], s, None, False)
+    s = contenders.Settings(model, "float32", 1, 2048, 2, 8)
+    spec = contenders.pdserve_server(
+        "pdserve co-located", contenders.PDSERVE_QUANTS["none"], s, None, False
+    )
     assert "--quantization" not in spec.argv  # older launch: dense weights by default
-    with pytest.raises(cli.MissingQuantizationFlag):
-        cli.pdserve_server("pdserve co-located", cli.PDSERVE_QUANTS["int4"], s, None, False)
-    with pytest.raises(cli.MissingQuantizationFlag):  # `auto` would de-quantize there
-        cli.pdserve_server("pdserve co-located", cli.PDSERVE_QUANTS["gguf-q4_1"], s,
-                           Path("q.gguf"), False)  # fmt: skip
+    with pytest.raises(contenders.MissingQuantizationFlag):
+        contenders.pdserve_server(
+            "pdserve co-located", contenders.PDSERVE_QUANTS["int4"], s, None, False
+        )
+    with pytest.raises(contenders.MissingQuantizationFlag):  # `auto` would de-quantize there
+        contenders.pdserve_server(
+            "pdserve co-located", contenders.PDSERVE_QUANTS["gguf-q4_1"], s, Path("q.gguf"), False
+        )
 
 
 def pt(server: str, c: int, tput: float, ttft: float, itl: float) -> Point:
@@ -147,23 +183,42 @@ def pt(server: str, c: int, tput: float, ttft: float, itl: float) -> Point:
 
 
 def test_ratios_divide_each_pdserve_row_by_each_peer_at_the_same_concurrency() -> None:
-    points = [pt("vLLM F32", 8, 40, 1000, 100), pt("llama.cpp F32", 8, 80, 500, 50),
-              pt("pd F32", 8, 40, 1000, 100), pt("pd F32", 1, 10, 100, 90)]  # fmt: skip
+    points = [
+        pt("vLLM F32", 8, 40, 1000, 100),
+        pt("llama.cpp F32", 8, 80, 500, 50),
+        pt("pd F32", 8, 40, 1000, 100),
+        pt("pd F32", 1, 10, 100, 90),
+    ]
     rows = peer_ratio_rows(points, "random", ["pd F32"], ["vLLM F32", "llama.cpp F32"])
     body = [[c.strip() for c in r.strip("|").split("|")] for r in rows[2:]]
-    assert body == [["1", "pd F32", "vLLM F32", "–", "–", "–"],
-                    ["1", "pd F32", "llama.cpp F32", "–", "–", "–"],
-                    ["8", "pd F32", "vLLM F32", "1.00", "1.00", "1.00"],
-                    ["8", "pd F32", "llama.cpp F32", "0.50", "2.00", "2.00"]]  # fmt: skip
+    assert body == [
+        ["1", "pd F32", "vLLM F32", "–", "–", "–"],
+        ["1", "pd F32", "llama.cpp F32", "–", "–", "–"],
+        ["8", "pd F32", "vLLM F32", "1.00", "1.00", "1.00"],
+        ["8", "pd F32", "llama.cpp F32", "0.50", "2.00", "2.00"],
+    ]
 
 
 def test_grouped_report_has_a_section_per_precision_and_says_which_peer_failed() -> None:
-    report = Report("t", "cmd", "cpu line", ["model: m"], [("random", "how")], "peers",
-                    groups=[("F32", ["pd F32"], ["vLLM F32", "llama.cpp F32"]),
-                            ("Q4_1", ["pd int4"], ["llama.cpp Q4_1"])],
-                    peer_failures={"vLLM": "ImportError: no wheel"})  # fmt: skip
-    points = [pt("llama.cpp F32", 1, 20, 100, 50), pt("pd F32", 1, 10, 200, 100),
-              pt("llama.cpp Q4_1", 1, 40, 50, 25), pt("pd int4", 1, 20, 100, 50)]  # fmt: skip
+    report = Report(
+        "t",
+        "cmd",
+        "cpu line",
+        ["model: m"],
+        [("random", "how")],
+        "peers",
+        groups=[
+            ("F32", ["pd F32"], ["vLLM F32", "llama.cpp F32"]),
+            ("Q4_1", ["pd int4"], ["llama.cpp Q4_1"]),
+        ],
+        peer_failures={"vLLM": "ImportError: no wheel"},
+    )
+    points = [
+        pt("llama.cpp F32", 1, 20, 100, 50),
+        pt("pd F32", 1, 10, 200, 100),
+        pt("llama.cpp Q4_1", 1, 40, 50, 25),
+        pt("pd int4", 1, 20, 100, 50),
+    ]
     text = render(report, points)
     assert "vLLM could not run here" in text and "ImportError: no wheel" in text
     f32, q4 = text.split("### F32")[1].split("### Q4_1")

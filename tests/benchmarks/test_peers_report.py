@@ -26,8 +26,13 @@ def test_ratio_divides_ours_by_theirs_and_refuses_missing_figures() -> None:
 
 
 def test_ratio_rows_pair_each_pdserve_point_with_the_baseline_at_the_same_load() -> None:
-    points = [point("vLLM", 1, 1.0), point("pd", 1, 2.0), point("vLLM", 4, 4.0),
-              point("pd", 4, 2.0), point("pd", 8, 1.0)]  # fmt: skip
+    points = [
+        point("vLLM", 1, 1.0),
+        point("pd", 1, 2.0),
+        point("vLLM", 4, 4.0),
+        point("pd", 4, 2.0),
+        point("pd", 8, 1.0),
+    ]
     rows = ratio_rows(points, "random", "vLLM")
     body = [cells(r) for r in rows[2:]]
     assert [r[:2] for r in body] == [["1", "pd"], ["4", "pd"], ["8", "pd"]]
@@ -37,8 +42,14 @@ def test_ratio_rows_pair_each_pdserve_point_with_the_baseline_at_the_same_load()
 
 
 def test_render_puts_figures_ratios_and_the_command_in_the_file() -> None:
-    report = Report("t", "python -m benchmarks.peers --model m", "cpu line", ["model: m"],
-                    [("random", "how random is made")], "vLLM")  # fmt: skip
+    report = Report(
+        "t",
+        "python -m benchmarks.peers --model m",
+        "cpu line",
+        ["model: m"],
+        [("random", "how random is made")],
+        "vLLM",
+    )
     text = render(report, [point("pd", 1, 2.0), point("vLLM", 1, 1.0)])
     assert "`python -m benchmarks.peers --model m`" in text and "cpu line" in text
     figures = text.split("## random")[1].split("pdserve / vLLM:")[0]
@@ -57,8 +68,9 @@ def test_render_lists_what_failed_requests_said() -> None:
 
 
 def test_render_says_why_the_baseline_is_missing_and_leaves_out_ratios() -> None:
-    report = Report("t", "cmd", "m", [], [("random", "")], "vLLM",
-                    baseline_failure="ImportError: no AVX512\n")  # fmt: skip
+    report = Report(
+        "t", "cmd", "m", [], [("random", "")], "vLLM", baseline_failure="ImportError: no AVX512\n"
+    )
     text = render(report, [point("pd", 1, 2.0)])
     assert "vLLM could not run here" in text and "ImportError: no AVX512" in text
     assert "pdserve / vLLM:" not in text

@@ -15,21 +15,36 @@ def test_ideal_hit_rate_counts_block_aligned_prefixes_seen_before() -> None:
 
 
 def test_hit_rate_is_the_ratio_of_metric_deltas() -> None:
-    before = {("pdserve_prefix_cache_hit_tokens", "prefill", 0): 10.0,
-              ("pdserve_prefix_cache_queried_tokens", "prefill", 0): 100.0}  # fmt: skip
-    after = {("pdserve_prefix_cache_hit_tokens", "prefill", 0): 70.0,
-             ("pdserve_prefix_cache_hit_tokens", "prefill", 1): 30.0,
-             ("pdserve_prefix_cache_queried_tokens", "prefill", 0): 200.0,
-             ("pdserve_prefix_cache_queried_tokens", "prefill", 1): 100.0}  # fmt: skip
+    before = {
+        ("pdserve_prefix_cache_hit_tokens", "prefill", 0): 10.0,
+        ("pdserve_prefix_cache_queried_tokens", "prefill", 0): 100.0,
+    }
+    after = {
+        ("pdserve_prefix_cache_hit_tokens", "prefill", 0): 70.0,
+        ("pdserve_prefix_cache_hit_tokens", "prefill", 1): 30.0,
+        ("pdserve_prefix_cache_queried_tokens", "prefill", 0): 200.0,
+        ("pdserve_prefix_cache_queried_tokens", "prefill", 1): 100.0,
+    }
     assert hit_rate(before, after, "prefill") == 90 / 200
     assert hit_rate(before, after, "decode") == 0.0
 
 
 def test_report_has_a_row_per_run_and_the_ratios() -> None:
-    rows = [{"dataset": d, "config": c, "p50_ttft_ms": 10.0 if c == "on" else 40.0,
-             "p90_ttft_ms": 1.0, "p99_ttft_ms": 2.0, "p50_tpot_ms": 3.0, "prefill_hit_rate": 0.6,
-             "decode_hit_rate": 0.6, "prefill_tokens": {0: 5.0, 1: 6.0}}
-            for d in DATASETS for c in CONFIGS]  # fmt: skip
+    rows = [
+        {
+            "dataset": d,
+            "config": c,
+            "p50_ttft_ms": 10.0 if c == "on" else 40.0,
+            "p90_ttft_ms": 1.0,
+            "p99_ttft_ms": 2.0,
+            "p50_tpot_ms": 3.0,
+            "prefill_hit_rate": 0.6,
+            "decode_hit_rate": 0.6,
+            "prefill_tokens": {0: 5.0, 1: 6.0},
+        }
+        for d in DATASETS
+        for c in CONFIGS
+    ]
     text = report(rows, dict.fromkeys(DATASETS, 0.8), "python -m benchmarks.prefix_cache")
     assert text.count("| 5 / 6 |") == len(rows)
     assert text.count("off / on = **4.00x**") == len(DATASETS) and "(75%)" in text

@@ -41,16 +41,22 @@ def test_mixed_alternates_prefill_and_decode_heavy(qwen_tokenizer: Any) -> None:
 
 
 def test_sharegpt_uses_first_turns_and_filters(qwen_tokenizer: Any, tmp_path: Path) -> None:
-    conv = lambda q, a: {"conversations": [{"from": "human", "value": q},  # noqa: E731
-                                           {"from": "gpt", "value": a}]}  # fmt: skip
-    data = [conv("hi", "a long enough reply here"), {"conversations": []},
-            conv("tell me a story about a fox please", "once upon a time there was a fox"),
-            conv("what is two plus two, exactly?", "it is four, of course")]  # fmt: skip
+    def conv(q: str, a: str) -> dict[str, Any]:
+        return {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+
+    data = [
+        conv("hi", "a long enough reply here"),
+        {"conversations": []},
+        conv("tell me a story about a fox please", "once upon a time there was a fox"),
+        conv("what is two plus two, exactly?", "it is four, of course"),
+    ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
     reqs = sharegpt_dataset(qwen_tokenizer, path, 2, seed=0)
-    assert {r.prompt for r in reqs} == {data[2]["conversations"][0]["value"],
-                                        data[3]["conversations"][0]["value"]}  # fmt: skip
+    assert {r.prompt for r in reqs} == {
+        data[2]["conversations"][0]["value"],
+        data[3]["conversations"][0]["value"],
+    }
     with pytest.raises(ValueError, match="only 2 usable"):
         sharegpt_dataset(qwen_tokenizer, path, 3, seed=0)
 
@@ -63,8 +69,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def test_multiturn_turns_extend_their_history_and_wait_for_it(qwen_tokenizer: Any) -> None:
-    reqs = multiturn_dataset(qwen_tokenizer, 9, turns=3, prefix_len=40, input_len=10,
-                             output_len=12, seed=0)  # fmt: skip
+    reqs = multiturn_dataset(
+        qwen_tokenizer, 9, turns=3, prefix_len=40, input_len=10, output_len=12, seed=0
+    )
     assert len(reqs) == 9 and [r.after for r in reqs] == [None] * 3 + list(range(6))
     system = reqs[0].messages[0] if reqs[0].messages else None
     for i, r in enumerate(reqs):
@@ -85,8 +92,9 @@ def test_multiturn_turns_extend_their_history_and_wait_for_it(qwen_tokenizer: An
 
 
 def test_shared_prefix_prompts_share_the_prefix_and_differ_after_it(qwen_tokenizer: Any) -> None:
-    reqs = shared_prefix_dataset(qwen_tokenizer, 4, prefix_len=64, input_len=16, output_len=5,
-                                 seed=3)  # fmt: skip
+    reqs = shared_prefix_dataset(
+        qwen_tokenizer, 4, prefix_len=64, input_len=16, output_len=5, seed=3
+    )
     ids = [qwen_tokenizer.encode(r.prompt) for r in reqs]
     assert len({r.prompt for r in reqs}) == 4
     for other in ids[1:]:

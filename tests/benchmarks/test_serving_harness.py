@@ -26,9 +26,22 @@ def serve(reference: tuple[Any, Any], **kw: Any) -> LiveServer:
 
 
 def bench_args(base_url: str, tokenizer_path: Path, *extra: str) -> list[str]:
-    return ["--base-url", base_url, "--model", MODEL, "--tokenizer", str(tokenizer_path),
-            "--num-prompts", "4", "--random-input-len", "12", "--random-output-len", "6",
-            "--disable-tqdm", *extra]  # fmt: skip
+    return [
+        "--base-url",
+        base_url,
+        "--model",
+        MODEL,
+        "--tokenizer",
+        str(tokenizer_path),
+        "--num-prompts",
+        "4",
+        "--random-input-len",
+        "12",
+        "--random-output-len",
+        "6",
+        "--disable-tqdm",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
@@ -36,9 +49,22 @@ def test_run_reports_exact_output_lengths(
     reference: tuple[Any, Any], tokenizer_path: Path, tmp_path: Path, endpoint: str
 ) -> None:
     with serve(reference) as srv:
-        rc = main(bench_args(srv.base_url, tokenizer_path, "--endpoint", endpoint,
-                             "--result-file", str(tmp_path / "r.json"), "--goodput", "e2el:60000",
-                             "--plot", str(tmp_path / "r.png"), "--request-rate", "20"))  # fmt: skip
+        rc = main(
+            bench_args(
+                srv.base_url,
+                tokenizer_path,
+                "--endpoint",
+                endpoint,
+                "--result-file",
+                str(tmp_path / "r.json"),
+                "--goodput",
+                "e2el:60000",
+                "--plot",
+                str(tmp_path / "r.png"),
+                "--request-rate",
+                "20",
+            )
+        )
     assert rc == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert (result["completed"], result["failed"]) == (4, 0)
@@ -52,9 +78,18 @@ def test_sweep_writes_one_result_per_point(
     reference: tuple[Any, Any], tokenizer_path: Path, tmp_path: Path
 ) -> None:
     with serve(reference) as srv:
-        rc = main(bench_args(srv.base_url, tokenizer_path, "--sweep", "max-concurrency=1,2",
-                             "--result-file", str(tmp_path / "s.json"),
-                             "--plot", str(tmp_path / "s.png")))  # fmt: skip
+        rc = main(
+            bench_args(
+                srv.base_url,
+                tokenizer_path,
+                "--sweep",
+                "max-concurrency=1,2",
+                "--result-file",
+                str(tmp_path / "s.json"),
+                "--plot",
+                str(tmp_path / "s.png"),
+            )
+        )
     results = json.loads((tmp_path / "s.json").read_text())
     assert rc == 0 and [r["max_concurrency"] for r in results] == [1, 2]
     assert all(r["completed"] == 4 for r in results)
@@ -67,8 +102,11 @@ def test_unreachable_server_fails_every_request_without_hanging(
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rc = main(bench_args(f"http://127.0.0.1:{port}", tokenizer_path,
-                         "--result-file", str(tmp_path / "f.json")))  # fmt: skip
+    rc = main(
+        bench_args(
+            f"http://127.0.0.1:{port}", tokenizer_path, "--result-file", str(tmp_path / "f.json")
+        )
+    )
     result = json.loads((tmp_path / "f.json").read_text())
     assert rc == 1 and result["failed"] == 4 and result["completed"] == 0
     assert any("ConnectError" in e for e in result["errors_summary"])
@@ -78,9 +116,18 @@ def test_stalled_requests_time_out_and_are_counted(
     reference: tuple[Any, Any], tokenizer_path: Path, tmp_path: Path
 ) -> None:
     with serve(reference, step_delay_s=0.3) as srv:
-        rc = main(bench_args(srv.base_url, tokenizer_path, "--request-timeout", "0.5",
-                             "--random-output-len", "40",
-                             "--result-file", str(tmp_path / "t.json")))  # fmt: skip
+        rc = main(
+            bench_args(
+                srv.base_url,
+                tokenizer_path,
+                "--request-timeout",
+                "0.5",
+                "--random-output-len",
+                "40",
+                "--result-file",
+                str(tmp_path / "t.json"),
+            )
+        )
     result = json.loads((tmp_path / "t.json").read_text())
     assert rc == 1 and result["failed"] == 4
 
@@ -104,9 +151,13 @@ def test_a_conversations_next_turn_is_sent_only_after_the_previous_one_ended(
         return RequestRecord(prompt_len=req.prompt_len, success=True)
 
     monkeypatch.setattr(runner, "send_request", fake_send)
-    reqs = [SampleRequest("a0", 1, 1), SampleRequest("b0", 1, 1),
-            SampleRequest("a1", 1, 1, after=0), SampleRequest("b1", 1, 1, after=1),
-            SampleRequest("a2", 1, 1, after=2)]  # fmt: skip
+    reqs = [
+        SampleRequest("a0", 1, 1),
+        SampleRequest("b0", 1, 1),
+        SampleRequest("a1", 1, 1, after=0),
+        SampleRequest("b1", 1, 1, after=1),
+        SampleRequest("a2", 1, 1, after=2),
+    ]
     cfg = runner.RequestConfig("http://unused", "/v1/completions", "m", True)
     records, _ = asyncio.run(runner.run_load(reqs, cfg, runner.LoadConfig(), None, True))
     assert all(r.success for r in records)

@@ -10,8 +10,9 @@ from benchmarks.serving.metrics import RequestRecord, parse_goodput, summarize
 def record(
     ttft: float, latency: float, tokens: int, itl: list[float] | None = None
 ) -> RequestRecord:
-    return RequestRecord(prompt_len=10, success=True, ttft=ttft, latency=latency,
-                         output_tokens=tokens, itl=itl or [])  # fmt: skip
+    return RequestRecord(
+        prompt_len=10, success=True, ttft=ttft, latency=latency, output_tokens=tokens, itl=itl or []
+    )
 
 
 def test_tpot_excludes_the_first_token() -> None:

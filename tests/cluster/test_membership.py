@@ -29,16 +29,20 @@ LAYOUT = KVLayout(num_blocks=64, num_layers=2, block_size=16, num_kv_heads=2, he
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--advertise", "10.0.0.1", *KEY], "--remote-decode"),
-     (["--remote-decode", "2", *KEY], "needs --advertise"),
-     (["--advertise", "10.0.0.1", "--remote-decode", "1"], "--cluster-key"),
-     (["--advertise", "10.0.0.1", "--remote-decode", "1", "--cluster-key", "short"],
-      "16 characters"),
-     (["--join", "10.0.0.1:7481", "--decode", "2", *KEY], "--prefill 0"),
-     (["--join", "10.0.0.1", "--prefill", "0", *KEY], "HOST:PORT"),
-     (["--join", "h:1", "--advertise", "h", "--prefill", "0", *KEY], "exclude each other"),
-     (["--prefill", "1", "--decode", "0"], "--decode must be >= 1")],
-)  # fmt: skip
+    [
+        (["--advertise", "10.0.0.1", *KEY], "--remote-decode"),
+        (["--remote-decode", "2", *KEY], "needs --advertise"),
+        (["--advertise", "10.0.0.1", "--remote-decode", "1"], "--cluster-key"),
+        (
+            ["--advertise", "10.0.0.1", "--remote-decode", "1", "--cluster-key", "short"],
+            "16 characters",
+        ),
+        (["--join", "10.0.0.1:7481", "--decode", "2", *KEY], "--prefill 0"),
+        (["--join", "10.0.0.1", "--prefill", "0", *KEY], "HOST:PORT"),
+        (["--join", "h:1", "--advertise", "h", "--prefill", "0", *KEY], "exclude each other"),
+        (["--prefill", "1", "--decode", "0"], "--decode must be >= 1"),
+    ],
+)
 def test_cluster_flags_that_contradict_are_refused_naming_the_flag(
     argv: list[str], message: str
 ) -> None:
@@ -60,10 +64,20 @@ def test_the_cluster_key_may_come_from_the_environment(monkeypatch: pytest.Monke
 
 
 def _spec(reserve: list[int]) -> GatewaySpec:
-    return GatewaySpec(log_level="info", node="a", cluster_key="k" * 16, listen="h:1",
-                       join="", num_prefill=1, decode=reserve, shape="{}",
-                       layout=LAYOUT.to_json(), model="m", beat_s=0.2,
-                       silent_after_s=2.0)  # fmt: skip
+    return GatewaySpec(
+        log_level="info",
+        node="a",
+        cluster_key="k" * 16,
+        listen="h:1",
+        join="",
+        num_prefill=1,
+        decode=reserve,
+        shape="{}",
+        layout=LAYOUT.to_json(),
+        model="m",
+        beat_s=0.2,
+        silent_after_s=2.0,
+    )
 
 
 def _join(node: str = "b", decode: int = 1, layout: KVLayout = LAYOUT, model: str = "m") -> Join:
@@ -77,11 +91,13 @@ def test_a_node_joining_again_gets_back_the_indices_its_workers_run_under() -> N
     again = Join("c", 2, LAYOUT.to_json(), "m", base=3)
     assert join_refusal(again, spec, LAYOUT, members) == ""
     members["c"] = Member("c", [3, 4])
-    assert "not free" in join_refusal(Join("b", 2, LAYOUT.to_json(), "m", base=2), spec,
-                                      LAYOUT, members)  # fmt: skip
+    assert "not free" in join_refusal(
+        Join("b", 2, LAYOUT.to_json(), "m", base=2), spec, LAYOUT, members
+    )
     assert join_refusal(Join("b", 1, LAYOUT.to_json(), "m", base=2), spec, LAYOUT, members) == ""
-    assert "not free" in join_refusal(Join("d", 1, LAYOUT.to_json(), "m", base=7), spec,
-                                      LAYOUT, members)  # fmt: skip
+    assert "not free" in join_refusal(
+        Join("d", 1, LAYOUT.to_json(), "m", base=7), spec, LAYOUT, members
+    )
     assert join_refusal(again, spec, LAYOUT, members) == ""  # the same node, the same indices
     moved = Join("c", 2, LAYOUT.to_json(), "m", base=2)
     assert "this head gave it [3, 4]" in join_refusal(moved, spec, LAYOUT, members)
@@ -114,8 +130,15 @@ def test_a_member_holds_rings_only_with_a_local_end_and_its_gateway_the_remote_o
     mine = range(1, 2)
     topo = Topology(2, 3, 1, remote=cluster.member_remote(shape, mine))
     names = {str(n) for n in topo.rings}
-    assert names == {"ctl.f0.d1", "kv.p0.d1", "kv.p1.d1", "rel.d1.p0", "rel.d1.p1",
-                     "tok.d1.k0", "stop.k0.d1"}  # fmt: skip
+    assert names == {
+        "ctl.f0.d1",
+        "kv.p0.d1",
+        "kv.p1.d1",
+        "rel.d1.p0",
+        "rel.d1.p1",
+        "tok.d1.k0",
+        "stop.k0.d1",
+    }
     gateway = topo.gateway_spec({})
     assert set(gateway.rings_in) == {"rel.d1.p0", "rel.d1.p1", "tok.d1.k0"}
     assert set(gateway.rings_out) == {"ctl.f0.d1", "kv.p0.d1", "kv.p1.d1", "stop.k0.d1"}

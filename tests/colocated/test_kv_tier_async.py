@@ -67,8 +67,10 @@ def _step(llm: LLM, outputs: dict[int, list[int]]) -> None:
 
 
 def _parked(llm: LLM, rid: int) -> bool:
-    return any(p.seq.rid == rid and llm.runner.kv.tier_loading(p.seq)
-               for p in llm.scheduler.prefill.waiting)  # fmt: skip
+    return any(
+        p.seq.rid == rid and llm.runner.kv.tier_loading(p.seq)
+        for p in llm.scheduler.prefill.waiting
+    )
 
 
 def test_a_request_streams_on_while_another_waits_for_its_disk_blocks(

@@ -38,8 +38,9 @@ class Host:
     store: HostStore
 
 
-def _host(model: Path, dtype: torch.dtype = torch.float32, bs: int = BS,
-          nbytes: int = 16 << 20) -> Host:  # fmt: skip
+def _host(
+    model: Path, dtype: torch.dtype = torch.float32, bs: int = BS, nbytes: int = 16 << 20
+) -> Host:
     nb = pool_layout(ModelConfig.from_pretrained(model), 1, bs, dtype).block_nbytes
     g = Geometry.for_budget(nbytes, bs, nb)
     fd, buf = create_segment(g.offsets[3])
@@ -47,12 +48,20 @@ def _host(model: Path, dtype: torch.dtype = torch.float32, bs: int = BS,
     return Host(fd, g.offsets[3], HostStore(fd, buf))
 
 
-def _llm(model: Path, host: Host | None, disk: Path | None = None, dtype: str = "float32",
-         bs: int = BS) -> LLM:  # fmt: skip
-    return LLM(EngineConfig(model=str(model), dtype=dtype, num_kv_blocks=16, block_size=bs,
-                            kv_offload_fd=None if host is None else host.fd,
-                            kv_offload_nbytes=0 if host is None else host.nbytes,
-                            kv_offload_dir=None if disk is None else str(disk)))  # fmt: skip
+def _llm(
+    model: Path, host: Host | None, disk: Path | None = None, dtype: str = "float32", bs: int = BS
+) -> LLM:
+    return LLM(
+        EngineConfig(
+            model=str(model),
+            dtype=dtype,
+            num_kv_blocks=16,
+            block_size=bs,
+            kv_offload_fd=None if host is None else host.fd,
+            kv_offload_nbytes=0 if host is None else host.nbytes,
+            kv_offload_dir=None if disk is None else str(disk),
+        )
+    )
 
 
 def _prompts(n: int, length: int = 100) -> list[list[int]]:
@@ -220,8 +229,9 @@ def test_disk_usage_stays_within_its_budget_and_host_ram_within_its_slots(
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode:  # fmt: skip
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
         pytest.skip("mounting a tmpfs needs privileges this machine does not give")
     try:
         yield mnt

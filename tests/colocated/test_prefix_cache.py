@@ -17,8 +17,11 @@ PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
 def _sched(model: Path, caching: bool, blocks: int = 128) -> ColocatedScheduler:
-    runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=blocks,
-                                      enable_prefix_caching=caching))  # fmt: skip
+    runner = ModelRunner(
+        EngineConfig(
+            model=str(model), dtype="float32", num_kv_blocks=blocks, enable_prefix_caching=caching
+        )
+    )
     return ColocatedScheduler(runner, worker_index=0, chunk_budget=48, max_num_seqs=16)
 
 

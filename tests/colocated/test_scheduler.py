@@ -25,8 +25,9 @@ def _sched(model: Path, blocks: int = 256, max_num_seqs: int = 64) -> ColocatedS
 
 
 def _req(rid: int, prompt: list[int], params: SamplingParams) -> GenerateRequest:
-    return GenerateRequest(rid=rid, prompt_ids=prompt, sampling=params, decode_worker=0,
-                           detok_shard=rid % 2)  # fmt: skip
+    return GenerateRequest(
+        rid=rid, prompt_ids=prompt, sampling=params, decode_worker=0, detok_shard=rid % 2
+    )
 
 
 def _run(sched: ColocatedScheduler) -> dict[int, list[int]]:
@@ -36,9 +37,11 @@ def _run(sched: ColocatedScheduler) -> dict[int, list[int]]:
     for _ in range(10_000):
         for shard, batch in sched.step().tokens:
             for rid, pos, tok, fin in zip(
-                batch.rids.tolist(), batch.positions.tolist(), batch.token_ids.tolist(),
+                batch.rids.tolist(),
+                batch.positions.tolist(),
+                batch.token_ids.tolist(),
                 batch.finish.tolist(),
-            ):  # fmt: skip
+            ):
                 assert shard == rid % 2 and pos not in outputs.get(rid, {})
                 outputs.setdefault(rid, {})[pos] = tok
                 if fin != Finish.NONE:
@@ -74,8 +77,9 @@ def test_colocated_greedy_matches_transformers_and_frees_blocks(arch: str) -> No
     got = _run(sched)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     for rid, prompt in enumerate(prompts):
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                           eos_token_id=None)  # fmt: skip
+        want = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None
+        )
         assert got[rid] == want[0, len(prompt) :].tolist(), f"rid {rid}"
     _assert_all_free(sched)
 

@@ -54,7 +54,9 @@ def test_a_closing_tag_cut_at_every_point_is_found(mode: ReasoningMode) -> None:
 
 def test_an_output_that_does_not_open_the_block_is_all_answer() -> None:
     assert run([" Hello", " <think>x</think>"], ReasoningMode.AT_START) == (
-        "", " Hello <think>x</think>")  # fmt: skip
+        "",
+        " Hello <think>x</think>",
+    )
     assert run(["<thi", "nk it over"], ReasoningMode.AT_START) == ("", "<think it over")
     assert run(["  <th"], ReasoningMode.AT_START) == ("", "  <th")
 

@@ -90,11 +90,16 @@ def test_prefill_token_text_goes_out_in_its_own_step(
 
 def _attach_elsewhere_and_exit(ring: Ring) -> None:
     """Attach ``ring``'s reading side from a process that exits at once: a dead frontend."""
-    code = ("import json, sys; from transport.ring import Ring, RingSpec\n"
-            "Ring.attach(RingSpec(**json.loads(sys.argv[1])), 'consumer')")  # fmt: skip
+    code = (
+        "import json, sys; from transport.ring import Ring, RingSpec\n"
+        "Ring.attach(RingSpec(**json.loads(sys.argv[1])), 'consumer')"
+    )
     spec = ring.spec
-    subprocess.run([sys.executable, "-c", code, spec.to_json()], check=True,
-                   pass_fds=(spec.fd, spec.doorbell_fd, spec.space_fd))  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", code, spec.to_json()],
+        check=True,
+        pass_fds=(spec.fd, spec.doorbell_fd, spec.space_fd),
+    )
 
 
 def test_text_goes_to_the_owning_frontend_and_a_dead_ones_requests_are_stopped(
@@ -102,17 +107,24 @@ def test_text_goes_to_the_owning_frontend_and_a_dead_ones_requests_are_stopped(
 ) -> None:
     bell = Doorbell.create()
     names = ("c0", "c1", "d", "s", "f0", "f1")
-    made = {n: Ring.create(f"test-detok2-{n}", 1 << 16, bell if n[0] in "cd" else None)
-            for n in names}  # fmt: skip
+    made = {
+        n: Ring.create(f"test-detok2-{n}", 1 << 16, bell if n[0] in "cd" else None) for n in names
+    }
     cfg = DetokWorkerConfig(
-        index=0, tokenizer_path="", doorbell=bell.spec,
-        control=(made["c0"].spec, made["c1"].spec), prefill_rings=(),
-        decode_rings=(made["d"].spec,), stop_rings=(made["s"].spec,),
+        index=0,
+        tokenizer_path="",
+        doorbell=bell.spec,
+        control=(made["c0"].spec, made["c1"].spec),
+        prefill_rings=(),
+        decode_rings=(made["d"].spec,),
+        stop_rings=(made["s"].spec,),
         frontends=(made["f0"].spec, made["f1"].spec),
-    )  # fmt: skip
+    )
     worker = DetokWorker(cfg, qwen_tokenizer)
-    peers = {n: Ring.attach(made[n].spec, "producer" if n[0] in "cd" else "consumer")
-             for n in ("c0", "c1", "d", "s", "f0")}  # fmt: skip
+    peers = {
+        n: Ring.attach(made[n].spec, "producer" if n[0] in "cd" else "consumer")
+        for n in ("c0", "c1", "d", "s", "f0")
+    }
     mine, theirs = next(owned_rids(0)), next(owned_rids(1))
     try:
         peers["c0"].put(encode(register(mine, DetokParams())))

@@ -36,8 +36,13 @@ def _chat(url: str, model: str, max_tokens: int, conversations: list[list[dict]]
     out = []
     with httpx.Client(base_url=url, timeout=120) as client:
         for messages in conversations:
-            body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-                    "temperature": 0, "return_token_ids": True}  # fmt: skip
+            body = {
+                "model": model,
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "return_token_ids": True,
+            }
             r = client.post("/v1/chat/completions", json=body)
             r.raise_for_status()
             out.append(r.json()["choices"][0]["token_ids"])

@@ -21,11 +21,27 @@ AGENT_MODEL = "tiny"
 @pytest.fixture(scope="session")
 def agent_server() -> Iterator[LaunchedServer]:
     s = LaunchedServer(
-        ["--prefill", "2", "--decode", "2", "--detokenizers", "2", "--device", "cpu",
-         "--kv-cache-tokens", "16384", "--max-model-len", "1024",
-         "--served-model-name", AGENT_MODEL, "--chat-template", str(TOOLS_TEMPLATE),
-         "--tool-call-parser", "hermes"]
-    )  # fmt: skip
+        [
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--detokenizers",
+            "2",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "16384",
+            "--max-model-len",
+            "1024",
+            "--served-model-name",
+            AGENT_MODEL,
+            "--chat-template",
+            str(TOOLS_TEMPLATE),
+            "--tool-call-parser",
+            "hermes",
+        ]
+    )
     s.wait_ready()
     yield s
     s.stop()

@@ -24,8 +24,10 @@ async def concurrent_greedy(url: str, prompts: list[list[int]], max_tokens: int)
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
 
         async def one(ids: list[int]) -> dict:  # type: ignore[type-arg]
-            body = {"input_ids": ids, "sampling_params": {
-                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+            }
             r = await client.post("/generate", json=body)
             r.raise_for_status()
             return r.json()  # type: ignore[no-any-return]
@@ -45,8 +47,11 @@ def kv_in_use(server: LaunchedServer) -> int:
 
 def check_abort_mid_stream_frees_kv(server: LaunchedServer) -> None:
     """A client that leaves a long stream has its KV back to zero within 5 s."""
-    body = {"input_ids": [5] * 40, "stream": True,
-            "sampling_params": {"max_tokens": 800, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": [5] * 40,
+        "stream": True,
+        "sampling_params": {"max_tokens": 800, "temperature": 0, "ignore_eos": True},
+    }
     with httpx.Client(base_url=server.url) as client:
         with client.stream("POST", "/generate", json=body, timeout=60) as r:
             seen = 0
@@ -76,8 +81,9 @@ def reported_pids(server: LaunchedServer, timeout_s: float = 30.0) -> dict[tuple
 def computed_prefill_tokens(server: LaunchedServer) -> int:
     """Prompt tokens the prefill workers have run through the model (from /metrics)."""
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    found = re.findall(r'^pdserve_prefill_computed_tokens_total\{[^}]*role="prefill"[^}]*\} (\S+)$',
-                       text, re.M)  # fmt: skip
+    found = re.findall(
+        r'^pdserve_prefill_computed_tokens_total\{[^}]*role="prefill"[^}]*\} (\S+)$', text, re.M
+    )
     assert found, text
     return int(sum(float(v) for v in found))
 
@@ -97,11 +103,16 @@ def wait_logged(server: LaunchedServer, needle: str, timeout_s: float = 5.0) -> 
     assert any(needle in line for line in server.log), needle
 
 
-def render_ids(tokenizer: Any, template: str, messages: list[dict[str, Any]],
-               tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+def render_ids(
+    tokenizer: Any,
+    template: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     """A conversation as the server's chat template renders and tokenizes it."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
-                                         tokenize=False, add_generation_prompt=True)  # fmt: skip
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -135,8 +146,9 @@ def want_greedy(
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_TOKENS, do_sample=False,
-                          eos_token_id=None)  # fmt: skip
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=GREEDY_TOKENS, do_sample=False, eos_token_id=None
+        )
         reference[key] = out[0, len(prompt) :].tolist()
     return reference[key]
 
@@ -146,8 +158,11 @@ async def greedy_stream(
 ) -> dict:  # type: ignore[type-arg]
     """One streamed greedy /generate; ``started`` is set once 8 tokens have come. The
     result says which frontend served it, and the error if the connection broke."""
-    body = {"input_ids": prompt, "stream": True,
-            "sampling_params": {"max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": prompt,
+        "stream": True,
+        "sampling_params": {"max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True},
+    }
     out: dict = {"text": "", "ids": [], "finish": None, "frontend": None, "error": None}  # type: ignore[type-arg]
     try:
         async with client.stream("POST", "/generate", json=body) as r:
@@ -182,8 +197,14 @@ def run_with_kill(server: LaunchedServer, prompts: list[list[int]], *titles: str
     return asyncio.run(main())
 
 
-def check_exact(results: list[dict], prompts: list[list[int]], reference: dict,  # type: ignore[type-arg]
-                model: Path, tokenizer: object, log: list[str]) -> None:  # fmt: skip
+def check_exact(
+    results: list[dict],
+    prompts: list[list[int]],
+    reference: dict,  # type: ignore[type-arg]
+    model: Path,
+    tokenizer: object,
+    log: list[str],
+) -> None:
     """Each result is the whole greedy continuation of its prompt: nothing lost or repeated."""
     events = [line for line in log if "resumed" in line or "exited" in line or "failed" in line]
     for prompt, result in zip(prompts, results, strict=True):
@@ -213,17 +234,22 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
 # The tool every tool-calling e2e test offers, in each API's wrapping around it.
 WEATHER_SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 10},
-                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
     "required": ["city", "unit"],
     "additionalProperties": False,
-}  # fmt: skip
+}
 
 
 def leave_mid_stream(
-    server: LaunchedServer, path: str, body: dict[str, Any], delta_event: str,
+    server: LaunchedServer,
+    path: str,
+    body: dict[str, Any],
+    delta_event: str,
     rid_of: Callable[[dict[str, Any]], int],
-) -> None:  # fmt: skip
+) -> None:
     """Open a stream, read 5 deltas (KV is in use), close it; the request must be
     aborted (logged as such, not finished on its own) and its KV freed."""
     with (

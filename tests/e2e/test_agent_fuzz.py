@@ -18,13 +18,28 @@ from hypothesis import strategies as st
 
 from tests.conftest import LaunchedServer
 
-FUZZ = settings(max_examples=40, deadline=None, database=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+FUZZ = settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 MODEL = "tiny-qwen2-v1"
-leaf = st.none() | st.booleans() | st.integers() | st.text(max_size=8) | st.floats(
-    allow_nan=False, allow_infinity=False)  # fmt: skip
-any_json = st.recursive(leaf, lambda inner: st.lists(inner, max_size=3)
-                        | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)  # fmt: skip
+leaf = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.text(max_size=8)
+    | st.floats(allow_nan=False, allow_infinity=False)
+)
+any_json = st.recursive(
+    leaf,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 BUDGET = st.integers(-1, 5)
 SCHEMA = {"type": "object", "properties": {"x": {"enum": ["a", "b"]}}, "required": ["x"]}
 text = st.text(max_size=12)
@@ -37,76 +52,144 @@ def loose(plausible: st.SearchStrategy[Any], wild: bool) -> st.SearchStrategy[An
 
 text_block = st.fixed_dictionaries({"type": st.just("text"), "text": text})
 block = st.one_of(
-    text_block, text_block, text_block,
-    st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.sampled_from(["t1", "t2"]),
-                           "name": st.sampled_from(["f", "g"]),
-                           "input": st.dictionaries(st.text(max_size=3), leaf, max_size=2)}),
-    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.sampled_from(
-        ["t1", "t2"]), "content": text | st.lists(st.fixed_dictionaries(
-            {"type": st.sampled_from(["text", "image"]), "text": text}), max_size=2)}),
-    st.fixed_dictionaries({"type": st.sampled_from(["image", "document", "thinking", "video"]),
-                           "source": any_json}),
-)  # fmt: skip
-anthropic_message = st.fixed_dictionaries({
-    "role": st.sampled_from(["user", "user", "user", "assistant", "system"]),
-    "content": text | st.lists(block, min_size=1, max_size=3),
-})  # fmt: skip
+    text_block,
+    text_block,
+    text_block,
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_use"),
+            "id": st.sampled_from(["t1", "t2"]),
+            "name": st.sampled_from(["f", "g"]),
+            "input": st.dictionaries(st.text(max_size=3), leaf, max_size=2),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_result"),
+            "tool_use_id": st.sampled_from(["t1", "t2"]),
+            "content": text
+            | st.lists(
+                st.fixed_dictionaries({"type": st.sampled_from(["text", "image"]), "text": text}),
+                max_size=2,
+            ),
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["image", "document", "thinking", "video"]), "source": any_json}
+    ),
+)
+anthropic_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "user", "user", "assistant", "system"]),
+        "content": text | st.lists(block, min_size=1, max_size=3),
+    }
+)
 anthropic_tool = st.fixed_dictionaries(
     {"name": st.sampled_from(["f", "g", "bad name"]), "input_schema": st.just(SCHEMA)},
     optional={"description": text, "type": st.sampled_from(["custom", "web_search_20250305"])},
 )
 MESSAGES_FIELDS: dict[str, st.SearchStrategy[Any]] = {
-    "system": text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
-                              max_size=2),
+    "system": text
+    | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2),
     "stop_sequences": st.lists(st.text(min_size=1, max_size=3), max_size=3),
-    "temperature": st.floats(-0.5, 2), "top_p": st.floats(-0.1, 1.1), "top_k": st.integers(-2, 9),
-    "stream": st.booleans(), "metadata": st.fixed_dictionaries({"user_id": text}),
+    "temperature": st.floats(-0.5, 2),
+    "top_p": st.floats(-0.1, 1.1),
+    "top_k": st.integers(-2, 9),
+    "stream": st.booleans(),
+    "metadata": st.fixed_dictionaries({"user_id": text}),
     "tools": st.lists(anthropic_tool, max_size=2),
-    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none",
-                                                                   "x"])},
-                                         optional={"name": st.sampled_from(["f", "g", "h"])}),
+    "tool_choice": st.fixed_dictionaries(
+        {"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+        optional={"name": st.sampled_from(["f", "g", "h"])},
+    ),
     "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled"])}),
-}  # fmt: skip
+}
 
 item = st.one_of(
-    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "developer", "tool"]),
-                           "content": text | st.lists(st.fixed_dictionaries({
-                               "type": st.sampled_from(["input_text", "output_text",
-                                                        "input_image"]), "text": text}),
-                               max_size=2)}, optional={"type": st.just("message")}),
-    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.sampled_from(
-        ["c1", "c2"]), "name": st.sampled_from(["f", "g"]), "arguments": st.sampled_from(
-            ['{"x": "a"}', "{}", "not json"])}),
-    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.sampled_from(
-        ["c1", "c2"]), "output": text}),
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "developer", "tool"]),
+            "content": text
+            | st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                        "text": text,
+                    }
+                ),
+                max_size=2,
+            ),
+        },
+        optional={"type": st.just("message")},
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": st.sampled_from(["c1", "c2"]),
+            "name": st.sampled_from(["f", "g"]),
+            "arguments": st.sampled_from(['{"x": "a"}', "{}", "not json"]),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call_output"),
+            "call_id": st.sampled_from(["c1", "c2"]),
+            "output": text,
+        }
+    ),
     st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "web_search_call"])}),
-)  # fmt: skip
+)
 RESPONSES_FIELDS: dict[str, st.SearchStrategy[Any]] = {
-    "instructions": text, "temperature": st.floats(-0.5, 2), "top_p": st.floats(-0.1, 1.1),
-    "stream": st.booleans(), "store": st.booleans(), "previous_response_id": text,
-    "tools": st.lists(st.fixed_dictionaries({
-        "type": st.sampled_from(["function", "function", "web_search"]),
-        "name": st.sampled_from(["f", "g"]), "parameters": st.just(SCHEMA)}), max_size=2),
+    "instructions": text,
+    "temperature": st.floats(-0.5, 2),
+    "top_p": st.floats(-0.1, 1.1),
+    "stream": st.booleans(),
+    "store": st.booleans(),
+    "previous_response_id": text,
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.sampled_from(["function", "function", "web_search"]),
+                "name": st.sampled_from(["f", "g"]),
+                "parameters": st.just(SCHEMA),
+            }
+        ),
+        max_size=2,
+    ),
     "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}]),
-    "text": st.fixed_dictionaries({"format": st.sampled_from([
-        {"type": "text"}, {"type": "json_object"}, {"type": "yaml"},
-        {"type": "json_schema", "name": "s", "schema": SCHEMA}])}),
-    "parallel_tool_calls": st.booleans(), "metadata": st.dictionaries(text, text, max_size=2),
-}  # fmt: skip
+    "text": st.fixed_dictionaries(
+        {
+            "format": st.sampled_from(
+                [
+                    {"type": "text"},
+                    {"type": "json_object"},
+                    {"type": "yaml"},
+                    {"type": "json_schema", "name": "s", "schema": SCHEMA},
+                ]
+            )
+        }
+    ),
+    "parallel_tool_calls": st.booleans(),
+    "metadata": st.dictionaries(text, text, max_size=2),
+}
 
 
 def messages_body(wild: bool) -> st.SearchStrategy[dict[str, Any]]:
-    required = {"model": loose(st.sampled_from([MODEL, MODEL, "claude-x"]), wild),
-                "max_tokens": BUDGET,
-                "messages": loose(st.lists(anthropic_message, min_size=1, max_size=3), wild)}  # fmt: skip
+    required = {
+        "model": loose(st.sampled_from([MODEL, MODEL, "claude-x"]), wild),
+        "max_tokens": BUDGET,
+        "messages": loose(st.lists(anthropic_message, min_size=1, max_size=3), wild),
+    }
     optional = {k: loose(v, wild) for k, v in MESSAGES_FIELDS.items()}
     return st.fixed_dictionaries(required, optional=optional)
 
 
 def responses_body(wild: bool) -> st.SearchStrategy[dict[str, Any]]:
-    required = {"model": loose(st.sampled_from([MODEL, MODEL, "gpt-x"]), wild),
-                "max_output_tokens": BUDGET,
-                "input": loose(text | st.lists(item, min_size=1, max_size=4), wild)}  # fmt: skip
+    required = {
+        "model": loose(st.sampled_from([MODEL, MODEL, "gpt-x"]), wild),
+        "max_output_tokens": BUDGET,
+        "input": loose(text | st.lists(item, min_size=1, max_size=4), wild),
+    }
     optional = {k: loose(v, wild) for k, v in RESPONSES_FIELDS.items()}
     return st.fixed_dictionaries(required, optional=optional)
 

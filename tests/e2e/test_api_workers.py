@@ -36,9 +36,23 @@ HEADER = "x-pdserve-frontend"
 @pytest.fixture(scope="module")
 def pair() -> Iterator[LaunchedServer]:
     yield from LaunchedServer.serving(
-        ["--api-workers", "2", "--prefill", "2", "--decode", "2", "--detokenizers", "2",
-         "--device", "cpu", "--kv-cache-tokens", "8192", "--max-model-len", "1024"]
-    )  # fmt: skip
+        [
+            "--api-workers",
+            "2",
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--detokenizers",
+            "2",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "8192",
+            "--max-model-len",
+            "1024",
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +87,11 @@ def test_both_frontends_serve_and_report_the_same_server(pair: LaunchedServer) -
 
 
 def test_streams_on_both_frontends_complete_exactly(
-    pair: LaunchedServer, reference: dict, default_model_path: Path, qwen_tokenizer: object,  # type: ignore[type-arg]
-) -> None:  # fmt: skip
+    pair: LaunchedServer,
+    reference: dict,
+    default_model_path: Path,
+    qwen_tokenizer: object,  # type: ignore[type-arg]
+) -> None:
     prompts = random_prompts(12, seed=3)
     results = run_with_kill(pair, prompts)  # nothing killed
     check_exact(results, prompts, reference, default_model_path, qwen_tokenizer, pair.log)
@@ -82,8 +99,11 @@ def test_streams_on_both_frontends_complete_exactly(
 
 
 def test_a_client_leaving_either_frontend_frees_kv_within_a_second(pair: LaunchedServer) -> None:
-    body = {"input_ids": [5] * 40, "stream": True,
-            "sampling_params": {"max_tokens": 800, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": [5] * 40,
+        "stream": True,
+        "sampling_params": {"max_tokens": 800, "temperature": 0, "ignore_eos": True},
+    }
     left: set[str] = set()
     for _ in range(30):
         with (
@@ -108,8 +128,11 @@ def test_a_client_leaving_either_frontend_frees_kv_within_a_second(pair: Launche
 
 
 def test_a_shard_death_under_both_frontends_streams_loses_nothing(
-    pair: LaunchedServer, reference: dict, default_model_path: Path, qwen_tokenizer: object,  # type: ignore[type-arg]
-) -> None:  # fmt: skip
+    pair: LaunchedServer,
+    reference: dict,
+    default_model_path: Path,
+    qwen_tokenizer: object,  # type: ignore[type-arg]
+) -> None:
     wait_all_alive(pair)
     prompts = random_prompts(10, seed=11)
     results = run_with_kill(pair, prompts, "pdserve:detok-0")
@@ -119,8 +142,11 @@ def test_a_shard_death_under_both_frontends_streams_loses_nothing(
 
 
 def test_a_frontend_death_fails_only_its_own_streams_and_it_comes_back(
-    pair: LaunchedServer, reference: dict, default_model_path: Path, qwen_tokenizer: object,  # type: ignore[type-arg]
-) -> None:  # fmt: skip
+    pair: LaunchedServer,
+    reference: dict,
+    default_model_path: Path,
+    qwen_tokenizer: object,  # type: ignore[type-arg]
+) -> None:
     wait_all_alive(pair)
     prompts = random_prompts(12, seed=23)
     victim = pid_of(pair, "pdserve:frontend-1")
@@ -130,8 +156,14 @@ def test_a_frontend_death_fails_only_its_own_streams_and_it_comes_back(
     assert mine and theirs, {r["frontend"] for r in results}
     for r in theirs:  # cut off: the connection broke before the end
         assert r["finish"] is None, r
-    check_exact([r for _, r in mine], [p for p, _ in mine], reference, default_model_path,
-                qwen_tokenizer, pair.log)  # fmt: skip
+    check_exact(
+        [r for _, r in mine],
+        [p for p, _ in mine],
+        reference,
+        default_model_path,
+        qwen_tokenizer,
+        pair.log,
+    )
     # The dead frontend's requests were abandoned: no worker keeps their KV.
     deadline = time.monotonic() + 10
     while kv_in_use(pair) and time.monotonic() < deadline:
@@ -162,11 +194,29 @@ WAITING = 2
 @pytest.fixture(scope="module")
 def bounded() -> Iterator[LaunchedServer]:
     srv = LaunchedServer(
-        ["--api-workers", "2", "--prefill", "1", "--decode", "1", "--detokenizers", "1",
-         "--device", "cpu", "--kv-cache-tokens", "8192", "--max-model-len", "1024",
-         "--max-num-seqs", "2", "--max-waiting-requests", str(WAITING),
-         "--stall-timeout", "60"]
-    )  # fmt: skip
+        [
+            "--api-workers",
+            "2",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--detokenizers",
+            "1",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "8192",
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            "2",
+            "--max-waiting-requests",
+            str(WAITING),
+            "--stall-timeout",
+            "60",
+        ]
+    )
     srv.wait_ready()
     yield srv
     srv.stop()
@@ -174,8 +224,11 @@ def bounded() -> Iterator[LaunchedServer]:
 
 def test_the_admission_bound_holds_across_both_frontends(bounded: LaunchedServer) -> None:
     clients = 32
-    body = {"input_ids": [7] * 8, "stream": True,
-            "sampling_params": {"max_tokens": 20, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": [7] * 8,
+        "stream": True,
+        "sampling_params": {"max_tokens": 20, "temperature": 0, "ignore_eos": True},
+    }
     decode = pid_of(bounded, "pdserve:decode-0")
 
     async def main() -> tuple[list[tuple[int, str]], list[str | None]]:

@@ -30,7 +30,7 @@ WEATHER = {
         "description": "Current weather in a city",
         "parameters": WEATHER_SCHEMA,
     },
-}  # fmt: skip
+}
 TIME = {
     "type": "function",
     "function": {
@@ -49,10 +49,27 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def srv() -> Iterator[LaunchedServer]:
     s = LaunchedServer(
-        ["--prefill", "2", "--decode", "2", "--detokenizers", "2", "--device", "cpu",
-         "--kv-cache-tokens", "16384", "--max-model-len", "1024", "--served-model-name", MODEL,
-         "--chat-template", str(TEMPLATE), "--tool-call-parser", "hermes"]
-    )  # fmt: skip
+        [
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--detokenizers",
+            "2",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "16384",
+            "--max-model-len",
+            "1024",
+            "--served-model-name",
+            MODEL,
+            "--chat-template",
+            str(TEMPLATE),
+            "--tool-call-parser",
+            "hermes",
+        ]
+    )
     s.wait_ready()
     yield s
     s.stop()
@@ -60,8 +77,9 @@ def srv() -> Iterator[LaunchedServer]:
 
 @pytest.fixture(scope="module")
 def sdk(srv: LaunchedServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=120) as client:  # fmt: skip
+    with openai.OpenAI(
+        base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120
+    ) as client:
         yield client
 
 
@@ -72,8 +90,14 @@ def test_n_choices_are_distinct_reproducible_and_share_the_prompt(
     sdk: openai.OpenAI, srv: LaunchedServer
 ) -> None:
     prompt = "A unique prompt for the n test: " + "lorem ipsum " * 20  # 40+ tokens, uncached
-    args: dict[str, Any] = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0,
-                                seed=1234, extra_body={"ignore_eos": True})  # fmt: skip
+    args: dict[str, Any] = dict(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=1.0,
+        seed=1234,
+        extra_body={"ignore_eos": True},
+    )
     before = computed_prefill_tokens(srv)
     first = sdk.completions.create(n=3, **args)
     prompt_len = first.usage.prompt_tokens
@@ -92,14 +116,22 @@ def test_n_choices_are_distinct_reproducible_and_share_the_prompt(
 
 
 def test_n_choices_stream_with_their_indices_and_usage(sdk: openai.OpenAI) -> None:
-    args: dict[str, Any] = dict(model=MODEL, messages=ASK, max_tokens=10, temperature=1.0, seed=7,
-                                n=3, extra_body={"ignore_eos": True})  # fmt: skip
+    args: dict[str, Any] = dict(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=10,
+        temperature=1.0,
+        seed=7,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
     whole = sdk.chat.completions.create(**args)
     want = {c.index: c.message.content for c in whole.choices}
     got: dict[int, str] = {0: "", 1: "", 2: ""}
     roles, finishes, usage = set(), {}, None
-    for chunk in sdk.chat.completions.create(stream=True, stream_options={"include_usage": True},
-                                             **args):  # fmt: skip
+    for chunk in sdk.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **args
+    ):
         if chunk.usage is not None:
             usage = chunk.usage
         for c in chunk.choices:
@@ -115,8 +147,14 @@ def test_n_choices_stream_with_their_indices_and_usage(sdk: openai.OpenAI) -> No
 
 
 def test_best_of_keeps_the_most_likely_choice(sdk: openai.OpenAI) -> None:
-    args: dict[str, Any] = dict(model=MODEL, prompt="Best of three:", max_tokens=8,
-                                temperature=1.0, seed=99, extra_body={"ignore_eos": True})  # fmt: skip
+    args: dict[str, Any] = dict(
+        model=MODEL,
+        prompt="Best of three:",
+        max_tokens=8,
+        temperature=1.0,
+        seed=99,
+        extra_body={"ignore_eos": True},
+    )
     all3 = sdk.completions.create(n=3, logprobs=0, **args)
     totals = {c.text: sum(c.logprobs.token_logprobs) for c in all3.choices}
     best = sdk.completions.create(n=1, best_of=3, **args)
@@ -128,13 +166,15 @@ def test_best_of_keeps_the_most_likely_choice(sdk: openai.OpenAI) -> None:
 
 
 def test_echo_prepends_the_prompt(sdk: openai.OpenAI) -> None:
-    args: dict[str, Any] = dict(model=MODEL, prompt="Echo me:", max_tokens=5, temperature=0,
-                                echo=True)  # fmt: skip
+    args: dict[str, Any] = dict(
+        model=MODEL, prompt="Echo me:", max_tokens=5, temperature=0, echo=True
+    )
     whole = sdk.completions.create(**args)
     plain = sdk.completions.create(**{**args, "echo": False})
     assert whole.choices[0].text == "Echo me:" + plain.choices[0].text
-    streamed = "".join(c.choices[0].text for c in sdk.completions.create(stream=True, **args)
-                       if c.choices)  # fmt: skip
+    streamed = "".join(
+        c.choices[0].text for c in sdk.completions.create(stream=True, **args) if c.choices
+    )
     assert streamed == whole.choices[0].text
     with pytest.raises(openai.BadRequestError, match="prompt logprobs"):
         sdk.completions.create(logprobs=1, **args)
@@ -154,11 +194,18 @@ def _check_weather_call(call: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_two_turn_tool_round_trip(sdk: openai.OpenAI, stream: bool) -> None:
     """Turn 1: the model must call a tool (required); turn 2: the result goes back in."""
-    args: dict[str, Any] = dict(model=MODEL, tools=[WEATHER, TIME], max_tokens=120, seed=5,
-                                temperature=1.0, parallel_tool_calls=False)  # fmt: skip
+    args: dict[str, Any] = dict(
+        model=MODEL,
+        tools=[WEATHER, TIME],
+        max_tokens=120,
+        seed=5,
+        temperature=1.0,
+        parallel_tool_calls=False,
+    )
     if stream:
-        call = _streamed_call(sdk.chat.completions.create(
-            messages=ASK, tool_choice="required", stream=True, **args))  # fmt: skip
+        call = _streamed_call(
+            sdk.chat.completions.create(messages=ASK, tool_choice="required", stream=True, **args)
+        )
     else:
         r = sdk.chat.completions.create(messages=ASK, tool_choice="required", **args)
         assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
@@ -172,8 +219,9 @@ def test_a_two_turn_tool_round_trip(sdk: openai.OpenAI, stream: bool) -> None:
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
     ]
-    final = sdk.chat.completions.create(messages=history, tool_choice="none",
-                                        **{**args, "max_tokens": 8})  # fmt: skip
+    final = sdk.chat.completions.create(
+        messages=history, tool_choice="none", **{**args, "max_tokens": 8}
+    )
     assert final.choices[0].finish_reason in ("stop", "length")
     assert isinstance(final.choices[0].message.content, str)
     assert not final.choices[0].message.tool_calls
@@ -205,8 +253,14 @@ def _streamed_call(chunks: Any) -> Any:
 def test_a_named_tool_choice_always_yields_that_call(sdk: openai.OpenAI, stream: bool) -> None:
     choice = {"type": "function", "function": {"name": "get_weather"}}
     for seed in range(4):
-        args: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
-                                    tool_choice=choice, max_tokens=100, seed=seed)  # fmt: skip
+        args: dict[str, Any] = dict(
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice=choice,
+            max_tokens=100,
+            seed=seed,
+        )
         if stream:
             call = _streamed_call(sdk.chat.completions.create(stream=True, **args))
             assert call.fragments > 2  # the arguments stream as they are generated
@@ -227,8 +281,13 @@ HERMES_CALL = (
 def test_auto_tool_choice_parses_hermes_calls(sdk: openai.OpenAI, stream: bool) -> None:
     """With tool_choice auto the hermes parser reads the model's ``<tool_call>`` text; a
     regex makes the random model write one."""
-    args: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=60,
-                                extra_body={"structured_outputs": {"regex": HERMES_CALL}})  # fmt: skip
+    args: dict[str, Any] = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        max_tokens=60,
+        extra_body={"structured_outputs": {"regex": HERMES_CALL}},
+    )
     if stream:
         call = _streamed_call(sdk.chat.completions.create(stream=True, **args))
     else:
@@ -236,8 +295,9 @@ def test_auto_tool_choice_parses_hermes_calls(sdk: openai.OpenAI, stream: bool) 
         assert r.choices[0].finish_reason == "tool_calls"
         (call,) = r.choices[0].message.tool_calls or []
     assert _check_weather_call(call)["unit"] == "celsius"
-    plain = sdk.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=8,
-                                        temperature=0)  # fmt: skip
+    plain = sdk.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=8, temperature=0
+    )
     assert plain.choices[0].message.tool_calls is None  # gibberish is content, not a call
 
 
@@ -245,13 +305,21 @@ def test_auto_tool_choice_parses_hermes_calls(sdk: openai.OpenAI, stream: bool) 
     ("fields", "needle"),
     [
         ({"tool_choice": "required"}, "tool_choice needs tools"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         "not in tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "not in tools",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "a name of"),
-        ({"tools": [WEATHER], "tool_choice": "required",
-          "response_format": {"type": "json_object"}}, "cannot be combined"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "cannot be combined",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_tool_requests_are_400s(
     sdk: openai.OpenAI, fields: dict[str, Any], needle: str
 ) -> None:

@@ -43,14 +43,29 @@ class Node(NetnsLaunch):
     """A node of the test's cluster: ``launch`` on CPU with small pools."""
 
     def __init__(self, pair: NetnsPair, side: Side, args: list[str], model: Path) -> None:
-        super().__init__(pair, side, ["--model", str(model), "--device", "cpu",
-                                      "--kv-cache-tokens", "4096", "--max-model-len", "1024",
-                                      *args])  # fmt: skip
+        super().__init__(
+            pair,
+            side,
+            [
+                "--model",
+                str(model),
+                "--device",
+                "cpu",
+                "--kv-cache-tokens",
+                "4096",
+                "--max-model-len",
+                "1024",
+                *args,
+            ],
+        )
 
     def worker(self, role: str) -> tuple[str, int]:
         """(title, pid) of this node's one worker of ``role``."""
-        return next((title(p), p) for p in children(self.proc.pid)
-                    if title(p).startswith(f"pdserve:{role}-"))  # fmt: skip
+        return next(
+            (title(p), p)
+            for p in children(self.proc.pid)
+            if title(p).startswith(f"pdserve:{role}-")
+        )
 
 
 @dataclass
@@ -65,15 +80,20 @@ class Cluster:
         return f"{self.pair.addr('a')}:{CLUSTER_PORT}"
 
     def stream(
-        self, prompts: list[list[int]], kill: int | None = None,
+        self,
+        prompts: list[list[int]],
+        kill: int | None = None,
         during: Callable[[], None] | None = None,
-    ) -> list[dict]:  # type: ignore[type-arg]  # fmt: skip
+    ) -> list[dict]:  # type: ignore[type-arg]
         """Greedy streams of ``prompts`` from inside namespace a; SIGKILL ``kill``, or run
         ``during``, once tokens flow."""
         client = self.pair.popen(
-            "a", [sys.executable, "-m", "tests.e2e.cluster_client", f"http://127.0.0.1:{PORT}"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            "a",
+            [sys.executable, "-m", "tests.e2e.cluster_client", f"http://127.0.0.1:{PORT}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert client.stdin is not None and client.stdout is not None
         client.stdin.write(json.dumps(prompts))
         client.stdin.close()
@@ -88,8 +108,18 @@ class Cluster:
 
     def get(self, path: str) -> tuple[int, str]:
         """(status, body) of ``GET path`` on the head, from inside namespace a."""
-        done = self.pair.run("a", [sys.executable, "-m", "tests.e2e.cluster_client",
-                                   f"http://127.0.0.1:{PORT}", "get", path], timeout=30)  # fmt: skip
+        done = self.pair.run(
+            "a",
+            [
+                sys.executable,
+                "-m",
+                "tests.e2e.cluster_client",
+                f"http://127.0.0.1:{PORT}",
+                "get",
+                path,
+            ],
+            timeout=30,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         status, _, body = done.stdout.partition("\n")
         return int(status), body
@@ -100,12 +130,39 @@ def _start(
 ) -> Cluster:
     """A head in ``a`` (one prefill worker unless ``head`` says otherwise) and ``members``
     decode nodes of one worker each in ``b``; ``extra`` flags go to every node."""
-    head_node = Node(pair, "a", ["--prefill", "1", "--decode", "0", "--remote-decode",
-                                 str(members), "--advertise", f"{pair.addr('a')}:{CLUSTER_PORT}",
-                                 "--cluster-key", KEY, "--node-name", "a", "--port", str(PORT),
-                                 *extra, *head], model)  # fmt: skip
-    join = ["--prefill", "0", "--decode", "1", "--join", f"{pair.addr('a')}:{CLUSTER_PORT}",
-            "--cluster-key", KEY]  # fmt: skip
+    head_node = Node(
+        pair,
+        "a",
+        [
+            "--prefill",
+            "1",
+            "--decode",
+            "0",
+            "--remote-decode",
+            str(members),
+            "--advertise",
+            f"{pair.addr('a')}:{CLUSTER_PORT}",
+            "--cluster-key",
+            KEY,
+            "--node-name",
+            "a",
+            "--port",
+            str(PORT),
+            *extra,
+            *head,
+        ],
+        model,
+    )
+    join = [
+        "--prefill",
+        "0",
+        "--decode",
+        "1",
+        "--join",
+        f"{pair.addr('a')}:{CLUSTER_PORT}",
+        "--cluster-key",
+        KEY,
+    ]
     nodes = [
         Node(pair, "b", [*join, "--node-name", f"b{m}", *extra], model) for m in range(members)
     ]
@@ -177,9 +234,11 @@ def _check_nodes_named(cluster: Cluster) -> None:
     nodes = {(w["role"], w["index"]): w["node"] for w in health["workers"]}
     assert nodes[("prefill", 0)] == nodes[("detokenizer", 0)] == nodes[("frontend", 0)] == "a"
     assert {nodes[("decode", 0)], nodes[("decode", 1)]} == {"b0", "b1"}, body
-    assert health["nodes"] == {"a": {"workers": 3, "alive": 3},
-                               "b0": {"workers": 1, "alive": 1},
-                               "b1": {"workers": 1, "alive": 1}}  # fmt: skip
+    assert health["nodes"] == {
+        "a": {"workers": 3, "alive": 3},
+        "b0": {"workers": 1, "alive": 1},
+        "b1": {"workers": 1, "alive": 1},
+    }
     _, metrics = cluster.get("/metrics")
     for index in (0, 1):
         labels = f'index="{index}",node="{nodes[("decode", index)]}",role="decode"'
@@ -261,9 +320,23 @@ def test_streams_cut_off_by_a_partition_finish_exactly_once_it_heals(
 
 
 def test_a_node_with_another_cluster_key_is_refused(cluster: Cluster) -> None:
-    intruder = Node(cluster.pair, "b", ["--prefill", "0", "--decode", "1", "--join", cluster.join,
-                                        "--cluster-key", "not-the-cluster-key-at-all",
-                                        "--node-name", "intruder"], cluster.model)  # fmt: skip
+    intruder = Node(
+        cluster.pair,
+        "b",
+        [
+            "--prefill",
+            "0",
+            "--decode",
+            "1",
+            "--join",
+            cluster.join,
+            "--cluster-key",
+            "not-the-cluster-key-at-all",
+            "--node-name",
+            "intruder",
+        ],
+        cluster.model,
+    )
     assert intruder.proc.wait(60) == 2
     said = "".join(intruder.log)
     assert "refused" in said or "--cluster-key" in said, said
@@ -293,9 +366,20 @@ def test_smollm2_across_two_hosts_equals_transformers() -> None:
     with NetnsPair() as pair:
         c = _start(pair, path, 1, ["--quantization", "none"])
         try:
-            client = pair.run("a", [sys.executable, "-m", "tests.e2e.cluster_client",
-                                    f"http://127.0.0.1:{PORT}", "chat", path.name, "24"],
-                              timeout=300, input=json.dumps(conversations))  # fmt: skip
+            client = pair.run(
+                "a",
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.e2e.cluster_client",
+                    f"http://127.0.0.1:{PORT}",
+                    "chat",
+                    path.name,
+                    "24",
+                ],
+                timeout=300,
+                input=json.dumps(conversations),
+            )
         finally:
             for node in (*c.members, c.head):
                 node.stop()

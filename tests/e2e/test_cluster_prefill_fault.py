@@ -42,10 +42,12 @@ def test_a_prefill_worker_killed_before_its_kv_was_read_is_prefilled_again_elsew
             os.kill(decode, signal.SIGSTOP)  # the handoff waits, unread, on the decode node
             try:
                 client = pair.popen(
-                    "a", [sys.executable, "-m", "tests.e2e.cluster_client",
-                          f"http://127.0.0.1:{PORT}"],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                )  # fmt: skip
+                    "a",
+                    [sys.executable, "-m", "tests.e2e.cluster_client", f"http://127.0.0.1:{PORT}"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
                 assert client.stdin is not None and client.stdout is not None
                 client.stdin.write(json.dumps(prompts))
                 client.stdin.close()
@@ -53,8 +55,9 @@ def test_a_prefill_worker_killed_before_its_kv_was_read_is_prefilled_again_elsew
                 while (victim := _prefilled_by(c)) is None:
                     assert time.monotonic() < deadline, "no prefill worker computed the prompt"
                     time.sleep(0.1)
-                pid = next(p for p in children(c.head.proc.pid)
-                           if title(p) == f"pdserve:prefill-{victim}")  # fmt: skip
+                pid = next(
+                    p for p in children(c.head.proc.pid) if title(p) == f"pdserve:prefill-{victim}"
+                )
                 os.kill(pid, signal.SIGKILL)
             finally:
                 os.kill(decode, signal.SIGCONT)

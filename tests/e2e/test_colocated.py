@@ -19,9 +19,19 @@ from tests.e2e.helpers import check_abort_mid_stream_frees_kv, concurrent_greedy
 @pytest.fixture(scope="module")
 def colocated_server() -> Iterator[LaunchedServer]:
     srv = LaunchedServer(
-        ["--colocated", "2", "--detokenizers", "1", "--device", "cpu",
-         "--kv-cache-tokens", "8192", "--max-model-len", "1024"]
-    )  # fmt: skip
+        [
+            "--colocated",
+            "2",
+            "--detokenizers",
+            "1",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "8192",
+            "--max-model-len",
+            "1024",
+        ]
+    )
     srv.wait_ready()
     yield srv
     srv.stop()
@@ -35,8 +45,9 @@ def test_workers_are_colocated_processes(colocated_server: LaunchedServer) -> No
     assert all(w["alive"] for w in workers)
     for w in workers:
         if w["role"] == "colocated":
-            title = subprocess.run(["ps", "-o", "args=", "-p", str(w["pid"])],
-                                   capture_output=True, text=True).stdout.strip()  # fmt: skip
+            title = subprocess.run(
+                ["ps", "-o", "args=", "-p", str(w["pid"])], capture_output=True, text=True
+            ).stdout.strip()
             assert title == f"pdserve:colocated-{w['index']}"
 
 
@@ -50,8 +61,9 @@ def test_concurrent_greedy_requests_match_transformers(
     results = asyncio.run(concurrent_greedy(colocated_server.url, prompts, max_tokens=12))
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
     for prompt, result in zip(prompts, results, strict=True):
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                           eos_token_id=None)  # fmt: skip
+        want = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
+        )
         assert result["output_ids"] == want[0, len(prompt) :].tolist()
 
 
@@ -68,8 +80,9 @@ def test_stop_string_ends_the_request_early(colocated_server: LaunchedServer) ->
         text = full.json()["text"]
         stop = text[len(text) // 2 : len(text) // 2 + 3]
         assert stop.strip()
-        r = client.post("/generate", json={"input_ids": ids,
-                                          "sampling_params": {**params, "stop": [stop]}})  # fmt: skip
+        r = client.post(
+            "/generate", json={"input_ids": ids, "sampling_params": {**params, "stop": [stop]}}
+        )
     out = r.json()
     assert out["finish_reason"] == "stop" and out["text"] == text[: text.index(stop)]
     deadline = time.monotonic() + 5

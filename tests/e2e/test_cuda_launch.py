@@ -29,8 +29,20 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
-COMMON = ["--device", "cuda", "--dtype", "float32", "--gpu-memory-utilization", "0.3",
-          "--kv-cache-tokens", "8192", "--max-model-len", "1024", "--max-num-seqs", "32"]  # fmt: skip
+COMMON = [
+    "--device",
+    "cuda",
+    "--dtype",
+    "float32",
+    "--gpu-memory-utilization",
+    "0.3",
+    "--kv-cache-tokens",
+    "8192",
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "32",
+]
 ON_GPU0 = ["--prefill", "1", "--decode", "1", "--prefill-gpus", "0", "--decode-gpus", "0"]
 MAX_TOKENS = 12
 
@@ -44,8 +56,12 @@ def prompts_and_reference(default_model_path: Path) -> tuple[list[list[int]], li
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).cuda()
     want = []
     for p in prompts:
-        out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_TOKENS,
-                          do_sample=False, eos_token_id=None)  # fmt: skip
+        out = hf.generate(
+            torch.tensor([p], device="cuda"),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+        )
         want.append(out[0, len(p) :].tolist())
     del hf
     torch.cuda.empty_cache()
@@ -68,8 +84,7 @@ def _check(srv: LaunchedServer, ref: tuple[list[list[int]], list[list[int]]]) ->
     results = asyncio.run(concurrent_greedy(srv.url, prompts, MAX_TOKENS))
     assert [r["output_ids"] for r in results] == want, "".join(srv.log[-30:])
     # Top logprobs leave the GPU in the sample; the greedy token is among the top 3.
-    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-            "logprobs": 3}  # fmt: skip
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 3}
     r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]

@@ -27,8 +27,10 @@ NAME = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def smol() -> Iterator[LaunchedServer]:
-    srv = LaunchedServer(["--prefill", "2", "--decode", "2", "--detokenizers", "2",
-                          "--device", "cpu"], tiny_model=False)  # fmt: skip
+    srv = LaunchedServer(
+        ["--prefill", "2", "--decode", "2", "--detokenizers", "2", "--device", "cpu"],
+        tiny_model=False,
+    )
     srv.wait_ready()
     yield srv
     srv.stop()
@@ -42,21 +44,30 @@ def client(smol: LaunchedServer) -> OpenAI:
 def test_the_default_model_names_the_capital_of_france(client: OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [NAME]
     out = client.chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=24, temperature=0,
-    )  # fmt: skip
+        model=NAME,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
     assert "Paris" in (out.choices[0].message.content or "")
 
 
-QUESTIONS = ["Name three colours.", "What is 2 + 2?", "Write a haiku about the sea.",
-             "Who wrote Hamlet?"]  # fmt: skip
+QUESTIONS = [
+    "Name three colours.",
+    "What is 2 + 2?",
+    "Write a haiku about the sea.",
+    "Who wrote Hamlet?",
+]
 
 
 def _served_greedy(client: OpenAI, messages: list[dict[str, str]]) -> list[int]:
     got = client.chat.completions.create(
-        model=NAME, messages=messages, max_tokens=32, temperature=0,  # type: ignore[arg-type]
+        model=NAME,
+        messages=messages,
+        max_tokens=32,
+        temperature=0,  # type: ignore[arg-type]
         extra_body={"return_token_ids": True},
-    )  # fmt: skip
+    )
     return got.choices[0].model_extra["token_ids"]  # type: ignore[index, no-any-return]
 
 
@@ -84,8 +95,10 @@ def test_the_packed_default_serves_what_the_engine_computes_in_process(
     llm = LLM(EngineConfig(model=str(path), num_kv_blocks=64, large_batch_gemm=True))
     assert llm.runner.quantization == "gguf"
     for i, q in enumerate(QUESTIONS):
-        messages = [{"role": "system", "content": f"Question {i + 1}: answer briefly."},
-                    {"role": "user", "content": q}]  # fmt: skip
+        messages = [
+            {"role": "system", "content": f"Question {i + 1}: answer briefly."},
+            {"role": "user", "content": q},
+        ]
         ids = _prompt_ids(tok, messages)
         [want] = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=32))
         assert _served_greedy(client, messages) == want.output_ids, q
@@ -98,8 +111,10 @@ def test_float32_serving_equals_transformers_through_1p1d() -> None:
     """--quantization none: the float32 weights de-quantized from the GGUF, exact."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    srv = LaunchedServer(["--prefill", "1", "--decode", "1", "--device", "cpu",
-                          "--quantization", "none"], tiny_model=False)  # fmt: skip
+    srv = LaunchedServer(
+        ["--prefill", "1", "--decode", "1", "--device", "cpu", "--quantization", "none"],
+        tiny_model=False,
+    )
     srv.wait_ready()
     try:
         client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -123,9 +138,11 @@ def test_an_anthropic_client_gets_the_answer(smol: LaunchedServer) -> None:
     """/v1/messages through the official SDK: the answer, streamed as it is whole."""
     claude = anthropic.Anthropic(base_url=smol.url, api_key="unused", max_retries=0, timeout=120)
     args: dict[str, Any] = dict(
-        model=NAME, max_tokens=24, extra_body={"temperature": 0},
+        model=NAME,
+        max_tokens=24,
+        extra_body={"temperature": 0},
         messages=[{"role": "user", "content": "What is the capital of France?"}],
-    )  # fmt: skip
+    )
     whole = claude.messages.create(**args)
     (block,) = whole.content
     assert block.type == "text" and "Paris" in block.text
@@ -140,8 +157,9 @@ def test_an_anthropic_client_gets_the_answer(smol: LaunchedServer) -> None:
 
 def test_a_responses_client_gets_the_answer(client: OpenAI) -> None:
     """/v1/responses through the official SDK: the answer, streamed as it is whole."""
-    args: dict[str, Any] = dict(model=NAME, input="What is the capital of France?",
-                                max_output_tokens=24, temperature=0)  # fmt: skip
+    args: dict[str, Any] = dict(
+        model=NAME, input="What is the capital of France?", max_output_tokens=24, temperature=0
+    )
     whole = client.responses.create(**args)
     assert "Paris" in whole.output_text and whole.status in ("completed", "incomplete")
     events = list(client.responses.create(stream=True, **args))

@@ -31,9 +31,23 @@ from tests.e2e.helpers import (
 @pytest.fixture(scope="module")
 def victim() -> Iterator[LaunchedServer]:
     yield from LaunchedServer.serving(
-        ["--prefill", "2", "--decode", "2", "--detokenizers", "2", "--device", "cpu",
-         "--kv-cache-tokens", "8192", "--max-model-len", "1024", "--stall-timeout", "4"]
-    )  # fmt: skip
+        [
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--detokenizers",
+            "2",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "8192",
+            "--max-model-len",
+            "1024",
+            "--stall-timeout",
+            "4",
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +106,11 @@ def test_a_stopped_decode_worker_is_reported_and_its_streams_finish_elsewhere(
             try:
                 while not all(task.done() for task in tasks):
                     health = (await client.get("/health")).json()
-                    seen.extend(f"{w['role']}-{w['index']}" for w in health["workers"]
-                                if w["state"] == "stalled")  # fmt: skip
+                    seen.extend(
+                        f"{w['role']}-{w['index']}"
+                        for w in health["workers"]
+                        if w["state"] == "stalled"
+                    )
                     await asyncio.sleep(0.2)
                 return await asyncio.wait_for(asyncio.gather(*tasks), 100)
             finally:
@@ -109,8 +126,9 @@ def test_a_stopped_decode_worker_is_reported_and_its_streams_finish_elsewhere(
 def test_a_dead_frontend_is_restarted_and_serves_again(default_model_path: Path) -> None:
     """A frontend is restarted like any worker (its own clients' streams die with it);
     the server then stops cleanly and leaves nothing in /dev/shm."""
-    srv = LaunchedServer(["--prefill", "1", "--decode", "1", "--device", "cpu",
-                          "--kv-cache-tokens", "4096"])  # fmt: skip
+    srv = LaunchedServer(
+        ["--prefill", "1", "--decode", "1", "--device", "cpu", "--kv-cache-tokens", "4096"]
+    )
     srv.wait_ready()
     kids = children(srv.proc.pid)
     old = pid_of(srv, "pdserve:frontend-0")

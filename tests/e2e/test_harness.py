@@ -12,19 +12,45 @@ from tests.conftest import LaunchedServer
 
 
 def _args(url: str, tokenizer: Path, out: Path, *extra: str) -> list[str]:
-    return ["--base-url", url, "--model", "tiny-qwen2-v1", "--tokenizer", str(tokenizer),
-            "--random-input-len", "24", "--random-output-len", "8", "--disable-tqdm",
-            "--result-file", str(out), *extra]  # fmt: skip
+    return [
+        "--base-url",
+        url,
+        "--model",
+        "tiny-qwen2-v1",
+        "--tokenizer",
+        str(tokenizer),
+        "--random-input-len",
+        "24",
+        "--random-output-len",
+        "8",
+        "--disable-tqdm",
+        "--result-file",
+        str(out),
+        *extra,
+    ]
 
 
 def test_small_sweep_end_to_end(
     server: LaunchedServer, tokenizer_path: Path, tmp_path: Path
 ) -> None:
     out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    rc = main(_args(server.url, tokenizer_path, out, "--num-prompts", "6",
-                    "--sweep", "request-rate=4,inf", "--plot", str(plot),
-                    "--percentile-metrics", "ttft,tpot,itl,e2el",
-                    "--metric-percentiles", "50,90,99"))  # fmt: skip
+    rc = main(
+        _args(
+            server.url,
+            tokenizer_path,
+            out,
+            "--num-prompts",
+            "6",
+            "--sweep",
+            "request-rate=4,inf",
+            "--plot",
+            str(plot),
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--metric-percentiles",
+            "50,90,99",
+        )
+    )
     assert rc == 0
     runs = json.loads(out.read_text())
     assert len(runs) == 2 and plot.stat().st_size > 0
@@ -41,16 +67,29 @@ def test_small_sweep_end_to_end(
 def test_server_stopped_mid_run_counts_failures_and_exits_nonzero(
     tokenizer_path: Path, tmp_path: Path
 ) -> None:
-    srv = LaunchedServer(["--prefill", "1", "--decode", "1", "--device", "cpu",
-                          "--kv-cache-tokens", "4096"])  # fmt: skip
+    srv = LaunchedServer(
+        ["--prefill", "1", "--decode", "1", "--device", "cpu", "--kv-cache-tokens", "4096"]
+    )
     srv.wait_ready()
     out = tmp_path / "stopped.json"
     result: dict[str, int] = {}
 
     def bench() -> None:
-        result["rc"] = main(_args(srv.url, tokenizer_path, out, "--num-prompts", "40",
-                                  "--random-output-len", "200", "--max-concurrency", "4",
-                                  "--request-timeout", "30"))  # fmt: skip
+        result["rc"] = main(
+            _args(
+                srv.url,
+                tokenizer_path,
+                out,
+                "--num-prompts",
+                "40",
+                "--random-output-len",
+                "200",
+                "--max-concurrency",
+                "4",
+                "--request-timeout",
+                "30",
+            )
+        )
 
     t = threading.Thread(target=bench)
     t0 = time.monotonic()

@@ -60,9 +60,17 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT, GENERATE])
 @pytest.mark.parametrize(
     "raw",
-    [b"{", b'{"prompt": "a",}', b"not json", b"", b'{"prompt": "\\ud800"}', b"[" * 10_000,
-     b'{"temperature": NaN}', b'{"prompt": "a\xff", "max_tokens": 4}'],
-)  # fmt: skip
+    [
+        b"{",
+        b'{"prompt": "a",}',
+        b"not json",
+        b"",
+        b'{"prompt": "\\ud800"}',
+        b"[" * 10_000,
+        b'{"temperature": NaN}',
+        b'{"prompt": "a\xff", "max_tokens": 4}',
+    ],
+)
 def test_malformed_json_is_a_400(http: httpx.Client, path: str, raw: bytes) -> None:
     r = http.post(path, content=raw, headers={"content-type": "application/json"})
     assert "JSON" in assert_openai_error(r, 400)

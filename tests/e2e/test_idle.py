@@ -52,6 +52,13 @@ def test_process_titles_name_each_role(server: LaunchedServer) -> None:
     titles = set()
     for pid in children(server.proc.pid):
         titles.add(title(pid))
-    want = {"pdserve:frontend-0", "pdserve:prefill-0", "pdserve:prefill-1", "pdserve:decode-0",
-            "pdserve:decode-1", "pdserve:detok-0", "pdserve:detok-1"}  # fmt: skip
+    want = {
+        "pdserve:frontend-0",
+        "pdserve:prefill-0",
+        "pdserve:prefill-1",
+        "pdserve:decode-0",
+        "pdserve:decode-1",
+        "pdserve:detok-0",
+        "pdserve:detok-1",
+    }
     assert {t.strip() for t in titles} == want

@@ -27,8 +27,10 @@ def _complete(srv: LaunchedServer, prompt: list[int], model: str) -> tuple[str, 
 
 
 def _generate(srv: LaunchedServer, ids: list[int], max_tokens: int) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"max_tokens": max_tokens, "temperature": 0,
-                                                  "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    }
     r = httpx.post(srv.url + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
@@ -44,8 +46,20 @@ def test_an_evicted_prefix_hits_host_ram_then_disk_after_sigterm_and_sigkill(
     rng = random.Random(5)
     prompt = [rng.randrange(1000, 100_000) for _ in range(150)]
     others = [[rng.randrange(1000, 100_000) for _ in range(150)] for _ in range(4)]
-    args = ["--prefill", "1", "--decode", "1", "--device", "cpu", "--kv-cache-tokens", "256",
-            "--kv-offload-dir", str(tmp_path), "--served-model-name", "m"]  # fmt: skip
+    args = [
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--device",
+        "cpu",
+        "--kv-cache-tokens",
+        "256",
+        "--kv-offload-dir",
+        str(tmp_path),
+        "--served-model-name",
+        "m",
+    ]
     srv = LaunchedServer(args)
     srv.wait_ready()
     try:
@@ -101,18 +115,34 @@ def test_a_prefix_one_prefill_worker_computed_is_a_host_ram_hit_on_the_other() -
     prefill worker, whose pool never saw the prefix."""
     rng = random.Random(9)
     prompt = [rng.randrange(1000, 40_000) for _ in range(200)]
-    srv = LaunchedServer(["--prefill", "2", "--decode", "2", "--device", "cpu",
-                          "--router-policy", "round-robin", "--kv-cache-tokens", "4096",
-                          "--max-model-len", "1024", "--served-model-name", "m"],
-                         tiny_model=False)  # fmt: skip
+    srv = LaunchedServer(
+        [
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--device",
+            "cpu",
+            "--router-policy",
+            "round-robin",
+            "--kv-cache-tokens",
+            "4096",
+            "--max-model-len",
+            "1024",
+            "--served-model-name",
+            "m",
+        ],
+        tiny_model=False,
+    )
     srv.wait_ready()
     try:
         cold, cached = _complete(srv, prompt, "m")
         assert cached == 0
         assert _complete(srv, prompt, "m") == (cold, 192)  # 12 blocks, all from tier 2
         health = srv.health()
-        hits = sorted(w["load"]["prefix_hit_tokens"] for w in health["workers"]
-                      if w["role"] == "prefill")  # fmt: skip
+        hits = sorted(
+            w["load"]["prefix_hit_tokens"] for w in health["workers"] if w["role"] == "prefill"
+        )
         assert hits == [0, 192], health
     finally:
         assert srv.stop() == 0

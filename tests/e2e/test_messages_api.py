@@ -30,11 +30,20 @@ from tests.e2e.helpers import (
 
 GREEDY: dict[str, Any] = {"extra_body": {"temperature": 0}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {"name": "get_weather", "description": "Current weather in a city",
-           "input_schema": WEATHER_SCHEMA}  # fmt: skip
-TIME = {"name": "get_time", "input_schema": {
-    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-    "additionalProperties": False}}  # fmt: skip
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "input_schema": WEATHER_SCHEMA,
+}
+TIME = {
+    "name": "get_time",
+    "input_schema": {
+        "type": "object",
+        "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    },
+}
 
 
 def as_chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
@@ -44,8 +53,9 @@ def as_chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def claude(agent_server: LaunchedServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=agent_server.url, api_key="unused", max_retries=0,
-                               timeout=120)  # fmt: skip
+    return anthropic.Anthropic(
+        base_url=agent_server.url, api_key="unused", max_retries=0, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +73,10 @@ def test_streamed_text_joined_equals_the_whole_message(claude: anthropic.Anthrop
     assert whole.type == "message" and whole.role == "assistant" and whole.model == MODEL
     assert [b.type for b in whole.content] == ["text"]
     assert (whole.stop_reason, whole.stop_sequence, whole.usage.output_tokens) == (
-        "max_tokens", None, 12)  # fmt: skip
+        "max_tokens",
+        None,
+        12,
+    )
     events = list(claude.messages.create(stream=True, **args))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["message_start", "content_block_start"]
@@ -79,17 +92,21 @@ def test_streamed_text_joined_equals_the_whole_message(claude: anthropic.Anthrop
 
 
 def test_usage_counts_the_tokens_processed(
-    claude: anthropic.Anthropic, agent_server: LaunchedServer, qwen_tokenizer: Any,
+    claude: anthropic.Anthropic,
+    agent_server: LaunchedServer,
+    qwen_tokenizer: Any,
     template: str,
-) -> None:  # fmt: skip
+) -> None:
     messages = [{"role": "user", "content": "A prompt no other test sends: " + "usage " * 30}]
     system = "You count tokens."
-    prompt = render_ids(qwen_tokenizer, template, [{"role": "system", "content": system},
-                                                   *messages])  # fmt: skip
+    prompt = render_ids(
+        qwen_tokenizer, template, [{"role": "system", "content": system}, *messages]
+    )
     counted = claude.messages.count_tokens(model=MODEL, system=system, messages=messages)
     assert counted.input_tokens == len(prompt)
-    args: dict[str, Any] = dict(model=MODEL, system=system, messages=messages, max_tokens=7,
-                                **GREEDY)  # fmt: skip
+    args: dict[str, Any] = dict(
+        model=MODEL, system=system, messages=messages, max_tokens=7, **GREEDY
+    )
     before = computed_prefill_tokens(agent_server)
     first = claude.messages.create(**args)
     # A new prompt: every token computed by a prefill worker, none from the cache.
@@ -98,10 +115,17 @@ def test_usage_counts_the_tokens_processed(
     # The output tokens are the ids the engine generated: the same greedy request through
     # chat completions lists them.
     chat = openai.OpenAI(base_url=agent_server.url + "/v1", api_key="unused", max_retries=0)
-    ids = chat.chat.completions.create(
-        model=MODEL, messages=[{"role": "system", "content": system}, *messages],  # type: ignore[list-item]
-        max_tokens=7, temperature=0, extra_body={"return_token_ids": True},
-    ).choices[0].model_extra["token_ids"]  # type: ignore[index]  # fmt: skip
+    ids = (
+        chat.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": system}, *messages],  # type: ignore[list-item]
+            max_tokens=7,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        .choices[0]
+        .model_extra["token_ids"]
+    )  # type: ignore[index]
     assert first.usage.output_tokens == len(ids) == 7
     # Again: the prefix cache supplies what it holds, and only the rest is computed.
     before = computed_prefill_tokens(agent_server)
@@ -116,25 +140,51 @@ def test_count_tokens_renders_tools_and_history(
 ) -> None:
     history: list[dict[str, Any]] = [
         *ASK,
-        {"role": "assistant", "content": [
-            {"type": "text", "text": "Let me look."},
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-             "input": {"city": "Paris", "unit": "celsius"}}]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 degrees"},
-            {"type": "text", "text": "And tomorrow?"}]},
-    ]  # fmt: skip
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Let me look."},
+                {
+                    "type": "tool_use",
+                    "id": "toolu_1",
+                    "name": "get_weather",
+                    "input": {"city": "Paris", "unit": "celsius"},
+                },
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 degrees"},
+                {"type": "text", "text": "And tomorrow?"},
+            ],
+        },
+    ]
     chat_history = [
         *ASK,
-        {"role": "assistant", "content": "Let me look.", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {
-                "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": {"city": "Paris", "unit": "celsius"},
+                    },
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "toolu_1", "content": "21 degrees"},
         {"role": "user", "content": "And tomorrow?"},
-    ]  # fmt: skip
+    ]
     want = render_ids(qwen_tokenizer, template, chat_history, [as_chat_tool(WEATHER)])
-    got = claude.messages.count_tokens(model=MODEL, messages=history,  # type: ignore[arg-type]
-                                       tools=[WEATHER])  # type: ignore[list-item]  # fmt: skip
+    got = claude.messages.count_tokens(
+        model=MODEL,
+        messages=history,  # type: ignore[arg-type]
+        tools=[WEATHER],
+    )  # type: ignore[list-item]
     assert got.input_tokens == len(want)
 
 
@@ -143,8 +193,9 @@ def test_a_final_assistant_turn_is_continued(
 ) -> None:
     """Anthropic's prefill: the prompt ends inside the assistant's turn, after its text."""
     messages: list[Any] = [*ASK, {"role": "assistant", "content": "The weather is"}]
-    text = qwen_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                              continue_final_message=True)  # fmt: skip
+    text = qwen_tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=False, continue_final_message=True
+    )
     assert text.endswith("The weather is")
     want = len(qwen_tokenizer.encode(text, add_special_tokens=False))
     assert claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens == want
@@ -158,14 +209,23 @@ def test_a_forced_tool_call_validates_and_its_result_continues(
 ) -> None:
     # Greedy: a sampled run of the random tiny model could write arguments that are not
     # an object of the schema's fields before its budget (seen once in a full suite).
-    args: dict[str, Any] = dict(model=MODEL, max_tokens=100, tools=[WEATHER, TIME], **GREEDY,
-                                messages=ASK, tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
+    args: dict[str, Any] = dict(
+        model=MODEL,
+        max_tokens=100,
+        tools=[WEATHER, TIME],
+        **GREEDY,
+        messages=ASK,
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
     if stream:
         with claude.messages.stream(**args) as s:
             events = list(s)
             message = s.get_final_message()
-        partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta"
-                          and e.delta.type == "input_json_delta")  # fmt: skip
+        partial = "".join(
+            e.delta.partial_json
+            for e in events
+            if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+        )
         assert len([e for e in events if e.type == "content_block_delta"]) > 2  # as generated
     else:
         message = claude.messages.create(**args)
@@ -176,50 +236,89 @@ def test_a_forced_tool_call_validates_and_its_result_continues(
     if stream:
         assert json.loads(partial) == use.input
     history: list[dict[str, Any]] = [
-        *ASK, {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
-                                      "content": [{"type": "text", "text": "21 degrees"}]}]},
-    ]  # fmt: skip
+        *ASK,
+        {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": use.id,
+                    "content": [{"type": "text", "text": "21 degrees"}],
+                }
+            ],
+        },
+    ]
     # The result is in the prompt the next turn continues.
-    chat_history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": use.id, "type": "function",
-         "function": {"name": "get_weather", "arguments": use.input}}]},
-        {"role": "tool", "tool_call_id": use.id, "content": "21 degrees"}]  # fmt: skip
+    chat_history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": use.id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": use.input},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": use.id, "content": "21 degrees"},
+    ]
     tools = [as_chat_tool(WEATHER), as_chat_tool(TIME)]
-    counted = claude.messages.count_tokens(model=MODEL, messages=history,  # type: ignore[arg-type]
-                                           tools=[WEATHER, TIME])  # type: ignore[list-item]  # fmt: skip
+    counted = claude.messages.count_tokens(
+        model=MODEL,
+        messages=history,  # type: ignore[arg-type]
+        tools=[WEATHER, TIME],
+    )  # type: ignore[list-item]
     assert counted.input_tokens == len(render_ids(qwen_tokenizer, template, chat_history, tools))
-    final = claude.messages.create(model=MODEL, max_tokens=8, tools=[WEATHER, TIME],
-                                   tool_choice={"type": "none"}, messages=history)  # type: ignore[arg-type,list-item]  # fmt: skip
+    final = claude.messages.create(
+        model=MODEL,
+        max_tokens=8,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "none"},
+        messages=history,
+    )  # type: ignore[arg-type,list-item]
     assert final.stop_reason in ("end_turn", "max_tokens")
     assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == (
-        counted.input_tokens)  # fmt: skip
+        counted.input_tokens
+    )
     assert [b.type for b in final.content] in (["text"], [])
 
 
 def test_any_tool_choice_calls_one_of_the_tools(claude: anthropic.Anthropic) -> None:
     for seed_text in ("Paris?", "Berlin?"):
         message = claude.messages.create(
-            model=MODEL, max_tokens=120, tools=[WEATHER, TIME],
+            model=MODEL,
+            max_tokens=120,
+            tools=[WEATHER, TIME],
             tool_choice={"type": "any", "disable_parallel_tool_use": True},
             messages=[{"role": "user", "content": seed_text}],
-        )  # type: ignore[list-item]  # fmt: skip
+        )  # type: ignore[list-item]
         assert message.stop_reason == "tool_use"
         (use,) = message.content  # one call: parallel use was turned off
         assert use.type == "tool_use"
-        jsonschema.validate(use.input, {"get_weather": WEATHER, "get_time": TIME}[use.name][
-            "input_schema"])  # fmt: skip
+        jsonschema.validate(
+            use.input, {"get_weather": WEATHER, "get_time": TIME}[use.name]["input_schema"]
+        )
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_sequence_ends_the_message_and_is_named(
     claude: anthropic.Anthropic, stream: bool
 ) -> None:
-    args: dict[str, Any] = dict(model=MODEL, max_tokens=24, **GREEDY,
-                                messages=[{"role": "user", "content": "Count with me."}])  # fmt: skip
+    args: dict[str, Any] = dict(
+        model=MODEL,
+        max_tokens=24,
+        **GREEDY,
+        messages=[{"role": "user", "content": "Count with me."}],
+    )
     text = text_of(claude.messages.create(**args))
-    stop = next(text[i : i + 3] for i in range(len(text) // 2, len(text))
-                if text[i : i + 3].strip() and len(text[i : i + 3]) == 3)  # fmt: skip
+    stop = next(
+        text[i : i + 3]
+        for i in range(len(text) // 2, len(text))
+        if text[i : i + 3].strip() and len(text[i : i + 3]) == 3
+    )
     if stream:
         events = list(claude.messages.create(stream=True, stop_sequences=["§never§", stop], **args))
         end = events[-2]
@@ -233,11 +332,20 @@ def test_a_stop_sequence_ends_the_message_and_is_named(
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_request(agent_server: LaunchedServer) -> None:
-    body = {"model": MODEL, "max_tokens": 900, "stream": True,
-            "messages": [{"role": "user", "content": "Talk for a long time."}]}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "max_tokens": 900,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Talk for a long time."}],
+    }
     # msg_<rid hex><8 hex>
-    leave_mid_stream(agent_server, "/v1/messages", body, "content_block_delta",
-                     lambda event: int(event["message"]["id"][len("msg_") : -8], 16))  # fmt: skip
+    leave_mid_stream(
+        agent_server,
+        "/v1/messages",
+        body,
+        "content_block_delta",
+        lambda event: int(event["message"]["id"][len("msg_") : -8], 16),
+    )
 
 
 def _error(r: httpx.Response, status: int, needle: str) -> None:
@@ -255,30 +363,67 @@ BASE: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "messages": ASK}
 BAD: list[tuple[dict[str, Any], int, str]] = [
     ({"model": MODEL, "messages": ASK}, 400, "max_tokens"),
     ({**BASE, "messages": [{"role": "assistant", "content": "Hi"}, *ASK]}, 400, "first message"),
-    ({**BASE, "messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]},
-     400, "unknown content block type 'video'"),
-    ({**BASE, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]},
-     400, "type 'image' are not supported"),
-    ({**BASE, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_nobody", "content": "42"}]}]},
-     400, "'toolu_nobody' matches no earlier tool_use"),
+    (
+        {**BASE, "messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]},
+        400,
+        "unknown content block type 'video'",
+    ),
+    (
+        {
+            **BASE,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": ""},
+                        }
+                    ],
+                }
+            ],
+        },
+        400,
+        "type 'image' are not supported",
+    ),
+    (
+        {
+            **BASE,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "toolu_nobody", "content": "42"}
+                    ],
+                }
+            ],
+        },
+        400,
+        "'toolu_nobody' matches no earlier tool_use",
+    ),
     ({**BASE, "max_tokens": "4"}, 400, "max_tokens"),
     ({**BASE, "temperature": "hot"}, 400, "temperature"),
     ({**BASE, "messages": "hello"}, 400, "messages"),
     ({**BASE, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
-    ({**BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
-     400, "messages[0].content[0].text"),
+    (
+        {**BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        400,
+        "messages[0].content[0].text",
+    ),
     ({**BASE, "stop_sequences": "STOP"}, 400, "stop_sequences"),
     ({**BASE, "system": 5}, 400, "system"),
     ({**BASE, "tools": [{"name": "get_weather"}]}, 400, "input_schema"),
-    ({**BASE, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "tools[0].type"),
+    (
+        {**BASE, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+        400,
+        "tools[0].type",
+    ),
     ({**BASE, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, 400, "'nope'"),
     ({**BASE, "tool_choice": {"type": "sometimes"}}, 400, "tool_choice"),
     ({**BASE, "max_tokens": 0}, 400, "max_tokens"),
     ({**BASE, "max_tokens": 5000}, 400, "maximum context length"),
     ({**BASE, "model": "claude-sonnet-4-5"}, 404, "'claude-sonnet-4-5' does not exist"),
-]  # fmt: skip
+]
 
 
 def test_bad_input_gets_anthropic_errors_and_loses_nothing(
@@ -288,17 +433,32 @@ def test_bad_input_gets_anthropic_errors_and_loses_nothing(
         for body, status, needle in BAD:
             _error(client.post("/v1/messages", json=body), status, needle)
         raw = {"content-type": "application/json"}
-        _error(client.post("/v1/messages", content=b'{"model": "tiny",', headers=raw),
-               400, "malformed JSON")  # fmt: skip
-        _error(client.post("/v1/messages", content=b"{}", headers={"content-type": "text/plain"}),
-               415, "Content-Type")  # fmt: skip
+        _error(
+            client.post("/v1/messages", content=b'{"model": "tiny",', headers=raw),
+            400,
+            "malformed JSON",
+        )
+        _error(
+            client.post("/v1/messages", content=b"{}", headers={"content-type": "text/plain"}),
+            415,
+            "Content-Type",
+        )
         _error(client.post("/v1/messages/count_tokens", json={"model": MODEL}), 400, "messages")
-        _error(client.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": [
-            {"role": "user", "content": [{"type": "document", "source": {}}]}]}),
-            400, "type 'document' are not supported")  # fmt: skip
+        _error(
+            client.post(
+                "/v1/messages/count_tokens",
+                json={
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}],
+                },
+            ),
+            400,
+            "type 'document' are not supported",
+        )
     with pytest.raises(anthropic.BadRequestError) as e:  # the SDK reads the shape
-        claude.messages.create(model=MODEL, max_tokens=4,
-                               messages=[{"role": "assistant", "content": "Hi"}])  # fmt: skip
+        claude.messages.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "assistant", "content": "Hi"}]
+        )
     assert e.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
     # Nothing was lost: every worker is the one that started, and requests still run.
     assert all(w["alive"] for w in agent_server.health()["workers"])

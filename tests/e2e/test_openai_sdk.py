@@ -44,8 +44,9 @@ def test_greedy_completion_equals_transformers_generate(
     from transformers import AutoModelForCausalLM
 
     prompt = "The capital of France is"
-    c = sdk.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
-                               **_extra(return_token_ids=True))  # fmt: skip
+    c = sdk.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, **_extra(return_token_ids=True)
+    )
     choice = c.model_dump()["choices"][0]
     ids = qwen_tokenizer.encode(prompt)
     assert choice["prompt_token_ids"] == ids
@@ -62,8 +63,9 @@ def test_completion_streamed_equals_non_streamed_with_usage(sdk: openai.OpenAI, 
     whole = sdk.completions.create(**args)
     assert whole.usage is not None
     assert (whole.usage.completion_tokens, whole.choices[0].finish_reason) == (10, "length")
-    chunks = list(sdk.completions.create(**args, stream=True,
-                                         stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        sdk.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
@@ -75,8 +77,9 @@ def test_chat_streamed_equals_non_streamed_with_usage(sdk: openai.OpenAI, model:
     whole = sdk.chat.completions.create(**args)
     assert whole.choices[0].message.role == "assistant" and whole.usage is not None
     assert whole.usage.completion_tokens == 10
-    chunks = list(sdk.chat.completions.create(**args, stream=True,
-                                              stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        sdk.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == whole.choices[0].message.content
@@ -100,8 +103,9 @@ def test_completion_logprobs(sdk: openai.OpenAI, model: str) -> None:
 
 
 def test_chat_logprobs_with_top_logprobs(sdk: openai.OpenAI, model: str) -> None:
-    c = sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=5, logprobs=True,
-                                    top_logprobs=2, **GREEDY)  # fmt: skip
+    c = sdk.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=2, **GREEDY
+    )
     choice = c.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content is not None
     content = choice.logprobs.content
@@ -158,8 +162,10 @@ async def _seeded_under_load(url: str, model: str) -> tuple[list[str], list[str]
             c = await sdk.completions.create(**args, extra_body={"ignore_eos": True})
             return c.choices[0].text
 
-        noise = [text(model=model, prompt="x " * (1 + 9 * i), max_tokens=4 + i,
-                      temperature=1.0) for i in range(6)]  # fmt: skip
+        noise = [
+            text(model=model, prompt="x " * (1 + 9 * i), max_tokens=4 + i, temperature=1.0)
+            for i in range(6)
+        ]
         seeded = [text(**_seeded(model, s)) for s in (7, 7, 8, 8)]
         results = await asyncio.gather(*seeded[:2], *noise, *seeded[2:])
         return [results[0], results[1]], [results[-2], results[-1]]
@@ -168,8 +174,10 @@ async def _seeded_under_load(url: str, model: str) -> tuple[list[str], list[str]
 def test_seed_reproduces_sampled_text_also_under_concurrency(
     sdk: openai.OpenAI, model: str, server: LaunchedServer
 ) -> None:
-    alone = [sdk.completions.create(**_seeded(model, 7), extra_body={"ignore_eos": True})
-             .choices[0].text for _ in range(2)]  # fmt: skip
+    alone = [
+        sdk.completions.create(**_seeded(model, 7), extra_body={"ignore_eos": True}).choices[0].text
+        for _ in range(2)
+    ]
     assert alone[0] == alone[1]
     sevens, eights = asyncio.run(_seeded_under_load(server.url + "/v1", model))
     assert sevens == alone
@@ -179,23 +187,34 @@ def test_seed_reproduces_sampled_text_also_under_concurrency(
 def test_return_token_ids_in_completion_and_chat(
     sdk: openai.OpenAI, model: str, qwen_tokenizer: Any
 ) -> None:
-    c = sdk.completions.create(model=model, prompt="Hi there", max_tokens=5, **GREEDY,
-                               ).model_dump()["choices"][0]  # fmt: skip
+    c = sdk.completions.create(
+        model=model,
+        prompt="Hi there",
+        max_tokens=5,
+        **GREEDY,
+    ).model_dump()["choices"][0]
     assert "token_ids" not in c  # only on request
-    c = sdk.completions.create(model=model, prompt="Hi there", max_tokens=5, temperature=0,
-                               **_extra(return_token_ids=True)).model_dump()["choices"][0]  # fmt: skip
+    c = sdk.completions.create(
+        model=model, prompt="Hi there", max_tokens=5, temperature=0, **_extra(return_token_ids=True)
+    ).model_dump()["choices"][0]
     assert c["prompt_token_ids"] == qwen_tokenizer.encode("Hi there")
     assert len(c["token_ids"]) == 5
     assert c["text"] == qwen_tokenizer.decode(c["token_ids"], skip_special_tokens=True)
-    chat = sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=5, temperature=0,
-                                       **_extra(return_token_ids=True)).model_dump()  # fmt: skip
+    chat = sdk.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=5, temperature=0, **_extra(return_token_ids=True)
+    ).model_dump()
     prompt = qwen_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert chat["prompt_token_ids"] == qwen_tokenizer.encode(prompt, add_special_tokens=False)
     assert chat["usage"]["prompt_tokens"] == len(chat["prompt_token_ids"])
     assert len(chat["choices"][0]["token_ids"]) == 5
     stream = sdk.chat.completions.create(
-        model=model, messages=CHAT, max_tokens=5, temperature=0, stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        model=model,
+        messages=CHAT,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     chunks = [ch.model_dump() for ch in stream]
     assert chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
     streamed_ids = [t for ch in chunks for t in ch["choices"][0].get("token_ids") or []]
@@ -206,7 +225,6 @@ def test_sdk_raises_typed_errors(sdk: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         sdk.completions.create(model="gpt-4", prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="'logit_bias' is not supported"):
-        sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=1,
-                                    logit_bias={"5": 1})  # fmt: skip
+        sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=1, logit_bias={"5": 1})
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         sdk.completions.create(model=model, prompt=[1] * 1000, max_tokens=100)

@@ -61,9 +61,13 @@ def test_500_streams_beyond_the_bound_get_503_and_health_keeps_answering(
     # 5 s socket timeout. The latencies go to the log; see benchmarks/results/overload.md for
     # the measured p99 against the 100 ms target.
     assert set(codes) == {"HTTP/1.1 200 OK"}, codes
-    logger.info("/health over %d probes: p50 %.0f ms, p99 %.0f ms, max %.0f ms", len(latencies),
-                1000 * percentile(latencies, 0.5), 1000 * percentile(latencies, 0.99),
-                1000 * max(latencies))  # fmt: skip
+    logger.info(
+        "/health over %d probes: p50 %.0f ms, p99 %.0f ms, max %.0f ms",
+        len(latencies),
+        1000 * percentile(latencies, 0.5),
+        1000 * percentile(latencies, 0.99),
+        1000 * max(latencies),
+    )
     assert small.health()["status"] == "ok"
     # Every refusal is counted, and the probes were answered by the accept thread.
     counters = {}

@@ -45,8 +45,9 @@ def test_32_concurrent_greedy_requests_match_transformers(
     results = asyncio.run(concurrent_greedy(server.url, prompts, max_tokens=16))
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
     for prompt, result in zip(prompts, results, strict=True):
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                           eos_token_id=None)  # fmt: skip
+        want = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None
+        )
         assert result["output_ids"] == want[0, len(prompt) :].tolist()
     health = server.health()
     assert all(w["alive"] for w in health["workers"])

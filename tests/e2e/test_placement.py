@@ -27,9 +27,21 @@ _SAMPLE = re.compile(
 @pytest.fixture(scope="module")
 def wide() -> Iterator[LaunchedServer]:
     srv = LaunchedServer(
-        ["--prefill", str(N_PREFILL), "--decode", str(N_DECODE), "--detokenizers", "1",
-         "--device", "cpu", "--kv-cache-tokens", "16384", "--max-model-len", "2048"]
-    )  # fmt: skip
+        [
+            "--prefill",
+            str(N_PREFILL),
+            "--decode",
+            str(N_DECODE),
+            "--detokenizers",
+            "1",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "16384",
+            "--max-model-len",
+            "2048",
+        ]
+    )
     srv.wait_ready()
     yield srv
     srv.stop()
@@ -39,8 +51,10 @@ async def _bursts(url: str, requests: list[tuple[list[int], int]], rng: random.R
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
 
         async def one(ids: list[int], max_tokens: int) -> None:
-            body = {"input_ids": ids, "sampling_params": {
-                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+            }
             r = await client.post("/generate", json=body)
             r.raise_for_status()
             assert len(r.json()["output_ids"]) == max_tokens
@@ -77,8 +91,9 @@ def test_64_mixed_requests_spread_within_25_percent_of_the_mean(wide: LaunchedSe
     before = _assigned_tokens(wide.url)
     asyncio.run(_bursts(wide.url, requests, rng))
     after = _assigned_tokens(wide.url)
-    load = {role: {i: after[role][i] - before[role].get(i, 0.0) for i in after[role]}
-            for role in after}  # fmt: skip
+    load = {
+        role: {i: after[role][i] - before[role].get(i, 0.0) for i in after[role]} for role in after
+    }
 
     assert sum(load["prefill"].values()) == sum(len(ids) for ids, _ in requests)
     assert sum(load["decode"].values()) == sum(len(ids) + n for ids, n in requests)

@@ -25,8 +25,20 @@ from tests.e2e.helpers import concurrent_greedy
 
 BS = 16
 MAX_TOKENS = 8
-_ARGS = ["--prefill", "2", "--decode", "2", "--detokenizers", "1", "--device", "cpu",
-         "--kv-cache-tokens", "16384", "--max-model-len", "1024"]  # fmt: skip
+_ARGS = [
+    "--prefill",
+    "2",
+    "--decode",
+    "2",
+    "--detokenizers",
+    "1",
+    "--device",
+    "cpu",
+    "--kv-cache-tokens",
+    "16384",
+    "--max-model-len",
+    "1024",
+]
 
 
 @pytest.fixture(scope="session")
@@ -50,9 +62,20 @@ def _prompts() -> tuple[list[int], list[list[int]]]:
     g = torch.Generator().manual_seed(21)
     base = torch.randint(1000, 150_000, (160,), generator=g).tolist()
     tails = iter(torch.randint(1000, 150_000, (200,), generator=g).tolist())
-    prompts = [base[:n] + [next(tails) for _ in range(k)]
-               for n, k in ((2 * BS, 5), (2 * BS - 1, 9), (2 * BS + 1, 3), (4 * BS, 1), (BS, 20),
-                            (5 * BS - 1, 17), (100, 30), (7 * BS, 16), (150, 2))]  # fmt: skip
+    prompts = [
+        base[:n] + [next(tails) for _ in range(k)]
+        for n, k in (
+            (2 * BS, 5),
+            (2 * BS - 1, 9),
+            (2 * BS + 1, 3),
+            (4 * BS, 1),
+            (BS, 20),
+            (5 * BS - 1, 17),
+            (100, 30),
+            (7 * BS, 16),
+            (150, 2),
+        )
+    ]
     prompts += [base[: 6 * BS], list(base), base[:45]]  # whole prefixes, one on a boundary
     return base, prompts
 
@@ -81,8 +104,9 @@ def test_greedy_outputs_match_with_caching_on_and_off_and_transformers(
     assert got[True] == got[False]
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
     for prompt, ids in zip([base, *prompts], got[True], strict=True):
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                           eos_token_id=None)  # fmt: skip
+        want = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None
+        )
         assert ids == want[0, len(prompt) :].tolist()
 
 
@@ -93,8 +117,11 @@ def _sse(r: httpx.Response) -> list[dict]:  # type: ignore[type-arg]
 
 def _prefill_counters(srv: LaunchedServer) -> dict[int, tuple[float, float]]:
     """Each prefill worker's lifetime (prefix-hit tokens, prefix-queried tokens)."""
-    return {w["index"]: (w["load"]["prefix_hit_tokens"], w["load"]["prefix_queried_tokens"])
-            for w in srv.health()["workers"] if w["role"] == "prefill"}  # fmt: skip
+    return {
+        w["index"]: (w["load"]["prefix_hit_tokens"], w["load"]["prefix_queried_tokens"])
+        for w in srv.health()["workers"]
+        if w["role"] == "prefill"
+    }
 
 
 def test_every_endpoint_reports_cached_prompt_tokens(servers: dict[bool, LaunchedServer]) -> None:
@@ -105,9 +132,10 @@ def test_every_endpoint_reports_cached_prompt_tokens(servers: dict[bool, Launche
     with httpx.Client(base_url=srv.url, timeout=120) as c:
         model = c.get("/v1/models").json()["data"][0]["id"]
         common = {"model": model, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        bodies = [("/v1/completions", {**common, "prompt": text}),
-                  ("/v1/chat/completions", {**common, "messages": [
-                      {"role": "user", "content": text}]})]  # fmt: skip
+        bodies = [
+            ("/v1/completions", {**common, "prompt": text}),
+            ("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}]}),
+        ]
         for path, body in bodies:
             first = c.post(path, json=body).json()["usage"]
             again = c.post(path, json=body).json()["usage"]
@@ -123,7 +151,9 @@ def test_every_endpoint_reports_cached_prompt_tokens(servers: dict[bool, Launche
         metrics = c.get("/metrics").text
     rates = re.findall(
         r'^pdserve_prefix_cache_hit_rate\{index="\d",node="[^"]+",role="prefill"\} (\S+)$',
-        metrics, re.M)  # fmt: skip
+        metrics,
+        re.M,
+    )
     after = _prefill_counters(srv)
     # /metrics shows each prefill worker's lifetime rate (the session's server has served
     # other tests' traffic); this test's own requests repeat one prompt, so most of what

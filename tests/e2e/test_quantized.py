@@ -31,9 +31,23 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module", params=["int4", "int8"])
 def quantized(request: pytest.FixtureRequest) -> Iterator[tuple[str, LaunchedServer]]:
     srv = LaunchedServer(
-        ["--prefill", "1", "--decode", "2", "--device", "cpu", "--kv-cache-tokens", "8192",
-         "--max-model-len", "1024", "--quantization", request.param, "--stall-timeout", "4"]
-    )  # fmt: skip
+        [
+            "--prefill",
+            "1",
+            "--decode",
+            "2",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "8192",
+            "--max-model-len",
+            "1024",
+            "--quantization",
+            request.param,
+            "--stall-timeout",
+            "4",
+        ]
+    )
     srv.wait_ready()
     yield request.param, srv
     srv.stop()

@@ -20,9 +20,21 @@ def test_the_first_200_of_health_already_serves() -> None:
     # The real default model: its workers take seconds to load after the frontend and the
     # detokenizer shards serve, the window in which /health used to say "ok" while no
     # engine worker had yet shown up in the load table.
-    srv = LaunchedServer(["--prefill", "2", "--decode", "2", "--detokenizers", "2",
-                          "--device", "cpu", "--kv-cache-tokens", "4096"],
-                         tiny_model=False)  # fmt: skip
+    srv = LaunchedServer(
+        [
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--detokenizers",
+            "2",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "4096",
+        ],
+        tiny_model=False,
+    )
     assert srv.proc.stdout is not None
     threading.Thread(target=lambda: srv.log.extend(srv.proc.stdout or ()), daemon=True).start()
     try:
@@ -48,9 +60,16 @@ def test_the_first_200_of_health_already_serves() -> None:
             served = {w["role"] for w in body["workers"] if w["alive"]}
             assert served == {"prefill", "decode", "detokenizer", "frontend"}, body
             model = c.get("/v1/models").json()["data"][0]["id"]
-            reply = c.post("/v1/completions", json={"model": model, "prompt": "Hello",
-                                                    "max_tokens": 4, "temperature": 0,
-                                                    "ignore_eos": True})  # fmt: skip
+            reply = c.post(
+                "/v1/completions",
+                json={
+                    "model": model,
+                    "prompt": "Hello",
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
             assert reply.status_code == 200, reply.text
             assert reply.json()["usage"]["completion_tokens"] == 4
     finally:

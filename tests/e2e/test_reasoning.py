@@ -79,10 +79,26 @@ def _write_thinker(out: Path) -> int:
 def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LaunchedServer, int]]:
     path = tmp_path_factory.mktemp("thinker") / "thinker"
     reasoning_tokens = _write_thinker(path)
-    s = LaunchedServer(["--model", str(path), "--served-model-name", MODEL,
-                        "--prefill", "1", "--decode", "1", "--device", "cpu",
-                        "--kv-cache-tokens", "4096", "--max-model-len", "512",
-                        "--reasoning-parser", "qwen3"])  # fmt: skip
+    s = LaunchedServer(
+        [
+            "--model",
+            str(path),
+            "--served-model-name",
+            MODEL,
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "4096",
+            "--max-model-len",
+            "512",
+            "--reasoning-parser",
+            "qwen3",
+        ]
+    )
     s.wait_ready()
     yield s, reasoning_tokens
     s.stop()
@@ -126,10 +142,16 @@ def test_messages_give_a_thinking_block(claude: anthropic.Anthropic) -> None:
     events = list(claude.messages.create(stream=True, **args))
     starts = [e.content_block.type for e in events if e.type == "content_block_start"]
     assert starts == ["thinking", "text"]
-    thinking = "".join(e.delta.thinking for e in events if e.type == "content_block_delta"
-                       and e.delta.type == "thinking_delta")  # fmt: skip
-    text = "".join(e.delta.text for e in events if e.type == "content_block_delta"
-                   and e.delta.type == "text_delta")  # fmt: skip
+    thinking = "".join(
+        e.delta.thinking
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+    )
+    text = "".join(
+        e.delta.text
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "text_delta"
+    )
     assert (thinking, text) == (REASONING, ANSWER)
     with claude.messages.stream(**args) as stream:
         final = stream.get_final_message()
@@ -157,8 +179,9 @@ def test_responses_give_a_reasoning_item(
 
 def test_stop_sequences_see_only_the_answer(claude: anthropic.Anthropic) -> None:
     # "over" is in the reasoning only: no stop. "Paris" is in the answer: a stop.
-    message = claude.messages.create(model=MODEL, messages=ASK, max_tokens=64,
-                                     stop_sequences=["over", "Paris"])  # fmt: skip
+    message = claude.messages.create(
+        model=MODEL, messages=ASK, max_tokens=64, stop_sequences=["over", "Paris"]
+    )
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "Paris")
     assert message.content[0].thinking == REASONING  # type: ignore[union-attr]
     assert message.content[1].text == "The answer is "  # type: ignore[union-attr]
@@ -167,13 +190,19 @@ def test_stop_sequences_see_only_the_answer(claude: anthropic.Anthropic) -> None
 def test_a_forced_tool_call_skips_the_reasoning(claude: anthropic.Anthropic) -> None:
     """A grammar shapes the whole output, so the block the template opened is closed in the
     prompt: the call is the answer, and there is no reasoning to split."""
-    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
-              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     message = claude.messages.create(
-        model=MODEL, messages=ASK, max_tokens=64,
+        model=MODEL,
+        messages=ASK,
+        max_tokens=64,
         tools=[{"name": "capital", "input_schema": schema}],
         tool_choice={"type": "tool", "name": "capital"},
-    )  # type: ignore[list-item]  # fmt: skip
+    )  # type: ignore[list-item]
     assert message.stop_reason == "tool_use"
     (use,) = message.content
     assert use.type == "tool_use"
@@ -183,8 +212,11 @@ def test_a_forced_tool_call_skips_the_reasoning(claude: anthropic.Anthropic) -> 
 def test_a_continued_reply_resumes_inside_its_reasoning(claude: anthropic.Anthropic) -> None:
     """A final assistant turn is continued (Anthropic's prefill); one that opened a block is
     continued as reasoning."""
-    message = claude.messages.create(model=MODEL, max_tokens=64, messages=[
-        *ASK, {"role": "assistant", "content": "<think>\nLet me"}])  # type: ignore[list-item]  # fmt: skip
+    message = claude.messages.create(
+        model=MODEL,
+        max_tokens=64,
+        messages=[*ASK, {"role": "assistant", "content": "<think>\nLet me"}],
+    )  # type: ignore[list-item]
     assert [b.type for b in message.content] == ["thinking", "text"]
     assert message.content[0].thinking == "think it over."  # type: ignore[union-attr]
     assert message.content[1].text == ANSWER  # type: ignore[union-attr]

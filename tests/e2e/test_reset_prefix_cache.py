@@ -31,9 +31,22 @@ def _files(root: Path) -> list[Path]:
 def test_a_reset_empties_every_pool_and_tier_and_outputs_stay_the_same(tmp_path: Path) -> None:
     rng = random.Random(11)
     prompt = [rng.randrange(1000, 100_000) for _ in range(150)]
-    args = ["--prefill", "1", "--decode", "1", "--device", "cpu", "--kv-cache-tokens", "512",
-            "--kv-offload-dir", str(tmp_path), "--served-model-name", "m",
-            "--api-key", "s3cret"]  # fmt: skip
+    args = [
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--device",
+        "cpu",
+        "--kv-cache-tokens",
+        "512",
+        "--kv-offload-dir",
+        str(tmp_path),
+        "--served-model-name",
+        "m",
+        "--api-key",
+        "s3cret",
+    ]
     srv = LaunchedServer(args)
     srv.wait_ready()
     try:

@@ -26,14 +26,19 @@ from tests.e2e.helpers import (
     render_ids,
 )
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
-           "parameters": WEATHER_SCHEMA}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": WEATHER_SCHEMA,
+}
 
 
 @pytest.fixture(scope="module")
 def sdk(agent_server: LaunchedServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=agent_server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)  # fmt: skip
+    return openai.OpenAI(
+        base_url=agent_server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +47,9 @@ def template() -> str:
 
 
 def test_streamed_text_joined_equals_the_whole_response(sdk: openai.OpenAI) -> None:
-    args: dict[str, Any] = dict(model=MODEL, input="Tell me a story.", max_output_tokens=12,
-                                temperature=0)  # fmt: skip
+    args: dict[str, Any] = dict(
+        model=MODEL, input="Tell me a story.", max_output_tokens=12, temperature=0
+    )
     whole = sdk.responses.create(**args)
     assert whole.object == "response" and whole.model == MODEL and whole.store is False
     assert whole.status == "incomplete" and whole.incomplete_details is not None
@@ -53,10 +59,18 @@ def test_streamed_text_joined_equals_the_whole_response(sdk: openai.OpenAI) -> N
     assert whole.usage is not None and whole.usage.output_tokens == 12
     events = list(sdk.responses.create(stream=True, **args))
     kinds = [e.type for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress",
-                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
-                          "response.output_item.done", "response.incomplete"]  # fmt: skip
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed == whole.output_text == events[-4].text
@@ -64,15 +78,20 @@ def test_streamed_text_joined_equals_the_whole_response(sdk: openai.OpenAI) -> N
     assert final.output_text == whole.output_text and final.usage is not None
     # The same counts (the repeat's prompt may come from the prefix cache: not compared).
     assert (final.usage.input_tokens, final.usage.output_tokens) == (
-        whole.usage.input_tokens, whole.usage.output_tokens)  # fmt: skip
+        whole.usage.input_tokens,
+        whole.usage.output_tokens,
+    )
     assert final.id == events[0].response.id
 
 
 def test_a_completed_stream_is_the_sdk_final_response(sdk: openai.OpenAI) -> None:
     """A reply that ends by itself: the SDK's stream helper assembles the same response."""
-    args: dict[str, Any] = dict(model=MODEL, input="Pick a colour.", max_output_tokens=40,
-                                text={"format": {"type": "json_schema", "name": "colour",
-                                                 "schema": COLOUR}})  # fmt: skip
+    args: dict[str, Any] = dict(
+        model=MODEL,
+        input="Pick a colour.",
+        max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "colour", "schema": COLOUR}},
+    )
     whole = sdk.responses.create(**args)
     assert whole.status == "completed"
     jsonschema.validate(json.loads(whole.output_text), COLOUR)
@@ -82,29 +101,48 @@ def test_a_completed_stream_is_the_sdk_final_response(sdk: openai.OpenAI) -> Non
     jsonschema.validate(json.loads(final.output_text), COLOUR)
 
 
-COLOUR = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}},
-          "required": ["colour"], "additionalProperties": False}  # fmt: skip
+COLOUR = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+    "required": ["colour"],
+    "additionalProperties": False,
+}
 
 
 def test_usage_counts_the_tokens_processed(
     sdk: openai.OpenAI, agent_server: LaunchedServer, qwen_tokenizer: Any, template: str
 ) -> None:
     instructions, text = "You answer briefly.", "A prompt only the usage test sends: " + "r " * 40
-    prompt = render_ids(qwen_tokenizer, template, [
-        {"role": "system", "content": instructions}, {"role": "user", "content": text}])  # fmt: skip
-    args: dict[str, Any] = dict(model=MODEL, instructions=instructions, input=text,
-                                max_output_tokens=6, temperature=0)  # fmt: skip
+    prompt = render_ids(
+        qwen_tokenizer,
+        template,
+        [{"role": "system", "content": instructions}, {"role": "user", "content": text}],
+    )
+    args: dict[str, Any] = dict(
+        model=MODEL, instructions=instructions, input=text, max_output_tokens=6, temperature=0
+    )
     before = computed_prefill_tokens(agent_server)
     first = sdk.responses.create(**args)
     assert first.usage is not None
     assert (first.usage.input_tokens, first.usage.input_tokens_details.cached_tokens) == (
-        len(prompt), 0)  # fmt: skip
+        len(prompt),
+        0,
+    )
     assert computed_prefill_tokens(agent_server) - before == len(prompt)
-    ids = sdk.chat.completions.create(
-        model=MODEL, messages=[{"role": "system", "content": instructions},
-                               {"role": "user", "content": text}],
-        max_tokens=6, temperature=0, extra_body={"return_token_ids": True},
-    ).choices[0].model_extra["token_ids"]  # type: ignore[index]  # fmt: skip
+    ids = (
+        sdk.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": "system", "content": instructions},
+                {"role": "user", "content": text},
+            ],
+            max_tokens=6,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        .choices[0]
+        .model_extra["token_ids"]
+    )  # type: ignore[index]
     assert first.usage.output_tokens == len(ids) == 6
     assert first.usage.total_tokens == len(prompt) + 6
     again = sdk.responses.create(**args)
@@ -116,9 +154,13 @@ def test_usage_counts_the_tokens_processed(
 def test_a_forced_function_call_validates_and_its_output_continues(
     sdk: openai.OpenAI, qwen_tokenizer: Any, template: str, stream: bool
 ) -> None:
-    args: dict[str, Any] = dict(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
-                                tool_choice={"type": "function", "name": "get_weather"},
-                                max_output_tokens=100)  # fmt: skip
+    args: dict[str, Any] = dict(
+        model=MODEL,
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=100,
+    )
     if stream:
         events = list(sdk.responses.create(stream=True, **args))
         call = events[-1].response.output[0]
@@ -136,29 +178,65 @@ def test_a_forced_function_call_validates_and_its_output_continues(
     jsonschema.validate(arguments, WEATHER_SCHEMA)
     history: list[Any] = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"type": "function_call", "call_id": call.call_id, "name": call.name,
-         "arguments": call.arguments, "id": call.id},
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "id": call.id,
+        },
         {"type": "function_call_output", "call_id": call.call_id, "output": "21 degrees"},
-    ]  # fmt: skip
-    follow = sdk.responses.create(model=MODEL, input=history, tools=[WEATHER],
-                                  tool_choice="none", max_output_tokens=6)  # fmt: skip
+    ]
+    follow = sdk.responses.create(
+        model=MODEL, input=history, tools=[WEATHER], tool_choice="none", max_output_tokens=6
+    )
     assert follow.output[0].type == "message"
-    chat_tool = {"type": "function", "function": {
-        "name": "get_weather", "description": WEATHER["description"], "parameters": WEATHER_SCHEMA}}  # fmt: skip
-    want = render_ids(qwen_tokenizer, template, [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function",
-            "function": {"name": "get_weather", "arguments": arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": "21 degrees"}], [chat_tool])  # fmt: skip
+    chat_tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": WEATHER["description"],
+            "parameters": WEATHER_SCHEMA,
+        },
+    }
+    want = render_ids(
+        qwen_tokenizer,
+        template,
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": "21 degrees"},
+        ],
+        [chat_tool],
+    )
     assert follow.usage is not None and follow.usage.input_tokens == len(want)
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_request(agent_server: LaunchedServer) -> None:
-    body = {"model": MODEL, "input": "Talk for a long time.", "max_output_tokens": 900,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "input": "Talk for a long time.",
+        "max_output_tokens": 900,
+        "stream": True,
+    }
     # resp_<rid hex><8 hex>
-    leave_mid_stream(agent_server, "/v1/responses", body, "response.output_text.delta",
-                     lambda event: int(event["response"]["id"][len("resp_") : -8], 16))  # fmt: skip
+    leave_mid_stream(
+        agent_server,
+        "/v1/responses",
+        body,
+        "response.output_text.delta",
+        lambda event: int(event["response"]["id"][len("resp_") : -8], 16),
+    )
 
 
 BASE: dict[str, Any] = {"model": MODEL, "input": "Hi", "max_output_tokens": 4}
@@ -166,24 +244,43 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({**BASE, "previous_response_id": "resp_123"}, "keeps no responses"),
     ({**BASE, "store": True}, "keeps no responses"),
     ({**BASE, "input": [{"role": "assistant", "content": "Hi"}]}, "start with a user message"),
-    ({**BASE, "input": [{"type": "message", "role": "user",
-                         "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "type 'input_image' are not supported"),
+    (
+        {
+            **BASE,
+            "input": [
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_image", "image_url": "x"}],
+                }
+            ],
+        },
+        "type 'input_image' are not supported",
+    ),
     ({**BASE, "input": [{"type": "web_search_call", "id": "ws_1"}]}, "'web_search_call'"),
-    ({**BASE, "input": [{"role": "user", "content": "Hi"},
-                        {"type": "function_call_output", "call_id": "call_x", "output": "1"}]},
-     "'call_x' matches no earlier function_call"),
+    (
+        {
+            **BASE,
+            "input": [
+                {"role": "user", "content": "Hi"},
+                {"type": "function_call_output", "call_id": "call_x", "output": "1"},
+            ],
+        },
+        "'call_x' matches no earlier function_call",
+    ),
     ({**BASE, "max_output_tokens": "4"}, "max_output_tokens"),
     ({**BASE, "temperature": "warm"}, "temperature"),
     ({**BASE, "input": 5}, "input"),
     ({**BASE, "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({**BASE, "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "'nope'"),
     ({**BASE, "text": {"format": {"type": "yaml"}}}, "text.format.type"),
-    ({**BASE, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {}}}}},
-     "'not'"),
+    (
+        {**BASE, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {}}}}},
+        "'not'",
+    ),
     ({**BASE, "reasoning": {"effort": "high"}}, "reasoning"),
     ({**BASE, "model": "gpt-5"}, "'gpt-5' does not exist"),
-]  # fmt: skip
+]
 
 
 def test_bad_input_gets_openai_errors_and_loses_nothing(
@@ -196,8 +293,9 @@ def test_bad_input_gets_openai_errors_and_loses_nothing(
             error = r.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
             assert needle in error["message"], (body, error)
-        r = client.post("/v1/responses", content=b'{"input": "x"', headers={
-            "content-type": "application/json"})  # fmt: skip
+        r = client.post(
+            "/v1/responses", content=b'{"input": "x"', headers={"content-type": "application/json"}
+        )
         assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="keeps no responses"):
         sdk.responses.create(model=MODEL, input="Hi", previous_response_id="resp_1")

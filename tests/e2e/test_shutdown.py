@@ -19,8 +19,18 @@ pytestmark = pytest.mark.slow
 def test_sigterm_right_after_worker_deaths_ends_everything_cleanly(
     default_model_path: Path,
 ) -> None:
-    srv = LaunchedServer(["--model", str(default_model_path), "--device", "cpu",
-                          "--kv-cache-tokens", "2048", "--max-model-len", "512"])  # fmt: skip
+    srv = LaunchedServer(
+        [
+            "--model",
+            str(default_model_path),
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "2048",
+            "--max-model-len",
+            "512",
+        ]
+    )
     srv.wait_ready()
     tree = children(srv.proc.pid)
     decode = next(pid for pid in tree if title(pid) == "pdserve:decode-0")

@@ -17,8 +17,15 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
 
 
 def test_mixed_load_with_hangups_leaks_no_kv_shm_fds_or_memory(server: LaunchedServer) -> None:
-    cfg = SoakConfig(url=server.url, duration_s=25, warmup_s=12, concurrency=8, seed=7,
-                     disconnect_p=0.25, abort_p=0.2)  # fmt: skip
+    cfg = SoakConfig(
+        url=server.url,
+        duration_s=25,
+        warmup_s=12,
+        concurrency=8,
+        seed=7,
+        disconnect_p=0.25,
+        abort_p=0.2,
+    )
     res = soak(cfg, server.proc.pid)
 
     assert res.leaks == [], res.leaks
@@ -35,18 +42,29 @@ def test_mixed_load_with_hangups_leaks_no_kv_shm_fds_or_memory(server: LaunchedS
 
 
 def _snap(**changes: object) -> Snapshot:
-    base = {"kv_used": {"decode-0": 0}, "shm_entries": 0, "shm_segments": 10,
-            "shm_segment_bytes": 1000, "shm_used_bytes": 5000, "fds": 100, "rss_bytes": 10_000,
-            "processes": 3}  # fmt: skip
+    base = {
+        "kv_used": {"decode-0": 0},
+        "shm_entries": 0,
+        "shm_segments": 10,
+        "shm_segment_bytes": 1000,
+        "shm_used_bytes": 5000,
+        "fds": 100,
+        "rss_bytes": 10_000,
+        "processes": 3,
+    }
     return Snapshot(**{**base, **changes})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
     ("after", "culprit"),
-    [({"kv_used": {"decode-0": 2}}, "decode-0 holds 2 KV blocks"),
-     ({"shm_segments": 11}, "shm segments"), ({"fds": 111}, "fds grew"),
-     ({"rss_bytes": 11_001}, "rss_bytes grew"), ({"shm_segment_bytes": 1101}, "shm_segment")],
-)  # fmt: skip
+    [
+        ({"kv_used": {"decode-0": 2}}, "decode-0 holds 2 KV blocks"),
+        ({"shm_segments": 11}, "shm segments"),
+        ({"fds": 111}, "fds grew"),
+        ({"rss_bytes": 11_001}, "rss_bytes grew"),
+        ({"shm_segment_bytes": 1101}, "shm_segment"),
+    ],
+)
 def test_leak_check_names_what_grew(after: dict[str, object], culprit: str) -> None:
     found = leaks(_snap(), _snap(**after))
     assert len(found) == 1 and culprit in found[0]

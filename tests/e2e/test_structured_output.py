@@ -92,10 +92,25 @@ T = TypeVar("T")
 @pytest.fixture(scope="module")
 def victim() -> Iterator[LaunchedServer]:
     srv = LaunchedServer(
-        ["--prefill", "2", "--decode", "2", "--detokenizers", "2", "--device", "cpu",
-         "--kv-cache-tokens", "8192", "--max-model-len", "1024", "--stall-timeout", "4",
-         "--served-model-name", "tiny"]
-    )  # fmt: skip
+        [
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--detokenizers",
+            "2",
+            "--device",
+            "cpu",
+            "--kv-cache-tokens",
+            "8192",
+            "--max-model-len",
+            "1024",
+            "--stall-timeout",
+            "4",
+            "--served-model-name",
+            "tiny",
+        ]
+    )
     srv.wait_ready()
     yield srv
     srv.stop()
@@ -105,22 +120,26 @@ def _run(victim: LaunchedServer, work: Callable[[openai.AsyncOpenAI], Awaitable[
     """``work(sdk)`` on a fresh event loop with a client of its own."""
 
     async def main() -> T:
-        async with openai.AsyncOpenAI(base_url=victim.url + "/v1", api_key="unused",
-                                      max_retries=0, timeout=120) as sdk:  # fmt: skip
+        async with openai.AsyncOpenAI(
+            base_url=victim.url + "/v1", api_key="unused", max_retries=0, timeout=120
+        ) as sdk:
             return await work(sdk)
 
     return asyncio.run(main())
 
 
 def _schema_format(i: int) -> dict[str, Any]:
-    return {"type": "json_schema",
-            "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True}}  # fmt: skip
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True},
+    }
 
 
 async def _chat(sdk: openai.AsyncOpenAI, seed: int, stream: bool, **kw: Any) -> tuple[str, str]:
     """(text, finish_reason) of one sampled chat completion."""
-    args: dict[str, Any] = dict(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS,
-                                temperature=1.0, seed=seed, **kw)  # fmt: skip
+    args: dict[str, Any] = dict(
+        model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, **kw
+    )
     if not stream:
         r = await sdk.chat.completions.create(**args)
         return r.choices[0].message.content or "", r.choices[0].finish_reason
@@ -135,8 +154,9 @@ async def _chat(sdk: openai.AsyncOpenAI, seed: int, stream: bool, **kw: Any) -> 
 def test_twenty_json_schema_requests_all_validate(victim: LaunchedServer) -> None:
     async def one(sdk: openai.AsyncOpenAI, i: int) -> None:
         k = i % len(SCHEMAS)
-        text, finish = await _chat(sdk, seed=i, stream=i % 2 == 1,
-                                   response_format=_schema_format(k))  # fmt: skip
+        text, finish = await _chat(
+            sdk, seed=i, stream=i % 2 == 1, response_format=_schema_format(k)
+        )
         assert finish == "stop", (k, text)
         jsonschema.validate(json.loads(text), SCHEMAS[k])
 
@@ -153,8 +173,9 @@ def test_twenty_json_schema_requests_all_validate(victim: LaunchedServer) -> Non
 )
 def test_regex_requests_match(victim: LaunchedServer, extra: dict[str, Any]) -> None:
     async def main(sdk: openai.AsyncOpenAI) -> list[tuple[str, str]]:
-        return await asyncio.gather(*(_chat(sdk, seed=i, stream=i % 2 == 0, extra_body=extra)
-                                      for i in range(6)))  # fmt: skip
+        return await asyncio.gather(
+            *(_chat(sdk, seed=i, stream=i % 2 == 0, extra_body=extra) for i in range(6))
+        )
 
     for text, finish in _run(victim, main):
         assert finish == "stop" and re.fullmatch(REGEX, text), text
@@ -168,9 +189,14 @@ def test_regex_requests_match(victim: LaunchedServer, extra: dict[str, Any]) -> 
 def test_choice_requests_pick_one(victim: LaunchedServer, extra: dict[str, Any]) -> None:
     async def main(sdk: openai.AsyncOpenAI) -> list[str]:
         prompts = [f"pick {i}" for i in range(6)]
-        outs = await asyncio.gather(*(sdk.completions.create(
-            model="tiny", prompt=p, max_tokens=16, temperature=1.0, seed=i, extra_body=extra)
-            for i, p in enumerate(prompts)))  # fmt: skip
+        outs = await asyncio.gather(
+            *(
+                sdk.completions.create(
+                    model="tiny", prompt=p, max_tokens=16, temperature=1.0, seed=i, extra_body=extra
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
         return [o.choices[0].text for o in outs]
 
     texts = _run(victim, main)
@@ -179,8 +205,10 @@ def test_choice_requests_pick_one(victim: LaunchedServer, extra: dict[str, Any])
 
 def test_a_schema_given_as_text(victim: LaunchedServer) -> None:
     schema_text = json.dumps(SCHEMAS[0])
-    text, finish = _run(victim, lambda sdk: _chat(sdk, seed=3, stream=False,
-                                                  extra_body={"guided_json": schema_text}))  # fmt: skip
+    text, finish = _run(
+        victim,
+        lambda sdk: _chat(sdk, seed=3, stream=False, extra_body={"guided_json": schema_text}),
+    )
     assert finish == "stop"
     jsonschema.validate(json.loads(text), SCHEMAS[0])
 
@@ -188,11 +216,19 @@ def test_a_schema_given_as_text(victim: LaunchedServer) -> None:
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-         "json_schema.schema"),
-        ({"response_format": {"type": "json_schema",
-                              "json_schema": {"schema": {"type": "frobnicate"}}}},
-         'Unsupported type "frobnicate"'),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "frobnicate"}},
+                }
+            },
+            'Unsupported type "frobnicate"',
+        ),
         ({"guided_regex": "(unclosed"}, "parenthesis is not closed"),
         ({"structured_outputs": {"grammar": "root ::= missing"}}, 'Rule "missing" is not defined'),
         ({"guided_json": {"type": "object", "not": {"required": ["a"]}}}, "'not'"),
@@ -200,15 +236,22 @@ def test_a_schema_given_as_text(victim: LaunchedServer) -> None:
         ({"guided_json": "{not json"}, "not valid JSON"),
         ({"guided_choice": []}, "list of 1 to"),
     ],
-)  # fmt: skip
+)
 def test_bad_constraints_are_400s_that_say_what_is_wrong(
     victim: LaunchedServer, body: dict[str, Any], needle: str
 ) -> None:
     response_format = body.pop("response_format", openai.NOT_GIVEN)
     with pytest.raises(openai.BadRequestError) as info:
-        _run(victim, lambda sdk: sdk.chat.completions.create(
-            model="tiny", messages=CHAT, max_tokens=8, response_format=response_format,
-            extra_body=body))  # fmt: skip
+        _run(
+            victim,
+            lambda sdk: sdk.chat.completions.create(
+                model="tiny",
+                messages=CHAT,
+                max_tokens=8,
+                response_format=response_format,
+                extra_body=body,
+            ),
+        )
     assert needle in info.value.message
 
 
@@ -216,13 +259,20 @@ def test_constraints_survive_a_decode_worker_death_mid_stream(victim: LaunchedSe
     """SIGKILL decode-0 while constrained streams run: they resume elsewhere and the
     matcher replays the tokens already streamed, so every output still validates."""
 
-    async def stream(sdk: openai.AsyncOpenAI, i: int, started: asyncio.Event
-                     ) -> tuple[int, str, str]:  # fmt: skip
+    async def stream(
+        sdk: openai.AsyncOpenAI, i: int, started: asyncio.Event
+    ) -> tuple[int, str, str]:
         k = i % len(SCHEMAS)
         text, finish = "", ""
         chunks = await sdk.chat.completions.create(
-            model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=1.0, seed=100 + i,
-            response_format=_schema_format(k), stream=True)  # fmt: skip
+            model="tiny",
+            messages=CHAT,
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            seed=100 + i,
+            response_format=_schema_format(k),
+            stream=True,
+        )
         async for chunk in chunks:
             for c in chunk.choices:
                 text += c.delta.content or ""

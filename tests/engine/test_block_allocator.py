@@ -282,8 +282,9 @@ def test_block_hashes_are_the_same_in_every_process() -> None:
     # routing across restarts, other runs), so the scheme must not depend on the process.
     code = "from engine.kv.block_allocator import block_hashes as h; print(h(list(range(40)), 16))"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == str(block_hashes(list(range(40)), 16))
     assert block_hashes(list(range(40)), 16) == EXPECTED_RANGE40_BS16
     assert root_hash() != root_hash(b"x")

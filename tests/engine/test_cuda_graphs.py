@@ -18,9 +18,14 @@ def _decode_arrays(n: int) -> StepArrays:
     """n decode rows with distinct values per field."""
     r = np.arange(n, dtype=np.int32)
     return StepArrays(
-        token_ids=100 + r, positions=10 + r, slots=200 + r, seq_rows=1 + r, ctx_lens=11 + r,
-        logits_rows=r, q_starts=np.arange(n + 1, dtype=np.int32),
-    )  # fmt: skip
+        token_ids=100 + r,
+        positions=10 + r,
+        slots=200 + r,
+        seq_rows=1 + r,
+        ctx_lens=11 + r,
+        logits_rows=r,
+        q_starts=np.arange(n + 1, dtype=np.int32),
+    )
 
 
 def test_buckets_cover_every_batch_size_up_to_max_num_seqs() -> None:
@@ -67,9 +72,14 @@ def test_a_step_beyond_the_buffers_reallocates_and_bumps_the_generation() -> Non
     inputs = StepInputs(max_tokens=2, max_seqs=2, max_updates=1, device=torch.device("cpu"))
     generation = inputs.generation
     arrays = StepArrays(
-        token_ids=_i32(1, 2, 3, 4, 5), positions=_i32(0, 1, 2, 3, 0), slots=_i32(0, 1, 2, 3, 16),
-        seq_rows=_i32(1, 2), ctx_lens=_i32(4, 1), logits_rows=_i32(3, 4), q_starts=_i32(0, 4, 5),
-    )  # fmt: skip
+        token_ids=_i32(1, 2, 3, 4, 5),
+        positions=_i32(0, 1, 2, 3, 0),
+        slots=_i32(0, 1, 2, 3, 16),
+        seq_rows=_i32(1, 2),
+        ctx_lens=_i32(4, 1),
+        logits_rows=_i32(3, 4),
+        q_starts=_i32(0, 4, 5),
+    )
     inputs.stage(arrays, [1, 2, 3, 4, 5, 6])
     assert inputs.generation == generation + 1
     assert (inputs.max_tokens, inputs.max_seqs, inputs.max_updates) == (

@@ -37,8 +37,14 @@ PROMPTS = [[9707, 11, 1879, 0, 42], list(range(1000, 1033)), [151644, 872, 198, 
 # amplify storage error; measured: F16 0.15 %, Q8_0 3 %.
 REL_ERR = {Q.F32: 1e-6, Q.F16: 5e-3, Q.Q8_0: 6e-2}
 # llama has every type (Q/K permutation, rope_freqs); each other architecture two/one more.
-CASES = [("llama", Q.F32), ("llama", Q.F16), ("llama", Q.Q8_0),
-         ("qwen2", Q.F32), ("qwen2", Q.Q8_0), ("qwen3", Q.F16)]  # fmt: skip
+CASES = [
+    ("llama", Q.F32),
+    ("llama", Q.F16),
+    ("llama", Q.Q8_0),
+    ("qwen2", Q.F32),
+    ("qwen2", Q.Q8_0),
+    ("qwen3", Q.F16),
+]
 CASE_IDS = [f"{a}-{q.name}" for a, q in CASES]
 Convert = Callable[[str, Q], Path]
 
@@ -138,8 +144,13 @@ def test_llama3_rope_is_recovered_from_rope_freqs() -> None:
     from engine.model.rope import inv_frequencies
 
     # Llama 3.1 8B's rope, as llama.cpp bakes it into rope_freqs.
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     cfg = {"rope_scaling": {**scaling, "rope_theta": 500000.0}, "head_dim": 128}
     factors = torch.from_numpy(llama3_rope_factors(cfg))
     got = llama3_rope_from_factors(factors, 128, 500000.0)

@@ -22,8 +22,9 @@ def test_masked_logits_keep_exactly_the_allowed_tokens(densities: tuple[float, .
     vocab = 1000  # not a multiple of 32: the last word's tail is past the vocabulary
     g = torch.Generator().manual_seed(0)
     width = -(-vocab // 32) * 32
-    allowed = torch.stack([torch.rand(width, generator=g) < densities[i % len(densities)]
-                           for i in range(8)])  # fmt: skip
+    allowed = torch.stack(
+        [torch.rand(width, generator=g) < densities[i % len(densities)] for i in range(8)]
+    )
     allowed[:, 0] = True  # every row allows something
     logits = torch.randn(8, vocab, generator=g)
     rows = [0, 2, 3, 5, 7]  # the others are unconstrained rows of the batch

@@ -13,8 +13,13 @@ from checkpoints import tiny
 from checkpoints.default_model import default_model_dir
 from engine.tokenizer.hf_tokenizer import GENERIC_MODEL_TYPES, load_tokenizer, loads_directly
 
-_TEXTS = ["What is the capital of France?", "  leading spaces\tand tabs\n\nnewlines",
-          "émigré naïve 北京 🙂", "<|im_start|>user\nhi<|im_end|>", ""]  # fmt: skip
+_TEXTS = [
+    "What is the capital of France?",
+    "  leading spaces\tand tabs\n\nnewlines",
+    "émigré naïve 北京 🙂",
+    "<|im_start|>user\nhi<|im_end|>",
+    "",
+]
 
 
 def _same(a: object, b: object) -> None:
@@ -24,13 +29,17 @@ def _same(a: object, b: object) -> None:
     assert type(a) is type(b)
     assert a.all_special_ids == b.all_special_ids and len(a) == len(b)
     assert (a.bos_token_id, a.eos_token_id, a.pad_token_id) == (
-        b.bos_token_id, b.eos_token_id, b.pad_token_id)  # fmt: skip
+        b.bos_token_id,
+        b.eos_token_id,
+        b.pad_token_id,
+    )
     for text in _TEXTS:
         ids = a.encode(text)
         assert ids == b.encode(text)
         for skip in (True, False):
             assert a.decode(ids, skip_special_tokens=skip) == b.decode(
-                ids, skip_special_tokens=skip)  # fmt: skip
+                ids, skip_special_tokens=skip
+            )
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     if a.chat_template is not None:
         kw = {"tokenize": False, "add_generation_prompt": True}

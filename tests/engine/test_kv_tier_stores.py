@@ -47,8 +47,10 @@ def test_blocks_come_back_and_the_least_recently_used_is_evicted() -> None:
     assert [store.contains(b[0]) for b in blocks] == [True, False, True, True]
     found = store.lookup([b[0] for b in blocks[2:]], np.stack([b[2] for b in blocks[2:]]))
     assert len(found) == 2 and store.still_valid(found) == 2
-    assert all((store.payload[f.slot, :NBYTES] == b[3]).all()
-               for f, b in zip(found, blocks[2:], strict=True))  # fmt: skip
+    assert all(
+        (store.payload[f.slot, :NBYTES] == b[3]).all()
+        for f, b in zip(found, blocks[2:], strict=True)
+    )
     assert store.counters()["host_evictions"] == 1 and store.num_valid() <= 3
 
 
@@ -244,8 +246,9 @@ def test_processes_writing_the_same_blocks_at_once_leave_one_intact_file_each(
     root = str(Path(__file__).resolve().parents[2])
     code = textwrap.dedent(_DISK_WRITER).format(root=root)
     env = {**os.environ, "PYTHONPATH": root}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env)
-             for _ in range(4)]  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env) for _ in range(4)
+    ]
     assert [p.wait(120) for p in procs] == [0] * 4
     disk = _disk(tmp_path)
     assert len(list(tmp_path.rglob("*.kvb"))) == 60 and not list(tmp_path.rglob("*.tmp"))

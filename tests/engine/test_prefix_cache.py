@@ -23,8 +23,23 @@ BASE_LEN = 100
 # (shared prefix, own suffix) lengths: the shared part ends mid-block, a token short of a
 # boundary, on it or past it; whole prompts end on a boundary (16, 32, 48, 80), a token
 # short of one (31, 47) or elsewhere.
-SHAPES = [(0, 16), (1, 8), (7, 9), (15, 1), (16, 15), (17, 15), (31, 2), (32, 16), (33, 14),
-          (47, 1), (48, 3), (63, 17), (64, 1), (80, 12), (96, 20)]  # fmt: skip
+SHAPES = [
+    (0, 16),
+    (1, 8),
+    (7, 9),
+    (15, 1),
+    (16, 15),
+    (17, 15),
+    (31, 2),
+    (32, 16),
+    (33, 14),
+    (47, 1),
+    (48, 3),
+    (63, 17),
+    (64, 1),
+    (80, 12),
+    (96, 20),
+]
 SHARED = [k for k, _ in SHAPES]
 MAX_TOKENS = 8
 
@@ -54,8 +69,14 @@ def _expected_hit(prompt: list[int], shared: int) -> int:
 
 
 def _llm(model: Path, caching: bool, chunk: int = 2048) -> LLM:
-    return LLM(EngineConfig(model=str(model), num_kv_blocks=256, chunked_prefill_size=chunk,
-                            enable_prefix_caching=caching))  # fmt: skip
+    return LLM(
+        EngineConfig(
+            model=str(model),
+            num_kv_blocks=256,
+            chunked_prefill_size=chunk,
+            enable_prefix_caching=caching,
+        )
+    )
 
 
 @pytest.mark.parametrize("chunk", [2048, 24], ids=["whole", "chunked"])
@@ -88,8 +109,13 @@ def test_shared_prefixes_reuse_exactly_the_cached_blocks_and_match_transformers(
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
     for prompt, out in zip(prompts, got_on):
         with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)  # fmt: skip
+            want = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         assert out == want[0, len(prompt) :].tolist(), f"prompt of {len(prompt)} tokens"
     on.runner.kv.allocator.check_invariants()
     assert on.runner.kv.allocator.num_used == 0 and on.runner.kv.allocator.num_cached > 0
@@ -123,8 +149,9 @@ def test_a_fully_cached_prompt_never_writes_into_a_shared_block(
     logits = runner.prefill([(reader, BS)])
     assert reader.block_table[2] != owner.block_table[2]
     assert torch.equal(runner.kv.tensor[owner.block_table], cached)
-    alone = ModelRunner(EngineConfig(model=str(default_model_path), num_kv_blocks=16,
-                                     enable_prefix_caching=False))  # fmt: skip
+    alone = ModelRunner(
+        EngineConfig(model=str(default_model_path), num_kv_blocks=16, enable_prefix_caching=False)
+    )
     fresh = Sequence(2, list(prompt), block_size=BS)
     torch.testing.assert_close(logits, alone.prefill([(fresh, len(prompt))]), atol=1e-5, rtol=0)
     for seq in (owner, reader):
@@ -134,8 +161,9 @@ def test_a_fully_cached_prompt_never_writes_into_a_shared_block(
 
 
 def test_caching_off_hashes_nothing_and_reuses_nothing(default_model_path: Path) -> None:
-    runner = ModelRunner(EngineConfig(model=str(default_model_path), num_kv_blocks=16,
-                                      enable_prefix_caching=False))  # fmt: skip
+    runner = ModelRunner(
+        EngineConfig(model=str(default_model_path), num_kv_blocks=16, enable_prefix_caching=False)
+    )
     prompt = _tokens(40, seed=5)
     for rid in range(2):
         seq = Sequence(rid, list(prompt), block_size=BS)

@@ -157,10 +157,12 @@ def test_quantizing_at_load_stays_on_its_grid(bits: int) -> None:
 def test_quantization_at_load_on_every_tiny_architecture(
     tiny_model_path: Path, quantization: str
 ) -> None:
-    runner = ModelRunner(EngineConfig(model=str(tiny_model_path), num_kv_blocks=16,
-                                      quantization=quantization))  # fmt: skip
-    dense = ModelRunner(EngineConfig(model=str(tiny_model_path), num_kv_blocks=16,
-                                     quantization="none"))  # fmt: skip
+    runner = ModelRunner(
+        EngineConfig(model=str(tiny_model_path), num_kv_blocks=16, quantization=quantization)
+    )
+    dense = ModelRunner(
+        EngineConfig(model=str(tiny_model_path), num_kv_blocks=16, quantization="none")
+    )
     body = {m.kind for m in runner.model.modules() if isinstance(m, Linear)}
     assert body == ({"int8"} if quantization == "int8" else {"int4", "int8"})
     assert runner.model.lm_head.kind == "int8"

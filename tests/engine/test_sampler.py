@@ -115,10 +115,13 @@ def test_seeded_tokens_do_not_depend_on_the_batch() -> None:
 
 def test_seeded_draws_follow_the_distribution_across_seeds() -> None:
     tokens = [
-        int(sample(LOGITS.unsqueeze(0), _rows(SamplingParams(seed=s), 1), torch.Generator())
-            .token_ids[0])
+        int(
+            sample(
+                LOGITS.unsqueeze(0), _rows(SamplingParams(seed=s), 1), torch.Generator()
+            ).token_ids[0]
+        )
         for s in range(4000)
-    ]  # fmt: skip
+    ]
     freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / len(tokens)
     torch.testing.assert_close(freq, PROBS, atol=0.03, rtol=0)
 

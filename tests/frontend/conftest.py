@@ -61,8 +61,9 @@ async def http(
 
 class LiveServer:
     def __init__(self, app: Any) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                    log_level="warning", lifespan="on"))  # fmt: skip
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:

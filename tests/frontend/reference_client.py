@@ -31,8 +31,14 @@ from frontend.engine_link.engine_client import (
 from transport.worker_load import WorkerLoad
 from wire.records import Finish, TextDelta, TokenLogprob
 
-_UNSUPPORTED = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                "frequency_penalty")  # fmt: skip
+_UNSUPPORTED = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 class ReferenceEngineClient(EngineClient):
@@ -103,9 +109,15 @@ class ReferenceEngineClient(EngineClient):
             if not finish and (emit.endswith("\ufffd") or emit == sent):
                 continue  # incomplete character or held-back stop prefix: wait for more
             new_ids = ids[len(ids) - pending :]
-            yield TextDelta(rid=req.rid, text=emit[len(sent) :], token_ids=new_ids,
-                            finish=int(finish), stop_reason=reason, num_output_tokens=len(ids),
-                            logprobs=lps[-pending:] if sp.logprobs is not None else None)  # fmt: skip
+            yield TextDelta(
+                rid=req.rid,
+                text=emit[len(sent) :],
+                token_ids=new_ids,
+                finish=int(finish),
+                stop_reason=reason,
+                num_output_tokens=len(ids),
+                logprobs=lps[-pending:] if sp.logprobs is not None else None,
+            )
             sent, pending = emit, 0
             if finish:
                 return
@@ -127,8 +139,11 @@ class ReferenceEngineClient(EngineClient):
             return token, None
         logp = torch.log_softmax(logits, dim=-1)
         top = torch.topk(logp, n) if n else None
-        pairs = [(self.tokenizer.decode([int(i)]), float(v))
-                 for v, i in zip(top.values, top.indices)] if top else []  # fmt: skip
+        pairs = (
+            [(self.tokenizer.decode([int(i)]), float(v)) for v, i in zip(top.values, top.indices)]
+            if top
+            else []
+        )
         return token, TokenLogprob(self.tokenizer.decode([token]), float(logp[token]), pairs)
 
     def _finish(self, token: int, n: int, req: EngineRequest) -> tuple[Finish, str | int | None]:
@@ -145,8 +160,11 @@ class ReferenceEngineClient(EngineClient):
         self.aborted.setdefault(rid, time.monotonic())
 
     def health(self) -> list[WorkerHealth]:
-        return [WorkerHealth("reference", 0, os.getpid(), True, {"running": len(self.running)},
-                             node="here")]  # fmt: skip
+        return [
+            WorkerHealth(
+                "reference", 0, os.getpid(), True, {"running": len(self.running)}, node="here"
+            )
+        ]
 
     def metrics_snapshot(self) -> list[WorkerReport]:
         return [

@@ -35,8 +35,10 @@ class _Echo(asyncio.Protocol):
         if b"\r\n\r\n" in self.buf:
             line = self.buf.split(b"\r\n", 1)[0]
             body = b"loop saw " + line
-            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n"
-                                 b"connection: close\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n%s" % (len(body), body)
+            )
             self.transport.close()
 
 
@@ -53,10 +55,13 @@ def served() -> Iterator[Served]:
     sock = socket.create_server(("127.0.0.1", 0))
     report: dict[str, object] = {"status": 200, "body": b'{"status":"ok"}'}
     acceptor = HealthAcceptor(
-        sock, _Echo, lambda: (report["status"], report["body"]),  # type: ignore[arg-type,return-value]
-        refresh_s=60.0, stale_s=0.3,  # only probes ask for reports
+        sock,
+        _Echo,
+        lambda: (report["status"], report["body"]),  # type: ignore[arg-type,return-value]
+        refresh_s=60.0,
+        stale_s=0.3,  # only probes ask for reports
         peek_s=0.5,  # room for a client thread that waits for the GIL between connect and send
-    )  # fmt: skip
+    )
     loop = asyncio.new_event_loop()
     started = threading.Event()
 
@@ -91,7 +96,9 @@ def _ask(port: int, *parts: bytes, gap_s: float = 0.0) -> tuple[int, bytes]:
 
 def test_a_health_probe_gets_the_loop_s_report(served: Served) -> None:
     assert _ask(served.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n") == (
-        200, b'{"status":"ok"}')  # fmt: skip
+        200,
+        b'{"status":"ok"}',
+    )
     assert _ask(served.port, b"GET /health?verbose=1 HTTP/1.1\r\n\r\n")[0] == 200
     # The probe asks the loop for a fresh report: a change shows at once.
     served.report.update(status=503, body=b'{"status":"degraded"}')
@@ -107,8 +114,13 @@ def test_a_probe_split_over_several_segments_is_still_answered_here(served: Serv
 
 @pytest.mark.parametrize(
     "request_line",
-    [b"GET / HTTP/1.1", b"GET /healthz HTTP/1.1", b"POST /health HTTP/1.1", b"GET /v1/models HTTP/1.1"],
-)  # fmt: skip
+    [
+        b"GET / HTTP/1.1",
+        b"GET /healthz HTTP/1.1",
+        b"POST /health HTTP/1.1",
+        b"GET /v1/models HTTP/1.1",
+    ],
+)
 def test_every_other_request_reaches_the_loop_untouched(
     served: Served, request_line: bytes
 ) -> None:
@@ -159,8 +171,10 @@ def test_a_burst_of_mixed_connections_is_answered_by_the_right_side(served: Serv
 
 def test_a_probe_with_a_body_or_a_pipelined_request_goes_to_the_loop(served: Served) -> None:
     """Answering here would leave those bytes unread: close() would then reset the connection."""
-    for request in (b"GET /health HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi",
-                    b"GET /health HTTP/1.1\r\n\r\nGET /x HTTP/1.1\r\n\r\n"):  # fmt: skip
+    for request in (
+        b"GET /health HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi",
+        b"GET /health HTTP/1.1\r\n\r\nGET /x HTTP/1.1\r\n\r\n",
+    ):
         assert _ask(served.port, request) == (200, b"loop saw GET /health HTTP/1.1")
     assert served.acceptor.stats()[1:] == (0, 2)
 

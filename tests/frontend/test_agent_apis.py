@@ -23,8 +23,9 @@ ASK = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content":
 def client_for(make_client: Callable[..., Any], **settings: Any) -> httpx.AsyncClient:
     engine = make_client()
     app = build_app(engine, engine.tokenizer, make_settings(**settings))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                             base_url="http://127.0.0.1:8000")  # fmt: skip
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000"
+    )
 
 
 def anthropic_error(r: httpx.Response, status: int, kind: str) -> str:
@@ -48,8 +49,9 @@ async def test_x_api_key_opens_the_api_as_bearer_does(make_client: Callable[...,
         assert bearer.status_code == 200
         # Other paths take x-api-key too, and keep OpenAI's error shape.
         chat = {"model": MODEL, "max_tokens": 2, "messages": ASK["messages"]}
-        assert (await h.post("/v1/chat/completions", json=chat,
-                             headers={"x-api-key": "s3cret"})).status_code == 200  # fmt: skip
+        assert (
+            await h.post("/v1/chat/completions", json=chat, headers={"x-api-key": "s3cret"})
+        ).status_code == 200
         refused = await h.post("/v1/responses", json={"input": "Hi"})
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
 
@@ -58,13 +60,17 @@ async def test_edge_errors_on_anthropic_paths_are_anthropic_shaped(
     make_client: Callable[..., Any],
 ) -> None:
     async with client_for(make_client) as h:
-        form = await h.post("/v1/messages", content=b"a=b",
-                            headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
+        form = await h.post(
+            "/v1/messages",
+            content=b"a=b",
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
         assert "Content-Type" in anthropic_error(form, 415, "invalid_request_error")
         anthropic_error(await h.get("/v1/messages"), 405, "invalid_request_error")
         anthropic_error(await h.post("/v1/messages/nothing", json={}), 404, "not_found_error")
-        big = await h.post("/v1/messages", content=b" " * (9 << 20),
-                           headers={"content-type": "application/json"})  # fmt: skip
+        big = await h.post(
+            "/v1/messages", content=b" " * (9 << 20), headers={"content-type": "application/json"}
+        )
         anthropic_error(big, 413, "request_too_large")
 
 
@@ -77,8 +83,9 @@ async def test_a_quiet_stream_gets_pings(
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as h:
         r = await h.post("/v1/messages", json={**ASK, "stream": True})
-    names = [line.removeprefix("event: ") for line in r.text.splitlines()
-             if line.startswith("event: ")]  # fmt: skip
+    names = [
+        line.removeprefix("event: ") for line in r.text.splitlines() if line.startswith("event: ")
+    ]
     assert names[0] == "message_start" and names[-1] == "message_stop"
     assert "ping" in names
     assert 'data: {"type":"ping"}' in r.text

@@ -28,8 +28,14 @@ async def complete(http: httpx.AsyncClient, **body: Any) -> httpx.Response:
 
 async def test_greedy_completion_returns_text_ids_and_usage(http: httpx.AsyncClient) -> None:
     engine = http._transport.app.state.engine  # type: ignore[attr-defined]
-    r = await complete(http, prompt="Hello world", max_tokens=6, temperature=0,
-                       ignore_eos=True, return_token_ids=True)  # fmt: skip
+    r = await complete(
+        http,
+        prompt="Hello world",
+        max_tokens=6,
+        temperature=0,
+        ignore_eos=True,
+        return_token_ids=True,
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     choice = body["choices"][0]
@@ -69,8 +75,13 @@ async def test_stop_string_ends_output_before_it(http: httpx.AsyncClient) -> Non
 
 
 async def test_stop_token_id_is_reported_as_stop_reason(http: httpx.AsyncClient) -> None:
-    common = dict(prompt="Once upon a time", max_tokens=6, temperature=0, ignore_eos=True,
-                  return_token_ids=True)  # fmt: skip
+    common = dict(
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=0,
+        ignore_eos=True,
+        return_token_ids=True,
+    )
     ids = (await complete(http, **common)).json()["choices"][0]["token_ids"]
     choice = (await complete(http, **common, stop_token_ids=[ids[2]])).json()["choices"][0]
     assert choice["token_ids"] == ids[: ids.index(ids[2]) + 1]
@@ -93,9 +104,19 @@ async def test_completion_logprobs_have_openai_shape(http: httpx.AsyncClient) ->
 async def test_chat_uses_the_tokenizer_template(http: httpx.AsyncClient) -> None:
     engine = http._transport.app.state.engine  # type: ignore[attr-defined]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    r = await http.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": messages, "max_completion_tokens": 5, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 2})  # fmt: skip
+    r = await http.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": messages,
+            "max_completion_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     text = engine.tokenizer.apply_chat_template(
@@ -113,9 +134,15 @@ async def test_chat_uses_the_tokenizer_template(http: httpx.AsyncClient) -> None
 async def test_chat_stream_starts_with_the_role_and_ends_with_usage(
     http: httpx.AsyncClient,
 ) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     events = sse_events((await http.post("/v1/chat/completions", json=body)).text)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(e["object"] == "chat.completion.chunk" for e in events)
@@ -161,8 +188,9 @@ async def test_native_generate(http: httpx.AsyncClient) -> None:
     out = r.json()
     assert r.status_code == 200 and len(out["output_ids"]) == 5
     assert out["finish_reason"] == "length" and out["usage"]["prompt_tokens"] == 1
-    r = await http.post("/generate", json={"input_ids": [9707], "sampling_params": sp,
-                                          "stream": True})  # fmt: skip
+    r = await http.post(
+        "/generate", json={"input_ids": [9707], "sampling_params": sp, "stream": True}
+    )
     events = sse_events(r.text)
     assert "".join(e["text"] for e in events) == out["text"]
     assert sum(len(e["output_ids"]) for e in events) == 5 and events[-1]["usage"]
@@ -189,8 +217,9 @@ async def test_native_generate(http: httpx.AsyncClient) -> None:
 async def test_bad_requests_get_openai_errors(
     http: httpx.AsyncClient, content: bytes, status: int, param: str | None
 ) -> None:
-    r = await http.post("/v1/completions", content=content,
-                        headers={"content-type": "application/json"})  # fmt: skip
+    r = await http.post(
+        "/v1/completions", content=content, headers={"content-type": "application/json"}
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]

@@ -34,8 +34,18 @@ def _boards(n: int = 2, shards: int = 2, workers: int = 4) -> tuple[bytearray, l
 
 def test_each_frontend_sees_the_others_in_flight_for_the_same_generation_only() -> None:
     _, (a, b) = _boards()
-    a.publish(2, Cell(generation=3, sent_requests=5, sent_tokens=500, reserved_requests=2,
-                      reserved_tokens=300, assigned_requests=5, assigned_tokens=500))  # fmt: skip
+    a.publish(
+        2,
+        Cell(
+            generation=3,
+            sent_requests=5,
+            sent_tokens=500,
+            reserved_requests=2,
+            reserved_tokens=300,
+            assigned_requests=5,
+            assigned_tokens=500,
+        ),
+    )
     assert b.others(2, 3) == InFlight(5, 500, 2, 300)
     assert a.others(2, 3) == InFlight()  # not its own
     assert b.others(2, 4) == InFlight()  # a restarted worker: those were for the old one
@@ -47,8 +57,10 @@ def test_a_dead_frontend_keeps_what_it_sent_but_not_its_reservations() -> None:
     a.publish(0, Cell(1, 4, 40, 3, 90, 4, 40))
     FrontendBoard(buf).mark_dead(0)  # the launcher's view
     assert b.others(0, 1) == InFlight(4, 40, 0, 0)
-    assert [(f.index, f.state) for f in b.frontends()] == [(0, WorkerState.DEAD),
-                                                           (1, WorkerState.READY)]  # fmt: skip
+    assert [(f.index, f.state) for f in b.frontends()] == [
+        (0, WorkerState.DEAD),
+        (1, WorkerState.READY),
+    ]
     again = FrontendBoard(buf, me=0)  # its restart goes on from its predecessor's books
     assert again.claim() == 2
     assert again.own(0) == Cell(1, 4, 40, 0, 0, 4, 40)

@@ -43,8 +43,10 @@ def test_a_forged_system_turn_in_content_stays_text(tok: Any) -> None:
 
 
 def test_content_without_control_tokens_is_tokenized_as_before(tok: Any) -> None:
-    conversation = [{"role": "system", "content": "Be brief."},
-                    {"role": "user", "content": "<|not a token|> \n\n héllo  "}]  # fmt: skip
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "<|not a token|> \n\n héllo  "},
+    ]
     assert encode_chat(tok, template(tok), conversation, True) == encode_rendered(
         tok, template(tok), conversation, True
     )
@@ -69,8 +71,12 @@ def test_control_tokens_are_the_specials_and_added_tokens_the_template_writes(
     specials = {IM_START, IM_END, "<|endoftext|>"}
     assert set(control_tokens(tok, "no tokens here")) == specials
     assert set(control_tokens(tok, "{{ '<think>' }}")) == specials | {"<think>"}
-    ids = encode_chat(tok, "{{ '<think>' + messages[0]['content'] }}",
-                      [{"role": "user", "content": "<think>"}], False)  # fmt: skip
+    ids = encode_chat(
+        tok,
+        "{{ '<think>' + messages[0]['content'] }}",
+        [{"role": "user", "content": "<think>"}],
+        False,
+    )
     think = tok.convert_tokens_to_ids("<think>")
     assert isinstance(think, int) and ids.count(think) == 1
 

@@ -48,8 +48,12 @@ async def test_other_requests_are_served_while_a_template_renders(
     app = build_app(engine, tokenizer, make_settings())
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                "max_tokens": 2, "temperature": 0}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+            "temperature": 0,
+        }
         chat = asyncio.create_task(http.post("/v1/chat/completions", json=body))
         while not tokenizer.entered.is_set():
             await asyncio.sleep(0.01)

@@ -25,10 +25,17 @@ from frontend.http.connections import ConnectionLimiter, TimedHttpProtocol, conn
 from frontend.settings import ConnectionLimits
 from tests.frontend.conftest import make_settings
 
-LIMITS = ConnectionLimits(header_timeout_s=0.5, body_timeout_s=0.5, keep_alive_timeout_s=0.5,
-                          max_connections=1000, max_connections_per_peer=4)  # fmt: skip
-HEAD = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-        b"content-type: application/json\r\ncontent-length: 40\r\n\r\n")  # fmt: skip
+LIMITS = ConnectionLimits(
+    header_timeout_s=0.5,
+    body_timeout_s=0.5,
+    keep_alive_timeout_s=0.5,
+    max_connections=1000,
+    max_connections_per_peer=4,
+)
+HEAD = (
+    b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+    b"content-type: application/json\r\ncontent-length: 40\r\n\r\n"
+)
 
 
 class Server:
@@ -36,9 +43,14 @@ class Server:
         self.limiter = ConnectionLimiter(limits.max_connections, limits.max_connections_per_peer)
         http = functools.partial(TimedHttpProtocol, limits=limits, limiter=self.limiter)
         # uvicorn calls ``http`` as a class: a partial binding the limits works as one.
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                http=http,  # type: ignore[arg-type]
-                                timeout_keep_alive=limits.keep_alive_timeout_s)  # type: ignore[arg-type]  # fmt: skip
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            http=http,  # type: ignore[arg-type]
+            timeout_keep_alive=limits.keep_alive_timeout_s,
+        )  # type: ignore[arg-type]
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -36,8 +36,10 @@ def assert_error(r: httpx.Response, status: int, code: str) -> None:
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
 
 
-@pytest.mark.parametrize("path", ["/metrics", "/openapi.json", "/docs", "/redoc", "/v1/models",
-                                  "/tokenize", "/no/such/path"])  # fmt: skip
+@pytest.mark.parametrize(
+    "path",
+    ["/metrics", "/openapi.json", "/docs", "/redoc", "/v1/models", "/tokenize", "/no/such/path"],
+)
 async def test_the_api_key_covers_every_path_but_health(
     make_client: Callable[..., Any], path: str
 ) -> None:
@@ -56,8 +58,15 @@ async def test_metrics_without_the_key_only_when_asked(make_client: Callable[...
 
 
 @pytest.mark.parametrize(
-    "content_type", [None, "text/plain", "application/x-www-form-urlencoded",
-                     "multipart/form-data; boundary=x", "application/jsonp"])  # fmt: skip
+    "content_type",
+    [
+        None,
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonp",
+    ],
+)
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
 async def test_a_post_that_is_not_json_is_a_415(
     make_client: Callable[..., Any], path: str, content_type: str | None
@@ -73,17 +82,28 @@ async def test_json_with_parameters_or_any_case_is_json(
     make_client: Callable[..., Any], content_type: str
 ) -> None:
     async with app_client(make_client) as h:
-        r = await h.post("/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 1}',
-                         headers={"content-type": content_type})  # fmt: skip
+        r = await h.post(
+            "/v1/completions",
+            content=b'{"prompt": "Hi", "max_tokens": 1}',
+            headers={"content-type": content_type},
+        )
     assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize(
     ("host", "ok"),
-    [("127.0.0.1:8000", True), ("localhost:8000", True), ("LOCALHOST.", True),
-     ("[::1]:8000", True), ("app.localhost:8000", True), ("10.1.2.3:8000", True),
-     ("attacker.example:8000", False), ("127.0.0.1.nip.io", False), ("localhost.evil", False)],
-)  # fmt: skip
+    [
+        ("127.0.0.1:8000", True),
+        ("localhost:8000", True),
+        ("LOCALHOST.", True),
+        ("[::1]:8000", True),
+        ("app.localhost:8000", True),
+        ("10.1.2.3:8000", True),
+        ("attacker.example:8000", False),
+        ("127.0.0.1.nip.io", False),
+        ("localhost.evil", False),
+    ],
+)
 async def test_without_a_key_the_host_must_name_this_server(
     make_client: Callable[..., Any], host: str, ok: bool
 ) -> None:
@@ -120,8 +140,12 @@ def test_host_names() -> None:
 async def test_a_forged_system_turn_in_chat_content_stays_text(
     make_client: Callable[..., Any], allow: bool, starts: int
 ) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": FORGED}], "max_tokens": 1,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": FORGED}],
+        "max_tokens": 1,
+        "return_token_ids": True,
+    }
     async with app_client(make_client, allow_special_tokens_in_content=allow) as h:
         r = await h.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text

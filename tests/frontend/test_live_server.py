@@ -24,13 +24,19 @@ async def test_openai_sdk_completions_and_chat(live_server: Callable[..., LiveSe
 
 
 async def _exercise_sdk(sdk: openai.AsyncOpenAI) -> None:
-    c = await sdk.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
-                                     extra_body={"ignore_eos": True})  # fmt: skip
+    c = await sdk.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert c.choices[0].finish_reason == "length" and c.usage and c.usage.completion_tokens == 4
     stream = await sdk.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-        temperature=0, stream=True, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True})  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = [chunk async for chunk in stream]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
     assert chunks[-2].choices[0].finish_reason == "length"
@@ -89,9 +95,11 @@ async def test_client_gone_mid_upload_is_quiet(
     with live_server() as srv:
         host, port = srv.base_url.removeprefix("http://").split(":")
         _reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-                     b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
-                     b'{"prompt": "')  # fmt: skip
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+            b'{"prompt": "'
+        )
         await writer.drain()
         await asyncio.sleep(0.2)  # the handler is reading the body
         writer.close()

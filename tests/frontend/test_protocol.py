@@ -164,13 +164,29 @@ def test_out_of_range_values_are_rejected(fields: dict[str, Any], param: str) ->
 
 
 def test_fields_map_onto_engine_and_detokenizer_params() -> None:
-    req = completion(temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=7, stop="END",
-                     stop_token_ids=[3], ignore_eos=True, presence_penalty=0.5,
-                     frequency_penalty=-0.5, repetition_penalty=1.2, logprobs=2,
-                     skip_special_tokens=False, include_stop_str_in_output=True)  # fmt: skip
+    req = completion(
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        seed=7,
+        stop="END",
+        stop_token_ids=[3],
+        ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        logprobs=2,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+    )
     sampling, detok = engine_params(req, max_tokens=9)
     assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k) == (
-        9, 0.5, 0.9, 5)  # fmt: skip
+        9,
+        0.5,
+        0.9,
+        5,
+    )
     assert (sampling.min_p, sampling.seed, sampling.stop_token_ids) == (0.1, 7, (3,))
     assert sampling.ignore_eos and sampling.logprobs == 2
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.5)

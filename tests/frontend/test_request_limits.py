@@ -57,9 +57,19 @@ def test_the_largest_accepted_request_fits_the_smallest_ring() -> None:
         logprobs=20,
         seed=-(2**63),
     )
-    register = DetokRegister(rid=2**63 - 1, params=detok, prompt_len=MAX_MODEL_LEN,
-                             num_logprobs=20, output_ids=[VOCAB - 1] * MAX_MODEL_LEN)  # fmt: skip
-    gen = GenerateRequest(rid=2**63 - 1, prompt_ids=[VOCAB - 1] * MAX_MODEL_LEN,
-                          sampling=sampling, decode_worker=0, detok_shard=0)  # fmt: skip
+    register = DetokRegister(
+        rid=2**63 - 1,
+        params=detok,
+        prompt_len=MAX_MODEL_LEN,
+        num_logprobs=20,
+        output_ids=[VOCAB - 1] * MAX_MODEL_LEN,
+    )
+    gen = GenerateRequest(
+        rid=2**63 - 1,
+        prompt_ids=[VOCAB - 1] * MAX_MODEL_LEN,
+        sampling=sampling,
+        decode_worker=0,
+        detok_shard=0,
+    )
     for record in (register, gen):
         assert footprint(len(encode(record))) <= SMALL_RING_BYTES // 2

@@ -12,13 +12,26 @@ from runtime.spec_decode import SpecError
 
 
 def _launch() -> FrontendLaunch:
-    http = FrontendSettings(model_name="m", max_model_len=2048, vocab_size=49152,
-                            model_aliases=("dir/m", "dir/m/"), allowed_hosts=("example.com",),
-                            eos_token_ids=(2, 7), tool_call_parser="hermes")  # fmt: skip
-    return FrontendLaunch(model="/ckpt", http=http, connections=ConnectionLimits(),
-                          router_policy="cache-aware", max_waiting_requests=None,
-                          max_queued_prefill_tokens=4096, stall_timeout_s=20.0, node="a",
-                          remote_decode=(2, 3))  # fmt: skip
+    http = FrontendSettings(
+        model_name="m",
+        max_model_len=2048,
+        vocab_size=49152,
+        model_aliases=("dir/m", "dir/m/"),
+        allowed_hosts=("example.com",),
+        eos_token_ids=(2, 7),
+        tool_call_parser="hermes",
+    )
+    return FrontendLaunch(
+        model="/ckpt",
+        http=http,
+        connections=ConnectionLimits(),
+        router_policy="cache-aware",
+        max_waiting_requests=None,
+        max_queued_prefill_tokens=4096,
+        stall_timeout_s=20.0,
+        node="a",
+        remote_decode=(2, 3),
+    )
 
 
 def test_round_trip_through_json_is_exact() -> None:

@@ -6,7 +6,7 @@ from collections import Counter
 
 from engine.spec.speculator import SpecStats
 from frontend.engine_link.worker_status import worker_metrics
-from frontend.telemetry.metrics import _speculation
+from frontend.telemetry.engine_metrics import speculation_metrics
 from runtime.worker import spec_counters
 from transport.load_table import LoadTable
 from wire.roles import Role
@@ -30,7 +30,7 @@ def test_a_decode_workers_speculation_reaches_metrics() -> None:
     assert [w.speculation != () for w in loads] == [True, False]  # prefill never speculates
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in _speculation(loads, ["role", "index", "node"])
+        for family in speculation_metrics(loads, ["role", "index", "node"])
         for s in family.samples
     }
     key = (("index", "0"), ("node", "n"), ("role", "decode"))

@@ -22,13 +22,23 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 @pytest.mark.parametrize(
     ("fields", "kind", "text"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
-                                                                     "schema": SCHEMA}}},
-         GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA},
+                }
+            },
+            GrammarKind.JSON_SCHEMA,
+            json.dumps(SCHEMA),
+        ),
         ({"response_format": {"type": "json_object"}}, GrammarKind.JSON_OBJECT, ""),
         ({"structured_outputs": {"json": SCHEMA}}, GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA)),
-        ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, GrammarKind.JSON_SCHEMA,
-         json.dumps(SCHEMA)),
+        (
+            {"structured_outputs": {"json": json.dumps(SCHEMA)}},
+            GrammarKind.JSON_SCHEMA,
+            json.dumps(SCHEMA),
+        ),
         ({"structured_outputs": {"regex": "a+"}}, GrammarKind.REGEX, "a+"),
         ({"structured_outputs": {"choice": ["x", "y"]}}, GrammarKind.CHOICE, '["x", "y"]'),
         ({"structured_outputs": {"grammar": 'root ::= "a"'}}, GrammarKind.EBNF, 'root ::= "a"'),
@@ -38,9 +48,10 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
         ({"guided_choice": ["x"]}, GrammarKind.CHOICE, '["x"]'),
         ({"guided_grammar": 'root ::= "a"'}, GrammarKind.EBNF, 'root ::= "a"'),
     ],
-)  # fmt: skip
-def test_every_spelling_becomes_one_spec(fields: dict[str, Any], kind: GrammarKind, text: str
-                                         ) -> None:  # fmt: skip
+)
+def test_every_spelling_becomes_one_spec(
+    fields: dict[str, Any], kind: GrammarKind, text: str
+) -> None:
     for body in (chat(**fields), completion(**fields)):
         found = grammar_spec(body)
         assert found is not None
@@ -57,8 +68,10 @@ def test_no_constraint_and_text_format_mean_none() -> None:
     [
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-         "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema",
+        ),
         ({"guided_json": "{oops"}, "guided_json"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_regex": ""}, "guided_regex"),
@@ -66,7 +79,7 @@ def test_no_constraint_and_text_format_mean_none() -> None:
         ({"guided_json": {"$ref": "https://example.com/s.json"}}, "guided_json"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
     ],
-)  # fmt: skip
+)
 def test_bad_constraints_name_their_field(fields: dict[str, Any], param: str) -> None:
     with pytest.raises((InvalidRequest, NotImplementedField)) as info:
         grammar_spec(chat(**fields))

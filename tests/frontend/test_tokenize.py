@@ -13,8 +13,9 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_tokenize_a_prompt_and_back(http: httpx.AsyncClient, qwen_tokenizer: Any) -> None:
-    r = await http.post("/tokenize", json={"model": MODEL, "prompt": "Hello world, café",
-                                           "return_token_strs": True})  # fmt: skip
+    r = await http.post(
+        "/tokenize", json={"model": MODEL, "prompt": "Hello world, café", "return_token_strs": True}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     ids = qwen_tokenizer.encode("Hello world, café")
@@ -72,8 +73,10 @@ async def test_the_stats_line_reports_traffic_and_is_silent_when_idle(
     assert stats.line() is None  # nothing happened yet
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as h:
-        r = await h.post("/v1/completions", json={"model": MODEL, "prompt": "Hello",
-                                                  "max_tokens": 5, "temperature": 0})  # fmt: skip
+        r = await h.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "Hello", "max_tokens": 5, "temperature": 0},
+        )
         assert r.status_code == 200
     line = stats.line()
     assert line is not None and "prompt " in line and "generation " in line

@@ -38,9 +38,9 @@ def _stream(parser: Any, text: str, step: int) -> tuple[str, list[tuple[str, str
 def test_hermes_calls_and_content_whole_or_streamed(step: int) -> None:
     whole = parse_output(HermesParser(), HERMES)
     assert whole.content == "Let me check.\n"
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-            for c in whole.tool_calls] == [("get_weather", {"city": "Paris"}),
-                                           ("get_time", {"tz": "CET"})]  # fmt: skip
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.tool_calls
+    ] == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
     assert all(c["id"].startswith("call_") for c in whole.tool_calls)
     content, calls = _stream(HermesParser(), HERMES, step)
     assert content == whole.content
@@ -49,9 +49,13 @@ def test_hermes_calls_and_content_whole_or_streamed(step: int) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["no calls at all, a < sign and <tool", "<tool_call>{not json}</tool_call>",
-     '<tool_call>{"arguments": {}}</tool_call>', "<tool_call>{\"name\": \"f\""],
-)  # fmt: skip
+    [
+        "no calls at all, a < sign and <tool",
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f"',
+    ],
+)
 def test_hermes_text_that_is_no_call_stays_content(text: str) -> None:
     assert parse_output(HermesParser(), text).content == text
     assert _stream(HermesParser(), text, 2) == (text, [])

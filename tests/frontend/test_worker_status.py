@@ -27,9 +27,11 @@ def _states(table: LoadTable) -> dict[tuple[str, int], tuple[str, bool]]:
 
 def test_workers_that_have_not_claimed_a_row_are_starting_not_absent() -> None:
     table = LoadTable(mmap.mmap(-1, LoadTable.layout_nbytes(4)), 4)
-    assert _states(table) == {("prefill", 0): ("starting", False),
-                              ("prefill", 1): ("starting", False),
-                              ("decode", 0): ("starting", False)}  # fmt: skip
+    assert _states(table) == {
+        ("prefill", 0): ("starting", False),
+        ("prefill", 1): ("starting", False),
+        ("decode", 0): ("starting", False),
+    }
     w = table.writer(2)
     w.claim(Role.PREFILL, 1, pid=os.getpid())
     w.set_state(WorkerState.READY)
@@ -66,8 +68,9 @@ def test_each_worker_names_its_node_and_shards_run_on_the_frontends() -> None:
     expected = [(Role.PREFILL, 0), (Role.DECODE, 0), (Role.DECODE, 1), (Role.DECODE, 2)]
     owner = Ring.create(f"wst{time.monotonic_ns()}", 1 << 10)
     shard = Ring.attach(owner.spec, "consumer")  # the frontend's end of a text ring
-    report = worker_health(table, expected, [shard], {}, stall_report_s=5.0, node="a",
-                           remote=_RESERVE)  # fmt: skip
+    report = worker_health(
+        table, expected, [shard], {}, stall_report_s=5.0, node="a", remote=_RESERVE
+    )
     nodes = {(w.role, w.index): (w.node, w.state) for w in report}
     assert nodes == {
         ("prefill", 0): ("a", "ready"),
@@ -79,14 +82,18 @@ def test_each_worker_names_its_node_and_shards_run_on_the_frontends() -> None:
     board = FrontendBoard.private()
     board.claim()
     assert [(f.role, f.index, f.node) for f in frontend_health(board, node="a")] == [
-        ("frontend", 0, "a")]  # fmt: skip
+        ("frontend", 0, "a")
+    ]
 
 
 def test_metrics_carry_each_workers_node() -> None:
     table = _cluster_table()
     got = worker_metrics(table, {(Role.DECODE, 1): (3, 30)}, node="a", remote=_RESERVE)
     assert {(m.role, m.index, m.node) for m in got} == {
-        ("prefill", 0, "a"), ("decode", 0, "a"), ("decode", 1, "b0")}  # fmt: skip
+        ("prefill", 0, "a"),
+        ("decode", 0, "a"),
+        ("decode", 1, "b0"),
+    }
     (d1,) = [m for m in got if (m.role, m.index) == ("decode", 1)]
     assert (d1.assigned_requests, d1.assigned_tokens) == (3, 30)
 
@@ -103,13 +110,20 @@ def test_health_sums_up_each_node_and_keeps_its_status_rules() -> None:
     def worker(role: str, index: int, alive: bool, node: str) -> WorkerHealth:
         return WorkerHealth(role, index, 1, alive, {}, "ready" if alive else "dead", node=node)
 
-    workers = [worker("prefill", 0, True, "a"), worker("decode", 0, True, "b0"),
-               worker("decode", 1, False, "b1"), worker("detokenizer", 0, True, "a")]  # fmt: skip
+    workers = [
+        worker("prefill", 0, True, "a"),
+        worker("decode", 0, True, "b0"),
+        worker("decode", 1, False, "b1"),
+        worker("detokenizer", 0, True, "a"),
+    ]
     status, body = health_report(_Health(workers))  # type: ignore[arg-type]
     doc = msgspec.json.decode(body)
     assert (status, doc["status"]) == (200, "degraded")  # one decode worker is still alive
-    assert doc["nodes"] == {"a": {"workers": 2, "alive": 2}, "b0": {"workers": 1, "alive": 1},
-                            "b1": {"workers": 1, "alive": 0}}  # fmt: skip
+    assert doc["nodes"] == {
+        "a": {"workers": 2, "alive": 2},
+        "b0": {"workers": 1, "alive": 1},
+        "b1": {"workers": 1, "alive": 0},
+    }
     assert [w["node"] for w in doc["workers"]] == ["a", "b0", "b1", "a"]
     workers[1] = worker("decode", 0, False, "b0")
     status, body = health_report(_Health(workers))  # type: ignore[arg-type]

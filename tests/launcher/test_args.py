@@ -100,8 +100,13 @@ def test_a_node_is_named_by_its_flag_or_else_its_host_name(
 
 
 def test_malformed_values_are_rejected_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
-    bad = (["--prefill-gpus", "a,b"], ["--device", "tpu"], ["--router-policy", "x"],
-           ["--kv-transfer", "nccl"], ["--max-queued-prefill-tokens", "lots"])  # fmt: skip
+    bad = (
+        ["--prefill-gpus", "a,b"],
+        ["--device", "tpu"],
+        ["--router-policy", "x"],
+        ["--kv-transfer", "nccl"],
+        ["--max-queued-prefill-tokens", "lots"],
+    )
     for argv in bad:
         with pytest.raises(SystemExit):
             parse_args(argv)

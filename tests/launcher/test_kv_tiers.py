@@ -31,9 +31,16 @@ def test_tier_2_is_taken_from_the_memory_budget(default_model_path: Path) -> Non
     memory = HostMemory(4 * GIB, "test")
     demand = Demand(engines=2, others=2, pools=2, chunk=512, max_model_len=1024)
     without = plan_kv(m, 10 << 20, torch.float32, demand, memory=memory)
-    with_tier = plan_kv(m, 10 << 20, torch.float32,
-                        Demand(**{**demand.__dict__, "offload": GIB}), memory=memory)  # fmt: skip
+    with_tier = plan_kv(
+        m, 10 << 20, torch.float32, Demand(**{**demand.__dict__, "offload": GIB}), memory=memory
+    )
     assert with_tier.bytes_per_pool < without.bytes_per_pool
     with pytest.raises(MemoryBudgetError):
-        plan_kv(m, 10 << 20, torch.float32, Demand(**{**demand.__dict__, "offload": 4 * GIB}),
-                kv_cache_memory_gib=0.1, memory=memory)  # fmt: skip
+        plan_kv(
+            m,
+            10 << 20,
+            torch.float32,
+            Demand(**{**demand.__dict__, "offload": 4 * GIB}),
+            kv_cache_memory_gib=0.1,
+            memory=memory,
+        )

@@ -92,8 +92,14 @@ def test_explicit_budgets_beyond_the_machine_are_errors(default_model_path: Path
             kv_cache_tokens=10**9,
             memory=HostMemory(32 * GIB, "test"),
         )
-    tokens = plan_kv(m, 1 << 20, torch.float32, _demand(), kv_cache_tokens=4096,
-                     memory=HostMemory(32 * GIB, "test"))  # fmt: skip
+    tokens = plan_kv(
+        m,
+        1 << 20,
+        torch.float32,
+        _demand(),
+        kv_cache_tokens=4096,
+        memory=HostMemory(32 * GIB, "test"),
+    )
     assert tokens.tokens_per_pool == 4096
 
 
@@ -111,15 +117,22 @@ def test_meminfo_available_is_read_in_bytes(tmp_path: Path) -> None:
 
 
 def test_cgroup_v2_limit_less_working_set_over_the_tightest_ancestor(tmp_path: Path) -> None:
-    _files(tmp_path, {
-        "self_cgroup": "0::/outer/inner\n",
-        "fs/outer/memory.max": f"{2 * GIB}\n", "fs/outer/memory.current": f"{GIB}\n",
-        "fs/outer/memory.stat": "anon 1\ninactive_file 0\n",
-        "fs/outer/inner/memory.max": "max\n", "fs/outer/inner/memory.current": "5\n",
-    })  # fmt: skip
+    _files(
+        tmp_path,
+        {
+            "self_cgroup": "0::/outer/inner\n",
+            "fs/outer/memory.max": f"{2 * GIB}\n",
+            "fs/outer/memory.current": f"{GIB}\n",
+            "fs/outer/memory.stat": "anon 1\ninactive_file 0\n",
+            "fs/outer/inner/memory.max": "max\n",
+            "fs/outer/inner/memory.current": "5\n",
+        },
+    )
     # inner has no limit; outer's 2 GIB, with 1 GIB in use, leaves 1 GIB
     assert cgroup_available(tmp_path / "self_cgroup", tmp_path / "fs") == (
-        GIB, str(tmp_path / "fs/outer/memory.max"))  # fmt: skip
+        GIB,
+        str(tmp_path / "fs/outer/memory.max"),
+    )
     # reclaimable page cache does not count as used
     _files(tmp_path, {"fs/outer/memory.stat": f"inactive_file {GIB // 2}\n"})
     assert cgroup_available(tmp_path / "self_cgroup", tmp_path / "fs")[0] == GIB + GIB // 2  # type: ignore[index]
@@ -127,23 +140,34 @@ def test_cgroup_v2_limit_less_working_set_over_the_tightest_ancestor(tmp_path: P
 
 def test_cgroup_v2_namespaced_mount_and_no_limit(tmp_path: Path) -> None:
     # Inside a container the cgroup's host path is not under the mount: its root is it.
-    _files(tmp_path, {"self_cgroup": "0::/docker/abc\n", "fs/memory.max": f"{GIB}\n",
-                      "fs/memory.current": "0\n"})  # fmt: skip
+    _files(
+        tmp_path,
+        {
+            "self_cgroup": "0::/docker/abc\n",
+            "fs/memory.max": f"{GIB}\n",
+            "fs/memory.current": "0\n",
+        },
+    )
     assert cgroup_available(tmp_path / "self_cgroup", tmp_path / "fs") == (
-        GIB, str(tmp_path / "fs/memory.max"))  # fmt: skip
+        GIB,
+        str(tmp_path / "fs/memory.max"),
+    )
     _files(tmp_path, {"fs/memory.max": "max\n"})
     assert cgroup_available(tmp_path / "self_cgroup", tmp_path / "fs") is None
 
 
 def test_cgroup_v1_limit_and_unlimited(tmp_path: Path) -> None:
-    _files(tmp_path, {
-        "self_cgroup": "5:cpu:/\n4:memory:/job\n0::/\n",
-        "fs/memory/job/memory.limit_in_bytes": f"{3 * GIB}\n",
-        "fs/memory/job/memory.usage_in_bytes": f"{2 * GIB}\n",
-        "fs/memory/job/memory.stat": f"cache 5\ntotal_inactive_file {GIB}\n",
-        "fs/memory/memory.limit_in_bytes": "9223372036854771712\n",
-        "fs/memory/memory.usage_in_bytes": "1\n",
-    })  # fmt: skip
+    _files(
+        tmp_path,
+        {
+            "self_cgroup": "5:cpu:/\n4:memory:/job\n0::/\n",
+            "fs/memory/job/memory.limit_in_bytes": f"{3 * GIB}\n",
+            "fs/memory/job/memory.usage_in_bytes": f"{2 * GIB}\n",
+            "fs/memory/job/memory.stat": f"cache 5\ntotal_inactive_file {GIB}\n",
+            "fs/memory/memory.limit_in_bytes": "9223372036854771712\n",
+            "fs/memory/memory.usage_in_bytes": "1\n",
+        },
+    )
     assert cgroup_available(tmp_path / "self_cgroup", tmp_path / "fs")[0] == 2 * GIB  # type: ignore[index]
     _files(tmp_path, {"fs/memory/job/memory.limit_in_bytes": "9223372036854771712\n"})
     assert cgroup_available(tmp_path / "self_cgroup", tmp_path / "fs") is None
@@ -158,10 +182,24 @@ def test_available_memory_is_positive_and_below_the_machine() -> None:
 def test_launch_refuses_a_kv_budget_over_ram_before_spawning(default_model_path: Path) -> None:
     start = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "--model", str(default_model_path),
-         "--device", "cpu", "--port", "0", "--kv-cache-memory", "100000"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "launcher.cli",
+            "--model",
+            str(default_model_path),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--kv-cache-memory",
+            "100000",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     assert "--kv-cache-memory 100000" in out.stderr and "lower it" in out.stderr
     assert "started" not in out.stderr  # nothing was spawned

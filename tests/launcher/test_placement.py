@@ -40,8 +40,10 @@ def test_workers_sharing_a_gpu_split_its_utilization() -> None:
     assert places["prefill", 0].gpu_memory_share == pytest.approx(0.4)
     assert places["decode", 0].gpu_memory_share == pytest.approx(0.4)
     assert places["decode", 1].gpu_memory_share == pytest.approx(0.8)  # GPU 1 alone
-    assert places["decode", 1].env() == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-                                         "CUDA_VISIBLE_DEVICES": "1"}  # fmt: skip
+    assert places["decode", 1].env() == {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": "1",
+    }
 
 
 def _children_for(argv: list[str], model: Path) -> dict[str, tuple[dict, dict, dict]]:  # type: ignore[type-arg]
@@ -53,8 +55,10 @@ def _children_for(argv: list[str], model: Path) -> dict[str, tuple[dict, dict, d
 
 
 def test_children_on_one_shared_gpu_with_cuda_ipc(default_model_path: Path) -> None:
-    kids = _children_for(["--prefill-gpus", "0", "--decode-gpus", "0",
-                          "--max-queued-prefill-tokens", "5000"], default_model_path)  # fmt: skip
+    kids = _children_for(
+        ["--prefill-gpus", "0", "--decode-gpus", "0", "--max-queued-prefill-tokens", "5000"],
+        default_model_path,
+    )
     for name in ("prefill-0", "decode-0"):
         settings, env, kv_pools = kids[name]
         assert settings["engine"]["device"] == "cuda" and settings["kv_transfer"] == "cuda_ipc"
@@ -82,8 +86,13 @@ def test_children_on_cpu_are_told_what_they_always_were(default_model_path: Path
     gpus = assign_gpus(cfg, GPUS)
     cfg = _size_kv(cfg, default_model_path, gpus, KVBackend.SHM)  # from available memory
     assert cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens > 0
-    kids = _children(cfg, _build_topology(cfg, default_model_path, KVBackend.SHM), gpus,
-                     default_model_path, KVBackend.SHM)  # fmt: skip
+    kids = _children(
+        cfg,
+        _build_topology(cfg, default_model_path, KVBackend.SHM),
+        gpus,
+        default_model_path,
+        KVBackend.SHM,
+    )
     prefill = next(c for c in kids if c.name == "prefill-0")
     spec = decode_spec(prefill.spec.settings, EngineWorkerSpec)  # as the worker reads it
     assert spec.engine.device == "cpu" and spec.kv_transfer == "shm"
@@ -98,10 +107,26 @@ def test_children_on_cpu_are_told_what_they_always_were(default_model_path: Path
 def test_a_head_names_its_node_and_tells_the_frontend_its_reserve(
     default_model_path: Path,
 ) -> None:
-    cfg = parse_args(["--device", "cpu", "--model", str(default_model_path), "--decode", "1",
-                      "--kv-cache-tokens", "256", "--remote-decode", "2",
-                      "--advertise", "10.0.0.1", "--node-name", "a",
-                      "--cluster-key", "sixteen-chars-or-more"])  # fmt: skip
+    cfg = parse_args(
+        [
+            "--device",
+            "cpu",
+            "--model",
+            str(default_model_path),
+            "--decode",
+            "1",
+            "--kv-cache-tokens",
+            "256",
+            "--remote-decode",
+            "2",
+            "--advertise",
+            "10.0.0.1",
+            "--node-name",
+            "a",
+            "--cluster-key",
+            "sixteen-chars-or-more",
+        ]
+    )
     gpus = assign_gpus(cfg, [])
     topo = _build_topology(cfg, default_model_path, KVBackend.SHM, gpus)
     kids = {c.name: c for c in _children(cfg, topo, gpus, default_model_path, KVBackend.SHM)}
@@ -121,8 +146,7 @@ def test_each_engine_worker_gets_its_prefix_summary_and_the_frontend_all_of_them
         cfg = parse_args([*argv, "--prefill", "2", "--decode", "1", *caching])
         gpus = assign_gpus(cfg, [])
         topo = _build_topology(cfg, default_model_path, KVBackend.SHM, gpus)
-        kids = {c.name: c for c in _children(cfg, topo, gpus, default_model_path,
-                                             KVBackend.SHM)}  # fmt: skip
+        kids = {c.name: c for c in _children(cfg, topo, gpus, default_model_path, KVBackend.SHM)}
         if caching:
             assert all(not c.spec.prefix_summaries for c in kids.values())
             assert kids["frontend-0"].spec.settings["router_policy"] == "least-load"

@@ -66,10 +66,17 @@ def test_frontends_are_restarted_like_workers_and_marked_on_their_board(
     topo = Topology(0, 1, 1, num_frontends=2)
     # A well-formed spec whose checkpoint does not exist: it dies loading the tokenizer.
     http = FrontendSettings(model_name="m", max_model_len=64, vocab_size=64)
-    settings = FrontendLaunch(model=str(tmp_path / "missing"), http=http,
-                              connections=ConnectionLimits(), router_policy="least-load",
-                              max_waiting_requests=None, max_queued_prefill_tokens=None,
-                              stall_timeout_s=5.0, node="a", log_level="error").to_json()  # fmt: skip
+    settings = FrontendLaunch(
+        model=str(tmp_path / "missing"),
+        http=http,
+        connections=ConnectionLimits(),
+        router_policy="least-load",
+        max_waiting_requests=None,
+        max_queued_prefill_tokens=None,
+        stall_timeout_s=5.0,
+        node="a",
+        log_level="error",
+    ).to_json()
     kids = [Child(topo.spec(Role.FRONTEND, n, settings), {}) for n in range(2)]
     board = topo.board()
     sup = Supervisor(kids, topo.load_table(), 0, board)
@@ -95,10 +102,26 @@ def test_launch_whose_every_worker_dies_exits_with_the_reason(
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
     out = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "--model", str(broken), "--device", "cpu",
-         "--port", "0", "--kv-cache-tokens", "1024", "--log-level", "warning"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,  # five model loads
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "launcher.cli",
+            "--model",
+            str(broken),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--kv-cache-tokens",
+            "1024",
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,  # five model loads
+    )
     assert out.returncode == 1, out.stderr[-2000:]
     assert "no longer restarted" in out.stderr and "failed" in out.stderr
     assert "pdserve is serving" not in out.stdout

@@ -28,9 +28,12 @@ def pair(
 
 
 def run(
-    prefill: PrefillScheduler, decode: DecodeScheduler, *, pause_s: float = 0.0,
+    prefill: PrefillScheduler,
+    decode: DecodeScheduler,
+    *,
+    pause_s: float = 0.0,
     timeout_s: float = 120.0,
-) -> dict[int, tuple[list[int], int]]:  # fmt: skip
+) -> dict[int, tuple[list[int], int]]:
     """Drive both until every request finished: rid -> (output ids by position, finish).
 
     ``pause_s`` sleeps between rounds, leaving the core to a grammar compile thread.
@@ -40,8 +43,9 @@ def run(
 
     def collect(batches: dict[int, TokenBatch]) -> None:
         for b in batches.values():
-            for rid, pos, tok, fin in zip(b.rids.tolist(), b.positions.tolist(),
-                                          b.token_ids.tolist(), b.finish.tolist()):  # fmt: skip
+            for rid, pos, tok, fin in zip(
+                b.rids.tolist(), b.positions.tolist(), b.token_ids.tolist(), b.finish.tolist()
+            ):
                 outputs.setdefault(rid, {})[pos] = tok
                 if fin != Finish.NONE:
                     finish[rid] = fin

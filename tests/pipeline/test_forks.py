@@ -22,19 +22,34 @@ PROMPT = list(range(1000, 1040))  # 40 tokens: two full blocks of 16 and a parti
 def _choices(n: int, seed: int, first_rid: int = 0) -> list[GenerateRequest]:
     out = []
     for i in range(n):
-        params = SamplingParams(max_tokens=10, temperature=1.0, seed=choice_seed(seed, i),
-                                ignore_eos=True)  # fmt: skip
-        out.append(GenerateRequest(
-            rid=first_rid + i, prompt_ids=PROMPT, sampling=params, decode_worker=0,
-            detok_shard=0, forks=n - 1 if i == 0 else 0, fork_of=-1 if i == 0 else first_rid,
-        ))  # fmt: skip
+        params = SamplingParams(
+            max_tokens=10, temperature=1.0, seed=choice_seed(seed, i), ignore_eos=True
+        )
+        out.append(
+            GenerateRequest(
+                rid=first_rid + i,
+                prompt_ids=PROMPT,
+                sampling=params,
+                decode_worker=0,
+                detok_shard=0,
+                forks=n - 1 if i == 0 else 0,
+                fork_of=-1 if i == 0 else first_rid,
+            )
+        )
     return out
 
 
 def _alone(model: Path, req: GenerateRequest) -> list[int]:
     prefill, decode = pair(model)
-    prefill.add(GenerateRequest(rid=req.rid, prompt_ids=req.prompt_ids, sampling=req.sampling,
-                                decode_worker=0, detok_shard=0))  # fmt: skip
+    prefill.add(
+        GenerateRequest(
+            rid=req.rid,
+            prompt_ids=req.prompt_ids,
+            sampling=req.sampling,
+            decode_worker=0,
+            detok_shard=0,
+        )
+    )
     return run(prefill, decode)[req.rid][0]
 
 

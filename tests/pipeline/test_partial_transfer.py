@@ -39,8 +39,11 @@ class RecordingReceiver(ShmReceiver):
 
 def _pair(model: Path, caching: bool) -> tuple[PrefillScheduler, DecodeScheduler]:
     def runner() -> ModelRunner:
-        return ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=96,
-                                        enable_prefix_caching=caching))  # fmt: skip
+        return ModelRunner(
+            EngineConfig(
+                model=str(model), dtype="float32", num_kv_blocks=96, enable_prefix_caching=caching
+            )
+        )
 
     p_runner, d_runner = runner(), runner()
     receiver = RecordingReceiver({0: p_runner.kv.tensor}, d_runner.kv.tensor)
@@ -58,8 +61,9 @@ def _run(
     prefill: PrefillScheduler, decode: DecodeScheduler, rid: int, prompt: list[int]
 ) -> list[int]:
     """One request through prefill, the handoff and decode to its end; its output ids."""
-    prefill.add(GenerateRequest(rid=rid, prompt_ids=prompt, sampling=PARAMS, decode_worker=0,
-                                detok_shard=0))  # fmt: skip
+    prefill.add(
+        GenerateRequest(rid=rid, prompt_ids=prompt, sampling=PARAMS, decode_worker=0, detok_shard=0)
+    )
     step = prefill.step()
     out = [int(b.token_ids[0]) for b in step.tokens.values()]
     ((_, transfer),) = step.transfers
@@ -69,8 +73,10 @@ def _run(
     seq = decode.running[rid].seq
     # The decode pool now holds every imported position exactly as prefill's pool does.
     n = transfer.num_tokens
-    assert torch.equal(_positions(prefill.runner.kv.tensor, transfer.src_blocks, n),
-                       _positions(decode.runner.kv.tensor, seq.block_table, n))  # fmt: skip
+    assert torch.equal(
+        _positions(prefill.runner.kv.tensor, transfer.src_blocks, n),
+        _positions(decode.runner.kv.tensor, seq.block_table, n),
+    )
     while rid in decode.running:
         for batch in decode.step().tokens.values():
             out += batch.token_ids.tolist()

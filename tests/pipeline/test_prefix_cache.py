@@ -24,8 +24,11 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 def _pair(model: Path, caching: bool) -> tuple[PrefillScheduler, DecodeScheduler]:
     def runner() -> ModelRunner:
-        return ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=128,
-                                        enable_prefix_caching=caching))  # fmt: skip
+        return ModelRunner(
+            EngineConfig(
+                model=str(model), dtype="float32", num_kv_blocks=128, enable_prefix_caching=caching
+            )
+        )
 
     p_runner, d_runner = runner(), runner()
     prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=40)
@@ -47,8 +50,9 @@ def _drive(
             prefill.release(release.rid)
         tokens += decode.step().tokens.values()
         for batch in tokens:
-            for rid, pos, tok in zip(batch.rids.tolist(), batch.positions.tolist(),
-                                     batch.token_ids.tolist()):  # fmt: skip
+            for rid, pos, tok in zip(
+                batch.rids.tolist(), batch.positions.tolist(), batch.token_ids.tolist()
+            ):
                 out.setdefault(rid, {})[pos] = tok
         if not prefill.waiting and not decode.admission.pending and not decode.running:
             break
@@ -57,8 +61,9 @@ def _drive(
 
 
 def _req(rid: int, prompt: list[int]) -> GenerateRequest:
-    return GenerateRequest(rid=rid, prompt_ids=prompt, sampling=PARAMS, decode_worker=0,
-                           detok_shard=0)  # fmt: skip
+    return GenerateRequest(
+        rid=rid, prompt_ids=prompt, sampling=PARAMS, decode_worker=0, detok_shard=0
+    )
 
 
 def _prompts() -> list[list[int]]:

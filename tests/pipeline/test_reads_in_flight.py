@@ -76,11 +76,16 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, 150_000, (n,), generator=g).tolist() for n in (37, 21)]
 
 
-def _prefill(prefill: PrefillScheduler, decode: DecodeScheduler, prompts: list[list[int]],
-             out: dict[int, list[int]]) -> None:  # fmt: skip
+def _prefill(
+    prefill: PrefillScheduler,
+    decode: DecodeScheduler,
+    prompts: list[list[int]],
+    out: dict[int, list[int]],
+) -> None:
     for rid, p in enumerate(prompts):
-        prefill.add(GenerateRequest(rid=rid, prompt_ids=p, sampling=PARAMS, decode_worker=0,
-                                    detok_shard=0))  # fmt: skip
+        prefill.add(
+            GenerateRequest(rid=rid, prompt_ids=p, sampling=PARAMS, decode_worker=0, detok_shard=0)
+        )
     step = prefill.step()
     for b in step.tokens.values():
         for rid, tok in zip(b.rids.tolist(), b.token_ids.tolist(), strict=True):
@@ -91,9 +96,13 @@ def _prefill(prefill: PrefillScheduler, decode: DecodeScheduler, prompts: list[l
 
 def _rows(batches: dict[int, TokenBatch]) -> list[tuple[int, int, int]]:
     """(rid, token, finish) of every row."""
-    return [(rid, tok, fin) for b in batches.values()
-            for rid, tok, fin in zip(b.rids.tolist(), b.token_ids.tolist(),
-                                     b.finish.tolist(), strict=True)]  # fmt: skip
+    return [
+        (rid, tok, fin)
+        for b in batches.values()
+        for rid, tok, fin in zip(
+            b.rids.tolist(), b.token_ids.tolist(), b.finish.tolist(), strict=True
+        )
+    ]
 
 
 def test_running_requests_step_while_a_read_is_in_flight_and_outputs_are_unchanged(
@@ -102,8 +111,9 @@ def test_running_requests_step_while_a_read_is_in_flight_and_outputs_are_unchang
     prompts = _prompts()
     ref_p, ref_d = pair(default_model_path)
     for rid, p in enumerate(prompts):
-        ref_p.add(GenerateRequest(rid=rid, prompt_ids=p, sampling=PARAMS, decode_worker=0,
-                                  detok_shard=0))  # fmt: skip
+        ref_p.add(
+            GenerateRequest(rid=rid, prompt_ids=p, sampling=PARAMS, decode_worker=0, detok_shard=0)
+        )
     want = {rid: toks for rid, (toks, _) in run(ref_p, ref_d).items()}
 
     prefill, decode, rx = _held_pair(default_model_path)
@@ -175,8 +185,11 @@ def test_a_refused_copy_fails_its_request_rather_than_resuming_it(
     anywhere: the request ends with an error instead of being prefilled again."""
     prefill, decode, _ = _held_pair(default_model_path)
     free = decode.runner.kv.num_free_blocks
-    prefill.add(GenerateRequest(rid=0, prompt_ids=_prompts()[0], sampling=PARAMS,
-                                decode_worker=0, detok_shard=0))  # fmt: skip
+    prefill.add(
+        GenerateRequest(
+            rid=0, prompt_ids=_prompts()[0], sampling=PARAMS, decode_worker=0, detok_shard=0
+        )
+    )
     ((_, transfer),) = prefill.step().transfers
     unknown = msgspec.structs.replace(transfer, prefill_worker=5)
     assert decode.offer(unknown) == []

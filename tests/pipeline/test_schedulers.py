@@ -41,8 +41,9 @@ def test_disaggregated_greedy_matches_transformers(arch: str) -> None:
     prompts = [torch.randint(0, 150_000, (n,), generator=g).tolist() for n in (1, 17, 40, 95)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for rid, prompt in enumerate(prompts):
-        req = GenerateRequest(rid=rid, prompt_ids=prompt, sampling=params, decode_worker=0,
-                              detok_shard=0)  # fmt: skip
+        req = GenerateRequest(
+            rid=rid, prompt_ids=prompt, sampling=params, decode_worker=0, detok_shard=0
+        )
         assert prefill.add(req) == Finish.NONE
     got = _run(prefill, decode)
 
@@ -65,8 +66,11 @@ def test_preemption_recomputes_and_keeps_output(default_model_path: Path) -> Non
     def run(decode_blocks: int) -> dict[int, list[int]]:
         prefill, decode = _pair(default_model_path, decode_blocks)
         for rid, prompt in enumerate(prompts):
-            prefill.add(GenerateRequest(rid=rid, prompt_ids=prompt, sampling=params,
-                                        decode_worker=0, detok_shard=0))  # fmt: skip
+            prefill.add(
+                GenerateRequest(
+                    rid=rid, prompt_ids=prompt, sampling=params, decode_worker=0, detok_shard=0
+                )
+            )
         return _run(prefill, decode)
 
     assert run(decode_blocks=14) == run(decode_blocks=256)
@@ -76,8 +80,11 @@ def test_abort_frees_blocks_everywhere(default_model_path: Path) -> None:
     prefill, decode = _pair(default_model_path)
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     for rid in range(3):
-        prefill.add(GenerateRequest(rid=rid, prompt_ids=[5] * 20, sampling=params,
-                                    decode_worker=0, detok_shard=0))  # fmt: skip
+        prefill.add(
+            GenerateRequest(
+                rid=rid, prompt_ids=[5] * 20, sampling=params, decode_worker=0, detok_shard=0
+            )
+        )
     for _, t in prefill.step().transfers:
         decode.offer(t)
     for _, rel in decode.admit():

@@ -45,12 +45,22 @@ def _run(prefill: PrefillScheduler, decode: DecodeScheduler) -> dict[int, tuple[
     return run(prefill, decode, pause_s=0.001)  # leave the core to the grammar thread
 
 
-def _req(rid: int, spec: GrammarSpec, seed: int, output_ids: list[int] | None = None,
-         max_tokens: int = 60) -> GenerateRequest:  # fmt: skip
+def _req(
+    rid: int,
+    spec: GrammarSpec,
+    seed: int,
+    output_ids: list[int] | None = None,
+    max_tokens: int = 60,
+) -> GenerateRequest:
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, grammar=spec)
-    return GenerateRequest(rid=rid, prompt_ids=[9707, 11, 1879, 0, rid % 50 + 100],
-                           sampling=params, decode_worker=0, detok_shard=0,
-                           output_ids=output_ids or [])  # fmt: skip
+    return GenerateRequest(
+        rid=rid,
+        prompt_ids=[9707, 11, 1879, 0, rid % 50 + 100],
+        sampling=params,
+        decode_worker=0,
+        detok_shard=0,
+        output_ids=output_ids or [],
+    )
 
 
 def _check(kind: GrammarKind, text: str) -> None:
@@ -122,8 +132,11 @@ def test_unconstrained_rows_are_untouched_by_a_constrained_neighbour(
 
     def run(with_grammar: bool) -> list[int]:
         prefill, decode = pair(default_model_path)
-        prefill.add(GenerateRequest(rid=0, prompt_ids=[9707, 1879], sampling=plain,
-                                    decode_worker=0, detok_shard=0))  # fmt: skip
+        prefill.add(
+            GenerateRequest(
+                rid=0, prompt_ids=[9707, 1879], sampling=plain, decode_worker=0, detok_shard=0
+            )
+        )
         if with_grammar:
             prefill.add(_req(1, SPECS[1], seed=4))
         return _run(prefill, decode)[0][0]
@@ -146,8 +159,11 @@ def test_a_slow_compile_stalls_no_other_request(default_model_path: Path, monkey
     slow_spec = GrammarSpec(kind=GrammarKind.REGEX, text="[0-9]{4}")
     prefill.add(_req(0, slow_spec, seed=1))
     plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    prefill.add(GenerateRequest(rid=1, prompt_ids=[9707, 1879], sampling=plain,
-                                decode_worker=0, detok_shard=0))  # fmt: skip
+    prefill.add(
+        GenerateRequest(
+            rid=1, prompt_ids=[9707, 1879], sampling=plain, decode_worker=0, detok_shard=0
+        )
+    )
     finished_at: dict[int, float] = {}
     t0 = time.monotonic()
     while len(finished_at) < 2 and time.monotonic() - t0 < 60:

@@ -82,8 +82,9 @@ def test_turns_of_a_conversation_land_where_their_history_is() -> None:
     cluster = _cluster(2, 2)
     router = Router(cluster.table, PolicyName.CACHE_AWARE, summaries=cluster.summaries())
     system = _tokens(rng, 96)  # one system prompt shared by every conversation
-    convs = [_Conversation(system + _tokens(rng, rng.randint(20, 200)), turns_left=6)
-             for _ in range(24)]  # fmt: skip
+    convs = [
+        _Conversation(system + _tokens(rng, rng.randint(20, 200)), turns_left=6) for _ in range(24)
+    ]
     stuck = {"prefill": 0, "decode": 0}
     later_turns = 0
     prefill_turns: dict[int, int] = defaultdict(int)

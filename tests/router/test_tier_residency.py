@@ -33,8 +33,9 @@ def _host(slots: int = 64) -> HostStore:
     return HostStore(fd, buf)
 
 
-def _store(host: HostStore | None, disk: DiskStore | None, prompt: list[int],
-           blocks: range) -> None:  # fmt: skip
+def _store(
+    host: HostStore | None, disk: DiskStore | None, prompt: list[int], blocks: range
+) -> None:
     """Put ``prompt``'s blocks ``blocks`` into tier 2 (``host``) or tier 3 (``disk``)."""
     keys = chain_keys(root_key(NS, None), prompt, BS)
     for i in blocks:
@@ -64,8 +65,10 @@ def _table(nodes: list[str], queued: list[int]) -> LoadTable:
 
 
 def _summaries(n: int) -> dict[tuple[Role, int], PrefixSummary]:
-    out = {(Role.PREFILL, i): PrefixSummary(bytearray(summary_nbytes(1 << 12)), 1 << 12)
-           for i in range(n)}  # fmt: skip
+    out = {
+        (Role.PREFILL, i): PrefixSummary(bytearray(summary_nbytes(1 << 12)), 1 << 12)
+        for i in range(n)
+    }
     out[(Role.DECODE, 0)] = PrefixSummary(bytearray(summary_nbytes(1 << 12)), 1 << 12)
     return out
 

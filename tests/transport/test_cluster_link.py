@@ -37,14 +37,24 @@ DEADLINE_S = 10.0  # a bound for loops that wait on the network, never an assert
 
 def _records() -> list[records.Control | TokenBatch]:
     return [
-        GenerateRequest(rid=7, prompt_ids=[9707, 11, 1879], decode_worker=1, detok_shard=0,
-                        sampling=SamplingParams(max_tokens=5, temperature=0.0, seed=3)),
+        GenerateRequest(
+            rid=7,
+            prompt_ids=[9707, 11, 1879],
+            decode_worker=1,
+            detok_shard=0,
+            sampling=SamplingParams(max_tokens=5, temperature=0.0, seed=3),
+        ),
         KVRelease(rid=7, accepted=True),
-        TokenBatch.build(rids=[7, 8], positions=[0, 3], token_ids=[11, 12],
-                         logprobs=[-0.5, -1.25], finish=[0, 1],
-                         top_ids=np.array([[11, 4], [12, 5]]),
-                         top_logprobs=np.array([[-0.5, -2.0], [-1.25, -3.0]])),
-    ]  # fmt: skip
+        TokenBatch.build(
+            rids=[7, 8],
+            positions=[0, 3],
+            token_ids=[11, 12],
+            logprobs=[-0.5, -1.25],
+            finish=[0, 1],
+            top_ids=np.array([[11, 4], [12, 5]]),
+            top_logprobs=np.array([[-0.5, -2.0], [-1.25, -3.0]]),
+        ),
+    ]
 
 
 def _until(what: str, cond: Callable[[], bool], step: Callable[[], object] | None = None) -> None:
@@ -131,8 +141,11 @@ def test_records_round_trip_byte_exact_both_ways(server: LinkServer, client: Lin
     for msg in sent:
         client.send(msg)
     got: list[tuple[bytes, records.Control | TokenBatch]] = []
-    _until("the client's records", lambda: len(got) == len(sent),
-           lambda: got.append(r) if (r := server.recv(0.1)) else None)  # fmt: skip
+    _until(
+        "the client's records",
+        lambda: len(got) == len(sent),
+        lambda: got.append(r) if (r := server.recv(0.1)) else None,
+    )
     assert [records.encode(m) for _, m in got] == [records.encode(m) for m in sent]
     assert got[0][1] == sent[0] and got[1][1] == sent[1]
     peer = got[0][0]
@@ -141,8 +154,11 @@ def test_records_round_trip_byte_exact_both_ways(server: LinkServer, client: Lin
     for msg in sent:
         server.send(peer, msg)
     back: list[records.Control | TokenBatch] = []
-    _until("the server's records", lambda: len(back) == len(sent),
-           lambda: back.append(r) if (r := client.recv(0.1)) else None)  # fmt: skip
+    _until(
+        "the server's records",
+        lambda: len(back) == len(sent),
+        lambda: back.append(r) if (r := client.recv(0.1)) else None,
+    )
     assert [records.encode(m) for m in back] == [records.encode(m) for m in sent]
     batch = back[2]
     assert isinstance(batch, TokenBatch)
@@ -156,8 +172,7 @@ def test_beats_are_heard_and_not_returned_as_records(
     client.send_beat()
     client.send_beat()
     [peer] = server.peers
-    _until("two beats", lambda: server.peers[peer].last_beat == 2,
-           lambda: server.recv(0.05))  # fmt: skip
+    _until("two beats", lambda: server.peers[peer].last_beat == 2, lambda: server.recv(0.05))
     assert server.send_beat() == []
     assert client.recv(0.2) is None  # a beat is liveness, not a record
 
@@ -175,8 +190,12 @@ def test_a_wrong_key_is_refused_quickly_and_logged(
         intruder.close()
 
     def refused() -> bool:
-        return any(r.name == LOGGER and r.levelno == logging.WARNING
-                   and "refused a cluster peer" in r.getMessage() for r in caplog.records)  # fmt: skip
+        return any(
+            r.name == LOGGER
+            and r.levelno == logging.WARNING
+            and "refused a cluster peer" in r.getMessage()
+            for r in caplog.records
+        )
 
     _until("the server's refusal log", refused)
     assert server.peers == {}
@@ -229,8 +248,7 @@ def test_garbage_costs_one_message_and_the_link_keeps_working(
         raw.send(b"\x01short")  # a TokenBatch kind byte with no header
         raw.send_multipart([b"three", b"frames", b"here"])
         raw.send(records.encode(KVRelease(rid=1, accepted=False)))  # valid, but no Hello
-        _until("four dropped messages", lambda: server.bad_frames == 4,
-               lambda: server.recv(0.05))  # fmt: skip
+        _until("four dropped messages", lambda: server.bad_frames == 4, lambda: server.recv(0.05))
         raw.close()
     finally:
         ctx.term()
@@ -238,8 +256,11 @@ def test_garbage_costs_one_message_and_the_link_keeps_working(
 
     client.send(KVRelease(rid=2, accepted=True))
     got: list[object] = []
-    _until("a record after the garbage", lambda: bool(got),
-           lambda: got.append(r) if (r := server.recv(0.1)) else None)  # fmt: skip
+    _until(
+        "a record after the garbage",
+        lambda: bool(got),
+        lambda: got.append(r) if (r := server.recv(0.1)) else None,
+    )
     assert got[0] == (next(iter(server.peers)), KVRelease(rid=2, accepted=True))
 
 
@@ -256,8 +277,11 @@ def _a_peer_that_left(server: LinkServer) -> bytes:
 
 def test_a_client_that_closes_goes_silent_on_the_server(server: LinkServer) -> None:
     peer = _a_peer_that_left(server)
-    _until("the closed client to be silent", lambda: server.silent_peers(0.2) == [peer],
-           lambda: server.recv(0.05))  # fmt: skip
+    _until(
+        "the closed client to be silent",
+        lambda: server.silent_peers(0.2) == [peer],
+        lambda: server.recv(0.05),
+    )
     server.forget(peer)
     assert server.silent_peers(0.0) == []
 
@@ -267,8 +291,11 @@ def test_a_server_that_stops_beating_goes_silent_on_the_client(
 ) -> None:
     _connect(server, client)
     assert client.silent_peers(60.0) == []
-    _until("the server to be silent", lambda: client.silent_peers(0.2) == ["decode-host"],
-           lambda: client.recv(0.05))  # fmt: skip
+    _until(
+        "the server to be silent",
+        lambda: client.silent_peers(0.2) == ["decode-host"],
+        lambda: client.recv(0.05),
+    )
 
 
 def test_close_is_idempotent_and_stops_the_guard_thread() -> None:
@@ -309,8 +336,15 @@ def test_the_module_imports_without_zmq() -> None:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
     }
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True, cwd=repo, env=env)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=repo,
+        env=env,
+    )
     assert "pip install 'pdserve[nixl]'" in out.stdout
 
 

@@ -30,8 +30,9 @@ try:
 except kv_nixl.NixlUnavailable as e:  # pragma: no cover - the test extra installs it
     pytest.skip(str(e), allow_module_level=True)
 
-LAYOUT = KVLayout(num_blocks=12, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8,
-                  dtype="bfloat16")  # fmt: skip
+LAYOUT = KVLayout(
+    num_blocks=12, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16"
+)
 
 
 def _pool(layout: KVLayout, fill: float | None = None) -> torch.Tensor:
@@ -100,9 +101,13 @@ def test_a_full_prefix_hit_moves_nothing_but_still_releases(pair: Pair) -> None:
 
 @pytest.mark.parametrize(
     ("change", "named"),
-    [({"head_dim": 16}, "head_dim 16 (here 8)"), ({"dtype": "float32"}, "dtype float32"),
-     ({"block_size": 8}, "block_size 8"), ({"num_kv_heads": 4}, "num_kv_heads 4")],
-)  # fmt: skip
+    [
+        ({"head_dim": 16}, "head_dim 16 (here 8)"),
+        ({"dtype": "float32"}, "dtype float32"),
+        ({"block_size": 8}, "block_size 8"),
+        ({"num_kv_heads": 4}, "num_kv_heads 4"),
+    ],
+)
 def test_a_pool_of_another_layout_is_refused_with_the_fields_named(
     change: dict[str, object], named: str
 ) -> None:
@@ -121,8 +126,9 @@ def test_a_pool_of_another_layout_is_refused_with_the_fields_named(
 
 
 def test_only_the_block_count_may_differ() -> None:
-    bigger = KVLayout(num_blocks=40, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8,
-                      dtype="bfloat16")  # fmt: skip
+    bigger = KVLayout(
+        num_blocks=40, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16"
+    )
     kv_nixl.check_compatible(LAYOUT, bigger)
     src = _pool(bigger)
     exporter = kv_nixl.NixlExporter(src, bigger, "prefill-bigger", nixl=NIXL)
@@ -141,9 +147,13 @@ def test_only_the_block_count_may_differ() -> None:
 
 @pytest.mark.parametrize(
     ("src_blocks", "dst_blocks", "message"),
-    [([0, 1], [2], "2 source blocks for 1"), ([12], [0], "source block id out of range"),
-     ([0], [-1], "destination block id out of range"), ([1, 1], [2, 3], "repeat")],
-)  # fmt: skip
+    [
+        ([0, 1], [2], "2 source blocks for 1"),
+        ([12], [0], "source block id out of range"),
+        ([0], [-1], "destination block id out of range"),
+        ([1, 1], [2, 3], "repeat"),
+    ],
+)
 def test_bad_block_ids_are_refused_and_nothing_is_copied(
     pair: Pair, src_blocks: list[int], dst_blocks: list[int], message: str
 ) -> None:
@@ -238,8 +248,9 @@ def _wait_stopped(pid: int) -> None:
     """Until every thread of ``pid`` is stopped (state T in /proc), at most 10 s."""
     deadline = time.monotonic() + 10
     tasks = Path(f"/proc/{pid}/task")
-    while any((t / "stat").read_text().rsplit(")", 1)[1].split()[0] != "T"
-              for t in tasks.iterdir()):  # fmt: skip
+    while any(
+        (t / "stat").read_text().rsplit(")", 1)[1].split()[0] != "T" for t in tasks.iterdir()
+    ):
         assert time.monotonic() < deadline, f"pid {pid} did not stop"
         time.sleep(0.001)
 

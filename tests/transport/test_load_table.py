@@ -223,7 +223,10 @@ def test_prefix_cache_figures_travel_in_the_row_after_offset_80() -> None:
     w.publish(cached_blocks=77, prefix_hit_tokens=1 << 40, prefix_queried_tokens=(1 << 41) + 5)
     row = LoadTable(buf, 1).snapshot()[0]
     assert (row.cached_blocks, row.prefix_hit_tokens, row.prefix_queried_tokens) == (
-        77, 1 << 40, (1 << 41) + 5)  # fmt: skip
+        77,
+        1 << 40,
+        (1 << 41) + 5,
+    )
     assert lt.ROW_DTYPE.fields is not None and lt.ROW_DTYPE.fields["cached_blocks"][1] == 80
 
 

@@ -10,8 +10,16 @@ from wire.records import KVTransfer, TokenBatch, decode, encode
 
 def test_cached_tokens_round_trip_on_the_rows_that_carry_them() -> None:
     top = np.arange(6, dtype=np.int32).reshape(3, 2)
-    batch = TokenBatch.build([1, 2, 3], [0, 5, 0], [10, 11, 12], [-0.5, -1.0, -2.0], [0, 1, 0],
-                             top, -top.astype(np.float32), cached_tokens=[48, -1, 0])  # fmt: skip
+    batch = TokenBatch.build(
+        [1, 2, 3],
+        [0, 5, 0],
+        [10, 11, 12],
+        [-0.5, -1.0, -2.0],
+        [0, 1, 0],
+        top,
+        -top.astype(np.float32),
+        cached_tokens=[48, -1, 0],
+    )
     got = decode(encode(batch))
     assert isinstance(got, TokenBatch) and got.cached_tokens is not None
     assert got.cached_tokens.tolist() == [48, -1, 0]
@@ -24,16 +32,31 @@ def test_batches_built_or_made_without_the_column_read_as_not_reported() -> None
     assert isinstance(built, TokenBatch) and built.cached_tokens is not None
     assert built.cached_tokens.tolist() == [-1]
     cols = TokenBatch.build([4, 5], [0, 1], [6, 7], cached_tokens=[16, -1])
-    plain = TokenBatch(cols.rids.copy(), cols.positions.copy(), cols.token_ids.copy(),
-                       cols.logprobs.copy(), cols.finish.copy(), cols.top_ids, cols.top_logprobs)  # fmt: skip
+    plain = TokenBatch(
+        cols.rids.copy(),
+        cols.positions.copy(),
+        cols.token_ids.copy(),
+        cols.logprobs.copy(),
+        cols.finish.copy(),
+        cols.top_ids,
+        cols.top_logprobs,
+    )
     got = decode(encode(plain))
     assert isinstance(got, TokenBatch) and got.cached_tokens is not None
     assert got.cached_tokens.tolist() == [-1, -1] and got.token_ids.tolist() == [6, 7]
 
 
 def test_kv_transfer_carries_block_hashes_and_defaults_to_none() -> None:
-    common = dict(rid=1, prefill_worker=0, src_blocks=[3, 4], num_tokens=20, prompt_ids=[1] * 20,
-                  output_ids=[2], sampling=SamplingParams(), detok_shard=0)  # fmt: skip
+    common = dict(
+        rid=1,
+        prefill_worker=0,
+        src_blocks=[3, 4],
+        num_tokens=20,
+        prompt_ids=[1] * 20,
+        output_ids=[2],
+        sampling=SamplingParams(),
+        detok_shard=0,
+    )
     with_hashes = KVTransfer(**common, block_hashes=[2**64 - 1])  # type: ignore[arg-type]
     assert decode(encode(with_hashes)) == with_hashes
     assert decode(encode(KVTransfer(**common))).block_hashes == []  # type: ignore[arg-type, union-attr]

@@ -11,7 +11,10 @@ from wire.roles import ENGINE_ROLES, Role
 def test_load_table_codes_are_the_stored_bytes() -> None:
     # NOTE: these bytes are in shared memory that every process reads: never renumber.
     assert {r: r.table_code for r in ENGINE_ROLES} == {
-        Role.PREFILL: 1, Role.DECODE: 2, Role.COLOCATED: 3}  # fmt: skip
+        Role.PREFILL: 1,
+        Role.DECODE: 2,
+        Role.COLOCATED: 3,
+    }
     assert Role.from_table_code(0) is None  # an unclaimed slot
     assert all(Role.from_table_code(r.table_code) is r for r in ENGINE_ROLES)
     with pytest.raises(ValueError, match="code 9"):
@@ -20,8 +23,14 @@ def test_load_table_codes_are_the_stored_bytes() -> None:
 
 def test_ring_letters_round_trip() -> None:
     letters = {r: r.letter for r in Role}
-    assert letters == {Role.FRONTEND: "f", Role.PREFILL: "p", Role.DECODE: "d",
-                       Role.DETOK: "k", Role.COLOCATED: "c", Role.GATEWAY: "g"}  # fmt: skip
+    assert letters == {
+        Role.FRONTEND: "f",
+        Role.PREFILL: "p",
+        Role.DECODE: "d",
+        Role.DETOK: "k",
+        Role.COLOCATED: "c",
+        Role.GATEWAY: "g",
+    }
     assert all(Peer.parse(str(Peer(r, 3))) == Peer(r, 3) for r in Role)
     with pytest.raises(ValueError):
         Peer.parse("x0")

@@ -172,18 +172,41 @@ def decode_attention(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous
     block_d = max(16, next_power_of_2(d))
     _decode_split_kernel[(b, kv_heads, num_splits)](
-        q, pool, block_tables, seq_rows, ctx_lens, part_out, part_lse,
-        layer, math.log2(math.e) / math.sqrt(d),
-        q.stride(0), q.stride(1),
-        pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), pool.stride(4),
+        q,
+        pool,
+        block_tables,
+        seq_rows,
+        ctx_lens,
+        part_out,
+        part_lse,
+        layer,
+        math.log2(math.e) / math.sqrt(d),
+        q.stride(0),
+        q.stride(1),
+        pool.stride(0),
+        pool.stride(1),
+        pool.stride(2),
+        pool.stride(3),
+        pool.stride(4),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=d, PAGE=page, NUM_SPLITS=num_splits,
-        BLOCK_H=max(16, next_power_of_2(group)), BLOCK_D=block_d,
+        GROUP=group,
+        HEAD_DIM=d,
+        PAGE=page,
+        NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, next_power_of_2(group)),
+        BLOCK_D=block_d,
         BLOCK_N=64,  # a tile may span pages: each key looks its block up
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
+    )
     _decode_reduce_kernel[(b, heads)](
-        part_out, part_lse, out, out.stride(0), out.stride(1),
-        HEAD_DIM=d, NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits), BLOCK_D=block_d,
-    )  # fmt: skip
+        part_out,
+        part_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=d,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=next_power_of_2(num_splits),
+        BLOCK_D=block_d,
+    )
     return out

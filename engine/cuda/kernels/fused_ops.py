@@ -56,9 +56,18 @@ def rmsnorm(
     res = x if residual is None else residual
     assert res.shape == x.shape and res.stride(1) == 1
     _rmsnorm_kernel[(t,)](
-        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), eps,
-        N=n, BLOCK=next_power_of_2(n), HAS_RESIDUAL=residual is not None,
-    )  # fmt: skip
+        x,
+        res,
+        weight,
+        out,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        eps,
+        N=n,
+        BLOCK=next_power_of_2(n),
+        HAS_RESIDUAL=residual is not None,
+    )
     return out
 
 

@@ -86,8 +86,9 @@ class DiskLoader:
         self.disk, self.host = disk, host
         self._pool: ThreadPoolExecutor | None = None
 
-    def start(self, first: int, reads: list[BlockRead],
-              free: Callable[[list[int]], None]) -> DiskLoad:  # fmt: skip
+    def start(
+        self, first: int, reads: list[BlockRead], free: Callable[[list[int]], None]
+    ) -> DiskLoad:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(READERS, thread_name_prefix="kv-tier-read")
         load = DiskLoad(first, reads, [], free)

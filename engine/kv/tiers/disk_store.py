@@ -45,10 +45,20 @@ class BadBlock(Exception):
     """A file that must not be used: why, for the log line."""
 
 
-def encode_header(namespace: bytes, key: bytes, parent: bytes, tokens: np.ndarray,
-                  payload: np.ndarray) -> bytes:  # fmt: skip
-    head = _HEAD.pack(MAGIC, FORMAT, HEADER_BYTES, namespace, key, parent, len(tokens),
-                      payload.nbytes, zlib.crc32(payload.data))  # fmt: skip
+def encode_header(
+    namespace: bytes, key: bytes, parent: bytes, tokens: np.ndarray, payload: np.ndarray
+) -> bytes:
+    head = _HEAD.pack(
+        MAGIC,
+        FORMAT,
+        HEADER_BYTES,
+        namespace,
+        key,
+        parent,
+        len(tokens),
+        payload.nbytes,
+        zlib.crc32(payload.data),
+    )
     return head + _HEAD_CRC.pack(zlib.crc32(head)) + tokens.astype("<u4").tobytes()
 
 
@@ -118,8 +128,10 @@ class DiskStore:
         if k != key or par != parent:
             raise BadBlock("key or parent mismatch")
         if ntok != self.block_size or plen != self.payload_nbytes:
-            raise BadBlock(f"{ntok} tokens of {plen} bytes, expected {self.block_size} "
-                           f"of {self.payload_nbytes}")  # fmt: skip
+            raise BadBlock(
+                f"{ntok} tokens of {plen} bytes, expected {self.block_size} "
+                f"of {self.payload_nbytes}"
+            )
         stored = np.frombuffer(raw, dtype="<u4", offset=HEADER_BYTES)
         if len(stored) != self.block_size or not np.array_equal(stored, tokens):
             raise BadBlock("token ids differ from the prefix looked up")

@@ -49,12 +49,26 @@ H_MAGIC, H_FORMAT, H_SLOTS, H_BLOCK, H_PAYLOAD, H_STRIDE, H_TICK, H_EPOCH, H_DEL
 H_DISK_EPOCH = 9
 # counters (header words from 16): what /metrics shows, summed over the host's workers
 COUNTERS = (
-    "host_stores", "host_hit_blocks", "host_miss_blocks", "host_evictions",
-    "host_bytes_in", "host_bytes_out", "host_load_ns", "host_store_ns",
-    "disk_hit_blocks", "disk_miss_blocks", "disk_bytes_read", "disk_bytes_written",
-    "disk_load_ns", "disk_store_ns", "disk_evictions", "disk_quarantined",
-    "disk_usage_bytes", "disk_dropped", "disk_files",
-)  # fmt: skip
+    "host_stores",
+    "host_hit_blocks",
+    "host_miss_blocks",
+    "host_evictions",
+    "host_bytes_in",
+    "host_bytes_out",
+    "host_load_ns",
+    "host_store_ns",
+    "disk_hit_blocks",
+    "disk_miss_blocks",
+    "disk_bytes_read",
+    "disk_bytes_written",
+    "disk_load_ns",
+    "disk_store_ns",
+    "disk_evictions",
+    "disk_quarantined",
+    "disk_usage_bytes",
+    "disk_dropped",
+    "disk_files",
+)
 _C0 = 16
 # meta columns
 M_VERSION, M_TICK, M_PID, M_KEY_LO, M_KEY_HI, M_PAR_LO, M_PAR_HI, M_FLAGS = range(8)
@@ -126,10 +140,12 @@ class HostStore:
         self.meta = np.frombuffer(buf, dtype="<u8", count=g.slots * 8, offset=meta).reshape(
             g.slots, 8
         )
-        self.tokens = np.frombuffer(buf, dtype="<u4", count=g.slots * g.block_size,
-                                    offset=tokens).reshape(g.slots, g.block_size)  # fmt: skip
-        self.payload = np.frombuffer(buf, dtype=np.uint8, count=g.slots * g.stride,
-                                     offset=payload).reshape(g.slots, g.stride)  # fmt: skip
+        self.tokens = np.frombuffer(
+            buf, dtype="<u4", count=g.slots * g.block_size, offset=tokens
+        ).reshape(g.slots, g.block_size)
+        self.payload = np.frombuffer(
+            buf, dtype=np.uint8, count=g.slots * g.stride, offset=payload
+        ).reshape(g.slots, g.stride)
         self._pid = os.getpid()
 
     @staticmethod

@@ -65,8 +65,9 @@ def weights_fingerprint(model_dir: Path) -> str:
 
 def root_key(namespace: bytes, extra: bytes | None) -> bytes:
     """The parent key of a sequence's first block: the namespace, salted by ``extra``."""
-    return hashlib.blake2b(namespace + (extra or b""), digest_size=KEY_BYTES,
-                           person=b"pdserve-tierroot").digest()  # fmt: skip
+    return hashlib.blake2b(
+        namespace + (extra or b""), digest_size=KEY_BYTES, person=b"pdserve-tierroot"
+    ).digest()
 
 
 def chain_keys(parent: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:

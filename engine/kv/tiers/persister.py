@@ -76,8 +76,13 @@ class Persister:
         found.sort()
         self.files = OrderedDict((p, (size, mtime)) for mtime, p, size in found)
         self.usage = sum(size for _, _, size in found)
-        logger.info("KV tier 3 at %s: %d block files, %.1f MiB; %d temp files removed",
-                    self.disk.root, len(found), self.usage / (1 << 20), removed)  # fmt: skip
+        logger.info(
+            "KV tier 3 at %s: %d block files, %.1f MiB; %d temp files removed",
+            self.disk.root,
+            len(found),
+            self.usage / (1 << 20),
+            removed,
+        )
         self._publish()
         self._evict(0)
 

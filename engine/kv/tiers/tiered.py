@@ -52,8 +52,9 @@ class TierLoad:
 
 
 class TieredKV:
-    def __init__(self, host: HostStore, disk: DiskStore | None, namespace: bytes,
-                 pool: torch.Tensor) -> None:  # fmt: skip
+    def __init__(
+        self, host: HostStore, disk: DiskStore | None, namespace: bytes, pool: torch.Tensor
+    ) -> None:
         self.host, self.disk, self.namespace, self.pool = host, disk, namespace, pool
         self.block_size = int(pool.shape[3])
         self.block_nbytes = pool[0].numel() * pool.element_size()
@@ -99,9 +100,15 @@ class TieredKV:
             payload = self._block_bytes(seq.block_table[i])
             self.host.put(keys[i], self._parent(seq, i), tokens[i - first], payload)
 
-    def load(self, seq: Sequence, first: int, end: int,
-             allocate: Callable[[int], list[int]], free: Callable[[list[int]], None],
-             wait: bool = True) -> TierLoad:  # fmt: skip
+    def load(
+        self,
+        seq: Sequence,
+        first: int,
+        end: int,
+        allocate: Callable[[int], list[int]],
+        free: Callable[[list[int]], None],
+        wait: bool = True,
+    ) -> TierLoad:
         """Copy the longest run of ``seq``'s blocks ``first..end-1`` the tiers hold into
         pool blocks from ``allocate``; what did not arrive intact goes back to ``free``.
         ``wait=False``: tier-3 reads may still run on return (``TierLoad.pending``)."""
@@ -119,24 +126,31 @@ class TieredKV:
         for f, b in zip(found, blocks, strict=True):
             self._write_block(b, self.host.payload[f.slot, : self.block_nbytes])
         ok = self.host.still_valid(found)
-        self.host.count_lookup(ok, len(keys) - ok, ok * self.block_nbytes,
-                               time.perf_counter_ns() - t0)  # fmt: skip
+        self.host.count_lookup(
+            ok, len(keys) - ok, ok * self.block_nbytes, time.perf_counter_ns() - t0
+        )
         free(blocks[ok:])
         out = TierLoad(blocks[:ok], from_host=ok)
         if ok == len(found) == len(blocks) and self.disk is not None:
             if self.loader is None:
                 self._load_disk(seq, first + ok, first, keys, tokens, allocate, free, out)
             else:
-                out.pending = self._start_disk(seq, first + ok, first, keys, tokens, allocate,
-                                               free)  # fmt: skip
+                out.pending = self._start_disk(seq, first + ok, first, keys, tokens, allocate, free)
                 if wait and out.pending is not None:
                     out.blocks += self.settle(out.pending)
                     out.from_disk, out.pending = len(out.blocks) - ok, None
         return out
 
-    def _start_disk(self, seq: Sequence, i0: int, first: int, keys: list[bytes],
-                    tokens: np.ndarray, allocate: Callable[[int], list[int]],
-                    free: Callable[[list[int]], None]) -> DiskLoad | None:  # fmt: skip
+    def _start_disk(
+        self,
+        seq: Sequence,
+        i0: int,
+        first: int,
+        keys: list[bytes],
+        tokens: np.ndarray,
+        allocate: Callable[[int], list[int]],
+        free: Callable[[list[int]], None],
+    ) -> DiskLoad | None:
         """Reserve a pool block for each file of the run from block ``i0`` that exists and
         start reading them; None if there is nothing to read (a miss, counted)."""
         assert self.disk is not None and self.loader is not None
@@ -149,10 +163,11 @@ class TieredKV:
                 self.host.count("disk_miss_blocks", end - i0)
             return None
         reads = [
-            BlockRead(keys[i - first], self._parent(seq, i), tokens[i - first], b,
-                      self._block_bytes(b))
+            BlockRead(
+                keys[i - first], self._parent(seq, i), tokens[i - first], b, self._block_bytes(b)
+            )
             for i, b in zip(range(i0, end), blocks, strict=False)
-        ]  # fmt: skip
+        ]
         load = self.loader.start(i0, reads, free)
         load.wanted = end - i0
         return load
@@ -171,9 +186,17 @@ class TieredKV:
             self.host.count("disk_quarantined", bad)
         return blocks
 
-    def _load_disk(self, seq: Sequence, i0: int, first: int, keys: list[bytes],
-                   tokens: np.ndarray, allocate: Callable[[int], list[int]],
-                   free: Callable[[list[int]], None], out: TierLoad) -> None:  # fmt: skip
+    def _load_disk(
+        self,
+        seq: Sequence,
+        i0: int,
+        first: int,
+        keys: list[bytes],
+        tokens: np.ndarray,
+        allocate: Callable[[int], list[int]],
+        free: Callable[[list[int]], None],
+        out: TierLoad,
+    ) -> None:
         """Continue ``out``'s run from block ``i0`` with tier 3, one file at a time."""
         assert self.disk is not None
         t0, hits, bad = time.perf_counter_ns(), 0, self.disk.quarantined
@@ -218,13 +241,18 @@ def open_tiers(config: EngineConfig, pool: torch.Tensor) -> TieredKV | None:
     buf = memoryview(mmap.mmap(config.kv_offload_fd, config.kv_offload_nbytes, mmap.MAP_SHARED))
     host = HostStore(config.kv_offload_fd, buf)
     ns = Namespace(
-        weights=weights_fingerprint(Path(config.model)), dtype=str(pool.dtype),
-        block_size=config.block_size, layout=str(tuple(pool.shape[1:])),
-    ).digest  # fmt: skip
+        weights=weights_fingerprint(Path(config.model)),
+        dtype=str(pool.dtype),
+        block_size=config.block_size,
+        layout=str(tuple(pool.shape[1:])),
+    ).digest
     disk = None
     if config.kv_offload_dir:
         nbytes = pool[0].numel() * pool.element_size()
         disk = DiskStore(Path(config.kv_offload_dir), ns, config.block_size, nbytes)
-    logger.info("KV tiers: host RAM (%d blocks shared by this host's workers)%s",
-                host.geometry.slots, f", disk at {config.kv_offload_dir}" if disk else "")  # fmt: skip
+    logger.info(
+        "KV tiers: host RAM (%d blocks shared by this host's workers)%s",
+        host.geometry.slots,
+        f", disk at {config.kv_offload_dir}" if disk else "",
+    )
     return TieredKV(host, disk, ns, pool)

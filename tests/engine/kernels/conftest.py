@@ -55,9 +55,14 @@ def interpret(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def random_pool(
-    num_blocks: int, layers: int, block_size: int, kv_heads: int, head_dim: int, seed: int,
+    num_blocks: int,
+    layers: int,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    seed: int,
     dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """A pool of the engine's layout filled with N(0, 1)."""
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, layers, 2, block_size, kv_heads, head_dim)

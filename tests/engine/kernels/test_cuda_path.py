@@ -35,9 +35,16 @@ def test_graphs_eager_kernels_and_torch_agree(
     default_model_path: Path, dtype: str, tol: float
 ) -> None:
     def runner(**kw: object) -> ModelRunner:
-        return ModelRunner(EngineConfig(model=str(default_model_path), device="cuda",
-                                        dtype=dtype, num_kv_blocks=64, max_num_seqs=16,
-                                        **kw))  # type: ignore[arg-type]  # fmt: skip
+        return ModelRunner(
+            EngineConfig(
+                model=str(default_model_path),
+                device="cuda",
+                dtype=dtype,
+                num_kv_blocks=64,
+                max_num_seqs=16,
+                **kw,
+            )
+        )  # type: ignore[arg-type]
 
     graphs = runner()
     results = {
@@ -59,8 +66,11 @@ def test_graphs_eager_kernels_and_torch_agree(
 
 def test_a_graph_decode_step_never_syncs_with_the_host(default_model_path: Path) -> None:
     """decode() only launches work; the step's one sync is the sampler's copy of tokens."""
-    runner = ModelRunner(EngineConfig(model=str(default_model_path), device="cuda",
-                                      num_kv_blocks=64, max_num_seqs=16))  # fmt: skip
+    runner = ModelRunner(
+        EngineConfig(
+            model=str(default_model_path), device="cuda", num_kv_blocks=64, max_num_seqs=16
+        )
+    )
     seqs = [Sequence(i, list(range(10, 10 + 20 * (i + 1)))) for i in range(3)]
     logits = runner.prefill([(s, s.num_tokens) for s in seqs])
     for step in range(3):  # step 0 captures the graph (capture synchronises); 1, 2 replay

@@ -30,8 +30,13 @@ CHUNK = 16
 
 def _runners(path: Path, **kw: Any) -> tuple[ModelRunner, ModelRunner]:
     """(kernel path, torch path) over the same checkpoint."""
-    common: dict[str, Any] = {"model": str(path), "num_kv_blocks": 48, "max_num_seqs": 8,
-                              "device": DEVICE.type, **kw}  # fmt: skip
+    common: dict[str, Any] = {
+        "model": str(path),
+        "num_kv_blocks": 48,
+        "max_num_seqs": 8,
+        "device": DEVICE.type,
+        **kw,
+    }
     kernel = ModelRunner(EngineConfig(attention_backend="triton", **common))
     torch_ = ModelRunner(EngineConfig(attention_backend="torch", **common))
     assert kernel._kernels is not None and torch_._kernels is None
@@ -81,8 +86,14 @@ def test_greedy_generation_is_token_identical(default_model_path: Path) -> None:
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     results = []
     for backend in ("triton", "torch"):
-        llm = LLM(EngineConfig(model=str(default_model_path), num_kv_blocks=32,
-                               device=DEVICE.type, attention_backend=backend))  # fmt: skip
+        llm = LLM(
+            EngineConfig(
+                model=str(default_model_path),
+                num_kv_blocks=32,
+                device=DEVICE.type,
+                attention_backend=backend,
+            )
+        )
         results.append([r.output_ids for r in llm.generate(_prompts()[:2], params)])
     assert results[0] == results[1]
 
@@ -90,8 +101,14 @@ def test_greedy_generation_is_token_identical(default_model_path: Path) -> None:
 def test_a_decode_step_makes_one_host_to_device_copy_and_sends_only_new_blocks(
     default_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    runner = ModelRunner(EngineConfig(model=str(default_model_path), num_kv_blocks=16,
-                                      device=DEVICE.type, attention_backend="triton"))  # fmt: skip
+    runner = ModelRunner(
+        EngineConfig(
+            model=str(default_model_path),
+            num_kv_blocks=16,
+            device=DEVICE.type,
+            attention_backend="triton",
+        )
+    )
     seqs = [Sequence(0, list(range(10, 25))), Sequence(1, list(range(30, 33)))]  # 15, 3 tokens
     runner.prefill([(s, s.num_tokens) for s in seqs])
     staged: list[int] = []
@@ -129,8 +146,14 @@ class _HostTransfers(TorchFunctionMode):
     """Records calls that move or build tensors from host data, outside triton itself
     (the interpreter copies kernel arguments to and from numpy on every launch)."""
 
-    WATCHED: ClassVar[set[object]] = {torch.tensor, torch.as_tensor, torch.Tensor.to, torch.Tensor.cuda,
-               torch.Tensor.copy_, torch.Tensor.pin_memory}  # fmt: skip
+    WATCHED: ClassVar[set[object]] = {
+        torch.tensor,
+        torch.as_tensor,
+        torch.Tensor.to,
+        torch.Tensor.cuda,
+        torch.Tensor.copy_,
+        torch.Tensor.pin_memory,
+    }
 
     def __init__(self) -> None:
         super().__init__()
