@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import sys
 import time
 from collections import Counter
@@ -47,19 +48,9 @@ DEFAULT_BUDGET = {
 }
 TEMPLATE = Path(__file__).resolve().parents[1] / "tests" / "e2e" / "data" / "qwen2_5_tools.jinja"
 LAUNCH_ARGS = [
-    "--prefill",
-    "1",
-    "--decode",
-    "1",
-    "--detokenizers",
-    "1",
-    "--device",
-    "cpu",
-    "--kv-cache-tokens",
-    "4096",
-    "--max-model-len",
-    "256",
-    "--chat-template",
+    *shlex.split(
+        "--prefill 1 --decode 1 --detokenizers 1 --device cpu --kv-cache-tokens 4096 --max-model-len 256 --chat-template"
+    ),
     str(TEMPLATE),
     "--tool-call-parser",
     "hermes",

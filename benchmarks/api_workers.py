@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -45,19 +46,10 @@ import httpx
 from benchmarks.machine import describe as describe_machine
 from benchmarks.soak import launch, process_tree
 
-LAUNCH_ARGS = (
-    "--prefill",
-    "1",
-    "--decode",
-    "1",
-    "--detokenizers",
-    "1",
-    "--device",
-    "cpu",
-    "--kv-cache-tokens",
-    "65536",
-    "--max-model-len",
-    "4096",
+LAUNCH_ARGS = tuple(
+    shlex.split(
+        "--prefill 1 --decode 1 --detokenizers 1 --device cpu --kv-cache-tokens 65536 --max-model-len 4096"
+    )
 )
 LONG_PROMPT_TOKENS = 2000
 WORKLOADS = ("short", "long")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -78,11 +79,7 @@ def run_case(model: Path, streams: int, heal_after: float | None) -> dict[str, A
         common = [
             "--model",
             str(model),
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "8192",
-            "--cluster-key",
+            *shlex.split("--device cpu --kv-cache-tokens 8192 --cluster-key"),
             KEY,
         ]
         head = NetnsLaunch(
@@ -90,13 +87,7 @@ def run_case(model: Path, streams: int, heal_after: float | None) -> dict[str, A
             "a",
             [
                 *common,
-                "--prefill",
-                "1",
-                "--decode",
-                "0",
-                "--remote-decode",
-                "1",
-                "--advertise",
+                *shlex.split("--prefill 1 --decode 0 --remote-decode 1 --advertise"),
                 advertise,
                 "--node-name",
                 "a",
@@ -107,7 +98,7 @@ def run_case(model: Path, streams: int, heal_after: float | None) -> dict[str, A
         member = NetnsLaunch(
             pair,
             "b",
-            [*common, "--prefill", "0", "--decode", "1", "--join", advertise, "--node-name", "b"],
+            [*common, *shlex.split("--prefill 0 --decode 1 --join"), advertise, "--node-name", "b"],
         )
         try:
             member.wait_for("pdserve node")

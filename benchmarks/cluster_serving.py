@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -60,13 +61,7 @@ CLUSTER_PORT = 7481
 KEY = "cluster-serving-benchmark-key"
 SETUPS = ("one host", "two nodes")
 LAUNCH = (
-    "--device",
-    "cpu",
-    "--kv-cache-tokens",
-    "16384",
-    "--max-model-len",
-    "2048",
-    "--port",
+    *shlex.split("--device cpu --kv-cache-tokens 16384 --max-model-len 2048 --port"),
     str(PORT),
 )
 
@@ -79,7 +74,7 @@ def node(pair: NetnsPair, side: Side, args: list[str], own_cores: bool = True) -
 def start(pair: NetnsPair, setup: str) -> list[NetnsLaunch]:
     """The setup's nodes, serving; the head is first."""
     if setup == "one host":
-        nodes = [node(pair, "a", ["--prefill", "1", "--decode", "1"], own_cores=False)]
+        nodes = [node(pair, "a", shlex.split("--prefill 1 --decode 1"), own_cores=False)]
     else:
         advertise = f"{pair.addr('a')}:{CLUSTER_PORT}"
         nodes = [
@@ -87,13 +82,7 @@ def start(pair: NetnsPair, setup: str) -> list[NetnsLaunch]:
                 pair,
                 "a",
                 [
-                    "--prefill",
-                    "1",
-                    "--decode",
-                    "0",
-                    "--remote-decode",
-                    "1",
-                    "--advertise",
+                    *shlex.split("--prefill 1 --decode 0 --remote-decode 1 --advertise"),
                     advertise,
                     "--cluster-key",
                     KEY,
@@ -105,11 +94,7 @@ def start(pair: NetnsPair, setup: str) -> list[NetnsLaunch]:
                 pair,
                 "b",
                 [
-                    "--prefill",
-                    "0",
-                    "--decode",
-                    "1",
-                    "--join",
+                    *shlex.split("--prefill 0 --decode 1 --join"),
                     advertise,
                     "--cluster-key",
                     KEY,
@@ -164,10 +149,7 @@ def harness(
         str(args.concurrency),
         "--seed",
         str(seed),
-        "--metric-percentiles",
-        "50,90",
-        "--disable-tqdm",
-        "--result-file",
+        *shlex.split("--metric-percentiles 50,90 --disable-tqdm --result-file"),
         str(result_file),
     ]
     done = pair.run("a", cmd, timeout=600)

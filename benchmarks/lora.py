@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import statistics
 import tempfile
@@ -116,20 +117,9 @@ def main() -> None:
         [
             "--model",
             str(model),
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "32768",
-            "--max-model-len",
-            "4096",
-            "--enable-lora",
-            "--max-loras",
-            "8",
-            "--max-lora-rank",
+            *shlex.split(
+                "--prefill 1 --decode 1 --device cpu --kv-cache-tokens 32768 --max-model-len 4096 --enable-lora --max-loras 8 --max-lora-rank"
+            ),
             str(a.rank),
             "--lora-modules",
             *modules,

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -33,23 +34,10 @@ from benchmarks.soak import launch, process_tree, rss_bytes
 
 logger = logging.getLogger(__name__)
 
-LAUNCH_ARGS = (
-    "--prefill",
-    "1",
-    "--decode",
-    "1",
-    "--detokenizers",
-    "1",
-    "--device",
-    "cpu",
-    "--kv-cache-tokens",
-    "2048",
-    "--max-model-len",
-    "256",
-    "--max-waiting-requests",
-    "8",
-    "--max-num-seqs",
-    "8",
+LAUNCH_ARGS = tuple(
+    shlex.split(
+        "--prefill 1 --decode 1 --detokenizers 1 --device cpu --kv-cache-tokens 2048 --max-model-len 256 --max-waiting-requests 8 --max-num-seqs 8"
+    )
 )
 CLIENTS = 500
 MAX_TOKENS = 4

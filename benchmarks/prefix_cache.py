@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -43,24 +44,9 @@ BS = 16
 # NOTE: 512-token prefill chunks keep every engine step well under the router's 1 s
 # staleness bound on a loaded 2-core machine; with 2048-token chunks of long prompts both
 # prefill workers can be mid-step at once and a request is refused 503 (no live worker).
-SERVER = [
-    "--prefill",
-    "2",
-    "--decode",
-    "2",
-    "--detokenizers",
-    "1",
-    "--device",
-    "cpu",
-    "--kv-cache-tokens",
-    "65536",
-    "--max-model-len",
-    "4096",
-    "--chunked-prefill-size",
-    "512",
-    "--log-level",
-    "warning",
-]
+SERVER = shlex.split(
+    "--prefill 2 --decode 2 --detokenizers 1 --device cpu --kv-cache-tokens 65536 --max-model-len 4096 --chunked-prefill-size 512 --log-level warning"
+)
 CONFIGS = {
     "on": [],
     "off": ["--no-enable-prefix-caching"],
@@ -71,35 +57,15 @@ CONFIGS = {
 DATASETS = {
     "shared-prefix": (
         "/v1/completions",
-        [
-            "--num-prompts",
-            "32",
-            "--prefix-len",
-            "3072",
-            "--random-input-len",
-            "768",
-            "--random-output-len",
-            "16",
-            "--request-rate",
-            "0.6",
-        ],
+        shlex.split(
+            "--num-prompts 32 --prefix-len 3072 --random-input-len 768 --random-output-len 16 --request-rate 0.6"
+        ),
     ),
     "multiturn": (
         "/v1/chat/completions",
-        [
-            "--num-prompts",
-            "64",
-            "--turns",
-            "4",
-            "--prefix-len",
-            "1024",
-            "--random-input-len",
-            "128",
-            "--random-output-len",
-            "64",
-            "--request-rate",
-            "4",
-        ],
+        shlex.split(
+            "--num-prompts 64 --turns 4 --prefix-len 1024 --random-input-len 128 --random-output-len 64 --request-rate 4"
+        ),
     ),
 }
 _SAMPLE = re.compile(r'^(pdserve_\w+)\{index="(\d+)",node="[^"]*",role="(\w+)"\} (\S+)$')
@@ -173,12 +139,7 @@ def run_one(config: str, dataset: str, tokenizer_dir: Path, out_dir: Path) -> di
             "--dataset",
             dataset,
             *extra,
-            "--seed",
-            "0",
-            "--metric-percentiles",
-            "50,90,99",
-            "--disable-tqdm",
-            "--result-file",
+            *shlex.split("--seed 0 --metric-percentiles 50,90,99 --disable-tqdm --result-file"),
             str(result_file),
         ]
         rc = serving_main(argv)

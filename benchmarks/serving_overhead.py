@@ -33,6 +33,7 @@ import itertools
 import json
 import logging
 import os
+import shlex
 import socket
 import statistics
 import sys
@@ -299,19 +300,13 @@ def main() -> None:
     model = args.model or tiny.tiny_model_dir()
     rounds, ttfts = (1, 5) if args.quick else (3, 50)
     served = [
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--detokenizers",
-        "1",
-        "--device",
+        *shlex.split("--prefill 1 --decode 1 --detokenizers 1 --device"),
         args.device,
         "--model",
         str(model),
     ]
     if args.device == "cuda":  # the two workers take half the GPU; the rest is ours
-        served += ["--prefill-gpus", "0", "--decode-gpus", "0", "--gpu-memory-utilization", "0.5"]
+        served += shlex.split("--prefill-gpus 0 --decode-gpus 0 --gpu-memory-utilization 0.5")
     proc, url = launch(served)
     try:
         measured, engine = asyncio.run(measure_served(url, model, rounds, ttfts, args.device))

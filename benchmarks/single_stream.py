@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import statistics
 import sys
@@ -33,7 +34,7 @@ from benchmarks.soak import launch
 
 RESULTS = Path(__file__).parent / "results" / "single_stream.md"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-LAYOUTS = {"1P+1D": ["--prefill", "1", "--decode", "1"], "co-located": ["--colocated", "1"]}
+LAYOUTS = {"1P+1D": shlex.split("--prefill 1 --decode 1"), "co-located": ["--colocated", "1"]}
 
 
 @dataclass
@@ -75,7 +76,12 @@ def hf_runs(model_dir: Path, threads: int, tokens: int, runs: int) -> list[Timin
 
 
 def served_runs(model_dir: Path, layout: str, tokens: int, runs: int) -> list[Timing]:
-    args = ["--model", str(model_dir), "--device", "cpu", "--dtype", "float32", *LAYOUTS[layout]]
+    args = [
+        "--model",
+        str(model_dir),
+        *shlex.split("--device cpu --dtype float32"),
+        *LAYOUTS[layout],
+    ]
     proc, url = launch(args)
     try:
         with httpx.Client(base_url=url, timeout=600) as c:

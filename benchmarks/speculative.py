@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import time
@@ -229,16 +230,9 @@ def main() -> None:
     base = [
         "--model",
         str(model),
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--device",
-        "cpu",
-        "--kv-cache-tokens",
-        "32768",
-        "--max-model-len",
-        "4096",
+        *shlex.split(
+            "--prefill 1 --decode 1 --device cpu --kv-cache-tokens 32768 --max-model-len 4096"
+        ),
     ]
     procs = {}
     try:

@@ -6,6 +6,7 @@ suite needs no network and pays the build cost once per machine.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,20 +116,9 @@ class LaunchedServer:
 def server(default_model_path: Path):  # type: ignore[no-untyped-def]
     """One shared disaggregated server: 2 prefill, 2 decode, 2 detokenizer shards, CPU."""
     srv = LaunchedServer(
-        [
-            "--prefill",
-            "2",
-            "--decode",
-            "2",
-            "--detokenizers",
-            "2",
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "16384",
-            "--max-model-len",
-            "1024",
-        ]
+        shlex.split(
+            "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 16384 --max-model-len 1024"
+        )
     )
     srv.wait_ready()
     yield srv

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM = "vLLM"
 LLAMA = "llama.cpp"
 TOPOLOGIES = {
-    "pdserve 1P+1D": ("--prefill", "1", "--decode", "1"),
+    "pdserve 1P+1D": tuple(shlex.split("--prefill 1 --decode 1")),
     "pdserve co-located": ("--colocated", "1"),
 }
 # The precision groups, in the order they run. Servers are compared only within a group:

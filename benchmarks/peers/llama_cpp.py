@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -187,12 +188,7 @@ def ensure_source(root: Path = LLAMA_DIR, spec: str = LLAMA_CPP_SPEC) -> Path:
         _run(
             [
                 sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "--no-binary",
+                *shlex.split("-m pip download -q --no-deps --no-binary"),
                 name,
                 spec,
                 "-d",
@@ -343,11 +339,7 @@ def _convert_env(root: Path) -> dict[str, str]:
         _run(
             [
                 sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--target",
+                *shlex.split("-m pip install -q --target"),
                 str(pylib),
                 *(CONVERT_NEEDS[m] for m in missing),
             ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -68,7 +69,7 @@ def ensure_vllm(venv: Path, spec: str = VLLM_SPEC) -> Path:
     base = getattr(sys, "_base_executable", sys.executable)
     logger.info("installing %s into %s (a few minutes)", spec, venv)
     _run([base, "-m", "venv", str(venv)])
-    _run([str(python), "-m", "pip", "install", "-q", "--upgrade", "pip"])
+    _run([str(python), *shlex.split("-m pip install -q --upgrade pip")])
     _run([str(python), "-m", "pip", "install", "-q", spec])
     _run([str(python), "-m", "pip", "uninstall", "-q", "-y", *VLLM_UNWANTED])
     if not _vllm_imports(python):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import socket
 from pathlib import Path
 from typing import Any
@@ -33,13 +34,7 @@ def bench_args(base_url: str, tokenizer_path: Path, *extra: str) -> list[str]:
         MODEL,
         "--tokenizer",
         str(tokenizer_path),
-        "--num-prompts",
-        "4",
-        "--random-input-len",
-        "12",
-        "--random-output-len",
-        "6",
-        "--disable-tqdm",
+        *shlex.split("--num-prompts 4 --random-input-len 12 --random-output-len 6 --disable-tqdm"),
         *extra,
     ]
 

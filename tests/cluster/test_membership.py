@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -32,15 +33,15 @@ LAYOUT = KVLayout(num_blocks=64, num_layers=2, block_size=16, num_kv_heads=2, he
     [
         (["--advertise", "10.0.0.1", *KEY], "--remote-decode"),
         (["--remote-decode", "2", *KEY], "needs --advertise"),
-        (["--advertise", "10.0.0.1", "--remote-decode", "1"], "--cluster-key"),
+        (shlex.split("--advertise 10.0.0.1 --remote-decode 1"), "--cluster-key"),
         (
-            ["--advertise", "10.0.0.1", "--remote-decode", "1", "--cluster-key", "short"],
+            shlex.split("--advertise 10.0.0.1 --remote-decode 1 --cluster-key short"),
             "16 characters",
         ),
-        (["--join", "10.0.0.1:7481", "--decode", "2", *KEY], "--prefill 0"),
-        (["--join", "10.0.0.1", "--prefill", "0", *KEY], "HOST:PORT"),
-        (["--join", "h:1", "--advertise", "h", "--prefill", "0", *KEY], "exclude each other"),
-        (["--prefill", "1", "--decode", "0"], "--decode must be >= 1"),
+        ([*shlex.split("--join 10.0.0.1:7481 --decode 2"), *KEY], "--prefill 0"),
+        ([*shlex.split("--join 10.0.0.1 --prefill 0"), *KEY], "HOST:PORT"),
+        ([*shlex.split("--join h:1 --advertise h --prefill 0"), *KEY], "exclude each other"),
+        (shlex.split("--prefill 1 --decode 0"), "--decode must be >= 1"),
     ],
 )
 def test_cluster_flags_that_contradict_are_refused_naming_the_flag(
@@ -51,15 +52,15 @@ def test_cluster_flags_that_contradict_are_refused_naming_the_flag(
 
 
 def test_a_head_may_bring_no_decode_worker_of_its_own() -> None:
-    c = parse_args(["--decode", "0", "--remote-decode", "2", "--advertise", "10.0.0.1", *KEY])
+    c = parse_args([*shlex.split("--decode 0 --remote-decode 2 --advertise 10.0.0.1"), *KEY])
     assert c.clustered and cluster.remote_decode(c) == [0, 1]
-    m = parse_args(["--prefill", "0", "--decode", "3", "--join", "10.0.0.1:7481", *KEY])
+    m = parse_args([*shlex.split("--prefill 0 --decode 3 --join 10.0.0.1:7481"), *KEY])
     assert m.clustered and m.join == "10.0.0.1:7481"
 
 
 def test_the_cluster_key_may_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_CLUSTER_KEY", "from-the-environment-key")
-    c = parse_args(["--prefill", "0", "--join", "10.0.0.1:7481"])
+    c = parse_args(shlex.split("--prefill 0 --join 10.0.0.1:7481"))
     assert c.cluster_key == "from-the-environment-key"
 
 
@@ -190,7 +191,7 @@ def test_without_the_nixl_extra_a_node_is_refused_naming_it(
     with pytest.raises(ConfigError, match=r"pip install 'pdserve\[nixl\]'"):
         cluster.require_extra()
     # and launch says so before it starts anything
-    argv = ["--prefill", "0", "--join", "127.0.0.1:7481", *KEY]
+    argv = [*shlex.split("--prefill 0 --join 127.0.0.1:7481"), *KEY]
     assert main(argv) == 2
 
 
@@ -227,10 +228,10 @@ def test_engine_workers_are_told_the_interface_of_the_nodes_cluster_address(
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
     assert cluster.interface_of("127.0.0.1") == "lo"
     assert cluster.interface_of("192.0.2.77") is None  # TEST-NET-1: on no interface here
-    head = parse_args(["--advertise", "127.0.0.1:7481", "--remote-decode", "1", *KEY])
-    member = parse_args(["--join", "127.0.0.1:7481", "--prefill", "0", *KEY])
+    head = parse_args([*shlex.split("--advertise 127.0.0.1:7481 --remote-decode 1"), *KEY])
+    member = parse_args([*shlex.split("--join 127.0.0.1:7481 --prefill 0"), *KEY])
     assert cluster.ucx_env(head) == cluster.ucx_env(member) == {"UCX_NET_DEVICES": "lo"}
-    elsewhere = parse_args(["--advertise", "192.0.2.77", "--remote-decode", "1", *KEY])
+    elsewhere = parse_args([*shlex.split("--advertise 192.0.2.77 --remote-decode 1"), *KEY])
     assert cluster.ucx_env(elsewhere) == {}  # and a warning saying to set it
     monkeypatch.setenv("UCX_NET_DEVICES", "eth7")
     assert cluster.ucx_env(head) == {}  # the children inherit the operator's choice

@@ -5,6 +5,7 @@ hermes tool-call parser), and the fuzz tests' client with the worker pids it sta
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,19 +23,9 @@ AGENT_MODEL = "tiny"
 def agent_server() -> Iterator[LaunchedServer]:
     s = LaunchedServer(
         [
-            "--prefill",
-            "2",
-            "--decode",
-            "2",
-            "--detokenizers",
-            "2",
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "16384",
-            "--max-model-len",
-            "1024",
-            "--served-model-name",
+            *shlex.split(
+                "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 16384 --max-model-len 1024 --served-model-name"
+            ),
             AGENT_MODEL,
             "--chat-template",
             str(TOOLS_TEMPLATE),

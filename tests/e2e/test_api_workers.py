@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import signal
 import time
 from collections.abc import Iterator
@@ -36,22 +37,9 @@ HEADER = "x-pdserve-frontend"
 @pytest.fixture(scope="module")
 def pair() -> Iterator[LaunchedServer]:
     yield from LaunchedServer.serving(
-        [
-            "--api-workers",
-            "2",
-            "--prefill",
-            "2",
-            "--decode",
-            "2",
-            "--detokenizers",
-            "2",
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "8192",
-            "--max-model-len",
-            "1024",
-        ]
+        shlex.split(
+            "--api-workers 2 --prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024"
+        )
     )
 
 
@@ -195,23 +183,9 @@ WAITING = 2
 def bounded() -> Iterator[LaunchedServer]:
     srv = LaunchedServer(
         [
-            "--api-workers",
-            "2",
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--detokenizers",
-            "1",
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "8192",
-            "--max-model-len",
-            "1024",
-            "--max-num-seqs",
-            "2",
-            "--max-waiting-requests",
+            *shlex.split(
+                "--api-workers 2 --prefill 1 --decode 1 --detokenizers 1 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --max-num-seqs 2 --max-waiting-requests"
+            ),
             str(WAITING),
             "--stall-timeout",
             "60",

@@ -9,6 +9,7 @@ parses comes from ``tool_choice`` being enforced with structured output.
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,19 +51,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 def srv() -> Iterator[LaunchedServer]:
     s = LaunchedServer(
         [
-            "--prefill",
-            "2",
-            "--decode",
-            "2",
-            "--detokenizers",
-            "2",
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "16384",
-            "--max-model-len",
-            "1024",
-            "--served-model-name",
+            *shlex.split(
+                "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 16384 --max-model-len 1024 --served-model-name"
+            ),
             MODEL,
             "--chat-template",
             str(TEMPLATE),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -49,12 +50,7 @@ class Node(NetnsLaunch):
             [
                 "--model",
                 str(model),
-                "--device",
-                "cpu",
-                "--kv-cache-tokens",
-                "4096",
-                "--max-model-len",
-                "1024",
+                *shlex.split("--device cpu --kv-cache-tokens 4096 --max-model-len 1024"),
                 *args,
             ],
         )
@@ -134,11 +130,7 @@ def _start(
         pair,
         "a",
         [
-            "--prefill",
-            "1",
-            "--decode",
-            "0",
-            "--remote-decode",
+            *shlex.split("--prefill 1 --decode 0 --remote-decode"),
             str(members),
             "--advertise",
             f"{pair.addr('a')}:{CLUSTER_PORT}",
@@ -154,11 +146,7 @@ def _start(
         model,
     )
     join = [
-        "--prefill",
-        "0",
-        "--decode",
-        "1",
-        "--join",
+        *shlex.split("--prefill 0 --decode 1 --join"),
         f"{pair.addr('a')}:{CLUSTER_PORT}",
         "--cluster-key",
         KEY,
@@ -324,16 +312,9 @@ def test_a_node_with_another_cluster_key_is_refused(cluster: Cluster) -> None:
         cluster.pair,
         "b",
         [
-            "--prefill",
-            "0",
-            "--decode",
-            "1",
-            "--join",
+            *shlex.split("--prefill 0 --decode 1 --join"),
             cluster.join,
-            "--cluster-key",
-            "not-the-cluster-key-at-all",
-            "--node-name",
-            "intruder",
+            *shlex.split("--cluster-key not-the-cluster-key-at-all --node-name intruder"),
         ],
         cluster.model,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shlex
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,18 +20,9 @@ from tests.e2e.helpers import check_abort_mid_stream_frees_kv, concurrent_greedy
 @pytest.fixture(scope="module")
 def colocated_server() -> Iterator[LaunchedServer]:
     srv = LaunchedServer(
-        [
-            "--colocated",
-            "2",
-            "--detokenizers",
-            "1",
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "8192",
-            "--max-model-len",
-            "1024",
-        ]
+        shlex.split(
+            "--colocated 2 --detokenizers 1 --device cpu --kv-cache-tokens 8192 --max-model-len 1024"
+        )
     )
     srv.wait_ready()
     yield srv

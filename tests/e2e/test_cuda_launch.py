@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shlex
 import signal
 import time
 from collections.abc import Iterator
@@ -29,21 +30,10 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
-COMMON = [
-    "--device",
-    "cuda",
-    "--dtype",
-    "float32",
-    "--gpu-memory-utilization",
-    "0.3",
-    "--kv-cache-tokens",
-    "8192",
-    "--max-model-len",
-    "1024",
-    "--max-num-seqs",
-    "32",
-]
-ON_GPU0 = ["--prefill", "1", "--decode", "1", "--prefill-gpus", "0", "--decode-gpus", "0"]
+COMMON = shlex.split(
+    "--device cuda --dtype float32 --gpu-memory-utilization 0.3 --kv-cache-tokens 8192 --max-model-len 1024 --max-num-seqs 32"
+)
+ON_GPU0 = shlex.split("--prefill 1 --decode 1 --prefill-gpus 0 --decode-gpus 0")
 MAX_TOKENS = 12
 
 

@@ -7,6 +7,7 @@ worker dies on the way (the memory budget holds).
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,7 +29,7 @@ NAME = "SmolLM2-135M-Instruct"
 @pytest.fixture(scope="module")
 def smol() -> Iterator[LaunchedServer]:
     srv = LaunchedServer(
-        ["--prefill", "2", "--decode", "2", "--detokenizers", "2", "--device", "cpu"],
+        shlex.split("--prefill 2 --decode 2 --detokenizers 2 --device cpu"),
         tiny_model=False,
     )
     srv.wait_ready()
@@ -112,7 +113,7 @@ def test_float32_serving_equals_transformers_through_1p1d() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     srv = LaunchedServer(
-        ["--prefill", "1", "--decode", "1", "--device", "cpu", "--quantization", "none"],
+        shlex.split("--prefill 1 --decode 1 --device cpu --quantization none"),
         tiny_model=False,
     )
     srv.wait_ready()

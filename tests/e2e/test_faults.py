@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import signal
 import time
 from collections.abc import Iterator
@@ -31,22 +32,9 @@ from tests.e2e.helpers import (
 @pytest.fixture(scope="module")
 def victim() -> Iterator[LaunchedServer]:
     yield from LaunchedServer.serving(
-        [
-            "--prefill",
-            "2",
-            "--decode",
-            "2",
-            "--detokenizers",
-            "2",
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "8192",
-            "--max-model-len",
-            "1024",
-            "--stall-timeout",
-            "4",
-        ]
+        shlex.split(
+            "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --stall-timeout 4"
+        )
     )
 
 
@@ -126,9 +114,7 @@ def test_a_stopped_decode_worker_is_reported_and_its_streams_finish_elsewhere(
 def test_a_dead_frontend_is_restarted_and_serves_again(default_model_path: Path) -> None:
     """A frontend is restarted like any worker (its own clients' streams die with it);
     the server then stops cleanly and leaves nothing in /dev/shm."""
-    srv = LaunchedServer(
-        ["--prefill", "1", "--decode", "1", "--device", "cpu", "--kv-cache-tokens", "4096"]
-    )
+    srv = LaunchedServer(shlex.split("--prefill 1 --decode 1 --device cpu --kv-cache-tokens 4096"))
     srv.wait_ready()
     kids = children(srv.proc.pid)
     old = pid_of(srv, "pdserve:frontend-0")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -19,12 +20,7 @@ def _args(url: str, tokenizer: Path, out: Path, *extra: str) -> list[str]:
         "tiny-qwen2-v1",
         "--tokenizer",
         str(tokenizer),
-        "--random-input-len",
-        "24",
-        "--random-output-len",
-        "8",
-        "--disable-tqdm",
-        "--result-file",
+        *shlex.split("--random-input-len 24 --random-output-len 8 --disable-tqdm --result-file"),
         str(out),
         *extra,
     ]
@@ -67,9 +63,7 @@ def test_small_sweep_end_to_end(
 def test_server_stopped_mid_run_counts_failures_and_exits_nonzero(
     tokenizer_path: Path, tmp_path: Path
 ) -> None:
-    srv = LaunchedServer(
-        ["--prefill", "1", "--decode", "1", "--device", "cpu", "--kv-cache-tokens", "4096"]
-    )
+    srv = LaunchedServer(shlex.split("--prefill 1 --decode 1 --device cpu --kv-cache-tokens 4096"))
     srv.wait_ready()
     out = tmp_path / "stopped.json"
     result: dict[str, int] = {}

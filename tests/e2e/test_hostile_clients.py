@@ -9,6 +9,7 @@ text; clients that leave make no noise in the log.
 from __future__ import annotations
 
 import select
+import shlex
 import socket
 import threading
 import time
@@ -22,20 +23,9 @@ import pytest
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import pid_of
 
-SMALL = [
-    "--prefill",
-    "1",
-    "--decode",
-    "1",
-    "--detokenizers",
-    "1",
-    "--device",
-    "cpu",
-    "--kv-cache-tokens",
-    "4096",
-    "--max-model-len",
-    "512",
-]
+SMALL = shlex.split(
+    "--prefill 1 --decode 1 --detokenizers 1 --device cpu --kv-cache-tokens 4096 --max-model-len 512"
+)
 DEADLINE_S = 2.0
 PER_PEER = 16
 IM_START = 151644  # <|im_start|> in the tiny model's Qwen2 vocabulary

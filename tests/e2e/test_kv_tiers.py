@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import re
+import shlex
 import signal
 from pathlib import Path
 
@@ -47,15 +48,7 @@ def test_an_evicted_prefix_hits_host_ram_then_disk_after_sigterm_and_sigkill(
     prompt = [rng.randrange(1000, 100_000) for _ in range(150)]
     others = [[rng.randrange(1000, 100_000) for _ in range(150)] for _ in range(4)]
     args = [
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--device",
-        "cpu",
-        "--kv-cache-tokens",
-        "256",
-        "--kv-offload-dir",
+        *shlex.split("--prefill 1 --decode 1 --device cpu --kv-cache-tokens 256 --kv-offload-dir"),
         str(tmp_path),
         "--served-model-name",
         "m",
@@ -116,22 +109,9 @@ def test_a_prefix_one_prefill_worker_computed_is_a_host_ram_hit_on_the_other() -
     rng = random.Random(9)
     prompt = [rng.randrange(1000, 40_000) for _ in range(200)]
     srv = LaunchedServer(
-        [
-            "--prefill",
-            "2",
-            "--decode",
-            "2",
-            "--device",
-            "cpu",
-            "--router-policy",
-            "round-robin",
-            "--kv-cache-tokens",
-            "4096",
-            "--max-model-len",
-            "1024",
-            "--served-model-name",
-            "m",
-        ],
+        shlex.split(
+            "--prefill 2 --decode 2 --device cpu --router-policy round-robin --kv-cache-tokens 4096 --max-model-len 1024 --served-model-name m"
+        ),
         tiny_model=False,
     )
     srv.wait_ready()

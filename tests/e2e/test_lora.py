@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,26 +51,9 @@ def adapters(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
 def server(adapters: dict[str, Path]) -> Iterator[LaunchedServer]:
     yield from LaunchedServer.serving(
         [
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--detokenizers",
-            "1",
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "8192",
-            "--max-model-len",
-            "1024",
-            "--stall-timeout",
-            "4",
-            "--enable-lora",
-            "--max-loras",
-            "2",
-            "--max-lora-rank",
-            "16",
-            "--lora-modules",
+            *shlex.split(
+                "--prefill 1 --decode 1 --detokenizers 1 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --stall-timeout 4 --enable-lora --max-loras 2 --max-lora-rank 16 --lora-modules"
+            ),
             f"qvd8={adapters['qvd8']}",
         ]
     )

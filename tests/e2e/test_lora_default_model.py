@@ -3,6 +3,7 @@ output equals transformers + peft's on the same float32 weights (--quantization 
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,18 +40,9 @@ def smol(adapters: dict[str, Path]) -> Iterator[LaunchedServer]:
         [
             "--model",
             str(default_model_dir()),
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--device",
-            "cpu",
-            "--quantization",
-            "none",
-            "--enable-lora",
-            "--max-loras",
-            "2",
-            "--lora-modules",
+            *shlex.split(
+                "--prefill 1 --decode 1 --device cpu --quantization none --enable-lora --max-loras 2 --lora-modules"
+            ),
             *modules,
         ],
         tiny_model=False,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import shlex
 from collections.abc import Iterator
 
 import httpx
@@ -32,14 +33,9 @@ def wide() -> Iterator[LaunchedServer]:
             str(N_PREFILL),
             "--decode",
             str(N_DECODE),
-            "--detokenizers",
-            "1",
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "16384",
-            "--max-model-len",
-            "2048",
+            *shlex.split(
+                "--detokenizers 1 --device cpu --kv-cache-tokens 16384 --max-model-len 2048"
+            ),
         ]
     )
     srv.wait_ready()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,20 +26,9 @@ from tests.e2e.helpers import concurrent_greedy
 
 BS = 16
 MAX_TOKENS = 8
-_ARGS = [
-    "--prefill",
-    "2",
-    "--decode",
-    "2",
-    "--detokenizers",
-    "1",
-    "--device",
-    "cpu",
-    "--kv-cache-tokens",
-    "16384",
-    "--max-model-len",
-    "1024",
-]
+_ARGS = shlex.split(
+    "--prefill 2 --decode 2 --detokenizers 1 --device cpu --kv-cache-tokens 16384 --max-model-len 1024"
+)
 
 
 @pytest.fixture(scope="session")

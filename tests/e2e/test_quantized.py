@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import signal
 import threading
 import time
@@ -32,17 +33,9 @@ MAX_TOKENS = 24
 def quantized(request: pytest.FixtureRequest) -> Iterator[tuple[str, LaunchedServer]]:
     srv = LaunchedServer(
         [
-            "--prefill",
-            "1",
-            "--decode",
-            "2",
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "8192",
-            "--max-model-len",
-            "1024",
-            "--quantization",
+            *shlex.split(
+                "--prefill 1 --decode 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --quantization"
+            ),
             request.param,
             "--stall-timeout",
             "4",

@@ -8,6 +8,7 @@ refused with a 503.
 
 from __future__ import annotations
 
+import shlex
 import threading
 import time
 
@@ -21,18 +22,7 @@ def test_the_first_200_of_health_already_serves() -> None:
     # detokenizer shards serve, the window in which /health used to say "ok" while no
     # engine worker had yet shown up in the load table.
     srv = LaunchedServer(
-        [
-            "--prefill",
-            "2",
-            "--decode",
-            "2",
-            "--detokenizers",
-            "2",
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "4096",
-        ],
+        shlex.split("--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 4096"),
         tiny_model=False,
     )
     assert srv.proc.stdout is not None

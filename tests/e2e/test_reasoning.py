@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shlex
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,18 +86,9 @@ def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Launched
             str(path),
             "--served-model-name",
             MODEL,
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "4096",
-            "--max-model-len",
-            "512",
-            "--reasoning-parser",
-            "qwen3",
+            *shlex.split(
+                "--prefill 1 --decode 1 --device cpu --kv-cache-tokens 4096 --max-model-len 512 --reasoning-parser qwen3"
+            ),
         ]
     )
     s.wait_ready()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import statistics
 import threading
 import time
@@ -31,19 +32,9 @@ MODEL = "tiny"
 BUDGET_S = 8.0
 ANSWER_S = BUDGET_S + 4.0  # a refusal comes within the budget, plus slack
 SMALL = [
-    "--prefill",
-    "1",
-    "--decode",
-    "1",
-    "--detokenizers",
-    "1",
-    "--device",
-    "cpu",
-    "--kv-cache-tokens",
-    "4096",
-    "--max-model-len",
-    "512",
-    "--served-model-name",
+    *shlex.split(
+        "--prefill 1 --decode 1 --detokenizers 1 --device cpu --kv-cache-tokens 4096 --max-model-len 512 --served-model-name"
+    ),
     MODEL,
     "--chat-template",
     str(TOOLS_TEMPLATE),

@@ -5,6 +5,7 @@ files are gone) and its greedy output is unchanged; the cache then fills again."
 from __future__ import annotations
 
 import random
+import shlex
 import time
 from pathlib import Path
 
@@ -32,20 +33,9 @@ def test_a_reset_empties_every_pool_and_tier_and_outputs_stay_the_same(tmp_path:
     rng = random.Random(11)
     prompt = [rng.randrange(1000, 100_000) for _ in range(150)]
     args = [
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--device",
-        "cpu",
-        "--kv-cache-tokens",
-        "512",
-        "--kv-offload-dir",
+        *shlex.split("--prefill 1 --decode 1 --device cpu --kv-cache-tokens 512 --kv-offload-dir"),
         str(tmp_path),
-        "--served-model-name",
-        "m",
-        "--api-key",
-        "s3cret",
+        *shlex.split("--served-model-name m --api-key s3cret"),
     ]
     srv = LaunchedServer(args)
     srv.wait_ready()

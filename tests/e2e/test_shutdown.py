@@ -4,6 +4,7 @@ grace period, inside 10 s), also while a worker waits in its crash-loop back-off
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -23,12 +24,7 @@ def test_sigterm_right_after_worker_deaths_ends_everything_cleanly(
         [
             "--model",
             str(default_model_path),
-            "--device",
-            "cpu",
-            "--kv-cache-tokens",
-            "2048",
-            "--max-model-len",
-            "512",
+            *shlex.split("--device cpu --kv-cache-tokens 2048 --max-model-len 512"),
         ]
     )
     srv.wait_ready()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,31 +48,19 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[LaunchedServer, LaunchedServer]]:
     # Dense float32 weights and KV cache: see the README on bfloat16 KV and logprobs.
-    common = [
-        "--device",
-        "cpu",
-        "--kv-cache-tokens",
-        "16384",
-        "--max-model-len",
-        "2048",
-        "--quantization",
-        "none",
-    ]
+    common = shlex.split(
+        "--device cpu --kv-cache-tokens 16384 --max-model-len 2048 --quantization none"
+    )
     spec = LaunchedServer(
         [
-            "--prefill",
-            "2",
-            "--decode",
-            "2",
-            "--detokenizers",
-            "2",
+            *shlex.split("--prefill 2 --decode 2 --detokenizers 2"),
             *common,
             "--speculative-config",
             SPEC,
         ],
         tiny_model=False,
     )
-    plain = LaunchedServer(["--prefill", "1", "--decode", "1", *common], tiny_model=False)
+    plain = LaunchedServer([*shlex.split("--prefill 1 --decode 1"), *common], tiny_model=False)
     try:
         spec.wait_ready()
         plain.wait_ready()

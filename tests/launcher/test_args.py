@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import fields
 from pathlib import Path
 
@@ -22,10 +23,10 @@ def test_defaults_of_the_cli_are_the_config_defaults(monkeypatch: pytest.MonkeyP
 
 def test_flags_land_in_typed_fields(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    argv = ["--model", str(tmp_path), "--prefill", "2", "--decode", "4", "--device", "cuda"]
+    argv = ["--model", str(tmp_path), *shlex.split("--prefill 2 --decode 4 --device cuda")]
     argv += ["--prefill-gpus", "0,1", "--decode-gpus", "2, 3,4,5", "--dtype", "bfloat16"]
-    argv += ["--router-policy", "round-robin", "--max-model-len", "4096"]
-    argv += ["--kv-transfer", "shm", "--max-queued-prefill-tokens", "4096"]
+    argv += shlex.split("--router-policy round-robin --max-model-len 4096")
+    argv += shlex.split("--kv-transfer shm --max-queued-prefill-tokens 4096")
     argv += ["--no-enable-prefix-caching"]
     c = parse_args(argv)
     assert c.enable_prefix_caching is False
@@ -60,18 +61,18 @@ def test_api_key_comes_from_the_environment_when_not_given(
     [
         (["--prefill", "0"], "--prefill must be >= 1"),
         (["--decode", "-1"], "--decode must be >= 1"),
-        (["--colocated", "2", "--prefill", "3"], "drop --prefill/--decode"),
-        (["--colocated", "2", "--prefill-gpus", "0"], "do not apply with --colocated"),
-        (["--prefill", "2", "--prefill-gpus", "0"], "lists 1 GPUs for 2 workers"),
-        (["--device", "cpu", "--decode-gpus", "1"], "--device cpu contradicts"),
+        (shlex.split("--colocated 2 --prefill 3"), "drop --prefill/--decode"),
+        (shlex.split("--colocated 2 --prefill-gpus 0"), "do not apply with --colocated"),
+        (shlex.split("--prefill 2 --prefill-gpus 0"), "lists 1 GPUs for 2 workers"),
+        (shlex.split("--device cpu --decode-gpus 1"), "--device cpu contradicts"),
         (["--gpu-memory-utilization", "1.5"], "in (0, 1]"),
         (["--kv-cache-tokens", "8"], "at least one block"),
         (["--max-model-len", "1"], "--max-model-len must be >= 2"),
         (["--port", "70000"], "not a TCP port"),
         (["--max-waiting-requests", "0"], "--max-waiting-requests must be >= 1"),
         (["--max-queued-prefill-tokens", "0"], "--max-queued-prefill-tokens must be >= 1"),
-        (["--device", "cpu", "--kv-transfer", "cuda_ipc"], "cuda_ipc needs GPUs"),
-        (["--colocated", "2", "--kv-transfer", "shm"], "--kv-transfer does not apply"),
+        (shlex.split("--device cpu --kv-transfer cuda_ipc"), "cuda_ipc needs GPUs"),
+        (shlex.split("--colocated 2 --kv-transfer shm"), "--kv-transfer does not apply"),
         (["--model", "/nonexistent/model"], "no config.json"),
         (["--router-policy", "cache-aware", "--no-enable-prefix-caching"], "needs prefix caching"),
         (["--node-name", ""], "--node-name is empty"),

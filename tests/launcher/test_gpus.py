@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from launcher.args import parse_args
@@ -23,40 +25,38 @@ def _gpus(n: int, free_gib: float = 80.0) -> list[GpuInfo]:
 
 
 def test_prefill_takes_the_first_gpus_and_decode_the_next() -> None:
-    a = assign_gpus(parse_args(["--prefill", "2", "--decode", "4"]), _gpus(8))
+    a = assign_gpus(parse_args(shlex.split("--prefill 2 --decode 4")), _gpus(8))
     assert (a.device, a.prefill, a.decode) == (Device.CUDA, (0, 1), (2, 3, 4, 5))
 
 
 def test_explicit_lists_may_share_a_gpu_between_roles() -> None:
-    cfg = parse_args(
-        ["--prefill", "1", "--decode", "2", "--prefill-gpus", "0", "--decode-gpus", "0,1"]
-    )
+    cfg = parse_args(shlex.split("--prefill 1 --decode 2 --prefill-gpus 0 --decode-gpus 0,1"))
     a = assign_gpus(cfg, _gpus(2))
     assert (a.prefill, a.decode) == ((0,), (0, 1))
 
 
 def test_one_explicit_list_leaves_the_other_role_the_remaining_gpus() -> None:
-    cfg = parse_args(["--prefill", "2", "--decode", "2", "--prefill-gpus", "2,3"])
+    cfg = parse_args(shlex.split("--prefill 2 --decode 2 --prefill-gpus 2,3"))
     assert assign_gpus(cfg, _gpus(4)).decode == (0, 1)
-    cfg = parse_args(["--prefill", "1", "--decode", "2", "--decode-gpus", "0,1"])
+    cfg = parse_args(shlex.split("--prefill 1 --decode 2 --decode-gpus 0,1"))
     assert assign_gpus(cfg, _gpus(3)).prefill == (2,)
 
 
 def test_too_few_gpus_is_an_error_naming_what_was_found_and_asked() -> None:
     with pytest.raises(GpuAssignmentError) as err:
-        assign_gpus(parse_args(["--prefill", "2", "--decode", "4"]), _gpus(4))
+        assign_gpus(parse_args(shlex.split("--prefill 2 --decode 4")), _gpus(4))
     msg = str(err.value)
     assert "4 decode worker(s)" in msg and "GPU3 NVIDIA H100" in msg and "--device cpu" in msg
 
 
 def test_a_listed_gpu_that_does_not_exist_is_an_error() -> None:
-    cfg = parse_args(["--prefill", "1", "--decode", "1", "--prefill-gpus", "5"])
+    cfg = parse_args(shlex.split("--prefill 1 --decode 1 --prefill-gpus 5"))
     with pytest.raises(GpuAssignmentError, match=r"--prefill-gpus names GPU\(s\) \[5\]"):
         assign_gpus(cfg, _gpus(2))
 
 
 def test_no_gpu_under_auto_means_everything_on_cpu() -> None:
-    a = assign_gpus(parse_args(["--prefill", "2", "--decode", "3"]), [])
+    a = assign_gpus(parse_args(shlex.split("--prefill 2 --decode 3")), [])
     assert a.on_cpu and a.prefill == (None, None) and a.decode == (None,) * 3
 
 

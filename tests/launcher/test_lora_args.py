@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,7 @@ def test_lora_flags_land_in_typed_fields(tmp_path: Path) -> None:
             "--enable-lora",
             "--lora-modules",
             f"a={tmp_path / 'a'}",
-            "--max-loras",
-            "3",
-            "--max-lora-rank",
-            "32",
+            *shlex.split("--max-loras 3 --max-lora-rank 32"),
         ]
     )
     assert (c.enable_lora, c.max_loras, c.max_lora_rank) == (True, 3, 32)
@@ -49,6 +47,6 @@ def test_more_modules_than_max_loras_is_refused(tmp_path: Path) -> None:
         (tmp_path / n).mkdir()
     mods = [f"{n}={tmp_path / n}" for n in "abc"]
     with pytest.raises(ConfigError, match="--max-loras is 2"):
-        parse_args(["--enable-lora", "--max-loras", "2", "--lora-modules", *mods])
+        parse_args([*shlex.split("--enable-lora --max-loras 2 --lora-modules"), *mods])
     with pytest.raises(ConfigError, match="twice"):
         parse_args(["--enable-lora", "--lora-modules", mods[0], mods[0]])

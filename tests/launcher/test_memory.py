@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 import time
@@ -188,12 +189,7 @@ def test_launch_refuses_a_kv_budget_over_ram_before_spawning(default_model_path:
             "launcher.cli",
             "--model",
             str(default_model_path),
-            "--device",
-            "cpu",
-            "--port",
-            "0",
-            "--kv-cache-memory",
-            "100000",
+            *shlex.split("--device cpu --port 0 --kv-cache-memory 100000"),
         ],
         cwd=REPO,
         capture_output=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import socket
 from pathlib import Path
 
@@ -20,7 +21,7 @@ GPUS = [GpuInfo(i, "NVIDIA H100 80GB HBM3", 80 * GIB, 80 * GIB) for i in range(4
 
 
 def test_auto_backend_is_cuda_ipc_on_gpus_and_shm_on_cpu() -> None:
-    on_gpu = parse_args(["--prefill", "1", "--decode", "1"])
+    on_gpu = parse_args(shlex.split("--prefill 1 --decode 1"))
     assert kv_transfer_backend(on_gpu, assign_gpus(on_gpu, GPUS)) is KVBackend.CUDA_IPC
     assert kv_transfer_backend(on_gpu, assign_gpus(on_gpu, [])) is KVBackend.SHM
     shm = parse_args(["--kv-transfer", "shm"])
@@ -34,7 +35,7 @@ def test_cuda_ipc_without_gpus_is_refused() -> None:
 
 
 def test_workers_sharing_a_gpu_split_its_utilization() -> None:
-    argv = ["--prefill", "1", "--decode", "2", "--prefill-gpus", "0", "--decode-gpus", "0,1"]
+    argv = shlex.split("--prefill 1 --decode 2 --prefill-gpus 0 --decode-gpus 0,1")
     cfg = parse_args([*argv, "--gpu-memory-utilization", "0.8"])
     places = {(p.role, p.index): p for p in placements(assign_gpus(cfg, GPUS), 0.8)}
     assert places["prefill", 0].gpu_memory_share == pytest.approx(0.4)
@@ -56,7 +57,7 @@ def _children_for(argv: list[str], model: Path) -> dict[str, tuple[dict, dict, d
 
 def test_children_on_one_shared_gpu_with_cuda_ipc(default_model_path: Path) -> None:
     kids = _children_for(
-        ["--prefill-gpus", "0", "--decode-gpus", "0", "--max-queued-prefill-tokens", "5000"],
+        shlex.split("--prefill-gpus 0 --decode-gpus 0 --max-queued-prefill-tokens 5000"),
         default_model_path,
     )
     for name in ("prefill-0", "decode-0"):
@@ -113,18 +114,9 @@ def test_a_head_names_its_node_and_tells_the_frontend_its_reserve(
             "cpu",
             "--model",
             str(default_model_path),
-            "--decode",
-            "1",
-            "--kv-cache-tokens",
-            "256",
-            "--remote-decode",
-            "2",
-            "--advertise",
-            "10.0.0.1",
-            "--node-name",
-            "a",
-            "--cluster-key",
-            "sixteen-chars-or-more",
+            *shlex.split(
+                "--decode 1 --kv-cache-tokens 256 --remote-decode 2 --advertise 10.0.0.1 --node-name a --cluster-key sixteen-chars-or-more"
+            ),
         ]
     )
     gpus = assign_gpus(cfg, [])
@@ -143,7 +135,7 @@ def test_each_engine_worker_gets_its_prefix_summary_and_the_frontend_all_of_them
 
     argv = ["--device", "cpu", "--model", str(default_model_path), "--kv-cache-tokens", "4096"]
     for caching in ([], ["--no-enable-prefix-caching"]):
-        cfg = parse_args([*argv, "--prefill", "2", "--decode", "1", *caching])
+        cfg = parse_args([*argv, *shlex.split("--prefill 2 --decode 1"), *caching])
         gpus = assign_gpus(cfg, [])
         topo = _build_topology(cfg, default_model_path, KVBackend.SHM, gpus)
         kids = {c.name: c for c in _children(cfg, topo, gpus, default_model_path, KVBackend.SHM)}

@@ -3,6 +3,7 @@ the server, also during startup."""
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import sys
@@ -108,14 +109,7 @@ def test_launch_whose_every_worker_dies_exits_with_the_reason(
             "launcher.cli",
             "--model",
             str(broken),
-            "--device",
-            "cpu",
-            "--port",
-            "0",
-            "--kv-cache-tokens",
-            "1024",
-            "--log-level",
-            "warning",
+            *shlex.split("--device cpu --port 0 --kv-cache-tokens 1024 --log-level warning"),
         ],
         cwd=REPO,
         capture_output=True,
