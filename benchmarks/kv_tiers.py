@@ -40,6 +40,7 @@ from wire.params import SamplingParams
 
 BS = 16
 NEW = 32
+_PER_ROUND = 2  # no-reuse prompts per engine per round
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
@@ -115,12 +116,15 @@ def turn_ttft(model: Path, length: int, disk: Path) -> dict[str, float]:
     return out
 
 
-def no_reuse_cost(model: Path, n: int, length: int, disk: Path) -> dict[str, float]:
-    """Median seconds per request over ``n`` distinct prompts: tiers off, tier 2, tiers
-    2+3 (the persister thread running, as in a launched server). The three engines take
-    turns request by request, so a change of the machine's load hits all three alike."""
+def no_reuse_cost(
+    model: Path, rounds: int, per_round: int, length: int, disk: Path
+) -> dict[str, list[float]]:
+    """Seconds per round of ``per_round`` distinct prompts (16 output tokens each), for
+    tiers off, tier 2 (1 GiB, the default) and tiers 2+3 (the persister thread running,
+    as in a launched server). Every round each engine runs the same new prompts, in an
+    order rotated round by round, so a change of the machine's load between rounds hits
+    all three alike: the ratio to "off" is taken within a round."""
     rng = np.random.default_rng(7)
-    prompts = [_tokens(rng, length) for _ in range(n)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     rigs = {
         "off": Rig(model, 8192, 0.0, None),
@@ -132,23 +136,53 @@ def no_reuse_cost(model: Path, n: int, length: int, disk: Path) -> dict[str, flo
     pers = Persister(tiers.host, tiers.disk, 64 << 30, 0)
     pers.start()
     times: dict[str, list[float]] = {name: [] for name in rigs}
-    for i, p in enumerate(prompts):
-        order = list(rigs)[i % 3 :] + list(rigs)[: i % 3]
+    for r in range(rounds):
+        prompts = [_tokens(rng, length) for _ in range(per_round)]
+        order = list(rigs)[r % 3 :] + list(rigs)[: r % 3]
         for name in order:
             t0 = time.perf_counter()
-            rigs[name].llm.generate([p], params)
+            for p in prompts:
+                rigs[name].llm.generate([p], params)
             times[name].append(time.perf_counter() - t0)
     pers.stop(flush=True)
-    out = {name: statistics.median(t) for name, t in times.items()}
     host = rigs["tier 2"].host
     assert host is not None  # the tiers' own time per request, whatever the machine's load
-    out["tier 2 store time"] = host.counters()["host_store_ns"] / 1e9 / n
-    return out
+    times["tier 2 store time"] = [host.counters()["host_store_ns"] / 1e9 / (rounds * per_round)]
+    return times
 
 
-def bandwidth(model: Path, disk: Path) -> dict[str, float]:
-    """GB/s: tier-2 and tier-3 loads (from their counters, a 4k history), memcpy of the
-    same bytes, and the disk's own sequential write (fsync) and cold read."""
+def _cold_read(path: Path) -> float:
+    """GB/s of one sequential read of ``path`` from the disk (its pages dropped first)."""
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    t0 = time.perf_counter_ns()
+    n = 0
+    while chunk := os.read(fd, 1 << 22):
+        n += len(chunk)
+    os.close(fd)
+    return n / (time.perf_counter_ns() - t0)
+
+
+def _files_read(root: Path) -> float:
+    """GB/s of reading every block file under ``root`` once, one after another (cold)."""
+    _drop_page_cache(root)
+    paths = sorted(root.rglob("*.kvb"))
+    t0 = time.perf_counter_ns()
+    n = 0
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        while chunk := os.read(fd, 1 << 22):
+            n += len(chunk)
+        os.close(fd)
+    return n / (time.perf_counter_ns() - t0)
+
+
+def bandwidth(model: Path, disk: Path, rounds: int) -> dict[str, list[float]]:
+    """GB/s per round: tier-2 and tier-3 loads (from their counters, a 4k history; tier 3
+    from a restarted engine, the files dropped from the page cache), memcpy of the same
+    bytes, the disk's own cold sequential read of one file as large as the history's
+    files together, and the same files read raw one after another. Rounds alternate
+    the tier-3 load and the disk's reads, so both see the same machine."""
     length = 4096
     rng = np.random.default_rng(3)
     history = _tokens(rng, length)
@@ -164,53 +198,66 @@ def bandwidth(model: Path, disk: Path) -> dict[str, float]:
     t2 = (c["host_bytes_out"] - before["host_bytes_out"]) / max(
         1, c["host_load_ns"] - before["host_load_ns"]
     )
-    _drop_page_cache(disk)
-    cold = Rig(model, length + 512, 2.0, disk)
-    assert cold.host is not None
-    cold.ttft(history + _tokens(rng, NEW))
-    c = cold.host.counters()
-    t3 = c["disk_bytes_read"] / max(1, c["disk_load_ns"])
-    nb = c["disk_bytes_read"]
+    nb = c["host_bytes_out"] - before["host_bytes_out"]
     src, dst = np.ones(nb, np.uint8), np.zeros(nb, np.uint8)
     np.copyto(dst, src)  # pages touched: memcpy's rate, not the page faults'
     t0 = time.perf_counter_ns()
     for _ in range(5):
         np.copyto(dst, src)
     memcpy = 5 * nb / (time.perf_counter_ns() - t0)
+    del rig
     probe = disk / "probe.bin"
-    data = os.urandom(256 << 20)
-    t0 = time.perf_counter_ns()
-    with probe.open("wb") as f:
+    with probe.open("wb") as f:  # as many bytes as the tier-3 files of the run together
+        data = os.urandom(3 * nb)
+        t0 = time.perf_counter_ns()
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    write = len(data) / (time.perf_counter_ns() - t0)
-    fd = os.open(probe, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    t0 = time.perf_counter_ns()
-    while os.read(fd, 1 << 22):
-        pass
-    read = len(data) / (time.perf_counter_ns() - t0)
-    os.close(fd)
-    probe.unlink()
-    return {
-        "tier 2 load": t2,
-        "memcpy": memcpy,
-        "tier 3 load (cold)": t3,
-        "disk read (cold)": read,
-        "disk write (fsync)": write,
+        write = len(data) / (time.perf_counter_ns() - t0)
+    out: dict[str, list[float]] = {
+        "tier 2 load": [t2],
+        "memcpy": [memcpy],
+        "disk write (fsync)": [write],
     }
+    for name in (
+        "tier 3 load (cold)",
+        "disk read (cold, one file)",
+        "block files read raw (cold, one by one)",
+    ):
+        out[name] = []
+    for _ in range(rounds):
+        out["disk read (cold, one file)"].append(_cold_read(probe))
+        _drop_page_cache(disk)
+        cold = Rig(model, length + 512, 2.0, disk)
+        assert cold.host is not None
+        cold.ttft(history + _tokens(rng, NEW))
+        c = cold.host.counters()
+        out["tier 3 load (cold)"].append(c["disk_bytes_read"] / max(1, c["disk_load_ns"]))
+        out["block files read raw (cold, one by one)"].append(_files_read(disk))
+    probe.unlink()
+    return out
+
+
+def _spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def report(
     ttft: dict[int, dict[str, float]],
-    cost: dict[str, float],
-    bw: dict[str, float],
+    cost: dict[str, list[float]],
+    bw: dict[str, list[float]],
     command: str,
-    load_before: str,
+    loads: dict[str, str],
 ) -> str:
     lines = report_head("KV tiers beyond the pool", command)
-    lines += [f"Load average at the start: {load_before}; at the end: {_load()}.", ""]
+    lines += [
+        "Load average (1, 5, 15 min) when each part began: "
+        + "; ".join(f"{k}: {v}" for k, v in loads.items())
+        + ".",
+        "",
+    ]
     lines += ["## Turn-k time to first token (seconds), history pushed out of the pool", ""]
     cols = ["recompute", "tier 2", "tier 3", "tier 3 after restart"]
     lines += [
@@ -231,33 +278,43 @@ def report(
         "history tokens on (the shortest length measured where it does).",
         "",
     ]
+    direct = cost.pop("tier 2 store time")[0]
+    off = cost["off"]
     lines += [
-        "## No reuse: median seconds per request (distinct 1024-token prompts, 16 tokens)",
+        f"## No reuse: {len(off)} interleaved rounds (distinct 1024-token prompts, "
+        "16 output tokens)",
         "",
-        "| tiers | seconds | cost vs off |",
+        "| tiers | seconds per round, median (min-max) | time / off, median "
+        "(min-max over rounds) |",
         "|---|---|---|",
     ]
-    direct = cost.pop("tier 2 store time")
-    for name, s in cost.items():
-        lines.append(f"| {name} | {s:.3f} | {100 * (s / cost['off'] - 1):+.1f} % |")
+    for name, t in cost.items():
+        ratios = [a / b for a, b in zip(t, off, strict=True)]
+        lines.append(f"| {name} | {_spread(t)} | {_spread(ratios)} |")
     lines += [
         "",
         f"Time spent storing blocks into tier 2 (its counters): {direct * 1e3:.1f} ms "
-        f"per request, {100 * direct / cost['off']:.2f} % of a request with tiers off.",
+        f"per request, {100 * direct / (statistics.median(off) / _PER_ROUND):.2f} % of a "
+        "request with tiers off.",
     ]
     lines += [
         "",
-        "## Bandwidth (GB/s), measured in the same run",
+        "## Bandwidth (GB/s), measured in the same run: median (min-max)",
         "",
         "| path | GB/s |",
         "|---|---|",
     ]
-    lines += [f"| {k} | {v:.2f} |" for k, v in bw.items()]
+    lines += [f"| {k} | {_spread(v)} |" for k, v in bw.items()]
+    t3 = [
+        a / b
+        for a, b in zip(bw["tier 3 load (cold)"], bw["disk read (cold, one file)"], strict=True)
+    ]
     lines += [
         "",
-        f"Tier 2 moves {100 * bw['tier 2 load'] / bw['memcpy']:.0f} % of memcpy; "
-        f"tier 3 reads {100 * bw['tier 3 load (cold)'] / bw['disk read (cold)']:.0f} % of "
-        "the disk's cold sequential read.",
+        f"Tier 2 moves {100 * bw['tier 2 load'][0] / bw['memcpy'][0]:.0f} % of "
+        f"memcpy; tier 3 reads at {100 * statistics.median(t3):.0f} % "
+        f"({100 * min(t3):.0f}-{100 * max(t3):.0f} % over the rounds) of the disk's "
+        "cold sequential read of one file.",
         "",
     ]
     return "\n".join(lines)
@@ -270,20 +327,23 @@ def _load() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096])
-    ap.add_argument("--no-reuse-requests", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=5, help="no-reuse and bandwidth rounds")
     ap.add_argument("--dir", type=Path, default=None, help="tier-3 directory (a temp dir)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_tiers.md"))
     args = ap.parse_args(argv)
-    load_before = _load()
+    loads = {"turn-k TTFT": _load()}
     torch.manual_seed(0)
     model = resolve_model(None)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         ttft = {n: turn_ttft(model, n, root / f"t{n}") for n in args.lengths}
-        cost = no_reuse_cost(model, args.no_reuse_requests, 1024, root / "noreuse")
-        bw = bandwidth(model, root / "bw")
+        loads["no reuse"] = _load()
+        cost = no_reuse_cost(model, args.rounds, _PER_ROUND, 1024, root / "noreuse")
+        loads["bandwidth"] = _load()
+        bw = bandwidth(model, root / "bw", args.rounds)
+        loads["end"] = _load()
     command = "python -m benchmarks.kv_tiers " + shlex.join(sys.argv[1:])
-    text = report(ttft, cost, bw, command, load_before)
+    text = report(ttft, cost, bw, command, loads)
     args.out.write_text(text)
     print(text)
     return 0
