@@ -66,14 +66,15 @@ def group_rows(row_slots: list[int], device: torch.device) -> LoraBatch | None:
 
 
 class LoraBank:
-    """One linear layer's adapter pairs by slot: A (r, K) and B (N, r), scaling in B."""
+    """One linear layer's adapter pairs by slot, held transposed for ``x @ A^T @ B^T``
+    without a view per call: A^T (K, r) and B^T (r, N), scaling in B."""
 
     def __init__(self, num_slots: int) -> None:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
 
     def set(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         assert a.dim() == b.dim() == 2 and a.shape[0] == b.shape[1], (a.shape, b.shape)
-        self.pairs[slot] = (a.contiguous(), b.contiguous())
+        self.pairs[slot] = (a.T.contiguous(), b.T.contiguous())
 
     def clear(self, slot: int) -> None:
         self.pairs[slot] = None
@@ -87,10 +88,11 @@ class LoraBank:
             pair = self.pairs[slot]
             if pair is None:  # this adapter does not touch this layer
                 continue
-            a, b = pair
+            at, bt = pair
+            # NOTE: in place: ``y`` is the base kernel's fresh output, held by no one else.
             if rows is None:
-                y = y + (x.to(a.dtype) @ a.T) @ b.T  # (T, r) -> (T, N)
+                y.add_(torch.mm(torch.mm(x.to(at.dtype), at), bt))  # (T, r) -> (T, N)
             else:
-                xs = x.index_select(0, rows).to(a.dtype)  # (n, K)
-                y = y.index_add(0, rows, ((xs @ a.T) @ b.T).to(y.dtype))
+                xs = x.index_select(0, rows).to(at.dtype)  # (n, K)
+                y.index_add_(0, rows, torch.mm(torch.mm(xs, at), bt).to(y.dtype))
         return y
