@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -250,6 +251,8 @@ class ModelRunner:
         if self._kernels is not None and not every_position:
             return self._kernels.forward(spans, tokens, is_decode, kv_pool)
         meta, last = self._metadata(spans, is_decode, kv_pool)
+        if decode_weights:
+            meta = replace(meta, rows_as_decode=True)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
             # Verification (``decode_weights``) runs k + 1 rows a sequence on the kernels its
