@@ -251,8 +251,11 @@ class ModelRunner:
         if self._kernels is not None and not every_position:
             return self._kernels.forward(spans, tokens, is_decode, kv_pool)
         meta, last = self._metadata(spans, is_decode, kv_pool)
-        if decode_weights:
-            meta = replace(meta, rows_as_decode=True)
+        if decode_weights:  # speculative verification: rows attend as decode rows do
+            exact = frozenset(
+                i for i, (seq, _, _) in enumerate(spans) if seq.sampling.logprobs is not None
+            )
+            meta = replace(meta, rows_as_decode=True, exact_rows=exact)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
             # Verification (``decode_weights``) runs k + 1 rows a sequence on the kernels its

@@ -34,6 +34,7 @@ _PRIOR_ACCEPT = 0.5
 # per request. Optimistic enough that a request with good acceptance tries it once.
 _PRIOR_FIXED, _PRIOR_ROW = 0.25, 0.1
 _MARGIN = 1.04  # speculate only for an expected >= 4 % more tokens per second
+_REPROBE = 32  # plain steps in a row after which measured verification costs are re-tried
 
 
 class StepTimes:
@@ -47,9 +48,11 @@ class StepTimes:
     def __init__(self) -> None:
         self._t: dict[tuple[int, int], float] = {}
         self._pending: tuple[int, int, float] | None = None  # the last verification
+        self._plain_steps = 0  # plain decode steps since the last verification
 
     def observe(self, b: int, x: int, seconds: float) -> None:
         pending, self._pending = self._pending, None
+        self._plain_steps = 0 if x > 0 else self._plain_steps + 1
         if x > 0:
             if pending is not None:
                 self._update(*pending)
@@ -74,14 +77,21 @@ class StepTimes:
 
     def estimate(self, b: int, x: int) -> float | None:
         """Seconds of a step of ``b`` requests verifying ``x`` drafts; None: no plain
-        decode step of ``b`` measured yet (nothing to compare a verification with)."""
+        decode step of ``b`` measured yet (nothing to compare a verification with).
+
+        Every ``_REPROBE`` plain steps in a row, the prior stands in for the measured
+        verification cells for a step: one slow measurement (another process took the
+        core) must not keep a worker from speculating for good.
+        """
         t0 = self._t.get((b, 0))
         if t0 is None or x == 0:
             return t0
+        slope = _PRIOR_ROW * t0 / b
+        if self._plain_steps and self._plain_steps % _REPROBE == 0:
+            return t0 * (1 + _PRIOR_FIXED) + slope * x
         if (b, x) in self._t:
             return self._t[(b, x)]
         pts = [(xx, t) for (bb, xx), t in self._t.items() if bb == b and xx > 0]
-        slope = _PRIOR_ROW * t0 / b
         if not pts:
             return t0 * (1 + _PRIOR_FIXED) + slope * x
         if len({xx for xx, _ in pts}) >= 2:  # least squares through the measured cells

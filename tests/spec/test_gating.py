@@ -139,3 +139,20 @@ def test_a_decode_step_after_a_verification_charges_its_rebuild_to_it() -> None:
     times.observe(1, 0, 0.018)  # rebuilt the dense K/V: 8 ms more than a plain step
     assert times.estimate(1, 0) == 0.010
     assert abs((times.estimate(1, 4) or 0) - 0.023) < 1e-9
+
+
+def test_a_slow_verification_is_tried_again_after_a_while() -> None:
+    """One verification timed while another process held the core must not stop a
+    worker from speculating for good: after 32 plain steps the prior is tried again."""
+    times = StepTimes()
+    times.observe(1, 0, 0.010)
+    times.observe(1, 4, 0.200)  # 20x a decode step: descheduled
+    times.observe(1, 0, 0.010)  # the next step (charged to it once it is known)
+    good = Acceptance([0.95] * 4)
+    prior = [0.5] * 4
+    steps = 0
+    while allocate([good.gains(4, prior)], 1, times) == [0]:
+        times.observe(1, 0, 0.010)
+        steps += 1
+        assert steps <= 32
+    assert steps > 0
