@@ -322,8 +322,10 @@ def main() -> None:
                 proc.wait(60)
     off, on = figures["off"], figures["on"]
     flags = " --no-llama-cpp" if a.no_llama_cpp else ""
+    cores = sorted(os.sched_getaffinity(0))
+    pin = f"taskset -c {','.join(map(str, cores))} " if len(cores) < (os.cpu_count() or 0) else ""
     command = portable(
-        f"python -m benchmarks.speculative --tokens {a.tokens} --runs {a.runs}{flags}"
+        f"{pin}python -m benchmarks.speculative --tokens {a.tokens} --runs {a.runs}{flags}"
     )
     text = report(command, off, on)
     if describe:
