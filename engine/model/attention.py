@@ -191,8 +191,8 @@ def _decode_rows_attention(
     gets the bits a one-request decode step would give it (logprobs equal to speculation
     off). Otherwise one call for all n rows: the CPU kernel's reduction order depends on
     the key width, so the masked slots past a row's context move its logits by a few
-    bfloat16 roundings (~4e-4 in logprob, as decoding beside a longer request does), at
-    about half the cost of n calls over a long context.
+    bfloat16 roundings (~4e-4 in logprob, as decoding beside a longer request does),
+    for less than n calls cost over a long context.
     NOTE: the causal-prefill path (``_causal_sdpa``) computes in the activations' dtype
     (~1e-3 from decode with a bfloat16 cache).
     """
