@@ -22,12 +22,14 @@ descheduled one slows a step many times over). Writes ``benchmarks/results/specu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shlex
 import signal
 import statistics
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,10 +38,17 @@ from pathlib import Path
 import httpx
 
 from benchmarks.machine import portable, report_head
+from benchmarks.peers import llama_cpp
+from benchmarks.peers.servers import ServerSpec, running
 from benchmarks.soak import launch
-from checkpoints.default_model import default_model_dir
+from checkpoints.default_model import bundled_gguf, default_model_dir
 
 RESULTS = Path(__file__).parent / "results" / "speculative.md"
+PDSERVE = ("off", "on")
+LLAMA = ("llama.cpp off", "llama.cpp on")
+# llama.cpp's prompt-lookup kind, as its docs/speculative.md shows it for the server: the
+# tokens that followed the last occurrence of the current 12-gram (its defaults).
+LLAMA_SPEC = tuple(shlex.split("--spec-type ngram-simple --spec-draft-n-max 64"))
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 ARTICLE_FILE = Path(__file__).parent / "data" / "perplexity.txt"
 CODE_FILE = Path(__file__).parents[1] / "engine" / "kv" / "sequence.py"
@@ -71,6 +80,8 @@ class Stream:
     ttft: float = 0.0
     times: list[float] = field(default_factory=list)  # arrival of each chunk with tokens
     tokens: int = 0
+    drafted: int = 0  # llama.cpp's own count (its final chunk's ``timings``)
+    accepted: int = 0
 
     @property
     def tpot(self) -> float:
@@ -101,6 +112,10 @@ def stream(url: str, content: str, max_tokens: int, temperature: float) -> Strea
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 s.tokens = chunk["usage"]["completion_tokens"]
+            if timings := chunk.get("timings"):  # llama.cpp's server
+                s.tokens = s.tokens or timings.get("predicted_n", 0)
+                s.drafted = timings.get("draft_n", 0)
+                s.accepted = timings.get("draft_n_accepted", 0)
             if any(c["delta"].get("content") for c in chunk["choices"]):
                 now = time.monotonic()
                 if not s.times:
@@ -141,22 +156,26 @@ def measure(urls: dict[str, str], tokens: int, runs: int) -> dict[str, dict[str,
         for name, content in single_prompts().items():
             for key in order:
                 url, best = urls[key], None
-                before = spec_counts(url)
+                before = spec_counts(url) if key in PDSERVE else (0.0, 0.0)
+                drafted = accepted = 0.0
                 for _ in range(runs):
                     s = stream(url, content, tokens, temp)
+                    drafted, accepted = drafted + s.drafted, accepted + s.accepted
                     best = s if best is None or s.tpot < best.tpot else best
-                after = spec_counts(url)
-                drafted = after[0] - before[0]
-                rate = (after[1] - before[1]) / drafted if drafted else float("nan")
+                if key in PDSERVE:
+                    after = spec_counts(url)
+                    drafted, accepted = after[0] - before[0], after[1] - before[1]
+                rate = accepted / drafted if drafted else float("nan")
                 singles = out[key]["singles"]
                 assert best is not None and isinstance(singles, dict)
                 singles[f"{name}, T={temp}"] = (best, rate)
             order.reverse()
-    rates: dict[str, list[float]] = {k: [] for k in urls}
-    for key in [*order, *reversed(order)]:
+    rates: dict[str, list[float]] = {k: [] for k in PDSERVE}
+    pd = [k for k in order if k in PDSERVE]  # llama.cpp runs one slot: single streams only
+    for key in [*pd, *reversed(pd)]:
         rates[key].append(eight_streams(urls[key]))
     for key in urls:
-        out[key]["eight"] = statistics.mean(rates[key])
+        out[key]["eight"] = statistics.mean(rates[key]) if key in rates else float("nan")
         out[key]["load"] = os.getloadavg()
     return out
 
@@ -219,11 +238,55 @@ def report(command: str, off: dict[str, object], on: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
+def llama_report(
+    describe: str,
+    pd: tuple[dict[str, object], dict[str, object]],
+    ll: tuple[dict[str, object], dict[str, object]],
+) -> str:
+    """llama.cpp's gain from its n-gram speculation beside pdserve's, workload by workload."""
+    lines = [
+        f"llama.cpp's server ({describe}) on the same GGUF, one slot, one thread, without "
+        f"and with `{' '.join(LLAMA_SPEC)}`, in the same run (its workloads interleaved "
+        "with pdserve's). Single streams, TPOT ms; gain = TPOT off / on:",
+        "",
+        "| workload | llama.cpp off | llama.cpp on | llama.cpp gain | its acceptance "
+        "| pdserve off | pdserve on | pdserve gain | pdserve gain >= llama.cpp's |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    p_off, p_on = (d["singles"] for d in pd)
+    l_off, l_on = (d["singles"] for d in ll)
+    assert all(isinstance(x, dict) for x in (p_off, p_on, l_off, l_on))
+    assert isinstance(p_off, dict) and isinstance(p_on, dict)
+    assert isinstance(l_off, dict) and isinstance(l_on, dict)
+    for name, (la, _) in l_off.items():
+        lb, lrate = l_on[name]
+        pa, pb = p_off[name][0], p_on[name][0]
+        lg, pg = la.tpot / lb.tpot, pa.tpot / pb.tpot
+        lines.append(
+            f"| {name} | {1000 * la.tpot:.1f} | {1000 * lb.tpot:.1f} | {lg:.2f}x | "
+            f"{lrate:.2f} | {1000 * pa.tpot:.1f} | {1000 * pb.tpot:.1f} | {pg:.2f}x | "
+            f"{'yes' if pg >= lg else 'no'} |"
+        )
+    return "\n".join([*lines, ""])
+
+
+def llama_specs(served: str, log_dir: Path) -> tuple[list[ServerSpec], str]:
+    """llama.cpp's server without and with n-gram speculation on the GGUF pdserve's
+    default model is converted from (built here once: see benchmarks/peers/llama_cpp.py)."""
+    build = llama_cpp.ensure_llama_cpp()
+    argv = llama_cpp.server_argv(
+        build, bundled_gguf(), threads=1, parallel=1, max_model_len=4096, alias=served
+    )
+    specs = [ServerSpec(LLAMA[0], argv), ServerSpec(LLAMA[1], [*argv, *LLAMA_SPEC])]
+    return specs, f"{build.describe()}, {llama_cpp.version(build)}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
     ap.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args()
     model = a.model or default_model_dir()
@@ -235,17 +298,32 @@ def main() -> None:
         ),
     ]
     procs = {}
-    try:
-        for key, extra in (("off", []), ("on", ["--speculative-config", SPEC])):
-            procs[key] = launch([*base, *extra])
-        figures = measure({k: url for k, (_, url) in procs.items()}, a.tokens, a.runs)
-    finally:
-        for proc, _ in procs.values():
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+    with contextlib.ExitStack() as stack:
+        try:
+            for key, extra in zip(PDSERVE, ([], ["--speculative-config", SPEC]), strict=True):
+                procs[key] = launch([*base, *extra])
+            urls = {k: url for k, (_, url) in procs.items()}
+            describe = ""
+            if not a.no_llama_cpp and a.model is None:
+                log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+                specs, describe = llama_specs(served_model(urls["off"]), log_dir)
+                for spec in specs:
+                    urls[spec.name] = stack.enter_context(running(spec, log_dir))
+            figures = measure(urls, a.tokens, a.runs)
+        finally:
+            for proc, _ in procs.values():
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
     off, on = figures["off"], figures["on"]
-    command = portable(f"python -m benchmarks.speculative --tokens {a.tokens} --runs {a.runs}")
+    flags = " --no-llama-cpp" if a.no_llama_cpp else ""
+    cores = sorted(os.sched_getaffinity(0))
+    pin = f"taskset -c {','.join(map(str, cores))} " if len(cores) < (os.cpu_count() or 0) else ""
+    command = portable(
+        f"{pin}python -m benchmarks.speculative --tokens {a.tokens} --runs {a.runs}{flags}"
+    )
     text = report(command, off, on)
+    if describe:
+        text += "\n" + llama_report(describe, (off, on), (figures[LLAMA[0]], figures[LLAMA[1]]))
     a.out.write_text(text)
     print(text)
 

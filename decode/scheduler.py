@@ -22,6 +22,7 @@ replaying the request's output so far when it is first sampled here.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -119,6 +120,7 @@ class DecodeScheduler:
         if batch:
             seqs = [r.seq for r in batch]
             drafts = self.spec.drafts(seqs) if self.spec is not None else None
+            began = time.perf_counter()
             if drafts is not None:
                 sample = self._speculative_step(batch, drafts, batcher, out)
             else:
@@ -126,6 +128,9 @@ class DecodeScheduler:
                 tokens, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
                 for i, r in enumerate(batch):
                     self._emit(r, tokens[i], i, logprobs[i], batcher, out)
+            if self.spec is not None:  # the cost-aware gate's clock (engine/spec/cost.py)
+                x = sum(map(len, drafts)) if drafts is not None else 0
+                self.spec.timed(len(batch), x, time.perf_counter() - began)
         out.tokens = batcher.batches(sample)
         return out
 

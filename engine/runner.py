@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -296,6 +297,11 @@ class ModelRunner:
                 )
             return self._kernels.forward(spans, tokens, is_decode, kv_pool)
         meta, last = self._metadata(spans, is_decode, kv_pool)
+        if decode_weights:  # speculative verification: rows attend as decode rows do
+            exact = frozenset(
+                i for i, (seq, _, _) in enumerate(spans) if seq.sampling.logprobs is not None
+            )
+            meta = replace(meta, rows_as_decode=True, exact_rows=exact)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
             # Verification (``decode_weights``) runs k + 1 rows a sequence on the kernels its

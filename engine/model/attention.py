@@ -41,6 +41,12 @@ class AttentionMetadata:
     ctx_lens: list[int]  # (B,) KV length after this step, new tokens included
     q_lens: list[int]  # (B,) new tokens per sequence; sum == T
     is_decode: bool
+    # Speculative verification: each query row is attended to as a decode step would
+    # attend to it (``_decode_rows_attention``), so its logits carry that step's bits.
+    rows_as_decode: bool = False
+    # ... and these sequences' rows (indices into the batch) get exactly a one-request
+    # decode step's bits, at a higher cost (those that asked for logprobs).
+    exact_rows: frozenset[int] = frozenset()
     gather_rows: tuple[torch.Tensor, ...] = ()  # decode only: L x (2 * B * max_blocks,)
     attn_bias: torch.Tensor | None = None  # decode only: (B, 1, 1, S) 0 or -inf, model dtype
     # CPU decode only: the batch's K/V kept dense between steps (see DenseDecodeKV), and
@@ -96,8 +102,12 @@ def _prefill_attention(
         n = meta.q_lens[i]
         if n != meta.ctx_lens[i]:
             ki, vi = _gather_context(pool, layer, meta.block_tables[i], meta.ctx_lens[i])
-            ki, vi = ki.to(q.dtype), vi.to(q.dtype)
-            outputs.append(_causal_sdpa(q[start : start + n], ki, vi))
+            if meta.rows_as_decode:
+                exact = i in meta.exact_rows
+                outputs.append(_decode_rows_attention(q[start : start + n], ki, vi, exact))
+            else:
+                ki, vi = ki.to(q.dtype), vi.to(q.dtype)
+                outputs.append(_causal_sdpa(q[start : start + n], ki, vi))
             start, i = start + n, i + 1
             continue
         # No earlier chunk: the fresh K/V are the whole context. Consecutive fresh
@@ -168,6 +178,43 @@ def grouped_causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
     mask = mask.repeat_interleave(g, dim=0)  # (n * g, c)
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)  # (1, KVH, n * g, D)
     return out[0].view(kv_heads, n, g, d).transpose(0, 1).reshape(n, heads, d)
+
+
+def _decode_rows_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exact: bool
+) -> torch.Tensor:
+    """q: (n, H, D), the last n positions of a context k, v: (c, KVH, D) in the cache's
+    dtype -> (n, H, D) in q's dtype, computed as ``_decode_attention`` computes a decode
+    step's rows: in the cache's dtype, query heads grouped per KV head, a 0 / -inf bias.
+
+    ``exact``: one SDPA call per row over exactly the context that row sees, so each row
+    gets the bits a one-request decode step would give it (logprobs equal to speculation
+    off). Otherwise one call for all n rows: the CPU kernel's reduction order depends on
+    the key width, so the masked slots past a row's context move its logits by a few
+    bfloat16 roundings (~4e-4 in logprob, as decoding beside a longer request does),
+    for less than n calls cost over a long context.
+    NOTE: the causal-prefill path (``_causal_sdpa``) computes in the activations' dtype
+    (~1e-3 from decode with a bfloat16 cache).
+    """
+    n, heads, d = q.shape
+    c, kv_heads = k.shape[0], k.shape[1]
+    qc = q.to(k.dtype)
+    kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))  # (1, KVH, c, D)
+    if exact:
+        out = torch.empty(n, heads, d, dtype=k.dtype, device=q.device)
+        for j in range(n):
+            s = c - n + j + 1  # query j sits at position s - 1
+            bias = torch.zeros(1, 1, 1, s, dtype=k.dtype, device=q.device)
+            out[j] = grouped_decode_sdpa(qc[j : j + 1], kh[:, :, :s], vh[:, :, :s], bias)[0]
+        return out.to(q.dtype)
+    g = heads // kv_heads
+    # Row j * g + i of KV head h is query token j of head h * g + i (as grouped_causal_sdpa).
+    qh = qc.view(n, kv_heads, g, d).transpose(0, 1).reshape(1, kv_heads, n * g, d)
+    seen = torch.ones(n, c, dtype=torch.bool, device=q.device).tril(diagonal=c - n)
+    bias = torch.zeros(n, c, dtype=k.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
+    bias = bias.repeat_interleave(g, dim=0).view(1, 1, n * g, c)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)  # (1, KVH, n * g, D)
+    return out[0].view(kv_heads, n, g, d).transpose(0, 1).reshape(n, heads, d).to(q.dtype)
 
 
 def _decode_attention(

@@ -23,6 +23,8 @@ class _Index:
 
 
 class NgramProposer(Proposer):
+    cheap = True  # a dict lookup per n-gram size
+
     def __init__(self, lo: int, hi: int) -> None:
         assert 1 <= lo <= hi, (lo, hi)
         self.lo, self.hi = lo, hi

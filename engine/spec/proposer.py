@@ -20,6 +20,10 @@ from engine.kv.sequence import Sequence
 
 
 class Proposer(abc.ABC):
+    # True: a proposal costs next to nothing (a lookup), so the speculator may ask for
+    # drafts it will not verify, to measure their acceptance (engine/spec/cost.py).
+    cheap = False
+
     @abc.abstractmethod
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         """Up to ``ks[i]`` drafts for each ``seqs[i]`` (an empty list: nothing to offer)."""

@@ -5,16 +5,18 @@ Who calls what (the decode scheduler, each step, with the running batch):
                            this step decodes one token per request as usual
     verify(seqs, d)     -> the target's samples at every drafted position
     record(seq, n, m)   after the scheduler emitted a request's accepted run: n drafted,
-                        m accepted; adapts that request's k and its gate
+                        m accepted; updates that request's measured acceptance
+    timed(b, x, s)      the step (forward and sampling) of b requests with x drafts took
+                        s seconds: the cost model's measurements
     release(rid)        the request left this worker
 
-Aiming at no loss (benchmarks/results/speculative.md shows where it still loses): a
-step with more than ``disable_by_batch_size`` requests running does not speculate (a
-batch that large is compute-bound and verifying rejected drafts would cost
-more than it saves); a request whose drafts keep being rejected is left alone for a
-while (its gate backs off, doubling); k follows each request's accepted runs. Requests
-that do not speculate in a step are counted by reason (``SpecStats.skipped``), never
-refused: they decode one token, as without speculation.
+Aiming at no loss: a step with more than ``disable_by_batch_size`` requests running
+does not speculate; below that, the cost-aware gate (engine/spec/cost.py) gives each
+request the drafts that maximise the step's expected tokens per measured second, none
+when verifying would not pay. Requests that do not speculate in a step are counted by
+reason (``SpecStats.skipped``; ``low_acceptance``: the gate found its expected accepted
+tokens not worth the measured cost of verifying them), never refused: they decode one
+token, as without speculation.
 """
 
 from __future__ import annotations
@@ -26,13 +28,10 @@ from engine.config import SpeculativeConfig
 from engine.errors import NoFreeBlocks
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
+from engine.spec.cost import _PRIOR_ACCEPT, Acceptance, StepTimes, allocate
 from engine.spec.ngram import NgramProposer
 from engine.spec.proposer import Proposer
 from engine.spec.verify import Verified, grammar_drafts, sample_rows
-
-_EMA = 0.3  # weight of the newest step in a request's acceptance average
-_GATE = 0.45  # below this average acceptance, a request stops speculating for a while
-_MAX_BACKOFF = 64  # steps
 
 
 @dataclass
@@ -48,10 +47,7 @@ class SpecStats:
 
 @dataclass
 class _Req:
-    k: int
-    ema: float = 1.0
-    wait: int = 0  # steps left before it may speculate again
-    backoff: int = 4
+    acc: Acceptance
     drafted: int = 0  # per-request totals (reported to the client on opt-in)
     accepted: int = 0
 
@@ -63,17 +59,26 @@ class Speculator:
         self.runner = runner
         self.config = config
         self.proposer = proposer if proposer is not None else make_proposer(runner, config)
-        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        k = config.num_speculative_tokens
+        self.stats = SpecStats(accepted_per_pos=[0] * k)
         self._reqs: dict[int, _Req] = {}
+        # The cost-aware gate's measurements; None: every request verifies all the drafts
+        # it is offered (tests forcing drafts through a stub proposer set this).
+        self.times: StepTimes | None = StepTimes()
+        self._prior = [_PRIOR_ACCEPT] * k  # worker-wide per-position acceptance
 
     def drafts(self, seqs: list[Sequence]) -> list[list[int]] | None:
         """This step's drafts per sequence (some may be empty), or None: no speculation."""
         if len(seqs) > self.config.disable_by_batch_size:
             self.stats.skipped["batch_size"] += len(seqs)
             return None
-        ks = [self._k(seq) for seq in seqs]
-        asked = [i for i, k in enumerate(ks) if k > 0]
+        reqs = [self._req(seq) for seq in seqs]
+        ks = [self._room(seq) for seq in seqs]
+        gated = self.times is not None
+        if gated and not self.proposer.cheap:  # decide before paying for the drafts
+            ks = self._allocate(seqs, reqs, [[0] * k for k in ks])
         out: list[list[int]] = [[] for _ in seqs]
+        asked = [i for i, k in enumerate(ks) if k > 0]
         if asked:
             proposed = self.proposer.propose([seqs[i] for i in asked], [ks[i] for i in asked])
             for i, d in zip(asked, proposed, strict=True):
@@ -81,22 +86,43 @@ class Speculator:
                 if not out[i]:
                     self.stats.skipped["no_draft"] += 1
         grammar_drafts(self.runner.grammars, seqs, out)
+        if gated and self.proposer.cheap:
+            self._gate(seqs, reqs, out)
         for seq, d in zip(seqs, out, strict=True):
             if d and not self._reserve(seq, len(d)):
                 d.clear()
         return out if any(out) else None
 
-    def _k(self, seq: Sequence) -> int:
-        """How many drafts ``seq`` may verify this step (0: it does not speculate)."""
+    def _gate(self, seqs: list[Sequence], reqs: list[_Req], out: list[list[int]]) -> None:
+        """Cut each request's drafts to what the cost model says pays; a request left
+        with none keeps its proposal as shadow drafts (scored as it decodes)."""
+        for seq, r in zip(seqs, reqs, strict=True):
+            r.acc.check_shadow(seq.output_ids, self._prior, final=False)
+        ks = self._allocate(seqs, reqs, out)
+        for seq, r, d, k in zip(seqs, reqs, out, ks, strict=True):
+            if k > 0:
+                r.acc.check_shadow(seq.output_ids, self._prior, final=True)
+            elif d:
+                self.stats.skipped["low_acceptance"] += 1
+                if not r.acc.shadow:
+                    r.acc.shadow, r.acc.shadow_base = list(d), len(seq.output_ids)
+            del d[k:]
+
+    def _allocate(self, seqs: list[Sequence], reqs: list[_Req], out: list[list[int]]) -> list[int]:
+        assert self.times is not None
+        gains = [r.acc.gains(len(d), self._prior) for r, d in zip(reqs, out, strict=True)]
+        return allocate(gains, len(seqs), self.times)
+
+    def _req(self, seq: Sequence) -> _Req:
         r = self._reqs.get(seq.rid)
         if r is None:
-            r = self._reqs[seq.rid] = _Req(k=self.config.num_speculative_tokens)
-        if r.wait > 0:
-            r.wait -= 1
-            self.stats.skipped["low_acceptance"] += 1
-            return 0
-        # Room: positions up to max_model_len, and no draft past max_tokens (the token
-        # sampled after the last draft is the last one a step can emit).
+            r = self._reqs[seq.rid] = _Req(Acceptance([None] * len(self._prior)))
+        return r
+
+    def _room(self, seq: Sequence) -> int:
+        """How many drafts ``seq`` may verify at most (0: none): positions up to
+        max_model_len, and no draft past max_tokens (the token sampled after the last
+        draft is the last one a step can emit)."""
         room = min(
             self.runner.max_model_len - seq.num_tokens,
             seq.sampling.max_tokens - len(seq.output_ids) - 1,
@@ -104,7 +130,7 @@ class Speculator:
         if room <= 0:
             self.stats.skipped["length"] += 1
             return 0
-        return min(r.k, room)
+        return min(self.config.num_speculative_tokens, room)
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         try:
@@ -117,6 +143,11 @@ class Speculator:
     def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> Verified:
         logits = self.runner.verify(seqs, drafts)
         return sample_rows(logits, seqs, drafts, self.runner.grammars, self.runner.generator)
+
+    def timed(self, b: int, x: int, seconds: float) -> None:
+        """A step of ``b`` requests verifying ``x`` drafts in all took ``seconds``."""
+        if self.times is not None:
+            self.times.observe(b, x, seconds)
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """``seq`` verified ``drafted`` drafts this step and ``accepted`` of them held."""
@@ -131,14 +162,7 @@ class Speculator:
         r = self._reqs[seq.rid]
         r.drafted += drafted
         r.accepted += accepted
-        r.ema = (1 - _EMA) * r.ema + _EMA * accepted / drafted
-        kmax = self.config.num_speculative_tokens
-        r.k = min(kmax, 2 * r.k) if accepted == drafted else max(1, accepted + 1)
-        if r.ema < _GATE:
-            r.wait, r.backoff = r.backoff, min(_MAX_BACKOFF, 2 * r.backoff)
-            r.ema = 1.0 - _GATE  # on probation when it comes back
-        elif accepted:
-            r.backoff = 4
+        r.acc.observe(drafted, accepted, self._prior)
 
     def counts(self, rid: int) -> tuple[int, int]:
         """(drafted, accepted) tokens of ``rid`` so far on this worker."""

@@ -215,6 +215,10 @@ class RefinedHead(nn.Module):
         exact = torch.einsum("tk,tnk->tn", x, w)
         if bias is not None:
             exact += bias[idx]
+        # Only a row's own near logits: ``n`` is the batch's widest, and a row's logits
+        # must not depend on the rows beside it (a speculative verification's rows get
+        # the bits their decode steps would, one row each).
+        exact = torch.where(near[:, :n], exact, top[:, :n])
         return out.scatter_(1, idx, exact)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from colocated.llm import GenerationResult
 from tests.spec.helpers import Oracle, engine, generate, prompts, with_proposer
@@ -122,3 +123,26 @@ def test_a_stop_inside_an_accepted_run_cuts_it_there(
     assert got.output_ids == ref[: cut + 1]
     assert got.logprobs is not None and len(got.logprobs) == cut + 1
     assert got.finish == (Finish.LENGTH if how == "max_tokens" else Finish.STOP)
+
+
+def test_logprobs_match_with_a_bfloat16_kv_cache(default_model_path: Path) -> None:
+    """Quantized weights keep K and V in bfloat16 (engine/weights/plan.py), the serving
+    default. Verification rows attend as decode rows do (in the cache's dtype) and the
+    refined LM head leaves each row's logits independent of the rows beside it, so one
+    request's logprobs and top_logprobs equal speculation off (they were ~1e-3 apart).
+
+    NOTE: one request at a time: with a bfloat16 cache, decode itself is not invariant
+    to the batch beside a request (its attention runs over the batch's padded width, and
+    the CPU kernel's reduction order depends on that width: up to ~2e-3 in logprob), so
+    batched runs of different step compositions compare decode with decode's own noise.
+    """
+    params = [GREEDY, SAMPLED[0]] * 3
+    ref_llm = engine(default_model_path, None, quantization="int8")
+    assert ref_llm.runner.kv_dtype == torch.bfloat16
+    reference = [generate(ref_llm, [p], q)[0] for p, q in zip(PROMPTS[:6], params)]
+    for mode in ("mixed", "accept"):
+        oracle = Oracle(_refs(reference), mode, VOCAB)
+        llm = with_proposer(engine(default_model_path, 4, quantization="int8"), oracle)
+        got = [generate(llm, [p], q)[0] for p, q in zip(PROMPTS[:6], params)]
+        assert_same(got, reference)
+        assert oracle.proposed > 0

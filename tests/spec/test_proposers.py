@@ -10,7 +10,7 @@ from checkpoints import tiny
 from engine.config import SpeculativeConfig, parse_speculative_config
 from engine.kv.sequence import Sequence
 from engine.spec.ngram import NgramProposer
-from tests.spec.helpers import engine, prompts
+from tests.spec.helpers import engine, prompts, ungated
 from wire.params import SamplingParams
 
 
@@ -91,10 +91,11 @@ def test_a_draft_model_changes_nothing_but_speed(default_model_path: Path, draft
     spec = SpeculativeConfig(
         method="draft_model", model=draft, num_speculative_tokens=4, disable_by_batch_size=64
     )
-    llm = engine(default_model_path, 4, speculative=spec)
+    llm = ungated(engine(default_model_path, 4, speculative=spec))
     got = llm.generate(ps, params)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     stats = llm.scheduler.decode.spec.stats  # type: ignore[union-attr]
     assert stats.num_draft_tokens > 0
-    if draft_arch == "qwen2":  # greedy requests: the draft is the target
-        assert stats.num_accepted_tokens >= 0.3 * stats.num_draft_tokens
+    if draft_arch == "qwen2":  # greedy requests: the draft is the target (4 of 5 tokens)
+        greedy_decoded = sum(len(w.output_ids) - 1 for w in want[::2])
+        assert stats.num_accepted_tokens >= 0.6 * greedy_decoded
