@@ -32,7 +32,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if importlib.util.find_spec("triton") is None:
     collect_ignore_glob = ["test_*.py"]  # the kernel path needs triton; CPU serving does not
 elif INTERPRET:
-    imported = [m for m in KERNEL_MODULES if m in sys.modules]
+    imported = [m for m in (*KERNEL_MODULES, "triton") if m in sys.modules]
+    # triton's own helpers (tl.cdiv ...) are defined when triton is imported: imported
+    # before this, by a test module's top level, they do not run under the interpreter.
     assert not imported, f"{imported} were imported before TRITON_INTERPRET was set"
     _before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
