@@ -46,8 +46,8 @@ from checkpoints.default_model import bundled_gguf, default_model_dir
 RESULTS = Path(__file__).parent / "results" / "speculative.md"
 PDSERVE = ("off", "on")
 LLAMA = ("llama.cpp off", "llama.cpp on")
-# llama.cpp's prompt-lookup kind, as llama.cpp's speculative-decoding guide shows it for the server: the
-# tokens that followed the last occurrence of the current 12-gram (its defaults).
+# llama.cpp's prompt-lookup kind, as its speculative-decoding guide shows it for the
+# server: the tokens that followed the last occurrence of the current 12-gram (defaults).
 LLAMA_SPEC = tuple(shlex.split("--spec-type ngram-simple --spec-draft-n-max 64"))
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 ARTICLE_FILE = Path(__file__).parent / "data" / "perplexity.txt"
