@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import machine_block
 from checkpoints import tiny
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
@@ -250,7 +250,7 @@ def report(rows: list[Row], command: str, device: str = "cpu", dtype: str = "flo
         lines.append(
             f"| {r.model} | {r.what} | {r.ours:.2f} | {r.theirs:.2f} | {r.unit} | {r.ratio:.2f} |"
         )
-    lines += ["", "Machine:", "", "```", describe_machine(), "```", ""]
+    lines += ["", *machine_block()]
     return "\n".join(lines)
 
 

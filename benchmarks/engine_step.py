@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import machine_block
 from checkpoints.default_model import resolve_model
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
@@ -187,7 +187,7 @@ def main() -> None:
     if packed and served:
         lines += ["", "Packed alone / served step time, same run (above 1: served is faster):", ""]
         lines += [f"- {what}: {packed[what] / served[what]:.2f}x" for what in served]
-    lines += ["", "Machine:", "", "```", describe_machine(), "```", ""]
+    lines += ["", *machine_block()]
     args.out.write_text("\n".join(lines))
     print(f"wrote {args.out}")
 

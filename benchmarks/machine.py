@@ -28,7 +28,13 @@ def describe(lscpu_lines: int = 20) -> str:
 def report_head(title: str, command: str) -> list[str]:
     """The first lines of a results page: its title, the command that made it (already
     ``portable``) and the machine, then a blank line."""
-    return [f"# {title}", "", f"Command: `{command}`", "", "Machine:", "```", describe(), "```", ""]
+    return [f"# {title}", "", f"Command: `{command}`", "", *machine_block()]
+
+
+def machine_block() -> list[str]:
+    """The ``Machine:`` section every results page ends (or begins) with: the heading, the
+    ``describe()`` text fenced as code, then a blank line."""
+    return ["Machine:", "", "```", describe(), "```", ""]
 
 
 # The flags that decide which CPU kernels are fast (bfloat16 and int8 dot products, AMX).

@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.machine import describe
+from benchmarks.machine import machine_block
 from benchmarks.serving.__main__ import main as serving_main
 from benchmarks.soak import launch
 from checkpoints import tiny
@@ -205,7 +205,7 @@ def report(rows: list[dict[str, Any]], ideal: dict[str, float], command: str) ->
             f"{ll['prefill_hit_rate']:.3f}, p50 TTFT {on['p50_ttft_ms']:.1f} vs "
             f"{ll['p50_ttft_ms']:.1f} ms"
         )
-    lines += ["", "Machine:", "```", describe(), "```", ""]
+    lines += ["", *machine_block()]
     return "\n".join(lines)
 
 

@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 
-from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import machine_block
 from benchmarks.soak import launch
 from checkpoints import tiny
 from engine.config import EngineConfig
@@ -272,11 +272,7 @@ def report(m: Measured, cmd: str, served: list[str], device: str) -> str:
         f"`launch {' '.join(served)}`, /v1/completions "
         f"streaming, max_tokens {MAX_TOKENS} (ITL) or 1 (TTFT), ignore_eos, temperature 0.",
         "",
-        "Machine:",
-        "```",
-        describe_machine(),
-        "```",
-        "",
+        *machine_block(),
     ]
     return "\n".join(lines)
 

@@ -14,9 +14,20 @@ from typing import Any
 
 import httpx
 import torch
+from hypothesis import HealthCheck, settings
 
 from benchmarks.soak import parents
 from tests.conftest import LaunchedServer
+
+# The hypothesis settings of the hand-written e2e fuzz tests: reproducible (derandomized, no
+# example database) and never failed for being slow, since every example is an HTTP round trip.
+E2E_FUZZ = settings(
+    max_examples=50,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 async def concurrent_greedy(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:  # type: ignore[type-arg]
