@@ -15,7 +15,6 @@ Writes benchmarks/results/engine_cpu.md (engine_cuda.md with --device cuda).
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.cli import quick_parser
 from benchmarks.machine import machine_block
 from checkpoints import tiny
 from engine.config import EngineConfig
@@ -53,10 +53,15 @@ class Row:
         return self.ours / self.theirs if self.lower_is_better else self.theirs / self.ours
 
 
-def _random_model(root: Path, name: str, cfg: Any) -> Path:
-    """``cfg``'s model with random weights (seed 0), saved as ``root / name``."""
+def _random_model(
+    root: Path, name: str, config_cls: Any, vocab: int, sizes: dict[str, int]
+) -> Path:
+    """A ``config_cls`` decoder of ``sizes`` (``tiny.decoder_sizes``) with tied embeddings
+    and random weights (seed 0), saved as ``root / name``."""
     from transformers import AutoModelForCausalLM
 
+    extras = {"max_position_embeddings": 8192, "tie_word_embeddings": True, "dtype": "float32"}
+    cfg = config_cls(vocab_size=vocab, **sizes, **extras)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(root / name)
@@ -67,18 +72,8 @@ def build_bench_model(root: Path) -> Path:
     """A random Qwen2 of hidden 512, 8 layers (GQA 8/4), on Qwen2's vocabulary."""
     from transformers import Qwen2Config
 
-    cfg = Qwen2Config(
-        vocab_size=tiny.QWEN2_PADDED_VOCAB,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        dtype="float32",
-    )
-    return _random_model(root, "qwen2-h512-l8", cfg)
+    sizes = tiny.decoder_sizes(512, 1536, 8, 8, 4)
+    return _random_model(root, "qwen2-h512-l8", Qwen2Config, tiny.QWEN2_PADDED_VOCAB, sizes)
 
 
 def build_smollm2_shape(root: Path) -> Path:
@@ -86,18 +81,9 @@ def build_smollm2_shape(root: Path) -> Path:
     weights: the default model's step cost, where its weights cannot be carried."""
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        dtype="float32",
+    return _random_model(
+        root, "smollm2-shape", LlamaConfig, 49152, tiny.decoder_sizes(576, 1536, 30, 9, 3)
     )
-    return _random_model(root, "smollm2-shape", cfg)
 
 
 def best_interleaved(
@@ -255,12 +241,7 @@ def report(rows: list[Row], command: str, device: str = "cpu", dtype: str = "flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="fewer repeats and steps (smoke run; writes no results file)",
-    )
+    parser = quick_parser(__doc__, "fewer repeats and steps")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")

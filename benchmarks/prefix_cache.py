@@ -19,7 +19,6 @@ once, so their ideal is slightly lower.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.cli import quick_parser
 from benchmarks.machine import machine_block
 from benchmarks.serving.__main__ import main as serving_main
 from benchmarks.soak import launch
@@ -210,12 +210,7 @@ def report(rows: list[dict[str, Any]], ideal: dict[str, float], command: str) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="16 requests per dataset (smoke run; writes no results file)",
-    )
+    parser = quick_parser(__doc__, "16 requests per dataset")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

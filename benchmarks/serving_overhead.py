@@ -26,7 +26,6 @@ Writes benchmarks/results/serving_overhead.md (serving_overhead_cuda.md with --d
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import http.client
 import itertools
@@ -45,6 +44,7 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 
+from benchmarks.cli import quick_parser
 from benchmarks.machine import machine_block
 from benchmarks.soak import launch
 from checkpoints import tiny
@@ -278,12 +278,7 @@ def report(m: Measured, cmd: str, served: list[str], device: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="fewer requests (smoke run; prints, writes no results file)",
-    )
+    parser = quick_parser(__doc__, "fewer requests, printed")
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
