@@ -21,7 +21,7 @@ AGENT_MODEL = "tiny"
 
 @pytest.fixture(scope="session")
 def agent_server() -> Iterator[LaunchedServer]:
-    s = LaunchedServer(
+    yield from LaunchedServer.serving(
         [
             *shlex.split(
                 "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 16384 --max-model-len 1024 --served-model-name"
@@ -33,9 +33,6 @@ def agent_server() -> Iterator[LaunchedServer]:
             "hermes",
         ]
     )
-    s.wait_ready()
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

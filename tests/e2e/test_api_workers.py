@@ -37,9 +37,7 @@ HEADER = "x-pdserve-frontend"
 @pytest.fixture(scope="module")
 def pair() -> Iterator[LaunchedServer]:
     yield from LaunchedServer.serving(
-        shlex.split(
-            "--api-workers 2 --prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024"
-        )
+        "--api-workers 2 --prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024"
     )
 
 
@@ -181,7 +179,7 @@ WAITING = 2
 
 @pytest.fixture(scope="module")
 def bounded() -> Iterator[LaunchedServer]:
-    srv = LaunchedServer(
+    yield from LaunchedServer.serving(
         [
             *shlex.split(
                 "--api-workers 2 --prefill 1 --decode 1 --detokenizers 1 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --max-num-seqs 2 --max-waiting-requests"
@@ -191,9 +189,6 @@ def bounded() -> Iterator[LaunchedServer]:
             "60",
         ]
     )
-    srv.wait_ready()
-    yield srv
-    srv.stop()
 
 
 def test_the_admission_bound_holds_across_both_frontends(bounded: LaunchedServer) -> None:

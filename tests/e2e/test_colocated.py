@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shlex
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,14 +18,9 @@ from tests.e2e.helpers import check_abort_mid_stream_frees_kv, concurrent_greedy
 
 @pytest.fixture(scope="module")
 def colocated_server() -> Iterator[LaunchedServer]:
-    srv = LaunchedServer(
-        shlex.split(
-            "--colocated 2 --detokenizers 1 --device cpu --kv-cache-tokens 8192 --max-model-len 1024"
-        )
+    yield from LaunchedServer.serving(
+        "--colocated 2 --detokenizers 1 --device cpu --kv-cache-tokens 8192 --max-model-len 1024"
     )
-    srv.wait_ready()
-    yield srv
-    srv.stop()
 
 
 def test_workers_are_colocated_processes(colocated_server: LaunchedServer) -> None:

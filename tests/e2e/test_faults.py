@@ -32,9 +32,7 @@ from tests.e2e.helpers import (
 @pytest.fixture(scope="module")
 def victim() -> Iterator[LaunchedServer]:
     yield from LaunchedServer.serving(
-        shlex.split(
-            "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --stall-timeout 4"
-        )
+        "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --stall-timeout 4"
     )
 
 

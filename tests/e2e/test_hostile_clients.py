@@ -34,7 +34,7 @@ IM_START = 151644  # <|im_start|> in the tiny model's Qwen2 vocabulary
 @pytest.fixture(scope="module")
 def srv() -> Iterator[LaunchedServer]:
     """No API key; short deadlines and a small per-peer cap, so tests take seconds."""
-    s = LaunchedServer(
+    yield from LaunchedServer.serving(
         [
             *SMALL,
             "--timeout-header",
@@ -47,9 +47,6 @@ def srv() -> Iterator[LaunchedServer]:
             str(PER_PEER),
         ]
     )
-    s.wait_ready()
-    yield s
-    s.stop()
 
 
 class HealthProbe:
@@ -194,10 +191,7 @@ def test_clients_that_leave_make_no_noise(srv: LaunchedServer) -> None:
 
 @pytest.fixture(scope="module")
 def keyed() -> Iterator[LaunchedServer]:
-    s = LaunchedServer([*SMALL, "--api-key", "s3cret"])
-    s.wait_ready()
-    yield s
-    s.stop()
+    yield from LaunchedServer.serving([*SMALL, "--api-key", "s3cret"])
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/openapi.json", "/docs", "/redoc", "/v1/models"])

@@ -36,7 +36,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def smol(adapters: dict[str, Path]) -> Iterator[LaunchedServer]:
     modules = [f"{name}={path}" for name, path in adapters.items()]
-    srv = LaunchedServer(
+    yield from LaunchedServer.serving(
         [
             "--model",
             str(default_model_dir()),
@@ -47,9 +47,6 @@ def smol(adapters: dict[str, Path]) -> Iterator[LaunchedServer]:
         ],
         tiny_model=False,
     )
-    srv.wait_ready()
-    yield srv
-    srv.stop()
 
 
 def test_greedy_output_per_adapter_equals_transformers_peft(

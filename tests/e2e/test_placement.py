@@ -27,7 +27,7 @@ _SAMPLE = re.compile(
 
 @pytest.fixture(scope="module")
 def wide() -> Iterator[LaunchedServer]:
-    srv = LaunchedServer(
+    yield from LaunchedServer.serving(
         [
             "--prefill",
             str(N_PREFILL),
@@ -38,9 +38,6 @@ def wide() -> Iterator[LaunchedServer]:
             ),
         ]
     )
-    srv.wait_ready()
-    yield srv
-    srv.stop()
 
 
 async def _bursts(url: str, requests: list[tuple[list[int], int]], rng: random.Random) -> None:
