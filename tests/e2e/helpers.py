@@ -46,6 +46,40 @@ async def concurrent_greedy(url: str, prompts: list[list[int]], max_tokens: int)
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
+def check_greedy_matches_transformers(
+    server: LaunchedServer, model: Path, prompts: list[list[int]], max_tokens: int
+) -> None:
+    """Every prompt at once through /generate: each answer is transformers' greedy
+    continuation of its prompt, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    results = asyncio.run(concurrent_greedy(server.url, prompts, max_tokens))
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    for prompt, result in zip(prompts, results, strict=True):
+        want = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None
+        )
+        assert result["output_ids"] == want[0, len(prompt) :].tolist()
+
+
+def greedy_chat_ids(
+    server: LaunchedServer, model: str, messages: list[Any], max_tokens: int
+) -> list[int]:
+    """The token ids a greedy chat completion of ``messages`` generates (its
+    ``return_token_ids``): what another API's answer to the same conversation must count."""
+    import openai
+
+    chat = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    done = chat.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    return done.choices[0].model_extra["token_ids"]  # type: ignore[index,no-any-return]
+
+
 def kv_in_use(server: LaunchedServer) -> int:
     """KV blocks held, summed over every worker (from /health)."""
     used = 0
