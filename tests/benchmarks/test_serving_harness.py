@@ -26,7 +26,9 @@ def serve(reference: tuple[Any, Any], **kw: Any) -> LiveServer:
     return LiveServer(build_app(engine, engine.tokenizer, make_settings()))
 
 
-def bench_args(base_url: str, tokenizer_path: Path, *extra: str) -> list[str]:
+def bench_args(base_url: str, tokenizer_path: Path, extra: str) -> list[str]:
+    """The harness's arguments against ``base_url``: 4 small random prompts, then
+    ``extra`` (one shell-quoted string)."""
     return [
         "--base-url",
         base_url,
@@ -35,7 +37,7 @@ def bench_args(base_url: str, tokenizer_path: Path, *extra: str) -> list[str]:
         "--tokenizer",
         str(tokenizer_path),
         *shlex.split("--num-prompts 4 --random-input-len 12 --random-output-len 6 --disable-tqdm"),
-        *extra,
+        *shlex.split(extra),
     ]
 
 
@@ -48,16 +50,8 @@ def test_run_reports_exact_output_lengths(
             bench_args(
                 srv.base_url,
                 tokenizer_path,
-                "--endpoint",
-                endpoint,
-                "--result-file",
-                str(tmp_path / "r.json"),
-                "--goodput",
-                "e2el:60000",
-                "--plot",
-                str(tmp_path / "r.png"),
-                "--request-rate",
-                "20",
+                f"--endpoint {endpoint} --result-file {tmp_path / 'r.json'} --goodput e2el:60000 "
+                f"--plot {tmp_path / 'r.png'} --request-rate 20",
             )
         )
     assert rc == 0
@@ -77,12 +71,8 @@ def test_sweep_writes_one_result_per_point(
             bench_args(
                 srv.base_url,
                 tokenizer_path,
-                "--sweep",
-                "max-concurrency=1,2",
-                "--result-file",
-                str(tmp_path / "s.json"),
-                "--plot",
-                str(tmp_path / "s.png"),
+                f"--sweep max-concurrency=1,2 --result-file {tmp_path / 's.json'} "
+                f"--plot {tmp_path / 's.png'}",
             )
         )
     results = json.loads((tmp_path / "s.json").read_text())
@@ -99,7 +89,7 @@ def test_unreachable_server_fails_every_request_without_hanging(
         port = s.getsockname()[1]
     rc = main(
         bench_args(
-            f"http://127.0.0.1:{port}", tokenizer_path, "--result-file", str(tmp_path / "f.json")
+            f"http://127.0.0.1:{port}", tokenizer_path, f"--result-file {tmp_path / 'f.json'}"
         )
     )
     result = json.loads((tmp_path / "f.json").read_text())
@@ -115,12 +105,7 @@ def test_stalled_requests_time_out_and_are_counted(
             bench_args(
                 srv.base_url,
                 tokenizer_path,
-                "--request-timeout",
-                "0.5",
-                "--random-output-len",
-                "40",
-                "--result-file",
-                str(tmp_path / "t.json"),
+                f"--request-timeout 0.5 --random-output-len 40 --result-file {tmp_path / 't.json'}",
             )
         )
     result = json.loads((tmp_path / "t.json").read_text())
