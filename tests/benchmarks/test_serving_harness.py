@@ -41,19 +41,22 @@ def bench_args(base_url: str, tokenizer_path: Path, extra: str) -> list[str]:
     ]
 
 
+def _bench(reference: tuple[Any, Any], tokenizer_path: Path, extra: str, **kw: Any) -> int:
+    """The harness's exit code, run with ``extra`` against a reference server (``kw``)."""
+    with serve(reference, **kw) as srv:
+        return main(bench_args(srv.base_url, tokenizer_path, extra))
+
+
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 def test_run_reports_exact_output_lengths(
     reference: tuple[Any, Any], tokenizer_path: Path, tmp_path: Path, endpoint: str
 ) -> None:
-    with serve(reference) as srv:
-        rc = main(
-            bench_args(
-                srv.base_url,
-                tokenizer_path,
-                f"--endpoint {endpoint} --result-file {tmp_path / 'r.json'} --goodput e2el:60000 "
-                f"--plot {tmp_path / 'r.png'} --request-rate 20",
-            )
-        )
+    rc = _bench(
+        reference,
+        tokenizer_path,
+        f"--endpoint {endpoint} --result-file {tmp_path / 'r.json'} --goodput e2el:60000 "
+        f"--plot {tmp_path / 'r.png'} --request-rate 20",
+    )
     assert rc == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert (result["completed"], result["failed"]) == (4, 0)
@@ -66,15 +69,12 @@ def test_run_reports_exact_output_lengths(
 def test_sweep_writes_one_result_per_point(
     reference: tuple[Any, Any], tokenizer_path: Path, tmp_path: Path
 ) -> None:
-    with serve(reference) as srv:
-        rc = main(
-            bench_args(
-                srv.base_url,
-                tokenizer_path,
-                f"--sweep max-concurrency=1,2 --result-file {tmp_path / 's.json'} "
-                f"--plot {tmp_path / 's.png'}",
-            )
-        )
+    rc = _bench(
+        reference,
+        tokenizer_path,
+        f"--sweep max-concurrency=1,2 --result-file {tmp_path / 's.json'} "
+        f"--plot {tmp_path / 's.png'}",
+    )
     results = json.loads((tmp_path / "s.json").read_text())
     assert rc == 0 and [r["max_concurrency"] for r in results] == [1, 2]
     assert all(r["completed"] == 4 for r in results)
@@ -100,14 +100,12 @@ def test_unreachable_server_fails_every_request_without_hanging(
 def test_stalled_requests_time_out_and_are_counted(
     reference: tuple[Any, Any], tokenizer_path: Path, tmp_path: Path
 ) -> None:
-    with serve(reference, step_delay_s=0.3) as srv:
-        rc = main(
-            bench_args(
-                srv.base_url,
-                tokenizer_path,
-                f"--request-timeout 0.5 --random-output-len 40 --result-file {tmp_path / 't.json'}",
-            )
-        )
+    rc = _bench(
+        reference,
+        tokenizer_path,
+        f"--request-timeout 0.5 --random-output-len 40 --result-file {tmp_path / 't.json'}",
+        step_delay_s=0.3,
+    )
     result = json.loads((tmp_path / "t.json").read_text())
     assert rc == 1 and result["failed"] == 4
 
