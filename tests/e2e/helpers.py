@@ -80,14 +80,29 @@ def greedy_chat_ids(
     return done.choices[0].model_extra["token_ids"]  # type: ignore[index,no-any-return]
 
 
+def kv_by_worker(server: LaunchedServer) -> dict[str, int]:
+    """KV blocks each worker with a KV pool holds, by ``role-index`` (from /health)."""
+    return {
+        f"{w['role']}-{w['index']}": int(w["load"]["total_kv_blocks"] - w["load"]["free_kv_blocks"])
+        for w in server.health()["workers"]
+        if "total_kv_blocks" in w["load"]
+    }
+
+
 def kv_in_use(server: LaunchedServer) -> int:
     """KV blocks held, summed over every worker (from /health)."""
-    used = 0
-    for w in server.health()["workers"]:
-        load = w["load"]
-        if "total_kv_blocks" in load:
-            used += int(load["total_kv_blocks"] - load["free_kv_blocks"])
-    return used
+    return sum(kv_by_worker(server).values())
+
+
+def read_events_then_leave(server: LaunchedServer, r: httpx.Response, events: int = 5) -> None:
+    """Read ``events`` data lines of the open stream ``r`` (KV is in use by then); the
+    caller's closing the stream then disconnects the client."""
+    seen = 0
+    for line in r.iter_lines():
+        seen += line.startswith("data: ")
+        if seen >= events:
+            assert kv_in_use(server) > 0
+            return
 
 
 def check_abort_mid_stream_frees_kv(server: LaunchedServer) -> None:
@@ -99,17 +114,8 @@ def check_abort_mid_stream_frees_kv(server: LaunchedServer) -> None:
     }
     with httpx.Client(base_url=server.url) as client:
         with client.stream("POST", "/generate", json=body, timeout=60) as r:
-            seen = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                if seen >= 5:
-                    assert kv_in_use(server) > 0
-                    break  # closing the stream disconnects the client
-        deadline = time.monotonic() + 5
-        while kv_in_use(server) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert kv_in_use(server) == 0
+            read_events_then_leave(server, r)
+        wait_kv_free(server)
 
 
 def reported_pids(server: LaunchedServer, timeout_s: float = 30.0) -> dict[tuple[str, int], int]:
@@ -133,12 +139,13 @@ def computed_prefill_tokens(server: LaunchedServer) -> int:
     return int(sum(float(v) for v in found))
 
 
-def wait_kv_free(server: LaunchedServer, timeout_s: float = 5.0) -> None:
-    """Every worker's KV blocks back (a request that left was aborted everywhere)."""
+def wait_kv_free(server: LaunchedServer, timeout_s: float = 5.0, what: str = "") -> None:
+    """Every worker's KV blocks back within ``timeout_s`` (a request that left was aborted
+    everywhere); ``what`` leads the failure message."""
     deadline = time.monotonic() + timeout_s
     while kv_in_use(server) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert kv_in_use(server) == 0
+        time.sleep(0.02)
+    assert kv_in_use(server) == 0, f"{what}KV still held: {kv_by_worker(server)}"
 
 
 def wait_logged(server: LaunchedServer, needle: str, timeout_s: float = 5.0) -> None:

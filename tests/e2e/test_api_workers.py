@@ -25,8 +25,10 @@ from tests.e2e.helpers import (
     kv_in_use,
     pid_of,
     random_prompts,
+    read_events_then_leave,
     run_with_kill,
     wait_all_alive,
+    wait_kv_free,
 )
 
 pytestmark = pytest.mark.slow
@@ -97,16 +99,8 @@ def test_a_client_leaving_either_frontend_frees_kv_within_a_second(pair: Launche
             client.stream("POST", "/generate", json=body) as r,
         ):
             frontend = r.headers[HEADER]
-            events = 0
-            for line in r.iter_lines():
-                events += line.startswith("data: ")
-                if events >= 5:
-                    assert kv_in_use(pair) > 0
-                    break
-        gone = time.monotonic()
-        while kv_in_use(pair) and time.monotonic() - gone < 1.0:
-            time.sleep(0.02)
-        assert kv_in_use(pair) == 0, f"KV still held after a client left frontend {frontend}"
+            read_events_then_leave(pair, r)
+        wait_kv_free(pair, 1.0, f"a client left frontend {frontend}: ")
         left.add(frontend)
         if left == {"0", "1"}:
             return
