@@ -8,12 +8,13 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.conftest import LaunchedServer
-from tests.e2e.helpers import reported_pids
+from tests.e2e.helpers import Exact, reported_pids
 
 TOOLS_TEMPLATE = Path(__file__).parent / "data" / "qwen2_5_tools.jinja"
 AGENT_MODEL = "tiny"
@@ -46,3 +47,9 @@ def worker_pids(server: LaunchedServer) -> dict[tuple[str, int], int]:
 def http(server: LaunchedServer, worker_pids: dict[tuple[str, int], int]) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def exact(default_model_path: Path, qwen_tokenizer: Any) -> Exact:
+    """Checks that streams are the whole greedy continuations of their prompts."""
+    return Exact(default_model_path, qwen_tokenizer)

@@ -9,6 +9,7 @@ import re
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +265,19 @@ def check_exact(
         assert result["finish"] == "length", (result, events[-20:])
         assert result["ids"] == want, f"prompt of {len(prompt)}: {events[-20:]}"
         assert result["text"] == tokenizer.decode(want, skip_special_tokens=True)  # type: ignore[attr-defined]
+
+
+@dataclass
+class Exact:
+    """``check_exact`` against the default tiny model: the ``exact`` fixture, whose
+    greedy continuations are computed once per prompt for its module."""
+
+    model: Path
+    tokenizer: Any
+    reference: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+    def check(self, results: list[dict], prompts: list[list[int]], log: list[str]) -> None:  # type: ignore[type-arg]
+        check_exact(results, prompts, self.reference, self.model, self.tokenizer, log)
 
 
 def wait_all_alive(server: LaunchedServer, timeout_s: float = 90) -> None:

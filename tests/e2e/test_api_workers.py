@@ -14,14 +14,13 @@ import shlex
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import (
-    check_exact,
+    Exact,
     kv_in_use,
     pid_of,
     random_prompts,
@@ -41,11 +40,6 @@ def pair() -> Iterator[LaunchedServer]:
     yield from LaunchedServer.serving(
         "--api-workers 2 --prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024"
     )
-
-
-@pytest.fixture(scope="module")
-def reference() -> dict[tuple[int, ...], list[int]]:
-    return {}
 
 
 def test_both_frontends_serve_and_report_the_same_server(pair: LaunchedServer) -> None:
@@ -74,15 +68,10 @@ def test_both_frontends_serve_and_report_the_same_server(pair: LaunchedServer) -
     assert 'pdserve_frontend_requests_total{frontend="1"}' in metrics
 
 
-def test_streams_on_both_frontends_complete_exactly(
-    pair: LaunchedServer,
-    reference: dict,
-    default_model_path: Path,
-    qwen_tokenizer: object,  # type: ignore[type-arg]
-) -> None:
+def test_streams_on_both_frontends_complete_exactly(pair: LaunchedServer, exact: Exact) -> None:
     prompts = random_prompts(12, seed=3)
     results = run_with_kill(pair, prompts)  # nothing killed
-    check_exact(results, prompts, reference, default_model_path, qwen_tokenizer, pair.log)
+    exact.check(results, prompts, pair.log)
     assert {r["frontend"] for r in results} == {"0", "1"}
 
 
@@ -108,24 +97,18 @@ def test_a_client_leaving_either_frontend_frees_kv_within_a_second(pair: Launche
 
 
 def test_a_shard_death_under_both_frontends_streams_loses_nothing(
-    pair: LaunchedServer,
-    reference: dict,
-    default_model_path: Path,
-    qwen_tokenizer: object,  # type: ignore[type-arg]
+    pair: LaunchedServer, exact: Exact
 ) -> None:
     wait_all_alive(pair)
     prompts = random_prompts(10, seed=11)
     results = run_with_kill(pair, prompts, "pdserve:detok-0")
-    check_exact(results, prompts, reference, default_model_path, qwen_tokenizer, pair.log)
+    exact.check(results, prompts, pair.log)
     assert {r["frontend"] for r in results} == {"0", "1"}
     wait_all_alive(pair)
 
 
 def test_a_frontend_death_fails_only_its_own_streams_and_it_comes_back(
-    pair: LaunchedServer,
-    reference: dict,
-    default_model_path: Path,
-    qwen_tokenizer: object,  # type: ignore[type-arg]
+    pair: LaunchedServer, exact: Exact
 ) -> None:
     wait_all_alive(pair)
     prompts = random_prompts(12, seed=23)
@@ -136,14 +119,7 @@ def test_a_frontend_death_fails_only_its_own_streams_and_it_comes_back(
     assert mine and theirs, {r["frontend"] for r in results}
     for r in theirs:  # cut off: the connection broke before the end
         assert r["finish"] is None, r
-    check_exact(
-        [r for _, r in mine],
-        [p for p, _ in mine],
-        reference,
-        default_model_path,
-        qwen_tokenizer,
-        pair.log,
-    )
+    exact.check([r for _, r in mine], [p for p, _ in mine], pair.log)
     # The dead frontend's requests were abandoned: no worker keeps their KV.
     deadline = time.monotonic() + 10
     while kv_in_use(pair) and time.monotonic() < deadline:

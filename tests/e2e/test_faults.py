@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import (
-    check_exact,
+    Exact,
     children,
     greedy_stream,
     pid_of,
@@ -36,47 +36,30 @@ def victim() -> Iterator[LaunchedServer]:
     )
 
 
-@pytest.fixture(scope="module")
-def reference(default_model_path: Path) -> dict[tuple[int, ...], list[int]]:
-    """Greedy continuations from transformers, computed once per prompt on demand."""
-    return {}
-
-
 @pytest.mark.parametrize("title", ["pdserve:decode-0", "pdserve:prefill-1"])
 def test_worker_death_mid_stream_loses_and_duplicates_nothing(
-    victim: LaunchedServer,
-    reference: dict,
-    default_model_path: Path,
-    qwen_tokenizer,
-    title: str,  # type: ignore[no-untyped-def, type-arg]
+    victim: LaunchedServer, exact: Exact, title: str
 ) -> None:
     wait_all_alive(victim)
     prompts = random_prompts(6, seed=len(title))
     results = run_with_kill(victim, prompts, title)
-    check_exact(results, prompts, reference, default_model_path, qwen_tokenizer, victim.log)
+    exact.check(results, prompts, victim.log)
     wait_all_alive(victim)  # the launcher restarted it and it serves again
 
 
 @pytest.mark.parametrize("shards", [("pdserve:detok-0",), ("pdserve:detok-0", "pdserve:detok-1")])
 def test_detokenizer_deaths_lose_and_duplicate_nothing(
-    victim: LaunchedServer,
-    reference: dict,  # type: ignore[type-arg]
-    default_model_path: Path,
-    qwen_tokenizer: object,
-    shards: tuple[str, ...],
+    victim: LaunchedServer, exact: Exact, shards: tuple[str, ...]
 ) -> None:
     wait_all_alive(victim)
     prompts = random_prompts(8, seed=99 + len(shards))
     results = run_with_kill(victim, prompts, *shards)
-    check_exact(results, prompts, reference, default_model_path, qwen_tokenizer, victim.log)
+    exact.check(results, prompts, victim.log)
     wait_all_alive(victim)
 
 
 def test_a_stopped_decode_worker_is_reported_and_its_streams_finish_elsewhere(
-    victim: LaunchedServer,
-    reference: dict,  # type: ignore[type-arg]
-    default_model_path: Path,
-    qwen_tokenizer: object,
+    victim: LaunchedServer, exact: Exact
 ) -> None:
     wait_all_alive(victim)
     prompts = random_prompts(8, seed=7)
@@ -104,7 +87,7 @@ def test_a_stopped_decode_worker_is_reported_and_its_streams_finish_elsewhere(
 
     results = asyncio.run(main())
     assert "decode-0" in seen  # /health said which worker stalled
-    check_exact(results, prompts, reference, default_model_path, qwen_tokenizer, victim.log)
+    exact.check(results, prompts, victim.log)
     wait_all_alive(victim)  # it rejoined once it could run again
     assert pid_of(victim, "pdserve:decode-0") == pid  # the same process, not a restart
 
