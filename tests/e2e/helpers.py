@@ -57,10 +57,21 @@ def check_greedy_matches_transformers(
     results = asyncio.run(concurrent_greedy(server.url, prompts, max_tokens))
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     for prompt, result in zip(prompts, results, strict=True):
-        want = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None
+        assert result["output_ids"] == hf_greedy(hf, prompt, max_tokens)
+
+
+def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    """A transformers (or peft) model's greedy continuation of ``prompt``, EOS ignored:
+    ``max_tokens`` ids."""
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
-        assert result["output_ids"] == want[0, len(prompt) :].tolist()
+    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
 
 
 def greedy_chat_ids(
@@ -199,10 +210,7 @@ def want_greedy(
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        out = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=GREEDY_TOKENS, do_sample=False, eos_token_id=None
-        )
-        reference[key] = out[0, len(prompt) :].tolist()
+        reference[key] = hf_greedy(hf, prompt, GREEDY_TOKENS)
     return reference[key]
 
 
@@ -292,9 +300,11 @@ def wait_all_alive(server: LaunchedServer, timeout_s: float = 90) -> None:
     raise AssertionError(f"workers not all back: {server.health()}")
 
 
-def random_prompts(n: int, seed: int) -> list[list[int]]:
+def random_prompts(n: int, seed: int, first: int = 5, step: int = 9) -> list[list[int]]:
+    """``n`` prompts of random Qwen2-vocabulary ids, of ``first``, ``first + step``, ...
+    tokens."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 150_000, (5 + 9 * i,), generator=g).tolist() for i in range(n)]
+    return [torch.randint(0, 150_000, (first + step * i,), generator=g).tolist() for i in range(n)]
 
 
 # The tool every tool-calling e2e test offers, in each API's wrapping around it.

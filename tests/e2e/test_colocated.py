@@ -9,13 +9,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import (
     check_abort_mid_stream_frees_kv,
     check_greedy_matches_transformers,
     kv_in_use,
+    random_prompts,
 )
 
 
@@ -43,8 +43,7 @@ def test_workers_are_colocated_processes(colocated_server: LaunchedServer) -> No
 def test_concurrent_greedy_requests_match_transformers(
     colocated_server: LaunchedServer, default_model_path: Path
 ) -> None:
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 150_000, (1 + 11 * i,), generator=g).tolist() for i in range(12)]
+    prompts = random_prompts(12, seed=5, first=1, step=11)
     check_greedy_matches_transformers(colocated_server, default_model_path, prompts, max_tokens=12)
 
 

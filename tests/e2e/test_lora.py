@@ -19,7 +19,7 @@ import torch
 
 from checkpoints.lora import make_adapter, peft_model
 from tests.conftest import LaunchedServer
-from tests.e2e.helpers import pid_of, random_prompts, wait_all_alive
+from tests.e2e.helpers import hf_greedy, pid_of, random_prompts, wait_all_alive
 
 pytest.importorskip("peft")
 
@@ -71,15 +71,7 @@ def _want(base: Path, adapter: Path | None, prompt: list[int]) -> list[int]:
             model: Any = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         else:
             model = peft_model(base, adapter)
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        _reference[key] = out[0, len(prompt) :].tolist()
+        _reference[key] = hf_greedy(model, prompt, MAX_TOKENS)
     return _reference[key]
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from checkpoints.default_model import default_model_dir
 from checkpoints.lora import make_adapter, peft_model
 from tests.conftest import LaunchedServer
+from tests.e2e.helpers import hf_greedy
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
@@ -60,15 +60,7 @@ def test_greedy_output_per_adapter_equals_transformers_peft(
         ref = peft_model(default_model_dir(), path)
         for prompt in PROMPTS:
             ids = tok(prompt)["input_ids"]
-            with torch.no_grad():
-                out = ref.generate(
-                    input_ids=torch.tensor([ids]),
-                    max_new_tokens=MAX_TOKENS,
-                    do_sample=False,
-                    eos_token_id=None,
-                    pad_token_id=0,
-                )
-            want = out[0, len(ids) :].tolist()
+            want = hf_greedy(ref, ids, MAX_TOKENS)
             body = {
                 "model": name,
                 "prompt": ids,

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import httpx
-import torch
 
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import (
     check_abort_mid_stream_frees_kv,
     check_greedy_matches_transformers,
+    random_prompts,
 )
 
 
@@ -40,8 +40,7 @@ def _generate(client: httpx.Client, ids: list[int], max_tokens: int, stream: boo
 def test_32_concurrent_greedy_requests_match_transformers(
     server: LaunchedServer, default_model_path: Path
 ) -> None:
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 150_000, (1 + 7 * i,), generator=g).tolist() for i in range(32)]
+    prompts = random_prompts(32, seed=3, first=1, step=7)
     check_greedy_matches_transformers(server, default_model_path, prompts, max_tokens=16)
     health = server.health()
     assert all(w["alive"] for w in health["workers"])
