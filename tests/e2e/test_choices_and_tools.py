@@ -44,6 +44,12 @@ TIME = {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+def _sampled(**fields: Any) -> dict[str, Any]:
+    """A request's fields for the n/best_of tests: sampled at temperature 1 (seeded by
+    ``fields``) and never cut short by EOS, so every choice has its full length."""
+    return dict(model=MODEL, temperature=1.0, extra_body={"ignore_eos": True}, **fields)
+
+
 @pytest.fixture(scope="module")
 def sdk(agent_server: LaunchedServer) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(
@@ -59,14 +65,7 @@ def test_n_choices_are_distinct_reproducible_and_share_the_prompt(
     sdk: openai.OpenAI, agent_server: LaunchedServer
 ) -> None:
     prompt = "A unique prompt for the n test: " + "lorem ipsum " * 20  # 40+ tokens, uncached
-    args: dict[str, Any] = dict(
-        model=MODEL,
-        prompt=prompt,
-        max_tokens=12,
-        temperature=1.0,
-        seed=1234,
-        extra_body={"ignore_eos": True},
-    )
+    args = _sampled(prompt=prompt, max_tokens=12, seed=1234)
     before = computed_prefill_tokens(agent_server)
     first = sdk.completions.create(n=3, **args)
     prompt_len = first.usage.prompt_tokens
@@ -85,15 +84,7 @@ def test_n_choices_are_distinct_reproducible_and_share_the_prompt(
 
 
 def test_n_choices_stream_with_their_indices_and_usage(sdk: openai.OpenAI) -> None:
-    args: dict[str, Any] = dict(
-        model=MODEL,
-        messages=ASK,
-        max_tokens=10,
-        temperature=1.0,
-        seed=7,
-        n=3,
-        extra_body={"ignore_eos": True},
-    )
+    args = _sampled(messages=ASK, max_tokens=10, seed=7, n=3)
     whole = sdk.chat.completions.create(**args)
     want = {c.index: c.message.content for c in whole.choices}
     got: dict[int, str] = {0: "", 1: "", 2: ""}
@@ -116,14 +107,7 @@ def test_n_choices_stream_with_their_indices_and_usage(sdk: openai.OpenAI) -> No
 
 
 def test_best_of_keeps_the_most_likely_choice(sdk: openai.OpenAI) -> None:
-    args: dict[str, Any] = dict(
-        model=MODEL,
-        prompt="Best of three:",
-        max_tokens=8,
-        temperature=1.0,
-        seed=99,
-        extra_body={"ignore_eos": True},
-    )
+    args = _sampled(prompt="Best of three:", max_tokens=8, seed=99)
     all3 = sdk.completions.create(n=3, logprobs=0, **args)
     totals = {c.text: sum(c.logprobs.token_logprobs) for c in all3.choices}
     best = sdk.completions.create(n=1, best_of=3, **args)

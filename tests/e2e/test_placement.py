@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import shlex
 from collections.abc import Iterator
 
 import httpx
@@ -28,15 +27,8 @@ _SAMPLE = re.compile(
 @pytest.fixture(scope="module")
 def wide() -> Iterator[LaunchedServer]:
     yield from LaunchedServer.serving(
-        [
-            "--prefill",
-            str(N_PREFILL),
-            "--decode",
-            str(N_DECODE),
-            *shlex.split(
-                "--detokenizers 1 --device cpu --kv-cache-tokens 16384 --max-model-len 2048"
-            ),
-        ]
+        f"--prefill {N_PREFILL} --decode {N_DECODE} "
+        "--detokenizers 1 --device cpu --kv-cache-tokens 16384 --max-model-len 2048"
     )
 
 
