@@ -22,14 +22,13 @@ is set against its linear layers alone on the same rows (target <= 1.2x). Writes
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.machine import machine_block
+from benchmarks.machine import load_average, machine_block
 from checkpoints.default_model import resolve_model
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
@@ -164,7 +163,7 @@ def main() -> None:
         rows.append((variant, kinds, f"prefill, {args.prefill} tokens", step, bare))
         print(f"{variant} prefill: step {step:.2f} ms, GEMMs {bare:.2f} ms, {step / bare:.2f}x")
     cmd = "python -m benchmarks.engine_step" + (f" --model {args.model.name}" if args.model else "")
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    load = load_average()
     lines = [
         "# Decode and prefill steps vs the bare math of their layers",
         "",

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.machine import report_head
+from benchmarks.machine import load_average, report_head
 from checkpoints.default_model import resolve_model
 from colocated.llm import LLM
 from engine.config import EngineConfig, ModelConfig
@@ -210,7 +210,7 @@ def report(
     load_before: str,
 ) -> str:
     lines = report_head("KV tiers beyond the pool", command)
-    lines += [f"Load average at the start: {load_before}; at the end: {_load()}.", ""]
+    lines += [f"Load average at the start: {load_before}; at the end: {load_average()}.", ""]
     lines += ["## Turn-k time to first token (seconds), history pushed out of the pool", ""]
     cols = ["recompute", "tier 2", "tier 3", "tier 3 after restart"]
     lines += [
@@ -263,10 +263,6 @@ def report(
     return "\n".join(lines)
 
 
-def _load() -> str:
-    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096])
@@ -274,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=None, help="tier-3 directory (a temp dir)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_tiers.md"))
     args = ap.parse_args(argv)
-    load_before = _load()
+    load_before = load_average()
     torch.manual_seed(0)
     model = resolve_model(None)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

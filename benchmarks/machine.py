@@ -18,11 +18,15 @@ def describe(lscpu_lines: int = 20) -> str:
         head = "\n".join(lscpu.splitlines()[:lscpu_lines])
     except (OSError, subprocess.CalledProcessError):
         head = platform.processor() or platform.machine()
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = [head, f"vector flags: {' '.join(vector_flags()) or 'none found'}"]
-    lines.append(f"os.cpu_count() = {os.cpu_count()}, load average {load}")
+    lines.append(f"os.cpu_count() = {os.cpu_count()}, load average {load_average()}")
     lines.append(f"python {platform.python_version()}, {_torch()}")
     return "\n".join(lines)
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as ``uptime`` prints them."""
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def report_head(title: str, command: str) -> list[str]:
