@@ -106,12 +106,15 @@ def _prompts(batch: int, length: int) -> list[list[int]]:
     return torch.randint(0, 150_000, (batch, length), generator=g).tolist()
 
 
+def _sequences(batch: int, length: int) -> list[Sequence]:
+    """``batch`` engine sequences of ``_prompts(batch, length)``, default sampling."""
+    prompts = _prompts(batch, length)
+    return [Sequence(i, p, sampling=SamplingParams(), block_size=16) for i, p in enumerate(prompts)]
+
+
 def ours_decode(runner: ModelRunner, batch: int, steps: int) -> Callable[[], float]:
     def run() -> float:
-        seqs = [
-            Sequence(i, p, sampling=SamplingParams(), block_size=16)
-            for i, p in enumerate(_prompts(batch, CONTEXT))
-        ]
+        seqs = _sequences(batch, CONTEXT)
         runner.prefill([(s, s.num_tokens) for s in seqs])
         for s in seqs:
             s.output_ids.append(11)
@@ -151,10 +154,7 @@ def hf_decode(model: Any, batch: int, steps: int) -> Callable[[], float]:
 
 def ours_prefill(runner: ModelRunner, batch: int, length: int) -> Callable[[], float]:
     def run() -> float:
-        seqs = [
-            Sequence(i, p, sampling=SamplingParams(), block_size=16)
-            for i, p in enumerate(_prompts(batch, length))
-        ]
+        seqs = _sequences(batch, length)
         _sync(runner.device.type)
         t0 = time.perf_counter()
         runner.prefill([(s, s.num_tokens) for s in seqs])

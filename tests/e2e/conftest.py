@@ -1,7 +1,8 @@
 """Fixtures of several e2e modules: the server the agent-API tests share
 (``test_messages_api.py``, ``test_responses_api.py``: 2 prefill, 2 decode, 2 detokenizer
 processes on CPU, the tiny model with a tool-aware (Qwen2.5-style) chat template and the
-hermes tool-call parser), and the fuzz tests' client with the worker pids it starts from."""
+hermes tool-call parser), the fuzz tests' client with the worker pids it starts from, and
+the ``victim`` server the fault tests kill workers of."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ def agent_server() -> Iterator[LaunchedServer]:
             "--tool-call-parser",
             "hermes",
         ]
+    )
+
+
+@pytest.fixture(scope="module")
+def victim() -> Iterator[LaunchedServer]:
+    """A 2P/2D server of its own per module, for tests that kill or stop its workers: a
+    short stall timeout, so a stopped worker is given up on within seconds."""
+    yield from LaunchedServer.serving(
+        "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --stall-timeout 4 --served-model-name tiny"
     )
 
 

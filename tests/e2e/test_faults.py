@@ -11,7 +11,6 @@ import os
 import shlex
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,13 +26,6 @@ from tests.e2e.helpers import (
     run_with_kill,
     wait_all_alive,
 )
-
-
-@pytest.fixture(scope="module")
-def victim() -> Iterator[LaunchedServer]:
-    yield from LaunchedServer.serving(
-        "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --stall-timeout 4"
-    )
 
 
 @pytest.mark.parametrize("title", ["pdserve:decode-0", "pdserve:prefill-1"])
