@@ -287,6 +287,17 @@ class Exact:
     def check(self, results: list[dict], prompts: list[list[int]], log: list[str]) -> None:  # type: ignore[type-arg]
         check_exact(results, prompts, self.reference, self.model, self.tokenizer, log)
 
+    def survives_kill(self, server: LaunchedServer, n: int, seed: int, *titles: str) -> list[dict]:  # type: ignore[type-arg]
+        """Stream ``n`` random prompts and SIGKILL the processes titled ``titles`` once
+        tokens flow: every stream is still its prompt's whole greedy continuation, and
+        every worker is back afterwards. The streams' results."""
+        wait_all_alive(server)
+        prompts = random_prompts(n, seed)
+        results = run_with_kill(server, prompts, *titles)
+        self.check(results, prompts, server.log)
+        wait_all_alive(server)
+        return results
+
 
 def wait_all_alive(server: LaunchedServer, timeout_s: float = 90) -> None:
     deadline = time.monotonic() + timeout_s

@@ -69,9 +69,7 @@ def test_both_frontends_serve_and_report_the_same_server(pair: LaunchedServer) -
 
 
 def test_streams_on_both_frontends_complete_exactly(pair: LaunchedServer, exact: Exact) -> None:
-    prompts = random_prompts(12, seed=3)
-    results = run_with_kill(pair, prompts)  # nothing killed
-    exact.check(results, prompts, pair.log)
+    results = exact.survives_kill(pair, 12, 3)  # nothing killed
     assert {r["frontend"] for r in results} == {"0", "1"}
 
 
@@ -99,12 +97,8 @@ def test_a_client_leaving_either_frontend_frees_kv_within_a_second(pair: Launche
 def test_a_shard_death_under_both_frontends_streams_loses_nothing(
     pair: LaunchedServer, exact: Exact
 ) -> None:
-    wait_all_alive(pair)
-    prompts = random_prompts(10, seed=11)
-    results = run_with_kill(pair, prompts, "pdserve:detok-0")
-    exact.check(results, prompts, pair.log)
+    results = exact.survives_kill(pair, 10, 11, "pdserve:detok-0")
     assert {r["frontend"] for r in results} == {"0", "1"}
-    wait_all_alive(pair)
 
 
 def test_a_frontend_death_fails_only_its_own_streams_and_it_comes_back(

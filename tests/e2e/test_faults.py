@@ -23,7 +23,6 @@ from tests.e2e.helpers import (
     greedy_stream,
     pid_of,
     random_prompts,
-    run_with_kill,
     wait_all_alive,
 )
 
@@ -32,22 +31,14 @@ from tests.e2e.helpers import (
 def test_worker_death_mid_stream_loses_and_duplicates_nothing(
     victim: LaunchedServer, exact: Exact, title: str
 ) -> None:
-    wait_all_alive(victim)
-    prompts = random_prompts(6, seed=len(title))
-    results = run_with_kill(victim, prompts, title)
-    exact.check(results, prompts, victim.log)
-    wait_all_alive(victim)  # the launcher restarted it and it serves again
+    exact.survives_kill(victim, 6, len(title), title)  # the launcher restarts the killed one
 
 
 @pytest.mark.parametrize("shards", [("pdserve:detok-0",), ("pdserve:detok-0", "pdserve:detok-1")])
 def test_detokenizer_deaths_lose_and_duplicate_nothing(
     victim: LaunchedServer, exact: Exact, shards: tuple[str, ...]
 ) -> None:
-    wait_all_alive(victim)
-    prompts = random_prompts(8, seed=99 + len(shards))
-    results = run_with_kill(victim, prompts, *shards)
-    exact.check(results, prompts, victim.log)
-    wait_all_alive(victim)
+    exact.survives_kill(victim, 8, 99 + len(shards), *shards)
 
 
 def test_a_stopped_decode_worker_is_reported_and_its_streams_finish_elsewhere(
