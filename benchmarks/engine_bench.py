@@ -133,13 +133,18 @@ def ours_decode(runner: ModelRunner, batch: int, steps: int) -> Callable[[], flo
     return run
 
 
-def hf_decode(model: Any, batch: int, steps: int) -> Callable[[], float]:
+def _hf_cache(model: Any) -> Any:
+    """An empty transformers KV cache for ``model``."""
     from transformers import DynamicCache
 
+    return DynamicCache(config=model.config)
+
+
+def hf_decode(model: Any, batch: int, steps: int) -> Callable[[], float]:
     def run() -> float:
         ids = torch.tensor(_prompts(batch, CONTEXT), device=model.device)
         with torch.inference_mode():
-            cache = DynamicCache(config=model.config)
+            cache = _hf_cache(model)
             model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             _sync(model.device.type)
             t0 = time.perf_counter()
@@ -168,8 +173,6 @@ def ours_prefill(runner: ModelRunner, batch: int, length: int) -> Callable[[], f
 
 
 def hf_prefill(model: Any, batch: int, length: int) -> Callable[[], float]:
-    from transformers import DynamicCache
-
     def run() -> float:
         ids = torch.tensor(_prompts(batch, length), device=model.device)
         with torch.inference_mode():
@@ -177,7 +180,7 @@ def hf_prefill(model: Any, batch: int, length: int) -> Callable[[], float]:
             t0 = time.perf_counter()
             model(
                 ids,
-                past_key_values=DynamicCache(config=model.config),
+                past_key_values=_hf_cache(model),
                 use_cache=True,
                 logits_to_keep=1,
             )
