@@ -14,8 +14,9 @@ from transport.kv_backends import ShmReceiver
 from wire.records import Finish, TokenBatch
 
 
-def float_runner(model: Path, blocks: int, caching: bool = False) -> ModelRunner:
-    """``model`` in float32 with ``blocks`` KV blocks, the prefix cache on if ``caching``."""
+def float_runner(model: Path, blocks: int, caching: bool = True) -> ModelRunner:
+    """``model`` in float32 with ``blocks`` KV blocks; ``caching`` turns the prefix cache
+    on, as ``EngineConfig`` has it by default."""
     config = EngineConfig(
         model=str(model), dtype="float32", num_kv_blocks=blocks, enable_prefix_caching=caching
     )
