@@ -43,8 +43,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import machine_block
 from benchmarks.soak import launch, process_tree
+from benchmarks.words import PLAIN_WORDS
 
 LAUNCH_ARGS = tuple(
     shlex.split(
@@ -54,16 +55,7 @@ LAUNCH_ARGS = tuple(
 LONG_PROMPT_TOKENS = 2000
 WORKLOADS = ("short", "long")
 _WORDS = (
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
+    *PLAIN_WORDS,
     "seven",
     "owls",
     "count",
@@ -324,12 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                     "",
                     *report,
                     "",
-                    "Machine:",
-                    "",
-                    "```",
-                    describe_machine(),
-                    "```",
-                    "",
+                    *machine_block(),
                 ]
             )
         )

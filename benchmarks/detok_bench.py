@@ -19,27 +19,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import machine_block
+from benchmarks.words import PLAIN_WORDS
 from detokenizer.shard import DetokShard
 from wire.params import DetokParams
 from wire.records import DetokRegister, Finish, TextBatch, TextDelta, TokenBatch, decode, encode
 
 logger = logging.getLogger(__name__)
 RESULTS = Path(__file__).parent / "results" / "detok_bench.md"
-_WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
+_WORDS = (
+    *PLAIN_WORDS,
     "serving",
     "tokens",
-]
+)
 _CJK = "分离式预填充与解码服务系统中文字符測試日本語のテキスト"
 _EMOJI = "😀🚀👍🏽🇫🇷🎉"
 
@@ -259,11 +251,7 @@ def main(argv: list[str] | None = None) -> None:
             "",
             "Command: `" + " ".join(["python -m benchmarks.detok_bench", *sys.argv[1:]]) + "`",
             "",
-            "Machine:",
-            "```",
-            describe_machine(),
-            "```",
-            "",
+            *machine_block(),
         ]
     )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,6 @@ Writes benchmarks/results/engine_cpu.md (engine_cuda.md with --device cuda).
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,7 +24,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.machine import describe as describe_machine
+from benchmarks.cli import quick_parser
+from benchmarks.machine import machine_block
 from checkpoints import tiny
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
@@ -53,10 +53,15 @@ class Row:
         return self.ours / self.theirs if self.lower_is_better else self.theirs / self.ours
 
 
-def _random_model(root: Path, name: str, cfg: Any) -> Path:
-    """``cfg``'s model with random weights (seed 0), saved as ``root / name``."""
+def _random_model(
+    root: Path, name: str, config_cls: Any, vocab: int, sizes: dict[str, int]
+) -> Path:
+    """A ``config_cls`` decoder of ``sizes`` (``tiny.decoder_sizes``) with tied embeddings
+    and random weights (seed 0), saved as ``root / name``."""
     from transformers import AutoModelForCausalLM
 
+    extras = {"max_position_embeddings": 8192, "tie_word_embeddings": True, "dtype": "float32"}
+    cfg = config_cls(vocab_size=vocab, **sizes, **extras)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(root / name)
@@ -67,18 +72,8 @@ def build_bench_model(root: Path) -> Path:
     """A random Qwen2 of hidden 512, 8 layers (GQA 8/4), on Qwen2's vocabulary."""
     from transformers import Qwen2Config
 
-    cfg = Qwen2Config(
-        vocab_size=tiny.QWEN2_PADDED_VOCAB,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        dtype="float32",
-    )
-    return _random_model(root, "qwen2-h512-l8", cfg)
+    sizes = tiny.decoder_sizes(512, 1536, 8, 8, 4)
+    return _random_model(root, "qwen2-h512-l8", Qwen2Config, tiny.QWEN2_PADDED_VOCAB, sizes)
 
 
 def build_smollm2_shape(root: Path) -> Path:
@@ -86,18 +81,9 @@ def build_smollm2_shape(root: Path) -> Path:
     weights: the default model's step cost, where its weights cannot be carried."""
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        dtype="float32",
+    return _random_model(
+        root, "smollm2-shape", LlamaConfig, 49152, tiny.decoder_sizes(576, 1536, 30, 9, 3)
     )
-    return _random_model(root, "smollm2-shape", cfg)
 
 
 def best_interleaved(
@@ -120,12 +106,15 @@ def _prompts(batch: int, length: int) -> list[list[int]]:
     return torch.randint(0, 150_000, (batch, length), generator=g).tolist()
 
 
+def _sequences(batch: int, length: int) -> list[Sequence]:
+    """``batch`` engine sequences of ``_prompts(batch, length)``, default sampling."""
+    prompts = _prompts(batch, length)
+    return [Sequence(i, p, sampling=SamplingParams(), block_size=16) for i, p in enumerate(prompts)]
+
+
 def ours_decode(runner: ModelRunner, batch: int, steps: int) -> Callable[[], float]:
     def run() -> float:
-        seqs = [
-            Sequence(i, p, sampling=SamplingParams(), block_size=16)
-            for i, p in enumerate(_prompts(batch, CONTEXT))
-        ]
+        seqs = _sequences(batch, CONTEXT)
         runner.prefill([(s, s.num_tokens) for s in seqs])
         for s in seqs:
             s.output_ids.append(11)
@@ -144,13 +133,18 @@ def ours_decode(runner: ModelRunner, batch: int, steps: int) -> Callable[[], flo
     return run
 
 
-def hf_decode(model: Any, batch: int, steps: int) -> Callable[[], float]:
+def _hf_cache(model: Any) -> Any:
+    """An empty transformers KV cache for ``model``."""
     from transformers import DynamicCache
 
+    return DynamicCache(config=model.config)
+
+
+def hf_decode(model: Any, batch: int, steps: int) -> Callable[[], float]:
     def run() -> float:
         ids = torch.tensor(_prompts(batch, CONTEXT), device=model.device)
         with torch.inference_mode():
-            cache = DynamicCache(config=model.config)
+            cache = _hf_cache(model)
             model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             _sync(model.device.type)
             t0 = time.perf_counter()
@@ -165,10 +159,7 @@ def hf_decode(model: Any, batch: int, steps: int) -> Callable[[], float]:
 
 def ours_prefill(runner: ModelRunner, batch: int, length: int) -> Callable[[], float]:
     def run() -> float:
-        seqs = [
-            Sequence(i, p, sampling=SamplingParams(), block_size=16)
-            for i, p in enumerate(_prompts(batch, length))
-        ]
+        seqs = _sequences(batch, length)
         _sync(runner.device.type)
         t0 = time.perf_counter()
         runner.prefill([(s, s.num_tokens) for s in seqs])
@@ -182,8 +173,6 @@ def ours_prefill(runner: ModelRunner, batch: int, length: int) -> Callable[[], f
 
 
 def hf_prefill(model: Any, batch: int, length: int) -> Callable[[], float]:
-    from transformers import DynamicCache
-
     def run() -> float:
         ids = torch.tensor(_prompts(batch, length), device=model.device)
         with torch.inference_mode():
@@ -191,7 +180,7 @@ def hf_prefill(model: Any, batch: int, length: int) -> Callable[[], float]:
             t0 = time.perf_counter()
             model(
                 ids,
-                past_key_values=DynamicCache(config=model.config),
+                past_key_values=_hf_cache(model),
                 use_cache=True,
                 logits_to_keep=1,
             )
@@ -250,17 +239,12 @@ def report(rows: list[Row], command: str, device: str = "cpu", dtype: str = "flo
         lines.append(
             f"| {r.model} | {r.what} | {r.ours:.2f} | {r.theirs:.2f} | {r.unit} | {r.ratio:.2f} |"
         )
-    lines += ["", "Machine:", "", "```", describe_machine(), "```", ""]
+    lines += ["", *machine_block()]
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="fewer repeats and steps (smoke run; writes no results file)",
-    )
+    parser = quick_parser(__doc__, "fewer repeats and steps")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")

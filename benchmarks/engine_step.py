@@ -22,14 +22,13 @@ is set against its linear layers alone on the same rows (target <= 1.2x). Writes
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import load_average, machine_block
 from checkpoints.default_model import resolve_model
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
@@ -164,7 +163,7 @@ def main() -> None:
         rows.append((variant, kinds, f"prefill, {args.prefill} tokens", step, bare))
         print(f"{variant} prefill: step {step:.2f} ms, GEMMs {bare:.2f} ms, {step / bare:.2f}x")
     cmd = "python -m benchmarks.engine_step" + (f" --model {args.model.name}" if args.model else "")
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    load = load_average()
     lines = [
         "# Decode and prefill steps vs the bare math of their layers",
         "",
@@ -187,7 +186,7 @@ def main() -> None:
     if packed and served:
         lines += ["", "Packed alone / served step time, same run (above 1: served is faster):", ""]
         lines += [f"- {what}: {packed[what] / served[what]:.2f}x" for what in served]
-    lines += ["", "Machine:", "", "```", describe_machine(), "```", ""]
+    lines += ["", *machine_block()]
     args.out.write_text("\n".join(lines))
     print(f"wrote {args.out}")
 

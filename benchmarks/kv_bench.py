@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import machine_block
 from transport.kv import create_pool_segment, pool_view
 from transport.kv_backends import ShmReceiver, register_host_memory
 from transport.segment import Segment
@@ -140,10 +140,7 @@ def main() -> None:
         if not torch.cuda.is_available()
         else "",
         "",
-        "Machine:",
-        "```",
-        describe_machine(),
-        "```",
+        *machine_block(),
     ]
     text = "\n".join(lines) + "\n"
     RESULTS.write_text(text)

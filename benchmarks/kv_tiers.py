@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.machine import report_head
+from benchmarks.machine import load_average, report_head
 from checkpoints.default_model import resolve_model
 from colocated.llm import LLM
 from engine.config import EngineConfig, ModelConfig
@@ -320,10 +320,6 @@ def report(
     return "\n".join(lines)
 
 
-def _load() -> str:
-    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096])
@@ -331,17 +327,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=None, help="tier-3 directory (a temp dir)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_tiers.md"))
     args = ap.parse_args(argv)
-    loads = {"turn-k TTFT": _load()}
+    loads = {"turn-k TTFT": load_average()}
     torch.manual_seed(0)
     model = resolve_model(None)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         ttft = {n: turn_ttft(model, n, root / f"t{n}") for n in args.lengths}
-        loads["no reuse"] = _load()
+        loads["no reuse"] = load_average()
         cost = no_reuse_cost(model, args.rounds, _PER_ROUND, 1024, root / "noreuse")
-        loads["bandwidth"] = _load()
+        loads["bandwidth"] = load_average()
         bw = bandwidth(model, root / "bw", args.rounds)
-        loads["end"] = _load()
+        loads["end"] = load_average()
     command = "python -m benchmarks.kv_tiers " + shlex.join(sys.argv[1:])
     text = report(ttft, cost, bw, command, loads)
     args.out.write_text(text)

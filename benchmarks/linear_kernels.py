@@ -14,7 +14,6 @@ Writes ``benchmarks/results/linear_kernels.md``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import load_average
 from engine.weights.gemm import PlainGemm, PrepackedGemm, prepacked_supported
 from engine.weights.linear import Int4Kernel
 from engine.weights.quant import quantize_int4
@@ -85,7 +85,7 @@ def main() -> None:
             for name in kernels:
                 times[name][m] = statistics.median(samples[name]) * 1e3
                 print(f"{name} rows {m}: {times[name][m]:.2f} ms", flush=True)
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    load = load_average()
     lines = [
         "# The linear layers of one SmolLM2-135M step, by kernel and rows",
         "",

@@ -17,8 +17,6 @@ vLLM's CPU build with LoRA is not run here (see the results page).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shlex
 import signal
@@ -30,9 +28,11 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.cli import model_parser
 from benchmarks.machine import portable, report_head
 from benchmarks.soak import launch
 from benchmarks.speculative import article
+from benchmarks.sse import sse_chunks
 from checkpoints.default_model import default_model_dir
 from checkpoints.lora import make_adapter
 
@@ -54,11 +54,9 @@ def stream_tokens(url: str, model: str, content: str) -> int:
     tokens = 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+        for chunk in sse_chunks(r.iter_lines()):
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
     return tokens
 
 
@@ -102,11 +100,9 @@ def report(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=None)
+    ap = model_parser(__doc__, RESULTS)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
-    ap.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args()
     model = a.model or default_model_dir()
     targets = tuple(a.targets.split(","))

@@ -18,17 +18,27 @@ def describe(lscpu_lines: int = 20) -> str:
         head = "\n".join(lscpu.splitlines()[:lscpu_lines])
     except (OSError, subprocess.CalledProcessError):
         head = platform.processor() or platform.machine()
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = [head, f"vector flags: {' '.join(vector_flags()) or 'none found'}"]
-    lines.append(f"os.cpu_count() = {os.cpu_count()}, load average {load}")
+    lines.append(f"os.cpu_count() = {os.cpu_count()}, load average {load_average()}")
     lines.append(f"python {platform.python_version()}, {_torch()}")
     return "\n".join(lines)
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as ``uptime`` prints them."""
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def report_head(title: str, command: str) -> list[str]:
     """The first lines of a results page: its title, the command that made it (already
     ``portable``) and the machine, then a blank line."""
-    return [f"# {title}", "", f"Command: `{command}`", "", "Machine:", "```", describe(), "```", ""]
+    return [f"# {title}", "", f"Command: `{command}`", "", *machine_block()]
+
+
+def machine_block() -> list[str]:
+    """The ``Machine:`` section every results page ends (or begins) with: the heading, the
+    ``describe()`` text fenced as code, then a blank line."""
+    return ["Machine:", "", "```", describe(), "```", ""]
 
 
 # The flags that decide which CPU kernels are fast (bfloat16 and int8 dot products, AMX).

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import machine_block
 from benchmarks.soak import launch, process_tree, rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -237,11 +238,7 @@ def write_report(runs: list[Run], out: Path, command: str, clients: int, sustain
         if p99s
         else "",
         "",
-        "Machine:",
-        "",
-        "```",
-        describe_machine(),
-        "```",
+        *machine_block(),
     ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import machine_block
 from checkpoints.default_model import resolve_model
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
@@ -128,7 +128,7 @@ def main() -> None:
     for storage, ppl, ratio, agree, target, verdict in rows:
         tgt = "" if target is None else f"<= +{target:.1%}"
         lines.append(f"| {storage} | {ppl:.4f} | {ratio:.4f}x | {tgt} | {verdict} | {agree:.1%} |")
-    lines += ["", "Machine:", "", "```", describe_machine(), "```", ""]
+    lines += ["", *machine_block()]
     args.out.write_text("\n".join(lines))
     print(f"wrote {args.out}")
 

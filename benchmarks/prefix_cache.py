@@ -19,7 +19,6 @@ once, so their ideal is slightly lower.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -32,7 +31,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.machine import describe
+from benchmarks.cli import quick_parser
+from benchmarks.machine import machine_block
 from benchmarks.serving.__main__ import main as serving_main
 from benchmarks.soak import launch
 from checkpoints import tiny
@@ -205,17 +205,12 @@ def report(rows: list[dict[str, Any]], ideal: dict[str, float], command: str) ->
             f"{ll['prefill_hit_rate']:.3f}, p50 TTFT {on['p50_ttft_ms']:.1f} vs "
             f"{ll['p50_ttft_ms']:.1f} ms"
         )
-    lines += ["", "Machine:", "```", describe(), "```", ""]
+    lines += ["", *machine_block()]
     return "\n".join(lines)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="16 requests per dataset (smoke run; writes no results file)",
-    )
+    parser = quick_parser(__doc__, "16 requests per dataset")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import machine_block
 from transport.doorbell import Doorbell
 from transport.ring import Ring
 from wire import records
@@ -246,10 +246,7 @@ def report(rows: list[tuple[Case, dict, dict]], idle: dict, cmd: str) -> str:
         "message every ~0.5 ms so the consumer is asleep in the kernel (eventfd / zmq poll) "
         "when each message arrives.",
         "",
-        "Machine:",
-        "```",
-        describe_machine(),
-        "```",
+        *machine_block(),
     ]
     return "\n".join(lines) + "\n"
 

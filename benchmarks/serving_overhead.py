@@ -26,7 +26,6 @@ Writes benchmarks/results/serving_overhead.md (serving_overhead_cuda.md with --d
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import http.client
 import itertools
@@ -45,7 +44,8 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 
-from benchmarks.machine import describe as describe_machine
+from benchmarks.cli import quick_parser
+from benchmarks.machine import machine_block
 from benchmarks.soak import launch
 from checkpoints import tiny
 from engine.config import EngineConfig
@@ -272,22 +272,13 @@ def report(m: Measured, cmd: str, served: list[str], device: str) -> str:
         f"`launch {' '.join(served)}`, /v1/completions "
         f"streaming, max_tokens {MAX_TOKENS} (ITL) or 1 (TTFT), ignore_eos, temperature 0.",
         "",
-        "Machine:",
-        "```",
-        describe_machine(),
-        "```",
-        "",
+        *machine_block(),
     ]
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="fewer requests (smoke run; prints, writes no results file)",
-    )
+    parser = quick_parser(__doc__, "fewer requests, printed")
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),

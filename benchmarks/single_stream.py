@@ -16,7 +16,6 @@ first token, median of ``--runs``, and pdserve / transformers. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import signal
@@ -31,6 +30,7 @@ import torch
 
 from benchmarks.machine import describe as describe_machine
 from benchmarks.soak import launch
+from benchmarks.sse import sse_chunks
 
 RESULTS = Path(__file__).parent / "results" / "single_stream.md"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -108,10 +108,7 @@ def _stream(c: httpx.Client, body: dict[str, object], expect: int | None = None)
     usage = None
     with c.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in sse_chunks(r.iter_lines()):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if chunk.get("choices"):

@@ -32,6 +32,8 @@ from pathlib import Path
 import httpx
 
 from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import machine_block
+from benchmarks.words import PLAIN_WORDS
 
 logger = logging.getLogger(__name__)
 
@@ -41,38 +43,27 @@ LAUNCH_ARGS = tuple(
         "--max-model-len 1024"
     )
 )
-# Plain English words: every one is a token or two of the Qwen2 vocabulary, so a prompt of
-# n words is about n to 2n tokens. Long prompts stay under --max-model-len with room to answer.
-WORDS = tuple(
-    [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "a",
-        "lazy",
-        "dog",
-        "while",
-        "seven",
-        "bright",
-        "stars",
-        "shine",
-        "above",
-        "quiet",
-        "river",
-        "banks",
-        "and",
-        "old",
-        "stone",
-        "bridges",
-        "carry",
-        "travellers",
-        "home",
-        "before",
-        "night",
-    ]
+# n words make about n to 2n tokens (see benchmarks.words), so long prompts stay under
+# --max-model-len with room to answer.
+WORDS = (
+    *PLAIN_WORDS,
+    "seven",
+    "bright",
+    "stars",
+    "shine",
+    "above",
+    "quiet",
+    "river",
+    "banks",
+    "and",
+    "old",
+    "stone",
+    "bridges",
+    "carry",
+    "travellers",
+    "home",
+    "before",
+    "night",
 )
 GROWTH_LIMIT = 0.10
 BENIGN = frozenset({"ok", "disconnected", "aborted", "503"})
@@ -426,12 +417,7 @@ def write_report(res: SoakResult, out: Path, command: str) -> None:
         "",
         f"Command: `{command}`",
         "",
-        "Machine:",
-        "",
-        "```",
-        describe_machine(),
-        "```",
-        "",
+        *machine_block(),
         f"Main run: {res.wall_s:.0f} s, {total} requests ({total / res.wall_s:.1f}/s), "
         f"{res.tokens} tokens (whole responses) + chunks (streams) received, "
         f"concurrency {res.config.concurrency}; "

@@ -21,9 +21,7 @@ descheduled one slows a step many times over). Writes ``benchmarks/results/specu
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import re
 import shlex
@@ -37,10 +35,12 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.cli import model_parser
 from benchmarks.machine import portable, report_head
 from benchmarks.peers import llama_cpp
 from benchmarks.peers.servers import ServerSpec, running
 from benchmarks.soak import launch
+from benchmarks.sse import sse_chunks
 from checkpoints.default_model import bundled_gguf, default_model_dir
 
 RESULTS = Path(__file__).parent / "results" / "speculative.md"
@@ -106,10 +106,7 @@ def stream(url: str, content: str, max_tokens: int, temperature: float) -> Strea
     s, t0 = Stream(), time.monotonic()
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in sse_chunks(r.iter_lines()):
             if chunk.get("usage"):
                 s.tokens = chunk["usage"]["completion_tokens"]
             if timings := chunk.get("timings"):  # llama.cpp's server
@@ -282,12 +279,10 @@ def llama_specs(served: str, log_dir: Path) -> tuple[list[ServerSpec], str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=None)
+    ap = model_parser(__doc__, RESULTS)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
-    ap.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args()
     model = a.model or default_model_dir()
     base = [

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.machine import describe as describe_machine
+from benchmarks.machine import machine_block
 from benchmarks.peers.servers import free_port
 from benchmarks.soak import process_tree, rss_bytes
 
@@ -123,12 +123,7 @@ def main() -> None:
         "",
         f"Command: `{cmd}`",
         "",
-        "Machine:",
-        "",
-        "```",
-        describe_machine(),
-        "```",
-        "",
+        *machine_block(),
         "| run | /health 200 s | every worker ready s | tree RSS GiB | KV budget GiB "
         "(pools x per pool) | weights GiB x replicas | SIGTERM to exit s | answer |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",

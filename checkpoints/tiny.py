@@ -118,16 +118,34 @@ def tokenizer_dir() -> Path:
     return atomic_build(cache_root() / f"qwen2-tokenizer-v{FIXTURE_VERSION}", _build_tokenizer)
 
 
+# The config keywords that size a decoder, in the order ``decoder_sizes`` takes them.
+SIZE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+
+
+def decoder_sizes(
+    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int
+) -> dict[str, int]:
+    """A decoder's sizes as transformers config keywords."""
+    return dict(zip(SIZE_KEYS, (hidden, intermediate, layers, heads, kv_heads), strict=True))
+
+
+# The tiny fixtures' sizes; other tiny test models (a Mistral, say) take them too.
+# GQA: 2 query heads share each KV head.
+TINY_SIZES = decoder_sizes(64, 128, 2, 4, 2)
+
+
 def _tiny_config(arch: str) -> Any:
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         vocab_size=QWEN2_PADDED_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # GQA: 2 query heads share each KV head
+        **TINY_SIZES,
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
         bos_token_id=151643,

@@ -84,9 +84,10 @@ class LaunchedServer:
                 raise RuntimeError("launch did not become ready:\n" + "".join(self.log[-40:]))
 
     @classmethod
-    def serving(cls, args: list[str]) -> Iterator[LaunchedServer]:
-        """A module fixture's body: ``yield from LaunchedServer.serving([...])``."""
-        srv = cls(args)
+    def serving(cls, args: str | list[str], tiny_model: bool = True) -> Iterator[LaunchedServer]:
+        """A module fixture's body: ``yield from LaunchedServer.serving("--prefill 1 ...")``
+        (``args`` one shell-quoted string, or the list of arguments), stopped after."""
+        srv = cls(shlex.split(args) if isinstance(args, str) else args, tiny_model)
         srv.wait_ready()
         try:
             yield srv
@@ -115,11 +116,6 @@ class LaunchedServer:
 @pytest.fixture(scope="session")
 def server(default_model_path: Path):  # type: ignore[no-untyped-def]
     """One shared disaggregated server: 2 prefill, 2 decode, 2 detokenizer shards, CPU."""
-    srv = LaunchedServer(
-        shlex.split(
-            "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 16384 --max-model-len 1024"
-        )
+    yield from LaunchedServer.serving(
+        "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 16384 --max-model-len 1024"
     )
-    srv.wait_ready()
-    yield srv
-    srv.stop()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.machine import describe as describe_machine
-from benchmarks.machine import portable, vector_flags
+from benchmarks.machine import load_average, portable, vector_flags
 from benchmarks.peers import llama_cpp
 from benchmarks.peers.contenders import (
     LLAMA,
@@ -154,7 +154,7 @@ def vector_line() -> str:
         {f for need in llama_cpp.VECTOR_OPTIONS.values() for f in need}
         | {"amx_tile", "amx_int8", "amx_bf16", "avx512_fp16"}
     )
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    load = load_average()
     model = next(
         (
             ln.split(":", 1)[1].strip()

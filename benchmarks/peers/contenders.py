@@ -98,6 +98,14 @@ def shipped_q4_1(model: Path) -> Path | None:
     return None
 
 
+def _served_flags(s: Settings) -> list[str]:
+    """The flags vLLM's and pdserve's servers share: the name clients ask for, the dtype,
+    the loopback address, the port (filled in per run) and the context length."""
+    name, length = s.served_name, str(s.max_model_len)
+    address = ["--host", "127.0.0.1", "--port", "{port}"]
+    return ["--served-model-name", name, "--dtype", s.dtype, *address, "--max-model-len", length]
+
+
 def vllm_server(python: Path, s: Settings, bind: str | None) -> ServerSpec:
     bind = bind or f"0-{s.cores - 1}"  # one model worker on every core, pinned: vLLM's advice
     argv = [
@@ -106,16 +114,7 @@ def vllm_server(python: Path, s: Settings, bind: str | None) -> ServerSpec:
         VLLM_ENTRY,
         "--model",
         str(s.model),
-        "--served-model-name",
-        s.served_name,
-        "--dtype",
-        s.dtype,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        "--max-model-len",
-        str(s.max_model_len),
+        *_served_flags(s),
         "--disable-uvicorn-access-log",
     ]
     env = {
@@ -179,18 +178,9 @@ def pdserve_server(
         "launcher.cli",
         "--model",
         str(model),
-        "--served-model-name",
-        s.served_name,
+        *_served_flags(s),
         "--device",
         "cpu",
-        "--dtype",
-        s.dtype,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        "--max-model-len",
-        str(s.max_model_len),
         *_kv_flags(s),
         *flags,
         *TOPOLOGIES[topology],

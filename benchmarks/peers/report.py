@@ -159,26 +159,18 @@ class Report:
     peer_failures: Mapping[str, str] = field(default_factory=dict)  # peer -> why it is missing
 
 
+def _page_head(report: Report) -> list[str]:
+    """Title, command, machine and setup: how every page of peer figures begins."""
+    head = [f"# {report.title}", "", f"Command: `{report.command}`", ""]
+    machine = ["Machine:", "", "```", report.machine, "```", ""]
+    return [*head, *machine, "Setup:", "", *(f"- {s}" for s in report.setup), ""]
+
+
 def render(report: Report, points: Iterable[Point]) -> str:
     pts = list(points)
     if report.groups:
         return _render_groups(report, pts)
-    out = [
-        f"# {report.title}",
-        "",
-        f"Command: `{report.command}`",
-        "",
-        "Machine:",
-        "",
-        "```",
-        report.machine,
-        "```",
-        "",
-        "Setup:",
-        "",
-        *(f"- {s}" for s in report.setup),
-        "",
-    ]
+    out = _page_head(report)
     if report.baseline_failure is not None:
         out += [
             f"**{report.baseline} could not run here**, so there are no ratios:",
@@ -211,22 +203,7 @@ def render(report: Report, points: Iterable[Point]) -> str:
 
 
 def _render_groups(report: Report, pts: list[Point]) -> str:
-    out = [
-        f"# {report.title}",
-        "",
-        f"Command: `{report.command}`",
-        "",
-        "Machine:",
-        "",
-        "```",
-        report.machine,
-        "```",
-        "",
-        "Setup:",
-        "",
-        *(f"- {s}" for s in report.setup),
-        "",
-    ]
+    out = _page_head(report)
     for peer, why in report.peer_failures.items():
         out += [
             f"**{peer} could not run here**, so its rows and ratios are missing:",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ def serve(reference: tuple[Any, Any], **kw: Any) -> LiveServer:
     return LiveServer(build_app(engine, engine.tokenizer, make_settings()))
 
 
-def bench_args(base_url: str, tokenizer_path: Path, *extra: str) -> list[str]:
+def bench_args(base_url: str, tokenizer_path: Path, extra: str) -> list[str]:
+    """The harness's arguments against ``base_url``: 4 small random prompts, then
+    ``extra`` (one shell-quoted string)."""
     return [
         "--base-url",
         base_url,
@@ -35,57 +38,43 @@ def bench_args(base_url: str, tokenizer_path: Path, *extra: str) -> list[str]:
         "--tokenizer",
         str(tokenizer_path),
         *shlex.split("--num-prompts 4 --random-input-len 12 --random-output-len 6 --disable-tqdm"),
-        *extra,
+        *shlex.split(extra),
     ]
 
 
+Bench = Callable[..., tuple[int, Any]]
+
+
+@pytest.fixture
+def bench(reference: tuple[Any, Any], tokenizer_path: Path, tmp_path: Path) -> Bench:
+    """Runs the harness with ``extra`` flags against a reference server made with ``kw``:
+    its exit code and the result JSON it wrote."""
+
+    def run(extra: str, **kw: Any) -> tuple[int, Any]:
+        out = tmp_path / "result.json"
+        with serve(reference, **kw) as srv:
+            rc = main(bench_args(srv.base_url, tokenizer_path, f"--result-file {out} {extra}"))
+        return rc, json.loads(out.read_text())
+
+    return run
+
+
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
-def test_run_reports_exact_output_lengths(
-    reference: tuple[Any, Any], tokenizer_path: Path, tmp_path: Path, endpoint: str
-) -> None:
-    with serve(reference) as srv:
-        rc = main(
-            bench_args(
-                srv.base_url,
-                tokenizer_path,
-                "--endpoint",
-                endpoint,
-                "--result-file",
-                str(tmp_path / "r.json"),
-                "--goodput",
-                "e2el:60000",
-                "--plot",
-                str(tmp_path / "r.png"),
-                "--request-rate",
-                "20",
-            )
-        )
+def test_run_reports_exact_output_lengths(bench: Bench, tmp_path: Path, endpoint: str) -> None:
+    plot = tmp_path / "r.png"
+    rc, result = bench(
+        f"--endpoint {endpoint} --goodput e2el:60000 --plot {plot} --request-rate 20"
+    )
     assert rc == 0
-    result = json.loads((tmp_path / "r.json").read_text())
     assert (result["completed"], result["failed"]) == (4, 0)
     assert result["output_lens"] == [6, 6, 6, 6]  # ignore_eos + usage from the server
     assert result["total_output_tokens"] == 24 and result["request_goodput"] > 0
     assert result["median_ttft_ms"] > 0 and len(result["itls"][0]) >= 1
-    assert (tmp_path / "r.png").stat().st_size > 0
+    assert plot.stat().st_size > 0
 
 
-def test_sweep_writes_one_result_per_point(
-    reference: tuple[Any, Any], tokenizer_path: Path, tmp_path: Path
-) -> None:
-    with serve(reference) as srv:
-        rc = main(
-            bench_args(
-                srv.base_url,
-                tokenizer_path,
-                "--sweep",
-                "max-concurrency=1,2",
-                "--result-file",
-                str(tmp_path / "s.json"),
-                "--plot",
-                str(tmp_path / "s.png"),
-            )
-        )
-    results = json.loads((tmp_path / "s.json").read_text())
+def test_sweep_writes_one_result_per_point(bench: Bench, tmp_path: Path) -> None:
+    rc, results = bench(f"--sweep max-concurrency=1,2 --plot {tmp_path / 's.png'}")
     assert rc == 0 and [r["max_concurrency"] for r in results] == [1, 2]
     assert all(r["completed"] == 4 for r in results)
     assert (tmp_path / "s.png").stat().st_size > 0
@@ -99,7 +88,7 @@ def test_unreachable_server_fails_every_request_without_hanging(
         port = s.getsockname()[1]
     rc = main(
         bench_args(
-            f"http://127.0.0.1:{port}", tokenizer_path, "--result-file", str(tmp_path / "f.json")
+            f"http://127.0.0.1:{port}", tokenizer_path, f"--result-file {tmp_path / 'f.json'}"
         )
     )
     result = json.loads((tmp_path / "f.json").read_text())
@@ -107,23 +96,8 @@ def test_unreachable_server_fails_every_request_without_hanging(
     assert any("ConnectError" in e for e in result["errors_summary"])
 
 
-def test_stalled_requests_time_out_and_are_counted(
-    reference: tuple[Any, Any], tokenizer_path: Path, tmp_path: Path
-) -> None:
-    with serve(reference, step_delay_s=0.3) as srv:
-        rc = main(
-            bench_args(
-                srv.base_url,
-                tokenizer_path,
-                "--request-timeout",
-                "0.5",
-                "--random-output-len",
-                "40",
-                "--result-file",
-                str(tmp_path / "t.json"),
-            )
-        )
-    result = json.loads((tmp_path / "t.json").read_text())
+def test_stalled_requests_time_out_and_are_counted(bench: Bench) -> None:
+    rc, result = bench("--request-timeout 0.5 --random-output-len 40", step_delay_s=0.3)
     assert rc == 1 and result["failed"] == 4
 
 

@@ -8,21 +8,17 @@ from pathlib import Path
 import torch
 
 from colocated.scheduler import ColocatedScheduler
-from engine.config import EngineConfig
-from engine.runner import ModelRunner
 from tests.colocated.test_scheduler import _assert_all_free, _req, _run
+from tests.pipeline.drive import float_runner
 from wire.params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
 def _sched(model: Path, caching: bool, blocks: int = 128) -> ColocatedScheduler:
-    runner = ModelRunner(
-        EngineConfig(
-            model=str(model), dtype="float32", num_kv_blocks=blocks, enable_prefix_caching=caching
-        )
+    return ColocatedScheduler(
+        float_runner(model, blocks, caching), worker_index=0, chunk_budget=48, max_num_seqs=16
     )
-    return ColocatedScheduler(runner, worker_index=0, chunk_budget=48, max_num_seqs=16)
 
 
 def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(

@@ -28,8 +28,12 @@ from wire.records import AbortRequest, Finish, TokenBatch
 def shard_factory(qwen_tokenizer: Any) -> Any:
     template = DetokShard(qwen_tokenizer)  # the vocabulary table is built once
 
-    def make() -> DetokShard:
-        return DetokShard(qwen_tokenizer, table=template.table)
+    def make(*rids: int) -> DetokShard:
+        """A fresh shard, with requests ``rids`` registered under default parameters."""
+        shard = DetokShard(qwen_tokenizer, table=template.table)
+        for rid in rids:
+            shard.register(register(rid, DetokParams()))
+        return shard
 
     return make
 
@@ -42,8 +46,7 @@ def test_out_of_order_tokens_are_applied_in_position_order(
     shard_factory: Any, qwen_tokenizer: Any
 ) -> None:
     ids = qwen_tokenizer.encode("Hello world, 你好 😀!")
-    shard, out = shard_factory(), {}
-    shard.register(register(7, DetokParams()))
+    shard, out = shard_factory(7), {}
     batches = stream_batches(7, ids)
     for b in [batches[0], *reversed(batches[1:])]:
         shard.on_tokens(b, 0)
@@ -67,8 +70,7 @@ def test_tokens_before_registration_wait_for_it(shard_factory: Any, qwen_tokeniz
 
 
 def test_late_tokens_for_a_finished_request_are_ignored(shard_factory: Any) -> None:
-    shard, out = shard_factory(), {}
-    shard.register(register(1, DetokParams()))
+    shard, out = shard_factory(1), {}
     shard.on_tokens(one_batch(1, 0, 9707, int(Finish.STOP)), 0)
     shard.on_tokens(one_batch(1, 1, 9707), 0)
     collect(shard, out)
@@ -283,8 +285,7 @@ def test_the_first_tokens_cached_prompt_count_rides_on_every_later_delta(
     shard_factory: Any, qwen_tokenizer: Any
 ) -> None:
     ids = qwen_tokenizer.encode("cached prefix, then more")
-    shard, out = shard_factory(), {}
-    shard.register(register(5, DetokParams()))
+    shard, out = shard_factory(5), {}
     shard.register(register(6, DetokParams(stop=("zzz",))))  # not the fast path
     # Prefill's batch: two first tokens with their counts; decode's rows report none (-1).
     shard.on_tokens(TokenBatch.build([5, 6], [0, 0], ids[:2], cached_tokens=[32, 0]), None)

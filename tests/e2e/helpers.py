@@ -9,14 +9,26 @@ import re
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
+from hypothesis import HealthCheck, settings
 
 from benchmarks.soak import parents
 from tests.conftest import LaunchedServer
+
+# The hypothesis settings of the hand-written e2e fuzz tests: reproducible (derandomized, no
+# example database) and never failed for being slow, since every example is an HTTP round trip.
+E2E_FUZZ = settings(
+    max_examples=50,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 async def concurrent_greedy(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:  # type: ignore[type-arg]
@@ -35,14 +47,74 @@ async def concurrent_greedy(url: str, prompts: list[list[int]], max_tokens: int)
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
+def check_greedy_matches_transformers(
+    server: LaunchedServer, model: Path, prompts: list[list[int]], max_tokens: int
+) -> None:
+    """Every prompt at once through /generate: each answer is transformers' greedy
+    continuation of its prompt, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    results = asyncio.run(concurrent_greedy(server.url, prompts, max_tokens))
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result["output_ids"] == hf_greedy(hf, prompt, max_tokens)
+
+
+def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    """A transformers (or peft) model's greedy continuation of ``prompt``, EOS ignored:
+    ``max_tokens`` ids."""
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
+
+
+def greedy_chat_ids(
+    server: LaunchedServer, model: str, messages: list[Any], max_tokens: int
+) -> list[int]:
+    """The token ids a greedy chat completion of ``messages`` generates (its
+    ``return_token_ids``): what another API's answer to the same conversation must count."""
+    import openai
+
+    chat = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    done = chat.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    return done.choices[0].model_extra["token_ids"]  # type: ignore[index,no-any-return]
+
+
+def kv_by_worker(server: LaunchedServer) -> dict[str, int]:
+    """KV blocks each worker with a KV pool holds, by ``role-index`` (from /health)."""
+    return {
+        f"{w['role']}-{w['index']}": int(w["load"]["total_kv_blocks"] - w["load"]["free_kv_blocks"])
+        for w in server.health()["workers"]
+        if "total_kv_blocks" in w["load"]
+    }
+
+
 def kv_in_use(server: LaunchedServer) -> int:
     """KV blocks held, summed over every worker (from /health)."""
-    used = 0
-    for w in server.health()["workers"]:
-        load = w["load"]
-        if "total_kv_blocks" in load:
-            used += int(load["total_kv_blocks"] - load["free_kv_blocks"])
-    return used
+    return sum(kv_by_worker(server).values())
+
+
+def read_events_then_leave(server: LaunchedServer, r: httpx.Response, events: int = 5) -> None:
+    """Read ``events`` data lines of the open stream ``r`` (KV is in use by then); the
+    caller's closing the stream then disconnects the client."""
+    seen = 0
+    for line in r.iter_lines():
+        seen += line.startswith("data: ")
+        if seen >= events:
+            assert kv_in_use(server) > 0
+            return
 
 
 def check_abort_mid_stream_frees_kv(server: LaunchedServer) -> None:
@@ -54,17 +126,8 @@ def check_abort_mid_stream_frees_kv(server: LaunchedServer) -> None:
     }
     with httpx.Client(base_url=server.url) as client:
         with client.stream("POST", "/generate", json=body, timeout=60) as r:
-            seen = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                if seen >= 5:
-                    assert kv_in_use(server) > 0
-                    break  # closing the stream disconnects the client
-        deadline = time.monotonic() + 5
-        while kv_in_use(server) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert kv_in_use(server) == 0
+            read_events_then_leave(server, r)
+        wait_kv_free(server)
 
 
 def reported_pids(server: LaunchedServer, timeout_s: float = 30.0) -> dict[tuple[str, int], int]:
@@ -88,12 +151,13 @@ def computed_prefill_tokens(server: LaunchedServer) -> int:
     return int(sum(float(v) for v in found))
 
 
-def wait_kv_free(server: LaunchedServer, timeout_s: float = 5.0) -> None:
-    """Every worker's KV blocks back (a request that left was aborted everywhere)."""
+def wait_kv_free(server: LaunchedServer, timeout_s: float = 5.0, what: str = "") -> None:
+    """Every worker's KV blocks back within ``timeout_s`` (a request that left was aborted
+    everywhere); ``what`` leads the failure message."""
     deadline = time.monotonic() + timeout_s
     while kv_in_use(server) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert kv_in_use(server) == 0
+        time.sleep(0.02)
+    assert kv_in_use(server) == 0, f"{what}KV still held: {kv_by_worker(server)}"
 
 
 def wait_logged(server: LaunchedServer, needle: str, timeout_s: float = 5.0) -> None:
@@ -146,10 +210,7 @@ def want_greedy(
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        out = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=GREEDY_TOKENS, do_sample=False, eos_token_id=None
-        )
-        reference[key] = out[0, len(prompt) :].tolist()
+        reference[key] = hf_greedy(hf, prompt, GREEDY_TOKENS)
     return reference[key]
 
 
@@ -214,6 +275,30 @@ def check_exact(
         assert result["text"] == tokenizer.decode(want, skip_special_tokens=True)  # type: ignore[attr-defined]
 
 
+@dataclass
+class Exact:
+    """``check_exact`` against the default tiny model: the ``exact`` fixture, whose
+    greedy continuations are computed once per prompt for its module."""
+
+    model: Path
+    tokenizer: Any
+    reference: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+    def check(self, results: list[dict], prompts: list[list[int]], log: list[str]) -> None:  # type: ignore[type-arg]
+        check_exact(results, prompts, self.reference, self.model, self.tokenizer, log)
+
+    def survives_kill(self, server: LaunchedServer, n: int, seed: int, *titles: str) -> list[dict]:  # type: ignore[type-arg]
+        """Stream ``n`` random prompts and SIGKILL the processes titled ``titles`` once
+        tokens flow: every stream is still its prompt's whole greedy continuation, and
+        every worker is back afterwards. The streams' results."""
+        wait_all_alive(server)
+        prompts = random_prompts(n, seed)
+        results = run_with_kill(server, prompts, *titles)
+        self.check(results, prompts, server.log)
+        wait_all_alive(server)
+        return results
+
+
 def wait_all_alive(server: LaunchedServer, timeout_s: float = 90) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -226,9 +311,11 @@ def wait_all_alive(server: LaunchedServer, timeout_s: float = 90) -> None:
     raise AssertionError(f"workers not all back: {server.health()}")
 
 
-def random_prompts(n: int, seed: int) -> list[list[int]]:
+def random_prompts(n: int, seed: int, first: int = 5, step: int = 9) -> list[list[int]]:
+    """``n`` prompts of random Qwen2-vocabulary ids, of ``first``, ``first + step``, ...
+    tokens."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 150_000, (5 + 9 * i,), generator=g).tolist() for i in range(n)]
+    return [torch.randint(0, 150_000, (first + step * i,), generator=g).tolist() for i in range(n)]
 
 
 # The tool every tool-calling e2e test offers, in each API's wrapping around it.

@@ -13,33 +13,15 @@ import json
 from typing import Any
 
 import httpx
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.api_fuzz import any_json, json_leaf
 from tests.conftest import LaunchedServer
+from tests.e2e.helpers import E2E_FUZZ
 
-FUZZ = settings(
-    max_examples=40,
-    deadline=None,
-    database=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+FUZZ = settings(E2E_FUZZ, max_examples=40)
 MODEL = "tiny-qwen2-v1"
-leaf = (
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.text(max_size=8)
-    | st.floats(allow_nan=False, allow_infinity=False)
-)
-any_json = st.recursive(
-    leaf,
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=6,
-)
 BUDGET = st.integers(-1, 5)
 SCHEMA = {"type": "object", "properties": {"x": {"enum": ["a", "b"]}}, "required": ["x"]}
 text = st.text(max_size=12)
@@ -60,7 +42,7 @@ block = st.one_of(
             "type": st.just("tool_use"),
             "id": st.sampled_from(["t1", "t2"]),
             "name": st.sampled_from(["f", "g"]),
-            "input": st.dictionaries(st.text(max_size=3), leaf, max_size=2),
+            "input": st.dictionaries(st.text(max_size=3), json_leaf, max_size=2),
         }
     ),
     st.fixed_dictionaries(

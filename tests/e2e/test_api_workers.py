@@ -14,19 +14,20 @@ import shlex
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import (
-    check_exact,
+    Exact,
     kv_in_use,
     pid_of,
     random_prompts,
+    read_events_then_leave,
     run_with_kill,
     wait_all_alive,
+    wait_kv_free,
 )
 
 pytestmark = pytest.mark.slow
@@ -37,15 +38,8 @@ HEADER = "x-pdserve-frontend"
 @pytest.fixture(scope="module")
 def pair() -> Iterator[LaunchedServer]:
     yield from LaunchedServer.serving(
-        shlex.split(
-            "--api-workers 2 --prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024"
-        )
+        "--api-workers 2 --prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024"
     )
-
-
-@pytest.fixture(scope="module")
-def reference() -> dict[tuple[int, ...], list[int]]:
-    return {}
 
 
 def test_both_frontends_serve_and_report_the_same_server(pair: LaunchedServer) -> None:
@@ -74,15 +68,8 @@ def test_both_frontends_serve_and_report_the_same_server(pair: LaunchedServer) -
     assert 'pdserve_frontend_requests_total{frontend="1"}' in metrics
 
 
-def test_streams_on_both_frontends_complete_exactly(
-    pair: LaunchedServer,
-    reference: dict,
-    default_model_path: Path,
-    qwen_tokenizer: object,  # type: ignore[type-arg]
-) -> None:
-    prompts = random_prompts(12, seed=3)
-    results = run_with_kill(pair, prompts)  # nothing killed
-    check_exact(results, prompts, reference, default_model_path, qwen_tokenizer, pair.log)
+def test_streams_on_both_frontends_complete_exactly(pair: LaunchedServer, exact: Exact) -> None:
+    results = exact.survives_kill(pair, 12, 3)  # nothing killed
     assert {r["frontend"] for r in results} == {"0", "1"}
 
 
@@ -99,16 +86,8 @@ def test_a_client_leaving_either_frontend_frees_kv_within_a_second(pair: Launche
             client.stream("POST", "/generate", json=body) as r,
         ):
             frontend = r.headers[HEADER]
-            events = 0
-            for line in r.iter_lines():
-                events += line.startswith("data: ")
-                if events >= 5:
-                    assert kv_in_use(pair) > 0
-                    break
-        gone = time.monotonic()
-        while kv_in_use(pair) and time.monotonic() - gone < 1.0:
-            time.sleep(0.02)
-        assert kv_in_use(pair) == 0, f"KV still held after a client left frontend {frontend}"
+            read_events_then_leave(pair, r)
+        wait_kv_free(pair, 1.0, f"a client left frontend {frontend}: ")
         left.add(frontend)
         if left == {"0", "1"}:
             return
@@ -116,24 +95,14 @@ def test_a_client_leaving_either_frontend_frees_kv_within_a_second(pair: Launche
 
 
 def test_a_shard_death_under_both_frontends_streams_loses_nothing(
-    pair: LaunchedServer,
-    reference: dict,
-    default_model_path: Path,
-    qwen_tokenizer: object,  # type: ignore[type-arg]
+    pair: LaunchedServer, exact: Exact
 ) -> None:
-    wait_all_alive(pair)
-    prompts = random_prompts(10, seed=11)
-    results = run_with_kill(pair, prompts, "pdserve:detok-0")
-    check_exact(results, prompts, reference, default_model_path, qwen_tokenizer, pair.log)
+    results = exact.survives_kill(pair, 10, 11, "pdserve:detok-0")
     assert {r["frontend"] for r in results} == {"0", "1"}
-    wait_all_alive(pair)
 
 
 def test_a_frontend_death_fails_only_its_own_streams_and_it_comes_back(
-    pair: LaunchedServer,
-    reference: dict,
-    default_model_path: Path,
-    qwen_tokenizer: object,  # type: ignore[type-arg]
+    pair: LaunchedServer, exact: Exact
 ) -> None:
     wait_all_alive(pair)
     prompts = random_prompts(12, seed=23)
@@ -144,14 +113,7 @@ def test_a_frontend_death_fails_only_its_own_streams_and_it_comes_back(
     assert mine and theirs, {r["frontend"] for r in results}
     for r in theirs:  # cut off: the connection broke before the end
         assert r["finish"] is None, r
-    check_exact(
-        [r for _, r in mine],
-        [p for p, _ in mine],
-        reference,
-        default_model_path,
-        qwen_tokenizer,
-        pair.log,
-    )
+    exact.check([r for _, r in mine], [p for p, _ in mine], pair.log)
     # The dead frontend's requests were abandoned: no worker keeps their KV.
     deadline = time.monotonic() + 10
     while kv_in_use(pair) and time.monotonic() < deadline:
@@ -181,7 +143,7 @@ WAITING = 2
 
 @pytest.fixture(scope="module")
 def bounded() -> Iterator[LaunchedServer]:
-    srv = LaunchedServer(
+    yield from LaunchedServer.serving(
         [
             *shlex.split(
                 "--api-workers 2 --prefill 1 --decode 1 --detokenizers 1 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --max-num-seqs 2 --max-waiting-requests"
@@ -191,9 +153,6 @@ def bounded() -> Iterator[LaunchedServer]:
             "60",
         ]
     )
-    srv.wait_ready()
-    yield srv
-    srv.stop()
 
 
 def test_the_admission_bound_holds_across_both_frontends(bounded: LaunchedServer) -> None:

@@ -1,17 +1,15 @@
 """``n``, ``best_of``, ``echo`` and tool calling through a launched 2P/2D server, with the
 official ``openai`` SDK.
 
-The server renders tools with a Qwen2.5-style template (``--chat-template``) and reads
-calls with the ``hermes`` parser. The tiny model's weights are random, so a call that
+The server (``agent_server``, shared with the agent-API tests) renders tools with a
+Qwen2.5-style template (``--chat-template``) and reads calls with the ``hermes`` parser. The tiny model's weights are random, so a call that
 parses comes from ``tool_choice`` being enforced with structured output.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -19,11 +17,10 @@ import openai
 import pytest
 
 from tests.conftest import LaunchedServer
+from tests.e2e.conftest import AGENT_MODEL as MODEL
 from tests.e2e.helpers import WEATHER_SCHEMA, computed_prefill_tokens
 from wire.params import choice_seed
 
-TEMPLATE = Path(__file__).parent / "data" / "qwen2_5_tools.jinja"
-MODEL = "tiny"
 WEATHER = {
     "type": "function",
     "function": {
@@ -47,29 +44,16 @@ TIME = {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def srv() -> Iterator[LaunchedServer]:
-    s = LaunchedServer(
-        [
-            *shlex.split(
-                "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 16384 --max-model-len 1024 --served-model-name"
-            ),
-            MODEL,
-            "--chat-template",
-            str(TEMPLATE),
-            "--tool-call-parser",
-            "hermes",
-        ]
-    )
-    s.wait_ready()
-    yield s
-    s.stop()
+def _sampled(**fields: Any) -> dict[str, Any]:
+    """A request's fields for the n/best_of tests: sampled at temperature 1 (seeded by
+    ``fields``) and never cut short by EOS, so every choice has its full length."""
+    return dict(model=MODEL, temperature=1.0, extra_body={"ignore_eos": True}, **fields)
 
 
 @pytest.fixture(scope="module")
-def sdk(srv: LaunchedServer) -> Iterator[openai.OpenAI]:
+def sdk(agent_server: LaunchedServer) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(
-        base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120
+        base_url=agent_server.url + "/v1", api_key="unused", max_retries=0, timeout=120
     ) as client:
         yield client
 
@@ -78,22 +62,15 @@ def sdk(srv: LaunchedServer) -> Iterator[openai.OpenAI]:
 
 
 def test_n_choices_are_distinct_reproducible_and_share_the_prompt(
-    sdk: openai.OpenAI, srv: LaunchedServer
+    sdk: openai.OpenAI, agent_server: LaunchedServer
 ) -> None:
     prompt = "A unique prompt for the n test: " + "lorem ipsum " * 20  # 40+ tokens, uncached
-    args: dict[str, Any] = dict(
-        model=MODEL,
-        prompt=prompt,
-        max_tokens=12,
-        temperature=1.0,
-        seed=1234,
-        extra_body={"ignore_eos": True},
-    )
-    before = computed_prefill_tokens(srv)
+    args = _sampled(prompt=prompt, max_tokens=12, seed=1234)
+    before = computed_prefill_tokens(agent_server)
     first = sdk.completions.create(n=3, **args)
     prompt_len = first.usage.prompt_tokens
     # The prompt's KV was computed (and allocated) once for the three choices.
-    assert computed_prefill_tokens(srv) - before == prompt_len
+    assert computed_prefill_tokens(agent_server) - before == prompt_len
     texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
     assert [c.index for c in sorted(first.choices, key=lambda c: c.index)] == [0, 1, 2]
     assert len(set(texts)) == 3
@@ -107,15 +84,7 @@ def test_n_choices_are_distinct_reproducible_and_share_the_prompt(
 
 
 def test_n_choices_stream_with_their_indices_and_usage(sdk: openai.OpenAI) -> None:
-    args: dict[str, Any] = dict(
-        model=MODEL,
-        messages=ASK,
-        max_tokens=10,
-        temperature=1.0,
-        seed=7,
-        n=3,
-        extra_body={"ignore_eos": True},
-    )
+    args = _sampled(messages=ASK, max_tokens=10, seed=7, n=3)
     whole = sdk.chat.completions.create(**args)
     want = {c.index: c.message.content for c in whole.choices}
     got: dict[int, str] = {0: "", 1: "", 2: ""}
@@ -138,14 +107,7 @@ def test_n_choices_stream_with_their_indices_and_usage(sdk: openai.OpenAI) -> No
 
 
 def test_best_of_keeps_the_most_likely_choice(sdk: openai.OpenAI) -> None:
-    args: dict[str, Any] = dict(
-        model=MODEL,
-        prompt="Best of three:",
-        max_tokens=8,
-        temperature=1.0,
-        seed=99,
-        extra_body={"ignore_eos": True},
-    )
+    args = _sampled(prompt="Best of three:", max_tokens=8, seed=99)
     all3 = sdk.completions.create(n=3, logprobs=0, **args)
     totals = {c.text: sum(c.logprobs.token_logprobs) for c in all3.choices}
     best = sdk.completions.create(n=1, best_of=3, **args)

@@ -64,6 +64,22 @@ class Node(NetnsLaunch):
         )
 
 
+def start_streams(pair: NetnsPair, prompts: list[list[int]]) -> subprocess.Popen[str]:
+    """``tests.e2e.cluster_client`` streaming ``prompts`` to the head from inside namespace
+    a; it prints ``started`` once tokens flow, then one JSON line of results."""
+    client = pair.popen(
+        "a",
+        [sys.executable, "-m", "tests.e2e.cluster_client", f"http://127.0.0.1:{PORT}"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert client.stdin is not None
+    client.stdin.write(json.dumps(prompts))
+    client.stdin.close()
+    return client
+
+
 @dataclass
 class Cluster:
     pair: NetnsPair
@@ -83,16 +99,8 @@ class Cluster:
     ) -> list[dict]:  # type: ignore[type-arg]
         """Greedy streams of ``prompts`` from inside namespace a; SIGKILL ``kill``, or run
         ``during``, once tokens flow."""
-        client = self.pair.popen(
-            "a",
-            [sys.executable, "-m", "tests.e2e.cluster_client", f"http://127.0.0.1:{PORT}"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert client.stdin is not None and client.stdout is not None
-        client.stdin.write(json.dumps(prompts))
-        client.stdin.close()
+        client = start_streams(self.pair, prompts)
+        assert client.stdout is not None
         assert client.stdout.readline().strip() == "started"
         if kill is not None:
             os.kill(kill, signal.SIGKILL)

@@ -8,14 +8,12 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 from benchmarks.netns_pair import NetnsPair
 from checkpoints import tiny
 from tests.e2e.helpers import check_exact, children, random_prompts, title
-from tests.e2e.test_cluster import PORT, Cluster, _start
+from tests.e2e.test_cluster import Cluster, _start, start_streams
 
 _COMPUTED = "pdserve_prefill_computed_tokens_total{"
 
@@ -41,16 +39,8 @@ def test_a_prefill_worker_killed_before_its_kv_was_read_is_prefilled_again_elsew
             _, decode = c.members[0].worker("decode")
             os.kill(decode, signal.SIGSTOP)  # the handoff waits, unread, on the decode node
             try:
-                client = pair.popen(
-                    "a",
-                    [sys.executable, "-m", "tests.e2e.cluster_client", f"http://127.0.0.1:{PORT}"],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-                assert client.stdin is not None and client.stdout is not None
-                client.stdin.write(json.dumps(prompts))
-                client.stdin.close()
+                client = start_streams(pair, prompts)
+                assert client.stdout is not None
                 deadline = time.monotonic() + 30
                 while (victim := _prefilled_by(c)) is None:
                     assert time.monotonic() < deadline, "no prefill worker computed the prompt"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import shlex
 import subprocess
 import time
 from collections.abc import Iterator
@@ -11,22 +9,21 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from tests.conftest import LaunchedServer
-from tests.e2e.helpers import check_abort_mid_stream_frees_kv, concurrent_greedy, kv_in_use
+from tests.e2e.helpers import (
+    check_abort_mid_stream_frees_kv,
+    check_greedy_matches_transformers,
+    kv_in_use,
+    random_prompts,
+)
 
 
 @pytest.fixture(scope="module")
 def colocated_server() -> Iterator[LaunchedServer]:
-    srv = LaunchedServer(
-        shlex.split(
-            "--colocated 2 --detokenizers 1 --device cpu --kv-cache-tokens 8192 --max-model-len 1024"
-        )
+    yield from LaunchedServer.serving(
+        "--colocated 2 --detokenizers 1 --device cpu --kv-cache-tokens 8192 --max-model-len 1024"
     )
-    srv.wait_ready()
-    yield srv
-    srv.stop()
 
 
 def test_workers_are_colocated_processes(colocated_server: LaunchedServer) -> None:
@@ -46,17 +43,8 @@ def test_workers_are_colocated_processes(colocated_server: LaunchedServer) -> No
 def test_concurrent_greedy_requests_match_transformers(
     colocated_server: LaunchedServer, default_model_path: Path
 ) -> None:
-    from transformers import AutoModelForCausalLM
-
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 150_000, (1 + 11 * i,), generator=g).tolist() for i in range(12)]
-    results = asyncio.run(concurrent_greedy(colocated_server.url, prompts, max_tokens=12))
-    hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
-    for prompt, result in zip(prompts, results, strict=True):
-        want = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
-        )
-        assert result["output_ids"] == want[0, len(prompt) :].tolist()
+    prompts = random_prompts(12, seed=5, first=1, step=11)
+    check_greedy_matches_transformers(colocated_server, default_model_path, prompts, max_tokens=12)
 
 
 def test_abort_mid_stream_frees_kv(colocated_server: LaunchedServer) -> None:

@@ -28,13 +28,10 @@ NAME = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def smol() -> Iterator[LaunchedServer]:
-    srv = LaunchedServer(
-        shlex.split("--prefill 2 --decode 2 --detokenizers 2 --device cpu"),
+    yield from LaunchedServer.serving(
+        "--prefill 2 --decode 2 --detokenizers 2 --device cpu",
         tiny_model=False,
     )
-    srv.wait_ready()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

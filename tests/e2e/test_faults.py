@@ -11,7 +11,6 @@ import os
 import shlex
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,66 +18,31 @@ import pytest
 
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import (
-    check_exact,
+    Exact,
     children,
     greedy_stream,
     pid_of,
     random_prompts,
-    run_with_kill,
     wait_all_alive,
 )
 
 
-@pytest.fixture(scope="module")
-def victim() -> Iterator[LaunchedServer]:
-    yield from LaunchedServer.serving(
-        shlex.split(
-            "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --stall-timeout 4"
-        )
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(default_model_path: Path) -> dict[tuple[int, ...], list[int]]:
-    """Greedy continuations from transformers, computed once per prompt on demand."""
-    return {}
-
-
 @pytest.mark.parametrize("title", ["pdserve:decode-0", "pdserve:prefill-1"])
 def test_worker_death_mid_stream_loses_and_duplicates_nothing(
-    victim: LaunchedServer,
-    reference: dict,
-    default_model_path: Path,
-    qwen_tokenizer,
-    title: str,  # type: ignore[no-untyped-def, type-arg]
+    victim: LaunchedServer, exact: Exact, title: str
 ) -> None:
-    wait_all_alive(victim)
-    prompts = random_prompts(6, seed=len(title))
-    results = run_with_kill(victim, prompts, title)
-    check_exact(results, prompts, reference, default_model_path, qwen_tokenizer, victim.log)
-    wait_all_alive(victim)  # the launcher restarted it and it serves again
+    exact.survives_kill(victim, 6, len(title), title)  # the launcher restarts the killed one
 
 
 @pytest.mark.parametrize("shards", [("pdserve:detok-0",), ("pdserve:detok-0", "pdserve:detok-1")])
 def test_detokenizer_deaths_lose_and_duplicate_nothing(
-    victim: LaunchedServer,
-    reference: dict,  # type: ignore[type-arg]
-    default_model_path: Path,
-    qwen_tokenizer: object,
-    shards: tuple[str, ...],
+    victim: LaunchedServer, exact: Exact, shards: tuple[str, ...]
 ) -> None:
-    wait_all_alive(victim)
-    prompts = random_prompts(8, seed=99 + len(shards))
-    results = run_with_kill(victim, prompts, *shards)
-    check_exact(results, prompts, reference, default_model_path, qwen_tokenizer, victim.log)
-    wait_all_alive(victim)
+    exact.survives_kill(victim, 8, 99 + len(shards), *shards)
 
 
 def test_a_stopped_decode_worker_is_reported_and_its_streams_finish_elsewhere(
-    victim: LaunchedServer,
-    reference: dict,  # type: ignore[type-arg]
-    default_model_path: Path,
-    qwen_tokenizer: object,
+    victim: LaunchedServer, exact: Exact
 ) -> None:
     wait_all_alive(victim)
     prompts = random_prompts(8, seed=7)
@@ -106,7 +70,7 @@ def test_a_stopped_decode_worker_is_reported_and_its_streams_finish_elsewhere(
 
     results = asyncio.run(main())
     assert "decode-0" in seen  # /health said which worker stalled
-    check_exact(results, prompts, reference, default_model_path, qwen_tokenizer, victim.log)
+    exact.check(results, prompts, victim.log)
     wait_all_alive(victim)  # it rejoined once it could run again
     assert pid_of(victim, "pdserve:decode-0") == pid  # the same process, not a restart
 

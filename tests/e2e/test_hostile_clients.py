@@ -9,7 +9,6 @@ text; clients that leave make no noise in the log.
 from __future__ import annotations
 
 import select
-import shlex
 import socket
 import threading
 import time
@@ -23,9 +22,7 @@ import pytest
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import pid_of
 
-SMALL = shlex.split(
-    "--prefill 1 --decode 1 --detokenizers 1 --device cpu --kv-cache-tokens 4096 --max-model-len 512"
-)
+SMALL = "--prefill 1 --decode 1 --detokenizers 1 --device cpu --kv-cache-tokens 4096 --max-model-len 512"
 DEADLINE_S = 2.0
 PER_PEER = 16
 IM_START = 151644  # <|im_start|> in the tiny model's Qwen2 vocabulary
@@ -34,22 +31,8 @@ IM_START = 151644  # <|im_start|> in the tiny model's Qwen2 vocabulary
 @pytest.fixture(scope="module")
 def srv() -> Iterator[LaunchedServer]:
     """No API key; short deadlines and a small per-peer cap, so tests take seconds."""
-    s = LaunchedServer(
-        [
-            *SMALL,
-            "--timeout-header",
-            str(DEADLINE_S),
-            "--timeout-body",
-            str(DEADLINE_S),
-            "--timeout-keep-alive",
-            "1",
-            "--max-connections-per-peer",
-            str(PER_PEER),
-        ]
-    )
-    s.wait_ready()
-    yield s
-    s.stop()
+    deadlines = f"--timeout-header {DEADLINE_S} --timeout-body {DEADLINE_S} --timeout-keep-alive 1"
+    yield from LaunchedServer.serving(f"{SMALL} {deadlines} --max-connections-per-peer {PER_PEER}")
 
 
 class HealthProbe:
@@ -194,10 +177,7 @@ def test_clients_that_leave_make_no_noise(srv: LaunchedServer) -> None:
 
 @pytest.fixture(scope="module")
 def keyed() -> Iterator[LaunchedServer]:
-    s = LaunchedServer([*SMALL, "--api-key", "s3cret"])
-    s.wait_ready()
-    yield s
-    s.stop()
+    yield from LaunchedServer.serving(f"{SMALL} --api-key s3cret")
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/openapi.json", "/docs", "/redoc", "/v1/models"])

@@ -11,7 +11,6 @@ on a server of its own with a small admission bound.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 
 from frontend.settings import DEFAULT_MAX_BODY_BYTES
 from tests.conftest import LaunchedServer
+from tests.e2e.helpers import read_events_then_leave, wait_kv_free
 
 COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/generate"
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -222,18 +222,6 @@ def test_unknown_route_and_wrong_method_keep_the_error_shape(http: httpx.Client)
     assert_openai_error(http.get(COMPLETIONS), 405)
 
 
-def kv_blocks_in_use(server: LaunchedServer) -> int:
-    return sum(kv_blocks_by_worker(server).values())
-
-
-def kv_blocks_by_worker(server: LaunchedServer) -> dict[str, int]:
-    return {
-        f"{w['role']}-{w['index']}": int(w["load"]["total_kv_blocks"] - w["load"]["free_kv_blocks"])
-        for w in server.health()["workers"]
-        if "total_kv_blocks" in w["load"]
-    }
-
-
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 def test_client_gone_mid_stream_frees_kv_within_a_second(
     http: httpx.Client, server: LaunchedServer, path: str
@@ -241,17 +229,9 @@ def test_client_gone_mid_stream_frees_kv_within_a_second(
     body = body_for(path, max_tokens=800, ignore_eos=True, stream=True, temperature=0)
     with http.stream("POST", path, json=body) as r:
         assert r.status_code == 200
-        events = 0
-        for line in r.iter_lines():
-            events += line.startswith("data: ")
-            if events >= 5:
-                assert kv_blocks_in_use(server) > 0
-                break
+        read_events_then_leave(server, r)
     # Leaving the `with` closed the connection: the server must notice and free the KV.
-    gone = time.monotonic()
-    while kv_blocks_in_use(server) and time.monotonic() - gone < 1.0:
-        time.sleep(0.02)
-    assert kv_blocks_in_use(server) == 0, kv_blocks_by_worker(server)
+    wait_kv_free(server, 1.0)
 
 
 def test_server_still_serves_after_the_error_suite(

@@ -17,19 +17,14 @@ import time
 from typing import Any
 
 import httpx
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.api_fuzz import any_json
 from tests.conftest import LaunchedServer
+from tests.e2e.helpers import E2E_FUZZ
 
-FUZZ = settings(
-    max_examples=50,
-    deadline=None,
-    database=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+FUZZ = E2E_FUZZ
 VOCAB = 151_936
 
 

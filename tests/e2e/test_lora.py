@@ -5,6 +5,7 @@ every bad input a 4xx with the server serving on, and decode-worker SIGKILL reco
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -20,7 +21,7 @@ import torch
 
 from checkpoints.lora import make_adapter, peft_model
 from tests.conftest import LaunchedServer
-from tests.e2e.helpers import pid_of, random_prompts, wait_all_alive
+from tests.e2e.helpers import hf_greedy, pid_of, random_prompts, wait_all_alive
 
 # Not imported here: peft imports triton, and triton imported outside the Triton
 # interpreter breaks the kernel tests that the same session runs later.
@@ -75,15 +76,7 @@ def _want(base: Path, adapter: Path | None, prompt: list[int]) -> list[int]:
             model: Any = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         else:
             model = peft_model(base, adapter)
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        _reference[key] = out[0, len(prompt) :].tolist()
+        _reference[key] = hf_greedy(model, prompt, MAX_TOKENS)
     return _reference[key]
 
 
@@ -104,6 +97,17 @@ def _post(srv: LaunchedServer, path: str, body: dict[str, Any]) -> httpx.Respons
     return httpx.post(srv.url + path, json=body, timeout=60)
 
 
+@contextlib.contextmanager
+def _loaded(srv: LaunchedServer, name: str, path: Path) -> Iterator[None]:
+    """The adapter at ``path`` loaded as ``name`` for the ``with`` block, unloaded after."""
+    r = _post(srv, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+    assert r.status_code == 200, r.text
+    try:
+        yield
+    finally:
+        _post(srv, "/v1/unload_lora_adapter", {"lora_name": name})
+
+
 def _base_name(srv: LaunchedServer) -> str:
     return str(httpx.get(srv.url + "/v1/models", timeout=10).json()["data"][0]["id"])
 
@@ -122,15 +126,7 @@ def test_models_lists_each_adapter_with_the_base_as_parent(server: LaunchedServe
 def test_greedy_output_per_adapter_matches_transformers_peft(
     server: LaunchedServer, adapters: dict[str, Path], default_model_path: Path
 ) -> None:
-    assert (
-        _post(
-            server,
-            "/v1/load_lora_adapter",
-            {"lora_name": "all16", "lora_path": str(adapters["all16"])},
-        ).status_code
-        == 200
-    )
-    try:
+    with _loaded(server, "all16", adapters["all16"]):
         prompt = random_prompts(1, seed=4)[0] + [11, 12, 13]
         outs = {}
         for name in ("qvd8", "all16", None):
@@ -161,8 +157,6 @@ def test_greedy_output_per_adapter_matches_transformers_peft(
 
         for name, r in zip(outs, asyncio.run(all_at_once())):
             assert r.json()["choices"][0]["token_ids"] == outs[name], name
-    finally:
-        _post(server, "/v1/unload_lora_adapter", {"lora_name": "all16"})
 
 
 def test_chat_messages_and_responses_select_the_adapter_by_model(server: LaunchedServer) -> None:
@@ -198,15 +192,7 @@ def test_chat_messages_and_responses_select_the_adapter_by_model(server: Launche
 def test_a_prompt_under_adapter_a_then_b_shares_no_cached_block(
     server: LaunchedServer, adapters: dict[str, Path]
 ) -> None:
-    assert (
-        _post(
-            server,
-            "/v1/load_lora_adapter",
-            {"lora_name": "gu16", "lora_path": str(adapters["gu16"])},
-        ).status_code
-        == 200
-    )
-    try:
+    with _loaded(server, "gu16", adapters["gu16"]):
         prompt = random_prompts(1, seed=77)[0] * 4  # 20 tokens x 4: several full blocks
 
         def cached(model: str) -> int:
@@ -219,8 +205,6 @@ def test_a_prompt_under_adapter_a_then_b_shares_no_cached_block(
         assert cached("gu16") == 0  # the same tokens under another adapter: nothing shared
         assert cached(_base_name(server)) == 0
         assert cached("qvd8") > 0 and cached("gu16") > 0  # each reuses its own
-    finally:
-        _post(server, "/v1/unload_lora_adapter", {"lora_name": "gu16"})
 
 
 def test_bad_lora_input_gets_a_4xx_naming_it_and_the_server_serves_on(

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from checkpoints.default_model import default_model_dir
 from checkpoints.lora import make_adapter, peft_model
 from tests.conftest import LaunchedServer
+from tests.e2e.helpers import hf_greedy
 
 # Not imported here: peft imports triton, and triton imported outside the Triton
 # interpreter breaks the kernel tests that the same session runs later.
@@ -40,7 +40,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def smol(adapters: dict[str, Path]) -> Iterator[LaunchedServer]:
     modules = [f"{name}={path}" for name, path in adapters.items()]
-    srv = LaunchedServer(
+    yield from LaunchedServer.serving(
         [
             "--model",
             str(default_model_dir()),
@@ -51,9 +51,6 @@ def smol(adapters: dict[str, Path]) -> Iterator[LaunchedServer]:
         ],
         tiny_model=False,
     )
-    srv.wait_ready()
-    yield srv
-    srv.stop()
 
 
 def test_greedy_output_per_adapter_equals_transformers_peft(
@@ -67,15 +64,7 @@ def test_greedy_output_per_adapter_equals_transformers_peft(
         ref = peft_model(default_model_dir(), path)
         for prompt in PROMPTS:
             ids = tok(prompt)["input_ids"]
-            with torch.no_grad():
-                out = ref.generate(
-                    input_ids=torch.tensor([ids]),
-                    max_new_tokens=MAX_TOKENS,
-                    do_sample=False,
-                    eos_token_id=None,
-                    pad_token_id=0,
-                )
-            want = out[0, len(ids) :].tolist()
+            want = hf_greedy(ref, ids, MAX_TOKENS)
             body = {
                 "model": name,
                 "prompt": ids,

@@ -15,7 +15,6 @@ from typing import Any
 import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from tests.conftest import LaunchedServer
@@ -24,6 +23,7 @@ from tests.e2e.conftest import TOOLS_TEMPLATE
 from tests.e2e.helpers import (
     WEATHER_SCHEMA,
     computed_prefill_tokens,
+    greedy_chat_ids,
     leave_mid_stream,
     render_ids,
 )
@@ -114,18 +114,8 @@ def test_usage_counts_the_tokens_processed(
     assert computed_prefill_tokens(agent_server) - before == len(prompt)
     # The output tokens are the ids the engine generated: the same greedy request through
     # chat completions lists them.
-    chat = openai.OpenAI(base_url=agent_server.url + "/v1", api_key="unused", max_retries=0)
-    ids = (
-        chat.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "system", "content": system}, *messages],  # type: ignore[list-item]
-            max_tokens=7,
-            temperature=0,
-            extra_body={"return_token_ids": True},
-        )
-        .choices[0]
-        .model_extra["token_ids"]
-    )  # type: ignore[index]
+    conversation = [{"role": "system", "content": system}, *messages]
+    ids = greedy_chat_ids(agent_server, MODEL, conversation, 7)
     assert first.usage.output_tokens == len(ids) == 7
     # Again: the prefix cache supplies what it holds, and only the rest is computed.
     before = computed_prefill_tokens(agent_server)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
 import httpx
-import torch
 
 from tests.conftest import LaunchedServer
-from tests.e2e.helpers import check_abort_mid_stream_frees_kv, concurrent_greedy
+from tests.e2e.helpers import (
+    check_abort_mid_stream_frees_kv,
+    check_greedy_matches_transformers,
+    random_prompts,
+)
 
 
 def _generate(client: httpx.Client, ids: list[int], max_tokens: int, stream: bool) -> dict:  # type: ignore[type-arg]
@@ -38,17 +40,8 @@ def _generate(client: httpx.Client, ids: list[int], max_tokens: int, stream: boo
 def test_32_concurrent_greedy_requests_match_transformers(
     server: LaunchedServer, default_model_path: Path
 ) -> None:
-    from transformers import AutoModelForCausalLM
-
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 150_000, (1 + 7 * i,), generator=g).tolist() for i in range(32)]
-    results = asyncio.run(concurrent_greedy(server.url, prompts, max_tokens=16))
-    hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
-    for prompt, result in zip(prompts, results, strict=True):
-        want = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None
-        )
-        assert result["output_ids"] == want[0, len(prompt) :].tolist()
+    prompts = random_prompts(32, seed=3, first=1, step=7)
+    check_greedy_matches_transformers(server, default_model_path, prompts, max_tokens=16)
     health = server.health()
     assert all(w["alive"] for w in health["workers"])
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import shlex
 from collections.abc import Iterator
 
 import httpx
@@ -27,20 +26,10 @@ _SAMPLE = re.compile(
 
 @pytest.fixture(scope="module")
 def wide() -> Iterator[LaunchedServer]:
-    srv = LaunchedServer(
-        [
-            "--prefill",
-            str(N_PREFILL),
-            "--decode",
-            str(N_DECODE),
-            *shlex.split(
-                "--detokenizers 1 --device cpu --kv-cache-tokens 16384 --max-model-len 2048"
-            ),
-        ]
+    yield from LaunchedServer.serving(
+        f"--prefill {N_PREFILL} --decode {N_DECODE} "
+        "--detokenizers 1 --device cpu --kv-cache-tokens 16384 --max-model-len 2048"
     )
-    srv.wait_ready()
-    yield srv
-    srv.stop()
 
 
 async def _bursts(url: str, requests: list[tuple[list[int], int]], rng: random.Random) -> None:

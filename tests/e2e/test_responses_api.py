@@ -22,6 +22,7 @@ from tests.e2e.conftest import TOOLS_TEMPLATE
 from tests.e2e.helpers import (
     WEATHER_SCHEMA,
     computed_prefill_tokens,
+    greedy_chat_ids,
     leave_mid_stream,
     render_ids,
 )
@@ -113,11 +114,8 @@ def test_usage_counts_the_tokens_processed(
     sdk: openai.OpenAI, agent_server: LaunchedServer, qwen_tokenizer: Any, template: str
 ) -> None:
     instructions, text = "You answer briefly.", "A prompt only the usage test sends: " + "r " * 40
-    prompt = render_ids(
-        qwen_tokenizer,
-        template,
-        [{"role": "system", "content": instructions}, {"role": "user", "content": text}],
-    )
+    conversation = [{"role": "system", "content": instructions}, {"role": "user", "content": text}]
+    prompt = render_ids(qwen_tokenizer, template, conversation)
     args: dict[str, Any] = dict(
         model=MODEL, instructions=instructions, input=text, max_output_tokens=6, temperature=0
     )
@@ -129,20 +127,7 @@ def test_usage_counts_the_tokens_processed(
         0,
     )
     assert computed_prefill_tokens(agent_server) - before == len(prompt)
-    ids = (
-        sdk.chat.completions.create(
-            model=MODEL,
-            messages=[
-                {"role": "system", "content": instructions},
-                {"role": "user", "content": text},
-            ],
-            max_tokens=6,
-            temperature=0,
-            extra_body={"return_token_ids": True},
-        )
-        .choices[0]
-        .model_extra["token_ids"]
-    )  # type: ignore[index]
+    ids = greedy_chat_ids(agent_server, MODEL, conversation, 6)
     assert first.usage.output_tokens == len(ids) == 6
     assert first.usage.total_tokens == len(prompt) + 6
     again = sdk.responses.create(**args)

@@ -12,9 +12,8 @@ import asyncio
 import json
 import os
 import re
-import shlex
 import signal
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import jsonschema
@@ -88,18 +87,6 @@ CHOICES = ["apple", "banana split", "cherry"]
 MAX_TOKENS = 256
 CHAT = [{"role": "user", "content": "Answer in the requested format."}]
 T = TypeVar("T")
-
-
-@pytest.fixture(scope="module")
-def victim() -> Iterator[LaunchedServer]:
-    srv = LaunchedServer(
-        shlex.split(
-            "--prefill 2 --decode 2 --detokenizers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --stall-timeout 4 --served-model-name tiny"
-        )
-    )
-    srv.wait_ready()
-    yield srv
-    srv.stop()
 
 
 def _run(victim: LaunchedServer, work: Callable[[openai.AsyncOpenAI], Awaitable[T]]) -> T:

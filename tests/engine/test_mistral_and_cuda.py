@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoints.tiny import TINY_SIZES
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
@@ -18,11 +19,7 @@ def _tiny_mistral(root: Path) -> Path:
 
     cfg = MistralConfig(
         vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_SIZES,
         max_position_embeddings=8192,
         sliding_window=1024,
         eos_token_id=2,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from launcher.memory import (
     GIB,
     Demand,
     HostMemory,
+    KVPlan,
     MemoryBudgetError,
     cgroup_available,
     host_memory,
@@ -64,43 +66,22 @@ def test_a_machine_too_small_for_the_replicas_is_an_error(default_model_path: Pa
         plan_kv(m, 2 * GIB, torch.float32, _demand(), memory=HostMemory(8 * GIB, "test"))
 
 
+def _plan_on_32_gib(m: ModelConfig, **budget: Any) -> KVPlan:
+    """``plan_kv`` for 1 MiB of weights on a 32 GiB machine, with an explicit ``budget``."""
+    return plan_kv(
+        m, 1 << 20, torch.float32, _demand(), memory=HostMemory(32 * GIB, "test"), **budget
+    )
+
+
 def test_explicit_budgets_beyond_the_machine_are_errors(default_model_path: Path) -> None:
     m = ModelConfig.from_pretrained(default_model_path)
-    fits = plan_kv(
-        m,
-        1 << 20,
-        torch.float32,
-        _demand(),
-        kv_cache_memory_gib=1,
-        memory=HostMemory(32 * GIB, "test"),
-    )
+    fits = _plan_on_32_gib(m, kv_cache_memory_gib=1)
     assert fits.tokens_per_pool == GIB // kv_bytes_per_token(m, 4)
     with pytest.raises(MemoryBudgetError, match="--kv-cache-memory 10"):
-        plan_kv(
-            m,
-            1 << 20,
-            torch.float32,
-            _demand(),
-            kv_cache_memory_gib=10,
-            memory=HostMemory(32 * GIB, "test"),
-        )
+        _plan_on_32_gib(m, kv_cache_memory_gib=10)
     with pytest.raises(MemoryBudgetError, match="--kv-cache-tokens"):
-        plan_kv(
-            m,
-            1 << 20,
-            torch.float32,
-            _demand(),
-            kv_cache_tokens=10**9,
-            memory=HostMemory(32 * GIB, "test"),
-        )
-    tokens = plan_kv(
-        m,
-        1 << 20,
-        torch.float32,
-        _demand(),
-        kv_cache_tokens=4096,
-        memory=HostMemory(32 * GIB, "test"),
-    )
+        _plan_on_32_gib(m, kv_cache_tokens=10**9)
+    tokens = _plan_on_32_gib(m, kv_cache_tokens=4096)
     assert tokens.tokens_per_pool == 4096
 
 

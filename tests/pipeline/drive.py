@@ -14,14 +14,20 @@ from transport.kv_backends import ShmReceiver
 from wire.records import Finish, TokenBatch
 
 
+def float_runner(model: Path, blocks: int, caching: bool = True) -> ModelRunner:
+    """``model`` in float32 with ``blocks`` KV blocks; ``caching`` turns the prefix cache
+    on, as ``EngineConfig`` has it by default."""
+    config = EngineConfig(
+        model=str(model), dtype="float32", num_kv_blocks=blocks, enable_prefix_caching=caching
+    )
+    return ModelRunner(config)
+
+
 def pair(
     model: Path, *, chunk_budget: int = 64, decode_blocks: int = 256
 ) -> tuple[PrefillScheduler, DecodeScheduler]:
     """Prefill (256 KV blocks) handing off to decode through shared memory."""
-    p_runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=256))
-    d_runner = ModelRunner(
-        EngineConfig(model=str(model), dtype="float32", num_kv_blocks=decode_blocks)
-    )
+    p_runner, d_runner = float_runner(model, 256), float_runner(model, decode_blocks)
     receiver = ShmReceiver({0: p_runner.kv.tensor}, d_runner.kv.tensor)
     prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=chunk_budget)
     return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=64)

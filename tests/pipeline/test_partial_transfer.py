@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from decode.scheduler import DecodeScheduler
-from engine.config import EngineConfig
-from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler
+from tests.pipeline.drive import float_runner
 from transport.kv_backends import ShmReceiver
 from wire.params import SamplingParams
 from wire.records import GenerateRequest
@@ -38,14 +37,7 @@ class RecordingReceiver(ShmReceiver):
 
 
 def _pair(model: Path, caching: bool) -> tuple[PrefillScheduler, DecodeScheduler]:
-    def runner() -> ModelRunner:
-        return ModelRunner(
-            EngineConfig(
-                model=str(model), dtype="float32", num_kv_blocks=96, enable_prefix_caching=caching
-            )
-        )
-
-    p_runner, d_runner = runner(), runner()
+    p_runner, d_runner = float_runner(model, 96, caching), float_runner(model, 96, caching)
     receiver = RecordingReceiver({0: p_runner.kv.tensor}, d_runner.kv.tensor)
     prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=512)
     return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=8)

@@ -15,6 +15,7 @@ from decode.scheduler import DecodeScheduler
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler, PrefillStep
+from tests.pipeline.drive import float_runner
 from transport.kv_backends import ShmReceiver
 from wire.params import SamplingParams
 from wire.records import Finish, GenerateRequest
@@ -23,14 +24,7 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def _pair(model: Path, caching: bool) -> tuple[PrefillScheduler, DecodeScheduler]:
-    def runner() -> ModelRunner:
-        return ModelRunner(
-            EngineConfig(
-                model=str(model), dtype="float32", num_kv_blocks=128, enable_prefix_caching=caching
-            )
-        )
-
-    p_runner, d_runner = runner(), runner()
+    p_runner, d_runner = float_runner(model, 128, caching), float_runner(model, 128, caching)
     prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=40)
     receiver = ShmReceiver({0: p_runner.kv.tensor}, d_runner.kv.tensor)
     return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=16)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 import os
 import random
-from collections import deque
+from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.router import Placement, Router
@@ -192,3 +193,35 @@ def mixed_request(
     else:
         prompt = rng.randint(*long)
     return prompt, rng.randint(*output)
+
+
+def spread(loads: dict[int, int], n: int) -> float:
+    """Largest relative distance of a worker's load from the mean."""
+    values = [loads.get(i, 0) for i in range(n)]
+    mean = sum(values) / n
+    return max(abs(v - mean) / mean for v in values)
+
+
+def check_bursts_spread(
+    cluster: Cluster,
+    router: Router,
+    rng: random.Random,
+    place: Callable[[int, int], Placement],
+    requests: int = 64,
+) -> None:
+    """``requests`` mixed requests (``place(prompt_len, max_tokens)`` queues each), arriving
+    in bursts between two engine steps (two table updates): at the end every prefill
+    worker's prompt tokens and every decode worker's tokens are within 25 % of the mean."""
+    prefill_load: dict[int, int] = defaultdict(int)
+    decode_load: dict[int, int] = defaultdict(int)
+    placed = 0
+    while placed < requests:
+        for _ in range(min(rng.randint(1, 12), requests - placed)):
+            prompt_len, max_tokens = mixed_request(rng)
+            p = place(prompt_len, max_tokens)
+            prefill_load[p.prefill] += prompt_len
+            decode_load[p.decode] += prompt_len + max_tokens
+            placed += 1
+        cluster.step(router)
+    assert spread(prefill_load, len(cluster.prefills)) <= 0.25, dict(prefill_load)
+    assert spread(decode_load, len(cluster.decodes)) <= 0.25, dict(decode_load)

@@ -14,21 +14,15 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine.kv.block_allocator import block_hashes
-from router.policy import CacheAffinity, CacheAware, Candidate, PolicyName
+from router.policy import CacheAffinity, CacheAware, Candidate, Policy, PolicyName
 from router.router import Placement, Router
-from tests.router.sim import BLOCK, Cluster, mixed_request, start_cluster
+from tests.router.sim import BLOCK, Cluster, check_bursts_spread, start_cluster
 from transport.load_table import LoadTable
 
 
 def _cluster(n_prefill: int, n_decode: int) -> Cluster:
     buf = bytearray(LoadTable.layout_nbytes(n_prefill + n_decode))
     return start_cluster(buf, n_prefill, n_decode)
-
-
-def _spread(loads: dict[int, int], n: int) -> float:
-    values = [loads.get(i, 0) for i in range(n)]
-    mean = sum(values) / n
-    return max(abs(v - mean) / mean for v in values)
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -44,28 +38,28 @@ def _send(router: Router, cluster: Cluster, prompt: list[int], reply: list[int])
     return p
 
 
+def _pick(policy: Policy, *workers: tuple[int, int]) -> int:
+    """The index ``policy`` chooses among workers given as (cost, new_tokens)."""
+    candidates = [Candidate(i, cost=cost, new_tokens=new) for i, (cost, new) in enumerate(workers)]
+    return policy.choose(candidates).index
+
+
 def test_the_cheapest_after_reuse_wins_and_ties_fall_back_to_load() -> None:
     policy = CacheAware()
     # Worker 1 holds 900 of 1000 prompt tokens: its 400 queued tokens are worth it.
-    held = [Candidate(0, cost=0, new_tokens=1000), Candidate(1, cost=400, new_tokens=100)]
-    assert policy.choose(held).index == 1
+    assert _pick(policy, (0, 1000), (400, 100)) == 1
     # ...but not a queue longer than the history it saves.
-    busy = [Candidate(0, cost=0, new_tokens=1000), Candidate(1, cost=950, new_tokens=100)]
-    assert policy.choose(busy).index == 0
-    same = [Candidate(0, cost=10, new_tokens=500), Candidate(1, cost=0, new_tokens=500)]
-    assert policy.choose(same).index == 1
+    assert _pick(policy, (0, 1000), (950, 100)) == 0
+    assert _pick(policy, (10, 500), (0, 500)) == 1
 
 
 def test_decode_takes_the_longest_held_prefix_only_among_workers_near_the_least_loaded() -> None:
     policy = CacheAffinity(band=0.25)
     # Request KV 1000; worker 1 holds 800 of it and is within 25 % + one request's KV.
-    near = [Candidate(0, cost=8000, new_tokens=1000), Candidate(1, cost=10_500, new_tokens=200)]
-    assert policy.choose(near).index == 1
-    far = [Candidate(0, cost=8000, new_tokens=1000), Candidate(1, cost=11_500, new_tokens=200)]
-    assert policy.choose(far).index == 0
+    assert _pick(policy, (8000, 1000), (10_500, 200)) == 1
+    assert _pick(policy, (8000, 1000), (11_500, 200)) == 0
     # Nothing held anywhere: least load, as LeastLoad picks.
-    none = [Candidate(0, cost=300, new_tokens=1000), Candidate(1, cost=200, new_tokens=1000)]
-    assert policy.choose(none).index == 1
+    assert _pick(policy, (300, 1000), (200, 1000)) == 1
 
 
 @dataclass
@@ -122,20 +116,11 @@ def test_without_shared_prefixes_load_stays_within_25_percent_of_the_mean(seed: 
     rng = random.Random(seed)
     cluster = _cluster(2, 4)
     router = Router(cluster.table, PolicyName.CACHE_AWARE, summaries=cluster.summaries())
-    prefill_load: dict[int, int] = defaultdict(int)
-    decode_load: dict[int, int] = defaultdict(int)
-    placed = 0
-    while placed < 64:
-        for _ in range(min(rng.randint(1, 12), 64 - placed)):
-            prompt_len, max_tokens = mixed_request(rng)
-            prompt = _tokens(rng, prompt_len)
-            p = _send(router, cluster, prompt, _tokens(rng, max_tokens))
-            prefill_load[p.prefill] += prompt_len
-            decode_load[p.decode] += prompt_len + max_tokens
-            placed += 1
-        cluster.step(router)
-    assert _spread(prefill_load, 2) <= 0.25, dict(prefill_load)
-    assert _spread(decode_load, 4) <= 0.25, dict(decode_load)
+
+    def place(prompt_len: int, max_tokens: int) -> Placement:
+        return _send(router, cluster, _tokens(rng, prompt_len), _tokens(rng, max_tokens))
+
+    check_bursts_spread(cluster, router, rng, place)
 
 
 def test_load_only_policies_never_hash() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from router.policy import Candidate, PolicyName, PowerOfTwo, RoundRobin
 from router.router import NoCapacity, Placement, Router, RouterConfig
-from tests.router.sim import Cluster, mixed_request, start_cluster
+from tests.router.sim import Cluster, check_bursts_spread, mixed_request, spread, start_cluster
 from transport.load_table import LoadTable, WorkerState
 from wire.roles import Role
 
@@ -23,13 +23,6 @@ def _cluster(n_prefill: int = 2, n_decode: int = 4, total_blocks: int = 8192) ->
     return start_cluster(buf, n_prefill, n_decode, total_blocks)
 
 
-def _spread(loads: dict[int, int], n: int) -> float:
-    """Largest relative distance of a worker's load from the mean."""
-    values = [loads.get(i, 0) for i in range(n)]
-    mean = sum(values) / n
-    return max(abs(v - mean) / mean for v in values)
-
-
 @pytest.mark.parametrize("seed", range(5))
 def test_64_mixed_requests_put_every_worker_within_25_percent_of_mean_token_load(
     seed: int,
@@ -37,21 +30,13 @@ def test_64_mixed_requests_put_every_worker_within_25_percent_of_mean_token_load
     rng = random.Random(seed)
     cluster = _cluster(2, 4)
     router = Router(cluster.table, PolicyName.LEAST_LOAD)
-    prefill_load: dict[int, int] = defaultdict(int)
-    decode_load: dict[int, int] = defaultdict(int)
-    placed = 0
-    while placed < 64:
-        # Requests arrive in bursts between two engine steps (two table updates).
-        for _ in range(min(rng.randint(1, 12), 64 - placed)):
-            prompt, max_tokens = mixed_request(rng)
-            p = router.place(prompt, max_tokens)
-            cluster.prefills[p.prefill].ring.append(p)
-            prefill_load[p.prefill] += prompt
-            decode_load[p.decode] += prompt + max_tokens
-            placed += 1
-        cluster.step(router)
-    assert _spread(prefill_load, 2) <= 0.25, dict(prefill_load)
-    assert _spread(decode_load, 4) <= 0.25, dict(decode_load)
+
+    def place(prompt: int, max_tokens: int) -> Placement:
+        p = router.place(prompt, max_tokens)
+        cluster.prefills[p.prefill].ring.append(p)
+        return p
+
+    check_bursts_spread(cluster, router, rng, place)
 
 
 def test_a_burst_between_two_table_updates_still_spreads_evenly() -> None:
@@ -65,7 +50,7 @@ def test_a_burst_between_two_table_updates_still_spreads_evenly() -> None:
         p = router.place(prompt, max_tokens)
         prefill_load[p.prefill] += prompt
         decode_count[p.decode] += 1
-    assert _spread(prefill_load, 2) <= 0.25
+    assert spread(prefill_load, 2) <= 0.25
     assert sorted(decode_count) == [0, 1, 2, 3] and min(decode_count.values()) >= 8
 
 

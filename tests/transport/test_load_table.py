@@ -148,6 +148,17 @@ _ROWS = 2
 _MIN_WRITES = 20_000
 _MAX_WRITES = 2_000_000  # bounds a writer whose reader never gets a core (seconds)
 _FINAL = _MAX_WRITES + 1
+# The load fields a writer sets to one counter at each publish: a reader that sees them
+# differ in one row has read a torn row.
+_TORN_FIELDS = (
+    "queued_prefill_tokens",
+    "waiting_requests",
+    "running_requests",
+    "free_kv_blocks",
+    "total_kv_blocks",
+    "requests_received",
+    "prompt_tokens_received",
+)
 
 
 def _hammer(path: str, slot: int, go: Any, stop: Any) -> None:
@@ -167,15 +178,7 @@ def _hammer(path: str, slot: int, go: Any, stop: Any) -> None:
 
 
 def _publish_all(w: RowWriter, k: int) -> None:
-    w.publish(
-        queued_prefill_tokens=k,
-        waiting_requests=k,
-        running_requests=k,
-        free_kv_blocks=k,
-        total_kv_blocks=k,
-        requests_received=k,
-        prompt_tokens_received=k,
-    )
+    w.publish(**dict.fromkeys(_TORN_FIELDS, k))
 
 
 def test_readers_never_see_a_torn_row_while_other_processes_write(tmp_path: Path) -> None:
@@ -193,15 +196,7 @@ def test_readers_never_see_a_torn_row_while_other_processes_write(tmp_path: Path
     go.set()
     while any(p.is_alive() for p in writers) or reads == 0:
         for row in table.snapshot():
-            fields = {
-                row.queued_prefill_tokens,
-                row.waiting_requests,
-                row.running_requests,
-                row.free_kv_blocks,
-                row.total_kv_blocks,
-                row.requests_received,
-                row.prompt_tokens_received,
-            }
+            fields = {getattr(row, name) for name in _TORN_FIELDS}
             assert len(fields) == 1, f"torn row {row}"
             seen.add(row.queued_prefill_tokens)
             reads += 1

@@ -7,6 +7,7 @@ import json
 import os
 import select
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -133,12 +134,18 @@ def test_blocked_producer_resumes_when_child_consumer_drains(bell: Doorbell) -> 
     assert child.returncode == 0 and int(out) == n
 
 
+def _holder(owner: Ring, role: str) -> subprocess.Popen[str]:
+    """A child process attached to ``owner`` as ``role``, holding it until it is killed."""
+    child = spawn("hold", owner.spec.to_json(), role, fds=ring_fds(owner.spec))
+    assert child.stdout is not None and child.stdout.readline().strip() == "attached"
+    return child
+
+
 @pytest.mark.slow
 def test_consumer_learns_of_producer_death_within_a_second(bell: Doorbell) -> None:
     owner = Ring.create("pdeath", 1 << 10, bell)
     consumer = Ring.attach(owner.spec, "consumer", bell)
-    child = spawn("hold", owner.spec.to_json(), "producer", fds=ring_fds(owner.spec))
-    assert child.stdout is not None and child.stdout.readline().strip() == "attached"
+    child = _holder(owner, "producer")
     assert consumer.peer_alive()
     child.send_signal(signal.SIGKILL)
     bell.wait([consumer], timeout=1.0)  # wakes on the pidfd, not on data
@@ -150,8 +157,7 @@ def test_consumer_learns_of_producer_death_within_a_second(bell: Doorbell) -> No
 def test_producer_blocked_on_full_ring_learns_of_consumer_death(bell: Doorbell) -> None:
     owner = Ring.create("cdeath", 256, bell)
     producer = Ring.attach(owner.spec, "producer")
-    child = spawn("hold", owner.spec.to_json(), "consumer", fds=ring_fds(owner.spec))
-    assert child.stdout is not None and child.stdout.readline().strip() == "attached"
+    child = _holder(owner, "consumer")
     while producer.try_put(b"fill"):
         pass
     child.send_signal(signal.SIGKILL)
@@ -184,8 +190,7 @@ def test_sigkill_of_every_process_leaves_nothing_in_dev_shm() -> None:
 def test_idle_blocked_consumer_burns_no_cpu(bell: Doorbell) -> None:
     owner = Ring.create("idle", 1 << 10, bell)
     consumer = Ring.attach(owner.spec, "consumer", bell)
-    child = spawn("hold", owner.spec.to_json(), "producer", fds=ring_fds(owner.spec))
-    assert child.stdout is not None and child.stdout.readline().strip() == "attached"
+    child = _holder(owner, "producer")
     cpu0, wall0 = time.process_time(), time.monotonic()
     while time.monotonic() - wall0 < 1.0:
         bell.wait([consumer], timeout=0.25)
