@@ -34,7 +34,7 @@ from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from engine.sampling.grammar import GrammarError
 from transport.errors import KVReadFailed, KVTransferError
-from transport.kv import KVReceiver, PendingFetch
+from transport.kv import KVRead, KVReceiver
 from wire.records import Finish, KVRelease, KVTransfer
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Reading:
     t: KVTransfer
     seq: Sequence
     held: int  # tokens of KV this pool already held (prefix cache), not read
-    read: PendingFetch
+    read: KVRead
 
 
 class Admission:

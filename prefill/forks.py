@@ -26,7 +26,7 @@ FORK_WAIT_S = 0.05
 
 
 @dataclass(eq=False)  # identity: queues remove this very request
-class Pending:
+class PrefillRequest:
     """A request on a prefill worker until its first token is sampled."""
 
     seq: Sequence
@@ -38,22 +38,22 @@ class Pending:
 class _Group:
     expected: int
     deadline: float
-    forks: list[Pending] = field(default_factory=list)
+    forks: list[PrefillRequest] = field(default_factory=list)
 
 
 class Forks:
     """Leaders' groups by leader rid (leaders themselves wait in the scheduler's queue)."""
 
     def __init__(self) -> None:
-        self._groups: dict[int, tuple[Pending, _Group]] = {}
+        self._groups: dict[int, tuple[PrefillRequest, _Group]] = {}
 
-    def lead(self, p: Pending, req: GenerateRequest) -> None:
+    def lead(self, p: PrefillRequest, req: GenerateRequest) -> None:
         """``p`` (just queued) expects ``req.forks`` forks."""
         if req.forks > 0 and not req.output_ids:
             group = _Group(req.forks, time.monotonic() + FORK_WAIT_S)
             self._groups[req.rid] = (p, group)
 
-    def join(self, req: GenerateRequest, p: Pending) -> bool:
+    def join(self, req: GenerateRequest, p: PrefillRequest) -> bool:
         """Put fork ``p`` in its leader's group; False if there is no group to join."""
         entry = self._groups.get(req.fork_of)
         if entry is None or req.output_ids:
@@ -64,7 +64,7 @@ class Forks:
         group.forks.append(p)
         return True
 
-    def holds_back(self, leader: Pending) -> bool:
+    def holds_back(self, leader: PrefillRequest) -> bool:
         """Should ``leader`` wait for more forks before it is sampled?"""
         entry = self._groups.get(leader.seq.rid)
         if entry is None:
@@ -72,16 +72,16 @@ class Forks:
         group = entry[1]
         return len(group.forks) < group.expected and time.monotonic() < group.deadline
 
-    def of(self, leader: Pending) -> list[Pending]:
+    def of(self, leader: PrefillRequest) -> list[PrefillRequest]:
         entry = self._groups.get(leader.seq.rid)
         return entry[1].forks if entry is not None else []
 
-    def take(self, leader: Pending) -> list[Pending]:
+    def take(self, leader: PrefillRequest) -> list[PrefillRequest]:
         """The leader is sampled now: its forks, and the group is closed."""
         entry = self._groups.pop(leader.seq.rid, None)
         return entry[1].forks if entry is not None else []
 
-    def abort(self, rid: int) -> list[Pending]:
+    def abort(self, rid: int) -> list[PrefillRequest]:
         """Drop ``rid`` if it is a fork; if a leader, close its group and return its forks
         (the caller queues them as ordinary requests)."""
         entry = self._groups.pop(rid, None)

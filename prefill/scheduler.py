@@ -32,7 +32,7 @@ from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from engine.sampling.grammar import GrammarError
 from engine.sampling.sampler import SampleOutput
-from prefill.forks import Forks, Pending
+from prefill.forks import Forks, PrefillRequest
 from runtime.step_output import TokenBatcher
 from transport.kv import PinnedBlocks
 from transport.worker_load import WorkerLoad
@@ -107,9 +107,9 @@ class PrefillScheduler:
         self.keep_kv = keep_kv
         self.index = worker_index
         self.chunk_budget = chunk_budget
-        self.waiting: deque[Pending] = deque()
+        self.waiting: deque[PrefillRequest] = deque()
         self.pinned = PinnedBlocks()
-        self._failed: list[Pending] = []  # dropped this step: their grammar failed
+        self._failed: list[PrefillRequest] = []  # dropped this step: their grammar failed
         self.forks = Forks()
         self.computed_tokens = 0  # prompt tokens run through the model, cumulative
         self.intake = Intake(runner)
@@ -129,7 +129,7 @@ class PrefillScheduler:
         )
         if req.sampling.grammar is not None:
             self.runner.grammars.prepare(req.sampling.grammar)
-        p = Pending(seq, req.decode_worker, req.detok_shard)
+        p = PrefillRequest(seq, req.decode_worker, req.detok_shard)
         if req.fork_of < 0 or not self.forks.join(req, p):
             self.waiting.append(p)
             self.forks.lead(p, req)
@@ -201,7 +201,7 @@ class PrefillScheduler:
     def _sample_done(
         self,
         logits: torch.Tensor,
-        done: list[tuple[int, Pending]],
+        done: list[tuple[int, PrefillRequest]],
         batcher: TokenBatcher,
         out: PrefillStep,
     ) -> SampleOutput:
@@ -227,7 +227,9 @@ class PrefillScheduler:
                 out.transfers.append((p.decode_worker, self._export(p)))
         return sample
 
-    def _with_forks(self, done: list[tuple[int, Pending]]) -> list[tuple[int, Pending]]:
+    def _with_forks(
+        self, done: list[tuple[int, PrefillRequest]]
+    ) -> list[tuple[int, PrefillRequest]]:
         """``done`` plus each leader's forks on the leader's row, given its prompt's KV."""
         out = []
         for row, p in done:
@@ -243,7 +245,7 @@ class PrefillScheduler:
                 out.append((row, f))
         return out
 
-    def _plan(self) -> list[tuple[Pending, int]]:
+    def _plan(self) -> list[tuple[PrefillRequest, int]]:
         """FCFS chunks within the token budget; stops at the first request KV cannot hold."""
         budget, chunks = self.chunk_budget, []
         for p in list(self.waiting):
@@ -273,7 +275,7 @@ class PrefillScheduler:
             budget -= n
         return chunks
 
-    def _grammar_ready(self, p: Pending, fork: bool = False) -> bool | None:
+    def _grammar_ready(self, p: PrefillRequest, fork: bool = False) -> bool | None:
         """Is ``p``'s grammar (if any) compiled; None: it failed, ``p`` is dropped."""
         try:
             return self.runner.grammar_ready(p.seq)
@@ -288,14 +290,14 @@ class PrefillScheduler:
             self._failed.append(p)
             return None
 
-    def _forks_ready(self, leader: Pending) -> bool:
+    def _forks_ready(self, leader: PrefillRequest) -> bool:
         """Are ``leader``'s forks all in, with their grammars compiled?"""
         if self.forks.holds_back(leader):
             return False
         ready = [self._grammar_ready(f, fork=True) for f in list(self.forks.of(leader))]
         return all(r is not False for r in ready)
 
-    def _export(self, p: Pending) -> KVTransfer:
+    def _export(self, p: PrefillRequest) -> KVTransfer:
         seq = p.seq
         # NOTE: the newest token has no KV yet; decode computes it in its first step.
         blocks = list(seq.block_table)

@@ -95,7 +95,7 @@ class KVExporter(abc.ABC):
         return b""
 
 
-class PendingFetch(abc.ABC):
+class KVRead(abc.ABC):
     """A copy ``KVReceiver.start_fetch`` began and has not finished: polled, never waited on,
     so a decode worker keeps stepping its running requests while KV crosses a network."""
 
@@ -117,7 +117,7 @@ class KVReceiver(abc.ABC):
 
     def start_fetch(
         self, src_worker: int, src_blocks: Sequence[int], dst_blocks: Sequence[int]
-    ) -> PendingFetch | None:
+    ) -> KVRead | None:
         """Begin ``fetch``; None when the copy is already complete. In-host backends copy at
         once (a memory copy costs less than a step); a network backend returns the read
         in flight. Refusals raise ``KVTransferError`` as ``fetch`` does."""

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from transport.errors import ClusterUnavailable, KVReadFailed, KVTransferError
-from transport.kv import KVExporter, KVReceiver, PendingFetch, check_ids
+from transport.kv import KVExporter, KVRead, KVReceiver, check_ids
 from wire.kv_layout import KVLayout
 from wire.records import KVRelease, RecordError, decode, encode
 
@@ -356,7 +356,7 @@ class NixlReceiver(KVReceiver):
         src_blocks: Sequence[int],
         dst_blocks: Sequence[int],
         notify: bytes = b"",
-    ) -> PendingFetch | None:
+    ) -> KVRead | None:
         """Post the READ of ``src_blocks`` into ``dst_blocks``; the read in flight, or None
         if it is already complete (nothing to move, or done at once)."""
         src = self.sources.get(src_worker)
@@ -426,7 +426,7 @@ class NixlReceiver(KVReceiver):
             self._reg = None
 
 
-class _NixlRead(PendingFetch):
+class _NixlRead(KVRead):
     """One posted READ. Each ``poll`` also progresses the receiver's agent (no progress
     thread runs on this side), so a caller that polls between decode steps moves it on."""
 

@@ -21,7 +21,7 @@ from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler
 from tests.pipeline.drive import pair, run
 from transport.errors import KVReadFailed
-from transport.kv import PendingFetch
+from transport.kv import KVRead
 from transport.kv_backends import ShmReceiver
 from wire.params import SamplingParams
 from wire.records import Finish, GenerateRequest, KVRelease, TokenBatch
@@ -29,7 +29,7 @@ from wire.records import Finish, GenerateRequest, KVRelease, TokenBatch
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-class HeldRead(PendingFetch):
+class HeldRead(KVRead):
     """A read that lands when ``land`` is set, fails when ``fail`` is, and is still in
     flight (cannot be abandoned) while ``stuck``."""
 
@@ -55,7 +55,7 @@ class HeldReceiver(ShmReceiver):
 
     def start_fetch(
         self, src_worker: int, src_blocks: Sequence[int], dst_blocks: Sequence[int]
-    ) -> PendingFetch | None:
+    ) -> KVRead | None:
         if src_worker not in self.sources:  # refused as the shm receiver refuses it
             return super().start_fetch(src_worker, src_blocks, dst_blocks)
         read = HeldRead(self, (src_worker, list(src_blocks), list(dst_blocks)))
