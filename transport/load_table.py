@@ -349,7 +349,7 @@ class RowWriter:
         ``WorkerLoad`` field named in ``fields``; the others keep their last value."""
         if load is not None:
             self._values.update((name, getattr(load, name)) for name in LOAD_FIELDS)
-        unknown = set(fields) - set(LOAD_FIELDS)
+        unknown = fields.keys() - _LOAD_FIELD_SET
         if unknown:
             raise TypeError(f"not load fields: {sorted(unknown)}")
         self._values.update(fields)
@@ -394,6 +394,7 @@ class RowWriter:
 
 
 _STATES = {int(st): st for st in WorkerState}
+_LOAD_FIELD_SET = frozenset(LOAD_FIELDS)  # publish checks named fields against it, each step
 # Positions in a row tuple (seq first, then the payload, then the node) of LoadRow's
 # fields, in order.
 _LOAD_NAMES = [name for name in LoadRow.__dataclass_fields__ if name != "slot"]
