@@ -23,7 +23,7 @@ from engine.runner import ModelRunner
 from engine.weights.lora import LoraBank, LoraTiles, group_rows, lora_rows
 from engine.weights.lora_spec import read_lora
 from tests.engine.kernels.conftest import DEVICE
-from tests.engine.kernels.test_kernel_runner import _EagerGraphs
+from tests.engine.kernels.test_kernel_runner import _EagerGraphs, _HostTransfers
 from wire.params import LoraRef, SamplingParams
 
 TINY_LLAMA = Path.home() / ".cache/pdserve/tiny-llama-v1"
@@ -201,3 +201,21 @@ def test_kernel_path_adapters_match_transformers_peft(adapters: dict[str, LoraRe
         s.output_ids.append(t)
         rows.append(runner.decode([s])[0])
     torch.testing.assert_close(torch.stack(rows).cpu(), want, atol=1e-4, rtol=0)
+
+
+@needs_peft
+def test_a_lora_decode_step_still_makes_one_host_to_device_copy(
+    adapters: dict[str, LoraRef],
+) -> None:
+    """The rows by adapter and their tiles ride in the step's one staged copy."""
+    runner = _runner("triton", max_loras=2)
+    seqs = [
+        Sequence(i, list(range(10 + i, 30 + i)), sampling=SamplingParams(lora=r))
+        for i, r in enumerate([adapters["qvd8"], None, adapters["all16"]])
+    ]
+    runner.prefill([(s, s.num_tokens) for s in seqs])
+    for s in seqs:
+        s.output_ids.append(7)
+    with _HostTransfers() as transfers:
+        runner.decode(seqs)
+    assert transfers.calls == ["copy_"], transfers.calls
