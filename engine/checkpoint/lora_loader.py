@@ -1,6 +1,6 @@
 """The LoRA adapters resident in one worker's model: a bounded set of slots, LRU.
 
-Who calls what: the runner, once per step, asks ``batch`` for the step's rows by slot;
+Who calls what: the runner, once per step, asks ``slots`` for each row's slot;
 an adapter the step needs and no slot holds is loaded then (from the path its
 ``LoraRef`` names, checked against its fingerprint), into a free slot or the least
 recently used one the step does not need. ``unload`` frees a slot at once; ``retire``
@@ -36,8 +36,6 @@ class LoraCapacityError(LoraError):
 
 # (in_features, out_features, rank width) of a linear layer -> its adapter bank.
 BankFactory = Callable[[int, int, int], AdapterBank]
-# The linear layers adapters touch, per decoder layer, and the projections each fuses.
-_FUSED = (("qkv", 3), ("o", 1), ("gate_up", 2), ("down", 1))
 
 
 class LoraAdapters:
@@ -169,9 +167,8 @@ class LoraAdapters:
         out = []
         for i in range(len(self.model.layers)):
             layer = self.model.layer(i)
-            mods = {"qkv": layer.attn.qkv, "o": layer.attn.o}
-            mods.update(gate_up=layer.mlp.gate_up, down=layer.mlp.down)
-            out += [(mods[name], parts) for name, parts in _FUSED]
+            attn, mlp = layer.attn, layer.mlp
+            out += [(attn.qkv, 3), (attn.o, 1), (mlp.gate_up, 2), (mlp.down, 1)]
         return out
 
     def _load(self, slot: int, ref: LoraRef) -> None:
