@@ -34,7 +34,14 @@ from transport.kv_nixl import NixlReceiver
 from transport.segment import Segment, SegmentSpec
 from transport.worker_load import WorkerLoad
 from wire.kv_layout import KVLayout
-from wire.records import AbortRequest, KVPoolHandle, KVRelease, KVTransfer, ResetPrefixCache
+from wire.records import (
+    AbortRequest,
+    KVPoolHandle,
+    KVRelease,
+    KVTransfer,
+    ResetPrefixCache,
+    UnloadLora,
+)
 from wire.ring_names import Peer, RingKind
 from wire.roles import Role
 
@@ -112,6 +119,8 @@ class DecodeWorker(Worker):
                     self._release(self.sched.abort(msg.rid))
                 elif isinstance(msg, ResetPrefixCache):
                     self.reset_prefix_cache(msg)
+                elif isinstance(msg, UnloadLora):
+                    self.unload_lora(msg)
         for ring in self.kv_in.values():
             for msg in drain(ring):
                 if isinstance(msg, KVTransfer):

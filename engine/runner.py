@@ -42,7 +42,7 @@ from engine.sampling.grammar_mask import batch_constraint
 from engine.sampling.sampler import SampleOutput, SampleRequest, sample
 from engine.tokenizer.hf_tokenizer import load_tokenizer
 from engine.weights.linear import decode_rows, prefill_phase
-from engine.weights.lora import LoraBatch, lora_rows
+from engine.weights.lora import group_rows, lora_rows
 from engine.weights.lora_spec import LoraError
 from engine.weights.plan import cache_dtype, resolve_quantization
 from wire.params import LoraRef
@@ -77,10 +77,16 @@ class ModelRunner:
         self.model = CausalLM(self.model_config, self.max_model_len, self.dtype, self.device)
         gemm_rows = config.gemm_min_rows if config.large_batch_gemm else None
         load_weights(self.model, Path(config.model), self.quantization, gemm_rows)
+        kernels = use_kernels(config.attention_backend, self.device.type)
         self.loras: LoraAdapters | None = None
         if config.max_loras > 0:
+            bank = None
+            if kernels:  # graphs need fixed addresses: adapters go into preallocated slots
+                from engine.cuda.lora_bank import StackedLoraBank
+
+                bank = StackedLoraBank.factory(config.max_loras, self.dtype, self.device)
             self.loras = LoraAdapters(
-                self.model, config.model, config.max_loras, config.max_lora_rank
+                self.model, config.model, config.max_loras, config.max_lora_rank, bank
             )
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
@@ -93,7 +99,7 @@ class ModelRunner:
         # CPU only: on CUDA gathering is cheap and a second copy of the KV would cost memory.
         self._dense = DenseDecodeKV() if self.device.type == "cpu" else None
         self._kernels: KernelPath | None = None
-        if use_kernels(config.attention_backend, self.device.type):
+        if kernels:
             from engine.cuda.kernel_path import KernelPath  # imports triton: only when used
 
             self._kernels = KernelPath(self.model, self.model_config, config, self.max_model_len)
@@ -288,14 +294,13 @@ class ModelRunner:
                 raise ValueError(
                     f"rid {seq.rid}: {start + n} tokens exceed max_model_len {self.max_model_len}"
                 )
-        adapters = self._lora_batch(spans)
+        slots = self._lora_slots(spans)
         if self._kernels is not None and not every_position:
-            if adapters is not None:
-                raise LoraError(
-                    "LoRA adapters run on the torch path only, not the CUDA kernel path "
-                    "(--attention-backend torch)"
-                )
-            return self._kernels.forward(spans, tokens, is_decode, kv_pool)
+            return self._kernels.forward(spans, tokens, is_decode, kv_pool, slots)
+        adapters = None
+        if slots is not None:  # the torch path groups token rows
+            per_token = [s for s, (_, _, n) in zip(slots, spans) for _ in range(n)]
+            adapters = group_rows(per_token, self.device)
         meta, last = self._metadata(spans, is_decode, kv_pool)
         if decode_weights:  # speculative verification: rows attend as decode rows do
             exact = frozenset(
@@ -330,14 +335,16 @@ class ModelRunner:
             return str(e)
         return None
 
-    def _lora_batch(self, spans: list[tuple[Sequence, int, int]]) -> LoraBatch | None:
-        """The step's token rows by adapter slot (loading what is missing); None: base."""
+    def _lora_slots(self, spans: list[tuple[Sequence, int, int]]) -> list[int] | None:
+        """Each span's adapter slot, -1 for the base (loading what is missing, evicting
+        what was retired); None when every span is base."""
         refs = [seq.sampling.lora for seq, _, _ in spans]
-        if all(r is None for r in refs):
-            return None
         if self.loras is None:
-            raise LoraError("this worker serves no LoRA adapters (start it with --enable-lora)")
-        return self.loras.batch([r for r, (_, _, n) in zip(refs, spans) for _ in range(n)])
+            if any(r is not None for r in refs):
+                raise LoraError("this worker serves no LoRA adapters (start it with --enable-lora)")
+            return None
+        slots = self.loras.slots(refs)
+        return slots if any(s >= 0 for s in slots) else None
 
     def _metadata(
         self, spans: list[tuple[Sequence, int, int]], is_decode: bool, kv_pool: torch.Tensor

@@ -28,3 +28,8 @@ class AdapterAffinity:
         held.move_to_end(fingerprint)
         while len(held) > self.per_worker:
             held.popitem(last=False)
+
+    def forget(self, fingerprint: str) -> None:
+        """The adapter was unloaded everywhere (POST /v1/unload_lora_adapter)."""
+        for held in self._held.values():
+            held.pop(fingerprint, None)

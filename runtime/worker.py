@@ -31,7 +31,7 @@ from transport.load_table import WorkerState
 from transport.prefix_summary import PrefixSummary
 from transport.ring import Ring
 from transport.worker_load import SPEC_FIELDS, SPEC_POSITIONS, SPEC_SKIP_REASONS, WorkerLoad
-from wire.records import AbortRequest, Finish, GenerateRequest, ResetPrefixCache
+from wire.records import AbortRequest, Finish, GenerateRequest, ResetPrefixCache, UnloadLora
 from wire.ring_names import Peer, RingKind
 from wire.roles import Role
 
@@ -117,12 +117,22 @@ class Worker(abc.ABC):
                     sched.abort(msg.rid)
                 elif isinstance(msg, ResetPrefixCache):
                     self.reset_prefix_cache(msg)
+                elif isinstance(msg, UnloadLora):
+                    self.unload_lora(msg)
 
     def reset_prefix_cache(self, msg: ResetPrefixCache) -> None:
         """Between steps: the pool forgets its prefixes; the row reports ``msg.epoch``."""
         dropped = self.runner.kv.reset_prefix_cache()
         self.prefix_reset_epoch = max(self.prefix_reset_epoch, msg.epoch)
         logger.info("prefix cache reset (epoch %d): %d blocks forgotten", msg.epoch, dropped)
+
+    def unload_lora(self, msg: UnloadLora) -> None:
+        """Between steps: free the adapter's slot (a request still running under it loads
+        it again and the first step without one evicts it); the row's ``lora_adapters``
+        shows it gone after this step."""
+        loras = self.runner.loras
+        if loras is not None and loras.retire(msg.fingerprint):
+            logger.info("LoRA adapter %s unloaded", msg.fingerprint)
 
     def _open_summary(self) -> PrefixSummary | None:
         """This worker's prefix summary, emptied (a predecessor's pool is gone), or None."""

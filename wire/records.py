@@ -12,8 +12,8 @@ No record is ever pickled: a record is data, never code. Two encodings:
 A ring record is ``kind byte`` + body; ``encode``/``decode`` are the only entry points.
 
 Who sends what (docs/design.md §1 has the processes):
-    frontend  -> prefill i   GenerateRequest, AbortRequest
-    frontend  -> decode j    AbortRequest
+    frontend  -> prefill i   GenerateRequest, AbortRequest, ResetPrefixCache, UnloadLora
+    frontend  -> decode j    AbortRequest, ResetPrefixCache, UnloadLora
     frontend  -> detok k     DetokRegister, AbortRequest
     prefill i -> decode j    KVTransfer          (KV is ready in prefill's pool)
     decode j  -> prefill i   KVRelease           (copied or refused: prefill frees blocks)
@@ -86,6 +86,13 @@ class ResetPrefixCache(_Msg, tag="reset", frozen=True):
     in its load-table row once done (``WorkerLoad.prefix_reset_epoch``)."""
 
     epoch: int
+
+
+class UnloadLora(_Msg, tag="unlora", frozen=True):
+    """The frontend unregistered the LoRA adapter with this fingerprint
+    (POST /v1/unload_lora_adapter): a worker frees its slot now, not at its next load."""
+
+    fingerprint: str
 
 
 class DetokRegister(_Msg, tag="reg", frozen=True):
@@ -188,6 +195,7 @@ Control = (
     GenerateRequest
     | AbortRequest
     | ResetPrefixCache
+    | UnloadLora
     | DetokRegister
     | KVTransfer
     | KVRelease

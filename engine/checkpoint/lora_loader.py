@@ -1,19 +1,21 @@
 """The LoRA adapters resident in one worker's model: a bounded set of slots, LRU.
 
-Who calls what: the runner, once per step, asks ``batch`` for the step's rows by slot;
+Who calls what: the runner, once per step, asks ``slots`` for each row's slot;
 an adapter the step needs and no slot holds is loaded then (from the path its
 ``LoraRef`` names, checked against its fingerprint), into a free slot or the least
-recently used one the step does not need. ``unload`` frees a slot at once.
+recently used one the step does not need. ``unload`` frees a slot at once; ``retire``
+(the frontend unregistered the adapter) also keeps it out once no step needs it.
 
 Memory is bounded: at most ``max_loras`` adapters of rank <= ``max_lora_rank`` are held,
-each as one (A, B) pair per touched linear layer (``engine/weights/lora.py``).
+each as one (A, B) pair per touched linear layer (``engine/weights/lora.py``), in banks
+the caller may choose (``bank``: the CUDA path's stacked, preallocated ones).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -21,7 +23,7 @@ from safetensors import safe_open
 
 from engine.model.causal_lm import CausalLM
 from engine.weights.linear import Linear
-from engine.weights.lora import LoraBank, LoraBatch, group_rows
+from engine.weights.lora import AdapterBank, LoraBank, LoraBatch, group_rows
 from engine.weights.lora_spec import BaseDims, LoraError, LoraSpec, read_lora
 from wire.params import LoraRef
 
@@ -32,8 +34,19 @@ class LoraCapacityError(LoraError):
     """A step needs more distinct adapters than there are slots."""
 
 
+# (in_features, out_features, rank width) of a linear layer -> its adapter bank.
+BankFactory = Callable[[int, int, int], AdapterBank]
+
+
 class LoraAdapters:
-    def __init__(self, model: CausalLM, model_dir: str, max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        model_dir: str,
+        max_loras: int,
+        max_rank: int,
+        bank: BankFactory | None = None,
+    ) -> None:
         if max_loras < 1 or max_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
@@ -42,11 +55,12 @@ class LoraAdapters:
         self._by_fp: OrderedDict[str, int] = OrderedDict()  # fingerprint -> slot; LRU first
         self._free = list(range(max_loras - 1, -1, -1))
         self._checked: set[str] = set()  # fingerprints ``check`` passed
+        # Unregistered by the frontend: evicted by the first step that does not need them.
+        self._retired: set[str] = set()
         self.loads = 0  # adapters loaded, cumulative
-        for i in range(len(model.layers)):
-            layer = model.layer(i)
-            for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
-                lin.lora = LoraBank(max_loras)
+        make = bank or (lambda k, n, width: LoraBank(max_loras))
+        for lin, parts in self._linears():
+            lin.lora = make(lin.in_features, lin.out_features, parts * max_rank)
 
     @property
     def resident(self) -> list[str]:
@@ -54,7 +68,11 @@ class LoraAdapters:
         return list(self._by_fp)
 
     def batch(self, row_refs: list[LoraRef | None]) -> LoraBatch | None:
-        """Each row's adapter (None: base) -> the step's rows by slot, loading any missing
+        """Each row's adapter (None: base) -> the step's rows by slot (``slots``)."""
+        return group_rows(self.slots(row_refs), self.device)
+
+    def slots(self, row_refs: list[LoraRef | None]) -> list[int]:
+        """Each row's adapter (None: base) -> its slot (-1: base), loading any missing
         adapter first. Raises ``LoraError`` (unreadable, changed, unfit adapter) or
         ``LoraCapacityError`` (more distinct adapters than slots)."""
         needed = {r.fingerprint: r for r in row_refs if r is not None}
@@ -62,14 +80,17 @@ class LoraAdapters:
             raise LoraCapacityError(
                 f"a step needs {len(needed)} adapters; --max-loras is {self.max_loras}"
             )
+        for fp in [fp for fp in self._by_fp if fp in self._retired and fp not in needed]:
+            self.unload(fp)  # its last request has finished
         for ref in needed.values():
             self._ensure(ref, keep=needed.keys())
-        slots = [-1 if r is None else self._by_fp[r.fingerprint] for r in row_refs]
-        return group_rows(slots, self.device)
+        return [-1 if r is None else self._by_fp[r.fingerprint] for r in row_refs]
 
     def check(self, ref: LoraRef) -> None:
         """Raise ``LoraError`` unless ``ref`` can be served here (readable, unchanged since
         registered, fits this base and rank); the answer for a fingerprint is kept."""
+        # NOTE: a request that arrives for a retired adapter means it was registered again.
+        self._retired.discard(ref.fingerprint)
         if ref.fingerprint in self._checked or ref.fingerprint in self._by_fp:
             return
         spec = read_lora(ref.path)
@@ -114,6 +135,19 @@ class LoraAdapters:
         self.loads += 1
         logger.info("LoRA %s (%s) loaded into slot %d", ref.name, ref.path, slot)
 
+    def retire(self, fingerprint: str) -> bool:
+        """The frontend unregistered this adapter: free its slot now; a request still in
+        flight under it loads it again, and the first step without one evicts it.
+        Returns whether it was resident."""
+        self._retired.add(fingerprint)
+        self._checked.discard(fingerprint)
+        return self.unload(fingerprint)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of adapter weights held now (fixed with preallocated banks)."""
+        return sum(lin.lora.nbytes for lin, _ in self._linears() if lin.lora is not None)
+
     def unload(self, fingerprint: str) -> bool:
         """Drop an adapter and free its slot's memory; False if it was not resident."""
         slot = self._by_fp.pop(fingerprint, None)
@@ -124,15 +158,17 @@ class LoraAdapters:
         return True
 
     def _clear(self, slot: int) -> None:
-        for lin in self._linears():
+        for lin, _ in self._linears():
             assert lin.lora is not None
             lin.lora.clear(slot)
 
-    def _linears(self) -> list[Linear]:
+    def _linears(self) -> list[tuple[Linear, int]]:
+        """Every linear layer adapters may touch, with the projections it fuses."""
         out = []
         for i in range(len(self.model.layers)):
             layer = self.model.layer(i)
-            out += [layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down]
+            attn, mlp = layer.attn, layer.mlp
+            out += [(attn.qkv, 3), (attn.o, 1), (mlp.gate_up, 2), (mlp.down, 1)]
         return out
 
     def _load(self, slot: int, ref: LoraRef) -> None:

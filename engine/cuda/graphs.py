@@ -1,7 +1,8 @@
 """Decode CUDA graphs and the staging of every per-step input they replay from.
 
 * ``StepInputs``: all of a step's integer inputs (token ids, positions, KV slots, block
-  table rows, context lengths, query starts, block-table updates) packed into ONE host
+  table rows, context lengths, query starts, LoRA rows and tiles, block-table updates)
+  packed into ONE host
   buffer (pinned on CUDA) and sent by ONE non-blocking copy into ONE persistent device
   buffer, whose fixed views the kernels read. A captured graph holds those views'
   addresses, so refilling the buffer is all a replay needs.
@@ -20,15 +21,17 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from engine.cuda.lora_tiles import max_tiles
 from engine.kv.block_table_rows import PAD_ROW
 
 logger = logging.getLogger(__name__)
+_NONE = np.zeros(0, dtype=np.int32)
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -54,6 +57,10 @@ class StepArrays:
     ctx_lens: np.ndarray  # (B,) context length after this step
     logits_rows: np.ndarray  # (B,) the token whose logits are wanted: each chunk's last
     q_starts: np.ndarray  # (B + 1,) cumulative token counts
+    # With LoRA rows only (engine/cuda/lora_tiles.py): rows grouped by adapter, and the
+    # (3, M) tile table flattened; empty when every row is base.
+    lora_order: np.ndarray = field(default_factory=lambda: _NONE)
+    lora_tiles: np.ndarray = field(default_factory=lambda: _NONE)
 
     @property
     def num_tokens(self) -> int:
@@ -86,7 +93,7 @@ def pad_decode(a: StepArrays, bucket: int) -> StepArrays:
     )
 
 
-_TOKEN_FIELDS = ("token_ids", "positions", "slots")
+_TOKEN_FIELDS = ("token_ids", "positions", "slots", "lora_order")
 _SEQ_FIELDS = ("seq_rows", "ctx_lens", "logits_rows")
 
 
@@ -94,7 +101,8 @@ class StepInputs:
     """One host buffer and one device buffer of int32 holding every per-step input.
 
     Layout: token fields (``max_tokens`` each), sequence fields (``max_seqs`` each),
-    ``q_starts`` (``max_seqs + 1``), then block-table updates as (flat index, block)
+    ``q_starts`` (``max_seqs + 1``), the LoRA tile table (as many tiles as a step of
+    that size may need), then block-table updates as (flat index, block)
     pairs (``max_updates`` pairs). ``stage`` writes the host buffer and copies its used
     prefix to the device in one non-blocking copy; ``view`` slices the device buffer.
     A step larger than the buffers reallocates them and bumps ``generation`` (graphs
@@ -117,6 +125,7 @@ class StepInputs:
             *((f, max_tokens) for f in _TOKEN_FIELDS),
             *((f, max_seqs) for f in _SEQ_FIELDS),
             ("q_starts", max_seqs + 1),
+            ("lora_tiles", 3 * max_tiles(max_tokens, max_seqs)),
             ("updates", 2 * max_updates),
         ]:
             self._offsets[name] = at
@@ -142,7 +151,7 @@ class StepInputs:
             # step's sample, read on the host, waited for everything queued before it.
             self._done.synchronize()
         h, off = self._host_np, self._offsets
-        for name in (*_TOKEN_FIELDS, *_SEQ_FIELDS, "q_starts"):
+        for name in (*_TOKEN_FIELDS, *_SEQ_FIELDS, "q_starts", "lora_tiles"):
             values = getattr(a, name)
             h[off[name] : off[name] + len(values)] = values
         end = off["updates"] + 2 * u

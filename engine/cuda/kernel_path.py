@@ -11,10 +11,17 @@ copy. No ``torch.tensor(..., device=)`` and no block table rebuilt: what the dev
 already sits in persistent buffers. A decode batch of n rows runs the CUDA graph of the
 smallest bucket >= n (padded rows do nothing); prefill, and decode past the largest
 bucket or with graphs off, runs the same kernels eagerly.
+
+LoRA: a step with adapter rows also stages its rows grouped by adapter and their tile
+table (``lora_tiles.py``); every linear layer's stacked bank (``lora_bank.py``) then adds
+the updates with two Triton launches. A decode batch with adapter rows replays a graph
+of its own per bucket (``lora_graphs``, its tile grid fixed at the most tiles the bucket
+can need); a batch of base rows keeps the plain graphs, which hold no LoRA launches.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,8 +38,10 @@ from engine.cuda.graphs import (
 )
 from engine.cuda.kernels.backend import KernelBatch, TritonBackend
 from engine.cuda.kernels.decode_attention import num_kv_splits
+from engine.cuda.lora_tiles import max_tiles, plan_tiles
 from engine.kv.block_table_rows import BlockTableRows
 from engine.model.causal_lm import CausalLM
+from engine.weights.lora import LoraTiles, lora_rows
 
 if TYPE_CHECKING:
     from engine.kv.sequence import Sequence
@@ -62,7 +71,9 @@ class KernelPath:
             device=device,
         )
         self.buckets = graph_buckets(seqs)
+        self.max_loras = config.max_loras
         self.graphs: DecodeGraphs | None = None
+        self.lora_graphs: DecodeGraphs | None = None  # decode batches with adapter rows
         self._pool: torch.Tensor | None = None  # the pool graphs read (set before a run)
         self._num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count
@@ -72,7 +83,10 @@ class KernelPath:
 
     def enable_graphs(self) -> None:
         """Capture decode graphs from now on (the pool they read must not change after)."""
-        self.graphs = DecodeGraphs(self._graph_forward, self.rows.table.device)
+        device = self.rows.table.device
+        self.graphs = DecodeGraphs(self._graph_forward, device)
+        if self.max_loras > 0:
+            self.lora_graphs = DecodeGraphs(lambda b: self._graph_forward(b, True), device)
 
     def release(self, seq: Sequence) -> None:
         self.rows.release(seq)
@@ -81,17 +95,27 @@ class KernelPath:
         self.rows.reset()
 
     def forward(
-        self, spans: list[Span], tokens: list[int], is_decode: bool, pool: torch.Tensor
+        self,
+        spans: list[Span],
+        tokens: list[int],
+        is_decode: bool,
+        pool: torch.Tensor,
+        lora_slots: list[int] | None = None,
     ) -> torch.Tensor:
-        """-> float32 logits (len(spans), vocab) at each span's last token."""
+        """-> float32 logits (len(spans), vocab) at each span's last token. ``lora_slots``:
+        each span's adapter slot (-1: base), None when every span is base."""
         updates: list[int] = []
         bucket = None
+        graphs = self.graphs if lora_slots is None else self.lora_graphs
+        tiles = 0  # the LoRA tile grid (0: no adapter rows)
         try:
             arrays = self._arrays(spans, tokens, is_decode, updates)
-            if is_decode and self.graphs is not None:
+            if is_decode and graphs is not None:
                 bucket = bucket_for(len(spans), self.buckets)
                 if bucket is not None:
                     arrays = pad_decode(arrays, bucket)
+            if lora_slots is not None:
+                arrays, tiles = self._with_lora(arrays, spans, lora_slots, bucket)
             self.inputs.stage(arrays, updates)
         except BaseException:
             self.rows.forget_written()  # the device table may lack updates counted as sent
@@ -99,28 +123,50 @@ class KernelPath:
         self.inputs.apply_updates(self.rows.table, len(updates) // 2)
         n = len(spans)
         if bucket is not None:
-            assert self.graphs is not None
+            assert graphs is not None
             self._pool = pool
             key = (self.inputs.generation, self.rows.generation, pool.data_ptr())
-            hidden = self.graphs.run(bucket, key)[:n]
+            hidden = graphs.run(bucket, key)[:n]
         elif is_decode:
             splits = num_kv_splits(n, self.kv_heads, int(arrays.ctx_lens.max()), self._num_sms)
-            hidden = self._hidden(pool, self._batch(n, n, True, splits))
+            hidden = self._hidden(pool, self._batch(n, n, True, splits), tiles)
         else:
             max_q = max(count for _, _, count in spans)
             batch = self._batch(len(tokens), n, False, 0, max_q_len=max_q)
-            hidden = self._hidden(pool, batch)
+            hidden = self._hidden(pool, batch, tiles)
         return self.model.logits(hidden)
 
-    def _graph_forward(self, bucket: int) -> torch.Tensor:
+    def _graph_forward(self, bucket: int, lora: bool = False) -> torch.Tensor:
         assert self._pool is not None
         # NOTE: splits are fixed per bucket (the graph's grid), sized for the longest context.
         splits = num_kv_splits(bucket, self.kv_heads, self.max_model_len, self._num_sms)
-        return self._hidden(self._pool, self._batch(bucket, bucket, True, splits))
+        tiles = self._lora_grid(bucket) if lora else 0
+        return self._hidden(self._pool, self._batch(bucket, bucket, True, splits), tiles)
 
-    def _hidden(self, pool: torch.Tensor, batch: KernelBatch) -> torch.Tensor:
-        """The one forward on the Triton backend, without the vocabulary projection."""
-        return self.model.hidden(batch.token_ids, pool, batch, self.backend, batch.logits_rows)
+    def _hidden(self, pool: torch.Tensor, batch: KernelBatch, tiles: int = 0) -> torch.Tensor:
+        """The one forward on the Triton backend, without the vocabulary projection;
+        ``tiles``: the staged LoRA tile grid (0: every row is base)."""
+        rows = None
+        if tiles:
+            v, t = self.inputs.view, batch.token_ids.shape[0]
+            rows = LoraTiles(v("lora_order", t), v("lora_tiles", 3 * tiles).view(3, tiles))
+        with lora_rows(rows):
+            return self.model.hidden(batch.token_ids, pool, batch, self.backend, batch.logits_rows)
+
+    def _lora_grid(self, bucket: int) -> int:
+        """A graph bucket's LoRA tile grid: the most tiles any of its batches can need."""
+        return max_tiles(bucket, min(bucket, self.max_loras))
+
+    def _with_lora(
+        self, arrays: StepArrays, spans: list[Span], slots: list[int], bucket: int | None
+    ) -> tuple[StepArrays, int]:
+        """``arrays`` with the step's rows grouped by adapter, and the tile grid."""
+        per_token = np.full(arrays.num_tokens, -1, dtype=np.int32)  # padded rows: base
+        counts = [n for _, _, n in spans]
+        per_token[: sum(counts)] = np.repeat(np.asarray(slots, dtype=np.int32), counts)
+        grid = None if bucket is None else self._lora_grid(bucket)
+        order, tiles = plan_tiles(per_token, grid)
+        return replace(arrays, lora_order=order, lora_tiles=tiles.ravel()), tiles.shape[1]
 
     def _batch(
         self, num_tokens: int, num_seqs: int, is_decode: bool, splits: int, max_q_len: int = 1

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.weights.lora import LoraBank
+from engine.weights.lora import AdapterBank
 from engine.weights.quant import GROUP, Int4Rows, Int8Rows, QuantRows
 
 # torch's CPU int4 packing wants output rows in multiples of 16.
@@ -250,7 +250,7 @@ class Linear(nn.Module):
         )
         self.kernel: nn.Module | None = None  # set once by the loader
         # Adapters' low-rank updates (engine/weights/lora.py), when LoRA serving is on.
-        self.lora: LoraBank | None = None
+        self.lora: AdapterBank | None = None
 
     @property
     def kind(self) -> str:

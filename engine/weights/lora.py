@@ -17,10 +17,16 @@ Fused layers (``qkv``, ``gate_up``) hold one pair per slot for all their parts: 
 parts' A matrices stacked (sum r, K) and B block-diagonal (N, sum r), each part's B in
 its own output rows with the part's scaling folded in; a part the adapter does not
 target has no rows in A and zero rows in B.
+
+Two banks behind one face (``AdapterBank``): ``LoraBank`` here, a tensor pair per
+loaded slot (the torch path: memory held only while an adapter is), and the CUDA path's
+stacked bank (``engine/cuda/lora_bank.py``: one preallocated (slots, ...) buffer per
+layer, so graphs keep their addresses), which reads the step's rows as ``LoraTiles``.
 """
 
 from __future__ import annotations
 
+import abc
 import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,11 +43,33 @@ class LoraBatch:
     groups: tuple[tuple[int, torch.Tensor | None], ...]
 
 
-_ROWS: contextvars.ContextVar[LoraBatch | None] = contextvars.ContextVar("lora_rows", default=None)
+@dataclass(frozen=True)
+class LoraTiles:
+    """A step's rows by adapter slot on the kernel path, as device int32 tensors the
+    Triton kernels read (``engine/cuda/lora_tiles.py`` plans them; fixed addresses, so a
+    decode graph replays with new contents).
+
+    ``order`` (T,): the step's rows, those of each adapter together; ``tiles`` (3, M): per
+    tile of at most ``TILE_ROWS`` rows of one adapter, its slot (-1: an empty tile), and
+    its first and past-the-end index into ``order``. Rows in no tile are base rows.
+    """
+
+    order: torch.Tensor
+    tiles: torch.Tensor
+
+
+_ROWS: contextvars.ContextVar[LoraBatch | LoraTiles | None] = contextvars.ContextVar(
+    "lora_rows", default=None
+)
+
+
+def current_rows() -> LoraBatch | LoraTiles | None:
+    """The rows ``lora_rows`` set for the forward running now (None: every row is base)."""
+    return _ROWS.get()
 
 
 @contextmanager
-def lora_rows(batch: LoraBatch | None) -> Iterator[None]:
+def lora_rows(batch: LoraBatch | LoraTiles | None) -> Iterator[None]:
     """Apply ``batch``'s adapters to every ``LoraBank`` called inside."""
     token = _ROWS.set(batch)
     try:
@@ -65,7 +93,28 @@ def group_rows(row_slots: list[int], device: torch.device) -> LoraBatch | None:
     return LoraBatch(tuple(groups))
 
 
-class LoraBank:
+class AdapterBank(abc.ABC):
+    """One linear layer's adapters by slot: what ``Linear`` calls after its base kernel."""
+
+    @abc.abstractmethod
+    def set(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Hold A (r, K) and B (N, r), scaling folded into B, in ``slot``."""
+
+    @abc.abstractmethod
+    def clear(self, slot: int) -> None:
+        """``slot`` no longer holds this layer's pair (its memory freed, or zeroed)."""
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of adapter weights this bank holds now."""
+
+    @abc.abstractmethod
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x (T, K), the base output y (T, N) -> y with the step's updates added."""
+
+
+class LoraBank(AdapterBank):
     """One linear layer's adapter pairs by slot, held transposed for ``x @ A^T @ B^T``
     without a view per call: A^T (K, r) and B^T (r, N), scaling in B."""
 
@@ -79,11 +128,15 @@ class LoraBank:
     def clear(self, slot: int) -> None:
         self.pairs[slot] = None
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for pair in self.pairs if pair is not None for t in pair)
+
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """x (T, K), the base output y (T, N) -> y with the step's updates added."""
         batch = _ROWS.get()
         if batch is None:
             return y
+        assert isinstance(batch, LoraBatch), "the kernel path's rows need a stacked bank"
         for slot, rows in batch.groups:
             pair = self.pairs[slot]
             if pair is None:  # this adapter does not touch this layer

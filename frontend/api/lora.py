@@ -1,6 +1,8 @@
 """``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's names and
 bodies); the registry they change is ``lora_registry.py``, and which adapter a request's
-``model`` names is ``context.check_model``."""
+``model`` names is ``context.check_model``. An unload also reaches every worker at once
+(``UnloadLora``): each frees the adapter's slot between two steps, without waiting for
+the next load to evict it."""
 
 from __future__ import annotations
 
@@ -41,5 +43,8 @@ async def load_lora_adapter(
 async def unload_lora_adapter(
     ctx: ServingContext, request: Request, body: UnloadLoraAdapterRequest, arrival: float
 ) -> Response:
-    _registry(ctx).unload(body.lora_name)
+    registry = _registry(ctx)
+    ref = registry.unload(body.lora_name)
+    if not registry.serves(ref.fingerprint):  # the same files under another name stay
+        await ctx.client.unload_lora(ref.fingerprint)
     return JSONResponse({"status": "ok", "lora_name": body.lora_name})

@@ -70,8 +70,10 @@ class LoraRegistry:
         )
         return ref
 
-    def unload(self, name: str) -> None:
-        if self.adapters.pop(name, None) is None:
+    def unload(self, name: str) -> LoraRef:
+        """Unregister ``name``; raises ``APIError`` (404) if no adapter has that name."""
+        ref = self.adapters.pop(name, None)
+        if ref is None:
             raise APIError(
                 f"no LoRA adapter named {name!r} is loaded",
                 param="lora_name",
@@ -79,6 +81,11 @@ class LoraRegistry:
                 status=404,
             )
         logger.info("LoRA adapter %r unregistered", name)
+        return ref
+
+    def serves(self, fingerprint: str) -> bool:
+        """Whether some registered name still names the adapter with ``fingerprint``."""
+        return any(r.fingerprint == fingerprint for r in self.adapters.values())
 
     def resolve(self, model: str) -> LoraRef | None:
         return self.adapters.get(model)

@@ -64,6 +64,7 @@ from wire.records import (
     GenerateRequest,
     TextBatch,
     TextDelta,
+    UnloadLora,
     decode,
     encode,
 )
@@ -273,6 +274,15 @@ class RingEngineClient(EngineClient):
         return await reset_prefix_cache(
             rings, self._put, self.table, self.node, self.kv_tier, self.kv_tier_disk
         )
+
+    async def unload_lora(self, fingerprint: str) -> None:
+        """``UnloadLora`` to every engine worker, on the rings requests and aborts take; a
+        worker that is gone restarts without any adapter."""
+        self.router.adapters.forget(fingerprint)
+        msg = UnloadLora(fingerprint)
+        for ring in [*self.req_rings.values(), *self.decode_ctl.values()]:
+            with contextlib.suppress(EngineUnavailable):
+                await self._put(ring, msg)
 
     async def _put(self, ring: Ring, msg: Control) -> None:
         """Publish without blocking the event loop; a ring full for long is an engine fault."""

@@ -166,5 +166,9 @@ class EngineClient(ABC):
         return what was done once it is (``frontend/engine_link/prefix_reset.py``)."""
         raise NotImplementedError("this engine client cannot reset prefix caches")
 
+    async def unload_lora(self, fingerprint: str) -> None:  # noqa: B027 - optional hook
+        """Tell every worker to free the LoRA adapter with ``fingerprint`` now. By default
+        nothing: a client whose engine keeps no adapters resident has nothing to free."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook, default does nothing
         """Release the client's resources at server shutdown."""

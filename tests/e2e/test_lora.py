@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -275,6 +276,27 @@ def test_load_serve_unload_and_load_again_keeps_memory_bounded(
     # Resident sets are bounded: later cycles hold no more than the second one did.
     for p in range(len(pids)):
         assert rss[-1][p] <= rss[1][p] + 16 * 1024, rss
+
+
+def test_unload_frees_the_adapter_on_every_worker_at_once(
+    server: LaunchedServer, adapters: dict[str, Path]
+) -> None:
+    """No request follows the unload: the workers drop the adapter on the unload alone."""
+    path = adapters["all16"]
+    r = _post(server, "/v1/load_lora_adapter", {"lora_name": "prompt", "lora_path": str(path)})
+    assert r.status_code == 200, r.text
+    assert _complete(server, "prompt", [4, 5, 6], max_tokens=3).status_code == 200
+    held = {role: _worker(server, role)["load"]["lora_adapters"] for role in ("prefill", "decode")}
+    assert min(held.values()) >= 1, held  # both ran the request under it
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "prompt"}).status_code == 200
+    deadline = time.monotonic() + 5
+    while True:
+        now = {role: _worker(server, role)["load"]["lora_adapters"] for role in held}
+        if all(now[role] == held[role] - 1 for role in held):
+            break
+        assert time.monotonic() < deadline, (held, now)
+        time.sleep(0.05)
+    _assert_serving(server)
 
 
 def test_a_decode_worker_killed_mid_stream_resumes_an_adapter_request_exactly(

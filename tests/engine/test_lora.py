@@ -276,3 +276,32 @@ def test_more_adapters_in_flight_than_slots_are_served_in_turns(
     batched = torch.stack(rows, dim=1)  # (4 requests, 3 steps, V): in the batch's order
     for i, want in enumerate(alone):
         torch.testing.assert_close(batched[i], want, atol=1e-4, rtol=0, msg=f"request {i}")
+
+
+def test_a_retired_adapter_frees_its_memory_at_once_and_stays_out_once_unused(
+    adapters: dict[tuple[Path, str], Path],
+) -> None:
+    runner = _runner(TINY_LLAMA, max_loras=2)
+    loras = runner.loras
+    assert loras is not None and loras.nbytes == 0
+    a, b = (_ref(adapters[(TINY_LLAMA, k)], k) for k in ("all16", "qvd8"))
+    prompt = _tokens(10, seed=6)
+    # A request under ``a`` is in flight when the frontend unloads it.
+    s = Sequence(0, prompt, sampling=SamplingParams(lora=a))
+    runner.prefill([(s, s.num_tokens)])
+    assert loras.resident == [a.fingerprint] and loras.nbytes > 0
+    assert loras.retire(a.fingerprint)
+    assert loras.resident == [] and loras.nbytes == 0  # memory back where it was
+    s.output_ids.append(5)
+    runner.decode([s])  # the request in flight loads it again to finish
+    assert loras.resident == [a.fingerprint]
+    runner.kv.free_blocks(s)
+    _engine_logits(runner, prompt, [], None)  # the first step without it evicts it
+    assert loras.resident == [] and loras.nbytes == 0
+    _engine_logits(runner, prompt, [], b)
+    assert loras.resident == [b.fingerprint]
+    # Registered again: a new request's arrival check lifts the retirement.
+    loras.check(a)
+    _engine_logits(runner, prompt, [], a)
+    _engine_logits(runner, prompt, [], None)
+    assert loras.resident == [b.fingerprint, a.fingerprint]

@@ -40,3 +40,13 @@ def test_each_worker_remembers_at_most_max_loras_adapters_least_recent_out() -> 
     for fp in ("x", "y", "x", "z"):
         a.sent("w", fp)
     assert a.holds("w", "x") and a.holds("w", "z") and not a.holds("w", "y")
+
+
+def test_an_unloaded_adapter_is_forgotten_on_every_worker() -> None:
+    affinity = AdapterAffinity(per_worker=2)
+    for worker in ("p0", "p1"):
+        affinity.sent(worker, "a")
+        affinity.sent(worker, "b")
+    affinity.forget("a")
+    assert not affinity.holds("p0", "a") and not affinity.holds("p1", "a")
+    assert affinity.holds("p0", "b") and affinity.holds("p1", "b")

@@ -24,6 +24,8 @@ KERNEL_MODULES = (
     "engine.cuda.kernels.fused_ops",
     "engine.cuda.kernels.rope_store",
     "engine.cuda.kernels.backend",
+    "engine.cuda.kernels.lora",
+    "engine.cuda.lora_bank",
     "engine.cuda.kernel_path",
 )
 INTERPRET = not torch.cuda.is_available()
