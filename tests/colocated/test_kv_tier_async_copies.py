@@ -172,7 +172,7 @@ def test_a_slot_reused_while_it_is_copied_back_is_a_miss_and_output_stays_cold(
 def test_a_request_aborted_while_copied_back_gives_back_its_blocks_after_the_copy(
     default_model_path: Path,
 ) -> None:
-    llm, tiers, copier = _async_llm(default_model_path)
+    llm, _tiers, copier = _async_llm(default_model_path)
     _evicted(llm, copier)
     kv = llm.runner.kv
     free_before = kv.num_free_blocks
