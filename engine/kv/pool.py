@@ -24,7 +24,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv.block_allocator import BlockAllocator, KVFigures
 from engine.kv.kv_cache import GpuMemoryError, allocate_kv_pool, check_kv_pool, pool_layout
 from engine.kv.sequence import Sequence
-from engine.kv.tiers.tiered import open_tiers
+from engine.kv.tiers.open_tiers import open_tiers
 
 
 class KVPool:
