@@ -63,7 +63,7 @@ class GatedCopier:
     def upload(self, row: np.ndarray, block: int) -> None:
         self.pool[block] = row
 
-    def idle(self) -> None:
+    def drain(self) -> None:
         """Wait for every copy given so far."""
         self._thread.submit(lambda: None).result(60)
 
@@ -82,7 +82,7 @@ def _evicted(llm: LLM, copier: GatedCopier) -> None:
     llm.generate([PROMPT], PARAMS)
     for p in OTHERS:
         llm.generate([p], PARAMS)
-    copier.idle()
+    copier.drain()
     assert llm.runner.kv.allocator.lookup(block_hashes(PROMPT, BS)) == 0
 
 
@@ -102,7 +102,7 @@ def test_a_stored_block_stays_held_and_unseen_until_its_copy_is_done(
     assert held >= N_PROMPT_BLOCKS  # ... but the copies still reading them hold them
     assert tiers.host.num_valid() == 0  # claimed slots are BEING WRITTEN: no lookup hit
     copier.gate.set()
-    copier.idle()
+    copier.drain()
     assert kv.num_free_blocks == kv.num_blocks  # the references come back, nothing leaks
     assert kv.allocator.num_used == 0
     assert tiers.host.num_valid() == held

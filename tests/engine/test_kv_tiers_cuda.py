@@ -107,6 +107,7 @@ def test_a_prefix_spilled_to_disk_comes_back_after_a_restart_unchanged(
 ) -> None:
     first = _llm(default_model_path, _host(default_model_path), tmp_path)
     _evict_then_rerun(first)
+    _tiers(first).flush()  # every store copy published: the persister sees them all
     _persist(first)
     again = _llm(default_model_path, _host(default_model_path), tmp_path)  # tier 2 empty
     assert again.generate([PROMPT], PARAMS)[0].output_ids == cold

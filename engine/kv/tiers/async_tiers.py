@@ -49,6 +49,7 @@ class BlockCopier(Protocol):
     def to_host(self, pairs: list[tuple[int, int]]) -> Future[None]: ...
     def to_pool(self, pairs: list[tuple[int, int]]) -> Future[None]: ...
     def staging(self, n: int) -> np.ndarray: ...
+    def drain(self) -> None: ...
     def upload(self, row: np.ndarray, block: int) -> None: ...
 
 
@@ -143,6 +144,10 @@ class AsyncTieredKV(TieredKV):
 
         copied.add_done_callback(publish)
         return blocks
+
+    def flush(self) -> None:
+        """Return once every store given so far is published in tier 2."""
+        self.copier.drain()
 
     def take_released(self) -> list[int]:
         """Pool blocks whose store copies finished since the last call (one reference

@@ -105,6 +105,10 @@ class CudaCopier:
                 self.pool_rows[block].copy_(self.slot_rows[slot, :n], non_blocking=True)
         return self._done()
 
+    def drain(self) -> None:
+        """Return once every copy given so far is done and its callbacks have run."""
+        self._waiter.submit(lambda: None).result()
+
     def staging(self, n: int) -> np.ndarray:
         """``(n, block_nbytes)`` u8 pinned host rows for tier-3 reads to land in."""
         rows = torch.empty((n, self.block_nbytes), dtype=torch.uint8, pin_memory=True)
