@@ -52,7 +52,8 @@ def open_tiers(config: EngineConfig, pool: torch.Tensor) -> TieredKV | None:
         return None
     mapping = mmap.mmap(config.kv_offload_fd, config.kv_offload_nbytes, mmap.MAP_SHARED)
     host = HostStore(config.kv_offload_fd, memoryview(mapping))
-    threading.Thread(target=map_pages, args=(mapping,), name="kv-tier-map", daemon=True).start()
+    mapper = threading.Thread(target=map_pages, args=(mapping,), name="kv-tier-map", daemon=True)
+    mapper.start()
     ns = Namespace(
         weights=weights_fingerprint(Path(config.model)),
         dtype=str(pool.dtype),
@@ -69,5 +70,8 @@ def open_tiers(config: EngineConfig, pool: torch.Tensor) -> TieredKV | None:
         f", disk at {config.kv_offload_dir}" if disk else "",
     )
     if pool.is_cuda:
-        return AsyncTieredKV(host, disk, ns, pool, CudaCopier(pool, host.payload))
-    return TieredKV(host, disk, ns, pool)
+        tiers: TieredKV = AsyncTieredKV(host, disk, ns, pool, CudaCopier(pool, host.payload))
+    else:
+        tiers = TieredKV(host, disk, ns, pool)
+    tiers.mapping_pages = mapper
+    return tiers
