@@ -71,11 +71,6 @@ class Rig:
                 **kw,
             )
         )
-        tiers = self.llm.runner.kv.tiers
-        if tiers is not None and tiers.mapping_pages is not None:
-            # Tier 2's pages are mapped ahead on a background thread while a server
-            # starts (open_tiers.map_pages); measured here once that is done.
-            tiers.mapping_pages.join()
         self.llm.generate([list(range(2000, 2040))], FIRST)  # warm-up, below a block's reuse
 
     def ttft(self, prompt: list[int]) -> float:

@@ -52,8 +52,7 @@ def open_tiers(config: EngineConfig, pool: torch.Tensor) -> TieredKV | None:
         return None
     mapping = mmap.mmap(config.kv_offload_fd, config.kv_offload_nbytes, mmap.MAP_SHARED)
     host = HostStore(config.kv_offload_fd, memoryview(mapping))
-    mapper = threading.Thread(target=map_pages, args=(mapping,), name="kv-tier-map", daemon=True)
-    mapper.start()
+    threading.Thread(target=map_pages, args=(mapping,), name="kv-tier-map", daemon=True).start()
     ns = Namespace(
         weights=weights_fingerprint(Path(config.model)),
         dtype=str(pool.dtype),
@@ -70,8 +69,5 @@ def open_tiers(config: EngineConfig, pool: torch.Tensor) -> TieredKV | None:
         f", disk at {config.kv_offload_dir}" if disk else "",
     )
     if pool.is_cuda:
-        tiers: TieredKV = AsyncTieredKV(host, disk, ns, pool, CudaCopier(pool, host.payload))
-    else:
-        tiers = TieredKV(host, disk, ns, pool)
-    tiers.mapping_pages = mapper
-    return tiers
+        return AsyncTieredKV(host, disk, ns, pool, CudaCopier(pool, host.payload))
+    return TieredKV(host, disk, ns, pool)

@@ -21,7 +21,6 @@ to and from tier 2 run on a side stream, and tier 2 too is loaded off the step.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,8 +61,6 @@ class TieredKV:
                 f"bytes; this pool's are {self.block_size} tokens, {self.block_nbytes} bytes"
             )
         self.loader = None if disk is None else DiskLoader(disk, host)
-        # The thread mapping tier 2's pages ahead (``open_tiers.map_pages``), if any.
-        self.mapping_pages: threading.Thread | None = None
         self._quarantined = 0  # of disk.quarantined, what the host's counter has (settle)
 
     def _block_bytes(self, block: int) -> np.ndarray:
