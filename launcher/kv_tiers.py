@@ -85,7 +85,7 @@ def create(config: ServerConfig, model: Path, layout: KVLayout) -> HostTiers | N
     store = HostStore(segment.spec.fd, segment.buf)
     mcfg = ModelConfig.from_pretrained(model)
     assert mcfg.num_layers == layout.num_layers
-    # The engine workers derive the same digest from their pools (tiered.open_tiers).
+    # The engine workers derive the same digest from their pools (tiers/open_tiers.py).
     ns = Namespace(
         weights_fingerprint(model),
         str(layout.torch_dtype),

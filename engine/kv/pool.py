@@ -24,7 +24,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv.block_allocator import BlockAllocator, KVFigures
 from engine.kv.kv_cache import GpuMemoryError, allocate_kv_pool, check_kv_pool, pool_layout
 from engine.kv.sequence import Sequence
-from engine.kv.tiers.tiered import open_tiers
+from engine.kv.tiers.open_tiers import open_tiers
 
 
 class KVPool:
@@ -82,7 +82,16 @@ class KVPool:
         assert seq.block_size == self.block_size, "sequence built for another block size"
         need = seq.blocks_needed(n)
         if need:
+            self._release_stored()
             seq.block_table.extend(self.allocator.allocate(need))
+
+    def _release_stored(self) -> None:
+        """Drop the references held on blocks whose tier-2 store copies have finished
+        (a CUDA pool's stores read their blocks off the step: ``cache_full_blocks``)."""
+        if self.tiers is not None:
+            done = self.tiers.take_released()
+            if done:
+                self.allocator.free(done)
 
     def reuse_prefix(self, seq: Sequence, wait: bool = True) -> int:
         """Give a fresh ``seq`` the pool's blocks of its longest cached prefix, as computed.
@@ -104,6 +113,7 @@ class KVPool:
         else:
             if not self.prefix_caching or seq.block_table or seq.num_computed_tokens:
                 return 0
+            self._release_stored()
             hashes = seq.full_block_hashes((seq.num_tokens - 1) // self.block_size)
             seq.block_table = self.allocator.acquire(hashes)
             if self.tiers is not None and len(seq.block_table) < len(hashes):
@@ -174,6 +184,7 @@ class KVPool:
         blocks = parent.block_table[: -(-computed // bs)]
         tail: list[int] = []
         if copy_tail and computed % bs:
+            self._release_stored()
             tail = self.allocator.allocate(1)
             self.tensor[tail[0]].copy_(self.tensor[blocks[-1]])
             blocks = blocks[:-1]
@@ -198,7 +209,11 @@ class KVPool:
         for i in range(first, end):
             self.allocator.register(seq.block_table[i], hashes[i])
         if self.tiers is not None:
-            self.tiers.offer(seq, first, end)
+            # A copy still reading a block holds a reference on it until it is done, so
+            # no eviction hands the block out to be overwritten meanwhile.
+            held = self.tiers.offer(seq, first, end)
+            if held:
+                self.allocator.share(held)
 
     def truncate(self, seq: Sequence, keep: int) -> None:
         """Return ``seq``'s blocks past its first ``keep`` (they hold nothing it keeps)."""
@@ -231,6 +246,7 @@ class KVPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks ``ensure_blocks`` can have now: free ones plus evictable cached ones."""
+        self._release_stored()
         return self.allocator.num_available
 
     def acquire_cached(self, hashes: list[int]) -> list[int]:
@@ -265,4 +281,5 @@ class KVPool:
         return self.allocator.take_hash_changes()
 
     def figures(self) -> KVFigures:
+        self._release_stored()
         return self.allocator.figures()

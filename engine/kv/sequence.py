@@ -11,7 +11,7 @@ from wire.params import SamplingParams
 from wire.records import Finish
 
 if TYPE_CHECKING:
-    from engine.kv.tiers.disk_load import DiskLoad
+    from engine.kv.tiers.disk_load import InFlight
 
 
 @dataclass
@@ -48,9 +48,9 @@ class Sequence:
     # The 128-bit keys of the same blocks in the KV tiers beyond the pool
     # (engine/kv/tiers/keys.py), computed only when tiers are on.
     tier_keys: list[bytes] = field(default_factory=list)
-    # Tier-3 reads in flight for this sequence (``engine.kv.tiers.disk_load.DiskLoad``):
-    # it is parked, its prefix not settled, until ``ModelRunner.reuse_prefix`` settles it.
-    tier_load: DiskLoad | None = None
+    # Tier loads in flight for this sequence (``engine.kv.tiers.disk_load.InFlight``):
+    # it is parked, its prefix not settled, until ``KVPool.reuse_prefix`` settles it.
+    tier_load: InFlight | None = None
     # ``sampling.grammar``'s matcher, built when the sequence is first sampled (its
     # compile may still be running before that); it has accepted every output token.
     grammar: GrammarState | None = None

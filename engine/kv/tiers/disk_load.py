@@ -9,8 +9,9 @@ sequence; the scheduler keeps stepping the others and asks again next step.
 
 Invariants:
 - A reserved block belongs to this load alone until ``settle`` or ``cancel``: no block
-  table names it, so no step reads or writes it while a thread fills it (CPU pools only;
-  a CUDA pool loads synchronously, see ``tiered.py``).
+  table names it, so no step reads or writes it while a thread fills it. (A CUDA pool's
+  reads land in pinned staging rows, and the thread's ``upload`` puts each on the device
+  before its read counts as done: ``async_tiers.py``.)
 - ``settle`` keeps the leading run of blocks that arrived intact and frees the rest: a
   failure partway keeps the blocks before it, and only kept blocks count as hits.
 - ``cancel`` (the request was aborted or preempted) stops the reads not yet begun, waits
@@ -19,11 +20,13 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -31,6 +34,19 @@ from engine.kv.tiers.disk_store import DiskStore
 from engine.kv.tiers.host_store import HostStore
 
 READERS = 4  # reads in flight per worker: measured in benchmarks/results/kv_tiers.md
+
+logger = logging.getLogger(__name__)
+
+
+class InFlight(Protocol):
+    """A sequence's tier load still running (``DiskLoad``, ``async_tiers.PendingLoad``):
+    the sequence is parked until the tiers settle it."""
+
+    first: int  # index of the sequence's first block loaded
+
+    def done(self) -> bool: ...
+    def wait(self, timeout_s: float | None = None) -> bool: ...
+    def cancel(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -82,8 +98,15 @@ class DiskLoad:
 class DiskLoader:
     """The loader threads of one worker's tiers (started on first use, daemon)."""
 
-    def __init__(self, disk: DiskStore, host: HostStore) -> None:
-        self.disk, self.host = disk, host
+    def __init__(
+        self,
+        disk: DiskStore,
+        host: HostStore,
+        upload: Callable[[np.ndarray, int], None] | None = None,
+    ) -> None:
+        """``upload(dst, block)``: after a read passed its checks, put ``dst``'s bytes into
+        pool block ``block`` and return once they are there (None: ``dst`` is the block)."""
+        self.disk, self.host, self.upload = disk, host, upload
         self._pool: ThreadPoolExecutor | None = None
 
     def start(
@@ -99,7 +122,12 @@ class DiskLoader:
         try:
             if load.cancelled.is_set() or not self.disk.read(r.key, r.parent, r.tokens, r.dst):
                 return False
+            if self.upload is not None:
+                self.upload(r.dst, r.block)
             self.host.put(r.key, r.parent, r.tokens, r.dst)  # promote to tier 2
             return True
+        except Exception:  # a device copy failed: a miss, the block recomputed
+            logger.exception("KV tier 3: loading block %s into the pool failed", r.key.hex())
+            return False
         finally:
             load.finished_ns = max(load.finished_ns, time.perf_counter_ns())

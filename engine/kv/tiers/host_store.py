@@ -116,6 +116,15 @@ def words_key(lo: int, hi: int) -> bytes:
 
 
 @dataclass(frozen=True)
+class Claim:
+    """A slot ``begin_put`` reserved for one block, until ``end_put``."""
+
+    slot: int
+    epoch: int  # tier 2's clear epoch when claimed: a clear since drops the block
+    started_ns: int
+
+
+@dataclass(frozen=True)
 class Found:
     """A valid slot a lookup matched, and the version its copy must still see."""
 
@@ -281,35 +290,51 @@ class HostStore:
     def put(self, key: bytes, parent: bytes, tokens: np.ndarray, payload: np.ndarray) -> bool:
         """Store one block (``payload``: its bytes, u8); False if it is held or being
         written already. Evicts the least recently used block when no slot is free."""
+        claim = self.begin_put(key)
+        if claim is None:
+            return False
+        self.payload[claim.slot, : payload.nbytes] = payload
+        self.end_put(claim, parent, tokens, payload.nbytes)
+        return True
+
+    def begin_put(self, key: bytes) -> Claim | None:
+        """Claim a slot for ``key`` (BEING WRITTEN: lookups miss it, a second writer of
+        the same key backs off); None if ``key`` is held or being written already, or no
+        slot can be claimed. The caller fills ``payload[slot]`` and then calls
+        ``end_put`` (an asynchronous copy may fill it meanwhile, e.g. a device's DMA)."""
         t0 = time.perf_counter_ns()
         with self.locked():
             if self._find(key) >= 0:
-                return False
+                return None
             slot = self._claim()
             if slot < 0:
-                return False  # every slot is being written: drop, never wait
-            epoch = int(self.header[H_EPOCH])
+                return None  # every slot is being written: drop, never wait
             m = self.meta[slot]
             m[M_VERSION] += np.uint64(1)  # odd: being written
             self._index_drop(slot)
             m[M_KEY_LO], m[M_KEY_HI] = key_words(key)
             self._index_add(key, slot)
             m[M_PID], m[M_FLAGS] = self._pid, 0
-        self.payload[slot, : payload.nbytes] = payload
+            return Claim(slot, int(self.header[H_EPOCH]), t0)
+
+    def end_put(
+        self, claim: Claim, parent: bytes, tokens: np.ndarray, nbytes: int, ok: bool = True
+    ) -> None:
+        """Publish ``claim``'s slot (its payload is written), or free it when not ``ok``
+        (the copy failed) or when a ``clear`` came in between."""
         with self.locked():
-            m = self.meta[slot]
-            if int(self.header[H_EPOCH]) != epoch:  # cleared meanwhile: drop it
-                self._index_drop(slot)
+            m = self.meta[claim.slot]
+            if not ok or int(self.header[H_EPOCH]) != claim.epoch:
+                self._index_drop(claim.slot)
                 m[M_KEY_LO] = m[M_KEY_HI] = 0
             else:
                 m[M_PAR_LO], m[M_PAR_HI] = key_words(parent)
-                self.tokens[slot] = tokens
+                self.tokens[claim.slot] = tokens
                 m[M_TICK] = self._tick()
                 self.count("host_stores", 1)
-                self.count("host_bytes_in", payload.nbytes)
-                self.count("host_store_ns", time.perf_counter_ns() - t0)
+                self.count("host_bytes_in", nbytes)
+                self.count("host_store_ns", time.perf_counter_ns() - claim.started_ns)
             m[M_VERSION] += np.uint64(1)  # even: valid (or free, if dropped)
-        return True
 
     def _claim(self) -> int:
         """A slot to overwrite: a free one, else the LRU valid one, else an orphaned

@@ -14,29 +14,25 @@ Tier 3 is read by loader threads (``disk_load.py``) into blocks reserved for the
 that exist: with ``wait=False`` the load is returned pending and the caller parks the
 sequence until ``settle``, so other requests keep stepping meanwhile.
 
-NOTE: on CUDA the copies are synchronous host<->device copies on the current stream,
-which orders them after the step that wrote the block, and tier 3 is read inside the
-step; pinned staging off the compute stream is not built.
+This class serves a CPU pool. A CUDA pool gets ``async_tiers.AsyncTieredKV``: its copies
+to and from tier 2 run on a side stream, and tier 2 too is loaded off the step.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
-from engine.kv.tiers.disk_load import BlockRead, DiskLoad, DiskLoader
+from engine.kv.tiers.disk_load import BlockRead, DiskLoad, DiskLoader, InFlight
 from engine.kv.tiers.disk_store import DiskStore
 from engine.kv.tiers.host_store import HostStore
-from engine.kv.tiers.keys import Namespace, chain_keys, root_key, weights_fingerprint
+from engine.kv.tiers.keys import chain_keys, root_key
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +44,7 @@ class TierLoad:
     blocks: list[int]
     from_host: int = 0
     from_disk: int = 0
-    pending: DiskLoad | None = None  # tier-3 reads still in flight (``settle`` them)
+    pending: InFlight | None = None  # copies or reads still in flight (``settle`` them)
 
 
 class TieredKV:
@@ -64,14 +60,12 @@ class TieredKV:
                 f"the host's KV tier holds blocks of {g.block_size} tokens, {g.payload_nbytes} "
                 f"bytes; this pool's are {self.block_size} tokens, {self.block_nbytes} bytes"
             )
-        self._on_cpu = pool.device.type == "cpu"
-        self.loader = None if disk is None or not self._on_cpu else DiskLoader(disk, host)
+        self.loader = None if disk is None else DiskLoader(disk, host)
         self._quarantined = 0  # of disk.quarantined, what the host's counter has (settle)
 
     def _block_bytes(self, block: int) -> np.ndarray:
-        """Pool block ``block`` as u8 (a view on CPU, a host copy on CUDA)."""
-        flat = self.pool[block].view(-1).view(torch.uint8)
-        return flat.numpy() if self._on_cpu else flat.cpu().numpy()
+        """Pool block ``block`` as u8, a view (a CPU pool)."""
+        return self.pool[block].view(-1).view(torch.uint8).numpy()
 
     def keys(self, seq: Sequence, n: int) -> list[bytes]:
         """The tier keys of ``seq``'s first ``n`` full blocks (extending ``seq.tier_keys``)."""
@@ -90,8 +84,11 @@ class TieredKV:
     def _parent(self, seq: Sequence, i: int) -> bytes:
         return seq.tier_keys[i - 1] if i else root_key(self.namespace, seq.hash_extra)
 
-    def offer(self, seq: Sequence, first: int, end: int) -> None:
-        """Store ``seq``'s full blocks ``first..end-1`` (their KV is computed) in tier 2."""
+    def offer(self, seq: Sequence, first: int, end: int) -> list[int]:
+        """Store ``seq``'s full blocks ``first..end-1`` (their KV is computed) in tier 2.
+
+        Returns the pool blocks whose copies are still running (the caller holds them
+        until ``take_released``): none here, the copies are done on return."""
         keys = self.keys(seq, end)
         tokens = self._tokens(seq, first, end)
         for i in range(first, end):
@@ -99,6 +96,11 @@ class TieredKV:
                 continue
             payload = self._block_bytes(seq.block_table[i])
             self.host.put(keys[i], self._parent(seq, i), tokens[i - first], payload)
+        return []
+
+    def take_released(self) -> list[int]:
+        """Pool blocks ``offer`` returned whose copies have finished since the last call."""
+        return []
 
     def load(
         self,
@@ -124,7 +126,7 @@ class TieredKV:
         blocks = allocate(len(found))  # fewer if the pool has no more room
         found = found[: len(blocks)]
         for f, b in zip(found, blocks, strict=True):
-            self._write_block(b, self.host.payload[f.slot, : self.block_nbytes])
+            self._block_bytes(b)[:] = self.host.payload[f.slot, : self.block_nbytes]
         ok = self.host.still_valid(found)
         self.host.count_lookup(
             ok, len(keys) - ok, ok * self.block_nbytes, time.perf_counter_ns() - t0
@@ -132,13 +134,10 @@ class TieredKV:
         free(blocks[ok:])
         out = TierLoad(blocks[:ok], from_host=ok)
         if ok == len(found) == len(blocks) and self.disk is not None:
-            if self.loader is None:
-                self._load_disk(seq, first + ok, first, keys, tokens, allocate, free, out)
-            else:
-                out.pending = self._start_disk(seq, first + ok, first, keys, tokens, allocate, free)
-                if wait and out.pending is not None:
-                    out.blocks += self.settle(out.pending)
-                    out.from_disk, out.pending = len(out.blocks) - ok, None
+            out.pending = self._start_disk(seq, first + ok, first, keys, tokens, allocate, free)
+            if wait and out.pending is not None:
+                out.blocks += self.settle(out.pending)
+                out.from_disk, out.pending = len(out.blocks) - ok, None
         return out
 
     def _start_disk(
@@ -163,19 +162,22 @@ class TieredKV:
                 self.host.count("disk_miss_blocks", end - i0)
             return None
         reads = [
-            BlockRead(
-                keys[i - first], self._parent(seq, i), tokens[i - first], b, self._block_bytes(b)
-            )
-            for i, b in zip(range(i0, end), blocks, strict=False)
+            BlockRead(keys[i - first], self._parent(seq, i), tokens[i - first], b, dst)
+            for i, b, dst in zip(range(i0, end), blocks, self._read_targets(blocks), strict=False)
         ]
         load = self.loader.start(i0, reads, free)
         load.wanted = end - i0
         return load
 
-    def settle(self, load: DiskLoad) -> list[int]:
+    def _read_targets(self, blocks: list[int]) -> list[np.ndarray]:
+        """Where tier-3 reads for ``blocks`` land: the pool blocks themselves (fresh,
+        private: no step touches them until the load is settled)."""
+        return [self._block_bytes(b) for b in blocks]
+
+    def settle(self, load: InFlight) -> list[int]:
         """The pool blocks ``load`` filled intact (a leading run; the rest were freed),
         counted as tier-3 hits once they are known to be."""
-        assert self.disk is not None
+        assert self.disk is not None and isinstance(load, DiskLoad)
         blocks = load.settle()
         bad, self._quarantined = self.disk.quarantined - self._quarantined, self.disk.quarantined
         with self.host.locked():
@@ -185,74 +187,3 @@ class TieredKV:
             self.host.count("disk_load_ns", max(0, load.finished_ns - load.started_ns))
             self.host.count("disk_quarantined", bad)
         return blocks
-
-    def _load_disk(
-        self,
-        seq: Sequence,
-        i0: int,
-        first: int,
-        keys: list[bytes],
-        tokens: np.ndarray,
-        allocate: Callable[[int], list[int]],
-        free: Callable[[list[int]], None],
-        out: TierLoad,
-    ) -> None:
-        """Continue ``out``'s run from block ``i0`` with tier 3, one file at a time."""
-        assert self.disk is not None
-        t0, hits, bad = time.perf_counter_ns(), 0, self.disk.quarantined
-        staging = None if self._on_cpu else np.empty(self.block_nbytes, np.uint8)
-        for i in range(i0, first + len(keys)):
-            key, row = keys[i - first], tokens[i - first]
-            got = allocate(1)
-            if not got:
-                break  # the pool is full: the rest is recomputed
-            # On CPU the file is read straight into the pool block (a fresh private one).
-            dst = self._block_bytes(got[0]) if staging is None else staging
-            if not self.disk.read(key, self._parent(seq, i), row, dst):
-                free(got)
-                break
-            if staging is not None:
-                self._write_block(got[0], staging)
-            out.blocks.append(got[0])
-            hits += 1
-            self.host.put(key, self._parent(seq, i), row, dst)  # promote to tier 2
-        out.from_disk = hits
-        misses = first + len(keys) - i0 - hits
-        with self.host.locked():
-            self.host.count("disk_hit_blocks", hits)
-            self.host.count("disk_miss_blocks", misses)
-            self.host.count("disk_bytes_read", hits * self.block_nbytes)
-            self.host.count("disk_load_ns", time.perf_counter_ns() - t0)
-            self.host.count("disk_quarantined", self.disk.quarantined - bad)
-
-    def _write_block(self, block: int, data: np.ndarray) -> None:
-        if self._on_cpu:
-            self._block_bytes(block)[:] = data
-        else:
-            src = torch.from_numpy(np.ascontiguousarray(data))
-            self.pool[block].view(-1).view(torch.uint8).copy_(src)
-
-
-def open_tiers(config: EngineConfig, pool: torch.Tensor) -> TieredKV | None:
-    """The tiers ``config`` names for this pool (``kv_offload_fd``: the host's tier-2
-    segment, inherited; ``kv_offload_dir``: tier 3), or None when they are off."""
-    if config.kv_offload_fd is None or not config.enable_prefix_caching:
-        return None
-    buf = memoryview(mmap.mmap(config.kv_offload_fd, config.kv_offload_nbytes, mmap.MAP_SHARED))
-    host = HostStore(config.kv_offload_fd, buf)
-    ns = Namespace(
-        weights=weights_fingerprint(Path(config.model)),
-        dtype=str(pool.dtype),
-        block_size=config.block_size,
-        layout=str(tuple(pool.shape[1:])),
-    ).digest
-    disk = None
-    if config.kv_offload_dir:
-        nbytes = pool[0].numel() * pool.element_size()
-        disk = DiskStore(Path(config.kv_offload_dir), ns, config.block_size, nbytes)
-    logger.info(
-        "KV tiers: host RAM (%d blocks shared by this host's workers)%s",
-        host.geometry.slots,
-        f", disk at {config.kv_offload_dir}" if disk else "",
-    )
-    return TieredKV(host, disk, ns, pool)
