@@ -149,8 +149,8 @@ def _bind_kernel(meta: Meta, name: str, tensors: dict[str, torch.Tensor]) -> nn.
     if kind == "dense":
         return DenseKernel(_get(tensors, f"{name}.weight"))
     if kind == "refined":
-        packed = _bind_kernel(meta["packed"], f"{name}.packed", tensors)
-        return RefinedHead(packed, _bind_rows(meta["rows"], f"{name}.rows", tensors))
+        inner = _bind_kernel(meta["packed"], f"{name}.packed", tensors)
+        return RefinedHead(inner, _bind_rows(meta["rows"], f"{name}.rows", tensors))
     shape = (int(meta["shape"][0]), int(meta["shape"][1]))
     kernel: Int4Kernel | Int8Kernel
     if kind == "int4":
