@@ -29,12 +29,12 @@ AMD EPYC (AVX-512 BF16, no AMX), ms per step (``benchmarks/results/shared_weight
     bf16 plain (shared)          12.8   16.0   17.7   22.4   38.2   79.1
     bf16 prepacked (per worker)   6.4    9.0   10.7   14.3   23.9   65.5
 
-Prepacking in every worker is faster from 16 rows on (1.2x at 256 rows, up to 1.6x near
-32-64) but costs 212 MB of private memory per worker (four workers: 850 MB, more than
-the whole tree's target of 1.5 GB); skipping the bf16 copy leaves decode on int4, 2x
-slower than the plain GEMM at 256 rows and the prefill 2x slower. So shared plain
-weights it is; ``--no-share-weights`` keeps private prepacked copies for those who would
-rather spend the memory.
+Where the GEMM serves (prefill, decode from 16 rows), prepacking in every worker is 1.6x
+faster at 16-64 rows and 1.2x at 256, and gives the same bits; but it costs 212 MB of
+private memory per worker (2P2D: 850 MB, over half the tree's 1.5 GB target). Skipping
+the bfloat16 copy leaves every call on int4: 2.1x slower than the plain GEMM at 256 rows,
+prefill included. So the shared plain weight it is; ``--no-share-weights`` keeps private
+prepacked copies for a host that would rather spend the memory.
 """
 
 from __future__ import annotations
