@@ -13,6 +13,7 @@ Ring names and what each carries: ``wire/ring_names.py``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 from typing import Any
 
@@ -37,6 +38,7 @@ RING_BYTES = {
     RingKind.TOK: 4 * MiB,
     RingKind.TEXT: 8 * MiB,
 }
+logger = logging.getLogger(__name__)
 SMALL_RING_BYTES = 256 * 1024
 
 
@@ -151,10 +153,14 @@ class Topology:
         self.kv_tier_frontend = frontend_fields or {}
 
     def add_weights(self) -> None:
-        """One copy of the read-only weights for this host's CPU engine workers."""
-        from engine.checkpoint.shared_weights import create_segment
+        """One copy of the read-only weights for this host's CPU engine workers (where
+        the OS has sealable memfds; elsewhere each worker loads its own)."""
+        from engine.checkpoint.shared_weights import SharedWeightsError, create_segment
 
-        self.weights_fd = create_segment()
+        try:
+            self.weights_fd = create_segment()
+        except SharedWeightsError as e:
+            logger.warning("each worker loads its own weights: %s", e)
 
     def add_prefix_summaries(self, num_counters: int) -> None:
         """One summary segment per engine worker: it writes its own, the frontend reads all."""

@@ -75,8 +75,14 @@ class SharedWeightsError(RuntimeError):
 
 
 def create_segment() -> int:
-    """An empty, sealable memfd for the host's weights; the caller keeps the fd open."""
-    return os.memfd_create(MAPPING_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    """An empty, sealable memfd for the host's weights; the caller keeps the fd open.
+
+    Raises ``SharedWeightsError`` where there are no sealable memfds (not Linux).
+    """
+    try:
+        return os.memfd_create(MAPPING_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except (AttributeError, OSError) as e:
+        raise SharedWeightsError(f"no sealable memfd here ({e})") from e
 
 
 def weights_digest(model_dir: Path, quantization: str, dtype: torch.dtype, gemm: str) -> str:
