@@ -32,13 +32,14 @@ from wire.roles import Role
 MiB = 1 << 20
 # Capacities: a request ring holds long prompts; token rings a few steps of a full batch
 # with top-20 logprobs (~46 KB per 256-request step); control rings small records.
+logger = logging.getLogger(__name__)
+
 RING_BYTES = {
     RingKind.REQ: 8 * MiB,
     RingKind.KV: 4 * MiB,
     RingKind.TOK: 4 * MiB,
     RingKind.TEXT: 8 * MiB,
 }
-logger = logging.getLogger(__name__)
 SMALL_RING_BYTES = 256 * 1024
 
 
