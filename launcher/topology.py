@@ -29,11 +29,11 @@ from wire.kv_layout import KVLayout
 from wire.ring_names import Peer, RingKind, RingName
 from wire.roles import Role
 
+logger = logging.getLogger(__name__)
+
 MiB = 1 << 20
 # Capacities: a request ring holds long prompts; token rings a few steps of a full batch
 # with top-20 logprobs (~46 KB per 256-request step); control rings small records.
-logger = logging.getLogger(__name__)
-
 RING_BYTES = {
     RingKind.REQ: 8 * MiB,
     RingKind.KV: 4 * MiB,
