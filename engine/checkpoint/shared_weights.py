@@ -21,20 +21,23 @@ worker's page tables point at the same pages and a page counts once in the tree'
 The many-rows GEMM (``engine/weights/gemm.py``) runs on the plain bfloat16 weight here,
 not oneDNN's prepacked one: a prepacked weight is an opaque oneDNN tensor with no storage
 (``data_ptr`` and ``untyped_storage`` raise), and nothing in torch builds one over given
-memory, so it cannot live in shared memory. Measured on SmolLM2's linear layers, 2-core
-AMD EPYC (AVX-512 BF16, no AMX), ms per step (``benchmarks/results/shared_weights.md``):
+memory, so it cannot live in shared memory. Measured on SmolLM2's linear layers of one
+step, 2-core AMD EPYC (AVX-512 BF16, no AMX), ms, two quiet runs (``benchmarks/results/shared_weights.md``):
 
     rows                            1      8     16     32     64    256
-    packed int4                   3.6    7.8   12.8   22.7   47.8  165.3
-    bf16 plain (shared)          12.8   16.0   17.7   22.4   38.2   79.1
+    packed int4                   3.5    6.8   11.7   21.5      -  158.8   (run 1)
+    bf16 plain (shareable)       10.3   11.7   13.4   17.4      -   65.6
+    bf16 prepacked (per worker)   7.4    8.4    9.8   13.6      -   60.4
+    packed int4                   3.6    7.8   12.8   22.7   47.8  165.3   (run 2)
+    bf16 plain (shareable)       12.8   16.0   17.7   22.4   38.2   79.1
     bf16 prepacked (per worker)   6.4    9.0   10.7   14.3   23.9   65.5
 
-Where the GEMM serves (prefill, decode from 16 rows), prepacking in every worker is 1.6x
-faster at 16-64 rows and 1.2x at 256, and gives the same bits; but it costs 212 MB of
-private memory per worker (2P2D: 850 MB, over half the tree's 1.5 GB target). Skipping
-the bfloat16 copy leaves every call on int4: 2.1x slower than the plain GEMM at 256 rows,
-prefill included. So the shared plain weight it is; ``--no-share-weights`` keeps private
-prepacked copies for a host that would rather spend the memory.
+Where the GEMM serves (prefill, decode from about 16 rows), prepacking in every worker is
+1.3-1.6x faster at 16-64 rows and 1.1-1.2x at 256, with the same bits; but it costs
+212 MB of private memory per worker (2P2D: 850 MB, over half the tree's 1.5 GB target).
+Skipping the bfloat16 copy leaves every call on int4: 2.1-2.4x slower than the plain GEMM
+at 256 rows, prefill included. So the shared plain weight it is; ``--no-share-weights``
+keeps private prepacked copies for a host that would rather spend the memory.
 """
 
 from __future__ import annotations
