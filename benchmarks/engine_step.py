@@ -3,8 +3,10 @@
     python -m benchmarks.engine_step [--model DIR|FILE.gguf] [--variants auto,packed,none] \
         [--batches 1,8,32] [--context 300] [--prefill 256] [--threads 2] [--rounds 30]
 
-Variants: ``auto`` serves as ``launch`` does (packed GGUF layers with their bfloat16 GEMM
-for prefill and for decode batches from the crossover measured at load); ``packed`` the
+Variants: ``auto`` a private engine (packed GGUF layers with their bfloat16 GEMM prepacked
+for oneDNN, for prefill and for decode batches from the crossover measured at load);
+``shared`` serves as ``launch`` does on CPU (the same, its weights in a shared segment and
+its GEMM on the plain bfloat16 weight, ``engine/checkpoint/shared_weights.py``); ``packed`` the
 same weights on the packed kernel alone (the engine before the GEMM copies, as a baseline
 in the same run); ``none`` dense float32.
 
@@ -30,6 +32,7 @@ import torch
 
 from benchmarks.machine import load_average, machine_block
 from checkpoints.default_model import resolve_model
+from engine.checkpoint.shared_weights import create_segment
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.model.attention import grouped_decode_sdpa
@@ -106,7 +109,9 @@ def _runner(model: Path, variant: str, context: int) -> ModelRunner:
             model=str(model),
             quantization=quantization,
             kv_cache_tokens=16 * (context + 64) * 32,
-            large_batch_gemm=variant == "auto",
+            large_batch_gemm=variant in ("auto", "shared"),
+            # The launcher's default on CPU: the weights in a host segment, GEMMs plain.
+            weights_fd=create_segment() if variant == "shared" else None,
         )
     )
 
@@ -154,7 +159,8 @@ def main() -> None:
     for variant in args.variants.split(","):
         runner = _runner(model, variant, args.context)
         kind_names = sorted({m.kind for m in runner.model.modules() if isinstance(m, Linear)})
-        kinds = "/".join(kind_names) + (" + bf16 GEMM" if variant == "auto" else "")
+        gemm = {"auto": " + bf16 GEMM (prepacked)", "shared": " + bf16 GEMM (plain, shared)"}
+        kinds = "/".join(kind_names) + gemm.get(variant, "")
         for b in (int(x) for x in args.batches.split(",")):
             step, bare = measure(runner, b, args.context, args.rounds)
             rows.append((variant, kinds, f"decode, batch {b}", step, bare))

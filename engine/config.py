@@ -208,6 +208,10 @@ class EngineConfig:
     large_batch_gemm: bool = False
     # Rows from which those layers take the GEMM; 0: measured per weight shape at load.
     gemm_min_rows: int = 0
+    # The host's weights segment (an inherited memfd, engine/checkpoint/shared_weights.py):
+    # CPU workers map one copy of the read-only weights from it, the first one to load
+    # writing it. None: this engine loads its own private copy.
+    weights_fd: int | None = None
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None

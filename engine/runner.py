@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.checkpoint.image import WeightsImageError
 from engine.checkpoint.loader import load_weights
 from engine.checkpoint.lora_loader import LoraAdapters, in_batch_order
+from engine.checkpoint.shared_weights import SharedWeightsError, load_shared, weights_digest
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.cuda.gpu_memory import gpu_kv_blocks
 from engine.cuda.kernels import use_kernels
@@ -74,9 +76,7 @@ class ModelRunner:
         self.cuda_baseline_bytes = (
             torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         )
-        self.model = CausalLM(self.model_config, self.max_model_len, self.dtype, self.device)
-        gemm_rows = config.gemm_min_rows if config.large_batch_gemm else None
-        load_weights(self.model, Path(config.model), self.quantization, gemm_rows)
+        self.model = self._load_model()
         kernels = use_kernels(config.attention_backend, self.device.type)
         self.loras: LoraAdapters | None = None
         if config.max_loras > 0:
@@ -126,6 +126,32 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+
+    def _load_model(self) -> CausalLM:
+        """The model with its weights: mapped from the host's shared segment where the
+        config names one (CPU), else loaded from the checkpoint into this process."""
+        config = self.config
+        model = CausalLM(self.model_config, self.max_model_len, self.dtype, self.device)
+        gemm_rows = config.gemm_min_rows if config.large_batch_gemm else None
+        root = Path(config.model)
+        if config.weights_fd is None or self.device.type != "cpu":
+            load_weights(model, root, self.quantization, gemm_rows)
+            return model
+        gemm = f"gemm from {gemm_rows}" if gemm_rows is not None else "no gemm"
+        digest = weights_digest(root, self.quantization, self.dtype, gemm)
+        try:
+            load_shared(
+                model,
+                config.weights_fd,
+                digest,
+                lambda: load_weights(model, root, self.quantization, gemm_rows, prepack=False),
+            )
+            return model
+        except (SharedWeightsError, WeightsImageError) as e:
+            logger.error("weights not shared, loading a private copy: %s", e)
+        model = CausalLM(self.model_config, self.max_model_len, self.dtype, self.device)
+        load_weights(model, root, self.quantization, gemm_rows)
+        return model
 
     def _make_pool(self, kv_pool: torch.Tensor | None) -> KVPool:
         def num_blocks() -> int:

@@ -139,7 +139,10 @@ def _engine_children(
         if place.role is Role.DECODE:
             place = replace(place, index=place.index + first_decode)
         handoff = None if place.role is Role.COLOCATED else backend
-        spec = _engine_spec(config, model, place, handoff, topo.kv_tier_fields)
+        fields = dict(topo.kv_tier_fields)
+        if topo.weights_fd is not None and place.device == "cpu":
+            fields["weights_fd"] = topo.weights_fd
+        spec = _engine_spec(config, model, place, handoff, fields)
         settings = encode_spec(spec)
         env = {"OMP_NUM_THREADS": threads, **ucx, **place.env()}
         out.append(Child(topo.spec(place.role, place.index, settings), env))
@@ -273,21 +276,27 @@ def _size_kv(
     if pools == 0:
         return replace(config, kv_cache_tokens=config.kv_cache_tokens or DEFAULT_GPU_KV_TOKENS)
     engine = EngineConfig(model=str(model), max_model_len=config.max_model_len)
-    demand = Demand(
-        engines=engines,
-        others=config.api_workers + config.detokenizers,
-        pools=pools,
-        chunk=config.chunked_prefill_size,
-        max_model_len=engine.resolve_max_model_len(mcfg),
-        offload=kv_tiers.offload_bytes(config),
-    )
     try:
         # Packed weights take at most a byte a parameter (int8: one, int4: about 0.6), and
         # their bfloat16 GEMM copies two more (engine/weights/gemm.py).
         weights = weight_bytes(model, dtype if quantization == "none" else torch.int8)
         if quantization != "none":
             weights += weight_bytes(model, torch.bfloat16)
-        plan = plan_kv(mcfg, weights, dtype, demand, config.kv_cache_memory, config.kv_cache_tokens)
+        # Shared (engine/checkpoint/shared_weights.py): one copy for every CPU worker.
+        shared = weights if config.share_weights and gpus.on_cpu else 0
+        demand = Demand(
+            engines=engines,
+            others=config.api_workers + config.detokenizers,
+            pools=pools,
+            chunk=config.chunked_prefill_size,
+            max_model_len=engine.resolve_max_model_len(mcfg),
+            offload=kv_tiers.offload_bytes(config),
+            shared_weights=shared,
+        )
+        per_replica = weights - shared
+        plan = plan_kv(
+            mcfg, per_replica, dtype, demand, config.kv_cache_memory, config.kv_cache_tokens
+        )
     except (MemoryBudgetError, ValueError) as e:
         raise ConfigError(str(e)) from e
     logger.info("%s", plan.describe(pools))
@@ -336,6 +345,8 @@ def serve(config: ServerConfig) -> int:
     model = _model_path(config)
     config = _size_kv(config, model, gpus, backend)
     topo = _build_topology(config, model, backend, gpus)
+    if config.share_weights and gpus.on_cpu:
+        topo.add_weights()
     tiers = kv_tiers.create(config, model, _kv_layout(config, model, gpus))
     if tiers is not None:
         topo.add_kv_tier(tiers.segment, tiers.engine_fields(), tiers.frontend_fields())
@@ -403,6 +414,8 @@ def serve_member(config: ServerConfig) -> int:
     )
     if config.enable_prefix_caching:
         topo.add_prefix_summaries(summary_counters(layout.num_blocks))
+    if config.share_weights and gpus.on_cpu:
+        topo.add_weights()
     children = _engine_children(config, topo, gpus, model, "nixl", first_decode=base)
     children.append(cluster.member_gateway(config, topo, layout, _model_name(config, model), mine))
     sup = Supervisor(children, topo.load_table(), topo.p)

@@ -182,6 +182,13 @@ def _engine(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         "on this CPU at load and caches it",
     )
     add(
+        "--share-weights",
+        action=argparse.BooleanOptionalAction,
+        default=d.share_weights,
+        help="CPU workers map one copy of the read-only weights per host (GEMMs on plain "
+        "bfloat16); off, each loads its own, GEMM weights prepacked for oneDNN",
+    )
+    add(
         "--max-model-len",
         type=int,
         default=d.max_model_len,

@@ -6,8 +6,9 @@ the staging mirror of a GPU prefill worker. The KV size is a byte budget per poo
 of the memory the machine can give now:
 
     usable   = min(MemAvailable, cgroup limit - cgroup working set) * USABLE_FRACTION
-    fixed    = engines * (weights + ENGINE_OVERHEAD + activations) + others * AUX_OVERHEAD
-             + the host's KV tier 2 (--kv-offload-memory)
+    fixed    = engines * (private weights + ENGINE_OVERHEAD + activations)
+             + others * AUX_OVERHEAD + the host's KV tier 2 (--kv-offload-memory)
+             + the weights CPU workers share, once (engine/checkpoint/shared_weights.py)
     per pool = min(DEFAULT_KV_CAP, (usable - fixed) / pools)
 
 Pools are not zero-filled: pages are committed as tokens are written, so a large budget
@@ -58,13 +59,19 @@ class KVPlan:
     tokens_per_pool: int
     bytes_per_pool: int
     memory: HostMemory
-    weight_bytes: int  # one replica, in the serving dtype
+    weight_bytes: int  # one replica's private weights, in the serving dtype
+    shared_weight_bytes: int = 0  # held once per host, mapped by every CPU worker
 
     def describe(self, pools: int) -> str:
+        shared = (
+            f" + {self.shared_weight_bytes / GIB:.2f} GiB shared once by all"
+            if self.shared_weight_bytes
+            else ""
+        )
         return (
             f"KV cache: {self.bytes_per_pool / GIB:.2f} GiB = {self.tokens_per_pool} tokens "
             f"per pool x {pools} pools; weights {self.weight_bytes / GIB:.2f} GiB per "
-            f"replica; {self.memory.available / GIB:.1f} GiB available "
+            f"replica{shared}; {self.memory.available / GIB:.1f} GiB available "
             f"({self.memory.source})"
         )
 
@@ -222,6 +229,7 @@ class Demand:
     chunk: int  # --chunked-prefill-size
     max_model_len: int
     offload: int = 0  # bytes of the host's KV tier 2 (launcher/kv_tiers.py)
+    shared_weights: int = 0  # bytes of weights held once per host, not per engine
 
 
 def plan_kv(
@@ -241,7 +249,7 @@ def plan_kv(
     usable = int(available * USABLE_FRACTION)
     activations = activation_bytes(m, min(demand.chunk, demand.max_model_len), itemsize)
     fixed = demand.engines * (weights + ENGINE_OVERHEAD + activations)
-    fixed += demand.others * AUX_OVERHEAD + demand.offload
+    fixed += demand.others * AUX_OVERHEAD + demand.offload + demand.shared_weights
     room = usable - fixed
     pools = max(demand.pools, 1)
     if kv_cache_tokens is not None:
@@ -251,8 +259,9 @@ def plan_kv(
     else:
         want, flag = min(DEFAULT_KV_CAP, room // pools), ""
     need_one = per_token * demand.max_model_len  # one longest sequence must fit a pool
+    shared = f" (+ {demand.shared_weights / GIB:.2f} GiB shared)" if demand.shared_weights else ""
     what = (
-        f"{demand.engines} model replicas of {weights / GIB:.2f} GiB and "
+        f"{demand.engines} model replicas of {weights / GIB:.2f} GiB{shared} and "
         f"{demand.pools} KV pools need more than the {available / GIB:.1f} GiB available "
         f"({memory.source})"
     )
@@ -268,4 +277,4 @@ def plan_kv(
             "free memory"
         )
     tokens = max(want // per_token, 1)
-    return KVPlan(tokens, tokens * per_token, memory, weights)
+    return KVPlan(tokens, tokens * per_token, memory, weights, demand.shared_weights)

@@ -13,6 +13,7 @@ Ring names and what each carries: ``wire/ring_names.py``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 from typing import Any
 
@@ -27,6 +28,8 @@ from transport.segment import Segment
 from wire.kv_layout import KVLayout
 from wire.ring_names import Peer, RingKind, RingName
 from wire.roles import Role
+
+logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 # Capacities: a request ring holds long prompts; token rings a few steps of a full batch
@@ -89,6 +92,9 @@ class Topology:
         self.kv_tier: Segment | None = None
         self.kv_tier_fields: dict[str, Any] = {}
         self.kv_tier_frontend: dict[str, Any] = {}
+        # The host's weights segment (engine/checkpoint/shared_weights.py): an empty memfd
+        # the first CPU engine worker fills; every engine worker inherits it.
+        self.weights_fd: int | None = None
 
     def _add(self, kind: RingKind, src: Peer, dst: Peer) -> None:
         if src in self.remote and dst in self.remote:
@@ -147,6 +153,16 @@ class Topology:
         self.kv_tier, self.kv_tier_fields = segment, engine_fields
         self.kv_tier_frontend = frontend_fields or {}
 
+    def add_weights(self) -> None:
+        """One copy of the read-only weights for this host's CPU engine workers (where
+        the OS has sealable memfds; elsewhere each worker loads its own)."""
+        from engine.checkpoint.shared_weights import SharedWeightsError, create_segment
+
+        try:
+            self.weights_fd = create_segment()
+        except SharedWeightsError as e:
+            logger.warning("each worker loads its own weights: %s", e)
+
     def add_prefix_summaries(self, num_counters: int) -> None:
         """One summary segment per engine worker: it writes its own, the frontend reads all."""
         workers = [Peer(Role.PREFILL, i) for i in range(self.p)]
@@ -193,6 +209,8 @@ class Topology:
             segments["kvtier"] = {"fd": self.kv_tier.spec.fd, "nbytes": self.kv_tier.spec.nbytes}
             if role is Role.FRONTEND:  # what its router needs (router/tier_residency.py)
                 segments["kvtier"].update(self.kv_tier_frontend)
+        if self.weights_fd is not None and role.is_engine:
+            segments["weights"] = {"fd": self.weights_fd, "nbytes": 0}  # sized by its writer
         # Slots: prefill workers, then decode workers; a colocated server has only c rows.
         slot = {Role.PREFILL: index, Role.DECODE: self.p + index, Role.COLOCATED: index}.get(
             role, -1

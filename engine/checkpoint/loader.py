@@ -149,8 +149,11 @@ def _shape(value: Value) -> tuple[int, ...]:
 
 
 class _Loader:
-    def __init__(self, model: CausalLM, quantization: str, gemm_rows: int | None) -> None:
+    def __init__(
+        self, model: CausalLM, quantization: str, gemm_rows: int | None, prepack: bool | None
+    ) -> None:
         self.model, self.quantization, self.gemm_rows = model, quantization, gemm_rows
+        self.prepack = prepack
         # Packed layers with a GEMM, by (kernel kinds, N, K): their crossover is set once all
         # of them are loaded (``set_crossovers``), measured over all of them together.
         self.with_gemm: dict[tuple[str, int, int], list[Int4Kernel | Int8Kernel]] = {}
@@ -226,7 +229,7 @@ class _Loader:
         self.kinds[target.kind] += 1
 
     def _add_gemm(self, packed: Int4Kernel | Int8Kernel, rows: QuantRows) -> None:
-        gemm = bf16_gemm(rows.dequantize())
+        gemm = bf16_gemm(rows.dequantize(), self.prepack)
         key = (f"{type(packed).__name__}|{type(gemm).__name__}", *packed.shape)
         packed.with_gemm(gemm, NEVER)  # until set_crossovers
         self.with_gemm.setdefault(key, []).append(packed)
@@ -277,7 +280,11 @@ class _Loader:
 
 @torch.no_grad()
 def load_weights(
-    model: CausalLM, root: Path, quantization: str = "none", gemm_rows: int | None = None
+    model: CausalLM,
+    root: Path,
+    quantization: str = "none",
+    gemm_rows: int | None = None,
+    prepack: bool | None = None,
 ) -> None:
     """Fill every layer of ``model``; unknown or missing tensors are errors.
 
@@ -285,8 +292,10 @@ def load_weights(
     ``gemm_rows``: packed layers also hold a bfloat16 GEMM, at two bytes a weight, for calls
     of that many rows or more (``Int4Kernel.with_gemm``); 0: the crossover measured on this
     machine (``engine.weights.gemm.min_gemm_rows``); None: packed kernels alone.
+    ``prepack``: that GEMM's weight prepacked for oneDNN (None: where this CPU computes
+    bfloat16 there) or plain (False: what a shared image holds, ``engine/checkpoint/shared_weights.py``).
     """
-    loader = _Loader(model, quantization, gemm_rows)
+    loader = _Loader(model, quantization, gemm_rows, prepack)
     values = _gguf_values(root) if quantization == "gguf" else iter_tensors(root)
     for name, value in values:
         if name.endswith(_IGNORED):
@@ -309,7 +318,7 @@ def load_weights(
     if missing:
         raise UnsupportedModelError(f"{root}: checkpoint lacks weights for {missing}")
     loader.set_crossovers()
-    _release_freed_memory()
+    release_freed_memory()
     logger.info(
         "loaded %s (%s): %s",
         root.name,
@@ -321,7 +330,7 @@ def load_weights(
         logger.info("(%d, %d) %s: the GEMM from %s rows", n, k, kinds, from_rows)
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand the load's freed buffers back to the OS. Packing goes through float and byte
     copies several times the packed size; glibc keeps freed heap for reuse, so without
     this a worker's resident memory stays ~150 MB above what it holds (SmolLM2, packed)."""

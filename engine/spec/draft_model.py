@@ -25,6 +25,7 @@ class DraftModelProposer(Proposer):
             speculative=None,
             enable_prefix_caching=False,
             large_batch_gemm=False,
+            weights_fd=None,  # the host's segment holds the target's weights, not the draft's
             # The draft's KV is its own business: never offered to the host's tiers.
             kv_offload_fd=None,
             kv_offload_nbytes=0,

@@ -113,15 +113,26 @@ class Int4Kernel(nn.Module):
         if pad:  # padded rows: code 8, scale 0, zero 0 -> weight 0; sliced off the output
             codes = F.pad(codes, (0, 0, 0, pad), value=8)
             scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
-        self.out_features, self.in_features = n, k
-        self.shape = (n, k)
-        self.register_buffer(
-            "packed",
-            torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1),
-            persistent=False,
-        )
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         # (K / GROUP, N, 2): the kernel's layout, in the activation dtype it requires.
         sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(dtype)
+        self._hold(packed, sz, (n, k))
+
+    @classmethod
+    def from_packed(
+        cls, packed: torch.Tensor, scales_zeros: torch.Tensor, shape: tuple[int, int]
+    ) -> Int4Kernel:
+        """A kernel over tensors already in its layout (``engine/checkpoint/image.py``): the
+        same as the one that packed them, with no packing and no copy."""
+        kernel = cls.__new__(cls)
+        nn.Module.__init__(kernel)
+        kernel._hold(packed, scales_zeros, shape)
+        return kernel
+
+    def _hold(self, packed: torch.Tensor, sz: torch.Tensor, shape: tuple[int, int]) -> None:
+        self.out_features, self.in_features = shape
+        self.shape = shape
+        self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_zeros", sz, persistent=False)
         self.packed: torch.Tensor
         self.scales_zeros: torch.Tensor
@@ -164,8 +175,19 @@ class Int8Kernel(nn.Module):
             scale=torch.cat((16.0 * d, d), dim=1),
             zero=torch.cat((torch.zeros_like(d), 8.0 * d), dim=1),
         )
-        self.planes = Int4Kernel(planes, dtype, device)
-        self.out_features, self.in_features = rows.codes.shape
+        self._hold(Int4Kernel(planes, dtype, device), tuple(rows.codes.shape))
+
+    @classmethod
+    def from_planes(cls, planes: Int4Kernel, shape: tuple[int, int]) -> Int8Kernel:
+        """A kernel over nibble planes already packed (``engine/checkpoint/image.py``)."""
+        kernel = cls.__new__(cls)
+        nn.Module.__init__(kernel)
+        kernel._hold(planes, shape)
+        return kernel
+
+    def _hold(self, planes: Int4Kernel, shape: tuple[int, ...]) -> None:
+        self.planes = planes
+        self.out_features, self.in_features = shape
         self.shape = (self.out_features, self.in_features)
         self.many_rows: _ManyRows | None = None
 

@@ -66,6 +66,31 @@ def test_a_machine_too_small_for_the_replicas_is_an_error(default_model_path: Pa
         plan_kv(m, 2 * GIB, torch.float32, _demand(), memory=HostMemory(8 * GIB, "test"))
 
 
+def test_shared_weights_are_counted_once_per_host(default_model_path: Path) -> None:
+    """Four workers mapping one 1 GiB copy leave the pools 3 GiB more than four private
+    copies would, and a budget the private copies could not hold fits the shared one."""
+    from dataclasses import replace
+
+    m = ModelConfig.from_pretrained(default_model_path)
+    mem = HostMemory(16 * GIB, "test")
+    private = plan_kv(m, GIB, torch.float32, _demand(), memory=mem)
+    shared = plan_kv(m, 0, torch.float32, replace(_demand(), shared_weights=GIB), memory=mem)
+    gained = 4 * (shared.bytes_per_pool - private.bytes_per_pool)
+    per_pool_token = kv_bytes_per_token(m, 4)
+    assert abs(gained - 3 * GIB) <= 4 * per_pool_token
+    assert "1.00 GiB shared once by all" in shared.describe(4)
+    with pytest.raises(MemoryBudgetError):
+        plan_kv(m, GIB, torch.float32, _demand(), kv_cache_memory_gib=2.0, memory=mem)
+    plan_kv(
+        m,
+        0,
+        torch.float32,
+        replace(_demand(), shared_weights=GIB),
+        kv_cache_memory_gib=2.0,
+        memory=mem,
+    )
+
+
 def _plan_on_32_gib(m: ModelConfig, **budget: Any) -> KVPlan:
     """``plan_kv`` for 1 MiB of weights on a 32 GiB machine, with an explicit ``budget``."""
     return plan_kv(

@@ -42,16 +42,17 @@ class Namespace:
         return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
 
-def weights_fingerprint(model_dir: Path) -> str:
+def weights_fingerprint(model_dir: Path, also: Sequence[Path] = ()) -> str:
     """A digest of a checkpoint's weights: config, every weights file's size and header,
-    and samples of its bytes spread over the whole file.
+    and samples of its bytes spread over the whole file; ``also``: more files to sample
+    (the GGUF a converted checkpoint is served from).
 
     NOTE: sampled, not a full read (a checkpoint may be many GB): two fine-tunes of one
     base differ in nearly every tensor, so they differ in the samples too.
     """
     h = hashlib.blake2b(digest_size=KEY_BYTES)
     files = sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.gguf"))
-    for path in [model_dir / "config.json", *files]:
+    for path in [model_dir / "config.json", *files, *also]:
         if not path.exists():
             continue
         size = path.stat().st_size

@@ -1,0 +1,146 @@
+"""Weights in the host's shared segment (``engine/checkpoint/shared_weights.py``).
+
+Two runners over one memfd: the first loads the checkpoint and writes the image, the
+second maps it; both compute bit for bit what each other does, and within bfloat16
+rounding what a private runner does, for every kernel kind (dense, int8, int4, packed
+GGUF blocks with their GEMM copies). Every weight tensor of a mapping runner lies inside
+the mapping. A segment left unsealed by a killed builder is built again; a sealed one is
+read-only; one holding another image is refused and the runner loads a private copy.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints import tiny
+from engine.checkpoint import image
+from engine.checkpoint.gguf import convert_gguf
+from engine.checkpoint.shared_weights import MAPPING_NAME, create_segment
+from engine.config import EngineConfig
+from engine.kv.sequence import Sequence
+from engine.runner import ModelRunner
+from tests.engine.gguf_files import Q, write_gguf
+from wire.params import SamplingParams
+
+PROMPTS = [[9, 70, 11, 187, 0, 42], list(range(100, 133))]
+
+
+def _steps(runner: ModelRunner) -> list[torch.Tensor]:
+    """Logits of a prefill of two prompts (the GEMMs) and one decode step (packed)."""
+    seqs = [Sequence(i, p, sampling=SamplingParams()) for i, p in enumerate(PROMPTS)]
+    out = [runner.prefill([(s, s.num_tokens) for s in seqs])]
+    for s in seqs:
+        s.output_ids.append(7)
+    out.append(runner.decode(seqs))
+    return out
+
+
+def _mapped_ranges() -> list[tuple[int, int]]:
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if MAPPING_NAME in line:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            out.append((lo, hi))
+    return out
+
+
+def _in_mapping(runner: ModelRunner) -> bool:
+    """Whether every weight tensor of ``runner`` lies in a weights mapping."""
+    _, tensors = image.export(runner.model)
+    ranges = _mapped_ranges()
+    return all(any(lo <= t.data_ptr() < hi for lo, hi in ranges) for t in tensors.values())
+
+
+def _none_mapped(runner: ModelRunner) -> bool:
+    """Whether no parameter or buffer of ``runner`` lies in a weights mapping (a private
+    runner's GEMM may be prepacked, which ``image.export`` refuses)."""
+    ranges = _mapped_ranges()
+    held = [*runner.model.parameters(), *runner.model.buffers()]
+    return not any(lo <= t.data_ptr() < hi for t in held for lo, hi in ranges)
+
+
+@pytest.fixture(scope="module")
+def gguf_q4_1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("q4_1")
+    path = write_gguf(tiny.tiny_model_dir("llama"), tmp / "m.gguf", Q.Q4_1, vocab=False)
+    convert_gguf(path, tmp / "hf")
+    return tmp / "hf"
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4", "gguf"])
+def test_a_mapped_runner_computes_what_the_builder_and_a_private_one_do(
+    quantization: str, gguf_q4_1: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = gguf_q4_1 if quantization == "gguf" else tiny.tiny_model_dir(tiny.DEFAULT_ARCH)
+    fd = create_segment()
+    try:
+        config = EngineConfig(
+            model=str(model),
+            num_kv_blocks=16,
+            quantization="auto" if quantization == "gguf" else quantization,
+            large_batch_gemm=True,
+            gemm_min_rows=4,  # the prefill's rows take the GEMM, the decode's two stay packed
+            weights_fd=fd,
+        )
+        with caplog.at_level("INFO"):
+            builder = ModelRunner(config)
+            mapped = ModelRunner(config)
+        assert sum("weights written to" in r.message for r in caplog.records) == 1
+        assert sum("weights mapped from" in r.message for r in caplog.records) == 1
+        assert builder.quantization == quantization
+        assert _in_mapping(builder) and _in_mapping(mapped)
+        private = ModelRunner(replace(config, weights_fd=None))
+        assert _none_mapped(private)
+        got, built, want = _steps(mapped), _steps(builder), _steps(private)
+        for g, b, w in zip(got, built, want, strict=True):
+            assert torch.equal(g, b)
+            # The private runner's GEMM may be oneDNN's prepacked one: same math, and on
+            # the CPUs measured the same bits; allow bfloat16 accumulation order elsewhere.
+            torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)
+    finally:
+        os.close(fd)
+
+
+def test_an_unsealed_segment_is_built_again_and_a_sealed_one_is_read_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fd = create_segment()
+    try:
+        os.write(fd, b"what a builder killed half-way leaves" * 1000)
+        config = EngineConfig(
+            model=str(tiny.tiny_model_dir(tiny.DEFAULT_ARCH)), num_kv_blocks=16, weights_fd=fd
+        )
+        with caplog.at_level("INFO"):
+            runner = ModelRunner(config)
+        assert any("weights written to" in r.message for r in caplog.records)
+        assert _in_mapping(runner)
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 1)
+    finally:
+        os.close(fd)
+
+
+def test_a_segment_holding_another_image_is_refused_and_the_runner_loads_privately(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fd = create_segment()
+    try:
+        model = str(tiny.tiny_model_dir(tiny.DEFAULT_ARCH))
+        ModelRunner(EngineConfig(model=model, num_kv_blocks=16, quantization="int8", weights_fd=fd))
+        config = EngineConfig(model=model, num_kv_blocks=16, quantization="int4", weights_fd=fd)
+        with caplog.at_level("ERROR"):
+            other = ModelRunner(config)
+        assert any("weights not shared" in r.message for r in caplog.records)
+        assert _none_mapped(other)
+        private = ModelRunner(replace(config, weights_fd=None))
+        for g, w in zip(_steps(other), _steps(private), strict=True):
+            assert torch.equal(g, w)
+    finally:
+        os.close(fd)
