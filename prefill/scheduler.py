@@ -191,8 +191,9 @@ class PrefillScheduler:
 
     @property
     def loading(self) -> bool:
-        """Is a waiting request parked on tier-3 reads (``KVPool.reuse_prefix``)?"""
-        return any(self.runner.kv.tier_loading(p.seq) for p in self.waiting)
+        """Is a waiting request parked on tier reads still in flight (``KVPool.reuse_prefix``)?
+        Reads that are done do not count: the next ``_plan`` settles them."""
+        return any(self.runner.kv.tier_load_pending(p.seq) for p in self.waiting)
 
     def wait_for_loads(self, timeout_s: float = LOAD_POLL_S) -> None:
         """Sleep until a parked request's reads are done (at most ``timeout_s``)."""
@@ -246,11 +247,21 @@ class PrefillScheduler:
         return out
 
     def _plan(self) -> list[tuple[PrefillRequest, int]]:
-        """FCFS chunks within the token budget; stops at the first request KV cannot hold."""
-        budget, chunks = self.chunk_budget, []
+        """FCFS chunks within the token budget. Past the first request KV cannot hold, no
+        new request starts; those already holding blocks may still take a chunk (finishing
+        them frees blocks), and parked requests whose reads are done are settled.
+
+        NOTE: a request skipped while parked lets later ones take blocks ahead of it; once
+        settled it may find none. Were the scan to stop there, the later ones could never
+        finish and a parked request past it never settle: ``loading`` would stay true and
+        the co-located scheduler would wait on reads that are done instead of preempting.
+        """
+        budget, chunks, full = self.chunk_budget, [], False
         for p in list(self.waiting):
             if budget <= 0:
                 break
+            if full and not p.seq.block_table and not self.runner.kv.tier_loading(p.seq):
+                continue
             ready = self._grammar_ready(p)
             if ready is None:
                 continue
@@ -270,7 +281,8 @@ class PrefillScheduler:
             try:
                 self.runner.kv.ensure_blocks(p.seq, n)
             except NoFreeBlocks:
-                break  # back-pressure: the load table shows free blocks at zero
+                full = True  # back-pressure: the load table shows free blocks at zero
+                continue
             chunks.append((p, n))
             budget -= n
         return chunks

@@ -164,6 +164,10 @@ class KVPool:
         """Is ``seq`` parked while its blocks are read from tier 3?"""
         return seq.tier_load is not None
 
+    def tier_load_pending(self, seq: Sequence) -> bool:
+        """Is ``seq`` parked on tier reads that have not finished yet?"""
+        return seq.tier_load is not None and not seq.tier_load.done()
+
     def wait_tier_loads(self, seqs: list[Sequence], timeout_s: float) -> None:
         """Block until one of ``seqs``' tier-3 loads is done, or ``timeout_s`` passed: a
         scheduler with nothing else to run waits here rather than spin."""

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from colocated.llm import LLM
+from engine.config import EngineConfig
 from engine.kv.block_allocator import block_hashes
 from engine.kv.tiers.async_tiers import AsyncTieredKV
 from tests.colocated.test_kv_tier_async import STREAM, _add, _parked, _step
@@ -195,3 +196,31 @@ def test_a_request_aborted_while_copied_back_gives_back_its_blocks_after_the_cop
     assert not llm.scheduler.has_work and 2 not in out
     assert kv.num_free_blocks == free_before
     kv.allocator.check_invariants()
+
+
+def test_eight_prompts_through_a_pool_that_holds_two_finish_with_cold_outputs(
+    default_model_path: Path,
+) -> None:
+    """Requests parked on tier-2 copies let later ones take the blocks; when every block is
+    then held by partial prefills, the scheduler must settle the finished copies and
+    preempt, not wait for reads that are done (this livelocked on a GPU)."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 1000, (40 + 9 * i,), generator=g).tolist() for i in range(8)]
+    want = [o.output_ids for o in _llm(default_model_path, None).generate(prompts, PARAMS)]
+    host = _host(default_model_path)
+    config = EngineConfig(
+        model=str(default_model_path),
+        dtype="float32",
+        num_kv_blocks=12,
+        block_size=BS,
+        kv_offload_fd=host.fd,
+        kv_offload_nbytes=host.nbytes,
+    )
+    llm = LLM(config)
+    kv = llm.runner.kv
+    assert kv.tiers is not None
+    copier = GatedCopier(kv.tensor, kv.tiers.host.payload)
+    kv.tiers = AsyncTieredKV(kv.tiers.host, None, kv.tiers.namespace, kv.tensor, copier)
+    for _ in range(3):  # the first round stores; the next two load back under pressure
+        assert [o.output_ids for o in llm.generate(prompts, PARAMS)] == want
+    assert kv.tiers.host.counters()["host_hit_blocks"] > 0
