@@ -37,6 +37,7 @@ from engine.kv.sequence import Sequence
 from engine.model.attention import AttentionMetadata, DenseDecodeKV
 from engine.model.backend import TORCH
 from engine.model.causal_lm import CausalLM
+from engine.model.fused_cpu import cpu_backend
 from engine.sampling.grammar import GrammarCache
 from engine.sampling.grammar_mask import batch_constraint
 from engine.sampling.sampler import SampleOutput, SampleRequest, sample
@@ -93,6 +94,12 @@ class ModelRunner:
         # CPU only: on CUDA gathering is cheap and a second copy of the KV would cost memory.
         self._dense = DenseDecodeKV() if self.device.type == "cpu" else None
         self._kernels: KernelPath | None = None
+        # The torch path's backend: on CPU the fused ops where their library loads.
+        self.backend = (
+            cpu_backend(config.attention_backend, self.model.rotary)
+            if self.device.type == "cpu"
+            else TORCH
+        )
         if use_kernels(config.attention_backend, self.device.type):
             from engine.cuda.kernel_path import KernelPath  # imports triton: only when used
 
@@ -311,7 +318,9 @@ class ModelRunner:
             else:
                 kernels = decode_rows(len(spans)) if decode_weights else prefill_phase()
             with kernels, lora_rows(adapters):
-                return self.model(ids, kv_pool, meta, TORCH, None if every_position else last)
+                return self.model(
+                    ids, kv_pool, meta, self.backend, None if every_position else last
+                )
         except BaseException:
             if self._dense is not None:  # some layers may have extended it, others not
                 self._dense.invalidate()
@@ -360,13 +369,18 @@ class ModelRunner:
         decode_fields = (
             self._decode_fields(spans, block_tables, ctx_lens, kv_pool) if is_decode else {}
         )
+        write_rows = self._per_layer(slot_rows, 2 * bs, bs)  # (L, 2, T)
+        dense_rows = decode_fields.get("dense_rows")
         meta = AttentionMetadata(
-            write_rows=self._per_layer(slot_rows, 2 * bs, bs).unbind(0),
+            write_rows=write_rows.unbind(0),
             block_tables=block_tables,
             ctx_lens=ctx_lens,
             q_lens=q_lens,
             is_decode=is_decode,
             cos_sin=self.model.rotary.lookup(pos),
+            positions=pos,
+            kv_rows=write_rows.transpose(1, 2).reshape(layers, -1).unbind(0),
+            dense_kv_rows=None if dense_rows is None else dense_rows.t().reshape(-1),
             **decode_fields,
         )
         last = torch.tensor(q_lens, device=dev).cumsum(0) - 1  # each chunk's last token
