@@ -91,15 +91,19 @@ class ModelRunner:
             self.eos_token_ids,
             model_dir=config.model,
         )
-        # CPU only: on CUDA gathering is cheap and a second copy of the KV would cost memory.
-        self._dense = DenseDecodeKV() if self.device.type == "cpu" else None
-        self._kernels: KernelPath | None = None
-        # The torch path's backend: on CPU the fused ops where their library loads.
+        # The torch path's backend: on CPU the fused ops where their library loads, whose
+        # attention reads the pool in place (no dense copy, no gathered blocks).
         self.backend = (
-            cpu_backend(config.attention_backend, self.model.rotary)
+            cpu_backend(
+                config.attention_backend, self.model.rotary, config.block_size, self.kv_dtype
+            )
             if self.device.type == "cpu"
             else TORCH
         )
+        # CPU only: on CUDA gathering is cheap and a second copy of the KV would cost memory.
+        cpu_torch = self.device.type == "cpu" and self.backend is TORCH
+        self._dense = DenseDecodeKV() if cpu_torch else None
+        self._kernels: KernelPath | None = None
         if use_kernels(config.attention_backend, self.device.type):
             from engine.cuda.kernel_path import KernelPath  # imports triton: only when used
 
@@ -309,6 +313,7 @@ class ModelRunner:
                 i for i, (seq, _, _) in enumerate(spans) if seq.sampling.logprobs is not None
             )
             meta = replace(meta, rows_as_decode=True, exact_rows=exact)
+        meta = self.backend.prepare(meta, kv_pool, self.model_config.num_heads)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
             # Verification (``decode_weights``) runs k + 1 rows a sequence on the kernels its
@@ -367,20 +372,18 @@ class ModelRunner:
         blocks = torch.tensor(slot_blocks, dtype=torch.long, device=dev)
         slot_rows = blocks * (layers * 2 * bs) + pos % bs  # layer 0's K row of each token
         decode_fields = (
-            self._decode_fields(spans, block_tables, ctx_lens, kv_pool) if is_decode else {}
+            self._decode_fields(spans, block_tables, ctx_lens, kv_pool)
+            if is_decode and self.backend is TORCH
+            else {}
         )
-        write_rows = self._per_layer(slot_rows, 2 * bs, bs)  # (L, 2, T)
-        dense_rows = decode_fields.get("dense_rows")
         meta = AttentionMetadata(
-            write_rows=write_rows.unbind(0),
+            write_rows=self._per_layer(slot_rows, 2 * bs, bs).unbind(0),
             block_tables=block_tables,
             ctx_lens=ctx_lens,
             q_lens=q_lens,
             is_decode=is_decode,
             cos_sin=self.model.rotary.lookup(pos),
             positions=pos,
-            kv_rows=write_rows.transpose(1, 2).reshape(layers, -1).unbind(0),
-            dense_kv_rows=None if dense_rows is None else dense_rows.t().reshape(-1),
             **decode_fields,
         )
         last = torch.tensor(q_lens, device=dev).cumsum(0) - 1  # each chunk's last token

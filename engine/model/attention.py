@@ -55,12 +55,10 @@ class AttentionMetadata:
     dense_rows: torch.Tensor | None = None
     # The new tokens' rotary tables, looked up once per step: cos, sin (T, 1, D).
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-    # For backends that store a token's K and V together (engine/model/fused_cpu.py): the
-    # new tokens' positions (T,), and the same rows as write_rows / dense_rows interleaved,
-    # K then V of each token: L x (2T,) and (2B,).
+    # The new tokens' positions (T,), and what a backend adds in ``prepare`` (the fused CPU
+    # backend's ``PagedBatch``, engine/model/fused_cpu.py).
     positions: torch.Tensor | None = None
-    kv_rows: tuple[torch.Tensor, ...] | None = None
-    dense_kv_rows: torch.Tensor | None = None
+    paged: object | None = None
 
 
 def write_kv(
@@ -88,19 +86,6 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: (T, heads, D); k, v: (T, kv_heads, D) of the new tokens -> (T, heads, D)."""
     write_kv(pool, layer, meta, k, v)
-    return stored_attention(pool, layer, meta, q, k, v)
-
-
-def stored_attention(
-    pool: torch.Tensor,
-    layer: int,
-    meta: AttentionMetadata,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> torch.Tensor:
-    """``paged_attention`` once the new K/V are written (to the pool and any dense copy);
-    k, v in q's dtype."""
     if meta.is_decode:
         # In the cache's dtype (the bias is made in it too), back to the activations'.
         return _decode_attention(pool, layer, meta, q.to(pool.dtype)).to(q.dtype)
