@@ -31,10 +31,13 @@ import torch.nn.functional as F
 
 from benchmarks.machine import load_average, machine_block
 from engine.cache import cache_dir
+from engine.model.attention import grouped_decode_sdpa
 from engine.model.cpu_kernels import available
+from engine.model.fused_cpu import ISA
 from engine.model.rope import apply_rotary
 
 RESULTS = Path(__file__).parent / "results" / "fused_ops.md"
+CONTEXT = 300  # decode attention: tokens of KV per sequence
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, EPS = 576, 1536, 9, 3, 64, 1e-5
 Op = Callable[[], object]
 
@@ -99,6 +102,53 @@ def _silu_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
     }
 
 
+def _attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
+    """Decode attention of ``rows`` sequences of ``CONTEXT`` tokens: SDPA over a dense copy
+    of their K/V (the torch backend's decode) against the library's over the paged pool."""
+    bs, blocks = 16, -(-CONTEXT // 16)
+    k, v = (torch.randn(rows * CONTEXT, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(2))
+    key_cache = torch.zeros(rows * blocks + 1, KV_HEADS, bs, HEAD_DIM, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    tables = torch.arange(1, rows * blocks + 1, dtype=torch.int32).view(rows, blocks)
+    offsets = torch.arange(blocks * bs) % bs
+    slots = (tables.long().repeat_interleave(bs, 1) * bs + offsets)[:, :CONTEXT].reshape(-1)
+    torch.ops._C.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, ISA)
+    q = torch.randn(rows, HEADS, HEAD_DIM).to(dtype)
+    seq_lens = torch.full((rows,), CONTEXT, dtype=torch.int32)
+    starts = torch.arange(rows + 1, dtype=torch.int32)
+    schedule = torch.ops._C.get_scheduler_metadata(
+        rows, HEADS, KV_HEADS, HEAD_DIM, seq_lens, dtype, starts, True, -1, ISA, False, None
+    )
+    out = torch.empty(rows, HEADS, HEAD_DIM, dtype=dtype)
+    dense_k, dense_v = (x.view(rows, CONTEXT, KV_HEADS, HEAD_DIM).transpose(1, 2) for x in (k, v))
+    bias = torch.zeros(rows, 1, 1, CONTEXT, dtype=dtype)
+
+    def library() -> None:
+        torch.ops._C.cpu_attention_with_kv_cache(
+            q,
+            key_cache,
+            value_cache,
+            out,
+            starts,
+            seq_lens,
+            HEAD_DIM**-0.5,
+            True,
+            None,
+            -1,
+            tables,
+            0.0,
+            schedule,
+            None,
+            None,
+        )
+
+    return {
+        "torch": lambda: grouped_decode_sdpa(q, dense_k, dense_v, bias),
+        "library": library,
+        "compiled": lambda: None,
+    }
+
+
 COMPILE = True
 
 
@@ -157,9 +207,12 @@ def main() -> None:
                 ("add + rmsnorm", _norm_ops),
                 ("rotary q, k", _rotary_ops),
                 ("silu * up", _silu_ops),
+                (f"decode attention, {CONTEXT} ctx", _attention_ops),
             ):
+                if make is _attention_ops and dtype != torch.bfloat16:
+                    continue  # the cache's dtype when serving
                 t = _time(make(rows, dtype), args.iters)
-                compiled = f"{t['compiled']:.1f}" if COMPILE else "-"
+                compiled = f"{t['compiled']:.1f}" if COMPILE and make is not _attention_ops else "-"
                 line = (
                     f"| {op_name} | {dtype_name} | {rows} | {t['torch']:.1f} | {t['library']:.1f} "
                     f"| {compiled} | {t['library'] / t['torch']:.2f} |"
