@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,7 +197,8 @@ def main() -> None:
         rows += [Row(variant, n, kinds, what, t, bare) for n, t in steps.items()]
         for row in rows[-len(runners) * (len(args.batches.split(",")) + 1) :]:
             print(row.line())
-    cmd = "python -m benchmarks.engine_step" + (f" --model {args.model.name}" if args.model else "")
+    given = [a if not a.startswith("/") else Path(a).name for a in sys.argv[1:]]
+    cmd = " ".join(["python -m benchmarks.engine_step", *given])
     args.out.write_text("\n".join(_page(rows, model.name, cmd, args)))
     print(f"wrote {args.out}")
 
