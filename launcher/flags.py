@@ -246,7 +246,8 @@ def _decoding(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         choices=ATTENTION_BACKENDS,
         default=d.attention_backend,
         help="GPU attention: auto and triton use the Triton kernels over the paged KV cache, "
-        "torch uses PyTorch SDPA over gathered blocks (CPU always runs torch)",
+        "torch uses PyTorch SDPA over gathered blocks; on CPU auto runs the fused CPU ops "
+        "where their library loads (README, 'Fused CPU ops'), torch the torch ops",
     )
     add(
         "--enforce-eager",

@@ -55,6 +55,10 @@ class AttentionMetadata:
     dense_rows: torch.Tensor | None = None
     # The new tokens' rotary tables, looked up once per step: cos, sin (T, 1, D).
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The new tokens' positions (T,), and what a backend adds in ``prepare`` (the fused CPU
+    # backend's ``PagedBatch``, engine/model/fused_cpu.py).
+    positions: torch.Tensor | None = None
+    paged: object | None = None
 
 
 def write_kv(

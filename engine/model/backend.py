@@ -47,6 +47,11 @@ class AttentionLayer(Protocol):
 
 
 class AttentionBackend(ABC, Generic[Meta]):
+    def prepare(self, meta: Meta, pool: torch.Tensor, num_heads: int) -> Meta:
+        """Once per step, before the layers: ``meta`` with whatever this backend derives
+        from it for every layer (nothing, unless a backend says so)."""
+        return meta
+
     @abstractmethod
     def attend(
         self, attn: AttentionLayer, qkv: torch.Tensor, pool: torch.Tensor, meta: Meta

@@ -1,0 +1,228 @@
+"""The row-wise ops around the GEMMs, one implementation against another, per row count.
+
+    python -m benchmarks.fused_ops [--rows 1,8,32,256] [--dtypes float32,bfloat16] \
+        [--threads 2] [--iters 200] [--no-compile]
+
+For each op of one SmolLM2-135M layer (hidden 576, 9 query and 3 KV heads of 64,
+intermediate 1536): add + RMSNorm, rotary over q and k (in place in the qkv projection),
+SiLU * up; three implementations:
+
+* ``torch``: the torch backend's eager ops (engine/model/backend.py), the reference;
+* ``library``: the kernel library's op (engine/model/cpu_kernels.py);
+* ``compiled``: the torch ops under ``torch.compile`` (inductor, one graph per row count,
+  its cache under the pdserve cache dir), when ``--no-compile`` is not given.
+
+Each round calls every implementation once in turn (so load hits all alike); the median
+microseconds per call are kept. Writes ``benchmarks/results/fused_ops.md``; the fused CPU
+backend (engine/model/fused_cpu.py) takes, per op and dtype, what measures fastest here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.machine import load_average, machine_block
+from engine.cache import cache_dir
+from engine.model.attention import grouped_decode_sdpa
+from engine.model.cpu_kernels import available
+from engine.model.fused_cpu import ISA
+from engine.model.rope import apply_rotary
+
+RESULTS = Path(__file__).parent / "results" / "fused_ops.md"
+CONTEXT = 300  # decode attention: tokens of KV per sequence
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, EPS = 576, 1536, 9, 3, 64, 1e-5
+Op = Callable[[], object]
+
+
+def _norm_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
+    x, res, w = (
+        torch.randn(rows, HIDDEN, dtype=dtype),
+        torch.randn(rows, HIDDEN, dtype=dtype),
+        torch.ones(HIDDEN, dtype=dtype),
+    )
+
+    def eager(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        s = res.add_(x)
+        if s.dtype == torch.float32:
+            return F.rms_norm(s, (HIDDEN,), w, EPS)
+        s32 = s.float()
+        return w * (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + EPS)).to(s.dtype)
+
+    ops: dict[str, Op] = {"torch": lambda: eager(x, res)}
+    ops["library"] = lambda: torch.ops._C.fused_add_rms_norm(x, res, w, EPS)
+    ops["compiled"] = _compiled(eager, x, res)
+    return ops
+
+
+def _rotary_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
+    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    qkv = torch.randn(rows, q_size + 2 * kv_size, dtype=dtype)
+    pos = torch.randint(0, 1000, (rows,))
+    freqs = torch.randn(2048, HEAD_DIM // 2)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=1).to(dtype)
+    cos_t, sin_t = (
+        cos_sin[:, : HEAD_DIM // 2].repeat(1, 2),
+        cos_sin[:, HEAD_DIM // 2 :].repeat(1, 2),
+    )
+
+    def eager(qkv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = cos_t[pos].unsqueeze(1), sin_t[pos].unsqueeze(1)
+        return apply_rotary(qkv[:, : q_size + kv_size].unflatten(1, (-1, HEAD_DIM)), cos, sin)
+
+    q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+    ops: dict[str, Op] = {"torch": lambda: eager(qkv, pos)}
+    ops["library"] = lambda: torch.ops._C.rotary_embedding(pos, q, k, HEAD_DIM, cos_sin, True)
+    ops["compiled"] = _compiled(eager, qkv, pos)
+    return ops
+
+
+def _silu_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
+    gate_up = torch.randn(rows, 2 * INTER, dtype=dtype)
+
+    def eager(gate_up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate_up[:, :INTER]).mul_(gate_up[:, INTER:])
+
+    def library() -> torch.Tensor:
+        out = torch.empty(rows, INTER, dtype=dtype)
+        torch.ops._C.silu_and_mul(out, gate_up)
+        return out
+
+    return {
+        "torch": lambda: eager(gate_up),
+        "library": library,
+        "compiled": _compiled(eager, gate_up),
+    }
+
+
+def _attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
+    """Decode attention of ``rows`` sequences of ``CONTEXT`` tokens: SDPA over a dense copy
+    of their K/V (the torch backend's decode) against the library's over the paged pool."""
+    bs, blocks = 16, -(-CONTEXT // 16)
+    k, v = (torch.randn(rows * CONTEXT, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(2))
+    key_cache = torch.zeros(rows * blocks + 1, KV_HEADS, bs, HEAD_DIM, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    tables = torch.arange(1, rows * blocks + 1, dtype=torch.int32).view(rows, blocks)
+    offsets = torch.arange(blocks * bs) % bs
+    slots = (tables.long().repeat_interleave(bs, 1) * bs + offsets)[:, :CONTEXT].reshape(-1)
+    torch.ops._C.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, ISA)
+    q = torch.randn(rows, HEADS, HEAD_DIM).to(dtype)
+    seq_lens = torch.full((rows,), CONTEXT, dtype=torch.int32)
+    starts = torch.arange(rows + 1, dtype=torch.int32)
+    schedule = torch.ops._C.get_scheduler_metadata(
+        rows, HEADS, KV_HEADS, HEAD_DIM, seq_lens, dtype, starts, True, -1, ISA, False, None
+    )
+    out = torch.empty(rows, HEADS, HEAD_DIM, dtype=dtype)
+    dense_k, dense_v = (x.view(rows, CONTEXT, KV_HEADS, HEAD_DIM).transpose(1, 2) for x in (k, v))
+    bias = torch.zeros(rows, 1, 1, CONTEXT, dtype=dtype)
+
+    def library() -> None:
+        torch.ops._C.cpu_attention_with_kv_cache(
+            q,
+            key_cache,
+            value_cache,
+            out,
+            starts,
+            seq_lens,
+            HEAD_DIM**-0.5,
+            True,
+            None,
+            -1,
+            tables,
+            0.0,
+            schedule,
+            None,
+            None,
+        )
+
+    return {
+        "torch": lambda: grouped_decode_sdpa(q, dense_k, dense_v, bias),
+        "library": library,
+        "compiled": lambda: None,
+    }
+
+
+COMPILE = True
+
+
+def _compiled(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> Op:
+    if not COMPILE:
+        return lambda: None
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+    return lambda: compiled(*args)
+
+
+def _time(ops: dict[str, Op], iters: int) -> dict[str, float]:
+    """Median microseconds per call of each op, the ops taking turns."""
+    with torch.inference_mode():
+        for op in ops.values():  # warm-up (and compilation)
+            for _ in range(3):
+                op()
+        times: dict[str, list[float]] = {name: [] for name in ops}
+        for _ in range(iters):
+            for name, op in ops.items():
+                t0 = time.perf_counter()
+                op()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) * 1e6 for name, v in times.items()}
+
+
+def main() -> None:
+    global COMPILE
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fused_ops", description=__doc__)
+    p.add_argument("--rows", default="1,8,32,256")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    COMPILE = not args.no_compile
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))
+    torch.set_num_threads(args.threads)
+    kernels = available()
+    if kernels is None:
+        raise SystemExit("the kernel library does not load here (see the log)")
+    lines = [
+        "# Row-wise ops: torch eager, the kernel library, torch.compile",
+        "",
+        f"Library build `{kernels.path.name}` ({kernels.isa}), {args.threads} threads, median "
+        f"of {args.iters} interleaved calls, microseconds per call. Command: "
+        f"`python -m benchmarks.fused_ops{' --no-compile' if args.no_compile else ''}`",
+        "",
+        "| op | dtype | rows | torch | library | compiled | library / torch |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for rows in (int(r) for r in args.rows.split(",")):
+            for op_name, make in (
+                ("add + rmsnorm", _norm_ops),
+                ("rotary q, k", _rotary_ops),
+                ("silu * up", _silu_ops),
+                (f"decode attention, {CONTEXT} ctx", _attention_ops),
+            ):
+                if make is _attention_ops and dtype != torch.bfloat16:
+                    continue  # the cache's dtype when serving
+                t = _time(make(rows, dtype), args.iters)
+                compiled = f"{t['compiled']:.1f}" if COMPILE and make is not _attention_ops else "-"
+                line = (
+                    f"| {op_name} | {dtype_name} | {rows} | {t['torch']:.1f} | {t['library']:.1f} "
+                    f"| {compiled} | {t['library'] / t['torch']:.2f} |"
+                )
+                print(line, flush=True)
+                lines.append(line)
+    lines += ["", f"Load average at the end: {load_average()}.", "", *machine_block()]
+    args.out.write_text("\n".join(lines))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The fused CPU attention backend: the kernel library's ops (``engine/model/cpu_kernels.py``)
+around the GEMMs, and its attention straight over the paged pool.
+
+Per layer, around the GEMMs, the torch backend runs ~35 small eager ops (the norms' float
+casts and reductions, rotary's cat/neg/mul/add, casts and index copies of K and V into the
+pool and into a dense copy of the batch's context, SDPA over that copy); at 1-32 decode
+rows each costs a few microseconds of dispatch, most of a step's time outside its math.
+Here, per layer:
+
+* add + RMSNorm: ``fused_add_rms_norm`` (the residual sum, then its norm, one pass);
+* rotary: ``rotary_embedding`` over q and k in place, in the projection's output;
+* K/V store: ``cpu_attn_reshape_and_cache`` writes the tokens' K and V into their slots;
+* attention: ``cpu_attention_with_kv_cache`` reads each sequence's blocks in place, for
+  prefill, chunked prefill and decode alike (causal over a sequence's whole context), with
+  no dense copy of the batch's K/V;
+* SiLU * up stays torch's: the library's ``silu_and_mul`` measured 1.2-5x slower than
+  torch's vectorised ``silu`` and ``mul_`` at 1-256 rows (``benchmarks/results/fused_ops.md``),
+  while its add + RMSNorm took 0.2-0.36x and its rotary 0.16-0.19x of torch's time.
+
+NOTE: the pool's layout inside a block is the library's, not the torch backend's. A block
+of one layer's K (or V) is still one contiguous chunk of ``block_size * KVH * D`` values
+at the same place (``(num_blocks, L, 2, chunk)``), so the allocator, prefix cache, tiers
+and KV handoff, which move whole blocks, do not change; but inside the chunk the library
+lays K out its own way (transposed for its dot products) and V as (KVH, block_size, D).
+Every worker of one deployment runs the same backend (one ``--attention-backend``), and
+the ``vec16`` kernels' layout is the same on every x86-64 build (AVX2, AVX-512, AMX), so
+a handoff between them is consistent. A torch-backend worker cannot read such a pool.
+
+Equal to ``TorchBackend`` within rounding (``tests/engine/test_fused_cpu.py`` states the
+tolerances): the kernels compute in float32 inside and round once; attention computes in
+the cache's dtype, as the torch backend's decode does (its prefill: in the activations').
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.model.attention import AttentionMetadata
+from engine.model.backend import TORCH, AttentionLayer, TorchBackend
+from engine.model.cpu_kernels import CpuKernels, available
+from engine.model.layers import RMSNorm
+from engine.model.rope import RotaryEmbedding
+
+# The library's portable kernel family: its K layout does not depend on the CPU's ISA
+# (the "amx" family packs K differently), and it takes blocks of 16 tokens (``vec``: 32).
+ISA = "vec16"
+BLOCK_ALIGNMENT = 16
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """One step's inputs to the library's store and attention. B requests (a verification
+    runs each query row as a request of its own), T tokens, int32 unless said."""
+
+    slots: torch.Tensor  # (T,) int64: block * block_size + offset of each new token
+    q_starts: torch.Tensor  # (B + 1,) request b's query rows are [q_starts[b], q_starts[b + 1])
+    seq_lens: torch.Tensor  # (B,) context length, the request's new tokens included
+    block_tables: torch.Tensor  # (B, W) pool blocks of each request
+    schedule: torch.Tensor  # the library's work split for these shapes (opaque)
+
+
+class FusedCpuBackend(TorchBackend):
+    """Library kernels for add + RMSNorm, rotary, the K/V store and attention over the paged
+    pool (CPU only); SiLU * up is the torch backend's."""
+
+    def __init__(self, kernels: CpuKernels, rotary: RotaryEmbedding) -> None:
+        self.kernels = kernels
+        self._ops = torch.ops._C
+        half = rotary.cos.shape[1] // 2
+        # (P, D): cos then sin of each position's D / 2 frequencies (the halves of
+        # RotaryEmbedding's tables are equal), the layout rotary_embedding reads.
+        self.cos_sin = torch.cat((rotary.cos[:, :half], rotary.sin[:, :half]), dim=1).contiguous()
+        self._caches: dict[
+            tuple[int, tuple[int, ...]], list[tuple[torch.Tensor, torch.Tensor]]
+        ] = {}
+
+    def prepare(
+        self, meta: AttentionMetadata, pool: torch.Tensor, num_heads: int
+    ) -> AttentionMetadata:
+        """``meta`` with the step's ``PagedBatch``, computed once for all layers."""
+        assert meta.positions is not None, "the runner sets positions for this backend"
+        bs, kv_heads, d = pool.shape[3], pool.shape[4], pool.shape[5]
+        dev = meta.positions.device
+        q_lens = torch.tensor(meta.q_lens, device=dev)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(meta.q_lens), device=dev), q_lens)
+        pos = meta.positions
+        slots = meta.block_tables[seq_of_token, pos // bs] * bs + pos % bs
+        if meta.rows_as_decode:  # every query row a request: it sees what a decode step sees
+            tables = meta.block_tables[seq_of_token]
+            seq_lens = pos + 1
+            q_starts = torch.arange(len(pos) + 1, device=dev)
+        else:
+            tables = meta.block_tables
+            seq_lens = torch.tensor(meta.ctx_lens, device=dev)
+            q_starts = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
+        seq_lens, q_starts = seq_lens.to(torch.int32), q_starts.to(torch.int32)
+        schedule = self._ops.get_scheduler_metadata(
+            len(seq_lens),
+            num_heads,
+            kv_heads,
+            d,
+            seq_lens,
+            pool.dtype,
+            q_starts,
+            True,
+            -1,
+            ISA,
+            False,
+            None,
+        )
+        paged = PagedBatch(slots, q_starts, seq_lens, tables.to(torch.int32), schedule)
+        return replace(meta, paged=paged)
+
+    def attend(
+        self, attn: AttentionLayer, qkv: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        paged = meta.paged
+        assert isinstance(paged, PagedBatch), "FusedCpuBackend.prepare makes the step's batch"
+        t, h, d = qkv.shape[0], attn.num_heads, attn.head_dim
+        q_size, kv_size = attn.q_size, attn.kv_size
+        cos_sin = self.cos_sin if self.cos_sin.dtype == qkv.dtype else self.cos_sin.to(qkv.dtype)
+        if attn.q_norm is None:
+            # In place in qkv: q (T, q_size) and k (T, kv_size) are strided row views.
+            q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+            self._ops.rotary_embedding(meta.positions, q, k, d, cos_sin, True)
+            kv = qkv[:, q_size:]  # (T, 2 * kv_size): K then V of each token
+        else:  # Qwen3: per-head norms first; q, k are fresh (T, H|KVH, D) tensors
+            q3, k3, v3 = attn.split(qkv)
+            q, k = q3.view(t, q_size), k3.view(t, kv_size)
+            self._ops.rotary_embedding(meta.positions, q, k, d, cos_sin, True)
+            kv = torch.cat((k, v3.reshape(t, kv_size)), dim=1)
+        # The library stores and attends in the cache's dtype: K, V and q rounded to it.
+        kv = kv.to(pool.dtype).view(t, 2, -1, d)  # (T, 2, KVH, D)
+        key_cache, value_cache = self._layer_caches(pool)[attn.layer]
+        self._ops.cpu_attn_reshape_and_cache(
+            kv[:, 0], kv[:, 1], key_cache, value_cache, paged.slots, ISA
+        )
+        query = q.view(t, h, d).to(pool.dtype)
+        out = torch.empty(t, h, d, dtype=pool.dtype)
+        self._ops.cpu_attention_with_kv_cache(
+            query,
+            key_cache,
+            value_cache,
+            out,
+            paged.q_starts,
+            paged.seq_lens,
+            d**-0.5,
+            True,
+            None,
+            -1,
+            paged.block_tables,
+            0.0,
+            paged.schedule,
+            None,
+            None,
+        )
+        return out.view(t, q_size).to(qkv.dtype)
+
+    def _layer_caches(self, pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the library's (num_blocks, KVH, block_size, D) views of its K and V
+        chunks in ``pool`` (num_blocks, L, 2, block_size, KVH, D), made once per pool."""
+        key = (pool.data_ptr(), tuple(pool.shape))
+        if (views := self._caches.get(key)) is None:
+            nb, layers, _, bs, kv_heads, d = pool.shape
+            chunk = bs * kv_heads * d
+            assert pool.is_contiguous() and bs % BLOCK_ALIGNMENT == 0, (pool.stride(), bs)
+            shape, strides = (nb, kv_heads, bs, d), (layers * 2 * chunk, bs * d, d, 1)
+            base = pool.storage_offset()
+            views = [
+                (
+                    pool.as_strided(shape, strides, base + 2 * layer * chunk),
+                    pool.as_strided(shape, strides, base + (2 * layer + 1) * chunk),
+                )
+                for layer in range(layers)
+            ]
+            self._caches = {key: views}  # one pool per runner: keep only the newest
+        return views
+
+    def rmsnorm(
+        self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """As ``TorchBackend.rmsnorm``; with ``residual``, ``x`` (the sublayer's output,
+        read by nobody after) is overwritten by the result."""
+        if residual is None:
+            out = torch.empty_like(x)
+            self._ops.rms_norm(out, x, norm.weight, norm.eps)
+            return out
+        self._ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return x
+
+
+def cpu_backend(
+    attention_backend: str, rotary: RotaryEmbedding, block_size: int, kv_dtype: torch.dtype
+) -> TorchBackend:
+    """The backend of a CPU runner: fused where ``attention_backend`` is ``auto``, the
+    kernel library loads on this CPU and its attention takes the model's head size, the
+    cache's dtype and the block size; else the torch reference (``--attention-backend
+    torch`` forces it)."""
+    if attention_backend != "auto" or block_size % BLOCK_ALIGNMENT:
+        return TORCH
+    kernels = available()
+    if kernels is None or not _attention_takes(rotary.cos.shape[1], kv_dtype):
+        return TORCH
+    return FusedCpuBackend(kernels, rotary)
+
+
+def _attention_takes(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the library's attention has kernels for this head size and dtype (it has
+    for the usual 64-256, not for the tiny test checkpoints' 16)."""
+    one, starts = torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    try:
+        torch.ops._C.get_scheduler_metadata(
+            1, 1, 1, head_dim, one, dtype, starts, True, -1, ISA, False, None
+        )
+    except RuntimeError:
+        return False
+    return True
