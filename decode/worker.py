@@ -79,7 +79,9 @@ class DecodeWorker(Worker):
         """On a node that joined a cluster: prefill pools are on another host, read by NIXL
         from the handle each prefill worker sends (``transport/kv_nixl.py``)."""
         name = f"{self.settings.node}-decode-{self.index}-{os.getpid()}"
-        return NixlReceiver(runner.kv.tensor, layout_of(runner.kv.tensor), name)
+        return NixlReceiver(
+            runner.kv.tensor, layout_of(runner.kv.tensor, runner.backend.kv_order), name
+        )
 
     def _shm_receiver(self, runner: ModelRunner) -> ShmReceiver:
         """Map every prefill worker's shared pool (or staging mirror); copies read from it."""

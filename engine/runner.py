@@ -26,10 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.checkpoint.image import WeightsImageError
-from engine.checkpoint.loader import load_weights
 from engine.checkpoint.lora_loader import LoraAdapters, in_batch_order
-from engine.checkpoint.shared_weights import SharedWeightsError, load_shared, weights_digest
+from engine.checkpoint.shared_weights import load_model
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.cuda.gpu_memory import gpu_kv_blocks
 from engine.cuda.kernels import use_kernels
@@ -77,7 +75,12 @@ class ModelRunner:
         self.cuda_baseline_bytes = (
             torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         )
-        self.model = self._load_model()
+        self.model = load_model(
+            lambda: CausalLM(self.model_config, self.max_model_len, self.dtype, self.device),
+            config,
+            self.quantization,
+            self.dtype,
+        )
         kernels = use_kernels(config.attention_backend, self.device.type)
         self.loras: LoraAdapters | None = None
         if config.max_loras > 0:
@@ -138,32 +141,6 @@ class ModelRunner:
             self.device,
         )
 
-    def _load_model(self) -> CausalLM:
-        """The model with its weights: mapped from the host's shared segment where the
-        config names one (CPU), else loaded from the checkpoint into this process."""
-        config = self.config
-        model = CausalLM(self.model_config, self.max_model_len, self.dtype, self.device)
-        gemm_rows = config.gemm_min_rows if config.large_batch_gemm else None
-        root = Path(config.model)
-        if config.weights_fd is None or self.device.type != "cpu":
-            load_weights(model, root, self.quantization, gemm_rows)
-            return model
-        gemm = f"gemm from {gemm_rows}" if gemm_rows is not None else "no gemm"
-        digest = weights_digest(root, self.quantization, self.dtype, gemm)
-        try:
-            load_shared(
-                model,
-                config.weights_fd,
-                digest,
-                lambda: load_weights(model, root, self.quantization, gemm_rows, prepack=False),
-            )
-            return model
-        except (SharedWeightsError, WeightsImageError) as e:
-            logger.error("weights not shared, loading a private copy: %s", e)
-        model = CausalLM(self.model_config, self.max_model_len, self.dtype, self.device)
-        load_weights(model, root, self.quantization, gemm_rows)
-        return model
-
     def _make_pool(self, kv_pool: torch.Tensor | None) -> KVPool:
         def num_blocks() -> int:
             try:
@@ -175,7 +152,14 @@ class ModelRunner:
                     "--max-model-len, or raise --gpu-memory-utilization"
                 ) from e
 
-        return KVPool.create(self.config, self.model_config, self.kv_dtype, num_blocks, kv_pool)
+        return KVPool.create(
+            self.config,
+            self.model_config,
+            self.kv_dtype,
+            num_blocks,
+            kv_pool,
+            self.backend.kv_order,
+        )
 
     def num_blocks_to_allocate(self) -> int:
         """Pool size when the caller passes no pool: explicit, CPU tokens, or GPU memory."""

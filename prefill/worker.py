@@ -69,6 +69,7 @@ class PrefillWorker(Worker):
         from transport.kv_nixl import NixlExporter
 
         layout = KVLayout(**self.spec.kv_pools[str(Peer(Role.PREFILL, self.index))]["layout"])
+        layout = dataclasses.replace(layout, order=runner.backend.kv_order)  # what it writes
         name = f"{self.settings.node}-prefill-{self.index}-{os.getpid()}"
         self.nixl = NixlExporter(runner.kv.tensor, layout, name)
         self.handles, self._handle = HandleSender(), self.nixl.handle()

@@ -97,7 +97,7 @@ def load_nixl() -> ModuleType:
     raise NixlUnavailable("; ".join(errors))
 
 
-_COMPARED = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+_COMPARED = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "order")
 
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:

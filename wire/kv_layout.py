@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # the KV dtypes pools may hold
+KV_ORDERS = ("tokens", "vec16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,10 +28,16 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str = "float32"  # a key of ITEMSIZE
+    # How the bytes inside a block are ordered: "tokens" (the shape above, the torch and
+    # Triton backends) or "vec16" (the fused CPU backend's kernel library, its own order in
+    # the same bytes). Blocks of different orders are not interchangeable.
+    order: str = "tokens"
 
     def __post_init__(self) -> None:
         if self.dtype not in ITEMSIZE:
             raise ValueError(f"KV dtype {self.dtype!r} is not one of {sorted(ITEMSIZE)}")
+        if self.order not in KV_ORDERS:
+            raise ValueError(f"KV block order {self.order!r} is not one of {KV_ORDERS}")
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:

@@ -59,7 +59,8 @@ from typing import Any
 import torch
 
 from engine.checkpoint import image
-from engine.checkpoint.loader import release_freed_memory
+from engine.checkpoint.loader import load_weights, release_freed_memory
+from engine.config import EngineConfig
 from engine.model.causal_lm import CausalLM
 from engine.weights.plan import gguf_source
 
@@ -226,3 +227,32 @@ def _map(fd: int, digest: str) -> tuple[dict[str, Any], dict[str, torch.Tensor],
             flat = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=at)
             views[name] = flat.view(shape)
     return manifest["kernels"], views, mapping
+
+
+def load_model(
+    build: Callable[[], CausalLM], config: EngineConfig, quantization: str, dtype: torch.dtype
+) -> CausalLM:
+    """``build()``'s model with its weights: mapped from the host's shared segment where
+    ``config`` names one (CPU), else loaded from the checkpoint into this process (also
+    when the segment cannot be used: logged, and served privately)."""
+    model = build()
+    gemm_rows = config.gemm_min_rows if config.large_batch_gemm else None
+    root = Path(config.model)
+    if config.weights_fd is None or torch.device(config.device).type != "cpu":
+        load_weights(model, root, quantization, gemm_rows)
+        return model
+    gemm = f"gemm from {gemm_rows}" if gemm_rows is not None else "no gemm"
+    digest = weights_digest(root, quantization, dtype, gemm)
+    try:
+        load_shared(
+            model,
+            config.weights_fd,
+            digest,
+            lambda: load_weights(model, root, quantization, gemm_rows, prepack=False),
+        )
+        return model
+    except (SharedWeightsError, image.WeightsImageError) as e:
+        logger.error("weights not shared, loading a private copy: %s", e)
+    model = build()
+    load_weights(model, root, quantization, gemm_rows)
+    return model

@@ -32,10 +32,11 @@ def pool_layout(
     )
 
 
-def layout_of(pool: torch.Tensor) -> KVLayout:
-    """The layout of an existing pool tensor."""
+def layout_of(pool: torch.Tensor, order: str = "tokens") -> KVLayout:
+    """The layout of an existing pool tensor (``order``: its attention backend's ``kv_order``)."""
     n, layers, _, block, heads, dim = pool.shape
-    return KVLayout(n, layers, block, heads, dim, dtype=str(pool.dtype).removeprefix("torch."))
+    dtype = str(pool.dtype).removeprefix("torch.")
+    return KVLayout(n, layers, block, heads, dim, dtype=dtype, order=order)
 
 
 def allocate_kv_pool(

@@ -30,13 +30,13 @@ from engine.kv.tiers.open_tiers import open_tiers
 class KVPool:
     """One engine's KV blocks. ``tensor``: ``(num_blocks, L, 2, block_size, KVH, D)``."""
 
-    def __init__(self, tensor: torch.Tensor, config: EngineConfig) -> None:
+    def __init__(self, tensor: torch.Tensor, config: EngineConfig, order: str = "tokens") -> None:
         self.tensor = tensor
         self.block_size = config.block_size
         self.prefix_caching = config.enable_prefix_caching
         self.allocator = BlockAllocator(int(tensor.shape[0]))
         # KV beyond the pool (host RAM, disk): offered every registered block, asked on a miss.
-        self.tiers = open_tiers(config, tensor)
+        self.tiers = open_tiers(config, tensor, order)
         # Per-sequence state elsewhere (the runner's dense K/V, kernel caches) that must
         # forget a sequence whose blocks are freed.
         self._on_free: list[Callable[[Sequence], None]] = []
@@ -49,6 +49,7 @@ class KVPool:
         dtype: torch.dtype,
         num_blocks: Callable[[], int],
         given: torch.Tensor | None = None,
+        order: str = "tokens",
     ) -> KVPool:
         """A pool of ``num_blocks()`` blocks (asked only when no tensor is ``given``), or
         over ``given`` (checked: shape, dtype, device). ``GpuMemoryError`` when it does not
@@ -58,7 +59,7 @@ class KVPool:
             check_kv_pool(given, model_config, config.block_size)
             if given.dtype != dtype or given.device.type != device.type:
                 raise ValueError(f"kv_pool must be {dtype} on {device}")
-            return cls(given, config)
+            return cls(given, config, order)
         n = num_blocks()
         try:
             tensor = allocate_kv_pool(model_config, n, config.block_size, dtype, device)
@@ -69,7 +70,7 @@ class KVPool:
                 f"{device}: another process may hold its memory; lower "
                 "--gpu-memory-utilization (or --kv-cache-tokens with --kv-transfer shm)"
             ) from e
-        return cls(tensor, config)
+        return cls(tensor, config, order)
 
     def on_free(self, forget: Callable[[Sequence], None]) -> None:
         """Call ``forget(seq)`` whenever ``seq``'s blocks are freed."""

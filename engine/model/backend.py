@@ -47,6 +47,10 @@ class AttentionLayer(Protocol):
 
 
 class AttentionBackend(ABC, Generic[Meta]):
+    # The order of the bytes inside a pool block that ``attend`` writes and reads
+    # (``wire.kv_layout.KVLayout.order``): KV tiers and handoffs never mix orders.
+    kv_order = "tokens"
+
     def prepare(self, meta: Meta, pool: torch.Tensor, num_heads: int) -> Meta:
         """Once per step, before the layers: ``meta`` with whatever this backend derives
         from it for every layer (nothing, unless a backend says so)."""

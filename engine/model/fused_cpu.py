@@ -65,6 +65,8 @@ class FusedCpuBackend(TorchBackend):
     """Library kernels for add + RMSNorm, rotary, the K/V store and attention over the paged
     pool (CPU only); SiLU * up is the torch backend's."""
 
+    kv_order = ISA  # the library's order inside a block: tiers and handoffs keep it apart
+
     def __init__(self, kernels: CpuKernels, rotary: RotaryEmbedding) -> None:
         self.kernels = kernels
         self._ops = torch.ops._C

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from engine.kv.tiers.disk_store import HEADER_BYTES, QUARANTINE, DiskStore
 from engine.kv.tiers.host_store import Geometry, HostStore, create_segment
@@ -256,3 +257,26 @@ def test_processes_writing_the_same_blocks_at_once_leave_one_intact_file_each(
     for i in range(60):
         key, parent, tokens, payload = _block(i)
         assert disk.read(key, parent, tokens, out) and (out == payload).all()
+
+
+def test_blocks_in_the_fused_backends_order_have_a_namespace_of_their_own(
+    default_model_path: Path,
+) -> None:
+    """A worker on the fused CPU ops writes its blocks in the kernel library's order: a
+    tier shared with (or a restart into) a torch-backend worker must never hand them over."""
+    from engine.config import EngineConfig
+    from engine.kv.tiers.host_store import Geometry, HostStore, create_segment
+    from engine.kv.tiers.open_tiers import open_tiers
+
+    pool = torch.zeros(4, 2, 2, 16, 2, 16)
+    nbytes = pool[0].numel() * pool.element_size()
+    g = Geometry.for_budget(1 << 20, 16, nbytes)
+    fd, buf = create_segment(g.offsets[3])
+    HostStore.format(buf, g)
+    config = EngineConfig(
+        model=str(default_model_path), kv_offload_fd=fd, kv_offload_nbytes=g.offsets[3]
+    )
+    spaces = {order: open_tiers(config, pool, order) for order in ("tokens", "vec16")}
+    assert spaces["tokens"] is not None and spaces["vec16"] is not None
+    assert spaces["tokens"].namespace != spaces["vec16"].namespace
+    os.close(fd)

@@ -306,3 +306,10 @@ def test_a_read_in_flight_is_polled_and_one_from_a_stopped_source_ends_at_its_de
             assert time.monotonic() - t0 < 10
             time.sleep(0.01)
         assert receiver.reads == 1  # an abandoned read is not counted as moved
+
+
+def test_pools_whose_blocks_are_ordered_differently_are_refused() -> None:
+    """A fused-CPU worker's blocks (the kernel library's order) are not a torch worker's."""
+    fused = dataclasses.replace(LAYOUT, order="vec16")
+    with pytest.raises(kv_nixl.KVLayoutMismatch, match="order vec16 \\(here tokens\\)"):
+        kv_nixl.check_compatible(LAYOUT, fused)

@@ -56,3 +56,11 @@ def test_the_transport_speaks_the_same_class() -> None:
     import transport.kv
 
     assert transport.kv.KVLayout is KVLayout  # imported, not restated
+
+
+def test_the_block_order_round_trips_and_must_be_known() -> None:
+    layout = KVLayout(7, 2, 16, 2, 64, "float32", order="vec16")
+    assert KVLayout.from_json(layout.to_json()).order == "vec16"
+    assert KVLayout(7, 2, 16, 2, 64).order == "tokens"
+    with pytest.raises(ValueError, match="block order"):
+        KVLayout(7, 2, 16, 2, 64, order="amx")

@@ -21,9 +21,10 @@ from engine.kv.tiers.tiered import TieredKV
 logger = logging.getLogger(__name__)
 
 
-def open_tiers(config: EngineConfig, pool: torch.Tensor) -> TieredKV | None:
+def open_tiers(config: EngineConfig, pool: torch.Tensor, order: str = "tokens") -> TieredKV | None:
     """The tiers ``config`` names for this pool (``kv_offload_fd``: the host's tier-2
-    segment, inherited; ``kv_offload_dir``: tier 3), or None when they are off."""
+    segment, inherited; ``kv_offload_dir``: tier 3), or None when they are off. ``order``:
+    the block byte order of the pool's attention backend (``KVLayout.order``)."""
     if config.kv_offload_fd is None or not config.enable_prefix_caching:
         return None
     buf = memoryview(mmap.mmap(config.kv_offload_fd, config.kv_offload_nbytes, mmap.MAP_SHARED))
@@ -32,7 +33,8 @@ def open_tiers(config: EngineConfig, pool: torch.Tensor) -> TieredKV | None:
         weights=weights_fingerprint(Path(config.model)),
         dtype=str(pool.dtype),
         block_size=config.block_size,
-        layout=str(tuple(pool.shape[1:])),
+        # "tokens" blocks keep the namespace they always had (files on disk stay valid).
+        layout=str(tuple(pool.shape[1:])) + ("" if order == "tokens" else f" {order}"),
     ).digest
     disk = None
     if config.kv_offload_dir:
