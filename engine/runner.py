@@ -302,6 +302,16 @@ class ModelRunner:
                 i for i, (seq, _, _) in enumerate(spans) if seq.sampling.logprobs is not None
             )
             meta = replace(meta, rows_as_decode=True, exact_rows=exact)
+        elif is_decode and self._dense is not None:
+            # Rows of requests reporting logprobs, narrower than the batch: recomputed
+            # alone, as a one-request step would (engine/model/attention.py).
+            width = max(meta.ctx_lens)
+            exact = frozenset(
+                i
+                for i, (seq, _, _) in enumerate(spans)
+                if seq.sampling.logprobs is not None and meta.ctx_lens[i] < width
+            )
+            meta = replace(meta, exact_rows=exact)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
             # Verification (``decode_weights``) runs k + 1 rows a sequence on the kernels its

@@ -45,7 +45,8 @@ class AttentionMetadata:
     # attend to it (``_decode_rows_attention``), so its logits carry that step's bits.
     rows_as_decode: bool = False
     # ... and these sequences' rows (indices into the batch) get exactly a one-request
-    # decode step's bits, at a higher cost (those that asked for logprobs).
+    # decode step's bits, at a higher cost (those that asked for logprobs). Also in a CPU
+    # decode batch (``dense_kv``): rows whose context is shorter than the batch's widest.
     exact_rows: frozenset[int] = frozenset()
     gather_rows: tuple[torch.Tensor, ...] = ()  # decode only: L x (2 * B * max_blocks,)
     attn_bias: torch.Tensor | None = None  # decode only: (B, 1, 1, S) 0 or -inf, model dtype
@@ -232,7 +233,17 @@ def _decode_attention(
     keys, values = kv.transpose(2, 3)  # each (B, KVH, S, D), strided views
     # Grouped on every device: on CUDA it keeps the fused kernels; on CPU the fused kernel
     # with equal head counts is ~25 % faster than enable_gqa's (measured at B 1-8).
-    return grouped_decode_sdpa(q, keys, values, meta.attn_bias)
+    out = grouped_decode_sdpa(q, keys, values, meta.attn_bias)
+    bias = meta.attn_bias
+    for i in meta.exact_rows:
+        # NOTE: the CPU kernel's reduction order depends on the key width S, so a row
+        # padded to a longer neighbour's context gets other bits than it would alone
+        # (a few bfloat16 roundings). Alone, a CPU decode step's S is its context: the
+        # row is recomputed over exactly that, for a request that reports logprobs.
+        s = meta.ctx_lens[i]
+        ks, vs = keys[i : i + 1, :, :s], values[i : i + 1, :, :s]
+        out[i] = grouped_decode_sdpa(q[i : i + 1], ks, vs, bias[i : i + 1, ..., :s])[0]
+    return out
 
 
 def grouped_decode_sdpa(
