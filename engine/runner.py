@@ -232,8 +232,6 @@ class ModelRunner:
         NOTE: runs as a decode for the weights (no ``prefill_phase``: the same linear
         kernels as ``decode``), as a batch of several queries per sequence for attention.
         """
-        if self._dense is not None:
-            self._dense.forget(list(seqs))  # its rows would miss the drafts' KV
         for seq, d in zip(seqs, drafts, strict=True):
             if seq.num_uncomputed_tokens != 1:
                 raise ValueError(
@@ -302,6 +300,8 @@ class ModelRunner:
                 i for i, (seq, _, _) in enumerate(spans) if seq.sampling.logprobs is not None
             )
             meta = replace(meta, rows_as_decode=True, exact_rows=exact)
+            if self._dense is not None:  # attend over the kept dense K/V, not a gather
+                meta = replace(meta, **self._dense_fields(spans, meta, kv_pool))
         elif is_decode and self._dense is not None:
             # Rows of requests reporting logprobs, narrower than the batch: recomputed
             # alone, as a one-request step would (engine/model/attention.py).
@@ -408,6 +408,19 @@ class ModelRunner:
         bias.masked_fill_((slots.unsqueeze(0) >= ctx.unsqueeze(1))[:, None, None, :], float("-inf"))
         fields["attn_bias"] = bias  # (B, 1, 1, S)
         return fields
+
+    def _dense_fields(
+        self, spans: list[tuple[Sequence, int, int]], meta: AttentionMetadata, pool: torch.Tensor
+    ) -> dict[str, Any]:
+        """A verification's rows in the kept dense K/V (CPU): extended by every query row
+        in place, as a decode step extends it by one, so neither the verification nor
+        the decode step after it copies the batch's context out of the pool again."""
+        assert self._dense is not None
+        base = meta.block_tables.flatten() * (2 * self.model_config.num_layers)
+        rows = self._per_layer(base, 2, 1).flatten(1)  # (L, 2 * B * W)
+        seqs: list[object] = [seq for seq, _, _ in spans]
+        kv, dense_rows = self._dense.prepare(pool, seqs, meta.ctx_lens, rows, meta.q_lens)
+        return {"dense_kv": kv, "dense_rows": dense_rows}
 
     def _per_layer(self, base: torch.Tensor, layer_stride: int, v_stride: int) -> torch.Tensor:
         """``base`` (N,) rows of layer 0's K -> (L, 2, N) rows of layer l's K, then V.
