@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from colocated.scheduler import ColocatedScheduler
 from engine.config import EngineConfig
 from engine.errors import NoFreeBlocks, PromptTooLongError
@@ -26,6 +28,9 @@ class GenerationResult:
     finish: Finish
     logprobs: list[float] | None  # per output token, when the request asked for logprobs
     top_logprobs: list[list[tuple[int, float]]] | None  # top-N (id, logprob) per token
+    # Speculation: drafts verified for the request, and accepted drafts among output_ids.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -35,6 +40,8 @@ class _Output:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish: Finish = Finish.NONE
+    drafted: int = 0
+    accepted: int = 0
 
 
 def check_request(runner: ModelRunner, prompt: list[int], params: SamplingParams) -> None:
@@ -90,17 +97,25 @@ def _collect(batch: TokenBatch, outputs: dict[int, _Output]) -> None:
         batch.token_ids.tolist(),
         batch.logprobs.tolist(),
         batch.finish.tolist(),
+        _zeros_if_none(batch.drafted, batch.size),
+        _zeros_if_none(batch.accepted, batch.size),
     )
-    for i, (rid, token, logprob, finish) in enumerate(rows):
+    for i, (rid, token, logprob, finish, drafted, accepted) in enumerate(rows):
         out = outputs[rid]
         out.token_ids.append(token)
         out.finish = Finish(finish)
+        out.drafted += drafted
+        out.accepted += accepted
         n = out.params.logprobs
         if n is None:
             continue
         out.logprobs.append(logprob)
         ids, lps = batch.top_ids[i, :n].tolist(), batch.top_logprobs[i, :n].tolist()
         out.top_logprobs.append(list(zip(ids, lps)))
+
+
+def _zeros_if_none(col: np.ndarray | None, n: int) -> list[int]:
+    return [0] * n if col is None else col.tolist()
 
 
 def _result(prompt: list[int], out: _Output) -> GenerationResult:
@@ -111,4 +126,6 @@ def _result(prompt: list[int], out: _Output) -> GenerationResult:
         finish=out.finish,
         logprobs=out.logprobs if wants else None,
         top_logprobs=out.top_logprobs if wants else None,
+        drafted_tokens=out.drafted,
+        accepted_tokens=out.accepted,
     )

@@ -151,8 +151,19 @@ class DecodeScheduler:
         for r, start, d, tokens, first in zip(batch, starts, drafts, v.tokens, v.first_row):
             m = accepted_run(d, tokens)
             self.spec.record(r.seq, len(d), m)
+            # The step's first row says how many drafts were verified; each row whether
+            # its token is an accepted draft (row m, sampled after the run, is not).
             if not any(
-                self._emit(r, tokens[j], first + j, logprobs[first + j], batcher, out)
+                self._emit(
+                    r,
+                    tokens[j],
+                    first + j,
+                    logprobs[first + j],
+                    batcher,
+                    out,
+                    len(d) if j == 0 else 0,
+                    j < m,
+                )
                 for j in range(m + 1)
             ):
                 self.runner.commit_verified(r.seq, start, m)
@@ -166,9 +177,15 @@ class DecodeScheduler:
         logprob: float,
         batcher: TokenBatcher,
         out: DecodeStep,
+        drafted: int = 0,
+        accepted: bool = False,
     ) -> bool:
-        """Append ``token`` to ``r``; True if that ended the request (its blocks freed)."""
-        finish = batcher.emit(r.seq, r.detok_shard, token, row, logprob, self.runner.check_stop)
+        """Append ``token`` to ``r``; True if that ended the request (its blocks freed).
+        ``drafted`` goes on a speculative step's first row only (``TokenBatch.drafted``)."""
+        check = self.runner.check_stop
+        finish = batcher.emit(
+            r.seq, r.detok_shard, token, row, logprob, check, drafted=drafted, accepted=accepted
+        )
         if finish == Finish.NONE:
             return False
         self.runner.kv.free_blocks(r.seq)

@@ -64,6 +64,8 @@ class _Token:
     source: int | None  # decode worker index, None for the prefill worker
     logprobs: _RawLogprobs
     cached_tokens: int = -1  # on a first token: prompt tokens from the prefix cache
+    drafted: int = 0  # TokenBatch.drafted/accepted of the token's row
+    accepted: int = 0
 
 
 @dataclass(slots=True)
@@ -86,6 +88,9 @@ class _Request:
     stop_reason: str | int | None = None
     stop_token_ids: frozenset[int] = frozenset()
     cached_tokens: int | None = None  # known once the first token arrived
+    count_drafts: bool = False
+    drafted: int = 0  # since the last take_outputs(), over consumed tokens
+    accepted: int = 0
 
 
 class _FifoSet:
@@ -133,7 +138,12 @@ class DetokShard:
         stop = StopMatcher(params.stop, params.include_stop_str_in_output)
         split = ReasoningMode(params.reasoning) != ReasoningMode.OFF
         reasoning = ReasoningSplitter(ReasoningMode(params.reasoning)) if split else None
-        plain = not stop.active and msg.num_logprobs is None and reasoning is None
+        plain = (
+            not stop.active
+            and msg.num_logprobs is None
+            and reasoning is None
+            and not params.count_drafts
+        )
         req = _Request(
             msg.rid,
             detok,
@@ -143,6 +153,7 @@ class DetokShard:
             msg.num_logprobs,
             plain,
             stop_token_ids=frozenset(params.stop_token_ids),
+            count_drafts=params.count_drafts,
         )
         self._reqs[msg.rid] = req
         self._replay(req, msg.output_ids)
@@ -159,6 +170,7 @@ class DetokShard:
             if req.finish != Finish.NONE:
                 return
         req.text = req.reasoning_text = ""
+        req.drafted = req.accepted = 0
         req.ids.clear()
         self._dirty.pop(req.rid, None)
 
@@ -191,6 +203,7 @@ class DetokShard:
         with_logprobs = batch.top_ids.shape[1] > 0 or not bool(np.isnan(batch.logprobs).all())
         reqs, dirty = self._reqs, self._dirty
         cached = self._cached_rows(batch, reqs)
+        spec = _spec_rows(batch)
         for i, rid in enumerate(rids):
             req = reqs.get(rid)
             # Fast path (most tokens): in order, mid-stream, no stops or logprobs to handle.
@@ -210,6 +223,8 @@ class DetokShard:
             tok = _Token(
                 token_ids[i], text_ids[i], finish[i], source_decode, raw, cached.get(i, -1)
             )
+            if spec is not None:
+                tok.drafted, tok.accepted = spec[0][i], spec[1][i]
             if req is None:
                 self._orphan(rid, positions[i], tok)
             elif positions[i] == req.next_pos and not req.pending:
@@ -276,6 +291,9 @@ class DetokShard:
             return
         req.next_pos += 1
         req.ids.append(tok.token_id)
+        if req.count_drafts:
+            req.drafted += tok.drafted
+            req.accepted += tok.accepted
         if tok.cached_tokens >= 0 and req.cached_tokens is None:
             req.cached_tokens = tok.cached_tokens
         if req.num_logprobs is not None and tok.logprobs is not None:
@@ -349,6 +367,7 @@ class DetokShard:
     def _delta(self, req: _Request) -> TextDelta:
         text, ids, req.text, req.ids = req.text, req.ids, "", []
         reasoning, req.reasoning_text = req.reasoning_text, ""
+        drafted, accepted, req.drafted, req.accepted = req.drafted, req.accepted, 0, 0
         logprobs: list[TokenLogprob] | None = None
         if req.num_logprobs is not None:
             logprobs, req.logprobs = req.logprobs, []
@@ -364,7 +383,20 @@ class DetokShard:
             cached_tokens=req.cached_tokens,
             reasoning=reasoning,
             reasoning_tokens=req.reasoning.tokens if req.reasoning is not None else 0,
+            drafted_tokens=drafted,
+            accepted_tokens=accepted,
         )
+
+
+def _spec_rows(batch: TokenBatch) -> tuple[list[int], list[int]] | None:
+    """The batch's (drafted, accepted) columns as lists, None when no row drafted.
+
+    NOTE: a row whose token is an accepted draft always shares its batch (one step's)
+    with its step's first row, which carries a non-zero ``drafted``: one scan decides.
+    """
+    if batch.drafted is None or batch.accepted is None or not batch.drafted.any():
+        return None
+    return batch.drafted.tolist(), batch.accepted.tolist()
 
 
 def _raw_logprobs(batch: TokenBatch, i: int) -> _RawLogprobs:

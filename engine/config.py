@@ -146,6 +146,9 @@ class SpeculativeConfig:
     prompt or output; ``draft_model`` runs ``model`` (same vocabulary) greedily.
     ``num_speculative_tokens`` is the most drafts a step verifies (k; adaptive below it);
     with more than ``disable_by_batch_size`` requests running, a step does not speculate.
+    ``adaptive`` False turns the cost-aware gate off (engine/spec/cost.py): every request
+    verifies every draft it is proposed, whatever it costs (tests, and measuring the
+    verifier itself); ``disable_by_batch_size`` still applies.
     """
 
     method: str = "ngram"
@@ -154,6 +157,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None  # draft_model: its checkpoint directory
     disable_by_batch_size: int = 4
+    adaptive: bool = True
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field to change."""
@@ -181,9 +185,10 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
     for key, value in raw.items():
         if key not in known:
             raise ValueError(f"unknown field {key!r}; known: {', '.join(known)}")
-        want = (str,) if key in ("method", "model") else (int,)
-        if not isinstance(value, want) or isinstance(value, bool):
-            raise ValueError(f"{key} must be a {want[0].__name__}")
+        want: type = str if key in ("method", "model") else bool if key == "adaptive" else int
+        # NOTE: a bool is an int to isinstance; only "adaptive" takes one.
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ValueError(f"{key} must be a {want.__name__}")
     config = SpeculativeConfig(**raw)
     config.validate()
     return config

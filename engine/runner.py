@@ -34,7 +34,7 @@ from engine.cuda.kernels import use_kernels
 from engine.kv.kv_cache import GpuMemoryError
 from engine.kv.pool import KVPool
 from engine.kv.sequence import Sequence
-from engine.model.attention import AttentionMetadata, DenseDecodeKV
+from engine.model.attention import AttentionMetadata, DenseDecodeKV, exact_rows, per_layer_rows
 from engine.model.backend import TORCH
 from engine.model.causal_lm import CausalLM
 from engine.model.fused_cpu import cpu_backend
@@ -259,8 +259,6 @@ class ModelRunner:
         NOTE: runs as a decode for the weights (no ``prefill_phase``: the same linear
         kernels as ``decode``), as a batch of several queries per sequence for attention.
         """
-        if self._dense is not None:
-            self._dense.forget(list(seqs))  # its rows would miss the drafts' KV
         for seq, d in zip(seqs, drafts, strict=True):
             if seq.num_uncomputed_tokens != 1:
                 raise ValueError(
@@ -323,11 +321,14 @@ class ModelRunner:
             per_token = [s for s, (_, _, n) in zip(slots, spans) for _ in range(n)]
             adapters = group_rows(per_token, self.device)
         meta, last = self._metadata(spans, is_decode, kv_pool)
+        wants = [seq.sampling.logprobs is not None for seq, _, _ in spans]
         if decode_weights:  # speculative verification: rows attend as decode rows do
-            exact = frozenset(
-                i for i, (seq, _, _) in enumerate(spans) if seq.sampling.logprobs is not None
-            )
+            exact = exact_rows(wants, meta.ctx_lens, narrower_only=False)
             meta = replace(meta, rows_as_decode=True, exact_rows=exact)
+            if self._dense is not None:  # attend over the kept dense K/V, not a gather
+                meta = replace(meta, **self._dense_fields(spans, meta, kv_pool))
+        elif is_decode and self._dense is not None:
+            meta = replace(meta, exact_rows=exact_rows(wants, meta.ctx_lens, narrower_only=True))
         meta = self.backend.prepare(meta, kv_pool, self.model_config.num_heads)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:
@@ -394,7 +395,7 @@ class ModelRunner:
             else {}
         )
         meta = AttentionMetadata(
-            write_rows=self._per_layer(slot_rows, 2 * bs, bs).unbind(0),
+            write_rows=per_layer_rows(slot_rows, layers, 2 * bs, bs).unbind(0),
             block_tables=block_tables,
             ctx_lens=ctx_lens,
             q_lens=q_lens,
@@ -416,7 +417,9 @@ class ModelRunner:
         """Where decode attention reads: the kept dense K/V (CPU) or the pool's blocks."""
         dev = self.device
         base = block_tables.flatten() * (2 * self.model_config.num_layers)
-        rows = self._per_layer(base, 2, 1).flatten(1)  # (L, 2 * B * W) (block, layer, K|V)
+        rows = per_layer_rows(base, self.model_config.num_layers, 2, 1).flatten(
+            1
+        )  # (L, 2 * B * W) (block, layer, K|V)
         fields: dict[str, Any] = {}
         if self._dense is not None:
             seqs: list[object] = [seq for seq, _, _ in spans]
@@ -433,16 +436,18 @@ class ModelRunner:
         fields["attn_bias"] = bias  # (B, 1, 1, S)
         return fields
 
-    def _per_layer(self, base: torch.Tensor, layer_stride: int, v_stride: int) -> torch.Tensor:
-        """``base`` (N,) rows of layer 0's K -> (L, 2, N) rows of layer l's K, then V.
-
-        A block's rows run (layer, K|V, slot): a layer is ``layer_stride`` rows further on,
-        and V ``v_stride`` rows after K.
-        """
-        num_layers = self.model_config.num_layers
-        layers = torch.arange(num_layers, device=self.device).view(-1, 1, 1) * layer_stride
-        kv = torch.tensor([0, v_stride], device=self.device).view(1, 2, 1)
-        return base.view(1, 1, -1) + layers + kv
+    def _dense_fields(
+        self, spans: list[tuple[Sequence, int, int]], meta: AttentionMetadata, pool: torch.Tensor
+    ) -> dict[str, Any]:
+        """A verification's rows in the kept dense K/V (CPU): extended by every query row
+        in place, as a decode step extends it by one, so neither the verification nor
+        the decode step after it copies the batch's context out of the pool again."""
+        assert self._dense is not None
+        base = meta.block_tables.flatten() * (2 * self.model_config.num_layers)
+        rows = per_layer_rows(base, self.model_config.num_layers, 2, 1).flatten(1)  # (L, 2 * B * W)
+        seqs: list[object] = [seq for seq, _, _ in spans]
+        kv, dense_rows = self._dense.prepare(pool, seqs, meta.ctx_lens, rows, meta.q_lens)
+        return {"dense_kv": kv, "dense_rows": dense_rows}
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         """Pick each sequence's next token (output position ``len(seq.output_ids)``)."""

@@ -261,9 +261,9 @@ def _decoding(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         default=d.speculative_config,
         help="speculative decoding on decode workers, as JSON with vLLM's names, e.g. "
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-        '"prompt_lookup_max": 4}\' (also "disable_by_batch_size"; method "draft_model" with '
-        '"model": a checkpoint of the same vocabulary); outputs are identical to decoding '
-        "without it",
+        '"prompt_lookup_max": 4}\' (also "disable_by_batch_size"; "adaptive": false verifies '
+        'every draft, no cost-aware gate; method "draft_model" with "model": a checkpoint of '
+        "the same vocabulary); outputs are identical to decoding without it",
     )
     add(
         "--router-policy",

@@ -25,6 +25,8 @@ class _Columns:
     logprobs: list[float] = field(default_factory=list)
     finish: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # row of each token in the SampleOutput
 
 
@@ -47,9 +49,12 @@ class TokenBatcher:
         logprob: float,
         finish: Finish,
         cached_tokens: int = -1,
+        drafted: int = 0,
+        accepted: bool = False,
     ) -> None:
         """``cached_tokens``: on a request's first token, its prompt tokens reused from the
-        prefix cache (-1 on every other token)."""
+        prefix cache (-1 on every other token). ``drafted``/``accepted``: speculation's
+        counts (``TokenBatch``'s columns of those names)."""
         cols = self._by_shard.setdefault(shard, _Columns())
         cols.rids.append(rid)
         cols.positions.append(position)
@@ -57,6 +62,8 @@ class TokenBatcher:
         cols.logprobs.append(logprob)
         cols.finish.append(int(finish))
         cols.cached_tokens.append(cached_tokens)
+        cols.drafted.append(drafted)
+        cols.accepted.append(accepted)
         cols.rows.append(row)
 
     def emit(
@@ -68,6 +75,8 @@ class TokenBatcher:
         logprob: float,
         check_stop: Callable[[Sequence], Finish],
         cached_tokens: int = -1,
+        drafted: int = 0,
+        accepted: bool = False,
     ) -> Finish:
         """Append a sampled ``token`` to ``seq``, decide whether it ends the request, and
         add it (``row``: its row in the step's ``SampleOutput``). Returns that finish; the
@@ -75,7 +84,9 @@ class TokenBatcher:
         seq.append_token(token)
         finish = check_stop(seq)
         position = len(seq.output_ids) - 1
-        self.add(shard, seq.rid, position, token, row, logprob, finish, cached_tokens)
+        self.add(
+            shard, seq.rid, position, token, row, logprob, finish, cached_tokens, drafted, accepted
+        )
         return finish
 
     def end(self, shard: int, rid: int, position: int, finish: Finish) -> None:
@@ -100,6 +111,8 @@ class TokenBatcher:
                 top_ids[rows] if top_ids is not None else None,
                 top_lps[rows] if top_lps is not None else None,
                 c.cached_tokens,
+                c.drafted,
+                c.accepted,
             )
         self._by_shard.clear()
         return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-LINK_VERSION = 1
+LINK_VERSION = 2  # 2: token batch rows carry speculation counts (wire/records.py)
 LINK_TAG = b"pdserve.link"  # first frame of the link's own records
 
 

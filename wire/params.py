@@ -165,3 +165,6 @@ class DetokParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     stop_token_ids: tuple[int, ...] = ()
     # Reasoning goes to TextDelta.reasoning; stop strings then see only the answer.
     reasoning: ReasoningMode = ReasoningMode.OFF
+    # Speculation's per-request counts (TextDelta.drafted_tokens/accepted_tokens), summed
+    # over the tokens the client receives: the client opted in.
+    count_drafts: bool = False

@@ -171,6 +171,10 @@ class TextDelta(msgspec.Struct, array_like=True, frozen=True):
     With a reasoning split (``DetokParams.reasoning``), ``text`` is the answer and
     ``reasoning`` the reasoning; ``reasoning_tokens`` counts, so far, the output tokens
     that wrote the reasoning block (its tags included).
+    ``drafted_tokens``/``accepted_tokens`` (``DetokParams.count_drafts`` only, else 0):
+    drafts speculation verified for the request, and the accepted ones among the tokens
+    of this delta, both since the previous delta (the frontend sums them). A draft
+    accepted past a stop is counted drafted, not accepted: it is not in the output.
     """
 
     rid: int
@@ -185,6 +189,8 @@ class TextDelta(msgspec.Struct, array_like=True, frozen=True):
     cached_tokens: int | None = None
     reasoning: str = ""
     reasoning_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class TextBatch(_Msg, tag="text", frozen=True):
@@ -221,6 +227,14 @@ class TokenBatch:
         top_logprobs (B, K) float32
         cached_tokens (B,)  int32   prompt tokens the prefix cache supplied, on the row of
                                     a request's first token (prefill); -1 on other rows
+        drafted      (B,)   uint8   speculation (engine/spec/): on the first row a decode
+                                    step emits for a request, how many drafts that step
+                                    verified for it; 0 on every other row
+        accepted     (B,)   uint8   1 when the row's token is an accepted draft, else 0
+                                    (the token sampled after the accepted run is not)
+
+    NOTE: ``accepted`` is per token, not per step, so that a consumer which cuts a
+    request's output (a stop string inside an accepted run) sums only what it kept.
     """
 
     rids: np.ndarray
@@ -231,6 +245,8 @@ class TokenBatch:
     top_ids: np.ndarray
     top_logprobs: np.ndarray
     cached_tokens: np.ndarray | None = None  # None reads as all -1 (built without it)
+    drafted: np.ndarray | None = None  # None reads as all 0 (no speculation)
+    accepted: np.ndarray | None = None  # None reads as all 0
 
     @property
     def size(self) -> int:
@@ -247,9 +263,11 @@ class TokenBatch:
         top_ids: np.ndarray | None = None,
         top_logprobs: np.ndarray | None = None,
         cached_tokens: list[int] | None = None,
+        drafted: list[int] | None = None,
+        accepted: list[int] | None = None,
     ) -> TokenBatch:
         b = len(rids)
-        # The six columns are field views of one record array: encode() sends its bytes.
+        # The eight columns are field views of one record array: encode() sends its bytes.
         rows = np.empty(b, _TB_ROW)
         rows["rids"] = rids
         rows["positions"] = positions
@@ -257,6 +275,8 @@ class TokenBatch:
         rows["logprobs"] = logprobs if logprobs is not None else np.nan
         rows["finish"] = finish if finish is not None else 0
         rows["cached_tokens"] = cached_tokens if cached_tokens is not None else -1
+        rows["drafted"] = drafted if drafted is not None else 0
+        rows["accepted"] = accepted if accepted is not None else 0
         return cls(
             rows["rids"],
             rows["positions"],
@@ -266,24 +286,40 @@ class TokenBatch:
             _no_top(b, _I32) if top_ids is None else top_ids.astype(_I32, copy=False),
             _no_top(b, _F32) if top_logprobs is None else top_logprobs.astype(_F32, copy=False),
             rows["cached_tokens"],
+            rows["drafted"],
+            rows["accepted"],
         )
 
 
 _KIND_TOKENS = 1
 _KIND_CONTROL = 2
-_TB_HEADER = struct.Struct("<BxxxII4x")  # kind, B, K; 16 bytes keep the rows 8-aligned
-# One row per request, the six per-request columns interleaved (32 bytes, aligned):
+# kind, row layout, B, K; 16 bytes keep the rows 8-aligned.
+_TB_HEADER = struct.Struct("<BBxxII4x")
+# NOTE: bump with any change to _TB_ROW (and LINK_VERSION, wire/link_records.py: token
+# batches cross hosts). A reader refuses another layout rather than misread its rows.
+_TB_LAYOUT = 2  # 2: + drafted, accepted (speculation); 0 (the pad byte): before layouts
+# One row per request, the eight per-request columns interleaved (32 bytes, aligned):
 # decode is ONE np.frombuffer, the columns are field views of it. On the per-step hot
 # path the cost is per call, not per byte, so fewer numpy calls is what makes it fast.
+_TB_FIELDS = (
+    "rids",
+    "positions",
+    "token_ids",
+    "logprobs",
+    "finish",
+    "drafted",
+    "accepted",
+    "cached_tokens",
+)
 _TB_ROW = np.dtype(
     {
-        "names": ["rids", "positions", "token_ids", "logprobs", "finish", "cached_tokens"],
-        "formats": ["<i8", "<i4", "<i4", "<f4", "i1", "<i4"],
-        "offsets": [0, 8, 12, 16, 20, 24],
-        "itemsize": 32,
+        "names": list(_TB_FIELDS),
+        "formats": ["<i8", "<i4", "<i4", "<f4", "i1", "u1", "u1", "<i4"],
+        "offsets": [0, 8, 12, 16, 20, 21, 22, 24],
+        "itemsize": 32,  # bytes 23 and 28..31 spare
     }
 )
-_TB_FIELDS = ("rids", "positions", "token_ids", "logprobs", "finish", "cached_tokens")
+_NONE_READS_AS = {"cached_tokens": -1, "drafted": 0, "accepted": 0}
 _I32, _F32 = np.dtype("<i4"), np.dtype("<f4")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Control)
@@ -307,8 +343,8 @@ def _encode_tokens(msg: TokenBatch) -> bytes:
         rows, fields = _scratch(b)
         for name, field in zip(_TB_FIELDS, fields, strict=True):
             value = getattr(msg, name)
-            field[...] = -1 if value is None else value  # casts, as the build() dtypes do
-    head = _TB_HEADER.pack(_KIND_TOKENS, b, k)
+            field[...] = _NONE_READS_AS[name] if value is None else value  # casts, as build()
+    head = _TB_HEADER.pack(_KIND_TOKENS, _TB_LAYOUT, b, k)
     if k == 0:
         return head + rows.tobytes()
     top_ids = np.ascontiguousarray(msg.top_ids, dtype=_I32).tobytes()
@@ -334,7 +370,9 @@ def decode(buf: bytes | bytearray | memoryview) -> Control | TokenBatch:
 def _decode_tokens(buf: bytes | bytearray | memoryview) -> TokenBatch:
     if len(buf) < _TB_HEADER.size:
         raise RecordError(f"token batch of {len(buf)} bytes is shorter than its header")
-    _, b, k = _TB_HEADER.unpack_from(buf, 0)
+    _, layout, b, k = _TB_HEADER.unpack_from(buf, 0)
+    if layout != _TB_LAYOUT:
+        raise RecordError(f"token batch of row layout {layout}; this build reads {_TB_LAYOUT}")
     offset = _TB_HEADER.size + b * _TB_ROW.itemsize
     if offset + 8 * b * k != len(buf):
         raise RecordError(f"token batch of {len(buf)} bytes, expected {offset + 8 * b * k}")
@@ -353,11 +391,13 @@ def _decode_tokens(buf: bytes | bytearray | memoryview) -> TokenBatch:
         top_ids,
         top_logprobs,
         rows["cached_tokens"],
+        rows["drafted"],
+        rows["accepted"],
     )
 
 
 def _shared_rows(msg: TokenBatch) -> np.ndarray | None:
-    """The record array all six columns view (from build() or decode()), else None."""
+    """The record array all eight columns view (from build() or decode()), else None."""
     # NOTE: TokenBatch is frozen, so columns that share one record array came from
     # build() or decode() together.
     rows = msg.rids.base
@@ -365,7 +405,15 @@ def _shared_rows(msg: TokenBatch) -> np.ndarray | None:
         return None
     if rows.shape != msg.rids.shape:
         return None
-    others = (msg.positions, msg.token_ids, msg.logprobs, msg.finish, msg.cached_tokens)
+    others = (
+        msg.positions,
+        msg.token_ids,
+        msg.logprobs,
+        msg.finish,
+        msg.cached_tokens,
+        msg.drafted,
+        msg.accepted,
+    )
     return rows if all(col is not None and col.base is rows for col in others) else None
 
 

@@ -45,12 +45,14 @@ class AttentionMetadata:
     # attend to it (``_decode_rows_attention``), so its logits carry that step's bits.
     rows_as_decode: bool = False
     # ... and these sequences' rows (indices into the batch) get exactly a one-request
-    # decode step's bits, at a higher cost (those that asked for logprobs).
+    # decode step's bits, at a higher cost (those that asked for logprobs). Also in a CPU
+    # decode batch (``dense_kv``): rows whose context is shorter than the batch's widest.
     exact_rows: frozenset[int] = frozenset()
     gather_rows: tuple[torch.Tensor, ...] = ()  # decode only: L x (2 * B * max_blocks,)
     attn_bias: torch.Tensor | None = None  # decode only: (B, 1, 1, S) 0 or -inf, model dtype
-    # CPU decode only: the batch's K/V kept dense between steps (see DenseDecodeKV), and
-    # the rows of (2 * B * cap, KVH * D) each layer's new K, V go to: (2, B).
+    # CPU decode and verification: the batch's K/V kept dense between steps (see
+    # DenseDecodeKV), and the rows of (2 * B * cap, KVH * D) each layer's new K, V go to:
+    # (2, T), T = B for a decode step.
     dense_kv: torch.Tensor | None = None  # (L, 2, B, cap, KVH, D)
     dense_rows: torch.Tensor | None = None
     # The new tokens' rotary tables, looked up once per step: cos, sin (T, 1, D).
@@ -105,7 +107,10 @@ def _prefill_attention(
     while i < b:
         n = meta.q_lens[i]
         if n != meta.ctx_lens[i]:
-            ki, vi = _gather_context(pool, layer, meta.block_tables[i], meta.ctx_lens[i])
+            if meta.rows_as_decode and meta.dense_kv is not None:  # CPU verification
+                ki, vi = meta.dense_kv[layer, :, i, : meta.ctx_lens[i]]  # (c, KVH, D) views
+            else:
+                ki, vi = _gather_context(pool, layer, meta.block_tables[i], meta.ctx_lens[i])
             if meta.rows_as_decode:
                 exact = i in meta.exact_rows
                 outputs.append(_decode_rows_attention(q[start : start + n], ki, vi, exact))
@@ -236,7 +241,17 @@ def _decode_attention(
     keys, values = kv.transpose(2, 3)  # each (B, KVH, S, D), strided views
     # Grouped on every device: on CUDA it keeps the fused kernels; on CPU the fused kernel
     # with equal head counts is ~25 % faster than enable_gqa's (measured at B 1-8).
-    return grouped_decode_sdpa(q, keys, values, meta.attn_bias)
+    out = grouped_decode_sdpa(q, keys, values, meta.attn_bias)
+    bias = meta.attn_bias
+    for i in meta.exact_rows:
+        # NOTE: the CPU kernel's reduction order depends on the key width S, so a row
+        # padded to a longer neighbour's context gets other bits than it would alone
+        # (a few bfloat16 roundings). Alone, a CPU decode step's S is its context: the
+        # row is recomputed over exactly that, for a request that reports logprobs.
+        s = meta.ctx_lens[i]
+        ks, vs = keys[i : i + 1, :, :s], values[i : i + 1, :, :s]
+        out[i] = grouped_decode_sdpa(q[i : i + 1], ks, vs, bias[i : i + 1, ..., :s])[0]
+    return out
 
 
 def grouped_decode_sdpa(
@@ -283,20 +298,34 @@ class DenseDecodeKV:
         self.seqs, self.ctx_lens, self.kv = (), [], None
 
     def prepare(
-        self, pool: torch.Tensor, seqs: list[object], ctx_lens: list[int], rows: torch.Tensor
+        self,
+        pool: torch.Tensor,
+        seqs: list[object],
+        ctx_lens: list[int],
+        rows: torch.Tensor,
+        q_lens: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dense K/V for this step, and where each layer writes its new K, V: (2, B).
+        """The dense K/V for this step, and where each layer writes its new K, V: (2, T).
 
         ``rows``: (L, 2 * B * W) block rows of the batch (as ``gather_rows``), used on a
-        rebuild. Positions < ctx_len - 1 are filled; the new token's layer writes the last.
+        rebuild. ``q_lens``: new tokens per sequence (None: one each, a decode step; a
+        verification has k + 1). Positions < ctx_len - q_len are filled; the new tokens'
+        layer writes the rest.
+        NOTE: kept, not rebuilt, while every sequence needs no position past those written
+        here before: a verification writes its drafts' K/V, and of them the positions its
+        sequence kept (``commit_verified``) hold the right values, the others are needed
+        again only after a later step has written them anew.
         """
+        q_lens = q_lens if q_lens is not None else [1] * len(seqs)
         same = len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs))
-        grown = same and all(c == p + 1 for c, p in zip(ctx_lens, self.ctx_lens))
+        grown = same and all(c - q <= p for c, q, p in zip(ctx_lens, q_lens, self.ctx_lens))
         if not grown or self.kv is None or max(ctx_lens) > self.kv.shape[3]:
             self.kv = self._rebuild(pool, len(seqs), max(ctx_lens), rows)
         self.seqs, self.ctx_lens = tuple(seqs), list(ctx_lens)
         b, cap = len(seqs), self.kv.shape[3]
-        pos = torch.tensor(ctx_lens) - 1 + torch.arange(b) * cap
+        pos = torch.tensor(
+            [i * cap + p for i, (c, q) in enumerate(zip(ctx_lens, q_lens)) for p in range(c - q, c)]
+        )
         return self.kv, torch.stack((pos, pos + b * cap))
 
     def _rebuild(
@@ -320,3 +349,30 @@ class DenseDecodeKV:
         # the tail no block covers yet starts as zeros, not as uninitialised memory.
         kv[:, :, :, width:].zero_()
         return kv
+
+
+def per_layer_rows(
+    base: torch.Tensor, num_layers: int, layer_stride: int, v_stride: int
+) -> torch.Tensor:
+    """``base`` (N,) pool rows of layer 0's K -> (L, 2, N) rows of layer l's K, then V.
+
+    A block's rows run (layer, K|V, slot): a layer is ``layer_stride`` rows further on,
+    and V ``v_stride`` rows after K.
+    """
+    layers = torch.arange(num_layers, device=base.device).view(-1, 1, 1) * layer_stride
+    kv = torch.tensor([0, v_stride], device=base.device).view(1, 2, 1)
+    return base.view(1, 1, -1) + layers + kv
+
+
+def exact_rows(
+    wants_logprobs: list[bool], ctx_lens: list[int], narrower_only: bool
+) -> frozenset[int]:
+    """The rows of a CPU step whose attention is recomputed over their own context alone:
+    those of requests reporting logprobs (``narrower_only``: only those whose context is
+    shorter than the batch's widest), so they report what a one-request step would."""
+    width = max(ctx_lens)
+    return frozenset(
+        i
+        for i, (wants, n) in enumerate(zip(wants_logprobs, ctx_lens, strict=True))
+        if wants and (not narrower_only or n < width)
+    )

@@ -10,9 +10,10 @@ where a_i[p] is request i's measured probability that draft p + 1 is accepted gi
 that draft p was (per-position EWMAs; ``Acceptance``). The gains of one request fall
 with j, so the X largest are a prefix of each request's drafts: request i verifies as
 many drafts as it has among them. t(B, X) is the engine's own step times, measured
-(``StepTimes``): verification rows may cost more than decode rows (other attention, a
-dense K/V copy to rebuild after it, the GEMM where a decode would take the packed
-kernel), and only the clock knows by how much on this machine, model and context.
+(``StepTimes``): verification rows may cost more than decode rows (other attention, on
+CPU a dense K/V copy to rebuild when the batch changed, the GEMM where a decode would take
+the packed kernel), and only the clock knows by how much on this machine, model and
+context.
 
 Acceptance is measured for free while a request does not speculate ("shadow" drafts,
 for proposers whose drafts cost nothing, like the n-gram one): its proposal is kept and
@@ -40,9 +41,10 @@ _REPROBE = 32  # plain steps in a row after which measured verification costs ar
 class StepTimes:
     """Measured seconds of a decode worker's steps by (batch size B, drafted rows X).
 
-    A decode step right after a verification pays to rebuild the dense decode K/V of the
-    verified requests (engine/model/attention.py: DenseDecodeKV); that excess over a
-    plain decode step is charged to the verification, not to decoding.
+    A decode step right after a verification may pay to rebuild the dense decode K/V
+    (engine/model/attention.py: DenseDecodeKV; when the verified batch was not the one it
+    held); that excess over a plain decode step is charged to the verification, not to
+    decoding.
     """
 
     def __init__(self) -> None:

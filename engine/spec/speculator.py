@@ -63,8 +63,8 @@ class Speculator:
         self.stats = SpecStats(accepted_per_pos=[0] * k)
         self._reqs: dict[int, _Req] = {}
         # The cost-aware gate's measurements; None: every request verifies all the drafts
-        # it is offered (tests forcing drafts through a stub proposer set this).
-        self.times: StepTimes | None = StepTimes()
+        # it is offered (``adaptive`` off; tests forcing drafts through a stub proposer).
+        self.times: StepTimes | None = StepTimes() if config.adaptive else None
         self._prior = [_PRIOR_ACCEPT] * k  # worker-wide per-position acceptance
 
     def drafts(self, seqs: list[Sequence]) -> list[list[int]] | None:

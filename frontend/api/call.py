@@ -108,6 +108,9 @@ class EngineCall:
         # Prompt tokens served from the prefix cache, as the first attempt reported them
         # (a request resumed after a worker death may hit or miss again: not counted).
         self.cached_tokens: int | None = None
+        # Speculation's counts over the tokens received (DetokParams.count_drafts only).
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
 
     async def start(self, request: Request) -> None:
         """Admit the request and wait for its first delta (aborted if the client leaves)."""
@@ -155,6 +158,8 @@ class EngineCall:
         now = time.monotonic()
         if self.cached_tokens is None:
             self.cached_tokens = d.cached_tokens
+        self.drafted_tokens += d.drafted_tokens
+        self.accepted_tokens += d.accepted_tokens
         if d.token_ids:
             if self._last_token_at is None:
                 self.ctx.metrics.ttft.observe(now - self.arrival)
@@ -180,6 +185,21 @@ class EngineCall:
             except Exception:
                 logger.exception("rid=%d abort failed", self.req.rid)
         logger.info("rid=%d aborted", self.req.rid)
+
+
+def predictions(calls: list[EngineCall]) -> tuple[int, int] | None:
+    """(accepted, rejected) drafts of every choice, for OpenAI's usage
+    (``accepted_prediction_tokens``, ``rejected_prediction_tokens``); None unless the
+    request opted in (``return_prediction_tokens_details``).
+
+    Accepted drafts are output tokens speculation verified in bulk; rejected ones are
+    drafts that are not in the output (refused by the model, or past a stop). Both are
+    zero when no draft was verified (speculation off, or gated off for the request).
+    """
+    if not calls or not calls[0].req.detok.count_drafts:
+        return None
+    accepted = sum(c.accepted_tokens for c in calls)
+    return accepted, sum(c.drafted_tokens for c in calls) - accepted
 
 
 async def start_all(calls: list[EngineCall], request: Request) -> None:

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from frontend.api.answer import Answer, finish_reason, read_answer
-from frontend.api.call import EngineCall, Generation, collect_all
+from frontend.api.call import EngineCall, Generation, collect_all, predictions
 from frontend.api.chat_run import start_chat
 from frontend.api.choices import check_choices, merged
 from frontend.api.context import ServingContext, check_model, now_s
@@ -60,6 +60,7 @@ async def create_chat_completion(
             sum(a.num_tokens for a in answers),
             run.cached_tokens,
             sum(a.reasoning_tokens for a in answers) if reasoning else None,
+            predictions(calls),
         ),
     }
     if body.return_token_ids:
@@ -132,5 +133,6 @@ async def _stream_chunks(
             num_tokens,
             calls[0].cached_tokens,
             sum(reasoning_tokens) if reasoning else None,
+            predictions(calls),
         )
         yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": final}

@@ -9,7 +9,7 @@ from msgspec.structs import replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.api.call import FINISH_REASONS, EngineCall, Generation, collect_all
+from frontend.api.call import FINISH_REASONS, EngineCall, Generation, collect_all, predictions
 from frontend.api.choices import best, check_choices, merged, start_choices
 from frontend.api.context import ServingContext, check_model, now_s
 from frontend.api.protocol import (
@@ -92,7 +92,10 @@ async def create_completion(
             "object": "text_completion",
             "choices": choices,
             "usage": usage(
-                len(prompt_ids), sum(len(g.token_ids) for g in gens), calls[0].cached_tokens
+                len(prompt_ids),
+                sum(len(g.token_ids) for g in gens),
+                calls[0].cached_tokens,
+                predictions=predictions(calls),
             ),
         }
     )
@@ -154,5 +157,10 @@ async def _stream_chunks(
         first[i] = False
         yield {**head, "object": "text_completion", "choices": [choice], "usage": None}
     if body.include_usage:
-        final = usage(len(calls[0].req.prompt_ids), num_tokens, calls[0].cached_tokens)
+        final = usage(
+            len(calls[0].req.prompt_ids),
+            num_tokens,
+            calls[0].cached_tokens,
+            predictions=predictions(calls),
+        )
         yield {**head, "object": "text_completion", "choices": [], "usage": final}

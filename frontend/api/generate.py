@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.api.call import FINISH_REASONS, EngineCall
+from frontend.api.call import FINISH_REASONS, EngineCall, predictions
 from frontend.api.context import ServingContext
 from frontend.api.protocol import (
     NativeGenerateRequest,
@@ -61,7 +61,9 @@ async def generate(
         "output_ids": gen.token_ids,
         "finish_reason": gen.finish_reason,
         "stop_reason": gen.stop_reason,
-        "usage": usage(len(prompt_ids), len(gen.token_ids), call.cached_tokens),
+        "usage": usage(
+            len(prompt_ids), len(gen.token_ids), call.cached_tokens, predictions=predictions([call])
+        ),
     }
     if gen.finish == Finish.ERROR:
         out["error"] = gen.error
@@ -79,7 +81,12 @@ async def _stream_chunks(call: EngineCall) -> AsyncIterator[dict[str, Any]]:
         }
         if d.finish:
             chunk["stop_reason"] = d.stop_reason
-            chunk["usage"] = usage(len(call.req.prompt_ids), num_tokens, call.cached_tokens)
+            chunk["usage"] = usage(
+                len(call.req.prompt_ids),
+                num_tokens,
+                call.cached_tokens,
+                predictions=predictions([call]),
+            )
         if d.error:
             chunk["error"] = d.error
         yield chunk

@@ -57,6 +57,9 @@ class SamplingFields(Body):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Opt-in: usage.completion_tokens_details gets accepted_prediction_tokens and
+    # rejected_prediction_tokens, speculation's drafts (README, "Speculative decoding").
+    return_prediction_tokens_details: bool = False
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -348,6 +351,7 @@ def to_engine_params(
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         stop_token_ids=tuple(sampling.stop_token_ids),
         reasoning=reasoning,
+        count_drafts=body.return_prediction_tokens_details,
     )
     return sampling, detok
 

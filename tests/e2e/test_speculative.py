@@ -13,6 +13,7 @@ import json
 import re
 import shlex
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -176,6 +177,31 @@ def test_outputs_with_speculation_equal_outputs_without(
     )
     assert accepted and sum(float(v) for v in accepted) > 0, metrics[-3000:]
     assert "pdserve_spec_decode_skipped_total" in metrics
+
+
+@pytest.mark.timeout(600)
+def test_concurrent_streams_equal_with_and_without_speculation(
+    servers: tuple[LaunchedServer, LaunchedServer],
+) -> None:
+    """Four streams at once on each server (greedy and seeded, with logprobs): the same
+    tokens, logprobs within 1e-4, whatever batches each server's steps made of them."""
+    spec, plain = servers
+    greedy = {"temperature": 0, "logprobs": True, "top_logprobs": 2, "max_tokens": 20}
+    seeded = {"temperature": 0.7, "seed": 9, "logprobs": True, "max_tokens": 20}
+    bodies = [
+        {"messages": [{"role": "user", "content": m}], **(greedy if i % 2 == 0 else seeded)}
+        for i, m in enumerate(MESSAGES)
+    ]
+
+    def at_once(url: str) -> list[dict[str, Any]]:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            return list(pool.map(lambda b: _chat(url, b), bodies))
+
+    for got, want in zip(at_once(spec.url), at_once(plain.url), strict=True):
+        # Streams racing for the prefix cache: what each found cached is not compared.
+        for out in (got, want):
+            out["usage"].pop("prompt_tokens_details", None)
+        _same(got, want)
 
 
 @pytest.mark.timeout(600)

@@ -1,11 +1,13 @@
-"""The TokenBatch codec carries the first token's cached prompt count; KVTransfer its hashes."""
+"""The TokenBatch codec carries the first token's cached prompt count and speculation's counts,
+checks its row layout; KVTransfer carries its hashes."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from wire.params import SamplingParams
-from wire.records import KVTransfer, TokenBatch, decode, encode
+from wire.records import KVTransfer, RecordError, TokenBatch, decode, encode
 
 
 def test_cached_tokens_round_trip_on_the_rows_that_carry_them() -> None:
@@ -60,3 +62,35 @@ def test_kv_transfer_carries_block_hashes_and_defaults_to_none() -> None:
     with_hashes = KVTransfer(**common, block_hashes=[2**64 - 1])  # type: ignore[arg-type]
     assert decode(encode(with_hashes)) == with_hashes
     assert decode(encode(KVTransfer(**common))).block_hashes == []  # type: ignore[arg-type, union-attr]
+
+
+def test_speculation_counts_round_trip_and_read_as_zero_when_absent() -> None:
+    batch = TokenBatch.build([1, 1, 1, 2], [4, 5, 6, 9], [10, 11, 12, 13], drafted=[4, 0, 0, 0])
+    got = decode(encode(batch))
+    assert isinstance(got, TokenBatch) and got.drafted is not None and got.accepted is not None
+    assert got.drafted.tolist() == [4, 0, 0, 0] and got.accepted.tolist() == [0, 0, 0, 0]
+    batch = TokenBatch.build([1, 1], [4, 5], [10, 11], drafted=[16, 0], accepted=[1, 0])
+    got = decode(encode(batch))
+    assert isinstance(got, TokenBatch) and got.drafted is not None and got.accepted is not None
+    assert got.drafted.tolist() == [16, 0] and got.accepted.tolist() == [1, 0]
+    assert got.cached_tokens is not None and got.cached_tokens.tolist() == [-1, -1]
+    cols = TokenBatch.build([4], [0], [6])  # columns not sharing one record array
+    plain = TokenBatch(
+        cols.rids.copy(),
+        cols.positions.copy(),
+        cols.token_ids.copy(),
+        cols.logprobs.copy(),
+        cols.finish.copy(),
+        cols.top_ids,
+        cols.top_logprobs,
+    )
+    got = decode(encode(plain))
+    assert isinstance(got, TokenBatch) and got.drafted is not None and got.accepted is not None
+    assert (got.drafted.tolist(), got.accepted.tolist()) == ([0], [0])
+
+
+def test_a_token_batch_of_another_row_layout_is_refused() -> None:
+    raw = bytearray(encode(TokenBatch.build([1], [0], [5])))
+    raw[1] = 0  # the pad byte of a batch written before rows were versioned
+    with pytest.raises(RecordError, match="row layout 0"):
+        decode(bytes(raw))
