@@ -321,14 +321,15 @@ class ModelRunner:
             per_token = [s for s, (_, _, n) in zip(slots, spans) for _ in range(n)]
             adapters = group_rows(per_token, self.device)
         meta, last = self._metadata(spans, is_decode, kv_pool)
-        wants = [seq.sampling.logprobs is not None for seq, _, _ in spans]
+        if decode_weights or (is_decode and self._dense is not None):
+            # Rows reporting logprobs attend over their own context, as if alone in the step.
+            wants = [s.sampling.logprobs is not None for s, _, _ in spans]
+            exact = exact_rows(wants, meta.ctx_lens, narrower_only=not decode_weights)
+            meta = replace(meta, exact_rows=exact)
         if decode_weights:  # speculative verification: rows attend as decode rows do
-            exact = exact_rows(wants, meta.ctx_lens, narrower_only=False)
-            meta = replace(meta, rows_as_decode=True, exact_rows=exact)
+            meta = replace(meta, rows_as_decode=True)
             if self._dense is not None:  # attend over the kept dense K/V, not a gather
                 meta = replace(meta, **self._dense_fields(spans, meta, kv_pool))
-        elif is_decode and self._dense is not None:
-            meta = replace(meta, exact_rows=exact_rows(wants, meta.ctx_lens, narrower_only=True))
         meta = self.backend.prepare(meta, kv_pool, self.model_config.num_heads)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         try:

@@ -197,21 +197,9 @@ class AsyncTieredKV(TieredKV):
         n_host = min(len(got), len(found))
         return TierLoad(got, from_host=n_host, from_disk=len(got) - n_host)
 
-    def _start_disk(
-        self,
-        seq: Sequence,
-        i0: int,
-        first: int,
-        keys: list[bytes],
-        tokens: np.ndarray,
-        allocate: Callable[[int], list[int]],
-        free: Callable[[list[int]], None],
-    ) -> DiskLoad | None:
-        # Uploads of the blocks reserved now wait for the steps already given to the GPU.
-        self.copier.order_after_compute()
-        return super()._start_disk(seq, i0, first, keys, tokens, allocate, free)
-
     def _read_targets(self, blocks: list[int]) -> list[np.ndarray]:
+        # Uploads into the blocks reserved now wait for the steps already given to the GPU.
+        self.copier.order_after_compute()
         staging = self.copier.staging(len(blocks))
         return [staging[i] for i in range(len(blocks))]
 

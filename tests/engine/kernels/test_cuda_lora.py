@@ -6,7 +6,6 @@ the same kernels under the interpreter, except graph capture and compiled kernel
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from engine.cuda.lora_bank import StackedLoraBank
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from engine.weights.lora_spec import read_lora
+from tests.e2e.helpers import hf_greedy
 from wire.params import LoraRef, SamplingParams
 
 pytestmark = [
@@ -45,19 +45,6 @@ def adapters(
         path = make_adapter(default_model_path, root / name, rank, targets, seed=i + 1)
         out[name] = LoraRef(name=name, path=str(path), fingerprint=read_lora(path).fingerprint)
     return out
-
-
-def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' (or peft's) greedy continuation on CPU, float32, EOS ignored."""
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.tensor([prompt]),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
 
 
 def _prompts() -> list[list[int]]:
