@@ -11,6 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from engine.weights.lora_spec import read_lora
+from wire.params import LoraRef
+
 
 def make_adapter(
     base: Path,
@@ -48,6 +51,21 @@ def make_adapter(
                 fan = p.shape[1]
                 p.copy_(torch.randn(p.shape, generator=gen) * (magnitude / fan**0.5) ** 0.5)
     peft_model.save_pretrained(str(out))
+    return out
+
+
+def lora_ref(path: Path, name: str = "a") -> LoraRef:
+    """What a request names to run under the adapter at ``path`` (fingerprint read back)."""
+    return LoraRef(name=name, path=str(path), fingerprint=read_lora(path).fingerprint)
+
+
+def make_adapter_refs(
+    base: Path, root: Path, kinds: dict[str, tuple[int, tuple[str, ...]]]
+) -> dict[str, LoraRef]:
+    """One adapter per ``kinds`` entry (name -> rank, targets) under ``root``, seeds 1, 2, ..."""
+    out = {}
+    for i, (name, (rank, targets)) in enumerate(kinds.items()):
+        out[name] = lora_ref(make_adapter(base, root / name, rank, targets, seed=i + 1), name)
     return out
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoints.lora import make_adapter, peft_model
+from checkpoints.lora import lora_ref, make_adapter, peft_model
 from colocated.llm import LLM
 from engine.checkpoint.lora_loader import LoraCapacityError
 from engine.config import EngineConfig
@@ -34,10 +34,6 @@ KINDS: dict[str, tuple[int, tuple[str, ...], dict[str, Any]]] = {
     "all16": (16, ALL, {}),
     "kogu16rs": (16, ("k_proj", "o_proj", "gate_proj", "up_proj"), {"use_rslora": True}),
 }
-
-
-def _ref(path: Path, name: str = "a") -> LoraRef:
-    return LoraRef(name=name, path=str(path), fingerprint=read_lora(path).fingerprint)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +87,7 @@ def test_adapter_logits_match_transformers_peft(
     with torch.no_grad():
         want = ref_model(torch.tensor([full])).logits[0, 39:]  # (6, V)
     runner = _runner(tiny_model_path)
-    got = _engine_logits(runner, full[:40], full[40:45], _ref(path))
+    got = _engine_logits(runner, full[:40], full[40:45], lora_ref(path))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     base = _engine_logits(runner, full[:40], full[40:45], None)
     assert (base - want).abs().max() > 1e-2, "the adapter changed nothing: the test is blind"
@@ -102,7 +98,9 @@ def test_greedy_generation_matches_peft_generate(adapters: dict[tuple[Path, str]
     prompt = _tokens(11, seed=5)
     for kind in ("qvd8", "all16"):
         path = adapters[(TINY_LLAMA, kind)]
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, lora=_ref(path))
+        params = SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, lora=lora_ref(path)
+        )
         (result,) = llm.generate([prompt], params)
         with torch.no_grad():
             out = peft_model(TINY_LLAMA, path).generate(
@@ -119,7 +117,7 @@ def test_a_batch_of_three_adapters_and_the_base_gives_each_row_what_it_gets_alon
     adapters: dict[tuple[Path, str], Path],
 ) -> None:
     runner = _runner(TINY_LLAMA)
-    refs = [_ref(adapters[(TINY_LLAMA, k)], k) for k in KINDS] + [None]
+    refs = [lora_ref(adapters[(TINY_LLAMA, k)], k) for k in KINDS] + [None]
     prompts = [_tokens(n, seed=10 + n) for n in (17, 33, 9, 40)]
     alone = [_engine_logits(runner, p, [5, 6, 7], r) for p, r in zip(prompts, refs)]
     seqs = [
@@ -166,7 +164,7 @@ def test_packed_int4_base_weights_keep_working_under_adapters(
         want = ref_lora(torch.tensor([full])).logits[0, 24:]
         with ref_lora.disable_adapter():
             want_base = ref_lora(torch.tensor([full])).logits[0, 24:]
-    got = _engine_logits(runner, full[:25], full[25:30], _ref(path))
+    got = _engine_logits(runner, full[:25], full[25:30], lora_ref(path))
     got_base = _engine_logits(runner, full[:25], full[25:30], None)
     # Packed layers compute in bfloat16: the base's own error bounds the adapter's.
     base_err = (got_base - want_base).abs().max().item()
@@ -180,7 +178,7 @@ def test_resident_adapters_are_bounded_and_least_recently_used_go_first(
 ) -> None:
     runner = _runner(TINY_LLAMA, max_loras=2)
     assert runner.loras is not None
-    refs = [_ref(adapters[(TINY_LLAMA, k)], k) for k in KINDS]
+    refs = [lora_ref(adapters[(TINY_LLAMA, k)], k) for k in KINDS]
     prompt = _tokens(8, seed=1)
     first = _engine_logits(runner, prompt, [], refs[0])
     for r in refs[1:]:
@@ -199,7 +197,7 @@ def test_a_prompt_under_another_adapter_reuses_no_cached_block(
     adapters: dict[tuple[Path, str], Path],
 ) -> None:
     runner = _runner(TINY_LLAMA)
-    a, b = (_ref(adapters[(TINY_LLAMA, k)], k) for k in ("qvd8", "all16"))
+    a, b = (lora_ref(adapters[(TINY_LLAMA, k)], k) for k in ("qvd8", "all16"))
     prompt = _tokens(64, seed=2)
 
     def cached(lora: LoraRef | None) -> int:
@@ -247,21 +245,21 @@ def test_unfit_or_missing_adapters_are_refused_by_name(
     small = _runner(TINY_LLAMA, max_loras=1)
     small.loras.max_rank = 8  # type: ignore[union-attr]
     with pytest.raises(LoraError, match="rank 16 exceeds --max-lora-rank 8"):
-        _engine_logits(small, [1, 2, 3], [], _ref(big))
+        _engine_logits(small, [1, 2, 3], [], lora_ref(big))
     qwen = Path.home() / ".cache/pdserve/tiny-qwen3-v1"
     other = make_adapter(qwen, tmp_path / "other", 4, ("q_proj",), seed=0)  # q: 128 wide
     with pytest.raises(LoraError, match="shape"):
-        _engine_logits(runner, [1, 2, 3], [], _ref(other))
+        _engine_logits(runner, [1, 2, 3], [], lora_ref(other))
     assert runner.loras is not None and runner.loras.resident == []
     # The runner serves on after each refusal.
-    _engine_logits(runner, [1, 2, 3], [4], _ref(adapters[(TINY_LLAMA, "qvd8")]))
+    _engine_logits(runner, [1, 2, 3], [4], lora_ref(adapters[(TINY_LLAMA, "qvd8")]))
 
 
 def test_more_adapters_in_flight_than_slots_are_served_in_turns(
     adapters: dict[tuple[Path, str], Path],
 ) -> None:
     runner = _runner(TINY_LLAMA, max_loras=2)
-    refs = [_ref(adapters[(TINY_LLAMA, k)], k) for k in KINDS] + [None]
+    refs = [lora_ref(adapters[(TINY_LLAMA, k)], k) for k in KINDS] + [None]
     prompts = [_tokens(n, seed=40 + n) for n in (12, 20, 7, 30)]
     alone = [_engine_logits(runner, p, [9, 8], r) for p, r in zip(prompts, refs)]
     seqs = [
@@ -284,7 +282,7 @@ def test_a_retired_adapter_frees_its_memory_at_once_and_stays_out_once_unused(
     runner = _runner(TINY_LLAMA, max_loras=2)
     loras = runner.loras
     assert loras is not None and loras.nbytes == 0
-    a, b = (_ref(adapters[(TINY_LLAMA, k)], k) for k in ("all16", "qvd8"))
+    a, b = (lora_ref(adapters[(TINY_LLAMA, k)], k) for k in ("all16", "qvd8"))
     prompt = _tokens(10, seed=6)
     # A request under ``a`` is in flight when the frontend unloads it.
     s = Sequence(0, prompt, sampling=SamplingParams(lora=a))

@@ -15,7 +15,6 @@ from engine.config import EngineConfig
 from engine.cuda.lora_bank import StackedLoraBank
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.weights.lora_spec import read_lora
 from tests.e2e.helpers import hf_greedy
 from wire.params import LoraRef, SamplingParams
 
@@ -37,14 +36,9 @@ def adapters(
     default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, LoraRef]:
     pytest.importorskip("peft")
-    from checkpoints.lora import make_adapter
+    from checkpoints.lora import make_adapter_refs
 
-    root = tmp_path_factory.mktemp("lora")
-    out = {}
-    for i, (name, (rank, targets)) in enumerate(KINDS.items()):
-        path = make_adapter(default_model_path, root / name, rank, targets, seed=i + 1)
-        out[name] = LoraRef(name=name, path=str(path), fingerprint=read_lora(path).fingerprint)
-    return out
+    return make_adapter_refs(default_model_path, tmp_path_factory.mktemp("lora"), KINDS)
 
 
 def _prompts() -> list[list[int]]:

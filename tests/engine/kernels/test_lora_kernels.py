@@ -21,7 +21,6 @@ from engine.cuda.lora_tiles import TILE_ROWS, max_tiles, plan_tiles
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from engine.weights.lora import LoraBank, LoraTiles, group_rows, lora_rows
-from engine.weights.lora_spec import read_lora
 from tests.engine.kernels.conftest import DEVICE
 from tests.engine.kernels.test_kernel_runner import _EagerGraphs, _HostTransfers
 from wire.params import LoraRef, SamplingParams
@@ -119,14 +118,9 @@ def _rows(slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoraRef]:
     if importlib.util.find_spec("peft") is None:
         pytest.skip("needs peft")
-    from checkpoints.lora import make_adapter
+    from checkpoints.lora import make_adapter_refs
 
-    root = tmp_path_factory.mktemp("lora")
-    out = {}
-    for i, (name, (rank, targets)) in enumerate(KINDS.items()):
-        path = make_adapter(TINY_LLAMA, root / name, rank, targets, seed=i + 1)
-        out[name] = LoraRef(name=name, path=str(path), fingerprint=read_lora(path).fingerprint)
-    return out
+    return make_adapter_refs(TINY_LLAMA, tmp_path_factory.mktemp("lora"), KINDS)
 
 
 def _runner(backend: str, max_loras: int = 4) -> ModelRunner:
