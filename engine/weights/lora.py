@@ -9,8 +9,9 @@ it each projection computes
     y = base(x)                                    (every row, packed or dense, as ever)
     y[rows of s] += (x[rows of s] @ A_s^T) @ B_s^T  for each slot s present in the step
 
-for each slot s present in the step. How depends on the step's size:
+How depends on the step:
 
+- one adapter on every row: its own pair, two GEMMs;
 - decode-sized steps (at most ``GATHER_ROWS`` rows): every resident adapter's pair at
   once, as one shrink GEMM over A of all slots stacked (K, R), a mask that keeps each
   row's own adapter's columns, and one expand GEMM over B stacked (R, N): three ops per
@@ -19,16 +20,17 @@ for each slot s present in the step. How depends on the step's size:
 - larger steps (prefill chunks): one pair of GEMMs per adapter over its rows, where the
   stacked shrink would multiply every row by every adapter's A.
 
-A step's size picks the same path for a row whether it runs alone or batched, up to the
-row count, as for the base projection.
+Every path computes the same products for a row; they differ only in how float32 sums
+them (over exact zeros, at another row count), as the base projection's GEMM may at
+another batch size: a row gets what it gets alone up to that rounding.
 
 Fused layers (``qkv``, ``gate_up``) hold one pair per slot for all their parts: A is the
 parts' A matrices stacked (sum r, K) and B block-diagonal (N, sum r), each part's B in
 its own output rows with the part's scaling folded in; a part the adapter does not
 target has no rows in A and zero rows in B.
 
-Two banks behind one face (``AdapterBank``): ``LoraBank`` here, a tensor pair per
-loaded slot (the torch path: memory held only while an adapter is), and the CUDA path's
+Two banks behind one face (``AdapterBank``): ``LoraBank`` here, the resident pairs
+stacked (the torch path: memory held only while an adapter is), and the CUDA path's
 stacked bank (``engine/cuda/lora_bank.py``: one preallocated (slots, ...) buffer per
 layer, so graphs keep their addresses), which reads the step's rows as ``LoraTiles``.
 """
@@ -189,6 +191,11 @@ class LoraBank(AdapterBank):
             return y
         assert isinstance(batch, LoraBatch), "the kernel path's rows need a stacked bank"
         # NOTE: in place: ``y`` is the base kernel's fresh output, held by no one else.
+        if len(batch.groups) == 1 and batch.groups[0][1] is None:  # one adapter, every row
+            pair = self.pairs[batch.groups[0][0]]
+            if pair is not None:
+                y.add_(torch.mm(torch.mm(x.to(pair[0].dtype), pair[0]), pair[1]))
+            return y
         if x.shape[0] <= GATHER_ROWS:
             at, bt, col_slot = self._stacked
             h = torch.mm(x.to(at.dtype), at)  # (T, R): every resident adapter's shrink
@@ -201,9 +208,7 @@ class LoraBank(AdapterBank):
             if pair is None:  # this adapter does not touch this layer
                 continue
             at, bt = pair
-            if rows is None:
-                y.add_(torch.mm(torch.mm(x.to(at.dtype), at), bt))  # (T, r) -> (T, N)
-            else:
-                xs = x.index_select(0, rows).to(at.dtype)  # (n, K)
-                y.index_add_(0, rows, torch.mm(torch.mm(xs, at), bt).to(y.dtype))
+            assert rows is not None  # one group of every row is served above
+            xs = x.index_select(0, rows).to(at.dtype)  # (n, K)
+            y.index_add_(0, rows, torch.mm(torch.mm(xs, at), bt).to(y.dtype))
         return y
