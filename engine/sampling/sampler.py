@@ -156,19 +156,23 @@ def draw(
     probs: torch.Tensor, rows: list[SampleRequest], generator: torch.Generator
 ) -> torch.Tensor:
     """(S, V) probabilities -> (S,) token ids via the exponential race."""
-    noise = torch.empty_like(probs)
+    # Exp(1) draws as -log(1 - U), U uniform in [0, 1): torch's own ``exponential_`` is
+    # scalar on CPU, ~5x the cost of a uniform draw and a vectorised log1p over a 49k
+    # vocabulary (0.7 against 0.15 ms a row), paid by every sampled row of every step.
+    u = torch.empty_like(probs)
     unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
     if unseeded:
-        noise[unseeded] = torch.empty(
+        u[unseeded] = torch.empty(
             len(unseeded), probs.shape[1], device=probs.device, dtype=probs.dtype
-        ).exponential_(generator=generator)
+        ).uniform_(generator=generator)
     for i, r in enumerate(rows):
         if r.params.seed is not None:
             gen = torch.Generator(device=probs.device)
             gen.manual_seed(mix_seed(r.params.seed, len(r.output_ids)))
-            noise[i].exponential_(generator=gen)
-    # NOTE: Exp(1) draws can be exactly 0; 0 / 0 would be NaN, which argmax would pick
-    # even for a filtered-out token. A tiny floor keeps filtered tokens at 0.
+            u[i].uniform_(generator=gen)
+    noise = u.neg_().log1p_().neg_()
+    # NOTE: Exp(1) draws can be exactly 0 (U = 0); 0 / 0 would be NaN, which argmax
+    # would pick even for a filtered-out token. A tiny floor keeps filtered tokens at 0.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
 

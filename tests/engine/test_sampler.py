@@ -148,8 +148,9 @@ def test_logprobs_are_of_the_raw_distribution_with_top_n() -> None:
 
 
 def test_zero_noise_never_selects_a_filtered_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The worst case: every Exp(1) draw comes out as exactly 0 (0 / 0 would be NaN).
-    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: self.zero_())
+    # The worst case: every Exp(1) draw comes out as exactly 0 (0 / 0 would be NaN), as
+    # it does from a uniform draw of exactly 0.
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: self.zero_())
     probs = torch.tensor([[0.0, 1.0, 0.0]])
     unseeded = _rows(SamplingParams(temperature=1.0), 1)
     seeded = _rows(SamplingParams(temperature=1.0, seed=5), 1)
