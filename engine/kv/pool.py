@@ -154,12 +154,17 @@ class KVPool:
 
     def _adopt(self, seq: Sequence, hashes: list[int], blocks: list[int]) -> None:
         """Append tier-loaded ``blocks`` to ``seq`` and publish them in the pool."""
+        assert self.tiers is not None
         first = len(seq.block_table)
         for i, b in enumerate(blocks):
             # A block another sequence registered meanwhile keeps the pool's copy; this
             # one stays private (register's rule), both hold the same KV.
             self.allocator.register(b, hashes[first + i])
         seq.block_table += blocks
+        # Tier-3 blocks go on to tier 2 off the step, each held until its copy is done.
+        held = self.tiers.promote()
+        if held:
+            self.allocator.share(held)
 
     def tier_loading(self, seq: Sequence) -> bool:
         """Is ``seq`` parked while its blocks are read from tier 3?"""

@@ -140,6 +140,15 @@ def test_an_evicted_prefix_comes_back_from_disk_after_a_restart(
     for i, key in enumerate(_keys(again)[:6]):
         stored = tiers.disk.path(key).read_bytes()[-tiers.block_nbytes :]
         assert _pool_block(again, i).tobytes() == stored
+    # The blocks read went on to tier 2 after the load, and their pool blocks were held
+    # only until then: every block of the idle pool is free or evictable again.
+    tiers.flush()
+    found = host.store.lookup(_keys(again)[:6], np.asarray(PROMPT[:96]).reshape(6, BS))
+    assert len(found) == 6
+    for i, f in enumerate(found):
+        stored = host.store.payload[f.slot, : host.store.geometry.payload_nbytes]
+        assert (_pool_block(again, i) == stored).all()
+    assert again.runner.kv.num_free_blocks == again.runner.kv.num_blocks
     # A scan of the directory (a restarted writer) finds the same usage.
     assert _persist(again).usage == sum(p.stat().st_size for p in tmp_path.rglob("*.kvb"))
 

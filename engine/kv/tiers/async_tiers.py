@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -109,8 +108,6 @@ class AsyncTieredKV(TieredKV):
         super().__init__(host, disk, namespace, pool)
         self.copier = copier
         self.loader = None if disk is None else DiskLoader(disk, host, copier.upload)
-        # Pool blocks whose store copies are done, to be given back by the caller.
-        self._released: deque[list[int]] = deque()
 
     # ---- stores --------------------------------------------------------------------
 
@@ -148,14 +145,7 @@ class AsyncTieredKV(TieredKV):
     def flush(self) -> None:
         """Return once every store given so far is published in tier 2."""
         self.copier.drain()
-
-    def take_released(self) -> list[int]:
-        """Pool blocks whose store copies finished since the last call (one reference
-        each, taken when ``offer`` returned them)."""
-        out: list[int] = []
-        while self._released:
-            out += self._released.popleft()
-        return out
+        super().flush()
 
     # ---- loads ---------------------------------------------------------------------
 

@@ -105,7 +105,8 @@ class DiskLoader:
         upload: Callable[[np.ndarray, int], None] | None = None,
     ) -> None:
         """``upload(dst, block)``: after a read passed its checks, put ``dst``'s bytes into
-        pool block ``block`` and return once they are there (None: ``dst`` is the block)."""
+        pool block ``block`` and return once they are there, and promote them to tier 2
+        (None: ``dst`` is the block, promoted after the load by ``TieredKV.promote``)."""
         self.disk, self.host, self.upload = disk, host, upload
         self._pool: ThreadPoolExecutor | None = None
 
@@ -124,7 +125,8 @@ class DiskLoader:
                 return False
             if self.upload is not None:
                 self.upload(r.dst, r.block)
-            self.host.put(r.key, r.parent, r.tokens, r.dst)  # promote to tier 2
+                # ``dst`` is a staging row the next load reuses: promote to tier 2 now.
+                self.host.put(r.key, r.parent, r.tokens, r.dst)
             return True
         except Exception:  # a device copy failed: a miss, the block recomputed
             logger.exception("KV tier 3: loading block %s into the pool failed", r.key.hex())
