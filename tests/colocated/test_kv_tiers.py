@@ -146,8 +146,8 @@ def test_an_evicted_prefix_comes_back_from_disk_after_a_restart(
     found = host.store.lookup(_keys(again)[:6], np.asarray(PROMPT[:96]).reshape(6, BS))
     assert len(found) == 6
     for i, f in enumerate(found):
-        stored = host.store.payload[f.slot, : host.store.geometry.payload_nbytes]
-        assert (_pool_block(again, i) == stored).all()
+        in_host = host.store.payload[f.slot, : host.store.geometry.payload_nbytes]
+        assert (_pool_block(again, i) == in_host).all()
     assert again.runner.kv.num_free_blocks == again.runner.kv.num_blocks
     # A scan of the directory (a restarted writer) finds the same usage.
     assert _persist(again).usage == sum(p.stat().st_size for p in tmp_path.rglob("*.kvb"))
