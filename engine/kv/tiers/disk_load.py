@@ -33,7 +33,7 @@ import numpy as np
 from engine.kv.tiers.disk_store import DiskStore
 from engine.kv.tiers.host_store import HostStore
 
-READERS = 4  # reads in flight per worker: measured in benchmarks/results/kv_tiers.md
+READERS = 16  # reads in flight per worker: 4, 8, 16, 32 measured in benchmarks/results/kv_tiers.md
 
 logger = logging.getLogger(__name__)
 
