@@ -235,6 +235,8 @@ def _build_topology(
         num_frontends=config.api_workers,
         remote=cluster.head_topology_remote(config),
     )
+    if config.enable_lora:
+        topo.add_lora_table(config.max_loras)
     if config.enable_prefix_caching:
         # A GPU pool is sized by its worker, after the launcher is done: plan for many.
         assert config.kv_cache_tokens is not None, "sized by _size_kv"

@@ -17,6 +17,7 @@ import logging
 from dataclasses import asdict
 from typing import Any
 
+from frontend.engine_link import lora_table
 from frontend.engine_link.board import FrontendBoard
 from runtime.process import ProcessSpec
 from transport.doorbell import Doorbell
@@ -95,6 +96,12 @@ class Topology:
         # The host's weights segment (engine/checkpoint/shared_weights.py): an empty memfd
         # the first CPU engine worker fills; every engine worker inherits it.
         self.weights_fd: int | None = None
+        # The LoRA adapters every frontend serves (``--enable-lora``): one shared list.
+        self.lora_segment: Segment | None = None
+
+    def add_lora_table(self, max_loras: int) -> None:
+        self.lora_segment = Segment.create("loras", lora_table.layout_nbytes(max_loras))
+        lora_table.format_table(self.lora_segment.buf)
 
     def _add(self, kind: RingKind, src: Peer, dst: Peer) -> None:
         if src in self.remote and dst in self.remote:
@@ -205,6 +212,9 @@ class Topology:
         board = self.board_segment.spec
         segments = {"frontends": {"fd": board.fd, "nbytes": board.nbytes}}
         segments = segments if role is Role.FRONTEND else {}
+        if self.lora_segment is not None and role is Role.FRONTEND:
+            lora = self.lora_segment.spec
+            segments["loras"] = {"fd": lora.fd, "nbytes": lora.nbytes}
         if self.kv_tier is not None and (role.is_engine or role is Role.FRONTEND):
             segments["kvtier"] = {"fd": self.kv_tier.spec.fd, "nbytes": self.kv_tier.spec.nbytes}
             if role is Role.FRONTEND:  # what its router needs (router/tier_residency.py)

@@ -13,8 +13,10 @@ A request names an adapter as its ``model``; ``resolve`` gives the ``LoraRef`` t
 travels in its sampling options to the workers, which load the adapter from its path
 themselves and check its fingerprint (``engine/checkpoint/lora_loader.py``).
 
-NOTE: the registry is this frontend process's; with ``--api-workers`` > 1 an adapter
-loaded through one frontend is not known to the others (the ``--lora-modules`` ones are).
+The list itself is the server's, not this process's (``engine_link/lora_table.py``):
+with ``--api-workers`` > 1 an adapter loaded through one frontend is served through every
+one, an unload through any is seen by all, and a restarted frontend finds them all. Each
+frontend keeps the list it last read and reads it again when its generation moved.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 
 from engine.weights.lora_spec import BaseDims, LoraError, read_lora
+from frontend.engine_link.lora_table import LoraTable
 from frontend.errors import APIError, InvalidRequest
 from frontend.settings import FrontendSettings
 from wire.params import LoraRef
@@ -30,37 +33,56 @@ logger = logging.getLogger(__name__)
 
 
 class LoraRegistry:
-    def __init__(self, settings: FrontendSettings) -> None:
+    def __init__(self, settings: FrontendSettings, table: LoraTable | None = None) -> None:
         self.max_loras, self.max_rank = settings.max_loras, settings.max_lora_rank
         self.base_name = settings.model_name
         self.base = BaseDims.from_model_dir(settings.base_model_dir)
-        self.adapters: dict[str, LoraRef] = {}
+        self.table = table if table is not None else LoraTable.private(self.max_loras)
+        self._generation = -1
+        self._adapters: dict[str, LoraRef] = {}
         for name, path in settings.lora_modules:
-            self.load(name, path)  # a bad --lora-modules entry stops startup, named
+            self.load(name, path, startup=True)  # a bad --lora-modules entry stops startup
 
-    def load(self, name: str, path: str) -> LoraRef:
-        """Check and register; raises ``APIError`` (400) naming what is wrong."""
+    @property
+    def adapters(self) -> dict[str, LoraRef]:
+        """name -> adapter, as every frontend of the server has them registered now."""
+        if self.table.generation != self._generation:
+            self._generation, refs = self.table.read()
+            self._adapters = {r.name: r for r in refs}
+        return self._adapters
+
+    def load(self, name: str, path: str, startup: bool = False) -> LoraRef:
+        """Check and register; raises ``APIError`` (400) naming what is wrong.
+        ``startup``: a ``--lora-modules`` entry, which another frontend (or this one
+        before a restart) may have registered already."""
         if not name or name == self.base_name:
             raise InvalidRequest(
                 f"lora_name {name!r} is empty or the base model's name", param="lora_name"
             )
-        if name in self.adapters:
-            raise InvalidRequest(
-                f"the LoRA adapter {name!r} is already loaded; unload it first", param="lora_name"
-            )
-        if len(self.adapters) >= self.max_loras:
-            raise InvalidRequest(
-                f"{len(self.adapters)} LoRA adapters are loaded, as many as --max-loras "
-                f"({self.max_loras}) allows; unload one first",
-                param="lora_name",
-            )
+        if name in self.adapters and not startup:  # before hashing its weights
+            raise _already(name)
         try:
             spec = read_lora(path)
             spec.check_fits(self.base, self.max_rank)
         except LoraError as e:
             raise InvalidRequest(f"LoRA adapter {name!r}: {e}", param="lora_path") from None
         ref = LoraRef(name=name, path=spec.path, fingerprint=spec.fingerprint)
-        self.adapters[name] = ref
+
+        def register(refs: list[LoraRef]) -> list[LoraRef]:
+            held = next((r for r in refs if r.name == name), None)
+            if held is not None:
+                if startup and held == ref:
+                    return refs
+                raise _already(name)
+            if len(refs) >= self.max_loras:
+                raise InvalidRequest(
+                    f"{len(refs)} LoRA adapters are loaded, as many as --max-loras "
+                    f"({self.max_loras}) allows; unload one first",
+                    param="lora_name",
+                )
+            return [*refs, ref]
+
+        self.table.update(register)
         logger.info(
             "LoRA adapter %r registered: %s, rank %d, %s",
             name,
@@ -72,16 +94,22 @@ class LoraRegistry:
 
     def unload(self, name: str) -> LoraRef:
         """Unregister ``name``; raises ``APIError`` (404) if no adapter has that name."""
-        ref = self.adapters.pop(name, None)
-        if ref is None:
-            raise APIError(
-                f"no LoRA adapter named {name!r} is loaded",
-                param="lora_name",
-                code="lora_not_found",
-                status=404,
-            )
+        gone: list[LoraRef] = []
+
+        def unregister(refs: list[LoraRef]) -> list[LoraRef]:
+            gone.extend(r for r in refs if r.name == name)
+            if not gone:
+                raise APIError(
+                    f"no LoRA adapter named {name!r} is loaded",
+                    param="lora_name",
+                    code="lora_not_found",
+                    status=404,
+                )
+            return [r for r in refs if r.name != name]
+
+        self.table.update(unregister)
         logger.info("LoRA adapter %r unregistered", name)
-        return ref
+        return gone[0]
 
     def serves(self, fingerprint: str) -> bool:
         """Whether some registered name still names the adapter with ``fingerprint``."""
@@ -103,3 +131,9 @@ class LoraRegistry:
             }
             for name, ref in self.adapters.items()
         ]
+
+
+def _already(name: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"the LoRA adapter {name!r} is already loaded; unload it first", param="lora_name"
+    )

@@ -37,6 +37,7 @@ from frontend.engine_link.engine_client import (
     WorkerHealth,
     WorkerReport,
 )
+from frontend.engine_link.lora_table import LoraTable
 from frontend.engine_link.prefix_reset import ResetDone, reset_prefix_cache
 from frontend.engine_link.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream
 from frontend.engine_link.worker_status import (
@@ -101,6 +102,9 @@ class RingEngineClient(EngineClient):
         )
         self.shared.claim()
         self.board = self.shared
+        self._lora_seg = shared_segment(spec, "loras")
+        if self._lora_seg is not None:
+            self.lora_table = LoraTable(self._lora_seg.spec.fd, self._lora_seg.buf)
         self._tier_seg = shared_segment(spec, "kvtier")
         residency = None
         self.kv_tier: HostStore | None = None  # emptied by reset_prefix_cache

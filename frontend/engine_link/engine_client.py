@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from frontend.engine_link.board import FrontendBoard
+from frontend.engine_link.lora_table import LoraTable
 from transport.worker_load import WorkerLoad
 from wire.params import DetokParams, SamplingParams
 from wire.records import TextDelta
@@ -123,6 +124,8 @@ class EngineClient(ABC):
     board: FrontendBoard | None = None
     # The host's KV tier counters (engine/kv/tiers/host_store.py), when the tiers are on.
     kv_tier_counters: Callable[[], dict[str, int]] | None = None
+    # The LoRA adapters every frontend of the server serves (None: this one's alone).
+    lora_table: LoraTable | None = None
     _rids: Iterator[int] | None = None
 
     def next_rid(self) -> int:

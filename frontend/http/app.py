@@ -336,7 +336,7 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
         on_compile=telemetry.grammar_compiles.inc,
         on_hit=telemetry.grammar_cache_hits.inc,
     )
-    loras = LoraRegistry(settings) if settings.max_loras > 0 else None
+    loras = LoraRegistry(settings, client.lora_table) if settings.max_loras > 0 else None
     ctx = ServingContext(client, tokenizer, settings, telemetry, grammars, loras)
 
     @asynccontextmanager

@@ -1,6 +1,7 @@
-"""LoRA adapters through a real 1P1D server: greedy parity per adapter against
-transformers + peft, no cached block shared across adapters, load / unload / load again,
-every bad input a 4xx with the server serving on, and decode-worker SIGKILL recovery."""
+"""LoRA adapters through a real 1P1D server with two frontends: greedy parity per adapter
+against transformers + peft, no cached block shared across adapters, load / unload / load
+again, an adapter loaded or unloaded through one frontend seen by both, every bad input a
+4xx with the server serving on, and decode-worker SIGKILL recovery."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def server(adapters: dict[str, Path]) -> Iterator[LaunchedServer]:
     yield from LaunchedServer.serving(
         [
             *shlex.split(
-                "--prefill 1 --decode 1 --detokenizers 1 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --stall-timeout 4 --enable-lora --max-loras 2 --max-lora-rank 16 --lora-modules"
+                "--prefill 1 --decode 1 --detokenizers 1 --api-workers 2 --device cpu --kv-cache-tokens 8192 --max-model-len 1024 --stall-timeout 4 --enable-lora --max-loras 2 --max-lora-rank 16 --lora-modules"
             ),
             f"qvd8={adapters['qvd8']}",
         ]
@@ -116,6 +117,23 @@ def _base_name(srv: LaunchedServer) -> str:
 def _assert_serving(srv: LaunchedServer) -> None:
     assert srv.health()["status"] == "ok"
     assert _complete(srv, _base_name(srv), [1, 2, 3], max_tokens=2).status_code == 200
+
+
+def test_an_adapter_loaded_through_one_frontend_serves_through_both(
+    server: LaunchedServer, adapters: dict[str, Path]
+) -> None:
+    # Each request on a new connection: the port's two frontends take them in turn.
+    with _loaded(server, "both", adapters["gu16"]):
+        seen: set[str] = set()
+        for _ in range(40):
+            r = _complete(server, "both", [1, 2, 3], max_tokens=2)
+            assert r.status_code == 200, r.text
+            seen.add(r.headers["x-pdserve-frontend"])
+            if seen == {"0", "1"}:
+                break
+        assert seen == {"0", "1"}
+    for _ in range(10):  # unloaded through whichever frontend took it: gone from both
+        assert _complete(server, "both", [1, 2, 3], max_tokens=2).status_code == 404
 
 
 def test_models_lists_each_adapter_with_the_base_as_parent(server: LaunchedServer) -> None:
