@@ -29,6 +29,19 @@ from engine.cuda.lora_tiles import TILE_ROWS
 
 
 @triton.jit
+def _tile_rows(tiles_ptr, order_ptr, tile, num_tiles, BLOCK_M: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Tile ``tile``'s slot (-1: an empty tile), its rows' indices into x and y
+    (BLOCK_M,) int64, and which of them are real."""
+    slot = tl.load(tiles_ptr + tile)
+    first = tl.load(tiles_ptr + num_tiles + tile)
+    end = tl.load(tiles_ptr + 2 * num_tiles + tile)
+    i = first + tl.arange(0, BLOCK_M)
+    m_row = i < end
+    rows = tl.load(order_ptr + i, mask=m_row, other=0).to(tl.int64)
+    return slot, rows, m_row
+
+
+@triton.jit
 def _shrink_kernel(  # type: ignore[no-untyped-def]
     x_ptr,  # (T, K)
     a_ptr,  # (S, R, K)
@@ -45,15 +58,9 @@ def _shrink_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    slot = tl.load(tiles_ptr + tile)
+    slot, rows, m_row = _tile_rows(tiles_ptr, order_ptr, tl.program_id(0), num_tiles, BLOCK_M)
     if slot < 0:
         return
-    first = tl.load(tiles_ptr + num_tiles + tile)
-    end = tl.load(tiles_ptr + 2 * num_tiles + tile)
-    i = first + tl.arange(0, BLOCK_M)
-    m_row = i < end
-    rows = tl.load(order_ptr + i, mask=m_row, other=0).to(tl.int64)  # (BLOCK_M,)
     r = tl.arange(0, BLOCK_R)
     m_r = r < R
     a_base = a_ptr + slot.to(tl.int64) * (R * K)
@@ -90,15 +97,9 @@ def _expand_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    slot = tl.load(tiles_ptr + tile)
+    slot, rows, m_row = _tile_rows(tiles_ptr, order_ptr, tl.program_id(0), num_tiles, BLOCK_M)
     if slot < 0:
         return
-    first = tl.load(tiles_ptr + num_tiles + tile)
-    end = tl.load(tiles_ptr + 2 * num_tiles + tile)
-    i = first + tl.arange(0, BLOCK_M)
-    m_row = i < end
-    rows = tl.load(order_ptr + i, mask=m_row, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     m_r = r < R
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
