@@ -40,8 +40,14 @@ class LoraRegistry:
         self.table = table if table is not None else LoraTable.private(self.max_loras)
         self._generation = -1
         self._adapters: dict[str, LoraRef] = {}
-        for name, path in settings.lora_modules:
-            self.load(name, path, startup=True)  # a bad --lora-modules entry stops startup
+        if settings.lora_modules and not self.table.seeded:
+            # A bad --lora-modules entry stops startup; a later or restarted frontend keeps
+            # the server's adapters as they are now (some may have been unloaded since).
+            refs = [self._check(name, path) for name, path in settings.lora_modules]
+            if len(refs) > self.max_loras or len({r.name for r in refs}) < len(refs):
+                raise InvalidRequest("--lora-modules: a name twice, or more than --max-loras")
+            self.table.seed(refs)
+            logger.info("LoRA adapters registered: %s", ", ".join(r.name for r in refs))
 
     @property
     def adapters(self) -> dict[str, LoraRef]:
@@ -51,28 +57,14 @@ class LoraRegistry:
             self._adapters = {r.name: r for r in refs}
         return self._adapters
 
-    def load(self, name: str, path: str, startup: bool = False) -> LoraRef:
-        """Check and register; raises ``APIError`` (400) naming what is wrong.
-        ``startup``: a ``--lora-modules`` entry, which another frontend (or this one
-        before a restart) may have registered already."""
-        if not name or name == self.base_name:
-            raise InvalidRequest(
-                f"lora_name {name!r} is empty or the base model's name", param="lora_name"
-            )
-        if name in self.adapters and not startup:  # before hashing its weights
+    def load(self, name: str, path: str) -> LoraRef:
+        """Check and register; raises ``APIError`` (400) naming what is wrong."""
+        if name in self.adapters:  # before hashing its weights
             raise _already(name)
-        try:
-            spec = read_lora(path)
-            spec.check_fits(self.base, self.max_rank)
-        except LoraError as e:
-            raise InvalidRequest(f"LoRA adapter {name!r}: {e}", param="lora_path") from None
-        ref = LoraRef(name=name, path=spec.path, fingerprint=spec.fingerprint)
+        ref = self._check(name, path)
 
         def register(refs: list[LoraRef]) -> list[LoraRef]:
-            held = next((r for r in refs if r.name == name), None)
-            if held is not None:
-                if startup and held == ref:
-                    return refs
+            if any(r.name == name for r in refs):
                 raise _already(name)
             if len(refs) >= self.max_loras:
                 raise InvalidRequest(
@@ -83,14 +75,28 @@ class LoraRegistry:
             return [*refs, ref]
 
         self.table.update(register)
+        logger.info("LoRA adapter %r registered", name)
+        return ref
+
+    def _check(self, name: str, path: str) -> LoraRef:
+        """The adapter at ``path`` as ``name``, if it can be served; ``APIError`` (400)."""
+        if not name or name == self.base_name:
+            raise InvalidRequest(
+                f"lora_name {name!r} is empty or the base model's name", param="lora_name"
+            )
+        try:
+            spec = read_lora(path)
+            spec.check_fits(self.base, self.max_rank)
+        except LoraError as e:
+            raise InvalidRequest(f"LoRA adapter {name!r}: {e}", param="lora_path") from None
         logger.info(
-            "LoRA adapter %r registered: %s, rank %d, %s",
+            "LoRA adapter %r checked: %s, rank %d, %s",
             name,
             spec.path,
             spec.rank,
             ",".join(spec.targets),
         )
-        return ref
+        return LoraRef(name=name, path=spec.path, fingerprint=spec.fingerprint)
 
     def unload(self, name: str) -> LoraRef:
         """Unregister ``name``; raises ``APIError`` (404) if no adapter has that name."""

@@ -9,7 +9,10 @@ before it died.
 
 Layout (little-endian u64 words, then UTF-8 JSON):
     [0] magic  [1] generation (bumped by every change)  [2] JSON length
-    [3..]      {"adapters": [[name, path, fingerprint], ...]} in the order registered
+    [3..]      {"seeded": bool, "adapters": [[name, path, fingerprint], ...]}, the
+               adapters in the order registered; ``seeded``: the ``--lora-modules`` ones
+               were registered (once per server, by the first frontend to start: a later
+               or restarted one keeps whatever the server holds now)
 
 Every change is a read-modify-write under one lock: a POSIX record lock on the segment's
 fd (it excludes other processes) plus a process-wide mutex (record locks do not exclude
@@ -24,6 +27,7 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +47,7 @@ def layout_nbytes(max_loras: int) -> int:
 def format_table(buf: memoryview) -> None:
     """An empty table in a fresh segment (the launcher, before any frontend starts)."""
     head = np.frombuffer(buf, dtype="<u8", count=_HEAD)
-    empty = json.dumps({"adapters": []}).encode()
+    empty = json.dumps({"seeded": False, "adapters": []}).encode()
     buf[8 * _HEAD : 8 * _HEAD + len(empty)] = empty
     head[1], head[2] = 0, len(empty)
     head[0] = MAGIC
@@ -72,30 +76,46 @@ class LoraTable:
     def read(self) -> tuple[int, list[LoraRef]]:
         """(generation, the adapters registered, in order)."""
         with self._locked():
-            return self.generation, self._load()
+            return self.generation, _refs(self._doc())
+
+    @property
+    def seeded(self) -> bool:
+        with self._locked():
+            return bool(self._doc()["seeded"])
+
+    def seed(self, refs: list[LoraRef]) -> None:
+        """Register the server's startup adapters, unless a frontend did already."""
+        with self._locked():
+            doc = self._doc()
+            if not doc["seeded"]:
+                self._write(True, [*refs, *_refs(doc)])
 
     def update(self, change: Callable[[list[LoraRef]], list[LoraRef]]) -> list[LoraRef]:
         """Replace the list with ``change(list)`` atomically with respect to every other
         frontend; ``change`` may raise (an ``APIError``), leaving the table as it was."""
         with self._locked():
-            new = change(self._load())
-            raw = json.dumps({"adapters": [[r.name, r.path, r.fingerprint] for r in new]})
-            data = raw.encode()
-            if 8 * _HEAD + len(data) > len(self.buf):
-                raise InvalidRequest(
-                    "the adapters' names and paths do not fit the server's LoRA table; "
-                    "unload one first",
-                    param="lora_path",
-                )
-            self.buf[8 * _HEAD : 8 * _HEAD + len(data)] = data
-            self.head[2] = len(data)
-            self.head[1] += np.uint64(1)
+            doc = self._doc()
+            new = change(_refs(doc))
+            self._write(bool(doc["seeded"]), new)
             return new
 
-    def _load(self) -> list[LoraRef]:
+    def _write(self, seeded: bool, refs: list[LoraRef]) -> None:
+        rows = [[r.name, r.path, r.fingerprint] for r in refs]
+        data = json.dumps({"seeded": seeded, "adapters": rows}).encode()
+        if 8 * _HEAD + len(data) > len(self.buf):
+            raise InvalidRequest(
+                "the adapters' names and paths do not fit the server's LoRA table; "
+                "unload one first",
+                param="lora_path",
+            )
+        self.buf[8 * _HEAD : 8 * _HEAD + len(data)] = data
+        self.head[2] = len(data)
+        self.head[1] += np.uint64(1)
+
+    def _doc(self) -> dict[str, Any]:
         n = int(self.head[2])
-        rows = json.loads(bytes(self.buf[8 * _HEAD : 8 * _HEAD + n]))["adapters"]
-        return [LoraRef(name=a, path=b, fingerprint=c) for a, b, c in rows]
+        doc: dict[str, Any] = json.loads(bytes(self.buf[8 * _HEAD : 8 * _HEAD + n]))
+        return doc
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -108,3 +128,7 @@ class LoraTable:
                 yield
             finally:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN)
+
+
+def _refs(doc: dict[str, Any]) -> list[LoraRef]:
+    return [LoraRef(name=a, path=b, fingerprint=c) for a, b, c in doc["adapters"]]

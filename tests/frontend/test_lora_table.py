@@ -94,3 +94,7 @@ def test_a_restarted_frontend_finds_every_adapter_and_startup_modules_register_o
     again = _frontend(segment, started)  # a second frontend, or the first one restarted
     assert list(again.adapters) == ["chat", "sql"]
     assert again.resolve("chat") == one.resolve("chat")
+    # A startup adapter unloaded since stays unloaded, and --max-loras full is no failure.
+    again.unload("chat")
+    one.load("other", str(adapters[2]))
+    assert list(_frontend(segment, started).adapters) == ["sql", "other"]
