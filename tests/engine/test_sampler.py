@@ -197,3 +197,18 @@ def test_only_top_p_rows_are_sorted(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(probs[0], PROBS)
     filtered_probs(logits, [plain, SamplingParams(top_p=0.5), top_k])
     assert sorted_rows == [1]
+
+
+def test_a_seeded_row_draws_the_same_token_alone_and_anywhere_in_a_batch() -> None:
+    # A vocabulary that is no multiple of a vector width: rows of a batch start mid-vector.
+    g = torch.Generator().manual_seed(11)
+    probs = torch.rand(5, 49157, generator=g).pow(8).softmax(-1)
+    rows = [
+        SampleRequest(SamplingParams(temperature=1.0, seed=s), [1], list(range(n)))
+        for s, n in ((3, 4), (3, 5), (9, 0), (1, 77), (2, 2))
+    ]
+    rows[2] = SampleRequest(SamplingParams(temperature=1.0), [1], [])  # unseeded in between
+    batch = draw(probs, rows, torch.Generator().manual_seed(0)).tolist()
+    for i in (0, 1, 3, 4):
+        alone = draw(probs[i : i + 1].clone(), [rows[i]], torch.Generator().manual_seed(5))
+        assert alone.item() == batch[i]

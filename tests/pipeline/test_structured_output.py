@@ -51,11 +51,14 @@ def _req(
     seed: int,
     output_ids: list[int] | None = None,
     max_tokens: int = 60,
+    prompt_of: int | None = None,
 ) -> GenerateRequest:
+    """``prompt_of``: the rid whose prompt to use (a resumed request's is its original's)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, grammar=spec)
+    prompt_rid = rid if prompt_of is None else prompt_of
     return GenerateRequest(
         rid=rid,
-        prompt_ids=[9707, 11, 1879, 0, rid % 50 + 100],
+        prompt_ids=[9707, 11, 1879, 0, prompt_rid % 50 + 100],
         sampling=params,
         decode_worker=0,
         detok_shard=0,
@@ -102,7 +105,7 @@ def test_a_resumed_request_continues_inside_its_grammar(
     prefill.add(_req(0, spec, seed=5))
     ((ids, _),) = _run(prefill, decode).values()
     for cut in (1, len(ids) // 2, len(ids) - 2):
-        prefill.add(_req(100 + cut, spec, seed=5, output_ids=ids[:cut]))
+        prefill.add(_req(100 + cut, spec, seed=5, output_ids=ids[:cut], prompt_of=0))
     for rid, (more, fin) in _run(prefill, decode).items():
         cut = rid - 100
         assert fin == Finish.STOP
