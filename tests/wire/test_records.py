@@ -29,12 +29,9 @@ def test_cached_tokens_round_trip_on_the_rows_that_carry_them() -> None:
     assert got.top_ids.tolist() == top.tolist()
 
 
-def test_batches_built_or_made_without_the_column_read_as_not_reported() -> None:
-    built = decode(encode(TokenBatch.build([7], [3], [9])))
-    assert isinstance(built, TokenBatch) and built.cached_tokens is not None
-    assert built.cached_tokens.tolist() == [-1]
-    cols = TokenBatch.build([4, 5], [0, 1], [6, 7], cached_tokens=[16, -1])
-    plain = TokenBatch(
+def _without_optional_columns(cols: TokenBatch) -> TokenBatch:
+    """``cols``'s required columns as separate arrays, the optional ones left out."""
+    return TokenBatch(
         cols.rids.copy(),
         cols.positions.copy(),
         cols.token_ids.copy(),
@@ -43,6 +40,14 @@ def test_batches_built_or_made_without_the_column_read_as_not_reported() -> None
         cols.top_ids,
         cols.top_logprobs,
     )
+
+
+def test_batches_built_or_made_without_the_column_read_as_not_reported() -> None:
+    built = decode(encode(TokenBatch.build([7], [3], [9])))
+    assert isinstance(built, TokenBatch) and built.cached_tokens is not None
+    assert built.cached_tokens.tolist() == [-1]
+    cols = TokenBatch.build([4, 5], [0, 1], [6, 7], cached_tokens=[16, -1])
+    plain = _without_optional_columns(cols)
     got = decode(encode(plain))
     assert isinstance(got, TokenBatch) and got.cached_tokens is not None
     assert got.cached_tokens.tolist() == [-1, -1] and got.token_ids.tolist() == [6, 7]
@@ -75,15 +80,7 @@ def test_speculation_counts_round_trip_and_read_as_zero_when_absent() -> None:
     assert got.drafted.tolist() == [16, 0] and got.accepted.tolist() == [1, 0]
     assert got.cached_tokens is not None and got.cached_tokens.tolist() == [-1, -1]
     cols = TokenBatch.build([4], [0], [6])  # columns not sharing one record array
-    plain = TokenBatch(
-        cols.rids.copy(),
-        cols.positions.copy(),
-        cols.token_ids.copy(),
-        cols.logprobs.copy(),
-        cols.finish.copy(),
-        cols.top_ids,
-        cols.top_logprobs,
-    )
+    plain = _without_optional_columns(cols)
     got = decode(encode(plain))
     assert isinstance(got, TokenBatch) and got.drafted is not None and got.accepted is not None
     assert (got.drafted.tolist(), got.accepted.tolist()) == ([0], [0])
