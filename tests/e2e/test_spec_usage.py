@@ -13,7 +13,6 @@ that sends ``return_prediction_tokens_details: true`` gets
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmarks.speculative import spec_counts
 from tests.conftest import LaunchedServer
 
 pytestmark = pytest.mark.slow
@@ -51,24 +51,12 @@ def spec_server(default_model_path: Path) -> Iterator[LaunchedServer]:
     )
 
 
-def _engine_counts(url: str) -> tuple[float, float]:
-    """(draft tokens, accepted tokens) the decode workers report in /metrics."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^{name}_total\{{[^}}]*\}} (\S+)", text, re.M))
-
-    return total("pdserve_spec_decode_num_draft_tokens"), total(
-        "pdserve_spec_decode_num_accepted_tokens"
-    )
-
-
 def _settled(url: str, before: tuple[float, float], drafted: int) -> tuple[float, float]:
     """The engine's counts since ``before``, once its load-table row shows at least
     ``drafted`` more drafts (it publishes every step; the request may end first)."""
     deadline = time.monotonic() + 10
     while True:
-        now = _engine_counts(url)
+        now = spec_counts(url)
         delta = (now[0] - before[0], now[1] - before[1])
         if delta[0] >= drafted or time.monotonic() > deadline:
             return delta
@@ -103,7 +91,7 @@ def _details(usage: dict[str, Any]) -> tuple[int, int]:
 
 def test_counts_of_a_request_agree_with_the_engines_metrics(spec_server: LaunchedServer) -> None:
     url = spec_server.url
-    before = _engine_counts(url)
+    before = spec_counts(url)
     out = _complete(url, **OPT_IN)
     accepted, rejected = _details(out["usage"])
     drafted, engine_accepted = _settled(url, before, accepted + rejected)
@@ -127,7 +115,7 @@ def test_a_stop_token_inside_an_accepted_run(spec_server: LaunchedServer) -> Non
     ids = _complete(url, return_token_ids=True)["choices"][0]["token_ids"]
     stop = next(t for t in ids[8:] if ids.index(t) >= 8)  # first occurrence past 8 tokens
     cut = ids.index(stop) + 1
-    before = _engine_counts(url)
+    before = spec_counts(url)
     out = _complete(url, stop_token_ids=[stop], return_token_ids=True, **OPT_IN)
     assert out["choices"][0]["token_ids"] == ids[:cut]
     assert out["choices"][0]["finish_reason"] == "stop"
@@ -148,7 +136,7 @@ def test_a_stop_string_inside_an_accepted_run(spec_server: LaunchedServer) -> No
     tok = httpx.post(url + "/detokenize", json={"tokens": full["token_ids"][:12]}, timeout=30)
     text = tok.json()["prompt"]
     stop = text[-3:] if len(text) >= 6 else text  # ends inside the 12th token or so
-    before = _engine_counts(url)
+    before = spec_counts(url)
     out = _complete(url, stop=[stop], return_token_ids=True, **OPT_IN)
     choice = out["choices"][0]
     assert choice["finish_reason"] == "stop" and stop not in choice["text"]
