@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from engine.sampling import sampler
 from engine.sampling.sampler import (
     SampleRequest,
     apply_penalties,
@@ -147,15 +148,29 @@ def test_logprobs_are_of_the_raw_distribution_with_top_n() -> None:
     assert tuple(out.top_ids.shape) == (2, 2)
 
 
-def test_zero_noise_never_selects_a_filtered_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The worst case: every Exp(1) draw comes out as exactly 0 (0 / 0 would be NaN), as
-    # it does from a uniform draw of exactly 0.
-    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: self.zero_())
-    probs = torch.tensor([[0.0, 1.0, 0.0]])
-    unseeded = _rows(SamplingParams(temperature=1.0), 1)
-    seeded = _rows(SamplingParams(temperature=1.0, seed=5), 1)
-    assert draw(probs, unseeded, torch.Generator()).tolist() == [1]
-    assert draw(probs, seeded, torch.Generator()).tolist() == [1]
+@pytest.mark.parametrize("u", [0.0, 1.0 - 2.0**-53])
+def test_extreme_uniforms_never_select_a_filtered_token(
+    monkeypatch: pytest.MonkeyPatch, u: float
+) -> None:
+    # The two ends of [0, 1): u = 0 must not pick a zero-mass token before the first
+    # live one, and u * total rounding up to the total must not run past the last.
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda n, **k: torch.full((n,), u, dtype=k["dtype"]))
+    monkeypatch.setattr(sampler, "uniform", lambda seed, position: u)
+    want = [1, 2] if u == 0.0 else [3, 2]
+    unseeded = _rows(SamplingParams(temperature=1.0), 2)
+    seeded = _rows(SamplingParams(temperature=1.0, seed=5), 2)
+    assert draw(probs, unseeded, torch.Generator()).tolist() == want
+    assert draw(probs, seeded, torch.Generator()).tolist() == want
+    # Probabilities that do not sum to one exactly (a float32 softmax) change nothing.
+    assert draw(probs * (1 + 2e-7), seeded, torch.Generator()).tolist() == want
+
+
+def test_a_seeded_uniform_is_the_hash_of_seed_and_position() -> None:
+    values = [sampler.uniform(s, p) for s in range(20) for p in range(20)]
+    assert all(0.0 <= v < 1.0 for v in values)
+    assert len(set(values)) == 400
+    assert sampler.uniform(3, 7) == (mix_seed(3, 7) >> 10) * 2.0**-53
 
 
 def test_penalties_of_a_mixed_batch_equal_each_row_alone() -> None:
