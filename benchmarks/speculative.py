@@ -220,7 +220,7 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def report(command: str, off: dict[str, object], on: dict[str, object]) -> str:
+def report(command: str, off: dict[str, object], on: dict[str, object], spec: str = SPEC) -> str:
     lines = report_head("Speculative decoding (n-gram) on CPU", command)
     cores = sorted(os.sched_getaffinity(0))
     lines += [
@@ -232,7 +232,7 @@ def report(command: str, off: dict[str, object], on: dict[str, object]) -> str:
         "run side by side; each workload goes to one then the other, alternating which "
         "goes first; the 8-stream workload runs ABBA (its figure: the mean of two).",
         "",
-        f"pdserve 1P+1D, `--speculative-config '{SPEC}'` against none; single "
+        f"pdserve 1P+1D, `--speculative-config '{spec}'` against none; single "
         "streams (one request at a time), ms:",
         "",
         "| workload | TTFT off | TTFT on | TPOT off | TPOT on | TPOT off/on | ITL p50 off "
@@ -310,6 +310,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="greedy workloads: the best of N")
     ap.add_argument("--seeds", type=int, default=1, help="sampled workloads: N seeds, pooled")
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
+    ap.add_argument("--speculative-config", default=SPEC, help="pdserve's, for the 'on' server")
     a = ap.parse_args()
     model = a.model or default_model_dir()
     base = [
@@ -322,7 +323,8 @@ def main() -> None:
     procs = {}
     with contextlib.ExitStack() as stack:
         try:
-            for key, extra in zip(PDSERVE, ([], ["--speculative-config", SPEC]), strict=True):
+            on_flags = ["--speculative-config", a.speculative_config]
+            for key, extra in zip(PDSERVE, ([], on_flags), strict=True):
                 procs[key] = launch([*base, *extra])
             urls = {k: url for k, (_, url) in procs.items()}
             describe = ""
@@ -338,13 +340,15 @@ def main() -> None:
                 proc.wait(60)
     off, on = figures["off"], figures["on"]
     flags = " --no-llama-cpp" if a.no_llama_cpp else ""
+    if a.speculative_config != SPEC:
+        flags += f" --speculative-config '{a.speculative_config}'"
     cores = sorted(os.sched_getaffinity(0))
     pin = f"taskset -c {','.join(map(str, cores))} " if len(cores) < (os.cpu_count() or 0) else ""
     command = portable(
         f"{pin}python -m benchmarks.speculative --tokens {a.tokens} --runs {a.runs} "
         f"--seeds {a.seeds}{flags}"
     )
-    text = report(command, off, on)
+    text = report(command, off, on, a.speculative_config)
     if describe:
         text += "\n" + llama_report(describe, (off, on), (figures[LLAMA[0]], figures[LLAMA[1]]))
     a.out.write_text(text)

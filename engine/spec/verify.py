@@ -4,7 +4,7 @@ A request with newest token t and drafts d_1..d_k is run as k + 1 query rows (``
 in engine/runner.py); row j is sampled by the ordinary sampler exactly as decode would
 sample output position ``len(output) + j`` had d_1..d_j been sampled before it: the
 penalties see them in the history, the grammar mask is the matcher's after them, and a
-seeded request's noise is keyed by that output position. Accepting while the sample
+seeded request's uniform draw is keyed by that output position. Accepting while the sample
 equals the draft, plus the first sample that does not (or the bonus sample after the
 last draft), therefore emits exactly the tokens decoding one at a time would, for greedy
 and seeded sampling alike; unseeded sampling draws each emitted token from the target's
