@@ -186,11 +186,10 @@ def draw(
         index, values = zip(*seeded, strict=True)
         u[list(index)] = torch.tensor(values, dtype=torch.float64, device=probs.device)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (S, V), non-decreasing
-    total = cdf[:, -1:]
-    # NOTE: u * total is kept below the total however it rounds, so some cdf entry
-    # exceeds it, and the first that does belongs to a token of nonzero mass: a filtered
-    # token adds nothing to the sum and can never be the first to pass.
-    target = torch.minimum(u.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
+    # NOTE: u <= 1 - 2^-53, so u * total rounds to below the total (never up to it): some
+    # cdf entry exceeds it, and the first that does belongs to a token of nonzero mass (a
+    # filtered token adds nothing to the sum and can never be the first to pass).
+    target = u.unsqueeze(1) * cdf[:, -1:]
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
@@ -215,14 +214,16 @@ def sample(
             penalised = penalised.clone()
         constrain(penalised)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if len(sampled) == b:  # every row drawn: no (B, V) argmax nor row gather to throw away
-        probs = filtered_probs(penalised, [r.params for r in rows])
-        token_ids = draw(probs, rows, generator)
-    else:
-        token_ids = penalised.argmax(dim=-1)
-        if sampled:
-            probs = filtered_probs(penalised[sampled], [rows[i].params for i in sampled])
-            token_ids[sampled] = draw(probs, [rows[i] for i in sampled], generator)
+    every = len(sampled) == b  # then no (B, V) argmax nor row gather to throw away
+    token_ids = (
+        torch.empty(b, dtype=torch.long, device=logits.device)
+        if every
+        else penalised.argmax(dim=-1)
+    )
+    if sampled:
+        picked = penalised if every else penalised[sampled]
+        probs = filtered_probs(picked, [rows[i].params for i in sampled])
+        token_ids[sampled] = draw(probs, [rows[i] for i in sampled], generator)
     k = max((r.params.logprobs or 0 for r in rows), default=0)
     logprobs = torch.full((b,), float("nan"), device=logits.device)
     top_ids = torch.zeros((b, k), dtype=torch.long, device=logits.device)
