@@ -29,6 +29,7 @@ class ColocatedWorker(Worker):
         super().__init__()
         cfg = self.config
         runner = ModelRunner(cfg)
+        runner.capture_decode_graphs()
         self.sched = ColocatedScheduler(
             runner, self.index, cfg.chunked_prefill_size, cfg.max_num_seqs
         )

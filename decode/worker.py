@@ -62,6 +62,7 @@ class DecodeWorker(Worker):
     def __init__(self) -> None:
         super().__init__()
         runner = ModelRunner(self.config)
+        runner.capture_decode_graphs()
         self.imports: PoolImports | None = None
         self.receiver: KVReceiver
         if self.settings.kv_transfer == "cuda_ipc":

@@ -152,13 +152,9 @@ class ModelRunner:
                     "--max-model-len, or raise --gpu-memory-utilization"
                 ) from e
 
+        order = self.backend.kv_order
         return KVPool.create(
-            self.config,
-            self.model_config,
-            self.kv_dtype,
-            num_blocks,
-            kv_pool,
-            self.backend.kv_order,
+            self.config, self.model_config, self.kv_dtype, num_blocks, kv_pool, order
         )
 
     def num_blocks_to_allocate(self) -> int:
@@ -227,10 +223,8 @@ class ModelRunner:
         return logits
 
     def decode(self, seqs: list[Sequence], pool: torch.Tensor | None = None) -> torch.Tensor:
-        """Run each sequence's newest (only uncomputed) token -> float32 logits (B, vocab).
-
-        ``pool`` as for ``prefill``.
-        """
+        """Run each sequence's newest (only uncomputed) token -> float32 logits (B, vocab);
+        ``pool`` as for ``prefill``."""
         if self.loras is not None:
             runs = self.loras.groups([seq.sampling.lora for seq in seqs])
             if len(runs) > 1:  # more adapters than slots: served in turns
@@ -347,6 +341,11 @@ class ModelRunner:
             if self._dense is not None:  # some layers may have extended it, others not
                 self._dense.invalidate()
             raise
+
+    def capture_decode_graphs(self) -> None:
+        """Before a worker that decodes serves (``KernelPath.capture_decode_graphs``)."""
+        if self._kernels is not None:
+            self._kernels.capture_decode_graphs(self.kv.tensor)
 
     def check_lora(self, lora: LoraRef | None) -> str | None:
         """Why a request under ``lora`` cannot run here, or None: checked on arrival so a

@@ -3,7 +3,8 @@
 Who calls what: ``ModelRunner`` builds one when its attention backend is Triton (the
 default on CUDA; ``EngineConfig.attention_backend``) and hands it every forward
 (``forward``), every freed sequence (``release``), and, once the KV pool is final,
-``enable_graphs`` (unless ``enforce_eager``).
+``enable_graphs`` (unless ``enforce_eager``); a worker that decodes then captures every
+bucket's graph before it serves (``capture_decode_graphs``).
 
 One step, host side: per sequence, its block-table row (new blocks become updates), its
 positions and KV slots; all of it staged into ``StepInputs`` and sent in one non-blocking
@@ -21,6 +22,8 @@ can need); a batch of base rows keeps the plain graphs, which hold no LoRA launc
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -45,6 +48,8 @@ from engine.weights.lora import LoraTiles, lora_rows
 
 if TYPE_CHECKING:
     from engine.kv.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 Span = tuple["Sequence", int, int]  # (sequence, first new position, new tokens)
 
@@ -87,6 +92,30 @@ class KernelPath:
         self.graphs = DecodeGraphs(self._graph_forward, device)
         if self.max_loras > 0:
             self.lora_graphs = DecodeGraphs(lambda b: self._graph_forward(b, True), device)
+
+    def capture_decode_graphs(self, pool: torch.Tensor) -> None:
+        """Capture every bucket's decode graph now, on all-padding batches (no KV write).
+        Captured on first use instead, the first step to reach a new bucket waited for the
+        capture and for the Triton compile of the bucket's split count: seconds of one
+        inter-token gap on a fresh host (seen on an H200). Graphs whose buffers change
+        later are recaptured on use, as before."""
+        if self.graphs is None:
+            return
+        t0 = time.perf_counter()
+        empty = np.zeros(0, dtype=np.int32)
+        self._pool = pool
+        for bucket in self.buckets:
+            no_rows = StepArrays(empty, empty, empty, empty, empty, empty, np.zeros(1, np.int32))
+            self.inputs.stage(pad_decode(no_rows, bucket), [])
+            key = (self.inputs.generation, self.rows.generation, pool.data_ptr())
+            self.graphs.run(bucket, key)
+        torch.cuda.synchronize(pool.device)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes 1-%d) in %.1f s",
+            len(self.buckets),
+            self.buckets[-1],
+            time.perf_counter() - t0,
+        )
 
     def release(self, seq: Sequence) -> None:
         self.rows.release(seq)

@@ -4,6 +4,7 @@ interpreter, except graph capture and compiled kernels)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,30 @@ def test_graphs_eager_kernels_and_torch_agree(
         torch.testing.assert_close(got, want, atol=exact, rtol=0 if exact < tol else tol)
     for got, want in zip(results["eager"], results["torch"], strict=True):
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_graphs_captured_before_serving_write_no_kv_and_replay_what_eager_runs(
+    default_model_path: Path,
+) -> None:
+    """A decode worker captures every bucket at startup on padding rows: the pool keeps
+    every byte, and the later steps replay those graphs (none recaptured), equal to eager."""
+
+    def runner(**kw: object) -> ModelRunner:
+        config = EngineConfig(
+            model=str(default_model_path), device="cuda", num_kv_blocks=64, max_num_seqs=16
+        )
+        return ModelRunner(replace(config, **kw))  # type: ignore[arg-type]
+
+    graphs = runner()
+    before = graphs.kv.tensor.view(torch.uint8).clone()
+    graphs.capture_decode_graphs()
+    assert graphs._kernels is not None and graphs._kernels.graphs is not None
+    assert graphs._kernels.graphs.captured == [1, 2, 4, 8, 16]
+    assert torch.equal(graphs.kv.tensor.view(torch.uint8), before)
+    got, want = _logits(graphs, steps=4), _logits(runner(enforce_eager=True), steps=4)
+    assert graphs._kernels.graphs.captured == [1, 2, 4, 8, 16]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
 
 
 def test_a_graph_decode_step_never_syncs_with_the_host(default_model_path: Path) -> None:
