@@ -6,8 +6,11 @@ Who calls what, when:
   spec goes to an idle worker process (``grammar_worker.py``), and the verdict, once in,
   is cached (LRU, ``max_cached`` entries). Raises ``GrammarError`` if the grammar does
   not compile, ``GrammarTimeout`` if it outlasts ``timeout_s``.
-- ``start()`` once the event loop runs (the app's lifespan): the first worker loads the
-  grammar library and the vocabulary while the engine workers still load.
+- the first worker starts with the first grammar to check (``start()``, from ``check``):
+  a worker holds the grammar library and the vocabulary, about 200 MiB, which a server
+  that never sees a constrained request should not pay (per frontend process). That
+  first request waits for the worker to load (1.3 s on an idle 2-core host), outside
+  its compile budget.
 - ``close()`` at shutdown.
 
 Invariants: compiles run in worker processes, never on the event loop nor in its

@@ -344,7 +344,6 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
         tasks = [asyncio.create_task(ctx.metrics.publish_every())]
         if client.owner == 0:  # one stats line per server, of the server-wide figures
             tasks.append(asyncio.create_task(StatsLog(client, ctx.metrics).run()))
-        grammars.start()  # loads the grammar library in its worker while the engine loads
         yield
         for task in tasks:
             task.cancel()

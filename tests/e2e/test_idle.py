@@ -6,6 +6,8 @@ import os
 import time
 from pathlib import Path
 
+import httpx
+
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import children, title
 
@@ -34,7 +36,16 @@ def test_idle_server_uses_under_2_percent_cpu(server: LaunchedServer) -> None:
     pids = [server.proc.pid, *children(server.proc.pid)]
     assert len(pids) == 1 + 1 + 2 + 2 + 2  # launcher, frontend, 2 prefill, 2 decode, 2 detok
     # The frontend's grammar compile processes (its children) must sleep too, once loaded.
+    # The first constrained request starts one (unless an earlier test's did already).
+    body = {
+        "messages": [{"role": "user", "content": "A JSON object, please."}],
+        "max_tokens": 4,
+        "response_format": {"type": "json_object"},
+    }
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
     grammar = [g for pid in pids[1:] for g in children(pid) if title(g) == "pdserve:grammar"]
+    assert grammar
     pids += grammar
     time.sleep(3.0)  # let any request of an earlier test finish
     _settled(grammar)  # a grammar process still loading its library is not idle yet

@@ -46,6 +46,8 @@ SMALL = [
 @pytest.fixture(scope="module")
 def srv() -> Iterator[LaunchedServer]:
     for s in LaunchedServer.serving(SMALL):
+        # No grammar worker before the first grammar (it holds ~200 MiB a frontend).
+        assert grammar_workers(s) == set()
         # A first grammar: its worker process is up (the bounds below time compiles, not
         # the start of the worker that runs them).
         r = post(s, "/v1/chat/completions", chat(response_format={"type": "json_object"}))
