@@ -165,9 +165,10 @@ class GrammarPool:
         return verdict
 
     async def _compile(self, spec: GrammarSpec) -> Verdict:
-        self.start()
+        first = self._idle is None
+        self.start()  # the first compile's worker (its own start counts for it)
         assert self._idle is not None
-        if self._idle.empty() and self._live + self._starting < self.max_workers:
+        if not first and self._idle.empty() and self._live + self._starting < self.max_workers:
             self._spawn()
         try:
             worker = await asyncio.wait_for(self._idle.get(), STARTUP_TIMEOUT_S)

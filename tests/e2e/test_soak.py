@@ -30,9 +30,11 @@ def test_mixed_load_with_hangups_leaks_no_kv_shm_fds_or_memory(server: LaunchedS
 
     assert res.leaks == [], res.leaks
     assert res.errors == {}, res.outcomes
-    # nothing died or was left over: launcher, 2 prefill, 2 decode, 2 shards, the frontend
-    # and its first grammar-compile worker (frontend/engine_link/grammar_pool.py)
-    assert res.after.processes == res.before.processes == 9
+    # nothing died or was left over: launcher, 2 prefill, 2 decode, 2 shards, the frontend,
+    # and the grammar-compile workers earlier tests' constrained requests started (none to
+    # --grammar-workers 2; frontend/engine_link/grammar_pool.py)
+    assert res.after.processes == res.before.processes
+    assert 8 <= res.before.processes <= 8 + 2
     assert res.outcomes.get("ok", 0) >= 10
     assert res.outcomes.get("disconnected", 0) + res.outcomes.get("aborted", 0) >= 2
     seen = {key.split()[0] for key in res.by_endpoint}

@@ -55,3 +55,18 @@ async def test_verdicts_budget_and_cache() -> None:
     finally:
         await pool.close()
     assert all(w.proc.returncode is not None for w in pool._workers)
+
+
+async def test_no_worker_before_the_first_grammar_and_one_for_it() -> None:
+    """A worker holds ~200 MiB: none until a grammar comes, and the first grammar starts
+    one, not one plus a spare for itself (workers=2)."""
+    config = WorkerConfig(
+        model_dir=str(tiny.tiny_model_dir(tiny.DEFAULT_ARCH)), vocab_size=151936, stop_ids=[151645]
+    )
+    pool = GrammarPool(config, timeout_s=BUDGET_S, workers=2)
+    try:
+        assert not pool._workers and pool._live + pool._starting == 0
+        await pool.check(GrammarSpec(kind=GrammarKind.JSON_OBJECT))
+        assert pool._live + pool._starting == 1 and len(pool._workers) == 1
+    finally:
+        await pool.close()
