@@ -34,7 +34,7 @@ import torch
 
 from benchmarks.machine import load_average, machine_block
 from checkpoints.default_model import resolve_model
-from engine.checkpoint.shared_weights import create_segment
+from engine.checkpoint.weights_segment import create_segment
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.model.attention import grouped_decode_sdpa

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    import torch
 
 # HF architecture name -> (qkv projections carry a bias, per-head RMSNorm on q and k).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -24,17 +25,30 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3ForCausalLM": (False, True),
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
-def parse_dtype(name: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
-    """``auto`` keeps the checkpoint's dtype; otherwise one of float32/bfloat16/float16."""
+def dtype_name(name: str, checkpoint_dtype: str) -> str:
+    """``auto`` keeps the checkpoint's dtype; otherwise one of float32/bfloat16/float16.
+    By name: the launcher plans with these and never imports torch (~150 MiB a process)."""
     if name == "auto":
         return checkpoint_dtype
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, not {name!r}")
-    return _DTYPES[name]
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, not {name!r}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name`` (one of ``DTYPES``, or int8)."""
+    import torch
+
+    return getattr(torch, name)
+
+
+def parse_dtype(name: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    """``dtype_name`` for the engine, which holds torch dtypes."""
+    return torch_dtype(dtype_name(name, str(checkpoint_dtype).removeprefix("torch.")))
 
 
 @dataclass(frozen=True)
@@ -57,8 +71,12 @@ class ModelConfig:
     qk_norm: bool
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str  # the checkpoint's, one of DTYPES
     sliding_window: int | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -95,7 +113,7 @@ class ModelConfig:
             qk_norm=qk_norm,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             eos_token_ids=_eos_token_ids(root, cfg),
-            dtype=_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype")), torch.float32),
+            dtype_name=_checkpoint_dtype(cfg),
             sliding_window=_sliding_window(cfg),
         )
 
@@ -112,6 +130,11 @@ def _rope_options(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return theta, None
     params["rope_type"] = rope_type
     return theta, params
+
+
+def _checkpoint_dtype(cfg: dict[str, Any]) -> str:
+    name = str(cfg.get("dtype") or cfg.get("torch_dtype")).removeprefix("torch.")
+    return name if name in DTYPES else "float32"
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:

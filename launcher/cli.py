@@ -23,13 +23,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
-import torch
-
-from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.config import EngineConfig, ModelConfig, dtype_name
 from engine.kv.kv_cache import pool_layout
 from engine.weights.plan import (
     QuantizationError,
-    cache_dtype,
+    cache_dtype_name,
     resolve_quantization,
 )
 from frontend.settings import FrontendLaunch, FrontendSettings
@@ -211,17 +209,15 @@ def _model_name(config: ServerConfig, model: Path) -> str:
     return config.served_model_name or model.name
 
 
-def _serving(
-    config: ServerConfig, model: Path, gpus: GpuAssignment | None
-) -> tuple[str, torch.dtype]:
-    """The weight storage and KV cache dtype every engine worker will use."""
+def _serving(config: ServerConfig, model: Path, gpus: GpuAssignment | None) -> tuple[str, str]:
+    """The weight storage and KV cache dtype (by name) every engine worker will use."""
     device = "cpu" if gpus is None or gpus.on_cpu else "cuda"
     try:
         quantization = resolve_quantization(config.quantization, model, device)
     except QuantizationError as e:
         raise ConfigError(f"--quantization: {e}") from e
-    dtype = parse_dtype(config.dtype.value, ModelConfig.from_pretrained(model).dtype)
-    return quantization, cache_dtype(dtype, quantization)
+    dtype = dtype_name(config.dtype.value, ModelConfig.from_pretrained(model).dtype_name)
+    return quantization, cache_dtype_name(dtype, quantization)
 
 
 def _build_topology(
@@ -281,9 +277,9 @@ def _size_kv(
     try:
         # Packed weights take at most a byte a parameter (int8: one, int4: about 0.6), and
         # their bfloat16 GEMM copies two more (engine/weights/gemm.py).
-        weights = weight_bytes(model, dtype if quantization == "none" else torch.int8)
+        weights = weight_bytes(model, dtype if quantization == "none" else "int8")
         if quantization != "none":
-            weights += weight_bytes(model, torch.bfloat16)
+            weights += weight_bytes(model, "bfloat16")
         # Shared (engine/checkpoint/shared_weights.py): one copy for every CPU worker.
         shared = weights if config.share_weights and gpus.on_cpu else 0
         demand = Demand(

@@ -88,7 +88,7 @@ def create(config: ServerConfig, model: Path, layout: KVLayout) -> HostTiers | N
     # The engine workers derive the same digest from their pools (tiers/open_tiers.py).
     ns = Namespace(
         weights_fingerprint(model),
-        str(layout.torch_dtype),
+        f"torch.{layout.dtype}",  # str(torch dtype), as the engine workers write it
         layout.block_size,
         str(layout.shape[1:]),
     ).digest

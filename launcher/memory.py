@@ -34,10 +34,12 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -181,12 +183,20 @@ def host_memory() -> HostMemory:
     return mem or HostMemory(1 << 62, "unknown")
 
 
-def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+_ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+
+
+def itemsize(dtype: torch.dtype | str) -> int:
+    """Bytes per element of a dtype the engine stores, given as a torch dtype or by name
+    (the launcher plans by name: it does not import torch)."""
+    return _ITEMSIZES[str(dtype).removeprefix("torch.")]
+
+
+def weight_bytes(model_dir: Path, dtype: torch.dtype | str) -> int:
     """Bytes of one replica's weights in ``dtype``, from the safetensors headers alone.
 
     Raises ``ValueError`` naming a file that is not safetensors.
     """
-    itemsize = torch.empty((), dtype=dtype).element_size()
     numel = 0
     for path in sorted(model_dir.glob("*.safetensors")):
         size = path.stat().st_size
@@ -206,7 +216,7 @@ def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
             for dim in shape:
                 count *= dim
             numel += count
-    return numel * itemsize
+    return numel * itemsize(dtype)
 
 
 def activation_bytes(m: ModelConfig, chunk: int, itemsize: int) -> int:
@@ -235,19 +245,19 @@ class Demand:
 def plan_kv(
     m: ModelConfig,
     weights: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str,
     demand: Demand,
     kv_cache_memory_gib: float | None = None,
     kv_cache_tokens: int | None = None,
     memory: HostMemory | None = None,
 ) -> KVPlan:
     """Tokens per KV pool, or ``MemoryBudgetError`` before anything is spawned."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_token = kv_bytes_per_token(m, itemsize)
+    size = itemsize(dtype)
+    per_token = kv_bytes_per_token(m, size)
     memory = host_memory() if memory is None else memory
     available = memory.available
     usable = int(available * USABLE_FRACTION)
-    activations = activation_bytes(m, min(demand.chunk, demand.max_model_len), itemsize)
+    activations = activation_bytes(m, min(demand.chunk, demand.max_model_len), size)
     fixed = demand.engines * (weights + ENGINE_OVERHEAD + activations)
     fixed += demand.others * AUX_OVERHEAD + demand.offload + demand.shared_weights
     room = usable - fixed

@@ -163,7 +163,7 @@ class Topology:
     def add_weights(self) -> None:
         """One copy of the read-only weights for this host's CPU engine workers (where
         the OS has sealable memfds; elsewhere each worker loads its own)."""
-        from engine.checkpoint.shared_weights import SharedWeightsError, create_segment
+        from engine.checkpoint.weights_segment import SharedWeightsError, create_segment
 
         try:
             self.weights_fd = create_segment()

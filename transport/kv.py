@@ -40,12 +40,14 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Iterator, Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from transport.errors import KVTransferError
 from transport.segment import Segment
 from wire.kv_layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ def pool_view(segment: Segment, layout: KVLayout) -> torch.Tensor:
     """The segment as a pool tensor (CPU, shared, no copy). Keep ``segment`` open."""
     if segment.spec.nbytes < layout.nbytes:
         raise KVTransferError(f"segment of {segment.spec.nbytes} bytes < pool {layout.nbytes}")
+    import torch  # not at the top: the launcher imports this module, and no torch
+
     flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=layout.nbytes)
     return flat.view(layout.torch_dtype).view(layout.shape)
 

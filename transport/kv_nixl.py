@@ -45,16 +45,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
-import torch
 
 from transport.errors import ClusterUnavailable, KVReadFailed, KVTransferError
 from transport.kv import KVExporter, KVRead, KVReceiver, check_ids
 from wire.kv_layout import KVLayout
 from wire.records import KVRelease, RecordError, decode, encode
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +264,8 @@ class NixlExporter(KVExporter):
 
     def export(self, blocks: Sequence[int]) -> None:
         if self.pool.is_cuda:  # the READ may start as soon as the KVTransfer is out
+            import torch
+
             torch.cuda.current_stream(self.pool.device).synchronize()
 
     def releases(self) -> list[KVRelease]:

@@ -1,10 +1,10 @@
 """One copy of a model's read-only weights per host, mapped by every CPU engine worker.
 
 Who does what:
-* the launcher creates one empty memfd (``create_segment``) before it spawns anything,
-  keeps it open for the server's life and hands its fd to every CPU engine worker
-  (``EngineConfig.weights_fd``), restarted ones included. A memfd has no name: SIGKILL of
-  the whole tree frees it and leaves nothing in /dev/shm;
+* the launcher creates one empty memfd (``weights_segment.create_segment``) before it
+  spawns anything, keeps it open for the server's life and hands its fd to every CPU
+  engine worker (``EngineConfig.weights_fd``), restarted ones included. A memfd has no
+  name: SIGKILL of the whole tree frees it and leaves nothing in /dev/shm;
 * each worker calls ``load_shared`` under a POSIX lock on that fd. The first finds the
   segment empty: it loads the checkpoint as a private worker would, writes what its
   kernels hold (``engine/checkpoint/image.py``) into the segment, seals it read-only, and
@@ -60,33 +60,18 @@ import torch
 
 from engine.checkpoint import image
 from engine.checkpoint.loader import load_weights, release_freed_memory
+from engine.checkpoint.weights_segment import SharedWeightsError
 from engine.config import EngineConfig
 from engine.model.causal_lm import CausalLM
 from engine.weights.plan import gguf_source
 
 logger = logging.getLogger(__name__)
 
-MAPPING_NAME = "pdserve-weights"  # as /proc/PID/maps shows it: /memfd:pdserve-weights
 _MAGIC = b"PDSWGT01"
 _HEADER = struct.Struct("<8sI32sQQ")  # magic, layout version, digest, manifest offset, length
 _DATA_START = 4096
 _ALIGN = 64
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
-
-
-class SharedWeightsError(RuntimeError):
-    """The host's weights segment cannot serve this worker; the message says why."""
-
-
-def create_segment() -> int:
-    """An empty, sealable memfd for the host's weights; the caller keeps the fd open.
-
-    Raises ``SharedWeightsError`` where there are no sealable memfds (not Linux).
-    """
-    try:
-        return os.memfd_create(MAPPING_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    except (AttributeError, OSError) as e:
-        raise SharedWeightsError(f"no sealable memfd here ({e})") from e
 
 
 def weights_digest(model_dir: Path, quantization: str, dtype: torch.dtype, gemm: str) -> str:

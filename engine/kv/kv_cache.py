@@ -10,17 +10,20 @@ copying whole blocks.
 from __future__ import annotations
 
 import mmap
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.config import ModelConfig
 from wire.kv_layout import KVLayout
 
+if TYPE_CHECKING:
+    import torch
+
 
 def pool_layout(
-    model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+    model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str
 ) -> KVLayout:
-    """The layout of a pool of ``num_blocks`` blocks for this model."""
+    """The layout of a pool of ``num_blocks`` blocks for this model (``dtype`` a torch
+    dtype or its name: the launcher plans without torch)."""
     m = model_config
     return KVLayout(
         num_blocks,
@@ -53,6 +56,8 @@ def allocate_kv_pool(
     pool is an anonymous mapping, whose pages are zero and committed only when first
     written: a large pool costs memory as it fills, not at startup.
     """
+    import torch
+
     layout = pool_layout(model_config, num_blocks, block_size, dtype)
     if torch.device(device).type != "cpu":
         return torch.zeros(layout.shape, dtype=dtype, device=device)

@@ -25,8 +25,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from engine.config import torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ def resolve_quantization(requested: str, model_dir: Path, device: str) -> str:
         raise QuantizationError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {requested!r}"
         )
-    on_cpu = torch.device(device).type == "cpu"
+    on_cpu = str(device).split(":")[0] == "cpu"
     if requested == "auto":
         source = gguf_source(model_dir)
         if source is None:
@@ -78,25 +82,38 @@ def resolve_quantization(requested: str, model_dir: Path, device: str) -> str:
     return requested
 
 
+def packable_gguf_types() -> frozenset[int]:
+    """GGUF block types whose blocks are one of ``engine.weights.quant``'s packed row
+    kinds, exactly (Q4_0, Q4_1, Q8_0)."""
+    from gguf import GGMLQuantizationType as Q
+
+    return frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})
+
+
 def _has_packable_tensors(path: Path) -> bool:
     """Whether the GGUF file holds any Q4_0/Q4_1/Q8_0 tensor (read from its header)."""
     from gguf import GGUFReader
 
-    from engine.weights.quant import PACKABLE_GGUF_TYPES
+    packable = packable_gguf_types()
+    return any(t.tensor_type in packable for t in GGUFReader(path).tensors)
 
-    return any(t.tensor_type in PACKABLE_GGUF_TYPES for t in GGUFReader(path).tensors)
+
+def cache_dtype_name(activations: str, quantization: str) -> str:
+    """The KV cache's dtype, by name. Quantized serving keeps K and V in bfloat16 beside a
+    float32 residual stream: decode attention reads the whole context every step, from
+    memory (the weights streamed in between evict it from cache), so half the bytes is
+    most of its time; K and V are rounded once, on the way in."""
+    return "bfloat16" if quantization != "none" and activations == "float32" else activations
 
 
 def cache_dtype(activations: torch.dtype, quantization: str) -> torch.dtype:
-    """The KV cache's dtype. Quantized serving keeps K and V in bfloat16 beside a float32
-    residual stream: decode attention reads the whole context every step, from memory
-    (the weights streamed in between evict it from cache), so half the bytes is most of
-    its time; K and V are rounded once, on the way in."""
-    if quantization != "none" and activations == torch.float32:
-        return torch.bfloat16
-    return activations
+    """``cache_dtype_name`` for torch dtypes."""
+    name = str(activations).removeprefix("torch.")
+    return torch_dtype(cache_dtype_name(name, quantization))
 
 
 def kernel_dtype(activations: torch.dtype) -> torch.dtype:
     """What a packed linear layer computes in, for a model whose activations are these."""
+    import torch
+
     return torch.bfloat16 if activations == torch.float32 else activations

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from engine.weights.plan import packable_gguf_types
+
 GROUP = 32
 
 
@@ -53,7 +55,7 @@ class Int8Rows:
 
 QuantRows = Int4Rows | Int8Rows
 # GGUF block types whose blocks are one of the representations above, exactly.
-PACKABLE_GGUF_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})
+PACKABLE_GGUF_TYPES = packable_gguf_types()
 
 
 def concat_rows(parts: list[QuantRows]) -> QuantRows | None:

@@ -73,3 +73,9 @@ def test_process_titles_name_each_role(server: LaunchedServer) -> None:
         "pdserve:detok-1",
     }
     assert {t.strip() for t in titles} == want
+
+
+def test_the_launcher_never_loads_torch(server: LaunchedServer) -> None:
+    """Serving (memory plan, segments, tiers, supervision) and after: no libtorch mapped."""
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps

@@ -20,7 +20,7 @@ import torch
 from checkpoints import tiny
 from engine.checkpoint import image
 from engine.checkpoint.gguf import convert_gguf
-from engine.checkpoint.shared_weights import MAPPING_NAME, create_segment
+from engine.checkpoint.weights_segment import MAPPING_NAME, create_segment
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner

@@ -29,7 +29,7 @@ def _model() -> ModelConfig:
         qk_norm=False,
         max_position_embeddings=256,
         eos_token_ids=(0,),
-        dtype=torch.float32,
+        dtype_name="float32",
     )
 
 
@@ -43,6 +43,8 @@ def test_an_engine_pool_has_the_layout_its_model_states(dtype: torch.dtype) -> N
     assert pool.dtype == layout.torch_dtype
     assert pool[0].numel() * pool.element_size() == layout.block_nbytes
     assert pool.numel() * pool.element_size() == layout.nbytes
+    # The launcher plans by dtype name (it does not import torch): the same layout.
+    assert pool_layout(m, 5, 16, str(dtype).removeprefix("torch.")) == layout
 
 
 def test_the_layout_round_trips_as_json_and_refuses_unknown_dtypes() -> None:
