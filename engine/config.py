@@ -133,8 +133,8 @@ def _rope_options(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def _checkpoint_dtype(cfg: dict[str, Any]) -> str:
-    name = str(cfg.get("dtype") or cfg.get("torch_dtype")).removeprefix("torch.")
-    return name if name in DTYPES else "float32"
+    name = str(cfg.get("dtype") or cfg.get("torch_dtype"))
+    return name if name in DTYPES else "float32"  # missing or another spelling: float32
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import ModelConfig
+from wire.kv_layout import ITEMSIZE
 
 if TYPE_CHECKING:
     import torch
@@ -183,7 +184,7 @@ def host_memory() -> HostMemory:
     return mem or HostMemory(1 << 62, "unknown")
 
 
-_ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+_ITEMSIZES = {**ITEMSIZE, "int8": 1}  # KV dtypes, and packed weights' bytes
 
 
 def itemsize(dtype: torch.dtype | str) -> int:
