@@ -46,11 +46,6 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def parse_dtype(name: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
-    """``dtype_name`` for the engine, which holds torch dtypes."""
-    return torch_dtype(dtype_name(name, str(checkpoint_dtype).removeprefix("torch.")))
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape of a decoder-only Llama-family model, as the engine needs it."""

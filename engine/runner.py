@@ -28,7 +28,7 @@ import torch
 
 from engine.checkpoint.lora_loader import LoraAdapters, in_batch_order
 from engine.checkpoint.shared_weights import load_model
-from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.config import EngineConfig, ModelConfig, dtype_name, torch_dtype
 from engine.cuda.gpu_memory import gpu_kv_blocks
 from engine.cuda.kernels import use_kernels
 from engine.kv.kv_cache import GpuMemoryError
@@ -63,7 +63,7 @@ class ModelRunner:
         self.quantization = resolve_quantization(
             config.quantization, Path(config.model), config.device
         )
-        self.dtype = parse_dtype(config.dtype, self.model_config.dtype)
+        self.dtype = torch_dtype(dtype_name(config.dtype, self.model_config.dtype_name))
         self.kv_dtype = cache_dtype(self.dtype, self.quantization)
         self.block_size = config.block_size
         self.max_model_len = config.resolve_max_model_len(self.model_config)

@@ -103,12 +103,11 @@ class KernelPath:
             return
         t0 = time.perf_counter()
         empty = np.zeros(0, dtype=np.int32)
+        no_rows = StepArrays(empty, empty, empty, empty, empty, empty, np.zeros(1, np.int32))
         self._pool = pool
         for bucket in self.buckets:
-            no_rows = StepArrays(empty, empty, empty, empty, empty, empty, np.zeros(1, np.int32))
             self.inputs.stage(pad_decode(no_rows, bucket), [])
-            key = (self.inputs.generation, self.rows.generation, pool.data_ptr())
-            self.graphs.run(bucket, key)
+            self.graphs.run(bucket, self._graph_key(pool))
         torch.cuda.synchronize(pool.device)
         logger.info(
             "captured %d decode CUDA graphs (batch sizes 1-%d) in %.1f s",
@@ -154,8 +153,7 @@ class KernelPath:
         if bucket is not None:
             assert graphs is not None
             self._pool = pool
-            key = (self.inputs.generation, self.rows.generation, pool.data_ptr())
-            hidden = graphs.run(bucket, key)[:n]
+            hidden = graphs.run(bucket, self._graph_key(pool))[:n]
         elif is_decode:
             splits = num_kv_splits(n, self.kv_heads, int(arrays.ctx_lens.max()), self._num_sms)
             hidden = self._hidden(pool, self._batch(n, n, True, splits), tiles)
@@ -164,6 +162,10 @@ class KernelPath:
             batch = self._batch(len(tokens), n, False, 0, max_q_len=max_q)
             hidden = self._hidden(pool, batch, tiles)
         return self.model.logits(hidden)
+
+    def _graph_key(self, pool: torch.Tensor) -> tuple[int, int, int]:
+        """The identity of the buffers a graph reads: a change recaptures every graph."""
+        return (self.inputs.generation, self.rows.generation, pool.data_ptr())
 
     def _graph_forward(self, bucket: int, lora: bool = False) -> torch.Tensor:
         assert self._pool is not None
