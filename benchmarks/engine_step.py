@@ -27,6 +27,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from engine.checkpoint.weights_segment import create_segment
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.model.attention import grouped_decode_sdpa
+from engine.model.causal_lm import DecoderLayer
 from engine.runner import ModelRunner
 from engine.weights.linear import Linear, prefill_phase
 from wire.params import SamplingParams
@@ -56,7 +58,7 @@ def _bare(runner: ModelRunner, b: int, context: int) -> object:
     x = torch.randn(b, m.hidden_size, dtype=dtype)
     layers = [model.layer(i) for i in range(m.num_layers)]
     inter = torch.randn(b, m.intermediate_size, dtype=dtype)
-    attn_out = torch.randn(b, m.num_heads * m.head_dim, dtype=dtype)
+    attn_out = torch.randn(b, m.num_heads * m.head_dim, dtype=_attention_dtype(runner))
     q = torch.randn(b, m.num_heads, m.head_dim, dtype=dtype)
     kv = torch.randn(2, b, m.num_kv_heads, context, m.head_dim, dtype=dtype)
     bias = torch.zeros(b, 1, 1, context, dtype=dtype)
@@ -64,14 +66,46 @@ def _bare(runner: ModelRunner, b: int, context: int) -> object:
     def run() -> None:
         with torch.inference_mode():
             for layer in layers:
-                layer.attn.qkv(x)
-                grouped_decode_sdpa(q, kv[0], kv[1], bias)
-                layer.attn.o(attn_out)
-                layer.mlp.gate_up(x)
-                layer.mlp.down(inter)
+                _linears(
+                    runner,
+                    layer,
+                    x,
+                    attn_out,
+                    inter,
+                    lambda: grouped_decode_sdpa(q, kv[0], kv[1], bias),
+                )
             model.lm_head(x)
 
     return run
+
+
+def _attention_dtype(runner: ModelRunner) -> torch.dtype:
+    """What the step's attention returns: the cache's dtype from the fused backend, the
+    activations' from the torch one."""
+    return runner.kv_dtype if runner.backend.takes_kernel_dtype else runner.dtype
+
+
+def _linears(
+    runner: ModelRunner,
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    attn_out: torch.Tensor,
+    inter: torch.Tensor,
+    attend: Callable[[], object],
+) -> None:
+    """One layer's four projections called as the step calls them (in and out dtypes
+    included: ``CausalLM.hidden``), ``attend`` between the first two."""
+    if runner.backend.takes_kernel_dtype:
+        layer.attn.qkv.native(x)
+        attend()
+        layer.attn.o(attn_out, x.dtype)
+        layer.mlp.gate_up.native(x)
+    else:
+        layer.attn.qkv(x)
+        attend()
+        layer.attn.o(attn_out, x.dtype)
+        layer.mlp.gate_up(x)
+    layer.mlp.down(inter, x.dtype)
 
 
 def measure_prefill(
@@ -84,15 +118,12 @@ def measure_prefill(
     layers = [model.layer(i) for i in range(m.num_layers)]
     x = torch.randn(tokens, m.hidden_size, dtype=runner.dtype)
     inter = torch.randn(tokens, m.intermediate_size, dtype=runner.dtype)
-    attn_out = torch.randn(tokens, m.num_heads * m.head_dim, dtype=runner.dtype)
+    attn_out = torch.randn(tokens, m.num_heads * m.head_dim, dtype=_attention_dtype(runner))
 
     def gemms() -> None:
         with torch.inference_mode(), prefill_phase():
             for layer in layers:
-                layer.attn.qkv(x)
-                layer.attn.o(attn_out)
-                layer.mlp.gate_up(x)
-                layer.mlp.down(inter)
+                _linears(runner, layer, x, attn_out, inter, lambda: None)
             model.lm_head(x[-1:])
 
     steps: dict[str, list[float]] = {name: [] for name in runners}

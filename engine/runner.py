@@ -377,32 +377,31 @@ class ModelRunner:
         """The step's attention metadata, and the rows of each span's last token."""
         bs, dev = self.block_size, self.device
         positions = [p for _, start, n in spans for p in range(start, start + n)]
-        slot_blocks = [
-            seq.block_table[p // bs] for seq, start, n in spans for p in range(start, start + n)
-        ]
         width = max(len(seq.block_table) for seq, _, _ in spans)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _, _ in spans]
         ctx_lens = [start + n for _, start, n in spans]
         q_lens = [n for _, _, n in spans]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-        layers = self.model_config.num_layers
-        blocks = torch.tensor(slot_blocks, dtype=torch.long, device=dev)
-        slot_rows = blocks * (layers * 2 * bs) + pos % bs  # layer 0's K row of each token
-        decode_fields = (
-            self._decode_fields(spans, block_tables, ctx_lens, kv_pool)
-            if is_decode and self.backend is TORCH
-            else {}
-        )
+        fields: dict[str, Any] = {}
+        if not self.backend.paged_in_place:  # the torch backend's rows and rotations
+            layers = self.model_config.num_layers
+            slot_blocks = [
+                seq.block_table[p // bs] for seq, start, n in spans for p in range(start, start + n)
+            ]
+            blocks = torch.tensor(slot_blocks, dtype=torch.long, device=dev)
+            slot_rows = blocks * (layers * 2 * bs) + pos % bs  # layer 0's K row of each token
+            fields["write_rows"] = per_layer_rows(slot_rows, layers, 2 * bs, bs).unbind(0)
+            fields["cos_sin"] = self.model.rotary.lookup(pos)
+        if is_decode and self.backend is TORCH:
+            fields.update(self._decode_fields(spans, block_tables, ctx_lens, kv_pool))
         meta = AttentionMetadata(
-            write_rows=per_layer_rows(slot_rows, layers, 2 * bs, bs).unbind(0),
             block_tables=block_tables,
             ctx_lens=ctx_lens,
             q_lens=q_lens,
             is_decode=is_decode,
-            cos_sin=self.model.rotary.lookup(pos),
             positions=pos,
-            **decode_fields,
+            **fields,
         )
         last = torch.tensor(q_lens, device=dev).cumsum(0) - 1  # each chunk's last token
         return meta, last

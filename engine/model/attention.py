@@ -36,11 +36,13 @@ class AttentionMetadata:
     ``gather_rows`` index block rows ``(num_blocks * L * 2, block_size * KVH * D)``.
     """
 
-    write_rows: tuple[torch.Tensor, ...]  # L x (2, T) int64: K row, V row of each new token
     block_tables: torch.Tensor  # (B, max_blocks) int64, padded with block 0
     ctx_lens: list[int]  # (B,) KV length after this step, new tokens included
     q_lens: list[int]  # (B,) new tokens per sequence; sum == T
     is_decode: bool
+    # L x (2, T) int64: K row, V row of each new token (empty where the backend is
+    # ``paged_in_place``)
+    write_rows: tuple[torch.Tensor, ...] = ()
     # Speculative verification: each query row is attended to as a decode step would
     # attend to it (``_decode_rows_attention``), so its logits carry that step's bits.
     rows_as_decode: bool = False

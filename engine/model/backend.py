@@ -50,6 +50,15 @@ class AttentionBackend(ABC, Generic[Meta]):
     # The order of the bytes inside a pool block that ``attend`` writes and reads
     # (``wire.kv_layout.KVLayout.order``): KV tiers and handoffs never mix orders.
     kv_order = "tokens"
+    # Whether ``attend`` and ``silu_mul`` take the projections in their kernels' compute
+    # dtype (``Linear.native``: bfloat16 from packed kernels under float32 activations),
+    # widening what they compute in float32 themselves, with the same values as from
+    # projections cast to the activations' dtype.
+    takes_kernel_dtype = False
+    # Whether ``attend`` finds a token's slot and rotation from ``positions`` and the block
+    # tables alone, so the runner skips the torch backend's per-layer write rows and
+    # rotary lookups (``AttentionMetadata.write_rows``, ``cos_sin``).
+    paged_in_place = False
 
     def prepare(self, meta: Meta, pool: torch.Tensor, num_heads: int) -> Meta:
         """Once per step, before the layers: ``meta`` with whatever this backend derives
@@ -73,8 +82,9 @@ class AttentionBackend(ABC, Generic[Meta]):
         place (the skip connection, rounded to the model dtype), then ``norm(residual)``."""
 
     @abstractmethod
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """(T, 2 * inter) gate columns then up columns -> silu(gate) * up, (T, inter)."""
+    def silu_mul(self, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(T, 2 * inter) gate columns then up columns -> silu(gate) * up, (T, inter), in
+        ``dtype`` (the activations')."""
 
 
 class TorchBackend(AttentionBackend[AttentionMetadata]):
@@ -102,9 +112,10 @@ class TorchBackend(AttentionBackend[AttentionMetadata]):
             return norm(x)
         return norm(residual.add_(x))
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         inter = gate_up.shape[1] // 2
-        return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+        # In place on silu's fresh output; up is widened by the multiply if it is narrower.
+        return F.silu(gate_up[:, :inter].to(dtype)).mul_(gate_up[:, inter:])
 
 
 TORCH = TorchBackend()

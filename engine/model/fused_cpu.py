@@ -66,6 +66,8 @@ class FusedCpuBackend(TorchBackend):
     pool (CPU only); SiLU * up is the torch backend's."""
 
     kv_order = ISA  # the library's order inside a block: tiers and handoffs keep it apart
+    takes_kernel_dtype = True
+    paged_in_place = True
 
     def __init__(self, kernels: CpuKernels, rotary: RotaryEmbedding) -> None:
         self.kernels = kernels
@@ -84,20 +86,22 @@ class FusedCpuBackend(TorchBackend):
         """``meta`` with the step's ``PagedBatch``, computed once for all layers."""
         assert meta.positions is not None, "the runner sets positions for this backend"
         bs, kv_heads, d = pool.shape[3], pool.shape[4], pool.shape[5]
-        dev = meta.positions.device
-        q_lens = torch.tensor(meta.q_lens, device=dev)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(meta.q_lens), device=dev), q_lens)
-        pos = meta.positions
-        slots = meta.block_tables[seq_of_token, pos // bs] * bs + pos % bs
+        # From the host's lists, not tensor ops: at 1-32 rows a step, each op's dispatch
+        # costs more than its arithmetic.
+        tables = meta.block_tables.tolist()
+        spans = list(zip(tables, meta.ctx_lens, meta.q_lens, strict=True))
+        slots = [row[p // bs] * bs + p % bs for row, c, n in spans for p in range(c - n, c)]
         if meta.rows_as_decode:  # every query row a request: it sees what a decode step sees
-            tables = meta.block_tables[seq_of_token]
-            seq_lens = pos + 1
-            q_starts = torch.arange(len(pos) + 1, device=dev)
+            rows = [row for row, _, n in spans for _ in range(n)]
+            lens = [p + 1 for _, c, n in spans for p in range(c - n, c)]
+            starts = list(range(len(slots) + 1))
         else:
-            tables = meta.block_tables
-            seq_lens = torch.tensor(meta.ctx_lens, device=dev)
-            q_starts = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
-        seq_lens, q_starts = seq_lens.to(torch.int32), q_starts.to(torch.int32)
+            rows, lens = tables, list(meta.ctx_lens)
+            starts = [0]
+            for n in meta.q_lens:
+                starts.append(starts[-1] + n)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        q_starts = torch.tensor(starts, dtype=torch.int32)
         schedule = self._ops.get_scheduler_metadata(
             len(seq_lens),
             num_heads,
@@ -112,7 +116,13 @@ class FusedCpuBackend(TorchBackend):
             False,
             None,
         )
-        paged = PagedBatch(slots, q_starts, seq_lens, tables.to(torch.int32), schedule)
+        paged = PagedBatch(
+            torch.tensor(slots, dtype=torch.long),
+            q_starts,
+            seq_lens,
+            torch.tensor(rows, dtype=torch.int32),
+            schedule,
+        )
         return replace(meta, paged=paged)
 
     def attend(
@@ -120,26 +130,32 @@ class FusedCpuBackend(TorchBackend):
     ) -> torch.Tensor:
         paged = meta.paged
         assert isinstance(paged, PagedBatch), "FusedCpuBackend.prepare makes the step's batch"
-        t, h, d = qkv.shape[0], attn.num_heads, attn.head_dim
-        q_size, kv_size = attn.q_size, attn.kv_size
-        cos_sin = self.cos_sin if self.cos_sin.dtype == qkv.dtype else self.cos_sin.to(qkv.dtype)
+        t, h, kvh, d = qkv.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
+        q_size, qk_size = attn.q_size, attn.q_size + attn.kv_size
+        # Rotary runs in the model's dtype (its tables'): qkv may come narrower, straight
+        # from a packed kernel (``takes_kernel_dtype``); q and k are widened first.
+        cos_sin = self.cos_sin
         if attn.q_norm is None:
-            # In place in qkv: q (T, q_size) and k (T, kv_size) are strided row views.
-            q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
-            self._ops.rotary_embedding(meta.positions, q, k, d, cos_sin, True)
-            kv = qkv[:, q_size:]  # (T, 2 * kv_size): K then V of each token
-        else:  # Qwen3: per-head norms first; q, k are fresh (T, H|KVH, D) tensors
-            q3, k3, v3 = attn.split(qkv)
-            q, k = q3.view(t, q_size), k3.view(t, kv_size)
-            self._ops.rotary_embedding(meta.positions, q, k, d, cos_sin, True)
-            kv = torch.cat((k, v3.reshape(t, kv_size)), dim=1)
-        # The library stores and attends in the cache's dtype: K, V and q rounded to it.
-        kv = kv.to(pool.dtype).view(t, 2, -1, d)  # (T, 2, KVH, D)
+            qk = qkv[:, :qk_size]  # (T, q_size + kv_size): q then k of each token
+            qk = qk if qk.dtype == cos_sin.dtype else qk.to(cos_sin.dtype)
+            v = qkv[:, qk_size:]  # (T, kv_size), a strided view
+        else:  # Qwen3: per-head norms first (in the model's dtype), into a fresh q | k
+            q3, k3, v3 = attn.split(qkv.to(cos_sin.dtype))
+            qk, v = torch.cat((q3.flatten(1), k3.flatten(1)), dim=1), v3.flatten(1)
+        # In place: q (T, q_size) and k (T, kv_size) are strided row views of qk.
+        self._ops.rotary_embedding(meta.positions, qk[:, :q_size], qk[:, q_size:], d, cos_sin, True)
+        # The library stores and attends in the cache's dtype: q, K and V rounded to it.
+        qk = qk.to(pool.dtype)
         key_cache, value_cache = self._layer_caches(pool)[attn.layer]
         self._ops.cpu_attn_reshape_and_cache(
-            kv[:, 0], kv[:, 1], key_cache, value_cache, paged.slots, ISA
+            qk[:, q_size:].view(t, kvh, d),
+            v.to(pool.dtype).view(t, kvh, d),
+            key_cache,
+            value_cache,
+            paged.slots,
+            ISA,
         )
-        query = q.view(t, h, d).to(pool.dtype)
+        query = qk[:, :q_size].view(t, h, d)
         out = torch.empty(t, h, d, dtype=pool.dtype)
         self._ops.cpu_attention_with_kv_cache(
             query,
@@ -158,7 +174,7 @@ class FusedCpuBackend(TorchBackend):
             None,
             None,
         )
-        return out.view(t, q_size).to(qkv.dtype)
+        return out.view(t, q_size)  # in the cache's dtype: the output projection casts
 
     def _layer_caches(self, pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the library's (num_blocks, KVH, block_size, D) views of its K and V

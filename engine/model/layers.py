@@ -41,7 +41,13 @@ class GatedMLP(nn.Module):
         self.down = Linear(inter, hidden, False, dtype, device)
 
     def forward(
-        self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        x: torch.Tensor,
+        silu_mul: Callable[[torch.Tensor, torch.dtype], torch.Tensor],
+        native: bool = False,
     ) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden); ``silu_mul``: the backend's (T, 2 * inter) -> (T, inter)."""
-        return self.down(silu_mul(self.gate_up(x)))
+        """x (T, hidden) -> (T, hidden) in x's dtype. ``silu_mul``: the backend's (T, 2 * inter)
+        -> (T, inter), computed in the given dtype; ``native``: it takes gate and up in the
+        kernel's dtype (``Linear.native``)."""
+        gate_up = self.gate_up.native(x) if native else self.gate_up(x)
+        return self.down(silu_mul(gate_up, x.dtype), x.dtype)

@@ -16,7 +16,7 @@ the CPU (AMX moves it down, AVX2 up), the shape and the threads, so ``min_gemm_r
 measures it per weight shape at load (once per machine: the first worker measures, the
 others read its answer) and caches it.
 
-Two GEMMs, one interface (``x (T, K) -> (T, N)`` in the input's dtype):
+Two GEMMs, one interface (``x (T, K) -> (T, N)`` in ``out_dtype``, by default the input's):
 * ``PrepackedGemm``: the weight reordered once into oneDNN's blocked layout, the route
   inductor's CPU weight freezing takes (``torch.ops.mkldnn``); where this torch's oneDNN
   computes bfloat16 (AVX-512 BF16 or AMX);
@@ -68,8 +68,8 @@ class PlainGemm(nn.Module):
         self.register_buffer("weight", weight.to(torch.bfloat16).contiguous(), persistent=False)
         self.weight: torch.Tensor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight).to(out_dtype or x.dtype)
 
 
 class PrepackedGemm(nn.Module):
@@ -85,9 +85,10 @@ class PrepackedGemm(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         self.out_features = w.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
-        return torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "").to(x.dtype)
+        y = torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "")
+        return y.to(out_dtype or x.dtype)
 
 
 def bf16_gemm(weight: torch.Tensor, prepack: bool | None = None) -> nn.Module:

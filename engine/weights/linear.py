@@ -20,6 +20,10 @@ chunking) or on the prompts that shared its batch (both GEMMs give each row the 
 whatever the rows beside it). A decode step's kernel does depend on its batch size, so a
 row's logits can differ in their last bits with the batch it ran in.
 
+Every kernel's ``forward(x, bias, out_dtype=None)`` returns ``out_dtype`` (None: x's) and
+has a ``compute_dtype``, the dtype its product comes out in before that cast: a consumer
+that would round to it anyway asks for it (``Linear.native``) and skips a round trip.
+
 Packed kernels run on CPU only (torch's CUDA int4 layout differs and is untested here):
 ``check_device`` refuses them elsewhere with a clear error.
 """
@@ -79,8 +83,16 @@ class DenseKernel(nn.Module):
         self.register_buffer("weight", weight, persistent=False)
         self.weight: torch.Tensor
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, self.weight, bias)
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        w = self.weight
+        y = F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w, bias)
+        return y if out_dtype in (None, y.dtype) else y.to(out_dtype)
 
 
 class _ManyRows:
@@ -93,8 +105,10 @@ class _ManyRows:
     def serves(self, x: torch.Tensor) -> bool:
         return _PREFILL.get() or (_DECODE_ROWS.get() or x.shape[0]) >= self.min_rows
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = self.gemm(x)
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        out = self.gemm.forward(x, out_dtype)
         return out if bias is None else out.add_(bias)
 
 
@@ -136,6 +150,7 @@ class Int4Kernel(nn.Module):
         self.register_buffer("scales_zeros", sz, persistent=False)
         self.packed: torch.Tensor
         self.scales_zeros: torch.Tensor
+        self.compute_dtype = sz.dtype
         self.many_rows: _ManyRows | None = None  # see with_gemm
 
     def with_gemm(self, gemm: nn.Module, min_rows: int) -> None:
@@ -144,17 +159,21 @@ class Int4Kernel(nn.Module):
         while a bfloat16 GEMM is bound by reading the weights until far more rows."""
         self.many_rows = _ManyRows(gemm, min_rows)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         if self.many_rows is not None and self.many_rows.serves(x):
-            return self.many_rows(x, bias)
-        return self.packed_forward(x, bias)
+            return self.many_rows(x, bias, out_dtype or x.dtype)
+        return self.packed_forward(x, bias, out_dtype)
 
-    def packed_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def packed_forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         # The kernel computes in its scales' dtype (bfloat16 when serving: it is 10-50x
         # slower fed float32); the model's residual stream keeps its own dtype around it.
-        dtype = x.dtype
+        dtype = out_dtype or x.dtype
         out = torch._weight_int4pack_mm_for_cpu(
-            x.to(self.scales_zeros.dtype), self.packed, GROUP, self.scales_zeros
+            x.to(self.compute_dtype), self.packed, GROUP, self.scales_zeros
         )
         if out.shape[1] != self.out_features:
             out = out[:, : self.out_features]
@@ -187,6 +206,7 @@ class Int8Kernel(nn.Module):
 
     def _hold(self, planes: Int4Kernel, shape: tuple[int, ...]) -> None:
         self.planes = planes
+        self.compute_dtype = planes.compute_dtype
         self.out_features, self.in_features = shape
         self.shape = (self.out_features, self.in_features)
         self.many_rows: _ManyRows | None = None
@@ -195,13 +215,18 @@ class Int8Kernel(nn.Module):
         """As ``Int4Kernel.with_gemm``; ``gemm`` holds the (N, K) de-quantized matrix."""
         self.many_rows = _ManyRows(gemm, min_rows)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         if self.many_rows is not None and self.many_rows.serves(x):
-            return self.many_rows(x, bias)
-        return self.packed_forward(x, bias)
+            return self.many_rows(x, bias, out_dtype or x.dtype)
+        return self.packed_forward(x, bias, out_dtype)
 
-    def packed_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.planes.packed_forward(torch.cat((x, x), dim=1), bias)
+    def packed_forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        xc = x.to(self.compute_dtype)  # before the repeat: half the bytes cast
+        return self.planes.packed_forward(torch.cat((xc, xc), dim=1), bias, out_dtype or x.dtype)
 
 
 class RefinedHead(nn.Module):
@@ -218,12 +243,17 @@ class RefinedHead(nn.Module):
     _MARGIN_STEPS = 4
     _MAX_REFINED = 64
 
+    compute_dtype = torch.float32
+
     def __init__(self, packed: nn.Module, rows: QuantRows) -> None:
         super().__init__()
         self.packed, self.rows = packed, rows
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = self.packed(x, bias).float()  # (T, vocab)
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """x (T, K) -> float32 logits (T, vocab), whatever ``out_dtype``."""
+        out = self.packed.forward(x, bias, torch.float32)  # (T, vocab)
         if x.dtype != torch.float32:
             return out
         k = min(self._MAX_REFINED, out.shape[1])
@@ -279,10 +309,23 @@ class Linear(nn.Module):
         kernel = self.kernel.packed if isinstance(self.kernel, RefinedHead) else self.kernel
         return type(kernel).__name__.removesuffix("Kernel").lower()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x (T, in_features) -> (T, out_features) in ``out_dtype`` (None: x's)."""
         assert self.kernel is not None, "weights not loaded"
-        y = self.kernel(x, self.bias)
+        # NOTE: the kernel's forward, not its __call__: kernels carry no hooks, and a module
+        # call costs ~0.6 us, paid ~240 times a decode step.
+        y = self.kernel.forward(x, self.bias, out_dtype or x.dtype)
         return y if self.lora is None else self.lora(x, y)
+
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward``, its output left in the kernel's compute dtype (bfloat16 for the packed
+        kernels and their GEMMs): for a consumer that rounds to it anyway or computes from
+        it in a wider dtype, so the values are the same with one cast (or two) fewer. With
+        a bias or adapters the sum is rounded as ``forward`` rounds it."""
+        assert self.kernel is not None, "weights not loaded"
+        if self.bias is not None or self.lora is not None:
+            return self.forward(x)
+        return self.kernel.forward(x, None, self.kernel.compute_dtype)
 
 
 class Embedding(nn.Module):

@@ -65,5 +65,6 @@ class TritonBackend(AttentionBackend[KernelBatch]):
     ) -> torch.Tensor:
         return rmsnorm(x, norm.weight, norm.eps, residual=residual)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return silu_mul(gate_up)
+    def silu_mul(self, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # Dense CUDA projections are in the model's dtype already (no cast in a graph).
+        return silu_mul(gate_up if gate_up.dtype == dtype else gate_up.to(dtype))
