@@ -89,6 +89,14 @@ class _Worker:
         await self.proc.wait()
 
 
+def _why(e: Exception, worker: _Worker | None) -> str:
+    """What a failed start says: its exit status where it died, else the error."""
+    code = None if worker is None else worker.proc.returncode
+    if isinstance(e, asyncio.IncompleteReadError) and code is not None:
+        return f"it exited with status {code} (see the server log)"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 # A verdict: None (compiles), or the error to raise, as its type and message: a fresh
 # exception each time (one raised again and again would grow its traceback each time).
 Verdict = tuple[type[GrammarError | GrammarTimeout], str] | None
@@ -110,7 +118,10 @@ class GrammarPool:
         self._max_cached = max_cached
         self._verdicts: OrderedDict[str, Verdict] = OrderedDict()  # LRU first
         self._running: dict[str, asyncio.Task[Verdict]] = {}
-        self._idle: asyncio.Queue[_Worker] | None = None
+        # Idle workers; None: a start failed with no worker left to wait for (one per waiter).
+        self._idle: asyncio.Queue[_Worker | None] | None = None
+        self._waiting = 0  # compiles waiting for an idle worker
+        self._start_error = ""
         self._starting = 0
         self._live = 0
         self._on_compile, self._on_hit = on_compile, on_hit
@@ -170,10 +181,15 @@ class GrammarPool:
         assert self._idle is not None
         if not first and self._idle.empty() and self._live + self._starting < self.max_workers:
             self._spawn()
+        self._waiting += 1
         try:
             worker = await asyncio.wait_for(self._idle.get(), STARTUP_TIMEOUT_S)
         except TimeoutError:
             raise GrammarUnavailable("no grammar worker could be started") from None
+        finally:
+            self._waiting -= 1
+        if worker is None:  # the next request spawns a worker anew
+            raise GrammarUnavailable(f"the grammar worker failed to start: {self._start_error}")
         self.compiles += 1
         if self._on_compile is not None:
             self._on_compile()
@@ -233,6 +249,11 @@ class GrammarPool:
             if worker is not None:
                 self._workers.discard(worker)
                 await worker.kill()
+            if self._live == 0 and self._starting == 0:
+                # No worker will come: the waiting compiles fail now, not at the timeout.
+                self._start_error = _why(e, worker)
+                for _ in range(self._waiting):
+                    self._idle.put_nowait(None)
             return
         self._starting -= 1
         if self._closed:

@@ -5,12 +5,13 @@ replaced), and the cache of verdicts."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 
 from checkpoints import tiny
 from engine.sampling.grammar import GrammarError
-from frontend.engine_link.grammar_pool import GrammarPool, GrammarTimeout
+from frontend.engine_link.grammar_pool import GrammarPool, GrammarTimeout, GrammarUnavailable
 from frontend.engine_link.grammar_worker import WorkerConfig
 from wire.params import GrammarKind, GrammarSpec
 
@@ -68,5 +69,22 @@ async def test_no_worker_before_the_first_grammar_and_one_for_it() -> None:
         assert not pool._workers and pool._live + pool._starting == 0
         await pool.check(GrammarSpec(kind=GrammarKind.JSON_OBJECT))
         assert pool._live + pool._starting == 1 and len(pool._workers) == 1
+    finally:
+        await pool.close()
+
+
+async def test_a_worker_that_cannot_start_fails_the_waiting_request_with_its_reason(
+    tmp_path: pathlib.Path,
+) -> None:
+    """No worker will come: the request is answered at once (a server fault, with the
+    worker's exit), not after the startup timeout; the next request tries a fresh one."""
+    config = WorkerConfig(model_dir=str(tmp_path / "missing"), vocab_size=8, stop_ids=[0])
+    pool = GrammarPool(config, timeout_s=BUDGET_S, workers=2)
+    try:
+        for _ in range(2):
+            with pytest.raises(GrammarUnavailable, match="failed to start: it exited with status"):
+                await pool.check(GrammarSpec(kind=GrammarKind.JSON_OBJECT))
+            assert not pool._workers and pool._starting == 0 and pool._waiting == 0
+        assert pool.compiles == 0
     finally:
         await pool.close()
