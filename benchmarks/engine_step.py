@@ -265,7 +265,9 @@ def _page(rows: list[Row], model: str, cmd: str, args: argparse.Namespace) -> li
         f"Load average at the end: {load_average()}. Command: `{cmd}`",
         "",
         "Decode: the step against its linear layers and one SDPA per layer. Prefill: the step "
-        "against its linear layers alone (the GEMMs). Backends (engine/model/backend.py): "
+        "against its linear layers alone (the GEMMs). The bare math calls each linear as the "
+        "first backend's step does, casts included (the fused one takes q, k, v and gate, up "
+        "in the kernels' bfloat16). Backends (engine/model/backend.py): "
         "`fused`, the fused CPU ops (engine/model/fused_cpu.py), and `torch`, the reference; "
         "each round runs both backends' steps and the bare math once.",
         "",
