@@ -215,3 +215,46 @@ def test_build_chosen_from_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
         assert cpu_kernels.cpu_isa() == want
     monkeypatch.setattr("platform.machine", lambda: "aarch64")
     assert cpu_kernels.cpu_isa() is None
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3-norms"])
+def test_attend_takes_the_kernels_bfloat16_with_the_bits_of_float32(
+    fused: FusedCpuBackend, smollm2: Path, monkeypatch: pytest.MonkeyPatch, qk_norm: bool
+) -> None:
+    """``takes_kernel_dtype``: q, k, v straight from a packed kernel (bfloat16) give the
+    output and pool bytes that the same values widened to the model's float32 give (the
+    widening is exact; rotary and Qwen3's per-head norms run in float32 either way)."""
+    runner = _runner(smollm2, "auto", "float32", quantization="auto")
+    attn = runner.model.layer(0).attn
+    if qk_norm:
+        attn.q_norm, attn.k_norm = (
+            _norm(attn.head_dim, torch.float32),
+            _norm(attn.head_dim, torch.float32),
+        )
+    seen: list[tuple[torch.Tensor, torch.Tensor, object]] = []
+    attend = FusedCpuBackend.attend
+
+    def spy(
+        self: FusedCpuBackend, layer: object, qkv: torch.Tensor, pool: torch.Tensor, meta: object
+    ) -> torch.Tensor:
+        if layer is attn:
+            seen.append((qkv.clone(), pool.clone(), meta))
+        return attend(self, layer, qkv, pool, meta)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FusedCpuBackend, "attend", spy)
+    seqs = [
+        Sequence(i, list(range(300 + i, 340 + 3 * i)), sampling=SamplingParams()) for i in range(3)
+    ]
+    runner.prefill([(s, s.num_tokens) for s in seqs])
+    for s in seqs:
+        s.output_ids.append(10)
+    runner.decode(seqs)
+    monkeypatch.undo()
+    backend = runner.backend
+    assert len(seen) == 2
+    for qkv, pool, meta in seen:  # the prefill's and the decode's
+        assert qkv.dtype == torch.bfloat16  # the packed projection's own
+        wide_pool = pool.clone()
+        got = backend.attend(attn, qkv.clone(), pool, meta)  # type: ignore[arg-type]
+        want = backend.attend(attn, qkv.float(), wide_pool, meta)  # type: ignore[arg-type]
+        assert torch.equal(got, want) and torch.equal(pool, wide_pool)

@@ -206,3 +206,27 @@ def test_calls_of_many_rows_take_the_gemm_and_few_stay_packed(bits: int) -> None
         assert torch.equal(both(few, None), gemm(few))
     with decode_rows(1):  # several rows of one sequence (verification): as its decode step
         assert torch.equal(both(many, None), packed(many, None))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [3, 40], ids=["packed", "gemm"])
+def test_native_is_forward_without_its_cast_back(bits: int, rows: int) -> None:
+    """``Linear.native``: the kernel's bfloat16, which ``forward`` widens to x's dtype (on
+    the packed kernel and on its GEMM); a bfloat16 input gives what its float32 widening
+    gives, in the dtype asked for; with a bias, ``native`` is ``forward``."""
+    torch.manual_seed(bits)
+    q = quantize_int4(torch.randn(48, 64)) if bits == 4 else quantize_int8(torch.randn(48, 64))
+    kernel = packed_kernel(q, torch.bfloat16, CPU)
+    kernel.with_gemm(PlainGemm(q.dequantize()), min_rows=16)
+    linear = Linear(64, 48, False, torch.float32, CPU)
+    linear.kernel = kernel
+    x = torch.randn(rows, 64)
+    native = linear.native(x)
+    assert native.dtype == torch.bfloat16 and torch.equal(native.float(), linear(x))
+    xb = x.bfloat16()
+    assert torch.equal(linear(xb, torch.float32), linear(xb.float()))
+    biased = Linear(64, 48, True, torch.float32, CPU)
+    biased.kernel = kernel
+    assert biased.bias is not None
+    biased.bias.data.normal_()
+    assert biased.native(x).dtype == torch.float32 and torch.equal(biased.native(x), biased(x))
