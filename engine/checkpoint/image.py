@@ -141,6 +141,7 @@ def _export_kernel(kernel: nn.Module, name: str, tensors: dict[str, torch.Tensor
             raise WeightsImageError(f"{name}: a {type(gemm).__name__} cannot be shared")
         _put(tensors, f"{name}.gemm", gemm.weight)
         meta["gemm_min_rows"] = kernel.many_rows.min_rows
+        meta["gemm_by_phase"] = kernel.many_rows.by_phase
     return meta
 
 
@@ -164,7 +165,8 @@ def _bind_kernel(meta: Meta, name: str, tensors: dict[str, torch.Tensor]) -> nn.
         raise WeightsImageError(f"{name}: unknown kernel kind {kind!r}")
     if "gemm_min_rows" in meta:
         weight = _get(tensors, f"{name}.gemm", shape, torch.bfloat16)
-        kernel.with_gemm(PlainGemm(weight), int(meta["gemm_min_rows"]))
+        by_phase = bool(meta.get("gemm_by_phase", True))
+        kernel.with_gemm(PlainGemm(weight), int(meta["gemm_min_rows"]), by_phase)
     return kernel
 
 

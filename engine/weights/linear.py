@@ -97,13 +97,17 @@ class DenseKernel(nn.Module):
 
 class _ManyRows:
     """What a packed kernel holds for batches of many rows: a bfloat16 GEMM and the row
-    count from which it is used (``engine/weights/gemm.py``)."""
+    count from which it is used (``engine/weights/gemm.py``). ``by_phase``: every call of
+    a prefill forward takes the GEMM too (a layer's, whose output becomes KV); the LM
+    head, which writes no KV and sees one row per prompt there, goes by rows alone."""
 
-    def __init__(self, gemm: nn.Module, min_rows: int) -> None:
-        self.gemm, self.min_rows = gemm, min_rows
+    def __init__(self, gemm: nn.Module, min_rows: int, by_phase: bool = True) -> None:
+        self.gemm, self.min_rows, self.by_phase = gemm, min_rows, by_phase
 
     def serves(self, x: torch.Tensor) -> bool:
-        return _PREFILL.get() or (_DECODE_ROWS.get() or x.shape[0]) >= self.min_rows
+        if self.by_phase and _PREFILL.get():
+            return True
+        return (_DECODE_ROWS.get() or x.shape[0]) >= self.min_rows
 
     def __call__(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None
@@ -153,11 +157,11 @@ class Int4Kernel(nn.Module):
         self.compute_dtype = sz.dtype
         self.many_rows: _ManyRows | None = None  # see with_gemm
 
-    def with_gemm(self, gemm: nn.Module, min_rows: int) -> None:
+    def with_gemm(self, gemm: nn.Module, min_rows: int, by_phase: bool = True) -> None:
         """Run ``gemm`` (the same weights in bfloat16) for calls of ``min_rows`` rows or more:
         torch's int4 kernel de-quantizes per row block, so its cost grows with every row,
         while a bfloat16 GEMM is bound by reading the weights until far more rows."""
-        self.many_rows = _ManyRows(gemm, min_rows)
+        self.many_rows = _ManyRows(gemm, min_rows, by_phase)
 
     def forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
@@ -211,9 +215,9 @@ class Int8Kernel(nn.Module):
         self.shape = (self.out_features, self.in_features)
         self.many_rows: _ManyRows | None = None
 
-    def with_gemm(self, gemm: nn.Module, min_rows: int) -> None:
+    def with_gemm(self, gemm: nn.Module, min_rows: int, by_phase: bool = True) -> None:
         """As ``Int4Kernel.with_gemm``; ``gemm`` holds the (N, K) de-quantized matrix."""
-        self.many_rows = _ManyRows(gemm, min_rows)
+        self.many_rows = _ManyRows(gemm, min_rows, by_phase)
 
     def forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None

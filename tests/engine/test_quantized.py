@@ -206,6 +206,11 @@ def test_calls_of_many_rows_take_the_gemm_and_few_stay_packed(bits: int) -> None
         assert torch.equal(both(few, None), gemm(few))
     with decode_rows(1):  # several rows of one sequence (verification): as its decode step
         assert torch.equal(both(many, None), packed(many, None))
+    head = packed_kernel(rows, torch.bfloat16, CPU)  # the LM head: by rows, even in prefill
+    head.with_gemm(gemm, min_rows=8, by_phase=False)
+    with prefill_phase():
+        assert torch.equal(head(few, None), packed(few, None))
+        assert torch.equal(head(many, None), gemm(many))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
