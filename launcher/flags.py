@@ -186,7 +186,8 @@ def _engine(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.share_weights,
         help="CPU workers map one copy of the read-only weights per host (GEMMs on plain "
-        "bfloat16); off, each loads its own, GEMM weights prepacked for oneDNN",
+        "bfloat16); off, each loads its own, GEMM weights prepacked for oneDNN (default: "
+        "on with two or more CPU engine workers, off for a lone one, which shares with none)",
     )
     add(
         "--max-model-len",

@@ -89,8 +89,9 @@ class ServerConfig:
     dtype: DType = _ENGINE_DTYPE
     quantization: str = _ENGINE.quantization
     gemm_min_rows: int = _ENGINE.gemm_min_rows  # 0: measured at load (engine/weights/gemm.py)
-    # CPU workers map one copy of the weights per host (engine/checkpoint/shared_weights.py)
-    share_weights: bool = True
+    # CPU workers map one copy of the weights per host (engine/checkpoint/shared_weights.py);
+    # None: when the host runs two or more CPU engine workers (``shares_weights``)
+    share_weights: bool | None = None
     max_model_len: int | None = _ENGINE.max_model_len
     max_num_seqs: int = _ENGINE.max_num_seqs
     chunked_prefill_size: int = _ENGINE.chunked_prefill_size

@@ -7,6 +7,7 @@ import shlex
 import pytest
 
 from launcher.args import parse_args
+from launcher.cli import shares_weights
 from launcher.gpus import (
     GpuAssignmentError,
     GpuInfo,
@@ -126,3 +127,20 @@ def test_cuda_visible_devices_given_to_launch_narrows_the_gpus(
 def test_a_mig_instance_is_refused_with_what_to_do() -> None:
     with pytest.raises(GpuAssignmentError, match="MIG"):
         visible_subset(_named(2), "MIG-5c4e3f2a-0000-1111-2222-333344445555")
+
+
+@pytest.mark.parametrize(
+    ("args", "shared"),
+    [
+        ("--prefill 2 --decode 2", True),  # the default: several workers map one copy
+        ("--prefill 1 --decode 1", True),
+        ("--colocated 1", False),  # a lone worker shares with nobody: private, prepacked
+        ("--colocated 1 --share-weights", True),
+        ("--prefill 2 --decode 2 --no-share-weights", False),
+    ],
+)
+def test_weights_are_shared_by_default_only_between_cpu_workers(args: str, shared: bool) -> None:
+    config = parse_args(["--device", "cpu", *shlex.split(args)])
+    assert shares_weights(config, assign_gpus(config, [])) is shared
+    on_gpus = parse_args(shlex.split(args))
+    assert not shares_weights(on_gpus, assign_gpus(on_gpus, _gpus(8)))  # weights on the GPUs
