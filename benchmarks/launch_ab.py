@@ -53,7 +53,7 @@ def _request(client: httpx.Client, url: str, prompt: str, tokens: int) -> tuple[
 
 
 def _engine_pss(pid: int) -> dict[str, float]:
-    """MiB of PSS (anon, shmem) of each engine worker under the launcher ``pid``."""
+    """MiB of PSS of each engine worker under the launcher ``pid``."""
     out = {}
     for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
         name = Path(f"/proc/{child}/cmdline").read_text().split("\0")[0]
@@ -63,12 +63,10 @@ def _engine_pss(pid: int) -> dict[str, float]:
             "colocated",
         ):
             continue
-        fields = {}
         for line in Path(f"/proc/{child}/smaps_rollup").read_text().splitlines():
             key, _, rest = line.partition(":")
-            if key in ("Pss", "Pss_Anon", "Pss_Shmem"):
-                fields[key] = int(rest.split()[0]) / 1024
-        out[name] = fields["Pss"]
+            if key == "Pss":
+                out[name] = int(rest.split()[0]) / 1024
     return out
 
 

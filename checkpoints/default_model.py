@@ -61,7 +61,7 @@ def bundled_gguf() -> Path:
     return path
 
 
-# The converter's exit status for a file it refuses (its stderr's last line says why).
+# The converter's exit status for a file it refuses (its stdout says why).
 UNSUPPORTED_EXIT = 3
 
 
@@ -73,14 +73,13 @@ def _convert(gguf_path: Path) -> Callable[[Path], None]:
         # without torch, would keep both for its whole life.
         proc = subprocess.run(
             [sys.executable, "-m", "checkpoints.default_model", str(gguf_path), str(out)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            capture_output=True,
             text=True,
             check=False,
         )
+        if proc.returncode == UNSUPPORTED_EXIT:  # its reason, whole, is all it printed
+            raise UnsupportedModelError(proc.stdout.strip())
         lines = proc.stderr.strip().splitlines() or ["(no output)"]
-        if proc.returncode == UNSUPPORTED_EXIT:
-            raise UnsupportedModelError(lines[-1])
         if proc.returncode:
             raise RuntimeError(
                 f"converting {gguf_path} failed (exit {proc.returncode}): " + "\n".join(lines[-20:])
@@ -116,7 +115,8 @@ def resolve_model(model: Path | None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """``python -m checkpoints.default_model``: build the default model and print where it
     lies; ``python -m checkpoints.default_model FILE.gguf OUT``: convert one GGUF into the
-    directory OUT (what ``_convert`` runs; exit ``UNSUPPORTED_EXIT`` for a refused file)."""
+    directory OUT (what ``_convert`` runs; a refused file: its reason on stdout, exit
+    ``UNSUPPORTED_EXIT``)."""
     args = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO)
     if not args:
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         convert_gguf(Path(args[0]), Path(args[1]))
     except UnsupportedModelError as e:
-        print(e, file=sys.stderr)
+        print(e)
         return UNSUPPORTED_EXIT
     return 0
 

@@ -383,12 +383,15 @@ class ModelRunner:
         q_lens = [n for _, _, n in spans]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
+        slot_blocks = [
+            seq.block_table[p // bs] for seq, start, n in spans for p in range(start, start + n)
+        ]
         fields: dict[str, Any] = {}
-        if not self.backend.paged_in_place:  # the torch backend's rows and rotations
+        if self.backend.paged_in_place:
+            slots = [b * bs + p % bs for b, p in zip(slot_blocks, positions, strict=True)]
+            fields["slots"] = torch.tensor(slots, dtype=torch.long, device=dev)
+        else:  # the torch backend's rows and rotations
             layers = self.model_config.num_layers
-            slot_blocks = [
-                seq.block_table[p // bs] for seq, start, n in spans for p in range(start, start + n)
-            ]
             blocks = torch.tensor(slot_blocks, dtype=torch.long, device=dev)
             slot_rows = blocks * (layers * 2 * bs) + pos % bs  # layer 0's K row of each token
             fields["write_rows"] = per_layer_rows(slot_rows, layers, 2 * bs, bs).unbind(0)

@@ -289,11 +289,16 @@ def _size_kv(
         return replace(config, kv_cache_tokens=config.kv_cache_tokens or DEFAULT_GPU_KV_TOKENS)
     engine = EngineConfig(model=str(model), max_model_len=config.max_model_len)
     try:
-        # Packed weights take at most a byte a parameter (int8: one, int4: about 0.6), and
-        # their bfloat16 GEMM copies two more (engine/weights/gemm.py).
+        # Packed weights take about a byte a parameter (int8: 1.06 with its scales, int4:
+        # about 0.6), and their bfloat16 GEMM copies two more (engine/weights/gemm.py).
         weights = weight_bytes(model, dtype if quantization == "none" else "int8")
         if quantization != "none":
             weights += weight_bytes(model, "bfloat16")
+            if mcfg.tie_word_embeddings:
+                # The checkpoint holds one matrix for embedding and head; served packed,
+                # the head has its own int8 planes (1.25 bytes a weight with scales and
+                # zeros) and GEMM copy (2) beside the embedding's rows.
+                weights += mcfg.vocab_size * mcfg.hidden_size * 13 // 4
         # Shared (engine/checkpoint/shared_weights.py): one copy for every CPU worker.
         shared = weights if shares_weights(config, gpus) else 0
         demand = Demand(

@@ -62,6 +62,9 @@ class AttentionMetadata:
     # The new tokens' positions (T,), and what a backend adds in ``prepare`` (the fused CPU
     # backend's ``PagedBatch``, engine/model/fused_cpu.py).
     positions: torch.Tensor | None = None
+    # Where the backend is ``paged_in_place``: (T,) each new token's slot in the pool,
+    # block * block_size + offset.
+    slots: torch.Tensor | None = None
     paged: object | None = None
 
 

@@ -8,7 +8,8 @@ rows each costs a few microseconds of dispatch, most of a step's time outside it
 Here, per layer:
 
 * add + RMSNorm: ``fused_add_rms_norm`` (the residual sum, then its norm, one pass);
-* rotary: ``rotary_embedding`` over q and k in place, in the projection's output;
+* rotary: ``rotary_embedding`` over q and k in place, in the projection's output (or in
+  its float32 widening, where a packed kernel gave bfloat16: ``takes_kernel_dtype``);
 * K/V store: ``cpu_attn_reshape_and_cache`` writes the tokens' K and V into their slots;
 * attention: ``cpu_attention_with_kv_cache`` reads each sequence's blocks in place, for
   prefill, chunked prefill and decode alike (causal over a sequence's whole context), with
@@ -84,19 +85,18 @@ class FusedCpuBackend(TorchBackend):
         self, meta: AttentionMetadata, pool: torch.Tensor, num_heads: int
     ) -> AttentionMetadata:
         """``meta`` with the step's ``PagedBatch``, computed once for all layers."""
-        assert meta.positions is not None, "the runner sets positions for this backend"
-        bs, kv_heads, d = pool.shape[3], pool.shape[4], pool.shape[5]
+        assert meta.positions is not None and meta.slots is not None, "the runner sets them"
+        kv_heads, d = pool.shape[4], pool.shape[5]
         # From the host's lists, not tensor ops: at 1-32 rows a step, each op's dispatch
         # costs more than its arithmetic.
-        tables = meta.block_tables.tolist()
-        spans = list(zip(tables, meta.ctx_lens, meta.q_lens, strict=True))
-        slots = [row[p // bs] * bs + p % bs for row, c, n in spans for p in range(c - n, c)]
+        spans = list(zip(meta.ctx_lens, meta.q_lens, strict=True))
         if meta.rows_as_decode:  # every query row a request: it sees what a decode step sees
-            rows = [row for row, _, n in spans for _ in range(n)]
-            lens = [p + 1 for _, c, n in spans for p in range(c - n, c)]
-            starts = list(range(len(slots) + 1))
+            seq_of_row = [i for i, (_, n) in enumerate(spans) for _ in range(n)]
+            tables = meta.block_tables[seq_of_row].to(torch.int32)
+            lens = [p + 1 for c, n in spans for p in range(c - n, c)]
+            starts = list(range(len(lens) + 1))
         else:
-            rows, lens = tables, list(meta.ctx_lens)
+            tables, lens = meta.block_tables.to(torch.int32), list(meta.ctx_lens)
             starts = [0]
             for n in meta.q_lens:
                 starts.append(starts[-1] + n)
@@ -116,13 +116,7 @@ class FusedCpuBackend(TorchBackend):
             False,
             None,
         )
-        paged = PagedBatch(
-            torch.tensor(slots, dtype=torch.long),
-            q_starts,
-            seq_lens,
-            torch.tensor(rows, dtype=torch.int32),
-            schedule,
-        )
+        paged = PagedBatch(meta.slots, q_starts, seq_lens, tables, schedule)
         return replace(meta, paged=paged)
 
     def attend(

@@ -18,7 +18,10 @@ run that GEMM, and decode steps from ``min_rows`` rows on, measured per machine.
 phase, not by rows: a prompt's KV must not depend on how it was split (a prefix-cache hit,
 chunking) or on the prompts that shared its batch (both GEMMs give each row the same bits
 whatever the rows beside it). A decode step's kernel does depend on its batch size, so a
-row's logits can differ in their last bits with the batch it ran in.
+row's logits can differ in their last bits with the batch it ran in. The LM head goes by
+rows in prefill too (``by_phase=False``): it writes no KV, and a prefill gives it one row
+per prompt, so a prompt's first-token logits can differ in their last bits with the
+number of prompts that shared its prefill (greedy choices do not: ``RefinedHead``).
 
 Every kernel's ``forward(x, bias, out_dtype=None)`` returns ``out_dtype`` (None: x's) and
 has a ``compute_dtype``, the dtype its product comes out in before that cast: a consumer
@@ -99,7 +102,8 @@ class _ManyRows:
     """What a packed kernel holds for batches of many rows: a bfloat16 GEMM and the row
     count from which it is used (``engine/weights/gemm.py``). ``by_phase``: every call of
     a prefill forward takes the GEMM too (a layer's, whose output becomes KV); the LM
-    head, which writes no KV and sees one row per prompt there, goes by rows alone."""
+    head, which writes no KV (and in serving sees one row per prompt there), goes by rows
+    alone."""
 
     def __init__(self, gemm: nn.Module, min_rows: int, by_phase: bool = True) -> None:
         self.gemm, self.min_rows, self.by_phase = gemm, min_rows, by_phase

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CACHED_VERDICTS = 256
 STARTUP_TIMEOUT_S = 120.0  # importing the grammar library and loading a vocabulary
+_EXIT_WAIT_S = 5.0  # a worker that failed and closed its pipe, to exit with its own status
 
 
 class GrammarTimeout(Exception):
@@ -118,15 +119,17 @@ class GrammarPool:
         self._max_cached = max_cached
         self._verdicts: OrderedDict[str, Verdict] = OrderedDict()  # LRU first
         self._running: dict[str, asyncio.Task[Verdict]] = {}
-        # Idle workers; None: a start failed with no worker left to wait for (one per waiter).
-        self._idle: asyncio.Queue[_Worker | None] | None = None
-        self._waiting = 0  # compiles waiting for an idle worker
-        self._start_error = ""
+        self._idle: asyncio.Queue[_Worker] | None = None
+        # Resolved, with why, when a start fails and no worker is live or starting: the
+        # compiles waiting on it fail at once, not at the start timeout. The next compile
+        # waits on a fresh one (and starts a fresh worker).
+        self._no_worker: asyncio.Future[str] | None = None
         self._starting = 0
         self._live = 0
         self._on_compile, self._on_hit = on_compile, on_hit
         self._workers: set[_Worker] = set()
         self._closed = False
+        self._starts: set[asyncio.Task[None]] = set()  # workers being started
         self.hits = 0
         self.compiles = 0
         self.abandoned = 0
@@ -164,6 +167,10 @@ class GrammarPool:
             task.cancel()
         for worker in list(self._workers):
             await worker.kill()
+        # Starts in flight end once their worker is dead (or at once, if not created yet):
+        # waited for, so the loop's shutdown cuts none of them off before it has reaped
+        # its process.
+        await asyncio.gather(*self._starts, return_exceptions=True)
 
     async def _judge(self, spec: GrammarSpec) -> Verdict:
         try:
@@ -181,15 +188,7 @@ class GrammarPool:
         assert self._idle is not None
         if not first and self._idle.empty() and self._live + self._starting < self.max_workers:
             self._spawn()
-        self._waiting += 1
-        try:
-            worker = await asyncio.wait_for(self._idle.get(), STARTUP_TIMEOUT_S)
-        except TimeoutError:
-            raise GrammarUnavailable("no grammar worker could be started") from None
-        finally:
-            self._waiting -= 1
-        if worker is None:  # the next request spawns a worker anew
-            raise GrammarUnavailable(f"the grammar worker failed to start: {self._start_error}")
+        worker = await self._take_worker()
         self.compiles += 1
         if self._on_compile is not None:
             self._on_compile()
@@ -214,16 +213,38 @@ class GrammarPool:
         self._idle.put_nowait(worker)
         return None if reply.ok else (GrammarError, reply.error or "the grammar does not compile")
 
+    async def _take_worker(self) -> _Worker:
+        """An idle worker, once one is; raises ``GrammarUnavailable`` if none can start."""
+        assert self._idle is not None
+        if self._no_worker is None or self._no_worker.done():
+            self._no_worker = asyncio.get_running_loop().create_future()
+        failed = self._no_worker
+        getter = asyncio.ensure_future(self._idle.get())
+        try:
+            await asyncio.wait(
+                (getter, failed), timeout=STARTUP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            if not getter.done():
+                getter.cancel()  # a worker it was handed stays in the queue (asyncio.Queue)
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        if failed.done():
+            raise GrammarUnavailable(f"the grammar worker failed to start: {failed.result()}")
+        raise GrammarUnavailable("no grammar worker could be started")
+
     async def _retire(self, worker: _Worker) -> None:
         self._live -= 1
         self._workers.discard(worker)
-        await worker.kill()
         if not self._closed:
-            self._spawn()
+            self._spawn()  # before the kill's await: a failing start meanwhile sees this one
+        await worker.kill()
 
     def _spawn(self) -> None:
         self._starting += 1
-        asyncio.get_running_loop().create_task(self._start_worker())
+        task = asyncio.get_running_loop().create_task(self._start_worker())
+        self._starts.add(task)
+        task.add_done_callback(self._starts.discard)
 
     async def _start_worker(self) -> None:
         assert self._idle is not None
@@ -239,6 +260,8 @@ class GrammarPool:
             )
             worker = _Worker(proc)
             self._workers.add(worker)
+            if self._closed:  # close() ran while it was being created
+                raise ConnectionError("the pool is closed")
             ready = await asyncio.wait_for(worker.read(), STARTUP_TIMEOUT_S)
             if not ready.ready:
                 raise ConnectionError("the grammar worker did not say it was ready")
@@ -248,12 +271,15 @@ class GrammarPool:
             self._starting -= 1
             if worker is not None:
                 self._workers.discard(worker)
-                await worker.kill()
-            if self._live == 0 and self._starting == 0:
-                # No worker will come: the waiting compiles fail now, not at the timeout.
-                self._start_error = _why(e, worker)
-                for _ in range(self._waiting):
-                    self._idle.put_nowait(None)
+                if isinstance(e, asyncio.IncompleteReadError):  # it closed its pipe: exiting
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(worker.proc.wait(), _EXIT_WAIT_S)
+                await worker.kill()  # reaped: its exit status is known
+            failed = self._no_worker
+            # Decided after the kill's await: a compile that arrived meanwhile may have
+            # started another worker, which its waiters then wait for.
+            if self._live == 0 and self._starting == 0 and failed and not failed.done():
+                failed.set_result(_why(e, worker))
             return
         self._starting -= 1
         if self._closed:

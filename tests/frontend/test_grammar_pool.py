@@ -4,6 +4,7 @@ replaced), and the cache of verdicts."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pathlib
 
@@ -76,15 +77,22 @@ async def test_no_worker_before_the_first_grammar_and_one_for_it() -> None:
 async def test_a_worker_that_cannot_start_fails_the_waiting_request_with_its_reason(
     tmp_path: pathlib.Path,
 ) -> None:
-    """No worker will come: the request is answered at once (a server fault, with the
-    worker's exit), not after the startup timeout; the next request tries a fresh one."""
+    """No worker will come: the requests waiting (two at once, each with a start of its
+    own) are answered at once (a server fault, with the worker's exit), not after the
+    startup timeout; the next requests try fresh workers, and fail the same way."""
     config = WorkerConfig(model_dir=str(tmp_path / "missing"), vocab_size=8, stop_ids=[0])
     pool = GrammarPool(config, timeout_s=BUDGET_S, workers=2)
+    specs = [
+        GrammarSpec(kind=GrammarKind.JSON_OBJECT),
+        GrammarSpec(kind=GrammarKind.REGEX, text="a+"),
+    ]
     try:
         for _ in range(2):
-            with pytest.raises(GrammarUnavailable, match="failed to start: it exited with status"):
-                await pool.check(GrammarSpec(kind=GrammarKind.JSON_OBJECT))
-            assert not pool._workers and pool._starting == 0 and pool._waiting == 0
+            got = await asyncio.gather(*(pool.check(s) for s in specs), return_exceptions=True)
+            for e in got:
+                assert isinstance(e, GrammarUnavailable), e
+                assert "failed to start: it exited with status" in str(e)
+            assert not pool._workers and pool._starting == 0 and pool._live == 0
         assert pool.compiles == 0
     finally:
         await pool.close()
