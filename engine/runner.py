@@ -383,9 +383,7 @@ class ModelRunner:
         q_lens = [n for _, _, n in spans]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-        slot_blocks = [
-            seq.block_table[p // bs] for seq, start, n in spans for p in range(start, start + n)
-        ]
+        slot_blocks = [s.block_table[p // bs] for s, a, n in spans for p in range(a, a + n)]
         fields: dict[str, Any] = {}
         if self.backend.paged_in_place:
             slots = [b * bs + p % bs for b, p in zip(slot_blocks, positions, strict=True)]

@@ -180,9 +180,11 @@ class ServiceUnavailable(APIError):
     status = 503
     error_type = "server_error"
 
-    def __init__(self, retry_after_s: float, message: str = "Server overloaded") -> None:
+    def __init__(
+        self, retry_after_s: float, message: str = "Server overloaded", code: str = "overloaded"
+    ) -> None:
         seconds = max(1, math.ceil(retry_after_s))
-        super().__init__(f"{message}; retry after {seconds} s", code="overloaded")
+        super().__init__(f"{message}; retry after {seconds} s", code=code)
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:

@@ -22,8 +22,13 @@ from typing import Any
 
 from engine.sampling.grammar import GrammarError
 from frontend.api.limits import check_text_size, decode_json_text
-from frontend.engine_link.grammar_pool import GrammarPool, GrammarTimeout
-from frontend.errors import InvalidRequest, LimitExceeded, NotImplementedField
+from frontend.engine_link.grammar_pool import GrammarPool, GrammarTimeout, GrammarUnavailable
+from frontend.errors import (
+    InvalidRequest,
+    LimitExceeded,
+    NotImplementedField,
+    ServiceUnavailable,
+)
 from frontend.settings import FrontendSettings
 from wire.params import GrammarKind, GrammarSpec
 
@@ -174,7 +179,8 @@ async def compile_checked(
     grammars: GrammarPool, spec: GrammarSpec, param: str, settings: FrontendSettings
 ) -> None:
     """Check ``spec``'s size, then compile it in a grammar worker (cached by key); a 400
-    naming ``param`` if it is too big, does not compile, or outlasts the budget."""
+    naming ``param`` if it is too big, does not compile, or outlasts the budget; a 503 if
+    no grammar worker can start."""
     check_text_size(
         spec.text,
         settings.max_schema_bytes,
@@ -192,4 +198,8 @@ async def compile_checked(
             settings.grammar_compile_timeout_s,
             f"the grammar of '{param}' {e} and was abandoned",
             param=param,
+        ) from e
+    except GrammarUnavailable as e:  # the server's fault: the next request tries afresh
+        raise ServiceUnavailable(
+            1.0, f"'{param}' cannot be checked now: {e}", code="grammar_unavailable"
         ) from e

@@ -11,7 +11,7 @@ import pytest
 from frontend.api.structured import compile_checked, grammar_spec
 from frontend.engine_link.grammar_pool import GrammarPool
 from frontend.engine_link.grammar_worker import WorkerConfig
-from frontend.errors import InvalidRequest, LimitExceeded, NotImplementedField
+from frontend.errors import InvalidRequest, LimitExceeded, NotImplementedField, ServiceUnavailable
 from tests.frontend.conftest import make_settings
 from tests.frontend.test_protocol import chat, completion
 from wire.params import GrammarKind, GrammarSpec, choice_seed
@@ -106,3 +106,18 @@ async def test_an_oversized_constraint_is_refused_before_it_compiles() -> None:
     assert (info.value.limit, info.value.param) == ("max_schema_bytes", "guided_regex")
     assert "70000 bytes" in info.value.message and "--max-schema-bytes" in info.value.message
     assert pool.compiles == 0  # refused before any worker saw it
+
+
+@pytest.mark.anyio
+async def test_a_grammar_worker_that_cannot_start_is_a_503_naming_why(tmp_path: Any) -> None:
+    config = WorkerConfig(model_dir=str(tmp_path / "missing"), vocab_size=8, stop_ids=[0])
+    pool = GrammarPool(config, timeout_s=1.0)
+    try:
+        with pytest.raises(ServiceUnavailable) as info:
+            await compile_checked(
+                pool, GrammarSpec(kind=GrammarKind.JSON_OBJECT), "response_format", make_settings()
+            )
+    finally:
+        await pool.close()
+    assert info.value.status == 503 and info.value.headers() == {"Retry-After": "1"}
+    assert "failed to start: it exited with status" in info.value.message
