@@ -89,8 +89,8 @@ class FusedCpuBackend(TorchBackend):
         kv_heads, d = pool.shape[4], pool.shape[5]
         # From the host's lists, not tensor ops: at 1-32 rows a step, each op's dispatch
         # costs more than its arithmetic.
-        spans = list(zip(meta.ctx_lens, meta.q_lens, strict=True))
         if meta.rows_as_decode:  # every query row a request: it sees what a decode step sees
+            spans = list(zip(meta.ctx_lens, meta.q_lens, strict=True))
             seq_of_row = [i for i, (_, n) in enumerate(spans) for _ in range(n)]
             tables = meta.block_tables[seq_of_row].to(torch.int32)
             lens = [p + 1 for c, n in spans for p in range(c - n, c)]

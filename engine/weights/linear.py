@@ -120,7 +120,33 @@ class _ManyRows:
         return out if bias is None else out.add_(bias)
 
 
-class Int4Kernel(nn.Module):
+class _PackedKernel(nn.Module):
+    """What the packed kinds share: the bfloat16 GEMM for many rows (``with_gemm``) and the
+    choice between it and ``packed_forward`` per call."""
+
+    many_rows: _ManyRows | None
+    compute_dtype: torch.dtype
+
+    def with_gemm(self, gemm: nn.Module, min_rows: int, by_phase: bool = True) -> None:
+        """Run ``gemm`` (the same weights in bfloat16, (N, K)) for calls of ``min_rows`` rows
+        or more: torch's int4 kernel de-quantizes per row block, so its cost grows with every
+        row, while a bfloat16 GEMM is bound by reading the weights until far more rows."""
+        self.many_rows = _ManyRows(gemm, min_rows, by_phase)
+
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        if self.many_rows is not None and self.many_rows.serves(x):
+            return self.many_rows(x, bias, out_dtype)
+        return self.packed_forward(x, bias, out_dtype)
+
+    def packed_forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int4Kernel(_PackedKernel):
     """``y = x W^T`` with ``W = (c - 8) * scale + zero`` per group; x: (T, K) -> (T, N)."""
 
     def __init__(self, rows: Int4Rows, dtype: torch.dtype, device: torch.device) -> None:
@@ -161,19 +187,6 @@ class Int4Kernel(nn.Module):
         self.compute_dtype = sz.dtype
         self.many_rows: _ManyRows | None = None  # see with_gemm
 
-    def with_gemm(self, gemm: nn.Module, min_rows: int, by_phase: bool = True) -> None:
-        """Run ``gemm`` (the same weights in bfloat16) for calls of ``min_rows`` rows or more:
-        torch's int4 kernel de-quantizes per row block, so its cost grows with every row,
-        while a bfloat16 GEMM is bound by reading the weights until far more rows."""
-        self.many_rows = _ManyRows(gemm, min_rows, by_phase)
-
-    def forward(
-        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        if self.many_rows is not None and self.many_rows.serves(x):
-            return self.many_rows(x, bias, out_dtype or x.dtype)
-        return self.packed_forward(x, bias, out_dtype)
-
     def packed_forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
@@ -189,7 +202,7 @@ class Int4Kernel(nn.Module):
         return out if bias is None else out.add_(bias)
 
 
-class Int8Kernel(nn.Module):
+class Int8Kernel(_PackedKernel):
     """Group-wise int8 (``W = q * scale``) as two int4 nibble planes; x: (T, K) -> (T, N)."""
 
     def __init__(self, rows: Int8Rows, dtype: torch.dtype, device: torch.device) -> None:
@@ -218,17 +231,6 @@ class Int8Kernel(nn.Module):
         self.out_features, self.in_features = shape
         self.shape = (self.out_features, self.in_features)
         self.many_rows: _ManyRows | None = None
-
-    def with_gemm(self, gemm: nn.Module, min_rows: int, by_phase: bool = True) -> None:
-        """As ``Int4Kernel.with_gemm``; ``gemm`` holds the (N, K) de-quantized matrix."""
-        self.many_rows = _ManyRows(gemm, min_rows, by_phase)
-
-    def forward(
-        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        if self.many_rows is not None and self.many_rows.serves(x):
-            return self.many_rows(x, bias, out_dtype or x.dtype)
-        return self.packed_forward(x, bias, out_dtype)
 
     def packed_forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
