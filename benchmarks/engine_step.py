@@ -95,16 +95,11 @@ def _linears(
 ) -> None:
     """One layer's four projections called as the step calls them (in and out dtypes
     included: ``CausalLM.hidden``), ``attend`` between the first two."""
-    if runner.backend.takes_kernel_dtype:
-        layer.attn.qkv.native(x)
-        attend()
-        layer.attn.o(attn_out, x.dtype)
-        layer.mlp.gate_up.native(x)
-    else:
-        layer.attn.qkv(x)
-        attend()
-        layer.attn.o(attn_out, x.dtype)
-        layer.mlp.gate_up(x)
+    native = runner.backend.takes_kernel_dtype
+    layer.attn.qkv.native(x) if native else layer.attn.qkv(x)
+    attend()
+    layer.attn.o(attn_out, x.dtype)
+    layer.mlp.gate_up.native(x) if native else layer.mlp.gate_up(x)
     layer.mlp.down(inter, x.dtype)
 
 
