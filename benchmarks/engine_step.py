@@ -3,10 +3,10 @@
     python -m benchmarks.engine_step [--model DIR|FILE.gguf] [--variants auto,packed,none] \
         [--batches 1,8,32] [--context 300] [--prefill 256] [--threads 2] [--rounds 30]
 
-Variants: ``auto`` a private engine (packed GGUF layers with their bfloat16 GEMM prepacked
-for oneDNN, for prefill and for decode batches from the crossover measured at load);
+Variants: ``auto`` a private engine (packed GGUF layers with the fastest bfloat16 GEMM this
+CPU runs, for prefill and for decode batches from the crossover measured at load);
 ``shared`` serves as ``launch`` does on CPU (the same, its weights in a shared segment and
-its GEMM on the plain bfloat16 weight, ``engine/checkpoint/shared_weights.py``); ``packed`` the
+its GEMM on a shareable weight, ``engine/checkpoint/shared_weights.py``); ``packed`` the
 same weights on the packed kernel alone (the engine before the GEMM copies, as a baseline
 in the same run); ``none`` dense float32.
 
@@ -41,7 +41,7 @@ from engine.kv.sequence import Sequence
 from engine.model.attention import grouped_decode_sdpa
 from engine.model.causal_lm import DecoderLayer
 from engine.runner import ModelRunner
-from engine.weights.linear import Linear, prefill_phase
+from engine.weights.linear import Linear, ManyRows, prefill_phase
 from wire.params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "engine_step.md"
@@ -140,6 +140,19 @@ def measure_prefill(
     ) * 1e3
 
 
+_LAYOUTS = {"VnniGemm": "VNNI-packed", "PrepackedGemm": "prepacked", "PlainGemm": "plain"}
+
+
+def _gemm_label(runner: ModelRunner, variant: str) -> str:
+    """`` + bf16 GEMM (<layouts>[, shared])`` naming the GEMMs the runner's layers hold."""
+    gemms = [getattr(m, "many_rows", None) for m in runner.model.modules()]
+    names = {type(rows.gemm).__name__ for rows in gemms if isinstance(rows, ManyRows)}
+    held = {_LAYOUTS.get(name, name) for name in names}
+    if not held:
+        return ""
+    return f" + bf16 GEMM ({'/'.join(sorted(held))}{', shared' if variant == 'shared' else ''})"
+
+
 def _runner(model: Path, variant: str, backend: str, context: int) -> ModelRunner:
     quantization = "none" if variant == "none" else "auto"
     return ModelRunner(
@@ -217,8 +230,7 @@ def main() -> None:
             raise SystemExit("the fused backend did not load here (see the log): nothing to set")
         runner = next(iter(runners.values()))
         kind_names = sorted({m.kind for m in runner.model.modules() if isinstance(m, Linear)})
-        gemm = {"auto": " + bf16 GEMM (prepacked)", "shared": " + bf16 GEMM (plain, shared)"}
-        kinds = "/".join(kind_names) + gemm.get(variant, "")
+        kinds = "/".join(kind_names) + _gemm_label(runner, variant)
         for b in (int(x) for x in args.batches.split(",")):
             steps, bare = measure(runners, b, args.context, args.rounds)
             rows += [

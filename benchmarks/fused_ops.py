@@ -8,7 +8,7 @@ intermediate 1536): add + RMSNorm, rotary over q and k (in place in the qkv proj
 SiLU * up; three implementations:
 
 * ``torch``: the torch backend's eager ops (engine/model/backend.py), the reference;
-* ``library``: the kernel library's op (engine/model/cpu_kernels.py);
+* ``library``: the kernel library's op (engine/cpu_kernels.py);
 * ``compiled``: the torch ops under ``torch.compile`` (inductor, one graph per row count,
   its cache under the pdserve cache dir), when ``--no-compile`` is not given.
 
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from benchmarks.machine import load_average, machine_block
 from engine.cache import cache_dir
+from engine.cpu_kernels import available
 from engine.model.attention import grouped_decode_sdpa
-from engine.model.cpu_kernels import available
 from engine.model.fused_cpu import ISA
 from engine.model.rope import apply_rotary
 

@@ -5,8 +5,9 @@
 Per step: 30 layers of qkv (576 -> 960), o (576 -> 576), gate_up (576 -> 3072) and down
 (1536 -> 576), random weights quantized to int4 in groups of 32 (as Q4_1); every kernel
 holds the same de-quantized weights. Kernels: the packed int4 kernel (``Int4Kernel``), the
-bfloat16 GEMM on a plain weight (``PlainGemm``, the torch-only path) and prepacked for oneDNN
-(``PrepackedGemm``, where this CPU's oneDNN computes bfloat16), all fed bfloat16 rows.
+bfloat16 GEMM on a plain weight (``PlainGemm``, the torch-only path), prepacked for oneDNN
+(``PrepackedGemm``, where this CPU's oneDNN computes bfloat16) and VNNI-packed for the kernel
+library's GEMM (``VnniGemm``, where its AVX-512 BF16 build loads), all fed bfloat16 rows.
 Median of ``--iters`` steps after a warm-up, kernels interleaved row count by row count.
 Writes ``benchmarks/results/linear_kernels.md``.
 """
@@ -23,7 +24,13 @@ import torch
 
 from benchmarks.machine import describe as describe_machine
 from benchmarks.machine import load_average
-from engine.weights.gemm import PlainGemm, PrepackedGemm, prepacked_supported
+from engine.weights.gemm import (
+    PlainGemm,
+    PrepackedGemm,
+    VnniGemm,
+    prepacked_supported,
+    vnni_supported,
+)
 from engine.weights.linear import Int4Kernel
 from engine.weights.quant import quantize_int4
 
@@ -41,6 +48,8 @@ def _kernels() -> dict[str, list[tuple[int, Callable[[torch.Tensor], torch.Tenso
     }
     if prepacked_supported():
         out["bf16 GEMM, prepacked (oneDNN)"] = []
+    if vnni_supported():
+        out["bf16 GEMM, VNNI-packed (library)"] = []
     for _ in range(LAYERS):
         for k, n in SHAPES:
             rows = quantize_int4(torch.randn(n, k, generator=gen) * 0.05)
@@ -50,6 +59,8 @@ def _kernels() -> dict[str, list[tuple[int, Callable[[torch.Tensor], torch.Tenso
             out["bf16 GEMM, plain weight"].append((k, PlainGemm(w)))
             if prepacked_supported():
                 out["bf16 GEMM, prepacked (oneDNN)"].append((k, PrepackedGemm(w)))
+            if vnni_supported():
+                out["bf16 GEMM, VNNI-packed (library)"].append((k, VnniGemm(w)))
     return out
 
 

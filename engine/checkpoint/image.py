@@ -3,8 +3,8 @@
 ``export`` walks a ``CausalLM`` filled by the loader and returns what its kernels hold
 (``engine/weights/linear.py``): per linear layer the kernel kind with its tensors (dense
 weight; packed int4 codes and scales; int8's two nibble planes; the many-rows GEMM's
-bfloat16 weight and its crossover; the refined LM head's quantized rows), the embedding,
-and every parameter (norms, biases). ``bind`` gives a freshly built ``CausalLM`` of the
+bfloat16 weight, plain or VNNI-packed, and its crossover; the refined LM head's quantized
+rows), the embedding, and every parameter (norms, biases). ``bind`` gives a freshly built ``CausalLM`` of the
 same config the kernels those tensors describe, without reading or packing anything: the
 tensors may be views of a shared mapping (``engine/checkpoint/shared_weights.py``), and no kernel
 here ever writes its weights.
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.model.causal_lm import CausalLM
-from engine.weights.gemm import PlainGemm
+from engine.weights.gemm import PlainGemm, VnniGemm, vnni_supported
 from engine.weights.linear import (
     DenseKernel,
     Embedding,
@@ -36,7 +36,7 @@ from engine.weights.linear import (
 )
 from engine.weights.quant import Int4Rows, Int8Rows, QuantRows
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 Meta = dict[str, Any]
 
 
@@ -136,10 +136,11 @@ def _export_kernel(kernel: nn.Module, name: str, tensors: dict[str, torch.Tensor
         raise WeightsImageError(f"{name}: no image layout for a {type(kernel).__name__}")
     if kernel.many_rows is not None:
         gemm = kernel.many_rows.gemm
-        if not isinstance(gemm, PlainGemm):
+        if not isinstance(gemm, (PlainGemm, VnniGemm)):
             # A oneDNN prepacked weight is an opaque per-process tensor: not shareable.
             raise WeightsImageError(f"{name}: a {type(gemm).__name__} cannot be shared")
         _put(tensors, f"{name}.gemm", gemm.weight)
+        meta["gemm_layout"] = "vnni" if isinstance(gemm, VnniGemm) else "plain"
         meta["gemm_min_rows"] = kernel.many_rows.min_rows
         meta["gemm_by_phase"] = kernel.many_rows.by_phase
     return meta
@@ -166,7 +167,14 @@ def _bind_kernel(meta: Meta, name: str, tensors: dict[str, torch.Tensor]) -> nn.
     if "gemm_min_rows" in meta:
         weight = _get(tensors, f"{name}.gemm", shape, torch.bfloat16)
         by_phase = bool(meta.get("gemm_by_phase", True))
-        kernel.with_gemm(PlainGemm(weight), int(meta["gemm_min_rows"]), by_phase)
+        gemm: nn.Module
+        if meta.get("gemm_layout", "plain") == "plain":
+            gemm = PlainGemm(weight)
+        elif vnni_supported():
+            gemm = VnniGemm.from_packed(weight)
+        else:
+            raise WeightsImageError(f"{name}: its GEMM weight is VNNI-packed, no kernel here")
+        kernel.with_gemm(gemm, int(meta["gemm_min_rows"]), by_phase)
     return kernel
 
 

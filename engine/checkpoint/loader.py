@@ -150,10 +150,10 @@ def _shape(value: Value) -> tuple[int, ...]:
 
 class _Loader:
     def __init__(
-        self, model: CausalLM, quantization: str, gemm_rows: int | None, prepack: bool | None
+        self, model: CausalLM, quantization: str, gemm_rows: int | None, shareable: bool
     ) -> None:
         self.model, self.quantization, self.gemm_rows = model, quantization, gemm_rows
-        self.prepack = prepack
+        self.shareable = shareable
         # Packed layers with a GEMM, by (kernel kinds, N, K): their crossover is set once all
         # of them are loaded (``set_crossovers``), measured over all of them together.
         self.with_gemm: dict[tuple[str, int, int], list[Int4Kernel | Int8Kernel]] = {}
@@ -217,7 +217,7 @@ class _Loader:
                 packed = packed_kernel(rows, kernel_dtype(self.dtype), self.device)
                 if self.gemm_rows is not None:
                     # The head too: a decode step of 32 rows costs the packed int8 head
-                    # ~3x the bfloat16 GEMM's time. By rows only (see ``_ManyRows``).
+                    # ~3x the bfloat16 GEMM's time. By rows only (see ``ManyRows``).
                     self._add_gemm(packed, rows, by_phase=not head)
                 kernel: nn.Module = packed
                 if head and kernel_dtype(self.dtype) != self.dtype:
@@ -233,7 +233,7 @@ class _Loader:
     def _add_gemm(
         self, packed: Int4Kernel | Int8Kernel, rows: QuantRows, by_phase: bool = True
     ) -> None:
-        gemm = bf16_gemm(rows.dequantize(), self.prepack)
+        gemm = bf16_gemm(rows.dequantize(), self.shareable)
         key = (f"{type(packed).__name__}|{type(gemm).__name__}", *packed.shape)
         packed.with_gemm(gemm, NEVER, by_phase)  # until set_crossovers
         self.with_gemm.setdefault(key, []).append(packed)
@@ -288,7 +288,7 @@ def load_weights(
     root: Path,
     quantization: str = "none",
     gemm_rows: int | None = None,
-    prepack: bool | None = None,
+    shareable: bool = False,
 ) -> None:
     """Fill every layer of ``model``; unknown or missing tensors are errors.
 
@@ -296,10 +296,11 @@ def load_weights(
     ``gemm_rows``: packed layers also hold a bfloat16 GEMM, at two bytes a weight, for calls
     of that many rows or more (``Int4Kernel.with_gemm``); 0: the crossover measured on this
     machine (``engine.weights.gemm.min_gemm_rows``); None: packed kernels alone.
-    ``prepack``: that GEMM's weight prepacked for oneDNN (None: where this CPU computes
-    bfloat16 there) or plain (False: what a shared image holds, ``engine/checkpoint/shared_weights.py``).
+    ``shareable``: that GEMM's weight an ordinary tensor (plain or VNNI-packed, what a
+    shared image holds: ``engine/checkpoint/shared_weights.py``), never oneDNN's opaque
+    prepacked one (``engine.weights.gemm.bf16_gemm``).
     """
-    loader = _Loader(model, quantization, gemm_rows, prepack)
+    loader = _Loader(model, quantization, gemm_rows, shareable)
     values = _gguf_values(root) if quantization == "gguf" else iter_tensors(root)
     for name, value in values:
         if name.endswith(_IGNORED):

@@ -18,26 +18,23 @@ manifest (JSON: each tensor's dtype, shape and offset, and the kernels' descript
 Tensors are ``torch.frombuffer`` views of one read-only ``MAP_SHARED`` mapping, so every
 worker's page tables point at the same pages and a page counts once in the tree's PSS.
 
-The many-rows GEMM (``engine/weights/gemm.py``) runs on the plain bfloat16 weight here,
-not oneDNN's prepacked one: a prepacked weight is an opaque oneDNN tensor with no storage
+The many-rows GEMM (``engine/weights/gemm.py``) is shared as an ordinary tensor: the kernel
+library's VNNI-packed bfloat16 weight where its AVX-512 BF16 build loads, else the plain
+weight. Not oneDNN's prepacked one: that is an opaque oneDNN tensor with no storage
 (``data_ptr`` and ``untyped_storage`` raise), and nothing in torch builds one over given
-memory, so it cannot live in shared memory. Measured on SmolLM2's linear layers of one
-step, 2-core AMD EPYC (AVX-512 BF16, no AMX), ms, two quiet runs (``benchmarks/results/shared_weights.md``):
+memory. SmolLM2's linear layers of one step, 2-core AMD EPYC (AVX-512 BF16, no AMX), ms
+(``benchmarks/results/linear_kernels.md``):
 
-    rows                            1      8     16     32     64    256
-    packed int4                   3.5    6.8   11.7   21.5      -  158.8   (run 1)
-    bf16 plain (shareable)       10.3   11.7   13.4   17.4      -   65.6
-    bf16 prepacked (per worker)   7.4    8.4    9.8   13.6      -   60.4
-    packed int4                   3.6    7.8   12.8   22.7   47.8  165.3   (run 2)
-    bf16 plain (shareable)       12.8   16.0   17.7   22.4   38.2   79.1
-    bf16 prepacked (per worker)   6.4    9.0   10.7   14.3   23.9   65.5
+    rows                            1      8     32    256
+    packed int4                   3.5    6.8   21.5  158.8
+    bf16 plain (shareable)       12.6   14.4   22.0   81.4
+    bf16 prepacked (per worker)   6.4    8.5   14.2   66.4
+    bf16 VNNI-packed (shareable)  4.4    6.8   12.7   68.6
 
-Where the GEMM serves (prefill, decode from about 16 rows), prepacking in every worker is
-1.3-1.6x faster at 16-64 rows and 1.1-1.2x at 256, with the same bits; but it costs
-212 MB of private memory per worker (2P2D: 850 MB, over half the tree's 1.5 GB target).
-Skipping the bfloat16 copy leaves every call on int4: 2.1-2.4x slower than the plain GEMM
-at 256 rows, prefill included. So the shared plain weight it is; ``--no-share-weights``
-keeps private prepacked copies for a host that would rather spend the memory.
+The VNNI-packed GEMM is as fast as a prepacked copy in every worker (faster at 1-64 rows,
+within 4 % at 256) at none of its cost: 212 MB of private memory per worker. Where the
+library does not load, sharing keeps the plain weight (1.3-1.6x slower than prepacked at
+16-64 rows); ``--no-share-weights`` keeps private prepacked copies there.
 """
 
 from __future__ import annotations
@@ -63,6 +60,7 @@ from engine.checkpoint.loader import load_weights, release_freed_memory
 from engine.checkpoint.weights_segment import SharedWeightsError
 from engine.config import EngineConfig
 from engine.model.causal_lm import CausalLM
+from engine.weights.gemm import vnni_supported
 from engine.weights.plan import gguf_source
 
 logger = logging.getLogger(__name__)
@@ -112,7 +110,7 @@ def load_shared(model: CausalLM, fd: int, digest: str, load_private: Callable[[]
     """Fill ``model`` from the weights segment ``fd``; False if its weights stay private.
 
     ``load_private()`` fills ``model`` from the checkpoint (the builder's path); the
-    image's GEMM weights must be plain (``load_weights(prepack=False)``). Raises
+    image's GEMM weights must be ordinary tensors (``load_weights(shareable=True)``). Raises
     ``SharedWeightsError``, ``model`` untouched, when the segment holds another image.
     """
     with _locked(fd):
@@ -226,14 +224,16 @@ def load_model(
     if config.weights_fd is None or torch.device(config.device).type != "cpu":
         load_weights(model, root, quantization, gemm_rows)
         return model
-    gemm = f"gemm from {gemm_rows}" if gemm_rows is not None else "no gemm"
+    gemm = "no gemm"
+    if gemm_rows is not None:
+        gemm = f"gemm from {gemm_rows}, {'vnni' if vnni_supported() else 'plain'}"
     digest = weights_digest(root, quantization, dtype, gemm)
     try:
         load_shared(
             model,
             config.weights_fd,
             digest,
-            lambda: load_weights(model, root, quantization, gemm_rows, prepack=False),
+            lambda: load_weights(model, root, quantization, gemm_rows, shareable=True),
         )
         return model
     except (SharedWeightsError, image.WeightsImageError) as e:

@@ -1,4 +1,4 @@
-"""The fused CPU attention backend: the kernel library's ops (``engine/model/cpu_kernels.py``)
+"""The fused CPU attention backend: the kernel library's ops (``engine/cpu_kernels.py``)
 around the GEMMs, and its attention straight over the paged pool.
 
 Per layer, around the GEMMs, the torch backend runs ~35 small eager ops (the norms' float
@@ -38,9 +38,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.cpu_kernels import CpuKernels, available
 from engine.model.attention import AttentionMetadata
 from engine.model.backend import TORCH, AttentionLayer, TorchBackend
-from engine.model.cpu_kernels import CpuKernels, available
 from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryEmbedding
 

@@ -3,25 +3,36 @@ row count from which that GEMM beats the packed kernel, measured on this machine
 
 torch's int4 CPU kernel de-quantizes per block of rows, so its cost grows with every row;
 a bfloat16 GEMM is bound by reading its weights until far more rows. SmolLM2's linear
-layers of one step (``benchmarks/results/linear_kernels.md``: 30 layers, 2 threads, a
-2-core AMD EPYC with AVX-512 BF16, no AMX), ms:
+layers of one step (30 layers, 2 threads, a 2-core AMD EPYC with AVX-512 BF16, no AMX;
+``python -m benchmarks.linear_kernels``, ``benchmarks/results/linear_kernels.md``), ms:
 
-    rows                          1      8     16     32    256
-    packed int4                 3.5    6.8   11.7   21.5  158.8
-    bf16, plain F.linear       10.3   11.7   13.4   17.4   65.6
-    bf16, prepacked for oneDNN  7.4    8.4    9.8   13.6   60.4
+    rows                              1      8     32    256
+    packed int4                     3.5    6.8   21.5  158.8
+    bf16, plain F.linear           12.6   14.4   22.0   81.4
+    bf16, prepacked for oneDNN      6.4    8.5   14.2   66.4
+    bf16, VNNI-packed (library)     4.4    6.8   12.7   68.6
 
 So the packed kernel serves a few rows and the GEMM the rest; where they cross depends on
 the CPU (AMX moves it down, AVX2 up), the shape and the threads, so ``min_gemm_rows``
 measures it per weight shape at load (once per machine: the first worker measures, the
 others read its answer) and caches it.
 
-Two GEMMs, one interface (``x (T, K) -> (T, N)`` in ``out_dtype``, by default the input's):
+Three GEMMs, one interface (``x (T, K) -> (T, N)`` in ``out_dtype``, by default the input's),
+chosen by ``bf16_gemm`` in this order:
+* ``VnniGemm``: the kernel library's bfloat16 GEMM (``engine/cpu_kernels.py``; its
+  AVX-512 BF16 build) on the weight reordered once into pairs along K. The reordered
+  weight is an ordinary tensor of the weight's shape, so it can live in the host's shared
+  weights segment (``engine/checkpoint/image.py``): the fastest GEMM here, and shareable;
 * ``PrepackedGemm``: the weight reordered once into oneDNN's blocked layout, the route
   inductor's CPU weight freezing takes (``torch.ops.mkldnn``); where this torch's oneDNN
-  computes bfloat16 (AVX-512 BF16 or AMX);
+  computes bfloat16 and the weight stays private (an opaque tensor, no storage to share);
 * ``PlainGemm``: ``F.linear`` on the contiguous weight: the torch-only path, for any other
-  CPU, and what the tests check the prepacked one against.
+  CPU, and what the tests check the others against.
+
+All three compute in float32 inside and round each output once to bfloat16; they may
+differ from each other in that last bit, and each gives a row the same bits whatever the
+rows beside it and the threads (``tests/engine/test_gemm.py``): a prompt's KV does not
+depend on how it was batched.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.cache import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -91,11 +103,53 @@ class PrepackedGemm(nn.Module):
         return y.to(out_dtype or x.dtype)
 
 
-def bf16_gemm(weight: torch.Tensor, prepack: bool | None = None) -> nn.Module:
-    """The fastest bfloat16 GEMM this CPU runs for ``weight`` (N, K); ``prepack`` forces one."""
-    if prepack is None:
-        prepack = prepacked_supported()
-    return PrepackedGemm(weight) if prepack else PlainGemm(weight)
+def vnni_supported() -> bool:
+    """Whether the kernel library's bfloat16 GEMM loads here (its AVX-512 BF16 build)."""
+    return cpu_kernels.available() is not None and hasattr(torch.ops._C, "weight_packed_linear")
+
+
+class VnniGemm(nn.Module):
+    """An (N, K) bfloat16 weight reordered once into the library's VNNI layout (pairs of
+    inputs side by side, what its dot-product instructions read); same shape and dtype."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        # Raises RuntimeError for shapes the kernel does not tile (N or K not a multiple
+        # of its blocks): ``bf16_gemm`` then takes another GEMM.
+        packed = torch.ops._C.convert_weight_packed(weight.to(torch.bfloat16).contiguous())
+        self._hold(packed)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor) -> VnniGemm:
+        """A GEMM over a weight already in its layout (``engine/checkpoint/image.py``)."""
+        gemm = cls.__new__(cls)
+        nn.Module.__init__(gemm)
+        gemm._hold(packed)
+        return gemm
+
+    def _hold(self, packed: torch.Tensor) -> None:
+        self.register_buffer("weight", packed, persistent=False)
+        self.weight: torch.Tensor
+        self._op = torch.ops._C.weight_packed_linear
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        xb = x.to(torch.bfloat16).contiguous()
+        y = torch.empty(xb.shape[0], self.weight.shape[0], dtype=torch.bfloat16)
+        self._op(y, xb, self.weight, None, True)
+        return y.to(out_dtype or x.dtype)
+
+
+def bf16_gemm(weight: torch.Tensor, shareable: bool = False) -> nn.Module:
+    """The fastest bfloat16 GEMM this CPU runs for ``weight`` (N, K); ``shareable``: one
+    whose weight is an ordinary tensor, to be placed in shared memory (not prepacked)."""
+    if vnni_supported():
+        try:
+            return VnniGemm(weight)
+        except RuntimeError as e:
+            logger.info("a %s weight takes torch's GEMM: %s", tuple(weight.shape), e)
+    if not shareable and prepacked_supported():
+        return PrepackedGemm(weight)
+    return PlainGemm(weight)
 
 
 def min_gemm_rows(

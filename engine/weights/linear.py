@@ -98,7 +98,7 @@ class DenseKernel(nn.Module):
         return y if out_dtype in (None, y.dtype) else y.to(out_dtype)
 
 
-class _ManyRows:
+class ManyRows:
     """What a packed kernel holds for batches of many rows: a bfloat16 GEMM and the row
     count from which it is used (``engine/weights/gemm.py``). ``by_phase``: every call of
     a prefill forward takes the GEMM too (a layer's, whose output becomes KV); the LM
@@ -124,14 +124,14 @@ class _PackedKernel(nn.Module):
     """What the packed kinds share: the bfloat16 GEMM for many rows (``with_gemm``) and the
     choice between it and ``packed_forward`` per call."""
 
-    many_rows: _ManyRows | None
+    many_rows: ManyRows | None
     compute_dtype: torch.dtype
 
     def with_gemm(self, gemm: nn.Module, min_rows: int, by_phase: bool = True) -> None:
         """Run ``gemm`` (the same weights in bfloat16, (N, K)) for calls of ``min_rows`` rows
         or more: torch's int4 kernel de-quantizes per row block, so its cost grows with every
         row, while a bfloat16 GEMM is bound by reading the weights until far more rows."""
-        self.many_rows = _ManyRows(gemm, min_rows, by_phase)
+        self.many_rows = ManyRows(gemm, min_rows, by_phase)
 
     def forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
@@ -185,7 +185,7 @@ class Int4Kernel(_PackedKernel):
         self.packed: torch.Tensor
         self.scales_zeros: torch.Tensor
         self.compute_dtype = sz.dtype
-        self.many_rows: _ManyRows | None = None  # see with_gemm
+        self.many_rows: ManyRows | None = None  # see with_gemm
 
     def packed_forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
@@ -230,7 +230,7 @@ class Int8Kernel(_PackedKernel):
         self.compute_dtype = planes.compute_dtype
         self.out_features, self.in_features = shape
         self.shape = (self.out_features, self.in_features)
-        self.many_rows: _ManyRows | None = None
+        self.many_rows: ManyRows | None = None
 
     def packed_forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None

@@ -18,9 +18,9 @@ import torch
 
 from checkpoints.default_model import resolve_model
 from colocated.llm import LLM
+from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
-from engine.model import cpu_kernels
 from engine.model.backend import TORCH, TorchBackend
 from engine.model.fused_cpu import FusedCpuBackend, cpu_backend
 from engine.model.layers import RMSNorm

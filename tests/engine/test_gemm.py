@@ -19,9 +19,11 @@ from engine.weights.gemm import (
     NEVER,
     PlainGemm,
     PrepackedGemm,
+    VnniGemm,
     bf16_gemm,
     min_gemm_rows,
     prepacked_supported,
+    vnni_supported,
 )
 from engine.weights.linear import packed_kernel
 from engine.weights.quant import quantize_int4, quantize_int8
@@ -30,6 +32,15 @@ CPU = torch.device("cpu")
 needs_prepack = pytest.mark.skipif(
     not prepacked_supported(), reason="this CPU's oneDNN has no bfloat16 GEMM"
 )
+needs_vnni = pytest.mark.skipif(
+    not vnni_supported(), reason="the kernel library's bfloat16 GEMM does not load here"
+)
+GEMMS = [
+    PlainGemm,
+    pytest.param(PrepackedGemm, marks=needs_prepack),
+    pytest.param(VnniGemm, marks=needs_vnni),
+]
+GEMM_IDS = ["plain", "prepacked", "vnni"]
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -37,11 +48,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 33, 256])
-@pytest.mark.parametrize(
-    "make",
-    [PlainGemm, pytest.param(PrepackedGemm, marks=needs_prepack)],
-    ids=["plain", "prepacked"],
-)
+@pytest.mark.parametrize("make", GEMMS, ids=GEMM_IDS)
 def test_each_gemm_equals_the_float32_product_of_the_same_weights(make: type, rows: int) -> None:
     """Stated tolerance: 1e-2 relative (bfloat16 activations and outputs, exact weights)."""
     torch.manual_seed(rows)
@@ -63,11 +70,49 @@ def test_the_prepacked_gemm_agrees_with_the_plain_one() -> None:
     assert _rel(PrepackedGemm(w)(x), PlainGemm(w)(x).float()) < 1e-2
 
 
-def test_bf16_gemm_takes_the_prepacked_route_only_where_onednn_computes_bf16() -> None:
-    w = torch.randn(16, 32)
-    assert isinstance(bf16_gemm(w, prepack=False), PlainGemm)
-    want = PrepackedGemm if prepacked_supported() else PlainGemm
-    assert isinstance(bf16_gemm(w), want)
+@needs_vnni
+def test_the_vnni_gemm_agrees_with_the_plain_one_and_keeps_its_shape() -> None:
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 96), torch.randn(40, 96)
+    gemm = VnniGemm(w)
+    assert gemm.weight.shape == w.shape and gemm.weight.dtype == torch.bfloat16
+    assert gemm.weight.is_contiguous()  # an ordinary tensor: what a shared image can hold
+    assert _rel(gemm(x), PlainGemm(w)(x).float()) < 1e-2
+    again = VnniGemm.from_packed(gemm.weight.clone())  # as bound from an image
+    assert torch.equal(again(x), gemm(x))
+
+
+@pytest.mark.parametrize("make", GEMMS, ids=GEMM_IDS)
+def test_a_row_gets_the_same_bits_whatever_rows_and_threads_beside_it(make: type) -> None:
+    """A prompt's KV must not depend on how it was batched or split (prefill runs these
+    GEMMs by phase), nor on a worker's thread count (a prefix one worker computed is a hit
+    for another, through tier 2)."""
+    torch.manual_seed(1)
+    gemm = make(torch.randn(64, 128))
+    x = torch.randn(300, 128).to(torch.bfloat16)
+    whole = gemm(x)
+    for lo, hi in ((0, 1), (7, 8), (3, 40), (5, 261), (0, 300)):
+        assert torch.equal(gemm(x[lo:hi]), whole[lo:hi]), (lo, hi)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gemm(x), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bf16_gemm_takes_the_fastest_route_this_cpu_runs() -> None:
+    w = torch.randn(64, 96)
+    shareable = VnniGemm if vnni_supported() else PlainGemm
+    assert isinstance(bf16_gemm(w, shareable=True), shareable)
+    fastest = (
+        shareable if vnni_supported() else PrepackedGemm if prepacked_supported() else PlainGemm
+    )
+    assert isinstance(bf16_gemm(w), fastest)
+    # A shape the library's kernel does not tile falls back to torch's GEMM.
+    odd = torch.randn(20, 24)
+    assert isinstance(bf16_gemm(odd, shareable=True), PlainGemm)
+    assert torch.allclose(bf16_gemm(odd)(torch.ones(2, 24)), PlainGemm(odd)(torch.ones(2, 24)))
 
 
 def test_the_crossover_is_measured_once_per_machine_and_cached(

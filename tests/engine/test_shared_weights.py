@@ -24,6 +24,8 @@ from engine.checkpoint.weights_segment import MAPPING_NAME, create_segment
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
+from engine.weights import gemm
+from engine.weights.linear import Linear
 from tests.engine.gguf_files import Q, write_gguf
 from wire.params import SamplingParams
 
@@ -142,5 +144,37 @@ def test_a_segment_holding_another_image_is_refused_and_the_runner_loads_private
         private = ModelRunner(replace(config, weights_fd=None))
         for g, w in zip(_steps(other), _steps(private), strict=True):
             assert torch.equal(g, w)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("library", [True, False], ids=["vnni", "torch-only"])
+def test_the_many_rows_gemm_is_shared_in_the_layout_this_cpu_runs(
+    library: bool, gguf_q4_1: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernel library's bfloat16 GEMM loads, the segment holds its VNNI-packed
+    weights; else (or with the library off) the plain ones, on torch's GEMM."""
+    if library and not gemm.vnni_supported():
+        pytest.skip("the kernel library's bfloat16 GEMM does not load here")
+    if not library:
+        monkeypatch.setattr(gemm, "vnni_supported", lambda: False)
+        monkeypatch.setattr(image, "vnni_supported", lambda: False)
+    fd = create_segment()
+    try:
+        config = EngineConfig(
+            model=str(gguf_q4_1),
+            num_kv_blocks=16,
+            large_batch_gemm=True,
+            gemm_min_rows=4,
+            weights_fd=fd,
+        )
+        builder, mapped = ModelRunner(config), ModelRunner(config)
+        assert _in_mapping(mapped)
+        want = gemm.VnniGemm if library else gemm.PlainGemm
+        kernels = [m.kernel for m in mapped.model.modules() if isinstance(m, Linear)]
+        held = [k.many_rows.gemm for k in kernels if getattr(k, "many_rows", None)]
+        assert held and all(isinstance(g, want) for g in held)
+        for g, b in zip(_steps(mapped), _steps(builder), strict=True):
+            assert torch.equal(g, b)
     finally:
         os.close(fd)
