@@ -25,16 +25,16 @@ weight. Not oneDNN's prepacked one: that is an opaque oneDNN tensor with no stor
 memory. SmolLM2's linear layers of one step, 2-core AMD EPYC (AVX-512 BF16, no AMX), ms
 (``benchmarks/results/linear_kernels.md``):
 
-    rows                            1      8     32    256
-    packed int4                   3.5    6.8   21.5  158.8
-    bf16 plain (shareable)       12.6   14.4   22.0   81.4
-    bf16 prepacked (per worker)   6.4    8.5   14.2   66.4
-    bf16 VNNI-packed (shareable)  4.4    6.8   12.7   68.6
+    rows                            1      8     32     64    256
+    packed int4                   3.3    6.8   21.4   40.8  157.6
+    bf16 plain (shareable)       10.3   11.5   17.1   25.3   64.1
+    bf16 prepacked (per worker)   7.4    8.7   13.8   21.8   60.8
+    bf16 VNNI-packed (shareable)  5.9    7.1   12.2   19.6   62.4
 
 The VNNI-packed GEMM is as fast as a prepacked copy in every worker (faster at 1-64 rows,
-within 4 % at 256) at none of its cost: 212 MB of private memory per worker. Where the
-library does not load, sharing keeps the plain weight (1.3-1.6x slower than prepacked at
-16-64 rows); ``--no-share-weights`` keeps private prepacked copies there.
+within 3 % at 256) at none of its cost: 212 MB of private memory per worker. Where the
+library does not load, sharing keeps the plain weight (1.2-1.4x slower than prepacked at
+1-64 rows); ``--no-share-weights`` keeps private prepacked copies there.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ a bfloat16 GEMM is bound by reading its weights until far more rows. SmolLM2's l
 layers of one step (30 layers, 2 threads, a 2-core AMD EPYC with AVX-512 BF16, no AMX;
 ``python -m benchmarks.linear_kernels``, ``benchmarks/results/linear_kernels.md``), ms:
 
-    rows                              1      8     32    256
-    packed int4                     3.5    6.8   21.5  158.8
-    bf16, plain F.linear           12.6   14.4   22.0   81.4
-    bf16, prepacked for oneDNN      6.4    8.5   14.2   66.4
-    bf16, VNNI-packed (library)     4.4    6.8   12.7   68.6
+    rows                              1      8     32     64    256
+    packed int4                     3.3    6.8   21.4   40.8  157.6
+    bf16, plain F.linear           10.3   11.5   17.1   25.3   64.1
+    bf16, prepacked for oneDNN      7.4    8.7   13.8   21.8   60.8
+    bf16, VNNI-packed (library)     5.9    7.1   12.2   19.6   62.4
 
 So the packed kernel serves a few rows and the GEMM the rest; where they cross depends on
 the CPU (AMX moves it down, AVX2 up), the shape and the threads, so ``min_gemm_rows``
