@@ -263,10 +263,12 @@ def _kv_layout(config: ServerConfig, model: Path, gpus: GpuAssignment | None) ->
 def shares_weights(config: ServerConfig, gpus: GpuAssignment) -> bool:
     """Whether this host's CPU engine workers map one weights segment: ``--share-weights``,
     by default when there are two or more of them. A lone worker would share with nobody,
-    so it loads privately, its GEMM weights prepacked for oneDNN (on an AVX-512 BF16 CPU:
-    TTFT 0.91-0.95x, a 32-row decode step ~0.9x, for ~80 MiB more PSS;
-    ``benchmarks/results/lone_worker_weights.md``); a restart then reads the checkpoint
-    again."""
+    so it loads privately, its GEMM weights in the fastest layout its CPU runs
+    (``engine.weights.gemm.bf16_gemm``): the kernel library's VNNI-packed one where it
+    loads, as shared workers run; elsewhere oneDNN's prepacked one, which no segment can
+    hold (against the plain shared weight: TTFT 0.91-0.95x, a 32-row decode step ~0.9x,
+    for ~80 MiB more PSS; ``benchmarks/results/lone_worker_weights.md``). A restart then
+    reads the checkpoint again."""
     if not gpus.on_cpu:
         return False
     if config.share_weights is not None:
