@@ -4,10 +4,10 @@
 (``engine/weights/linear.py``): per linear layer the kernel kind with its tensors (dense
 weight; packed int4 codes and scales; int8's two nibble planes; the many-rows GEMM's
 bfloat16 weight, plain or VNNI-packed, and its crossover; the refined LM head's quantized
-rows), the embedding, and every parameter (norms, biases). ``bind`` gives a freshly built ``CausalLM`` of the
-same config the kernels those tensors describe, without reading or packing anything: the
-tensors may be views of a shared mapping (``engine/checkpoint/shared_weights.py``), and no kernel
-here ever writes its weights.
+rows), the embedding, and every parameter (norms, biases). ``bind`` gives a freshly built
+``CausalLM`` of the same config the kernels those tensors describe, without reading or
+packing anything: the tensors may be views of a shared mapping
+(``engine/checkpoint/shared_weights.py``), and no kernel here ever writes its weights.
 
 Tensor names are ``<module path>.<role>`` (``layers.3.mlp.down.packed``), and
 ``param:<name>`` for parameters. A tensor held twice (a tied embedding and LM head share

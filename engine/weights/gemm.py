@@ -22,7 +22,8 @@ chosen by ``bf16_gemm`` in this order:
 * ``VnniGemm``: the kernel library's bfloat16 GEMM (``engine/cpu_kernels.py``; its
   AVX-512 BF16 build) on the weight reordered once into pairs along K. The reordered
   weight is an ordinary tensor of the weight's shape, so it can live in the host's shared
-  weights segment (``engine/checkpoint/image.py``): the fastest GEMM here, and shareable;
+  weights segment (``engine/checkpoint/image.py``); here it is as fast as oneDNN's
+  prepacked weight (faster at 1-64 rows, 3 % slower at 256) and shareable;
 * ``PrepackedGemm``: the weight reordered once into oneDNN's blocked layout, the route
   inductor's CPU weight freezing takes (``torch.ops.mkldnn``); where this torch's oneDNN
   computes bfloat16 and the weight stays private (an opaque tensor, no storage to share);
