@@ -34,8 +34,8 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from engine.checkpoint.gguf_config import GGUF_ARCHITECTURES, generation_config, hf_config
-from engine.checkpoint.gguf_reader import GGUFHeader
 from engine.errors import UnsupportedModelError
+from engine.gguf_reader import GGUFHeader
 from engine.tokenizer.gguf_tokenizer import check_tokenizer, save_tokenizer
 from engine.weights.plan import GGUF_SOURCE_FILE
 from engine.weights.quant import PACKABLE_GGUF_TYPES, from_gguf_blocks

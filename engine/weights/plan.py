@@ -91,11 +91,16 @@ def packable_gguf_types() -> frozenset[int]:
 
 
 def _has_packable_tensors(path: Path) -> bool:
-    """Whether the GGUF file holds any Q4_0/Q4_1/Q8_0 tensor (read from its header)."""
-    from gguf import GGUFReader
+    """Whether the GGUF file holds any Q4_0/Q4_1/Q8_0 tensor (read from its header).
+
+    NOTE: the header alone, with string arrays skipped (``engine/gguf_reader.py``): the
+    launcher asks this several times before it starts anything, and ``gguf.GGUFReader``
+    takes ~3 s a time on SmolLM2's file on a 2-core host (it builds a numpy view per
+    vocabulary entry), against ~15 ms here."""
+    from engine.gguf_reader import GGUFHeader
 
     packable = packable_gguf_types()
-    return any(t.tensor_type in packable for t in GGUFReader(path).tensors)
+    return any(t.qtype in packable for t in GGUFHeader(path).tensors.values())
 
 
 def cache_dtype_name(activations: str, quantization: str) -> str:

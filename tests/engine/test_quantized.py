@@ -235,3 +235,18 @@ def test_native_is_forward_without_its_cast_back(bits: int, rows: int) -> None:
     assert biased.bias is not None
     biased.bias.data.normal_()
     assert biased.native(x).dtype == torch.float32 and torch.equal(biased.native(x), biased(x))
+
+
+@pytest.mark.parametrize(
+    "qtype, want", [(Q.Q4_1, "gguf"), (Q.Q8_0, "gguf"), (Q.F32, "none"), (Q.F16, "none")]
+)
+def test_auto_serves_a_gguf_packed_only_where_it_holds_packable_blocks(
+    qtype: object, want: str, tmp_path: Path
+) -> None:
+    """``auto`` reads the source file's header (the launcher and every worker ask before
+    they load anything): Q4_0/Q4_1/Q8_0 blocks are served packed, anything else as the
+    de-quantized copy. The files carry the tiny checkpoint's whole 152k-token vocabulary,
+    the string array the header reader walks past."""
+    path = write_gguf(tiny.tiny_model_dir("llama"), tmp_path / "m.gguf", qtype)
+    convert_gguf(path, tmp_path / "hf")
+    assert resolve_quantization("auto", tmp_path / "hf", "cpu") == want
