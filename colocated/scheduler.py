@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -43,7 +44,8 @@ class NoKVTransfers(KVReceiver):
 
 @dataclass
 class ColocatedStep:
-    """Token batches per detokenizer shard, prefill's first (they are lower positions)."""
+    """Token batches per detokenizer shard, prefill's first (they are lower positions),
+    except those ``step``'s ``emit`` took."""
 
     tokens: list[tuple[int, TokenBatch]] = field(default_factory=list)
     ran_prefill_tokens: int = 0
@@ -80,12 +82,20 @@ class ColocatedScheduler:
 
     # ---- one step ----------------------------------------------------------------------
 
-    def step(self) -> ColocatedStep:
+    def step(self, emit: Callable[[int, TokenBatch], None] | None = None) -> ColocatedStep:
+        """One prefill forward, then one decode forward. ``emit(shard, batch)``: takes the
+        prefill's first tokens as soon as they are sampled, so a new request's first token
+        does not wait for the running batch's decode forward (at 32 rows, ~40 ms on a
+        2-core CPU); without it they come back in ``tokens``, ahead of the decode's."""
         self._feed_prefill()
         out = ColocatedStep()
         pre = self.prefill.step()
         out.ran_prefill_tokens = pre.ran_tokens
-        out.tokens += pre.tokens.items()
+        if emit is None:
+            out.tokens += pre.tokens.items()
+        else:
+            for shard, batch in pre.tokens.items():
+                emit(shard, batch)
         for seq, shard in pre.handovers:
             self.decode.adopt(seq, shard)
         out.decoded = len(self.decode.running)

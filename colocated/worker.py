@@ -5,8 +5,8 @@ Rings (c = this worker, k = detokenizer shard; see ``wire/ring_names.py``):
     tok.c{c}.k{k}   c -> detok k      TokenBatch (first tokens and decode tokens alike)
     stop.k{k}.c{c}  detok k -> c      AbortRequest (a stop string matched)
 
-Each step is one ``ColocatedScheduler`` step (prefill chunk, adopt, decode); the loop
-around it is ``runtime.worker.Worker``'s.
+Each step is one ``ColocatedScheduler`` step (prefill chunk, its first tokens sent at once,
+adopt, decode); the loop around it is ``runtime.worker.Worker``'s.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from engine.spec.speculator import Speculator
 from runtime.worker import Worker
 from runtime.worker_io import drain, send
 from transport.worker_load import WorkerLoad
-from wire.records import AbortRequest
+from wire.records import AbortRequest, TokenBatch
 from wire.ring_names import RingKind
 from wire.roles import Role
 
@@ -47,9 +47,12 @@ class ColocatedWorker(Worker):
                     self.sched.abort(msg.rid)
 
     def step(self) -> bool:
-        for shard, batch in self.sched.step().tokens:
-            send(self.tok_out[shard], batch)
+        for shard, batch in self.sched.step(emit=self._send).tokens:
+            self._send(shard, batch)
         return self.sched.has_work
+
+    def _send(self, shard: int, batch: TokenBatch) -> None:
+        send(self.tok_out[shard], batch)
 
     def speculator(self) -> Speculator | None:
         return self.sched.decode.spec

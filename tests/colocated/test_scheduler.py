@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from colocated.scheduler import ColocatedScheduler, NoKVTransfers
-from decode.scheduler import DecodeScheduler
+from decode.scheduler import DecodeScheduler, DecodeStep
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler
 from transport.errors import KVTransferError
 from wire.params import SamplingParams
-from wire.records import Finish, GenerateRequest
+from wire.records import Finish, GenerateRequest, TokenBatch
 
 torch.set_num_threads(1)
 
@@ -147,3 +147,46 @@ def test_prefill_keep_kv_hands_over_unpinned_and_decode_adopts(default_model_pat
         decode.step()
     assert len(seq.output_ids) == 4
     assert runner.kv.allocator.num_used == 0
+
+
+def test_emit_takes_first_tokens_before_the_decode_forward(default_model_path: Path) -> None:
+    """With ``emit``, a new request's first token leaves before the running batch's decode
+    forward; the tokens, their order per shard and the outputs are those without it."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = {0: [5] * 20, 1: [6] * 30, 2: [7] * 9}
+
+    def run(with_emit: bool) -> list[tuple[int, list[int], list[int]]]:
+        sched = _sched(default_model_path)
+        order: list[str] = []
+        decode_step = sched.decode.step
+
+        def traced_decode() -> DecodeStep:
+            order.append("decode")
+            return decode_step()
+
+        sched.decode.step = traced_decode  # type: ignore[method-assign]
+        sent: list[tuple[int, list[int], list[int]]] = []
+
+        def emit(shard: int, batch: TokenBatch) -> None:
+            order.append("emit")
+            sent.append((shard, batch.rids.tolist(), batch.token_ids.tolist()))
+
+        sched.add(_req(0, prompts[0], params))
+        both = 0  # steps that emitted first tokens and ran a decode forward
+        for step in range(40):
+            if step == 2:  # arrive while request 0 decodes
+                sched.add(_req(1, prompts[1], params))
+                sched.add(_req(2, prompts[2], params))
+            order.clear()
+            out = sched.step(emit=emit if with_emit else None)
+            sent += [(s, b.rids.tolist(), b.token_ids.tolist()) for s, b in out.tokens]
+            # Within a step, every emit comes before the decode forward.
+            assert order == sorted(order, key=lambda event: event == "decode")
+            both += "emit" in order and "decode" in order
+            if not sched.has_work:
+                break
+        assert both > 0 if with_emit else both == 0
+        _assert_all_free(sched)
+        return sent
+
+    assert run(with_emit=True) == run(with_emit=False)
