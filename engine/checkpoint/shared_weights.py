@@ -22,19 +22,11 @@ The many-rows GEMM (``engine/weights/gemm.py``) is shared as an ordinary tensor:
 library's VNNI-packed bfloat16 weight where its AVX-512 BF16 build loads, else the plain
 weight. Not oneDNN's prepacked one: that is an opaque oneDNN tensor with no storage
 (``data_ptr`` and ``untyped_storage`` raise), and nothing in torch builds one over given
-memory. SmolLM2's linear layers of one step, 2-core AMD EPYC (AVX-512 BF16, no AMX), ms
-(``benchmarks/results/linear_kernels.md``):
-
-    rows                            1      8     32     64    256
-    packed int4                   3.3    6.8   21.4   40.8  157.6
-    bf16 plain (shareable)       10.3   11.5   17.1   25.3   64.1
-    bf16 prepacked (per worker)   7.4    8.7   13.8   21.8   60.8
-    bf16 VNNI-packed (shareable)  5.9    7.1   12.2   19.6   62.4
-
-The VNNI-packed GEMM is as fast as a prepacked copy in every worker (faster at 1-64 rows,
-within 3 % at 256) at none of its cost: 212 MB of private memory per worker. Where the
-library does not load, sharing keeps the plain weight (1.2-1.4x slower than prepacked at
-1-64 rows); ``--no-share-weights`` keeps private prepacked copies there.
+memory. On a 2-core AMD EPYC (AVX-512 BF16, no AMX) the VNNI-packed GEMM is as fast as a
+prepacked copy in every worker (faster at 1-64 rows, within 3 % at 256; the figures are in
+``engine/weights/gemm.py``) at none of its cost: 212 MB of private memory per worker.
+Where the library does not load, sharing keeps the plain weight (1.2-1.4x slower than
+prepacked at 1-64 rows); ``--no-share-weights`` keeps private prepacked copies there.
 """
 
 from __future__ import annotations
