@@ -64,6 +64,7 @@ class LLM:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
+        self.runner.kv.defer_tier_stores = True
         self.scheduler = ColocatedScheduler(
             self.runner, 0, config.chunked_prefill_size, config.max_num_seqs
         )
@@ -88,6 +89,7 @@ class LLM:
         while self.scheduler.has_work:
             for _, batch in self.scheduler.step().tokens:
                 _collect(batch, outputs)
+            self.runner.kv.store_offered()  # as a worker's loop does after a step
         return [_result(prompt, out) for prompt, out in zip(prompts, outputs.values(), strict=True)]
 
 

@@ -150,9 +150,11 @@ class Worker(abc.ABC):
         self.row.set_state(WorkerState.READY)
         logger.info("ready")
         inbound = list(self.rings.inbound.values())
+        self.runner.kv.defer_tier_stores = True  # stored below, once the step's tokens are out
         while not self.stopping:
             self.take_inputs()
             busy = self._leased_step() if self.cores is not None else self.step()
+            self.runner.kv.store_offered()
             self._publish()
             if not busy:
                 self.rings.doorbell.wait(inbound, IDLE_WAIT_S)

@@ -37,6 +37,9 @@ class KVPool:
         self.allocator = BlockAllocator(int(tensor.shape[0]))
         # KV beyond the pool (host RAM, disk): offered every registered block, asked on a miss.
         self.tiers = open_tiers(config, tensor, order)
+        # Whether the owner calls ``store_offered`` after each step (once its tokens are
+        # sent), so a prompt's tier-2 stores are off its TTFT; else they run as offered.
+        self.defer_tier_stores = False
         # Per-sequence state elsewhere (the runner's dense K/V, kernel caches) that must
         # forget a sequence whose blocks are freed.
         self._on_free: list[Callable[[Sequence], None]] = []
@@ -224,6 +227,14 @@ class KVPool:
             held = self.tiers.offer(seq, first, end)
             if held:
                 self.allocator.share(held)
+            if not self.defer_tier_stores:
+                self.tiers.store_offered()
+
+    def store_offered(self) -> None:
+        """Run the tier-2 stores of the blocks published since the last call (see
+        ``defer_tier_stores``); their pool blocks are held until then, never rewritten."""
+        if self.tiers is not None:
+            self.tiers.store_offered()
 
     def truncate(self, seq: Sequence, keep: int) -> None:
         """Return ``seq``'s blocks past its first ``keep`` (they hold nothing it keeps)."""

@@ -19,6 +19,7 @@ from colocated.llm import LLM
 from engine.config import EngineConfig, ModelConfig
 from engine.kv.block_allocator import block_hashes
 from engine.kv.kv_cache import pool_layout
+from engine.kv.sequence import Sequence
 from engine.kv.tiers.disk_store import HEADER_BYTES, encode_header
 from engine.kv.tiers.host_store import Geometry, HostStore, create_segment
 from engine.kv.tiers.keys import chain_keys, root_key
@@ -120,6 +121,33 @@ def test_an_evicted_prefix_comes_back_from_host_ram_with_its_stored_bytes(
         (found,) = host.store.lookup([key], np.asarray(PROMPT[i * BS : (i + 1) * BS])[None])
         stored = host.store.payload[found.slot, : host.store.geometry.payload_nbytes]
         assert (_pool_block(llm, i) == stored).all()
+
+
+def test_a_deferred_store_holds_its_blocks_until_it_copies_the_computed_bytes(
+    default_model_path: Path,
+) -> None:
+    """A worker stores a step's blocks in tier 2 after sending its tokens: meanwhile the
+    slots are claimed (a miss for every lookup) and the pool blocks cannot be handed out."""
+    host = _host(default_model_path)
+    llm = _llm(default_model_path, host)
+    kv = llm.runner.kv
+    assert kv.defer_tier_stores, "the in-process engine defers as the workers do"
+    seq = Sequence(1, list(PROMPT), sampling=PARAMS)
+    llm.runner.prefill([(seq, len(PROMPT))])
+    keys, rows = _keys(llm)[:6], np.asarray(PROMPT[:96]).reshape(6, BS)
+    assert host.store.lookup(keys, rows) == []
+    held = seq.block_table[:6]
+    expected = [_pool_block(llm, i) for i in range(6)]
+    kv.free_blocks(seq)
+    taken = kv.allocator.allocate(kv.allocator.num_available)
+    assert not set(taken) & set(held), "a block waiting for its store was handed out"
+    kv.allocator.free(taken)
+    kv.store_offered()
+    found = host.store.lookup(keys, rows)
+    assert len(found) == 6
+    for f, want in zip(found, expected, strict=True):
+        assert (host.store.payload[f.slot, : want.nbytes] == want).all()
+    assert host.store.counters()["host_stores"] == 6
 
 
 def test_an_evicted_prefix_comes_back_from_disk_after_a_restart(
