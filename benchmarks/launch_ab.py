@@ -1,7 +1,11 @@
 """Two ``launch`` settings served side by side, one streamed request at a time, alternating.
 
     python -m benchmarks.launch_ab --a "--colocated 1 --share-weights" --b "--colocated 1" \
-        [--requests 16] [--prompt-words 250] [--tokens 64] [--out FILE]
+        [--a-tree DIR] [--b-tree DIR] [--requests 16] [--prompt-words 250] [--tokens 64] \
+        [--out FILE]
+
+``--a-tree``/``--b-tree``: serve that side from another checkout (a worktree of another
+commit, its extension built in place), to compare two versions of the code.
 
 Both servers run the default model at once (idle between requests: nothing spins), and
 each request goes to one, then the other, their order swapped every round, so load on a
@@ -18,6 +22,7 @@ import random
 import shlex
 import signal
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -70,10 +75,25 @@ def _engine_pss(pid: int) -> dict[str, float]:
     return out
 
 
+def _commit(tree: Path | None) -> str:
+    """The short commit ``tree`` (default: this checkout) has checked out."""
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True
+    )
+    return out.stdout.strip() or "?"
+
+
+def _tree_flags(a: Path | None, b: Path | None) -> str:
+    """The tree flags as given, for the recorded command (``DIR``: a path of this machine)."""
+    return "".join(f" --{n}-tree DIR" for n, t in (("a", a), ("b", b)) if t is not None)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.launch_ab", description=__doc__)
     p.add_argument("--a", required=True, help="launch flags of server A")
     p.add_argument("--b", required=True, help="launch flags of server B")
+    p.add_argument("--a-tree", type=Path, default=None, help="checkout serving A (default: this)")
+    p.add_argument("--b-tree", type=Path, default=None, help="checkout serving B (default: this)")
     p.add_argument("--requests", type=int, default=16, help="per server")
     p.add_argument("--prompt-words", type=int, default=250)
     p.add_argument("--tokens", type=int, default=64)
@@ -83,8 +103,8 @@ def main() -> None:
     start_load = load_average()
     servers = {}
     try:
-        for name, flags in (("A", args.a), ("B", args.b)):
-            servers[name] = launch(["--model", model, *shlex.split(flags)])
+        for name, flags, tree in (("A", args.a, args.a_tree), ("B", args.b, args.b_tree)):
+            servers[name] = launch(["--model", model, *shlex.split(flags)], tree)
         rng = random.Random(0)
         got: dict[str, list[tuple[float, float]]] = {"A": [], "B": []}
         with httpx.Client(timeout=120) as client:
@@ -104,19 +124,22 @@ def main() -> None:
         "| server | launch flags | TTFT p50 ms | TPOT p50 ms | engine workers' PSS MiB |",
         "|---|---|---:|---:|---|",
     ]
-    for name, flags in (("A", args.a), ("B", args.b)):
+    for name, flags, tree in (("A", args.a, args.a_tree), ("B", args.b, args.b_tree)):
         ttft = statistics.median(t for t, _ in got[name]) * 1e3
         tpot = statistics.median(t for _, t in got[name]) * 1e3
         mem = ", ".join(f"{k} {v:.0f}" for k, v in sorted(pss[name].items()))
-        lines.append(f"| {name} | `{flags}` | {ttft:.1f} | {tpot:.2f} | {mem} |")
+        lines.append(f"| {name} | `{flags}` at {_commit(tree)} | {ttft:.1f} | {tpot:.2f} | {mem} |")
     a_ttft = statistics.median(t for t, _ in got["A"])
+    b_tpot = statistics.median(t for _, t in got["B"])
+    a_tpot = statistics.median(t for _, t in got["A"])
     b_ttft = statistics.median(t for t, _ in got["B"])
-    lines += ["", f"TTFT p50 B / A: {b_ttft / a_ttft:.3f}."]
+    lines += ["", f"TTFT p50 B / A: {b_ttft / a_ttft:.3f}; TPOT p50 B / A: {b_tpot / a_tpot:.3f}."]
     page = [
         "# Two launch settings, alternating requests",
         "",
         f"Command: `python -m benchmarks.launch_ab --a {shlex.quote(args.a)} "
-        f"--b {shlex.quote(args.b)} --requests {args.requests}`; default model, "
+        f"--b {shlex.quote(args.b)}{_tree_flags(args.a_tree, args.b_tree)} "
+        f"--requests {args.requests}`; default model, "
         f"{args.prompt_words}-word prompts, {args.tokens} tokens, greedy. Load average at "
         f"the start: {start_load}; at the end: {load_average()}.",
         "",

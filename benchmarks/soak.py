@@ -360,8 +360,9 @@ def soak(cfg: SoakConfig, root_pid: int | None) -> SoakResult:
     return SoakResult(cfg, warmup, outcomes, by_endpoint, tally.tokens, before, after, found, wall)
 
 
-def launch(args: list[str]) -> tuple[subprocess.Popen[str], str]:
-    """Start ``launcher.cli`` on a free loopback port; returns once it serves.
+def launch(args: list[str], tree: Path | None = None) -> tuple[subprocess.Popen[str], str]:
+    """Start ``launcher.cli`` on a free loopback port; returns once it serves. ``tree``:
+    another checkout to serve from (its code, this interpreter and its packages).
 
     Without ``--model`` in ``args`` it serves the tiny random Qwen2 model, on which the
     recorded figures were taken: these benchmarks measure the serving stack, not a model.
@@ -373,7 +374,9 @@ def launch(args: list[str]) -> tuple[subprocess.Popen[str], str]:
     if "--model" not in args:
         args = ["--model", str(tiny_model_dir()), *args]
     cmd = [sys.executable, "-m", "launcher.cli", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tree
+    )
     assert proc.stdout is not None
     for line in proc.stdout:
         if "pdserve is serving" in line:
