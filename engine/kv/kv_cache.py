@@ -54,7 +54,10 @@ def allocate_kv_pool(
     Zeros, not garbage: padded attention reads (and masks) slots no token wrote yet, and
     masked garbage that happens to be NaN would still poison the weighted sum. On CPU the
     pool is an anonymous mapping, whose pages are zero and committed only when first
-    written: a large pool costs memory as it fills, not at startup.
+    written: a large pool costs memory as it fills, not at startup. A private one: no
+    other process maps the pool (handoffs copy blocks out), and a private page's first
+    write faults ~1.5x faster than a shared one's (2.5 against 1.6 GB/s on the 2-core
+    EPYC VM), which a prompt's first K/V stores and a restart's tier-3 loads pay.
     """
     import torch
 
@@ -62,7 +65,8 @@ def allocate_kv_pool(
     if torch.device(device).type != "cpu":
         return torch.zeros(layout.shape, dtype=dtype, device=device)
     # NOTE: the tensor keeps the mmap object alive (torch.frombuffer holds the buffer).
-    return torch.frombuffer(mmap.mmap(-1, layout.nbytes), dtype=dtype).view(layout.shape)
+    private = mmap.mmap(-1, layout.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(private, dtype=dtype).view(layout.shape)
 
 
 def check_kv_pool(pool: torch.Tensor, model_config: ModelConfig, block_size: int) -> int:
