@@ -337,7 +337,25 @@ def report(
         f"{100 * statistics.median(raw):.0f} % ({100 * min(raw):.0f}-{100 * max(raw):.0f} %) "
         f"of the same block files read raw, {READERS} at a time.",
         "",
+        "Round by round (the disk's rates move between rounds; each round's reads are "
+        "taken together):",
+        "",
+        f"| round | tier 3 load | one file | tier 3 / one file | {READERS} block files "
+        "in flight | tier 3 / those |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
+    rounds = zip(
+        bw["tier 3 load (cold)"],
+        bw["disk read (cold, one file)"],
+        bw[f"block files read raw (cold, {READERS} in flight)"],
+        strict=True,
+    )
+    for i, (tier3, one, files) in enumerate(rounds):
+        lines.append(
+            f"| {i + 1} | {tier3:.2f} | {one:.2f} | {100 * tier3 / one:.0f} % | {files:.2f} "
+            f"| {100 * tier3 / files:.0f} % |"
+        )
+    lines.append("")
     return "\n".join(lines)
 
 
