@@ -8,7 +8,9 @@ CPU runs, for prefill and for decode batches from the crossover measured at load
 ``shared`` serves as ``launch`` does on CPU (the same, its weights in a shared segment and
 its GEMM on a shareable weight, ``engine/checkpoint/shared_weights.py``); ``packed`` the
 same weights on the packed kernel alone (the engine before the GEMM copies, as a baseline
-in the same run); ``none`` dense float32.
+in the same run); ``none`` dense float32. A variant may name an activation dtype after
+``@`` (``shared@bfloat16``: the residual stream, norms and rotary in bfloat16 too, as
+``launch --dtype bfloat16`` serves; default: the model's, float32 on CPU).
 
 "Step": ``ModelRunner.decode`` on a batch of ``B`` sequences with ``--context`` tokens of KV
 each (metadata, embedding, 30 layers, head; no sampling). "Bare math": the same model's
@@ -150,14 +152,17 @@ def _gemm_label(runner: ModelRunner, variant: str) -> str:
     held = {_LAYOUTS.get(name, name) for name in names}
     if not held:
         return ""
-    return f" + bf16 GEMM ({'/'.join(sorted(held))}{', shared' if variant == 'shared' else ''})"
+    shared = variant.partition("@")[0] == "shared"
+    return f" + bf16 GEMM ({'/'.join(sorted(held))}{', shared' if shared else ''})"
 
 
 def _runner(model: Path, variant: str, backend: str, context: int) -> ModelRunner:
+    variant, _, dtype = variant.partition("@")
     quantization = "none" if variant == "none" else "auto"
     return ModelRunner(
         EngineConfig(
             model=str(model),
+            dtype=dtype or "auto",
             quantization=quantization,
             kv_cache_tokens=16 * (context + 64) * 32,
             large_batch_gemm=variant in ("auto", "shared"),

@@ -14,7 +14,8 @@ model that is its GGUF de-quantized exactly), ``auto`` (a GGUF's blocks served p
 ``int8`` and ``int4`` (quantized at load). A ``+gemm`` suffix scores the same storage with
 every linear call on the bfloat16 GEMM that packed layers take for many rows
 (``engine/weights/gemm.py``): serving runs each call on one kernel or the other by its
-rows, so both must hold. Targets (issue #21): packed GGUF within 0.5 % of
+rows, so both must hold. An ``@bfloat16`` suffix runs the activations in bfloat16 too
+(``launch --dtype bfloat16``). Targets (issue #21): packed GGUF within 0.5 % of
 the float32 reference; int8 within 1 %, int4 within 3 %. Writes
 ``benchmarks/results/perplexity.md``.
 """
@@ -40,6 +41,9 @@ TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 RESULTS = Path(__file__).parent / "results" / "perplexity.md"
 STORAGES = ("none", "auto", "auto+gemm", "int8", "int4", "int4+gemm")
 TARGETS = {"auto": 0.005, "auto+gemm": 0.005, "int8": 0.01, "int4": 0.03, "int4+gemm": 0.03}
+# A storage may name an activation dtype after "@" (``auto@bfloat16``: ``launch --dtype
+# bfloat16``, the residual stream, norms and rotary in bfloat16 too); its target is the
+# storage's.
 
 
 def score(
@@ -52,10 +56,12 @@ def score(
     from decode attention over the KV cache as serving reads it (bfloat16 for packed
     weights); otherwise a window is one prefill, which attends over fresh K and V.
     """
+    quantization, _, dtype = quantization.partition("@")  # "auto@bfloat16": activations too
     storage, _, suffix = quantization.partition("+")
     gemm = suffix == "gemm"  # every call on the GEMM: from one row on
     config = EngineConfig(
         model=str(model),
+        dtype=dtype or "auto",
         quantization=storage,
         kv_cache_tokens=window + 64,
         large_batch_gemm=gemm,
@@ -103,7 +109,7 @@ def main() -> None:
         assert ref_argmax is not None
         agree = sum(a == b for a, b in zip(argmax, ref_argmax, strict=True)) / len(argmax)
         ratio = math.exp(nll) / math.exp(ref_nll)
-        target = TARGETS.get(storage)
+        target = TARGETS.get(storage.partition("@")[0])
         verdict = "" if target is None else ("met" if ratio - 1 <= target else "NOT met")
         rows.append((storage, math.exp(nll), ratio, agree, target, verdict))
         print(
