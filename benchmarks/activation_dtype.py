@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.engine_step import step_arguments, timed_decode
 from benchmarks.machine import load_average, machine_block
 from benchmarks.perplexity import TEXT, load_tokenizer, score
 from checkpoints.default_model import resolve_model
@@ -82,11 +83,7 @@ def steps(
         times: dict[str, list[float]] = {d: [] for d in runners}
         for _ in range(rounds + 3):
             for d, r in runners.items():
-                t0 = time.perf_counter()
-                r.decode(seqs[d])
-                times[d].append(time.perf_counter() - t0)
-                for s in seqs[d]:
-                    s.output_ids.append(11)
+                times[d].append(timed_decode(r, seqs[d]))
         for d, r in runners.items():
             for s in seqs[d]:
                 r.kv.free_blocks(s)
@@ -119,13 +116,7 @@ def quality(model: Path) -> list[tuple[str, float, float, float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.activation_dtype", description=__doc__)
-    p.add_argument("--model", type=Path, default=None, help="default: the embedded SmolLM2")
-    p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--context", type=int, default=300)
-    p.add_argument("--prefill", type=int, default=256)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    step_arguments(p, RESULTS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)

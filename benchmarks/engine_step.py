@@ -173,6 +173,16 @@ def _runner(model: Path, variant: str, backend: str, context: int) -> ModelRunne
     )
 
 
+def timed_decode(runner: ModelRunner, seqs: list[Sequence]) -> float:
+    """Seconds of one decode step over ``seqs``; each is then given its next token."""
+    t0 = time.perf_counter()
+    runner.decode(seqs)
+    took = time.perf_counter() - t0
+    for s in seqs:
+        s.output_ids.append(11)
+    return took
+
+
 def measure(
     runners: dict[str, ModelRunner], b: int, context: int, rounds: int
 ) -> tuple[dict[str, float], float]:
@@ -197,11 +207,7 @@ def measure(
     bares = []
     for _ in range(rounds + 3):
         for name, runner in runners.items():
-            t0 = time.perf_counter()
-            runner.decode(batches[name])
-            steps[name].append(time.perf_counter() - t0)
-            for s in batches[name]:
-                s.output_ids.append(11)
+            steps[name].append(timed_decode(runner, batches[name]))
         t0 = time.perf_counter()
         bare()  # type: ignore[operator]
         bares.append(time.perf_counter() - t0)
@@ -213,17 +219,22 @@ def measure(
     ) * 1e3
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.engine_step", description=__doc__)
+def step_arguments(p: argparse.ArgumentParser, out: Path) -> None:
+    """The flags of a benchmark that times decode steps and a prefill of the default model."""
     p.add_argument("--model", type=Path, default=None, help="default: the embedded SmolLM2")
-    p.add_argument("--variants", default="auto,packed,none")
-    p.add_argument("--backends", default="fused,torch", help=f"some of {','.join(BACKENDS)}")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--prefill", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine_step", description=__doc__)
+    p.add_argument("--variants", default="auto,packed,none")
+    p.add_argument("--backends", default="fused,torch", help=f"some of {','.join(BACKENDS)}")
+    step_arguments(p, RESULTS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
