@@ -124,16 +124,19 @@ def main() -> None:
         "| server | launch flags | TTFT p50 ms | TPOT p50 ms | engine workers' PSS MiB |",
         "|---|---|---:|---:|---|",
     ]
+    ttft = {name: statistics.median(t for t, _ in runs) for name, runs in got.items()}
+    tpot = {name: statistics.median(t for _, t in runs) for name, runs in got.items()}
     for name, flags, tree in (("A", args.a, args.a_tree), ("B", args.b, args.b_tree)):
-        ttft = statistics.median(t for t, _ in got[name]) * 1e3
-        tpot = statistics.median(t for _, t in got[name]) * 1e3
         mem = ", ".join(f"{k} {v:.0f}" for k, v in sorted(pss[name].items()))
-        lines.append(f"| {name} | `{flags}` at {_commit(tree)} | {ttft:.1f} | {tpot:.2f} | {mem} |")
-    a_ttft = statistics.median(t for t, _ in got["A"])
-    b_tpot = statistics.median(t for _, t in got["B"])
-    a_tpot = statistics.median(t for _, t in got["A"])
-    b_ttft = statistics.median(t for t, _ in got["B"])
-    lines += ["", f"TTFT p50 B / A: {b_ttft / a_ttft:.3f}; TPOT p50 B / A: {b_tpot / a_tpot:.3f}."]
+        lines.append(
+            f"| {name} | `{flags}` at {_commit(tree)} | {ttft[name] * 1e3:.1f} "
+            f"| {tpot[name] * 1e3:.2f} | {mem} |"
+        )
+    lines += [
+        "",
+        f"TTFT p50 B / A: {ttft['B'] / ttft['A']:.3f}; "
+        f"TPOT p50 B / A: {tpot['B'] / tpot['A']:.3f}.",
+    ]
     page = [
         "# Two launch settings, alternating requests",
         "",

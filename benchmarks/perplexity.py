@@ -41,9 +41,6 @@ TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 RESULTS = Path(__file__).parent / "results" / "perplexity.md"
 STORAGES = ("none", "auto", "auto+gemm", "int8", "int4", "int4+gemm")
 TARGETS = {"auto": 0.005, "auto+gemm": 0.005, "int8": 0.01, "int4": 0.03, "int4+gemm": 0.03}
-# A storage may name an activation dtype after "@" (``auto@bfloat16``: ``launch --dtype
-# bfloat16``, the residual stream, norms and rotary in bfloat16 too); its target is the
-# storage's.
 
 
 def score(

@@ -228,7 +228,7 @@ class KVPool:
             if held:
                 self.allocator.share(held)
             if not self.defer_tier_stores:
-                self.tiers.store_offered()
+                self.store_offered()
 
     def store_offered(self) -> None:
         """Run the tier-2 stores of the blocks published since the last call (see

@@ -113,25 +113,21 @@ class VnniGemm(nn.Module):
     """An (N, K) bfloat16 weight reordered once into the library's VNNI layout (pairs of
     inputs side by side, what its dot-product instructions read); same shape and dtype."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, packed: bool = False) -> None:
+        """``packed``: ``weight`` is in the layout already (bound from an image)."""
         super().__init__()
-        # Raises RuntimeError for shapes the kernel does not tile (N or K not a multiple
-        # of its blocks): ``bf16_gemm`` then takes another GEMM.
-        packed = torch.ops._C.convert_weight_packed(weight.to(torch.bfloat16).contiguous())
-        self._hold(packed)
+        if not packed:
+            # Raises RuntimeError for shapes the kernel does not tile (N or K not a
+            # multiple of its blocks): ``bf16_gemm`` then takes another GEMM.
+            weight = torch.ops._C.convert_weight_packed(weight.to(torch.bfloat16).contiguous())
+        self.register_buffer("weight", weight, persistent=False)
+        self.weight: torch.Tensor
+        self._op = torch.ops._C.weight_packed_linear
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor) -> VnniGemm:
         """A GEMM over a weight already in its layout (``engine/checkpoint/image.py``)."""
-        gemm = cls.__new__(cls)
-        nn.Module.__init__(gemm)
-        gemm._hold(packed)
-        return gemm
-
-    def _hold(self, packed: torch.Tensor) -> None:
-        self.register_buffer("weight", packed, persistent=False)
-        self.weight: torch.Tensor
-        self._op = torch.ops._C.weight_packed_linear
+        return cls(packed, packed=True)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         xb = x.to(torch.bfloat16).contiguous()

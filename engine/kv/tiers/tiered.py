@@ -4,15 +4,17 @@
 tier 2 holds already costs one locked lookup) and ``store_offered`` copies them (a memcpy
 each). The pool calls the two back to back, or, where its owner sends a step's tokens
 first (``KVPool.defer_tier_stores``: the workers' loops), after the step: a 256-token
-prompt's 16 stores, ~4 ms while a fresh tier 2 faults its pages in, are then off its TTFT. ``load`` is asked, on a pool miss, for the
-blocks after the pool's hits: it takes the longest run of consecutive tier-2 hits, then
-continues with tier 3 from where tier 2 stopped, and copies each into a fresh pool block
-the caller allocated. A block whose copy fails its check (tier 2: the slot was reused
-while copied; tier 3: any check of ``disk_store``) ends the run there: the blocks before
-it are kept, the rest are recomputed, and only blocks that arrived intact are counted
-as hits. A tier-3 hit is stored in tier 2 too, so the host's other workers find it fast:
-after the load, off the step and off the request's path (``promote``), since the first
-stores into a fresh tier 2 (after a restart) fault its pages in, ~8 us a page here.
+prompt's 16 stores, ~4 ms while a fresh tier 2 faults its pages in, are then off its TTFT.
+
+``load`` is asked, on a pool miss, for the blocks after the pool's hits: it takes the
+longest run of consecutive tier-2 hits, then continues with tier 3 from where tier 2
+stopped, and copies each into a fresh pool block the caller allocated. A block whose copy
+fails its check (tier 2: the slot was reused while copied; tier 3: any check of
+``disk_store``) ends the run there: the blocks before it are kept, the rest are
+recomputed, and only blocks that arrived intact are counted as hits. A tier-3 hit is
+stored in tier 2 too, so the host's other workers find it fast: after the load, off the
+step and off the request's path (``promote``), since the first stores into a fresh tier 2
+(after a restart) fault its pages in, ~8 us a page here.
 
 A tier-2 load is copied inside the caller's step (a memcpy: a 4k-token history in a few ms).
 Tier 3 is read by loader threads (``disk_load.py``) into blocks reserved for the files
