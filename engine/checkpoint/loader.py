@@ -234,7 +234,8 @@ class _Loader:
         self, packed: Int4Kernel | Int8Kernel, rows: QuantRows, by_phase: bool = True
     ) -> None:
         gemm = bf16_gemm(rows.dequantize(), self.shareable)
-        key = (f"{type(packed).__name__}|{type(gemm).__name__}", *packed.shape)
+        int4 = packed.kernel if isinstance(packed, Int4Kernel) else packed.planes.kernel
+        key = (f"{type(packed).__name__}|{int4}|{type(gemm).__name__}", *packed.shape)
         packed.with_gemm(gemm, NEVER, by_phase)  # until set_crossovers
         self.with_gemm.setdefault(key, []).append(packed)
 

@@ -52,6 +52,7 @@ from engine.checkpoint.loader import load_weights, release_freed_memory
 from engine.checkpoint.weights_segment import SharedWeightsError
 from engine.config import EngineConfig
 from engine.model.causal_lm import CausalLM
+from engine.weights import int4_tiles
 from engine.weights.gemm import vnni_supported
 from engine.weights.plan import gguf_source
 
@@ -68,7 +69,7 @@ def weights_digest(model_dir: Path, quantization: str, dtype: torch.dtype, gemm:
     """32 hex digits over everything that changes the image's bytes: the checkpoint (and
     the GGUF it is served from), the resolved quantization, the activation dtype, the GEMM
     copies (``gemm``: whether held and from how many rows), torch and the CPU kernels it
-    picks (the int4 packing is torch's), and this image's layout version."""
+    picks, the int4 kernel (each packs its own layout), and this image's layout version."""
     from engine.kv.tiers.keys import weights_fingerprint
 
     source = gguf_source(model_dir) if quantization == "gguf" else None
@@ -81,6 +82,7 @@ def weights_digest(model_dir: Path, quantization: str, dtype: torch.dtype, gemm:
             gemm,
             torch.__version__,
             torch.backends.cpu.get_cpu_capability(),
+            f"int4 {int4_tiles.kernel_name()}",
         )
     )
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

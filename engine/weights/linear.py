@@ -4,8 +4,9 @@ The model code calls ``Linear`` and ``Embedding`` and never asks how the weight 
 the loader gives each one a kernel (``engine/checkpoint/loader.py``), one class per kind:
 
 * ``DenseKernel``: the weight in the activation dtype, ``F.linear``;
-* ``Int4Kernel``: int4 codes packed for torch's CPU weight-only kernel
-  (``_weight_int4pack_mm_for_cpu``), a scale and zero per group of 32 inputs;
+* ``Int4Kernel``: int4 codes with a scale and zero per group of 32 inputs, packed for
+  pdserve's int4 kernel where the CPU runs it (``engine/weights/int4_tiles.py``: AMX or
+  AVX-512 BF16), else for torch's CPU weight-only kernel (``_weight_int4pack_mm_for_cpu``);
 * ``Int8Kernel``: int8 codes in groups of 32 (Q8_0) on the same int4 kernel, exactly:
   ``q = 16 h + l`` with ``h = q >> 4`` in [-8, 7] and ``l = q & 15`` in [0, 15], so
   ``x . (q d) = x . (h 16d) + x . (l d)``: two nibble planes side by side along the input
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.weights import int4_tiles
 from engine.weights.lora import AdapterBank
 from engine.weights.quant import GROUP, Int4Rows, Int8Rows, QuantRows
 
@@ -147,7 +149,11 @@ class _PackedKernel(nn.Module):
 
 
 class Int4Kernel(_PackedKernel):
-    """``y = x W^T`` with ``W = (c - 8) * scale + zero`` per group; x: (T, K) -> (T, N)."""
+    """``y = x W^T`` with ``W = (c - 8) * scale + zero`` per group; x: (T, K) -> (T, N).
+
+    Held in one of two layouts, by the kernel this process runs (``int4_tiles.kernel_name``):
+    pdserve's tiles (``engine/weights/int4_tiles.py``: ``tiles``, float32 out) or torch's
+    int4 packing (``packed`` and ``scales_zeros``, out in their dtype)."""
 
     def __init__(self, rows: Int4Rows, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -156,6 +162,10 @@ class Int4Kernel(_PackedKernel):
         n, k = rows.codes.shape
         if k % GROUP:
             raise QuantizationUnsupported(f"input width {k} is not a multiple of {GROUP}")
+        kernel = int4_tiles.kernel_name()
+        if kernel != "torch":
+            self._hold(kernel, (n, k), tiles=int4_tiles.pack(rows))
+            return
         pad = -n % _ROW_MULTIPLE
         codes, scale, zero = rows.codes.to(torch.int32), rows.scale, rows.zero
         if pad:  # padded rows: code 8, scale 0, zero 0 -> weight 0; sliced off the output
@@ -164,40 +174,60 @@ class Int4Kernel(_PackedKernel):
         packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         # (K / GROUP, N, 2): the kernel's layout, in the activation dtype it requires.
         sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(dtype)
-        self._hold(packed, sz, (n, k))
+        self._hold(kernel, (n, k), packed=packed, scales_zeros=sz)
 
     @classmethod
     def from_packed(
-        cls, packed: torch.Tensor, scales_zeros: torch.Tensor, shape: tuple[int, int]
+        cls, kernel: str, shape: tuple[int, int], **tensors: torch.Tensor
     ) -> Int4Kernel:
-        """A kernel over tensors already in its layout (``engine/checkpoint/image.py``): the
-        same as the one that packed them, with no packing and no copy."""
-        kernel = cls.__new__(cls)
-        nn.Module.__init__(kernel)
-        kernel._hold(packed, scales_zeros, shape)
-        return kernel
+        """A kernel over tensors already in ``kernel``'s layout (``engine/checkpoint/image.py``):
+        the same as the one that packed them, with no packing and no copy."""
+        if kernel != int4_tiles.kernel_name():
+            raise QuantizationUnsupported(
+                f"weights packed for the {kernel} int4 kernel; this process runs "
+                f"{int4_tiles.kernel_name()}"
+            )
+        packed = cls.__new__(cls)
+        nn.Module.__init__(packed)
+        packed._hold(kernel, shape, **tensors)
+        return packed
 
-    def _hold(self, packed: torch.Tensor, sz: torch.Tensor, shape: tuple[int, int]) -> None:
+    def _hold(self, kernel: str, shape: tuple[int, int], **tensors: torch.Tensor) -> None:
+        self.kernel = kernel
         self.out_features, self.in_features = shape
         self.shape = shape
-        self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("scales_zeros", sz, persistent=False)
+        for name, t in tensors.items():
+            self.register_buffer(name, t, persistent=False)
+        self.tiles: torch.Tensor
         self.packed: torch.Tensor
         self.scales_zeros: torch.Tensor
-        self.compute_dtype = sz.dtype
+        # The dtype the kernel reads its input in, and the one its product comes out in.
+        if kernel == "torch":
+            self.input_dtype = self.compute_dtype = self.scales_zeros.dtype
+        else:
+            self.input_dtype, self.compute_dtype = torch.bfloat16, torch.float32
         self.many_rows: ManyRows | None = None  # see with_gemm
+
+    def layout(self) -> dict[str, torch.Tensor]:
+        """The tensors this kernel computes from, by name (what ``from_packed`` takes)."""
+        if self.kernel == "torch":
+            return {"packed": self.packed, "scales_zeros": self.scales_zeros}
+        return {"tiles": self.tiles}
 
     def packed_forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        # The kernel computes in its scales' dtype (bfloat16 when serving: it is 10-50x
-        # slower fed float32); the model's residual stream keeps its own dtype around it.
         dtype = out_dtype or x.dtype
-        out = torch._weight_int4pack_mm_for_cpu(
-            x.to(self.compute_dtype), self.packed, GROUP, self.scales_zeros
-        )
-        if out.shape[1] != self.out_features:
-            out = out[:, : self.out_features]
+        if self.kernel != "torch":
+            out = int4_tiles.mm(x.to(self.input_dtype), self.tiles, self.out_features, self.kernel)
+        else:
+            # torch's kernel computes in its scales' dtype (bfloat16 when serving: it is
+            # 10-50x slower fed float32); the residual stream keeps its own dtype around it.
+            out = torch._weight_int4pack_mm_for_cpu(
+                x.to(self.compute_dtype), self.packed, GROUP, self.scales_zeros
+            )
+            if out.shape[1] != self.out_features:
+                out = out[:, : self.out_features]
         out = out.to(dtype)
         return out if bias is None else out.add_(bias)
 
@@ -235,7 +265,7 @@ class Int8Kernel(_PackedKernel):
     def packed_forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        xc = x.to(self.compute_dtype)  # before the repeat: half the bytes cast
+        xc = x.to(self.planes.input_dtype)  # before the repeat: half the bytes cast
         return self.planes.packed_forward(torch.cat((xc, xc), dim=1), bias, out_dtype or x.dtype)
 
 
@@ -328,8 +358,8 @@ class Linear(nn.Module):
         return y if self.lora is None else self.lora(x, y)
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward``, its output left in the kernel's compute dtype (bfloat16 for the packed
-        kernels and their GEMMs): for a consumer that rounds to it anyway or computes from
+        """``forward``, its output left in the kernel's compute dtype (bfloat16 for torch's
+        int4 kernel and its GEMM, float32 for pdserve's): for a consumer that rounds to it anyway or computes from
         it in a wider dtype, so the values are the same with one cast (or two) fewer. With
         a bias or adapters the sum is rounded as ``forward`` rounds it."""
         assert self.kernel is not None, "weights not loaded"

@@ -9,7 +9,8 @@ One representation per bit width, for rows of a weight matrix ``W`` (N, K) in gr
   in float32 (d and m are float16, so ``m + 8 d`` needs no rounding).
 * ``Int8Rows``: codes ``q`` in [-128, 127], ``W[n, k] = q[n, k] * scale[n, g]`` (Q8_0).
 
-Scales and zeros are kept in float32 here; a kernel casts them to the activation dtype.
+Scales and zeros are kept in float32 here, with float16 values (GGUF's, or rounded so by
+``quantize_*``); a kernel casts them to the dtype it computes with.
 ``dequantize`` is the float32 reference every packed kernel is tested against.
 """
 
@@ -102,20 +103,21 @@ def from_gguf_blocks(data: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> Quan
 
 
 def quantize_int4(w: torch.Tensor) -> Int4Rows:
-    """Asymmetric int4 in groups of 32 (min/max grid: scale + offset, as Q4_1 does)."""
+    """Asymmetric int4 in groups of 32 (min/max grid: scale + offset, as Q4_1 does, both
+    float16 as Q4_1 stores them, so every kernel holds the grid exactly)."""
     g = w.float().unflatten(1, (-1, GROUP))  # (N, G, GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = (hi - lo) / 15.0
+    lo, hi = g.amin(-1).half().float(), g.amax(-1)
+    scale = ((hi - lo) / 15.0).half().float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = ((g - lo[..., None]) / safe[..., None]).round_().clamp_(0, 15).to(torch.uint8)
-    # c * scale + lo == (c - 8) * scale + (lo + 8 scale)
+    # c * scale + lo == (c - 8) * scale + (lo + 8 scale), exact in float32
     return Int4Rows(codes.flatten(1), scale, lo + 8.0 * scale)
 
 
 def quantize_int8(w: torch.Tensor) -> Int8Rows:
-    """Symmetric int8 in groups of 32 (absmax / 127 per group, as Q8_0 does)."""
+    """Symmetric int8 in groups of 32 (absmax / 127 per group, float16, as Q8_0 does)."""
     g = w.float().unflatten(1, (-1, GROUP))  # (N, G, GROUP)
-    scale = g.abs().amax(-1) / 127.0
+    scale = (g.abs().amax(-1) / 127.0).half().float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = (g / safe[..., None]).round_().clamp_(-127, 127).to(torch.int8)
     return Int8Rows(codes.flatten(1), scale)

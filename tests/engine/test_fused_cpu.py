@@ -223,7 +223,9 @@ def test_attend_takes_the_kernels_bfloat16_with_the_bits_of_float32(
 ) -> None:
     """``takes_kernel_dtype``: q, k, v straight from a packed kernel (bfloat16) give the
     output and pool bytes that the same values widened to the model's float32 give (the
-    widening is exact; rotary and Qwen3's per-head norms run in float32 either way)."""
+    widening is exact; rotary and Qwen3's per-head norms run in float32 either way). On
+    torch's int4 kernel, whose products come out in bfloat16 (pdserve's are float32)."""
+    monkeypatch.setenv("PDSERVE_INT4_KERNEL", "torch")
     runner = _runner(smollm2, "auto", "float32", quantization="auto")
     attn = runner.model.layer(0).attn
     if qk_norm:

@@ -51,6 +51,7 @@ def _times_identity(kernel: torch.nn.Module, k: int) -> torch.Tensor:
     return kernel(torch.eye(k), None).T
 
 
+@pytest.mark.usefixtures("int4_kernel")
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda q: q.name)
 def test_blocks_of_random_weights_pack_exactly(qtype: Q) -> None:
     """40 rows (not a multiple of the kernel's 16: padded), 96 inputs, wide scales."""
@@ -127,6 +128,7 @@ def test_a_converted_gguf_is_served_packed_and_near_its_dequantized_self(
         assert ((g - w).norm() / w.norm()).item() < 3e-2
 
 
+@pytest.mark.usefixtures("int4_kernel")
 def test_the_head_recomputes_its_leading_logits_in_float32() -> None:
     torch.manual_seed(0)
     rows = quantize_int8(torch.randn(256, 64))
@@ -140,6 +142,7 @@ def test_the_head_recomputes_its_leading_logits_in_float32() -> None:
     torch.testing.assert_close(got[rows_, top], exact[rows_, top], rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.usefixtures("int4_kernel")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantizing_at_load_stays_on_its_grid(bits: int) -> None:
     torch.manual_seed(bits)
@@ -148,8 +151,8 @@ def test_quantizing_at_load_stays_on_its_grid(bits: int) -> None:
     err = (rows.dequantize() - w).abs().unflatten(1, (-1, 32))
     assert (err <= rows.scale[..., None] / 2 + 1e-6).all()  # round to nearest code
     kernel = packed_kernel(rows, torch.float32, CPU)
-    # float32 scales and zeros of any value: the kernel may round its products otherwise
-    # than (c - 8) * s + z does (GGUF's half-precision ones leave nothing to round).
+    # float16 scales and offsets, as GGUF's: every kernel holds them exactly, and may
+    # round its products otherwise than (c - 8) * s + z does.
     torch.testing.assert_close(_times_identity(kernel, 128), rows.dequantize(), rtol=0, atol=1e-5)
 
 
@@ -187,6 +190,7 @@ def test_packed_kernels_are_refused_off_cpu(tmp_path: Path) -> None:
         Int4Kernel(quantize_int4(torch.randn(16, 32)), torch.bfloat16, torch.device("meta"))
 
 
+@pytest.mark.usefixtures("int4_kernel")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_calls_of_many_rows_take_the_gemm_and_few_stay_packed(bits: int) -> None:
     torch.manual_seed(bits)
@@ -213,12 +217,15 @@ def test_calls_of_many_rows_take_the_gemm_and_few_stay_packed(bits: int) -> None
         assert torch.equal(head(many, None), gemm(many))
 
 
+@pytest.mark.usefixtures("int4_kernel")
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [3, 40], ids=["packed", "gemm"])
 def test_native_is_forward_without_its_cast_back(bits: int, rows: int) -> None:
-    """``Linear.native``: the kernel's bfloat16, which ``forward`` widens to x's dtype (on
-    the packed kernel and on its GEMM); a bfloat16 input gives what its float32 widening
-    gives, in the dtype asked for; with a bias, ``native`` is ``forward``."""
+    """``Linear.native``: the kernel's own dtype (bfloat16 for torch's int4 kernel, float32
+    for pdserve's; its GEMM's rows come out in it too), which ``forward`` widens to x's
+    dtype; a bfloat16 input
+    gives what its float32 widening gives, in the dtype asked for; with a bias, ``native``
+    is ``forward``."""
     torch.manual_seed(bits)
     q = quantize_int4(torch.randn(48, 64)) if bits == 4 else quantize_int8(torch.randn(48, 64))
     kernel = packed_kernel(q, torch.bfloat16, CPU)
@@ -227,7 +234,7 @@ def test_native_is_forward_without_its_cast_back(bits: int, rows: int) -> None:
     linear.kernel = kernel
     x = torch.randn(rows, 64)
     native = linear.native(x)
-    assert native.dtype == torch.bfloat16 and torch.equal(native.float(), linear(x))
+    assert native.dtype == kernel.compute_dtype and torch.equal(native.float(), linear(x))
     xb = x.bfloat16()
     assert torch.equal(linear(xb, torch.float32), linear(xb.float()))
     biased = Linear(64, 48, True, torch.float32, CPU)

@@ -1,0 +1,278 @@
+// pdserve's packed int4 GEMM for a few rows, on AVX-512 BF16.
+//
+// y = x W^T with W[n, k] = c[n, k] * s[n, g] + m[n, g], c in [0, 15], groups g of 32 inputs.
+// Each group's product is taken on the codes, and scaled once:
+//     y[r, n] = sum_g  s[n, g] * (sum_{k in g} x[r, k] c[n, k])  +  m[n, g] * X[r, g]
+// with X[r, g] the sum of row r's inputs in group g. A code is exact in bfloat16, and so is
+// its product with a bfloat16 input, so the only roundings are the float32 sums.
+//
+// Why not torch's int4 kernel: it de-quantizes the weights once per block of rows, so its
+// cost grows with every row. Here a weight is decoded once per 8 rows (vector path) or 16
+// (AMX path, below); on the vector path each row then costs one bfloat16 pair-dot
+// (vdpbf16ps) per 2 inputs x 16 outputs, on the AMX path one tile product per 16 rows.
+//
+// A row's result does not depend on the rows beside it or on the threads: every row runs the
+// same instructions in the same order whatever the block it falls in (no reassociation:
+// built without -ffast-math), and threads split the outputs, never the inputs. So a decode
+// step and a speculative verification of several rows per sequence agree bit for bit.
+//
+// Packed layout (``pack`` in engine/weights/int4_tiles.py), uint8 (T, G, 320), T = N / 16:
+// tile t holds outputs 16t..16t+15; per group, 256 bytes of codes then s and m as float16
+// (16 each). Code bytes come in 8 chunks of 32: byte 2i + j of chunk q holds output i's
+// code for input 2q + j in its low nibble and for input 16 + 2q + j in its high nibble, so
+// one chunk widened to 16-bit lanes gives, nibble by nibble, two (16 outputs x 2 inputs)
+// operands of vdpbf16ps.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <utility>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kTile = 16;
+constexpr int64_t kCodeBytes = kGroup * kTile / 2;      // 256
+constexpr int64_t kGroupBytes = kCodeBytes + 4 * kTile;  // + s and m, float16: 320
+constexpr int kMaxRows = 8;                             // rows per pass over a tile
+
+#define PDSERVE_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,f16c,fma")))
+
+// RB rows x NT tiles of outputs over every group. x: bfloat16 (RB, K), row stride ldx;
+// xsum: float32 (RB, G), row stride G; y: float32 (RB, N), row stride ldy.
+template <int RB, int NT>
+PDSERVE_TARGET void tiles_kernel(const uint16_t* x, int64_t ldx, const float* xsum,
+                                 const uint8_t* w, int64_t groups, int64_t tile0, float* y,
+                                 int64_t ldy, int64_t n) {
+  // bfloat16 of 0..15, by code; vpermw reads the low 5 bits of each lane.
+  alignas(64) static const uint16_t lut_values[32] = {
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  const __m512i lut = _mm512_load_si512(lut_values);
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+
+  __m512 acc[RB][NT];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+
+  const int64_t tile_bytes = groups * kGroupBytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 lo[RB][NT], hi[RB][NT];  // inputs 0..15 and 16..31 of the group, apart
+    for (int r = 0; r < RB; ++r)
+      for (int t = 0; t < NT; ++t) lo[r][t] = hi[r][t] = _mm512_setzero_ps();
+    for (int q = 0; q < 8; ++q) {
+      __m512i w_lo[NT], w_hi[NT];
+      for (int t = 0; t < NT; ++t) {
+        const uint8_t* chunk = w + (tile0 + t) * tile_bytes + g * kGroupBytes + q * 32;
+        const __m512i wide =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+        w_lo[t] = _mm512_permutexvar_epi16(_mm512_and_si512(wide, low4), lut);
+        w_hi[t] = _mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), lut);
+      }
+      for (int r = 0; r < RB; ++r) {
+        uint32_t pair_lo, pair_hi;  // x[r, 32g + 2q .. +1] and x[r, 32g + 16 + 2q .. +1]
+        std::memcpy(&pair_lo, x + r * ldx + g * kGroup + 2 * q, 4);
+        std::memcpy(&pair_hi, x + r * ldx + g * kGroup + 16 + 2 * q, 4);
+        const __m512bh b_lo = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_lo));
+        const __m512bh b_hi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_hi));
+        for (int t = 0; t < NT; ++t) {
+          lo[r][t] = _mm512_dpbf16_ps(lo[r][t], (__m512bh)w_lo[t], b_lo);
+          hi[r][t] = _mm512_dpbf16_ps(hi[r][t], (__m512bh)w_hi[t], b_hi);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* sm = w + (tile0 + t) * tile_bytes + g * kGroupBytes + kCodeBytes;
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
+      const __m512 m =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 32)));
+      for (int r = 0; r < RB; ++r) {
+        const __m512 dot = _mm512_add_ps(lo[r][t], hi[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(s, dot, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]), acc[r][t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const int64_t col = (tile0 + t) * kTile;
+    const int64_t left = std::min<int64_t>(kTile, n - col);
+    const __mmask16 mask = left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy + col, mask, acc[r][t]);
+  }
+}
+
+// Every row of one block of at most kMaxRows rows, over tiles [t0, t1).
+template <int RB>
+PDSERVE_TARGET void rows_block(const uint16_t* x, int64_t ldx, const float* xsum,
+                               const uint8_t* w, int64_t groups, int64_t t0, int64_t t1,
+                               float* y, int64_t ldy, int64_t n) {
+  // More tiles at once for few rows: enough independent sums to hide vdpbf16ps's latency.
+  constexpr int NT = RB <= 2 ? 4 : (RB <= 4 ? 2 : 1);
+  int64_t t = t0;
+  for (; t + NT <= t1; t += NT) tiles_kernel<RB, NT>(x, ldx, xsum, w, groups, t, y, ldy, n);
+  for (; t < t1; ++t) tiles_kernel<RB, 1>(x, ldx, xsum, w, groups, t, y, ldy, n);
+}
+
+using BlockFn = void (*)(const uint16_t*, int64_t, const float*, const uint8_t*, int64_t, int64_t,
+                         int64_t, float*, int64_t, int64_t);
+constexpr BlockFn kBlocks[kMaxRows + 1] = {nullptr,        rows_block<1>, rows_block<2>,
+                                            rows_block<3>, rows_block<4>, rows_block<5>,
+                                            rows_block<6>, rows_block<7>, rows_block<8>};
+
+// ---- AMX: the same sums on tiles -------------------------------------------------------
+//
+// Per group and tile of 16 outputs, the codes are decoded as above into a (16 pairs x 16
+// outputs x 2) bfloat16 B tile, the group's inputs of up to 16 rows are the A tile, and one
+// tdpbf16ps gives the (rows x 16) code products; the same float32 epilogue as the vector
+// path scales them. The tile unit does each row's 32 products in the same order whatever
+// the rows beside it, so a row's bits still do not depend on its batch.
+
+#define PDSERVE_AMX_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512bf16,f16c,fma,amx-tile,amx-bf16")))
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int kAmxRows = 16;
+
+// Tiles: 0, 1 = C for two output tiles; 2 = A; 3, 4 = B for the two output tiles.
+template <int RB, int NT>
+PDSERVE_AMX_TARGET void amx_tiles(const uint16_t* x, int64_t ldx, const float* xsum,
+                                  const uint8_t* w, int64_t groups, int64_t tile0, float* y,
+                                  int64_t ldy, int64_t n) {
+  alignas(64) static const uint16_t lut_values[32] = {
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  const __m512i lut = _mm512_load_si512(lut_values);
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  alignas(64) uint16_t b[NT][16 * 32];    // B tiles: row p = inputs 2p, 2p + 1 of 16 outputs
+  alignas(64) float c[NT][kAmxRows * 16];  // C tiles, read back for the epilogue
+
+  __m512 acc[RB][NT];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t tile_bytes = groups * kGroupBytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* codes = w + (tile0 + t) * tile_bytes + g * kGroupBytes;
+      for (int q = 0; q < 8; ++q) {
+        const __m512i wide = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + q * 32)));
+        _mm512_store_si512(b[t] + q * 32,
+                           _mm512_permutexvar_epi16(_mm512_and_si512(wide, low4), lut));
+        _mm512_store_si512(b[t] + (8 + q) * 32,
+                           _mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), lut));
+      }
+    }
+    _tile_loadd(2, x + g * kGroup, ldx * 2);
+    _tile_zero(0);
+    _tile_loadd(3, b[0], 64);
+    _tile_dpbf16ps(0, 2, 3);
+    if constexpr (NT == 2) {
+      _tile_zero(1);
+      _tile_loadd(4, b[1], 64);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, c[0], 64);
+    if constexpr (NT == 2) _tile_stored(1, c[1], 64);
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* sm = w + (tile0 + t) * tile_bytes + g * kGroupBytes + kCodeBytes;
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
+      const __m512 m =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 32)));
+      for (int r = 0; r < RB; ++r) {
+        acc[r][t] = _mm512_fmadd_ps(s, _mm512_load_ps(c[t] + r * 16), acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]), acc[r][t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const int64_t col = (tile0 + t) * kTile;
+    const int64_t left = std::min<int64_t>(kTile, n - col);
+    const __mmask16 mask = left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy + col, mask, acc[r][t]);
+  }
+}
+
+template <int RB>
+PDSERVE_AMX_TARGET void amx_block(const uint16_t* x, int64_t ldx, const float* xsum,
+                                  const uint8_t* w, int64_t groups, int64_t t0, int64_t t1,
+                                  float* y, int64_t ldy, int64_t n) {
+  TileConfig cfg;
+  for (int i : {0, 1, 2}) cfg.rows[i] = RB, cfg.colsb[i] = 64;
+  for (int i : {3, 4}) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+  _tile_loadconfig(&cfg);
+  int64_t t = t0;
+  for (; t + 2 <= t1; t += 2) amx_tiles<RB, 2>(x, ldx, xsum, w, groups, t, y, ldy, n);
+  for (; t < t1; ++t) amx_tiles<RB, 1>(x, ldx, xsum, w, groups, t, y, ldy, n);
+  _tile_release();
+}
+
+template <int... R>
+constexpr std::array<BlockFn, sizeof...(R) + 1> amx_blocks(std::integer_sequence<int, R...>) {
+  return {nullptr, amx_block<R + 1>...};
+}
+constexpr auto kAmxBlocks = amx_blocks(std::make_integer_sequence<int, kAmxRows>{});
+
+// Linux hands out the tile registers' state only on request, once per process.
+bool amx_enabled() {
+  static const bool enabled = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return __builtin_cpu_supports("amx-bf16") &&
+           syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return enabled;
+}
+
+// x: (M, K) float32 or bfloat16; w: uint8 (T, G, 320); n <= 16 T outputs. -> (M, n) float32.
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, bool use_amx) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3, "int4_mm: x must be (M, K), w (T, G, 320)");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == kGroupBytes,
+              "int4_mm: w must be contiguous uint8 (T, G, ", kGroupBytes, ")");
+  const int64_t m_rows = x.size(0), k = x.size(1), tiles = w.size(0), groups = w.size(1);
+  TORCH_CHECK(k == groups * kGroup, "int4_mm: x has ", k, " inputs, w ", groups * kGroup);
+  TORCH_CHECK(n > 0 && n <= tiles * kTile && n > (tiles - 1) * kTile,
+              "int4_mm: ", n, " outputs do not fit ", tiles, " tiles");
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  // X[r, g] in float32, summed in the order of the bfloat16 values (independent of M).
+  const at::Tensor xsum = xb.view({m_rows, groups, kGroup}).to(at::kFloat).sum(-1).contiguous();
+  at::Tensor y = at::empty({m_rows, n}, x.options().dtype(at::kFloat));
+  if (m_rows == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const float* sp = xsum.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  // Threads split the tiles; a grain keeps each thread's slice long enough to stream.
+  TORCH_CHECK(!use_amx || amx_enabled(), "int4_mm: AMX asked for, and this process cannot use it");
+  const bool amx = use_amx;
+  const int64_t block = amx ? kAmxRows : kMaxRows;
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t r0 = 0; r0 < m_rows; r0 += block) {
+      const int64_t rb = std::min<int64_t>(block, m_rows - r0);
+      (amx ? kAmxBlocks[rb] : kBlocks[rb])(xp + r0 * k, k, sp + r0 * groups, wp, groups, t0, t1,
+                                           yp + r0 * n, n, n);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve, m) { m.def("int4_mm(Tensor x, Tensor w, int n, bool amx) -> Tensor"); }
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("int4_mm", &int4_mm); }

@@ -1,0 +1,149 @@
+"""pdserve's int4 kernel for decode batches: one decode of the weights for up to 16 rows.
+
+torch's CPU int4 kernel de-quantizes per row block, so a step of 8 rows costs about 3x a
+step of one, and a speculative verification of 5 rows per sequence about 2x. This kernel
+(``int4_cpu.cpp``, built by ``make setup``) decodes each weight once per 16 rows and
+multiplies on the AMX tile unit where the CPU has one, else with AVX-512 BF16 pair-dots:
+SmolLM2-135M's linear layers of one step, 2 threads, Intel Xeon with AMX
+(``python -m benchmarks.linear_kernels``, ``benchmarks/results/linear_kernels.md``), ms:
+
+    rows                    1      2      4      8     16     32
+    torch int4            4.1    4.9    6.7   11.6   22.1   43.8
+    tiles, AMX            3.7    3.6    4.2    4.5    6.5   12.0
+
+Kernels, by ``kernel_name()`` (``PDSERVE_INT4_KERNEL`` picks one; unset: the fastest here):
+
+* ``amx``: tiles, on CPUs with AMX-BF16 (Sapphire Rapids and later);
+* ``avx512_bf16``: vector pair-dots (AVX-512 BF16: Zen 4/5, Cooper Lake);
+* ``torch``: ``torch._weight_int4pack_mm_for_cpu``, for every other CPU, or when the
+  library was not built. The tests run each one this CPU can.
+
+Each computes ``x W^T`` on bfloat16 inputs with float32 sums, scaling each group of 32 once
+(``int4_cpu.cpp``), and gives a row the same bits whatever the rows beside it and the
+threads: a decode step's rows and a verification's agree. Between kernels the bits differ.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.weights.quant import GROUP, Int4Rows
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("amx", "avx512_bf16", "torch")
+_TILE = 16  # outputs per tile
+_GROUP_BYTES = GROUP * _TILE // 2 + 4 * _TILE  # codes, then scale and offset as float16
+
+
+class Int4KernelUnavailable(RuntimeError):
+    """The int4 kernel asked for cannot run here; the message says why."""
+
+
+def library_path() -> Path | None:
+    """The built kernel (``setup.py``'s ``engine.weights._int4_cpu``), or None."""
+    found = sorted(Path(__file__).parent.glob("_int4_cpu*.so"))
+    return found[0] if found else None
+
+
+def kernel_name() -> str:
+    """The int4 kernel packed layers use in this process (``KERNELS``)."""
+    return _resolve(os.environ.get("PDSERVE_INT4_KERNEL", "auto").lower())
+
+
+def available_kernels() -> list[str]:
+    """Every kernel of ``KERNELS`` that runs on this CPU, fastest first."""
+    out = []
+    for name in KERNELS:
+        try:
+            out.append(_resolve(name))
+        except Int4KernelUnavailable:
+            continue
+    return out
+
+
+@functools.cache
+def _resolve(requested: str) -> str:
+    if requested == "torch":
+        return "torch"
+    if requested not in ("auto", *KERNELS):
+        raise Int4KernelUnavailable(
+            f"PDSERVE_INT4_KERNEL={requested!r}: expected one of auto, {', '.join(KERNELS)}"
+        )
+    for name in ("amx", "avx512_bf16") if requested == "auto" else (requested,):
+        try:
+            _load()
+            _probe(name == "amx")
+            return name
+        except (Int4KernelUnavailable, RuntimeError) as e:
+            if requested != "auto":
+                raise Int4KernelUnavailable(f"int4 kernel {name!r}: {e}") from e
+            logger.info("int4 kernel %s does not run here: %s", name, e)
+    return "torch"
+
+
+@functools.cache
+def _load() -> None:
+    if not torch.cpu._is_avx512_bf16_supported():
+        raise Int4KernelUnavailable("this CPU has no AVX-512 BF16")
+    path = library_path()
+    if path is None:
+        raise Int4KernelUnavailable("not built (make setup builds it)")
+    torch.ops.load_library(str(path))
+
+
+def _probe(amx: bool) -> None:
+    """One small product checked against float32, so a kernel that loads but cannot run
+    here (the OS refused the tile state) is never chosen."""
+    if amx and not torch.cpu._is_amx_tile_supported():
+        raise Int4KernelUnavailable("this CPU has no AMX")
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (16, 2 * GROUP), dtype=torch.uint8, generator=gen)
+    rows = Int4Rows(codes, torch.full((16, 2), 0.5), torch.full((16, 2), -1.0))
+    x = torch.randn(3, 2 * GROUP, generator=gen).to(torch.bfloat16)
+    got = torch.ops.pdserve.int4_mm(x, pack(rows), 16, amx)
+    want = x.float() @ rows.dequantize().T
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-4):
+        raise Int4KernelUnavailable("its probe product is wrong")
+
+
+def pack(rows: Int4Rows) -> torch.Tensor:
+    """``rows`` (N, K) in the kernel's layout: uint8 (ceil(N / 16), K / 32, 320).
+
+    Tile t holds outputs 16t..16t+15 (padding: code 0, scale 0, offset 0, so weight 0);
+    per group, 256 bytes of codes then the scale and the offset ``zero - 8 scale`` as
+    float16 (``W = c scale + offset``; exact for GGUF's Q4_0 and Q4_1, whose d and m are
+    float16). Code bytes: 8 chunks of 32, byte 2i + j of chunk q holding output i's code for
+    input 2q + j in its low nibble and for input 16 + 2q + j in its high one.
+    """
+    n, k = rows.codes.shape
+    if k % GROUP:
+        raise ValueError(f"input width {k} is not a multiple of {GROUP}")
+    groups, pad = k // GROUP, -n % _TILE
+    codes, scale = rows.codes, rows.scale
+    offset = rows.zero - 8.0 * rows.scale
+    if pad:
+        codes = F.pad(codes, (0, 0, 0, pad))
+        scale, offset = F.pad(scale, (0, 0, 0, pad)), F.pad(offset, (0, 0, 0, pad))
+    tiles = codes.shape[0] // _TILE
+    c = codes.view(tiles, _TILE, groups, GROUP).transpose(1, 2)  # (T, G, 16 outputs, 32)
+    # (T, G, 16, 16) -> (T, G, 8 chunks, 16 outputs, 2 inputs)
+    lo = c[..., : GROUP // 2].unflatten(-1, (8, 2)).transpose(2, 3)
+    hi = c[..., GROUP // 2 :].unflatten(-1, (8, 2)).transpose(2, 3)
+    code_bytes = (lo | (hi << 4)).reshape(tiles, groups, GROUP * _TILE // 2)
+
+    def halves(v: torch.Tensor) -> torch.Tensor:  # (N, G) -> (T, G, 32) bytes of float16
+        return v.half().view(tiles, _TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat((code_bytes, halves(scale), halves(offset)), dim=-1).contiguous()
+
+
+def mm(x: torch.Tensor, tiles: torch.Tensor, n: int, kernel: str) -> torch.Tensor:
+    """``x`` (T, K) times the packed weight's transpose: (T, n) float32."""
+    return torch.ops.pdserve.int4_mm(x, tiles, n, kernel == "amx")

@@ -1,0 +1,108 @@
+"""pdserve's int4 kernel (``engine/weights/int4_tiles.py``): each kernel this CPU runs
+equals the float32 product of bfloat16 inputs and the de-quantized weights, and gives a row
+the same bits whatever the rows beside it and the threads, which is what lets a speculative
+verification reproduce a decode step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.weights import int4_tiles
+from engine.weights.linear import Int4Kernel, Int8Kernel
+from engine.weights.quant import Int4Rows, quantize_int4, quantize_int8
+
+CPU = torch.device("cpu")
+
+
+def _rows(n: int, k: int, seed: int) -> Int4Rows:
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_int4(torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen))
+
+
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (40, 96), (960, 576), (50, 1536)])
+def test_each_kernel_equals_the_float32_product_of_its_rounded_inputs(
+    int4_kernel: str, n: int, k: int
+) -> None:
+    """40 and 50 outputs: a partly padded tile; 1536 inputs: SmolLM2's down projection."""
+    rows = _rows(n, k, n + k)
+    kernel = Int4Kernel(rows, torch.bfloat16, CPU)
+    assert kernel.kernel == int4_kernel
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(1))
+    want = x.bfloat16().float() @ rows.dequantize().T
+    got = kernel(x, None)
+    assert got.shape == (21, n) and got.dtype == torch.float32
+    # float32 sums (pdserve's kernels) or a bfloat16 product (torch's)
+    tol = 2e-2 if int4_kernel == "torch" else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_gets_the_same_bits_in_any_batch_and_on_any_threads(
+    int4_kernel: str, bits: int
+) -> None:
+    """Batches of 1 to 40 rows cross the kernels' blocks of 8 and 16 rows."""
+    if int4_kernel == "torch":
+        pytest.skip("torch's int4 kernel gives no such promise")
+    gen = torch.Generator().manual_seed(bits)
+    w = torch.randn(72, 192, generator=gen)
+    kernel = Int4Kernel(quantize_int4(w), torch.bfloat16, CPU)
+    if bits == 8:
+        kernel = Int8Kernel(quantize_int8(w), torch.bfloat16, CPU)
+    x = torch.randn(40, 192, generator=gen)
+    alone = torch.cat([kernel(x[i : i + 1], None) for i in range(40)])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (2, 5, 8, 9, 16, 17, 40):
+                assert torch.equal(kernel(x[:m], None), alone[:m]), (threads, m)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_layout_holds_the_grid_exactly() -> None:
+    """Reading the packed bytes back gives the codes, and float16 scale and offset."""
+    rows = _rows(24, 64, 0)
+    tiles = int4_tiles.pack(rows)
+    assert tiles.shape == (2, 2, 320) and tiles.dtype == torch.uint8
+    codes = tiles[..., :256].reshape(2, 2, 8, 16, 2)  # (T, G, chunk q, output, input j)
+    lo, hi = codes & 15, codes >> 4  # inputs 2q + j and 16 + 2q + j
+    c = torch.cat((lo, hi), dim=2).permute(0, 3, 1, 2, 4).reshape(32, 64)  # (N padded, K)
+    assert torch.equal(c[:24], rows.codes) and not c[24:].any()
+    scale = tiles[..., 256:288].contiguous().view(torch.float16).float()  # (T, G, 16)
+    offset = tiles[..., 288:].contiguous().view(torch.float16).float()
+    assert torch.equal(scale.permute(0, 2, 1).reshape(32, 2)[:24], rows.scale)
+    want = rows.zero - 8 * rows.scale
+    assert torch.equal(offset.permute(0, 2, 1).reshape(32, 2)[:24], want)
+
+
+def test_a_kernel_that_cannot_run_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_INT4_KERNEL", "int3")
+    with pytest.raises(int4_tiles.Int4KernelUnavailable, match="expected one of"):
+        int4_tiles.kernel_name()
+    monkeypatch.setenv("PDSERVE_INT4_KERNEL", "torch")
+    assert int4_tiles.kernel_name() == "torch"
+    assert "torch" in int4_tiles.available_kernels()
+    for name in ("amx", "avx512_bf16"):
+        if name not in int4_tiles.available_kernels():
+            monkeypatch.setenv("PDSERVE_INT4_KERNEL", name)
+            with pytest.raises(int4_tiles.Int4KernelUnavailable, match=name):
+                int4_tiles.kernel_name()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        int4_tiles.pack(Int4Rows(torch.zeros(16, 40, dtype=torch.uint8), *torch.zeros(2, 16, 1)))
+
+
+def test_packed_weights_bind_only_to_the_kernel_that_packed_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PDSERVE_INT4_KERNEL", "torch")
+    kernel = Int4Kernel(_rows(16, 32, 3), torch.bfloat16, CPU)
+    again = Int4Kernel.from_packed("torch", kernel.shape, **kernel.layout())
+    x = torch.randn(3, 32)
+    assert torch.equal(again(x, None), kernel(x, None))
+    others = [k for k in int4_tiles.available_kernels() if k != "torch"]
+    if others:
+        monkeypatch.setenv("PDSERVE_INT4_KERNEL", others[0])
+        with pytest.raises(ValueError, match="packed for the torch int4 kernel"):
+            Int4Kernel.from_packed("torch", kernel.shape, **kernel.layout())
