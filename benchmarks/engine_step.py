@@ -10,7 +10,9 @@ its GEMM on a shareable weight, ``engine/checkpoint/shared_weights.py``); ``pack
 same weights on the packed kernel alone (the engine before the GEMM copies, as a baseline
 in the same run); ``none`` dense float32. A variant may name an activation dtype after
 ``@`` (``shared@bfloat16``: the residual stream, norms and rotary in bfloat16 too, as
-``launch --dtype bfloat16`` serves; default: the model's, float32 on CPU).
+``launch --dtype bfloat16`` serves; default: the model's, float32 on CPU), and then an int4
+kernel after ``%`` (``shared%torch``: torch's, ``engine/weights/int4_tiles.py``; default:
+the fastest this CPU runs).
 
 "Step": ``ModelRunner.decode`` on a batch of ``B`` sequences with ``--context`` tokens of KV
 each (metadata, embedding, 30 layers, head; no sampling). "Bare math": the same model's
@@ -26,6 +28,7 @@ is set against its linear layers alone on the same rows (target <= 1.2x). Writes
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -152,13 +155,28 @@ def _gemm_label(runner: ModelRunner, variant: str) -> str:
     held = {_LAYOUTS.get(name, name) for name in names}
     if not held:
         return ""
-    shared = variant.partition("@")[0] == "shared"
+    shared = variant.partition("%")[0].partition("@")[0] == "shared"
     return f" + bf16 GEMM ({'/'.join(sorted(held))}{', shared' if shared else ''})"
 
 
 def _runner(model: Path, variant: str, backend: str, context: int) -> ModelRunner:
+    variant, _, int4 = variant.partition("%")
     variant, _, dtype = variant.partition("@")
     quantization = "none" if variant == "none" else "auto"
+    before = os.environ.get("PDSERVE_INT4_KERNEL")
+    if int4:  # packed layers take the kernel named when they are built
+        os.environ["PDSERVE_INT4_KERNEL"] = int4
+    try:
+        return _build(model, variant, dtype, quantization, backend, context)
+    finally:
+        os.environ.pop("PDSERVE_INT4_KERNEL", None)
+        if before is not None:
+            os.environ["PDSERVE_INT4_KERNEL"] = before
+
+
+def _build(
+    model: Path, variant: str, dtype: str, quantization: str, backend: str, context: int
+) -> ModelRunner:
     return ModelRunner(
         EngineConfig(
             model=str(model),

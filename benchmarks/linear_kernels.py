@@ -27,6 +27,7 @@ import torch
 
 from benchmarks.machine import describe as describe_machine
 from benchmarks.machine import load_average
+from engine.weights import int4_tiles
 from engine.weights.gemm import (
     PlainGemm,
     PrepackedGemm,
@@ -34,7 +35,6 @@ from engine.weights.gemm import (
     prepacked_supported,
     vnni_supported,
 )
-from engine.weights import int4_tiles
 from engine.weights.linear import Int4Kernel
 from engine.weights.quant import quantize_int4
 

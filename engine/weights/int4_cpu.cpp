@@ -45,6 +45,16 @@ constexpr int64_t kCodeBytes = kGroup * kTile / 2;      // 256
 constexpr int64_t kGroupBytes = kCodeBytes + 4 * kTile;  // + s and m, float16: 320
 constexpr int kMaxRows = 8;                             // rows per pass over a tile
 
+// Groups read ahead of the one decoded: a tile's groups are contiguous, but a step streams
+// 120 layers' weights once each, and at one row the hardware prefetcher alone leaves the
+// kernel waiting on memory (one A/B here: 7.3 against 5.9 ms for a one-row step).
+constexpr int64_t kAhead = 4;
+
+inline void prefetch_group(const uint8_t* p) {
+  for (int64_t line = 0; line < kGroupBytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+}
+
 #define PDSERVE_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,f16c,fma")))
 
 // RB rows x NT tiles of outputs over every group. x: bfloat16 (RB, K), row stride ldx;
@@ -70,6 +80,9 @@ PDSERVE_TARGET void tiles_kernel(const uint16_t* x, int64_t ldx, const float* xs
     __m512 lo[RB][NT], hi[RB][NT];  // inputs 0..15 and 16..31 of the group, apart
     for (int r = 0; r < RB; ++r)
       for (int t = 0; t < NT; ++t) lo[r][t] = hi[r][t] = _mm512_setzero_ps();
+    if (g + kAhead < groups)
+      for (int t = 0; t < NT; ++t)
+        prefetch_group(w + (tile0 + t) * tile_bytes + (g + kAhead) * kGroupBytes);
     for (int q = 0; q < 8; ++q) {
       __m512i w_lo[NT], w_hi[NT];
       for (int t = 0; t < NT; ++t) {
@@ -171,6 +184,7 @@ PDSERVE_AMX_TARGET void amx_tiles(const uint16_t* x, int64_t ldx, const float* x
   for (int64_t g = 0; g < groups; ++g) {
     for (int t = 0; t < NT; ++t) {
       const uint8_t* codes = w + (tile0 + t) * tile_bytes + g * kGroupBytes;
+      if (g + kAhead < groups) prefetch_group(codes + kAhead * kGroupBytes);
       for (int q = 0; q < 8; ++q) {
         const __m512i wide = _mm512_cvtepu8_epi16(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + q * 32)));
