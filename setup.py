@@ -27,7 +27,8 @@ else:
             CppExtension(
                 "engine.weights._int4_cpu",
                 ["engine/weights/int4_cpu.cpp"],
-                extra_compile_args=["-O3", "-fopenmp"],
+                # -Wno-maybe-uninitialized: GCC 12 flags its own intrinsics headers (_mm512_undefined).
+                extra_compile_args=["-O3", "-fopenmp", "-Wno-maybe-uninitialized"],
                 extra_link_args=["-fopenmp"],
             )
         )

@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.model.causal_lm import CausalLM
 from engine.weights.gemm import PlainGemm, VnniGemm, vnni_supported
+from engine.weights.int4_tiles import TilesGemm
 from engine.weights.linear import (
     DenseKernel,
     Embedding,
@@ -34,6 +35,7 @@ from engine.weights.linear import (
     Linear,
     QuantizationUnsupported,
     RefinedHead,
+    tiles_gemm,
 )
 from engine.weights.quant import Int4Rows, Int8Rows, QuantRows
 
@@ -137,6 +139,11 @@ def _export_kernel(kernel: nn.Module, name: str, tensors: dict[str, torch.Tensor
         raise WeightsImageError(f"{name}: no image layout for a {type(kernel).__name__}")
     if kernel.many_rows is not None:
         gemm = kernel.many_rows.gemm
+        if isinstance(gemm, TilesGemm):  # on the kernel's own tiles: nothing more to hold
+            meta["gemm_layout"] = "tiles"
+            meta["gemm_min_rows"] = kernel.many_rows.min_rows
+            meta["gemm_by_phase"] = kernel.many_rows.by_phase
+            return meta
         if not isinstance(gemm, (PlainGemm, VnniGemm)):
             # A oneDNN prepacked weight is an opaque per-process tensor: not shareable.
             raise WeightsImageError(f"{name}: a {type(gemm).__name__} cannot be shared")
@@ -170,9 +177,12 @@ def _bind_kernel(meta: Meta, name: str, tensors: dict[str, torch.Tensor]) -> nn.
     else:
         raise WeightsImageError(f"{name}: unknown kernel kind {kind!r}")
     if "gemm_min_rows" in meta:
-        weight = _get(tensors, f"{name}.gemm", shape, torch.bfloat16)
         by_phase = bool(meta.get("gemm_by_phase", True))
         gemm: nn.Module
+        if meta.get("gemm_layout") == "tiles":
+            kernel.with_gemm(tiles_gemm(kernel), int(meta["gemm_min_rows"]), by_phase)
+            return kernel
+        weight = _get(tensors, f"{name}.gemm", shape, torch.bfloat16)
         if meta.get("gemm_layout", "plain") == "plain":
             gemm = PlainGemm(weight)
         elif vnni_supported():

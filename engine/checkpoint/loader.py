@@ -38,6 +38,7 @@ from engine.weights.linear import (
     QuantizationUnsupported,
     RefinedHead,
     packed_kernel,
+    tiles_gemm,
 )
 from engine.weights.plan import gguf_source, kernel_dtype
 from engine.weights.quant import QuantRows, concat_rows, quantize_int4, quantize_int8
@@ -233,8 +234,10 @@ class _Loader:
     def _add_gemm(
         self, packed: Int4Kernel | Int8Kernel, rows: QuantRows, by_phase: bool = True
     ) -> None:
-        gemm = bf16_gemm(rows.dequantize(), self.shareable)
         int4 = packed.kernel if isinstance(packed, Int4Kernel) else packed.planes.kernel
+        gemm = tiles_gemm(packed) if int4 == "amx" else None
+        if gemm is None:
+            gemm = bf16_gemm(rows.dequantize(), self.shareable)
         key = (f"{type(packed).__name__}|{int4}|{type(gemm).__name__}", *packed.shape)
         packed.with_gemm(gemm, NEVER, by_phase)  # until set_crossovers
         self.with_gemm.setdefault(key, []).append(packed)

@@ -220,7 +220,10 @@ def load_model(
         return model
     gemm = "no gemm"
     if gemm_rows is not None:
-        gemm = f"gemm from {gemm_rows}, {'vnni' if vnni_supported() else 'plain'}"
+        layout = "vnni" if vnni_supported() else "plain"
+        if int4_tiles.kernel_name() == "amx":
+            layout = "tiles"  # the packed layers' own (``int4_tiles.TilesGemm``)
+        gemm = f"gemm from {gemm_rows}, {layout}"
     digest = weights_digest(root, quantization, dtype, gemm)
     try:
         load_shared(

@@ -4,17 +4,18 @@ torch's CPU int4 kernel de-quantizes per row block, so a step of 8 rows costs ab
 step of one, and a speculative verification of 5 rows per sequence about 2x. This kernel
 (``int4_cpu.cpp``, built by ``make setup``) decodes each weight once per 16 rows and
 multiplies on the AMX tile unit where the CPU has one, else with AVX-512 BF16 pair-dots:
-SmolLM2-135M's linear layers of one step, 2 threads, Intel Xeon with AMX
-(``python -m benchmarks.linear_kernels``, ``benchmarks/results/linear_kernels.md``), ms:
+On AMX the same tiles also serve calls of many rows (``TilesGemm``: prefills, large decode
+batches), de-quantizing each weight once per call into bfloat16 tiles, where a bfloat16 copy
+of the weights (two bytes a weight) served them before. Measured numbers:
+``benchmarks/results/linear_kernels.md``.
 
-    rows                    1      2      4      8     16     32
-    torch int4            4.1    4.9    6.7   11.6   22.1   43.8
-    tiles, AMX            3.7    3.6    4.2    4.5    6.5   12.0
-
-Kernels, by ``kernel_name()`` (``PDSERVE_INT4_KERNEL`` picks one; unset: the fastest here):
+Kernels, by ``kernel_name()`` (``PDSERVE_INT4_KERNEL`` picks one; unset: ``amx`` where it
+runs, else ``torch``):
 
 * ``amx``: tiles, on CPUs with AMX-BF16 (Sapphire Rapids and later);
-* ``avx512_bf16``: vector pair-dots (AVX-512 BF16: Zen 4/5, Cooper Lake);
+* ``avx512_bf16``: vector pair-dots (AVX-512 BF16: Zen 4/5, Cooper Lake). Not a default:
+  on the Xeon above it is no faster than torch's kernel (one pair-dot a cycle is the
+  float32 FMA rate), and the CPUs where it might be (Zen 5) have not been measured;
 * ``torch``: ``torch._weight_int4pack_mm_for_cpu``, for every other CPU, or when the
   library was not built. The tests run each one this CPU can.
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.weights.quant import GROUP, Int4Rows
 
@@ -76,7 +78,7 @@ def _resolve(requested: str) -> str:
         raise Int4KernelUnavailable(
             f"PDSERVE_INT4_KERNEL={requested!r}: expected one of auto, {', '.join(KERNELS)}"
         )
-    for name in ("amx", "avx512_bf16") if requested == "auto" else (requested,):
+    for name in ("amx",) if requested == "auto" else (requested,):
         try:
             _load()
             _probe(name == "amx")
@@ -147,3 +149,25 @@ def pack(rows: Int4Rows) -> torch.Tensor:
 def mm(x: torch.Tensor, tiles: torch.Tensor, n: int, kernel: str) -> torch.Tensor:
     """``x`` (T, K) times the packed weight's transpose: (T, n) float32."""
     return torch.ops.pdserve.int4_mm(x, tiles, n, kernel == "amx")
+
+
+class TilesGemm(nn.Module):
+    """The many-rows GEMM of a layer packed for the ``amx`` kernel, on its own tiles: each
+    call de-quantizes every weight once to bfloat16 and multiplies all its rows on the tile
+    unit (``int4_gemm`` in ``int4_cpu.cpp``), so it needs no bfloat16 copy of the weights.
+    Numerically a bfloat16 GEMM, as the copies it replaces: bfloat16 weights and inputs,
+    float32 sums. ``repeat``: the input is given twice side by side (an int8 layer's two
+    nibble planes, ``Int8Kernel``, each rounded to bfloat16 apart: about 1.4x the error of
+    one bfloat16 copy). x: (T, K) -> (T, n)."""
+
+    def __init__(self, tiles: torch.Tensor, n: int, repeat: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("tiles", tiles, persistent=False)
+        self.tiles: torch.Tensor
+        self.n, self.repeat = n, repeat
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        xb = x.to(torch.bfloat16)
+        if self.repeat:
+            xb = torch.cat((xb, xb), dim=1)
+        return torch.ops.pdserve.int4_gemm(xb, self.tiles, self.n).to(out_dtype or x.dtype)

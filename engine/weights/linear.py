@@ -322,6 +322,14 @@ def packed_kernel(
     return Int8Kernel(rows, dtype, device)
 
 
+def tiles_gemm(kernel: Int4Kernel | Int8Kernel) -> nn.Module:
+    """The many-rows GEMM of a kernel packed for AMX, on its own tiles (``TilesGemm``)."""
+    if isinstance(kernel, Int8Kernel):
+        planes = kernel.planes
+        return int4_tiles.TilesGemm(planes.tiles, planes.out_features, repeat=True)
+    return int4_tiles.TilesGemm(kernel.tiles, kernel.out_features)
+
+
 class Linear(nn.Module):
     """``y = x W^T + b`` for x: (T, in_features); W's storage is the loader's choice."""
 

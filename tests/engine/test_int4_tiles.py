@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.weights import int4_tiles
-from engine.weights.linear import Int4Kernel, Int8Kernel
+from engine.weights.linear import Int4Kernel, Int8Kernel, tiles_gemm
 from engine.weights.quant import Int4Rows, quantize_int4, quantize_int8
 
 CPU = torch.device("cpu")
@@ -106,3 +106,31 @@ def test_packed_weights_bind_only_to_the_kernel_that_packed_them(
         monkeypatch.setenv("PDSERVE_INT4_KERNEL", others[0])
         with pytest.raises(ValueError, match="packed for the torch int4 kernel"):
             Int4Kernel.from_packed("torch", kernel.shape, **kernel.layout())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_tiles_gemm_is_a_bfloat16_gemm_of_the_same_tiles(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TilesGemm`` (AMX, many rows): the float32 product of bfloat16 inputs and the
+    de-quantized weights rounded to bfloat16, what a bfloat16 copy of the weights gives
+    (an int8 layer's two nibble planes are rounded apart: within bfloat16's error of it);
+    rows 1 to 40 (blocks of 16 and a remainder), 50 outputs (a padded tile), a row's bits
+    whatever the rows beside it."""
+    if "amx" not in int4_tiles.available_kernels():
+        pytest.skip("the AMX int4 kernel does not run here")
+    monkeypatch.setenv("PDSERVE_INT4_KERNEL", "amx")
+    gen = torch.Generator().manual_seed(bits)
+    w = torch.randn(50, 96, generator=gen)
+    rows = quantize_int4(w) if bits == 4 else quantize_int8(w)
+    kernel = (Int4Kernel if bits == 4 else Int8Kernel)(rows, torch.bfloat16, CPU)
+    gemm = tiles_gemm(kernel)
+    x = torch.randn(40, 96, generator=gen)
+    want = x.bfloat16().float() @ rows.dequantize().bfloat16().float().T
+    got = gemm(x, torch.float32)
+    if bits == 4:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:
+        assert ((got - want).norm() / want.norm()).item() < 4e-3
+    for m in (1, 16, 17):
+        assert torch.equal(gemm(x[:m], torch.float32), got[:m])

@@ -24,8 +24,9 @@ from engine.checkpoint.weights_segment import MAPPING_NAME, create_segment
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.weights import gemm
-from engine.weights.linear import Linear
+from engine.weights import gemm, int4_tiles
+from engine.weights.int4_tiles import TilesGemm
+from engine.weights.linear import Int4Kernel, Linear
 from tests.engine.gguf_files import Q, write_gguf
 from wire.params import SamplingParams
 
@@ -148,15 +149,21 @@ def test_a_segment_holding_another_image_is_refused_and_the_runner_loads_private
         os.close(fd)
 
 
-@pytest.mark.parametrize("library", [True, False], ids=["vnni", "torch-only"])
+@pytest.mark.parametrize("layout", ["tiles", "vnni", "torch-only"])
 def test_the_many_rows_gemm_is_shared_in_the_layout_this_cpu_runs(
-    library: bool, gguf_q4_1: Path, monkeypatch: pytest.MonkeyPatch
+    layout: str, gguf_q4_1: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the kernel library's bfloat16 GEMM loads, the segment holds its VNNI-packed
-    weights; else (or with the library off) the plain ones, on torch's GEMM."""
+    """On the AMX int4 kernel the many-rows GEMM reads the packed layers' own tiles (no
+    copy); on torch's int4 kernel, where the kernel library's bfloat16 GEMM loads, the
+    segment holds its VNNI-packed weights; else (or with the library off) the plain ones,
+    on torch's GEMM."""
+    library = layout == "vnni"
+    if layout == "tiles" and "amx" not in int4_tiles.available_kernels():
+        pytest.skip("the AMX int4 kernel does not run here")
+    monkeypatch.setenv("PDSERVE_INT4_KERNEL", "amx" if layout == "tiles" else "torch")
     if library and not gemm.vnni_supported():
         pytest.skip("the kernel library's bfloat16 GEMM does not load here")
-    if not library:
+    if layout == "torch-only":
         monkeypatch.setattr(gemm, "vnni_supported", lambda: False)
         monkeypatch.setattr(image, "vnni_supported", lambda: False)
     fd = create_segment()
@@ -170,10 +177,14 @@ def test_the_many_rows_gemm_is_shared_in_the_layout_this_cpu_runs(
         )
         builder, mapped = ModelRunner(config), ModelRunner(config)
         assert _in_mapping(mapped)
-        want = gemm.VnniGemm if library else gemm.PlainGemm
+        want = {"tiles": TilesGemm, "vnni": gemm.VnniGemm, "torch-only": gemm.PlainGemm}[layout]
         kernels = [m.kernel for m in mapped.model.modules() if isinstance(m, Linear)]
         held = [k.many_rows.gemm for k in kernels if getattr(k, "many_rows", None)]
         assert held and all(isinstance(g, want) for g in held)
+        if layout == "tiles":  # the very bytes the packed kernel reads
+            for k in kernels:
+                if isinstance(k, Int4Kernel) and k.many_rows is not None:
+                    assert k.many_rows.gemm.tiles.data_ptr() == k.tiles.data_ptr()
         for g, b in zip(_steps(mapped), _steps(builder), strict=True):
             assert torch.equal(g, b)
     finally:
