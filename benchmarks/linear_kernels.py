@@ -7,8 +7,9 @@ Per step: 30 layers of qkv (576 -> 960), o (576 -> 576), gate_up (576 -> 3072) a
 holds the same de-quantized weights. Kernels: the packed int4 kernel (``Int4Kernel``) on
 each int4 kernel this CPU runs (``engine/weights/int4_tiles.py``: pdserve's on AMX tiles or
 AVX-512 BF16 pair-dots, torch's ``_weight_int4pack_mm_for_cpu``), the bfloat16 GEMM on a plain weight (``PlainGemm``, the torch-only path), prepacked for oneDNN
-(``PrepackedGemm``, where this CPU's oneDNN computes bfloat16) and VNNI-packed for the kernel
-library's GEMM (``VnniGemm``, where its AVX-512 BF16 build loads), all fed bfloat16 rows.
+(``PrepackedGemm``, where this CPU's oneDNN computes bfloat16), VNNI-packed for the kernel
+library's GEMM (``VnniGemm``, where its AVX-512 BF16 build loads), and on AMX the GEMM that
+de-quantizes the int4 tiles once per call (``TilesGemm``), all fed bfloat16 rows.
 Median of ``--iters`` steps after a warm-up, kernels interleaved row count by row count.
 Writes ``benchmarks/results/linear_kernels.md``.
 """
@@ -35,7 +36,7 @@ from engine.weights.gemm import (
     prepacked_supported,
     vnni_supported,
 )
-from engine.weights.linear import Int4Kernel
+from engine.weights.linear import Int4Kernel, tiles_gemm
 from engine.weights.quant import quantize_int4
 
 RESULTS = Path(__file__).parent / "results" / "linear_kernels.md"
@@ -55,6 +56,8 @@ def _kernels() -> dict[str, list[tuple[int, Callable[[torch.Tensor], torch.Tenso
         out["bf16 GEMM, prepacked (oneDNN)"] = []
     if vnni_supported():
         out["bf16 GEMM, VNNI-packed (library)"] = []
+    if "amx" in int4:
+        out["bf16 GEMM on the int4 tiles (AMX)"] = []
     for _ in range(LAYERS):
         for k, n in SHAPES:
             rows = quantize_int4(torch.randn(n, k, generator=gen) * 0.05)
@@ -68,6 +71,10 @@ def _kernels() -> dict[str, list[tuple[int, Callable[[torch.Tensor], torch.Tenso
                 out["bf16 GEMM, prepacked (oneDNN)"].append((k, PrepackedGemm(w)))
             if vnni_supported():
                 out["bf16 GEMM, VNNI-packed (library)"].append((k, VnniGemm(w)))
+            if "amx" in int4:
+                with _int4_kernel("amx"):
+                    tiles = tiles_gemm(Int4Kernel(rows, torch.bfloat16, torch.device("cpu")))
+                out["bf16 GEMM on the int4 tiles (AMX)"].append((k, tiles))
     return out
 
 

@@ -334,8 +334,38 @@ PDSERVE_AMX_TARGET void gemm_rows(const uint16_t* x, int64_t ldx, int64_t m_rows
                                   const uint16_t* b0, const uint16_t* b1, int64_t groups,
                                   float* y, int64_t ldy, int64_t col, int64_t n) {
   alignas(64) float c[kAmxRows * 16];
+  int64_t r0 = 0;
+  if (b1 != nullptr && col + 2 * kTile <= n && m_rows >= 2 * kAmxRows) {
+    // 32 rows x 2 tiles at a time: 4 C tiles fed by 2 A and 2 B loads a group (one load a
+    // product, where 16 rows x 2 tiles take one and a half).
+    TileConfig cfg;
+    for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+    for (; r0 + 2 * kAmxRows <= m_rows; r0 += 2 * kAmxRows) {
+      const uint16_t* xr = x + r0 * ldx;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t g = 0; g < groups; ++g) {
+        _tile_loadd(4, xr + g * kGroup, ldx * 2);
+        _tile_loadd(5, xr + kAmxRows * ldx + g * kGroup, ldx * 2);
+        _tile_loadd(6, b0 + g * 512, 64);
+        _tile_loadd(7, b1 + g * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      float* out = y + r0 * ldy + col;
+      _tile_stored(0, out, ldy * 4);
+      _tile_stored(1, out + kTile, ldy * 4);
+      _tile_stored(2, out + kAmxRows * ldy, ldy * 4);
+      _tile_stored(3, out + kAmxRows * ldy + kTile, ldy * 4);
+    }
+  }
   int64_t configured = 0;
-  for (int64_t r0 = 0; r0 < m_rows; r0 += kAmxRows) {
+  for (; r0 < m_rows; r0 += kAmxRows) {
     const int64_t rb = std::min<int64_t>(kAmxRows, m_rows - r0);
     if (rb != configured) {
       TileConfig cfg;
