@@ -145,7 +145,12 @@ def measure_prefill(
     ) * 1e3
 
 
-_LAYOUTS = {"VnniGemm": "VNNI-packed", "PrepackedGemm": "prepacked", "PlainGemm": "plain"}
+_LAYOUTS = {
+    "VnniGemm": "VNNI-packed",
+    "PrepackedGemm": "prepacked",
+    "PlainGemm": "plain",
+    "TilesGemm": "on the int4 tiles",
+}
 
 
 def _gemm_label(runner: ModelRunner, variant: str) -> str:

@@ -17,8 +17,12 @@ the CPU (AMX moves it down, AVX2 up), the shape and the threads, so ``min_gemm_r
 measures it per weight shape at load (once per machine: the first worker measures, the
 others read its answer) and caches it.
 
-Three GEMMs, one interface (``x (T, K) -> (T, N)`` in ``out_dtype``, by default the input's),
-chosen by ``bf16_gemm`` in this order:
+Where the packed layers run the AMX int4 kernel, their many-rows GEMM is none of these but
+``TilesGemm`` (``engine/weights/int4_tiles.py``), which de-quantizes their own int4 tiles to
+bfloat16 once per call: no copy of the weights, and as fast as the library's GEMM on its
+bfloat16 copy at 256 rows, faster below (``benchmarks/results/linear_kernels.md``).
+Elsewhere, three GEMMs, one interface (``x (T, K) -> (T, N)`` in ``out_dtype``, by default
+the input's), chosen by ``bf16_gemm`` in this order:
 * ``VnniGemm``: the kernel library's bfloat16 GEMM (``engine/cpu_kernels.py``; its
   AVX-512 BF16 build) on the weight reordered once into pairs along K. The reordered
   weight is an ordinary tensor of the weight's shape, so it can live in the host's shared
