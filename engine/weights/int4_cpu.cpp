@@ -1,6 +1,9 @@
-// pdserve's packed int4 GEMM for a few rows, on AVX-512 BF16.
+// pdserve's int4 kernels (torch.ops.pdserve, engine/weights/int4_tiles.py chooses):
+// * int4_mm, amx = false: a few rows, AVX-512 BF16 pair-dots (below);
+// * int4_mm, amx = true: a few rows on the AMX tile unit, the same sums;
+// * int4_gemm: many rows on AMX, on weights de-quantized to bfloat16 once per call.
 //
-// y = x W^T with W[n, k] = c[n, k] * s[n, g] + m[n, g], c in [0, 15], groups g of 32 inputs.
+// int4_mm: y = x W^T with W[n, k] = c[n, k] * s[n, g] + m[n, g], c in [0, 15], groups g of 32 inputs.
 // Each group's product is taken on the codes, and scaled once:
 //     y[r, n] = sum_g  s[n, g] * (sum_{k in g} x[r, k] c[n, k])  +  m[n, g] * X[r, g]
 // with X[r, g] the sum of row r's inputs in group g. A code is exact in bfloat16, and so is
@@ -58,18 +61,49 @@ inline void prefetch_group(const uint8_t* p) {
 
 #define PDSERVE_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,f16c,fma")))
 
+// bfloat16 of 0..15, by code (vpermw reads the low 5 bits of each 16-bit lane).
+alignas(64) constexpr uint16_t kCodeValues[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0,      0,      0,      0,      0,      0,      0,      0,
+    0,      0,      0,      0,      0,      0,      0,      0};
+
+// acc[r][t] += s * dot[r][t] + m * X[r, g]: group g's scaling, for the small-rows paths.
+template <int RB, int NT>
+PDSERVE_TARGET inline void scale_group(__m512 (&acc)[RB][NT], const __m512 (&dot)[RB][NT],
+                                       const uint8_t* w, int64_t tile0, int64_t g,
+                                       int64_t groups, const float* xsum) {
+  for (int t = 0; t < NT; ++t) {
+    const uint8_t* sm = w + ((tile0 + t) * groups + g) * kGroupBytes + kCodeBytes;
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
+    const __m512 m =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 32)));
+    for (int r = 0; r < RB; ++r) {
+      acc[r][t] = _mm512_fmadd_ps(s, dot[r][t], acc[r][t]);
+      acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]), acc[r][t]);
+    }
+  }
+}
+
+// y's rows [0, RB) at the NT tiles from tile0 (the last one may be partial: n outputs).
+template <int RB, int NT>
+PDSERVE_TARGET inline void store_rows(const __m512 (&acc)[RB][NT], int64_t tile0, float* y,
+                                      int64_t ldy, int64_t n) {
+  for (int t = 0; t < NT; ++t) {
+    const int64_t col = (tile0 + t) * kTile;
+    const int64_t left = std::min<int64_t>(kTile, n - col);
+    const __mmask16 mask = left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy + col, mask, acc[r][t]);
+  }
+}
+
 // RB rows x NT tiles of outputs over every group. x: bfloat16 (RB, K), row stride ldx;
 // xsum: float32 (RB, G), row stride G; y: float32 (RB, N), row stride ldy.
 template <int RB, int NT>
 PDSERVE_TARGET void tiles_kernel(const uint16_t* x, int64_t ldx, const float* xsum,
                                  const uint8_t* w, int64_t groups, int64_t tile0, float* y,
                                  int64_t ldy, int64_t n) {
-  // bfloat16 of 0..15, by code; vpermw reads the low 5 bits of each lane.
-  alignas(64) static const uint16_t lut_values[32] = {
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-  const __m512i lut = _mm512_load_si512(lut_values);
+  const __m512i lut = _mm512_load_si512(kCodeValues);
   const __m512i low4 = _mm512_set1_epi16(0x000F);
 
   __m512 acc[RB][NT];
@@ -105,24 +139,12 @@ PDSERVE_TARGET void tiles_kernel(const uint16_t* x, int64_t ldx, const float* xs
         }
       }
     }
-    for (int t = 0; t < NT; ++t) {
-      const uint8_t* sm = w + (tile0 + t) * tile_bytes + g * kGroupBytes + kCodeBytes;
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
-      const __m512 m =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 32)));
-      for (int r = 0; r < RB; ++r) {
-        const __m512 dot = _mm512_add_ps(lo[r][t], hi[r][t]);
-        acc[r][t] = _mm512_fmadd_ps(s, dot, acc[r][t]);
-        acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]), acc[r][t]);
-      }
-    }
+    __m512 dot[RB][NT];
+    for (int r = 0; r < RB; ++r)
+      for (int t = 0; t < NT; ++t) dot[r][t] = _mm512_add_ps(lo[r][t], hi[r][t]);
+    scale_group<RB, NT>(acc, dot, w, tile0, g, groups, xsum);
   }
-  for (int t = 0; t < NT; ++t) {
-    const int64_t col = (tile0 + t) * kTile;
-    const int64_t left = std::min<int64_t>(kTile, n - col);
-    const __mmask16 mask = left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy + col, mask, acc[r][t]);
-  }
+  store_rows<RB, NT>(acc, tile0, y, ldy, n);
 }
 
 // Every row of one block of at most kMaxRows rows, over tiles [t0, t1).
@@ -169,11 +191,7 @@ template <int RB, int NT>
 PDSERVE_AMX_TARGET void amx_tiles(const uint16_t* x, int64_t ldx, const float* xsum,
                                   const uint8_t* w, int64_t groups, int64_t tile0, float* y,
                                   int64_t ldy, int64_t n) {
-  alignas(64) static const uint16_t lut_values[32] = {
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-  const __m512i lut = _mm512_load_si512(lut_values);
+  const __m512i lut = _mm512_load_si512(kCodeValues);
   const __m512i low4 = _mm512_set1_epi16(0x000F);
   alignas(64) uint16_t b[NT][16 * 32];    // B tiles: row p = inputs 2p, 2p + 1 of 16 outputs
   alignas(64) float c[NT][kAmxRows * 16];  // C tiles, read back for the epilogue
@@ -206,23 +224,12 @@ PDSERVE_AMX_TARGET void amx_tiles(const uint16_t* x, int64_t ldx, const float* x
     }
     _tile_stored(0, c[0], 64);
     if constexpr (NT == 2) _tile_stored(1, c[1], 64);
-    for (int t = 0; t < NT; ++t) {
-      const uint8_t* sm = w + (tile0 + t) * tile_bytes + g * kGroupBytes + kCodeBytes;
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
-      const __m512 m =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + 32)));
-      for (int r = 0; r < RB; ++r) {
-        acc[r][t] = _mm512_fmadd_ps(s, _mm512_load_ps(c[t] + r * 16), acc[r][t]);
-        acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]), acc[r][t]);
-      }
-    }
+    __m512 dot[RB][NT];
+    for (int r = 0; r < RB; ++r)
+      for (int t = 0; t < NT; ++t) dot[r][t] = _mm512_load_ps(c[t] + r * 16);
+    scale_group<RB, NT>(acc, dot, w, tile0, g, groups, xsum);
   }
-  for (int t = 0; t < NT; ++t) {
-    const int64_t col = (tile0 + t) * kTile;
-    const int64_t left = std::min<int64_t>(kTile, n - col);
-    const __mmask16 mask = left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy + col, mask, acc[r][t]);
-  }
+  store_rows<RB, NT>(acc, tile0, y, ldy, n);
 }
 
 template <int RB>
