@@ -1,7 +1,7 @@
 """pdserve's int4 kernel for decode batches: one decode of the weights for up to 16 rows.
 
 torch's CPU int4 kernel de-quantizes per row block, so on a 2-core Xeon a step's layers
-cost 2.2x at 8 rows what they cost at one, and 2.1x at 5 (a speculative verification of
+cost 2.5x at 8 rows what they cost at one, and 2.1x at 5 (a speculative verification of
 4 drafts). This kernel (``int4_cpu.cpp``, built by ``make setup``) decodes each weight once
 per 16 rows and multiplies on the AMX tile unit where the CPU has one (1.4x at 8 rows),
 else with AVX-512 BF16 pair-dots. On AMX the same tiles also serve calls of many rows
