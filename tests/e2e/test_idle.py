@@ -1,4 +1,11 @@
-"""An idle server costs (almost) nothing: every process sleeps in the kernel."""
+"""An idle server costs (almost) nothing: every process sleeps in the kernel.
+
+Measured two ways over 10 s: how often the tree's threads wake (context switches: a poll
+loop of 1 ms would switch ~1000 times a second, the idle tree about 35: each worker's
+heartbeat ~2.5/s, the frontend's timers ~17/s), and the CPU it uses (a spinning process
+takes a whole core). The CPU bound is 5 % of one core, not less: on a 2-core Xeon VM the
+same idle tree measured 2.1-5.8 % of a core with other test servers idle beside it, from
+its heartbeats and timers alone, where an AMD EPYC measured under 2 %."""
 
 from __future__ import annotations
 
@@ -10,6 +17,17 @@ import httpx
 
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import children, title
+
+
+def _switches(pids: list[int]) -> int:
+    """Context switches, voluntary or not, of every thread of ``pids``."""
+    total = 0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for line in (task / "status").read_text().splitlines():
+                if "ctxt_switches:" in line:
+                    total += int(line.split()[1])
+    return total
 
 
 def _cpu_seconds(pids: list[int]) -> float:
@@ -32,7 +50,7 @@ def _settled(pids: list[int], timeout_s: float = 60.0) -> None:
         last = now
 
 
-def test_idle_server_uses_under_2_percent_cpu(server: LaunchedServer) -> None:
+def test_idle_server_sleeps_in_the_kernel(server: LaunchedServer) -> None:
     pids = [server.proc.pid, *children(server.proc.pid)]
     assert len(pids) == 1 + 1 + 2 + 2 + 2  # launcher, frontend, 2 prefill, 2 decode, 2 detok
     # The frontend's grammar compile processes (its children) must sleep too, once loaded.
@@ -50,13 +68,21 @@ def test_idle_server_uses_under_2_percent_cpu(server: LaunchedServer) -> None:
     time.sleep(3.0)  # let any request of an earlier test finish
     _settled(grammar)  # a grammar process still loading its library is not idle yet
     before = {pid: _cpu_seconds([pid]) for pid in pids}
+    switched = {pid: _switches([pid]) for pid in pids}
     t0 = time.monotonic()
     time.sleep(10.0)
     used = {pid: _cpu_seconds([pid]) - before[pid] for pid in pids}
+    woke = {pid: _switches([pid]) - switched[pid] for pid in pids}
     elapsed = time.monotonic() - t0
     share = sum(used.values()) / elapsed
-    detail = {title(pid): round(100 * u / elapsed, 2) for pid, u in used.items()}
-    assert share < 0.02, f"idle server used {100 * share:.1f}% of one core: {detail}"
+    rate = sum(woke.values()) / elapsed
+    detail = {
+        title(pid): (round(100 * used[pid] / elapsed, 2), round(woke[pid] / elapsed, 1))
+        for pid in pids
+    }
+    # (% of a core, switches a second) by process
+    assert rate < 100, f"idle server woke {rate:.0f} times a second: {detail}"
+    assert share < 0.05, f"idle server used {100 * share:.1f}% of one core: {detail}"
 
 
 def test_process_titles_name_each_role(server: LaunchedServer) -> None:
