@@ -3,9 +3,10 @@
 Measured two ways over 10 s: how often the tree's threads wake (context switches: a poll
 loop of 1 ms would switch ~1000 times a second, the idle tree about 35: each worker's
 heartbeat ~2.5/s, the frontend's timers ~17/s), and the CPU it uses (a spinning process
-takes a whole core). The CPU bound is 5 % of one core, not less: on a 2-core Xeon VM the
-same idle tree measured 2.1-5.8 % of a core with other test servers idle beside it, from
-its heartbeats and timers alone, where an AMD EPYC measured under 2 %."""
+takes a whole core). The wakeups carry the claim; the CPU bound, 15 % of one core, only
+catches a spin without system calls: on a 2-core Xeon VM the same idle tree measured
+1.3-5.8 % of a core (4.9 % in a full suite run, other test servers up beside it), from its
+heartbeats and timers alone, where an AMD EPYC measured under 2 %."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_idle_server_sleeps_in_the_kernel(server: LaunchedServer) -> None:
     }
     # (% of a core, switches a second) by process
     assert rate < 100, f"idle server woke {rate:.0f} times a second: {detail}"
-    assert share < 0.05, f"idle server used {100 * share:.1f}% of one core: {detail}"
+    assert share < 0.15, f"idle server used {100 * share:.1f}% of one core: {detail}"
 
 
 def test_process_titles_name_each_role(server: LaunchedServer) -> None:
