@@ -139,18 +139,16 @@ def _export_kernel(kernel: nn.Module, name: str, tensors: dict[str, torch.Tensor
         raise WeightsImageError(f"{name}: no image layout for a {type(kernel).__name__}")
     if kernel.many_rows is not None:
         gemm = kernel.many_rows.gemm
-        if isinstance(gemm, TilesGemm):  # on the kernel's own tiles: nothing more to hold
-            meta["gemm_layout"] = "tiles"
-            meta["gemm_min_rows"] = kernel.many_rows.min_rows
-            meta["gemm_by_phase"] = kernel.many_rows.by_phase
-            return meta
-        if not isinstance(gemm, (PlainGemm, VnniGemm)):
-            # A oneDNN prepacked weight is an opaque per-process tensor: not shareable.
-            raise WeightsImageError(f"{name}: a {type(gemm).__name__} cannot be shared")
-        _put(tensors, f"{name}.gemm", gemm.weight)
-        meta["gemm_layout"] = "vnni" if isinstance(gemm, VnniGemm) else "plain"
         meta["gemm_min_rows"] = kernel.many_rows.min_rows
         meta["gemm_by_phase"] = kernel.many_rows.by_phase
+        if isinstance(gemm, TilesGemm):  # on the kernel's own tiles: nothing more to hold
+            meta["gemm_layout"] = "tiles"
+        elif isinstance(gemm, (PlainGemm, VnniGemm)):
+            _put(tensors, f"{name}.gemm", gemm.weight)
+            meta["gemm_layout"] = "vnni" if isinstance(gemm, VnniGemm) else "plain"
+        else:
+            # A oneDNN prepacked weight is an opaque per-process tensor: not shareable.
+            raise WeightsImageError(f"{name}: a {type(gemm).__name__} cannot be shared")
     return meta
 
 
@@ -164,7 +162,7 @@ def _bind_kernel(meta: Meta, name: str, tensors: dict[str, torch.Tensor]) -> nn.
     shape = (int(meta["shape"][0]), int(meta["shape"][1]))
     kernel: Int4Kernel | Int8Kernel
     if kind == "int4":
-        roles = ("packed", "scales_zeros") if meta["kernel"] == "torch" else ("tiles",)
+        roles = Int4Kernel.roles(meta["kernel"])
         layout = {role: _get(tensors, f"{name}.{role}") for role in roles}
         try:
             kernel = Int4Kernel.from_packed(meta["kernel"], shape, **layout)

@@ -234,11 +234,11 @@ class _Loader:
     def _add_gemm(
         self, packed: Int4Kernel | Int8Kernel, rows: QuantRows, by_phase: bool = True
     ) -> None:
-        int4 = packed.kernel if isinstance(packed, Int4Kernel) else packed.planes.kernel
-        gemm = tiles_gemm(packed) if int4 == "amx" else None
-        if gemm is None:
+        if packed.kernel == "amx":
+            gemm = tiles_gemm(packed)
+        else:
             gemm = bf16_gemm(rows.dequantize(), self.shareable)
-        key = (f"{type(packed).__name__}|{int4}|{type(gemm).__name__}", *packed.shape)
+        key = (f"{type(packed).__name__}|{packed.kernel}|{type(gemm).__name__}", *packed.shape)
         packed.with_gemm(gemm, NEVER, by_phase)  # until set_crossovers
         self.with_gemm.setdefault(key, []).append(packed)
 

@@ -208,11 +208,14 @@ class Int4Kernel(_PackedKernel):
             self.input_dtype, self.compute_dtype = torch.bfloat16, torch.float32
         self.many_rows: ManyRows | None = None  # see with_gemm
 
+    @staticmethod
+    def roles(kernel: str) -> tuple[str, ...]:
+        """The names of the tensors ``kernel``'s layout holds (what ``from_packed`` takes)."""
+        return ("packed", "scales_zeros") if kernel == "torch" else ("tiles",)
+
     def layout(self) -> dict[str, torch.Tensor]:
-        """The tensors this kernel computes from, by name (what ``from_packed`` takes)."""
-        if self.kernel == "torch":
-            return {"packed": self.packed, "scales_zeros": self.scales_zeros}
-        return {"tiles": self.tiles}
+        """The tensors this kernel computes from, by name."""
+        return {role: getattr(self, role) for role in self.roles(self.kernel)}
 
     def packed_forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
@@ -257,6 +260,7 @@ class Int8Kernel(_PackedKernel):
 
     def _hold(self, planes: Int4Kernel, shape: tuple[int, ...]) -> None:
         self.planes = planes
+        self.kernel = planes.kernel  # the int4 kernel the planes run on
         self.compute_dtype = planes.compute_dtype
         self.out_features, self.in_features = shape
         self.shape = (self.out_features, self.in_features)
@@ -324,10 +328,8 @@ def packed_kernel(
 
 def tiles_gemm(kernel: Int4Kernel | Int8Kernel) -> nn.Module:
     """The many-rows GEMM of a kernel packed for AMX, on its own tiles (``TilesGemm``)."""
-    if isinstance(kernel, Int8Kernel):
-        planes = kernel.planes
-        return int4_tiles.TilesGemm(planes.tiles, planes.out_features, repeat=True)
-    return int4_tiles.TilesGemm(kernel.tiles, kernel.out_features)
+    planes = kernel.planes if isinstance(kernel, Int8Kernel) else kernel
+    return int4_tiles.TilesGemm(planes.tiles, planes.out_features, isinstance(kernel, Int8Kernel))
 
 
 class Linear(nn.Module):
