@@ -130,26 +130,29 @@ class FusedCpuBackend(TorchBackend):
         # from a packed kernel (``takes_kernel_dtype``); q and k are widened first.
         cos_sin = self.cos_sin
         if attn.q_norm is None:
-            qk = qkv[:, :qk_size]  # (T, q_size + kv_size): q then k of each token
-            qk = qk if qk.dtype == cos_sin.dtype else qk.to(cos_sin.dtype)
-            v = qkv[:, qk_size:]  # (T, kv_size), a strided view
-        else:  # Qwen3: per-head norms first (in the model's dtype), into a fresh q | k
+            # (T, q_size + 2 kv_size): q, k, then v of each token; fresh from the
+            # projection, so rotated in place below.
+            qkv = qkv if qkv.dtype == cos_sin.dtype else qkv.to(cos_sin.dtype)
+        else:  # Qwen3: per-head norms first (in the model's dtype), into a fresh q | k | v
             q3, k3, v3 = attn.split(qkv.to(cos_sin.dtype))
-            qk, v = torch.cat((q3.flatten(1), k3.flatten(1)), dim=1), v3.flatten(1)
-        # In place: q (T, q_size) and k (T, kv_size) are strided row views of qk.
-        self._ops.rotary_embedding(meta.positions, qk[:, :q_size], qk[:, q_size:], d, cos_sin, True)
-        # The library stores and attends in the cache's dtype: q, K and V rounded to it.
-        qk = qk.to(pool.dtype)
+            qkv = torch.cat((q3.flatten(1), k3.flatten(1), v3.flatten(1)), dim=1)
+        # In place: q (T, q_size) and k (T, kv_size) are strided row views of qkv.
+        self._ops.rotary_embedding(
+            meta.positions, qkv[:, :q_size], qkv[:, q_size:qk_size], d, cos_sin, True
+        )
+        # The library stores and attends in the cache's dtype: q, K and V rounded to it, in
+        # one cast (the store and the attention read strided rows).
+        qkv = qkv.to(pool.dtype)
         key_cache, value_cache = self._layer_caches(pool)[attn.layer]
         self._ops.cpu_attn_reshape_and_cache(
-            qk[:, q_size:].view(t, kvh, d),
-            v.to(pool.dtype).view(t, kvh, d),
+            qkv[:, q_size:qk_size].view(t, kvh, d),
+            qkv[:, qk_size:].view(t, kvh, d),
             key_cache,
             value_cache,
             paged.slots,
             ISA,
         )
-        query = qk[:, :q_size].view(t, h, d)
+        query = qkv[:, :q_size].view(t, h, d)
         out = torch.empty(t, h, d, dtype=pool.dtype)
         self._ops.cpu_attention_with_kv_cache(
             query,

@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <array>
 #include <utility>
+#include <vector>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -262,6 +263,35 @@ bool amx_enabled() {
   return enabled;
 }
 
+// x's M rows rounded to bfloat16 into xb (M, K) and X[r, g] into xsum (M, G): the float32
+// sum of each group's 32 bfloat16 values, in one fixed order (so independent of M). One pass
+// here, because at 1-8 rows the ATen cast, widening and sum it replaces (four dispatches,
+// ~120 calls a step) cost more than a tile's products. x: float32 or bfloat16, unit stride
+// along K.
+PDSERVE_TARGET void prepare_rows(const at::Tensor& x, int64_t groups, uint16_t* xb, float* xsum) {
+  const int64_t m_rows = x.size(0), k = groups * kGroup, ldx = x.stride(0);
+  const bool wide = x.scalar_type() == at::kFloat;
+  const float* xf = wide ? x.data_ptr<float>() : nullptr;
+  const uint16_t* xh = wide ? nullptr : reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t r = 0; r < m_rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = r * ldx + g * kGroup;
+      __m512i v;  // the group's 32 bfloat16 values
+      if (wide) {  // rounded to nearest even, as torch's cast
+        v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xf + at + 16), _mm512_loadu_ps(xf + at));
+      } else {
+        v = _mm512_loadu_si512(xh + at);
+      }
+      _mm512_storeu_si512(xb + r * k + g * kGroup, v);
+      const __m512 lo = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 0)), 16));
+      const __m512 hi = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+      xsum[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+  }
+}
+
 // x: (M, K) float32 or bfloat16; w: uint8 (T, G, 320); n <= 16 T outputs. -> (M, n) float32.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, bool use_amx) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3, "int4_mm: x must be (M, K), w (T, G, 320)");
@@ -271,13 +301,18 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, bool use
   TORCH_CHECK(k == groups * kGroup, "int4_mm: x has ", k, " inputs, w ", groups * kGroup);
   TORCH_CHECK(n > 0 && n <= tiles * kTile && n > (tiles - 1) * kTile,
               "int4_mm: ", n, " outputs do not fit ", tiles, " tiles");
-  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
-  // X[r, g] in float32, summed in the order of the bfloat16 values (independent of M).
-  const at::Tensor xsum = xb.view({m_rows, groups, kGroup}).to(at::kFloat).sum(-1).contiguous();
   at::Tensor y = at::empty({m_rows, n}, x.options().dtype(at::kFloat));
   if (m_rows == 0) return y;
-  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-  const float* sp = xsum.data_ptr<float>();
+  const bool direct = (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                      x.stride(1) == 1;
+  // Per calling thread, kept between calls: no allocation on the decode path.
+  thread_local std::vector<uint16_t> xb;
+  thread_local std::vector<float> xsum;
+  xb.resize(size_t(m_rows * k));
+  xsum.resize(size_t(m_rows * groups));
+  prepare_rows(direct ? x : x.to(at::kFloat).contiguous(), groups, xb.data(), xsum.data());
+  const uint16_t* xp = xb.data();
+  const float* sp = xsum.data();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // Threads split the tiles; a grain keeps each thread's slice long enough to stream.

@@ -149,7 +149,8 @@ def pack(rows: Int4Rows) -> torch.Tensor:
 
 
 def mm(x: torch.Tensor, tiles: torch.Tensor, n: int, kernel: str) -> torch.Tensor:
-    """``x`` (T, K) times the packed weight's transpose: (T, n) float32."""
+    """``x`` (T, K), float32 or bfloat16 (float32 is rounded to bfloat16 first), times the
+    packed weight's transpose: (T, n) float32."""
     return torch.ops.pdserve.int4_mm(x, tiles, n, kernel == "amx")
 
 

@@ -37,6 +37,28 @@ def test_each_kernel_equals_the_float32_product_of_its_rounded_inputs(
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+def test_float32_rows_are_rounded_as_torch_rounds_them(int4_kernel: str) -> None:
+    """The kernels take float32 input and round it to bfloat16 themselves: the same bits
+    as a bfloat16 input, from strided rows too (a view of a wider tensor)."""
+    if int4_kernel == "torch":
+        pytest.skip("torch's kernel is fed its scales' dtype by Int4Kernel")
+    rows = _rows(48, 96, 3)
+    tiles = int4_tiles.pack(rows)
+    wide = torch.randn(7, 160, generator=torch.Generator().manual_seed(2))
+    x = wide[:, 32:128]  # (7, 96), row stride 160
+    want = int4_tiles.mm(x.bfloat16(), tiles, 48, int4_kernel)
+    assert torch.equal(int4_tiles.mm(x, tiles, 48, int4_kernel), want)
+    assert torch.equal(int4_tiles.mm(x.contiguous(), tiles, 48, int4_kernel), want)
+    assert torch.equal(int4_tiles.mm(wide.bfloat16()[:, 32:128], tiles, 48, int4_kernel), want)
+    # Other dtypes are widened to float32 first; float16 holds these exactly enough
+    # that the bfloat16 rounding agrees.
+    half = x.half()
+    assert torch.equal(
+        int4_tiles.mm(half, tiles, 48, int4_kernel),
+        int4_tiles.mm(half.float().bfloat16(), tiles, 48, int4_kernel),
+    )
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_row_gets_the_same_bits_in_any_batch_and_on_any_threads(
     int4_kernel: str, bits: int
