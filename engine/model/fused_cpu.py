@@ -14,9 +14,12 @@ Here, per layer:
 * attention: ``cpu_attention_with_kv_cache`` reads each sequence's blocks in place, for
   prefill, chunked prefill and decode alike (causal over a sequence's whole context), with
   no dense copy of the batch's K/V;
-* SiLU * up stays torch's: the library's ``silu_and_mul`` measured 1.2-5x slower than
-  torch's vectorised ``silu`` and ``mul_`` at 1-256 rows (``benchmarks/results/fused_ops.md``),
-  while its add + RMSNorm took 0.2-0.36x and its rotary 0.16-0.19x of torch's time.
+* SiLU * up: pdserve's own one-pass kernel where it is built (``int4_tiles.silu_mul_op``;
+  2-2.5x faster than torch's ``silu`` then ``mul_`` at 1-256 rows on a Zen 5, and it reads
+  a bfloat16 gate_up projection without widening it first), else torch's: the library's
+  ``silu_and_mul`` measured 1.2-5x slower than torch's at 1-256 rows
+  (``benchmarks/results/fused_ops.md``), while its add + RMSNorm took 0.2-0.36x and its
+  rotary 0.16-0.19x of torch's time.
 
 NOTE: the pool's layout inside a block is the library's, not the torch backend's. A block
 of one layer's K (or V) is still one contiguous chunk of ``block_size * KVH * D`` values
@@ -43,6 +46,7 @@ from engine.model.attention import AttentionMetadata
 from engine.model.backend import TORCH, AttentionLayer, TorchBackend
 from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryEmbedding
+from engine.weights.int4_tiles import silu_mul_op
 
 # The library's portable kernel family: its K layout does not depend on the CPU's ISA
 # (the "amx" family packs K differently), and it takes blocks of 16 tokens (``vec``: 32).
@@ -64,7 +68,7 @@ class PagedBatch:
 
 class FusedCpuBackend(TorchBackend):
     """Library kernels for add + RMSNorm, rotary, the K/V store and attention over the paged
-    pool (CPU only); SiLU * up is the torch backend's."""
+    pool (CPU only); SiLU * up is pdserve's kernel, or the torch backend's."""
 
     kv_order = ISA  # the library's order inside a block: tiers and handoffs keep it apart
     takes_kernel_dtype = True
@@ -73,6 +77,7 @@ class FusedCpuBackend(TorchBackend):
     def __init__(self, kernels: CpuKernels, rotary: RotaryEmbedding) -> None:
         self.kernels = kernels
         self._ops = torch.ops._C
+        self._silu_mul = silu_mul_op()
         half = rotary.cos.shape[1] // 2
         # (P, D): cos then sin of each position's D / 2 frequencies (the halves of
         # RotaryEmbedding's tables are equal), the layout rotary_embedding reads.
@@ -192,6 +197,11 @@ class FusedCpuBackend(TorchBackend):
             ]
             self._caches = {key: views}  # one pool per runner: keep only the newest
         return views
+
+    def silu_mul(self, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self._silu_mul is None or dtype not in (torch.float32, torch.bfloat16):
+            return super().silu_mul(gate_up, dtype)
+        return self._silu_mul(gate_up, dtype)
 
     def rmsnorm(
         self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None = None

@@ -80,6 +80,8 @@ def prepacked_supported() -> bool:
 class PlainGemm(nn.Module):
     """``F.linear`` on an (N, K) bfloat16 weight: the torch-only path."""
 
+    compute_dtype = torch.bfloat16  # what forward(x, None) would cast from, as every GEMM here
+
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("weight", weight.to(torch.bfloat16).contiguous(), persistent=False)
@@ -95,6 +97,8 @@ class PrepackedGemm(nn.Module):
     NOTE: the reordered weight is an opaque oneDNN tensor, private to this process (it has
     no storage to map from shared memory).
     """
+
+    compute_dtype = torch.bfloat16
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -116,6 +120,8 @@ def vnni_supported() -> bool:
 class VnniGemm(nn.Module):
     """An (N, K) bfloat16 weight reordered once into the library's VNNI layout (pairs of
     inputs side by side, what its dot-product instructions read); same shape and dtype."""
+
+    compute_dtype = torch.bfloat16
 
     def __init__(self, weight: torch.Tensor, packed: bool = False) -> None:
         """``packed``: ``weight`` is in the layout already (bound from an image)."""

@@ -24,9 +24,11 @@ rows in prefill too (``by_phase=False``): it writes no KV, and a prefill gives i
 per prompt, so a prompt's first-token logits can differ in their last bits with the
 number of prompts that shared its prefill (greedy choices do not: ``RefinedHead``).
 
-Every kernel's ``forward(x, bias, out_dtype=None)`` returns ``out_dtype`` (None: x's) and
-has a ``compute_dtype``, the dtype its product comes out in before that cast: a consumer
-that would round to it anyway asks for it (``Linear.native``) and skips a round trip.
+Every kernel's ``forward(x, bias, out_dtype=None)`` returns ``out_dtype`` (None: x's);
+its ``native(x)`` returns the product in the dtype it comes out in before that cast (the
+packed kernel's ``compute_dtype``, or the many-rows GEMM's, by the call's rows): a
+consumer that would round to it anyway, or widens it exactly, takes that
+(``Linear.native``) and skips a round trip.
 
 Packed kernels run on CPU only (torch's CUDA int4 layout differs and is untested here):
 ``check_device`` refuses them elsewhere with a clear error.
@@ -92,6 +94,9 @@ class DenseKernel(nn.Module):
     def compute_dtype(self) -> torch.dtype:
         return self.weight.dtype
 
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x, None, self.compute_dtype)
+
     def forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
@@ -141,6 +146,14 @@ class _PackedKernel(nn.Module):
         if self.many_rows is not None and self.many_rows.serves(x):
             return self.many_rows(x, bias, out_dtype)
         return self.packed_forward(x, bias, out_dtype)
+
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` without a bias, in the dtype of the path the call takes: the GEMM's
+        ``compute_dtype`` (bfloat16, but float32 from ``TilesGemm``) or this kernel's."""
+        rows = self.many_rows
+        if rows is not None and rows.serves(x):
+            return rows.gemm.forward(x, rows.gemm.compute_dtype)
+        return self.packed_forward(x, None, self.compute_dtype)
 
     def packed_forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
@@ -295,6 +308,9 @@ class RefinedHead(nn.Module):
         super().__init__()
         self.packed, self.rows = packed, rows
 
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x, None)
+
     def forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
@@ -370,14 +386,17 @@ class Linear(nn.Module):
         return y if self.lora is None else self.lora(x, y)
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward``, its output left in the kernel's compute dtype (bfloat16 for torch's
-        int4 kernel and its GEMM, float32 for pdserve's): for a consumer that rounds to it anyway or computes from
-        it in a wider dtype, so the values are the same with one cast (or two) fewer. With
-        a bias or adapters the sum is rounded as ``forward`` rounds it."""
+        """``forward``, its output left in the dtype the kernel's path computes it in
+        (bfloat16 from torch's int4 kernel and the bfloat16 GEMMs, float32 from pdserve's
+        int4 kernel): for a consumer that rounds to it anyway or computes from it in a wider
+        dtype, so the values are the same with one cast (or two) fewer. With a bias or
+        adapters the sum is rounded as ``forward`` rounds it."""
         assert self.kernel is not None, "weights not loaded"
         if self.bias is not None or self.lora is not None:
             return self.forward(x)
-        return self.kernel.forward(x, None, self.kernel.compute_dtype)
+        kernel = self.kernel
+        assert isinstance(kernel, DenseKernel | _PackedKernel | RefinedHead), type(kernel)
+        return kernel.native(x)
 
 
 class Embedding(nn.Module):

@@ -26,6 +26,7 @@ from engine.model.fused_cpu import FusedCpuBackend, cpu_backend
 from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryEmbedding, apply_rotary
 from engine.runner import ModelRunner
+from engine.weights.int4_tiles import silu_mul_op
 from wire.params import SamplingParams
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-7, 2**-7)}  # (atol, rtol)
@@ -65,6 +66,35 @@ def test_add_rmsnorm_equals_torch(fused: FusedCpuBackend, dtype: torch.dtype, ro
     got = fused.rmsnorm(x.clone(), norm, residual=res_fused)
     torch.testing.assert_close(res_fused, res_ref, atol=0, rtol=0)  # one rounding of a sum
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_equals_torch(
+    fused: FusedCpuBackend, in_dtype: torch.dtype, dtype: torch.dtype
+) -> None:
+    """pdserve's one-pass SiLU * up, where built: within 3 ulp of torch's in float32 (one
+    rounding in bfloat16), on gates far into both tails, 1536 (SmolLM2's) and 40 columns
+    (a partial vector), and a row's bits alone as in a batch of 33."""
+    if silu_mul_op() is None:
+        pytest.skip("pdserve's CPU kernels are not built or do not run here")
+    for inter in (1536, 40):
+        gate_up = (torch.randn(33, 2 * inter) * 8).to(in_dtype)
+        gate_up[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 200.0]).to(in_dtype)
+        got = fused.silu_mul(gate_up, dtype)
+        assert got.dtype == dtype and got.shape == (33, inter)
+        atol, rtol = TOL[dtype] if dtype == torch.bfloat16 else (1e-30, 4e-7)
+        want = TORCH.silu_mul(gate_up.float(), torch.float32).to(dtype)
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+        alone = torch.cat([fused.silu_mul(gate_up[i : i + 1], dtype) for i in range(33)])
+        assert torch.equal(alone, got)
+    strided = torch.randn(5, 200)[:, 20:180]  # (5, 160): a view, row stride 200
+    torch.testing.assert_close(
+        fused.silu_mul(strided, torch.float32),
+        TORCH.silu_mul(strided, torch.float32),
+        atol=1e-30,
+        rtol=3e-7,
+    )
 
 
 def test_rotary_in_place_on_strided_rows_equals_torch(fused: FusedCpuBackend) -> None:
