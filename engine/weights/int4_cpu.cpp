@@ -485,7 +485,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n) {
 // bfloat16), which at 256 prefill rows costs more than a tenth of the layer's GEMMs' time.
 
 // exp(x) = 2^n p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), p Cephes'
-// degree-6 polynomial for expf: within 2 ulp of expf where float32 holds it.
+// degree-6 polynomial for expf.
 // (AVX-512 VL for the 16-lane bfloat16 loads and stores: every AVX-512 BF16 CPU has it.)
 #define PDSERVE_VL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 

