@@ -33,6 +33,7 @@ from engine.weights.linear import (
     Int4Kernel,
     Int8Kernel,
     Linear,
+    LinearKernel,
     QuantizationUnsupported,
     RefinedHead,
     tiles_gemm,
@@ -152,7 +153,7 @@ def _export_kernel(kernel: nn.Module, name: str, tensors: dict[str, torch.Tensor
     return meta
 
 
-def _bind_kernel(meta: Meta, name: str, tensors: dict[str, torch.Tensor]) -> nn.Module:
+def _bind_kernel(meta: Meta, name: str, tensors: dict[str, torch.Tensor]) -> LinearKernel:
     kind = meta["kind"]
     if kind == "dense":
         return DenseKernel(_get(tensors, f"{name}.weight"))

@@ -35,6 +35,7 @@ from engine.weights.linear import (
     Int4Kernel,
     Int8Kernel,
     Linear,
+    LinearKernel,
     QuantizationUnsupported,
     RefinedHead,
     packed_kernel,
@@ -220,7 +221,7 @@ class _Loader:
                     # The head too: a decode step of 32 rows costs the packed int8 head
                     # ~3x the bfloat16 GEMM's time. By rows only (see ``ManyRows``).
                     self._add_gemm(packed, rows, by_phase=not head)
-                kernel: nn.Module = packed
+                kernel: LinearKernel = packed
                 if head and kernel_dtype(self.dtype) != self.dtype:
                     kernel = RefinedHead(packed, rows)
                 target.kernel = kernel

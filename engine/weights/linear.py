@@ -336,6 +336,10 @@ class RefinedHead(nn.Module):
         return out.scatter_(1, idx, exact)
 
 
+# What a ``Linear`` holds: each has ``forward(x, bias, out_dtype)`` and ``native(x)``.
+LinearKernel = DenseKernel | Int4Kernel | Int8Kernel | RefinedHead
+
+
 def packed_kernel(
     rows: QuantRows, dtype: torch.dtype, device: torch.device
 ) -> Int4Kernel | Int8Kernel:
@@ -368,7 +372,7 @@ class Linear(nn.Module):
             if bias
             else None
         )
-        self.kernel: nn.Module | None = None  # set once by the loader
+        self.kernel: LinearKernel | None = None  # set once by the loader
         # Adapters' low-rank updates (engine/weights/lora.py), when LoRA serving is on.
         self.lora: AdapterBank | None = None
 
@@ -394,9 +398,7 @@ class Linear(nn.Module):
         assert self.kernel is not None, "weights not loaded"
         if self.bias is not None or self.lora is not None:
             return self.forward(x)
-        kernel = self.kernel
-        assert isinstance(kernel, DenseKernel | _PackedKernel | RefinedHead), type(kernel)
-        return kernel.native(x)
+        return self.kernel.native(x)
 
 
 class Embedding(nn.Module):
