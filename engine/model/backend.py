@@ -82,9 +82,12 @@ class AttentionBackend(ABC, Generic[Meta]):
         place (the skip connection, rounded to the model dtype), then ``norm(residual)``."""
 
     @abstractmethod
-    def silu_mul(self, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """(T, 2 * inter) gate columns then up columns -> silu(gate) * up, (T, inter), in
-        ``dtype`` (the activations')."""
+    def silu_mul(
+        self, gate_up: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """(T, 2 * inter) gate columns then up columns -> silu(gate) * up, (T, inter),
+        computed in ``dtype`` (the activations'), returned rounded to ``out_dtype`` (None:
+        ``dtype``; the down projection's input dtype, which would round it anyway)."""
 
 
 class TorchBackend(AttentionBackend[AttentionMetadata]):
@@ -112,10 +115,13 @@ class TorchBackend(AttentionBackend[AttentionMetadata]):
             return norm(x)
         return norm(residual.add_(x))
 
-    def silu_mul(self, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def silu_mul(
+        self, gate_up: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         inter = gate_up.shape[1] // 2
         # In place on silu's fresh output; up is widened by the multiply if it is narrower.
-        return F.silu(gate_up[:, :inter].to(dtype)).mul_(gate_up[:, inter:])
+        out = F.silu(gate_up[:, :inter].to(dtype)).mul_(gate_up[:, inter:])
+        return out if out_dtype in (None, dtype) else out.to(out_dtype)
 
 
 TORCH = TorchBackend()

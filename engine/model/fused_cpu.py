@@ -8,9 +8,12 @@ rows each costs a few microseconds of dispatch, most of a step's time outside it
 Here, per layer:
 
 * add + RMSNorm: ``fused_add_rms_norm`` (the residual sum, then its norm, one pass);
-* rotary: ``rotary_embedding`` over q and k in place, in the projection's output (or in
-  its float32 widening, where a packed kernel gave bfloat16: ``takes_kernel_dtype``);
-* K/V store: ``cpu_attn_reshape_and_cache`` writes the tokens' K and V into their slots;
+* rotary + K/V store: pdserve's one-pass ``rope_store`` where it is built
+  (``int4_tiles.rope_store_op``): it reads the projection in its kernel's dtype
+  (``takes_kernel_dtype``), rotates q and k in float32, and writes q in the cache's dtype
+  and K and V into their slots, bit for bit what the library's four steps give: widen
+  qkv, ``rotary_embedding`` over q and k, round qkv to the cache's dtype,
+  ``cpu_attn_reshape_and_cache`` (the path kept for Qwen3's per-head norms and AVX2);
 * attention: ``cpu_attention_with_kv_cache`` reads each sequence's blocks in place, for
   prefill, chunked prefill and decode alike (causal over a sequence's whole context), with
   no dense copy of the batch's K/V;
@@ -46,12 +49,13 @@ from engine.model.attention import AttentionMetadata
 from engine.model.backend import TORCH, AttentionLayer, TorchBackend
 from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryEmbedding
-from engine.weights.int4_tiles import silu_mul_op
+from engine.weights.int4_tiles import rope_store_op, silu_mul_op
 
 # The library's portable kernel family: its K layout does not depend on the CPU's ISA
 # (the "amx" family packs K differently), and it takes blocks of 16 tokens (``vec``: 32).
 ISA = "vec16"
 BLOCK_ALIGNMENT = 16
+_ROPE_STORE_DTYPES = (torch.float32, torch.bfloat16)  # of qkv and of the pool
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,9 @@ class FusedCpuBackend(TorchBackend):
         self.kernels = kernels
         self._ops = torch.ops._C
         self._silu_mul = silu_mul_op()
+        # Its tables in float32 (a float32 model's): rotary in a bfloat16 model rounds q and
+        # k to bfloat16 before the cache's dtype, which the library's path keeps doing.
+        self._rope_store = rope_store_op() if rotary.cos.dtype == torch.float32 else None
         half = rotary.cos.shape[1] // 2
         # (P, D): cos then sin of each position's D / 2 frequencies (the halves of
         # RotaryEmbedding's tables are equal), the layout rotary_embedding reads.
@@ -130,34 +137,21 @@ class FusedCpuBackend(TorchBackend):
         paged = meta.paged
         assert isinstance(paged, PagedBatch), "FusedCpuBackend.prepare makes the step's batch"
         t, h, kvh, d = qkv.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
-        q_size, qk_size = attn.q_size, attn.q_size + attn.kv_size
-        # Rotary runs in the model's dtype (its tables'): qkv may come narrower, straight
-        # from a packed kernel (``takes_kernel_dtype``); q and k are widened first.
-        cos_sin = self.cos_sin
-        if attn.q_norm is None:
-            # (T, q_size + 2 kv_size): q, k, then v of each token; fresh from the
-            # projection, so rotated in place below.
-            qkv = qkv if qkv.dtype == cos_sin.dtype else qkv.to(cos_sin.dtype)
-        else:  # Qwen3: per-head norms first (in the model's dtype), into a fresh q | k | v
-            q3, k3, v3 = attn.split(qkv.to(cos_sin.dtype))
-            qkv = torch.cat((q3.flatten(1), k3.flatten(1), v3.flatten(1)), dim=1)
-        # In place: q (T, q_size) and k (T, kv_size) are strided row views of qkv.
-        self._ops.rotary_embedding(
-            meta.positions, qkv[:, :q_size], qkv[:, q_size:qk_size], d, cos_sin, True
-        )
-        # The library stores and attends in the cache's dtype: q, K and V rounded to it, in
-        # one cast (the store and the attention read strided rows).
-        qkv = qkv.to(pool.dtype)
         key_cache, value_cache = self._layer_caches(pool)[attn.layer]
-        self._ops.cpu_attn_reshape_and_cache(
-            qkv[:, q_size:qk_size].view(t, kvh, d),
-            qkv[:, qk_size:].view(t, kvh, d),
-            key_cache,
-            value_cache,
-            paged.slots,
-            ISA,
-        )
-        query = qkv[:, :q_size].view(t, h, d)
+        if (
+            self._rope_store is not None
+            and attn.q_norm is None
+            and qkv.dtype in _ROPE_STORE_DTYPES
+            and pool.dtype in _ROPE_STORE_DTYPES
+            and d % 32 == 0
+            and qkv.stride(1) == 1
+        ):
+            # The four steps below in one pass, to the same bits (``int4_cpu.cpp``).
+            query = self._rope_store(
+                qkv, meta.positions, self.cos_sin, key_cache, value_cache, paged.slots, h, kvh
+            )
+        else:
+            query = self._rope_then_store(attn, qkv, pool, meta, key_cache, value_cache)
         out = torch.empty(t, h, d, dtype=pool.dtype)
         self._ops.cpu_attention_with_kv_cache(
             query,
@@ -176,7 +170,49 @@ class FusedCpuBackend(TorchBackend):
             None,
             None,
         )
-        return out.view(t, q_size)  # in the cache's dtype: the output projection casts
+        return out.view(t, attn.q_size)  # in the cache's dtype: the output projection casts
+
+    def _rope_then_store(
+        self,
+        attn: AttentionLayer,
+        qkv: torch.Tensor,
+        pool: torch.Tensor,
+        meta: AttentionMetadata,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The library's rotary and K/V store, for what ``rope_store`` does not take
+        (Qwen3's per-head norms, other dtypes): q (T, H, D) in the cache's dtype."""
+        paged = meta.paged
+        assert isinstance(paged, PagedBatch)
+        t, h, kvh, d = qkv.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
+        q_size, qk_size = attn.q_size, attn.q_size + attn.kv_size
+        # Rotary runs in the model's dtype (its tables'): qkv may come narrower, straight
+        # from a packed kernel (``takes_kernel_dtype``); q and k are widened first.
+        cos_sin = self.cos_sin
+        if attn.q_norm is None:
+            # (T, q_size + 2 kv_size): q, k, then v of each token; fresh from the
+            # projection, so rotated in place below.
+            qkv = qkv if qkv.dtype == cos_sin.dtype else qkv.to(cos_sin.dtype)
+        else:  # Qwen3: per-head norms first (in the model's dtype), into a fresh q | k | v
+            q3, k3, v3 = attn.split(qkv.to(cos_sin.dtype))
+            qkv = torch.cat((q3.flatten(1), k3.flatten(1), v3.flatten(1)), dim=1)
+        # In place: q (T, q_size) and k (T, kv_size) are strided row views of qkv.
+        self._ops.rotary_embedding(
+            meta.positions, qkv[:, :q_size], qkv[:, q_size:qk_size], d, cos_sin, True
+        )
+        # The library stores and attends in the cache's dtype: q, K and V rounded to it, in
+        # one cast (the store and the attention read strided rows).
+        qkv = qkv.to(pool.dtype)
+        self._ops.cpu_attn_reshape_and_cache(
+            qkv[:, q_size:qk_size].view(t, kvh, d),
+            qkv[:, qk_size:].view(t, kvh, d),
+            key_cache,
+            value_cache,
+            paged.slots,
+            ISA,
+        )
+        return qkv[:, :q_size].view(t, h, d)
 
     def _layer_caches(self, pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the library's (num_blocks, KVH, block_size, D) views of its K and V
@@ -198,10 +234,22 @@ class FusedCpuBackend(TorchBackend):
             self._caches = {key: views}  # one pool per runner: keep only the newest
         return views
 
-    def silu_mul(self, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self._silu_mul is None or dtype not in (torch.float32, torch.bfloat16):
-            return super().silu_mul(gate_up, dtype)
-        return self._silu_mul(gate_up, dtype)
+    def silu_mul(
+        self, gate_up: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        out_dtype = out_dtype or dtype
+        if (
+            self._silu_mul is None
+            or dtype not in (torch.float32, torch.bfloat16)
+            or out_dtype not in (torch.float32, torch.bfloat16)
+        ):
+            return super().silu_mul(gate_up, dtype, out_dtype)
+        if dtype == torch.float32:
+            # Computed in float32, rounded once: to ``out_dtype`` directly (the down
+            # projection's bfloat16, a pass fewer), with the bits a cast would give.
+            return self._silu_mul(gate_up, out_dtype)
+        out = self._silu_mul(gate_up, dtype)
+        return out if out_dtype == dtype else out.to(out_dtype)
 
     def rmsnorm(
         self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None = None

@@ -43,11 +43,14 @@ class GatedMLP(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        silu_mul: Callable[[torch.Tensor, torch.dtype], torch.Tensor],
+        silu_mul: Callable[[torch.Tensor, torch.dtype, torch.dtype | None], torch.Tensor],
         native: bool = False,
     ) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden) in x's dtype. ``silu_mul``: the backend's (T, 2 * inter)
-        -> (T, inter), computed in the given dtype; ``native``: it takes gate and up in the
-        kernel's dtype (``Linear.native``)."""
-        gate_up = self.gate_up.native(x) if native else self.gate_up(x)
-        return self.down(silu_mul(gate_up, x.dtype), x.dtype)
+        -> (T, inter), computed in the first dtype, rounded to the second; ``native``: it
+        takes gate and up in the kernel's dtype (``Linear.native``) and may hand down its
+        input in the dtype down rounds it to (``Linear.input_dtype_for``)."""
+        if not native:
+            return self.down(silu_mul(self.gate_up(x), x.dtype, None), x.dtype)
+        gate_up = self.gate_up.native(x)
+        return self.down(silu_mul(gate_up, x.dtype, self.down.input_dtype_for(gate_up)), x.dtype)

@@ -562,15 +562,160 @@ at::Tensor silu_mul(const at::Tensor& gate_up, at::ScalarType dtype) {
   return out;
 }
 
+// ---- Rotary + K/V store in one pass ---------------------------------------------------
+//
+// Between a layer's qkv projection and its attention. The fused backend otherwise widens
+// qkv to float32 (rotary reads its tables' dtype), rotates q and k in place, rounds the
+// whole of qkv to the cache's dtype, then scatters K and V into the pool with a fourth op;
+// four passes (four dispatches a layer at one decode row), where this is one.
+//
+// The cache is the attention library's ``vec16`` order (``engine/model/fused_cpu.py``):
+// per block and KV head, K as (D, block_size) (a token's values a column apart) and V as
+// (block_size, D); ``key_cache`` / ``value_cache`` are one layer's (num_blocks, KVH,
+// block_size, D) views of the pool, strides (any, any, D, 1).
+
+PDSERVE_VL_TARGET inline void store_ps(void* p, bool bf16, __m512 v) {
+  if (bf16) {
+    _mm256_storeu_si256(static_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+  } else {
+    _mm512_storeu_ps(p, v);
+  }
+}
+
+// One token. Neox rotation: for i < D / 2, x1 = x[i], x2 = x[i + D / 2]:
+//   x1 cos_i - x2 sin_i, x2 cos_i + x1 sin_i (float32, then rounded once to the cache's dtype).
+PDSERVE_VL_TARGET __attribute__((optimize("fp-contract=off"))) void rope_store_token(const char* row, bool in_bf16, const float* cs,
+                                        int64_t h, int64_t kvh, int64_t d, int64_t bs,
+                                        char* q_out, char* k_dst, char* v_dst, bool c_bf16) {
+  // k_dst, v_dst: the token's place in KV head 0's chunk of its block (null: not stored).
+  const int64_t in_size = in_bf16 ? 2 : 4, c_size = c_bf16 ? 2 : 4, half = d / 2;
+  const int64_t head_bytes = bs * d * c_size;  // one KV head's chunk of a block
+  alignas(64) float k_rot[512];  // one K head, rotated (D <= 512)
+  for (int64_t head = 0; head < h + kvh; ++head) {
+    const char* x = row + head * d * in_size;
+    float* k_head = k_rot;
+    for (int64_t i = 0; i < half; i += 16) {
+      const __m512 c = _mm512_loadu_ps(cs + i), s = _mm512_loadu_ps(cs + half + i);
+      const __m512 x1 = load_ps(x + i * in_size, in_bf16, 0xFFFF);
+      const __m512 x2 = load_ps(x + (half + i) * in_size, in_bf16, 0xFFFF);
+      // The cosine product rounded, the sine product fused into it: the bits of the
+      // library's rotary (checked in tests/engine/test_fused_cpu.py), so this path stores
+      // what the four-op one did; no other contraction (``fp-contract=off``).
+      const __m512 o1 = _mm512_fnmadd_ps(x2, s, _mm512_mul_ps(x1, c));
+      const __m512 o2 = _mm512_fmadd_ps(x1, s, _mm512_mul_ps(x2, c));
+      if (head < h) {
+        char* o = q_out + head * d * c_size;
+        store_ps(o + i * c_size, c_bf16, o1);
+        store_ps(o + (half + i) * c_size, c_bf16, o2);
+      } else {
+        _mm512_store_ps(k_head + i, o1);
+        _mm512_store_ps(k_head + half + i, o2);
+      }
+    }
+    if (head < h || k_dst == nullptr) continue;
+    // K's column: value e of this head goes e * block_size elements on.
+    char* k = k_dst + (head - h) * head_bytes;
+    if (c_bf16) {
+      alignas(64) uint16_t rounded[512];
+      for (int64_t i = 0; i < d; i += 16)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(rounded + i),
+                           (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(k_head + i)));
+      uint16_t* kb = reinterpret_cast<uint16_t*>(k);
+      for (int64_t e = 0; e < d; ++e) kb[e * bs] = rounded[e];
+    } else {
+      float* kf = reinterpret_cast<float*>(k);
+      for (int64_t e = 0; e < d; ++e) kf[e * bs] = k_head[e];
+    }
+  }
+  if (v_dst == nullptr) return;
+  // V: unrotated, rounded to the cache's dtype, one contiguous row per head.
+  const char* v = row + (h + kvh) * d * in_size;
+  for (int64_t head = 0; head < kvh; ++head) {
+    char* o = v_dst + head * head_bytes;
+    for (int64_t i = 0; i < d; i += 16)
+      store_ps(o + i * c_size, c_bf16, load_ps(v + (head * d + i) * in_size, in_bf16, 0xFFFF));
+  }
+}
+
+// qkv: (T, (H + 2 KVH) D) float32 or bfloat16, unit stride along the row: q, k, v of each
+// token. positions: (T,) int64; cos_sin: (P, D) float32, a position's D / 2 cosines then
+// sines; slots: (T,) int64, block * block_size + offset (negative: not stored).
+// -> q (T, H, D) rotated, in the cache's dtype; K and V written into the caches.
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions,
+                      const at::Tensor& cos_sin, at::Tensor key_cache, at::Tensor value_cache,
+                      const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_store: qkv must be (T, N), unit stride");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
+              "rope_store: qkv must be float32 or bfloat16");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
+                  value_cache.strides() == key_cache.strides() &&
+                  key_cache.scalar_type() == value_cache.scalar_type(),
+              "rope_store: key and value caches must be alike (num_blocks, KVH, bs, D) views");
+  TORCH_CHECK(key_cache.scalar_type() == at::kFloat || key_cache.scalar_type() == at::kBFloat16,
+              "rope_store: the caches must be float32 or bfloat16");
+  const int64_t t = qkv.size(0), kvh = key_cache.size(1), bs = key_cache.size(2),
+                d = key_cache.size(3);
+  TORCH_CHECK(num_kv_heads == kvh && d % 32 == 0 && d <= 512 && key_cache.stride(3) == 1 &&
+                  key_cache.stride(2) == d && key_cache.stride(1) == bs * d,
+              "rope_store: unsupported cache view or head size");
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * kvh) * d, "rope_store: qkv width mismatch");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() &&
+                  cos_sin.size(1) == d,
+              "rope_store: cos_sin must be contiguous float32 (P, D)");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+                  positions.numel() == t && slots.numel() == t && positions.is_contiguous() &&
+                  slots.is_contiguous(),
+              "rope_store: positions and slots must be (T,) contiguous int64");
+  const bool c_bf16 = key_cache.scalar_type() == at::kBFloat16;
+  at::Tensor q = at::empty({t, num_heads, d}, qkv.options().dtype(key_cache.scalar_type()));
+  if (t == 0) return q;
+  const bool in_bf16 = qkv.scalar_type() == at::kBFloat16;
+  const int64_t in_size = in_bf16 ? 2 : 4, c_size = c_bf16 ? 2 : 4;
+  const int64_t ld = qkv.stride(0) * in_size, block_stride = key_cache.stride(0) * c_size;
+  const int64_t max_pos = cos_sin.size(0), num_blocks = key_cache.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "rope_store: position out of range");
+    TORCH_CHECK(slot[i] < num_blocks * bs, "rope_store: slot out of range");
+  }
+  const char* in = static_cast<const char*>(qkv.data_ptr());
+  const float* table = cos_sin.data_ptr<float>();
+  char* q_out = static_cast<char*>(q.data_ptr());
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const int64_t h = num_heads;
+  // Tokens across threads, enough per thread (~32k values) to outweigh waking it.
+  const int64_t grain = std::max<int64_t>(1, 32768 / qkv.size(1));
+  at::parallel_for(0, t, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0; i < t1; ++i) {
+      char* k_dst = nullptr;
+      char* v_dst = nullptr;
+      if (slot[i] >= 0) {
+        const int64_t block = slot[i] / bs, off = slot[i] % bs;
+        k_dst = kc + block * block_stride + off * c_size;
+        v_dst = vc + block * block_stride + off * d * c_size;
+      }
+      rope_store_token(in + i * ld, in_bf16, table + pos[i] * d, h, kvh, d, bs,
+                       q_out + i * h * d * c_size, k_dst, v_dst, c_bf16);
+    }
+  });
+  return q;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve, m) {
   m.def("int4_mm(Tensor x, Tensor w, int n, bool amx) -> Tensor");
   m.def("int4_gemm(Tensor x, Tensor w, int n) -> Tensor");
   m.def("silu_mul(Tensor gate_up, ScalarType dtype) -> Tensor");
+  m.def(
+      "rope_store(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slots, int num_heads, int num_kv_heads) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("int4_mm", &int4_mm);
   m.impl("int4_gemm", &int4_gemm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("rope_store", &rope_store);
 }

@@ -64,6 +64,20 @@ def silu_mul_op() -> Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None:
     return torch.ops.pdserve.silu_mul
 
 
+def rope_store_op() -> Callable[..., torch.Tensor] | None:
+    """The same library's rotary + K/V store in one pass (``int4_cpu.cpp: rope_store``):
+    (T, (H + 2 KVH) D) float32 or bfloat16 q | k | v, positions, the (P, D) float32
+    cos | sin table, one layer's K and V views of a pool in the attention library's
+    ``vec16`` order, the slots -> rotated q (T, H, D) in the pool's dtype, with K and V
+    written. Bit for bit what the library's ``rotary_embedding`` then
+    ``cpu_attn_reshape_and_cache`` give. None where not built or without AVX-512 BF16."""
+    try:
+        _load()
+    except Int4KernelUnavailable:
+        return None
+    return torch.ops.pdserve.rope_store
+
+
 def library_path() -> Path | None:
     """The built kernel (``setup.py``'s ``engine.weights._int4_cpu``), or None."""
     found = sorted(Path(__file__).parent.glob("_int4_cpu*.so"))

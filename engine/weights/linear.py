@@ -94,6 +94,9 @@ class DenseKernel(nn.Module):
     def compute_dtype(self) -> torch.dtype:
         return self.weight.dtype
 
+    def input_dtype_for(self, x: torch.Tensor) -> torch.dtype:
+        return self.weight.dtype
+
     def native(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward(x, None, self.compute_dtype)
 
@@ -146,6 +149,18 @@ class _PackedKernel(nn.Module):
         if self.many_rows is not None and self.many_rows.serves(x):
             return self.many_rows(x, bias, out_dtype)
         return self.packed_forward(x, bias, out_dtype)
+
+    def input_dtype_for(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype the path of a call on ``x`` rounds x to before its product: bfloat16
+        on every GEMM here, or the packed kernel's own."""
+        rows = self.many_rows
+        if rows is not None and rows.serves(x):
+            return torch.bfloat16
+        return self.packed_input_dtype
+
+    @property
+    def packed_input_dtype(self) -> torch.dtype:
+        raise NotImplementedError
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` without a bias, in the dtype of the path the call takes: the GEMM's
@@ -221,6 +236,10 @@ class Int4Kernel(_PackedKernel):
             self.input_dtype, self.compute_dtype = torch.bfloat16, torch.float32
         self.many_rows: ManyRows | None = None  # see with_gemm
 
+    @property
+    def packed_input_dtype(self) -> torch.dtype:
+        return self.input_dtype
+
     @staticmethod
     def roles(kernel: str) -> tuple[str, ...]:
         """The names of the tensors ``kernel``'s layout holds (what ``from_packed`` takes)."""
@@ -281,6 +300,10 @@ class Int8Kernel(_PackedKernel):
         self.shape = (self.out_features, self.in_features)
         self.many_rows: ManyRows | None = None
 
+    @property
+    def packed_input_dtype(self) -> torch.dtype:
+        return self.planes.input_dtype
+
     def packed_forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
@@ -310,6 +333,9 @@ class RefinedHead(nn.Module):
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward(x, None)
+
+    def input_dtype_for(self, x: torch.Tensor) -> torch.dtype:
+        return x.dtype  # the refined logits read x as it is
 
     def forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
@@ -399,6 +425,14 @@ class Linear(nn.Module):
         if self.bias is not None or self.lora is not None:
             return self.forward(x)
         return self.kernel.native(x)
+
+    def input_dtype_for(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype ``forward(x)`` rounds x to before its product (x's own where adapters
+        read x too): a producer of x may round to it itself, with the same bits."""
+        assert self.kernel is not None, "weights not loaded"
+        if self.lora is not None:
+            return x.dtype
+        return self.kernel.input_dtype_for(x)
 
 
 class Embedding(nn.Module):

@@ -26,7 +26,7 @@ from engine.model.fused_cpu import FusedCpuBackend, cpu_backend
 from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryEmbedding, apply_rotary
 from engine.runner import ModelRunner
-from engine.weights.int4_tiles import silu_mul_op
+from engine.weights.int4_tiles import rope_store_op, silu_mul_op
 from wire.params import SamplingParams
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-7, 2**-7)}  # (atol, rtol)
@@ -98,6 +98,91 @@ def test_silu_mul_equals_torch(
     )
 
 
+def test_silu_mul_rounds_once_to_the_down_projections_dtype(fused: FusedCpuBackend) -> None:
+    """Computed in float32 and handed down in bfloat16 (the dtype down rounds its input
+    to): the bits of the float32 result cast, one pass fewer."""
+    if silu_mul_op() is None:
+        pytest.skip("pdserve's CPU kernels are not built or do not run here")
+    gen = torch.Generator().manual_seed(2)
+    for in_dtype in (torch.float32, torch.bfloat16):
+        gate_up = (torch.randn(17, 2 * 1536, generator=gen) * 4).to(in_dtype)
+        want = fused.silu_mul(gate_up, torch.float32).to(torch.bfloat16)
+        assert torch.equal(fused.silu_mul(gate_up, torch.float32, torch.bfloat16), want)
+        wide = TORCH.silu_mul(gate_up, torch.float32, torch.bfloat16)
+        assert wide.dtype == torch.bfloat16
+        torch.testing.assert_close(wide.float(), want.float(), atol=2**-7, rtol=2**-7)
+
+
+def _pool_views(
+    pool: torch.Tensor, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:  # as FusedCpuBackend._layer_caches lays them out
+    nb, layers, _, bs, kvh, d = pool.shape
+    chunk = bs * kvh * d
+    shape, strides = (nb, kvh, bs, d), (layers * 2 * chunk, bs * d, d, 1)
+    return (
+        pool.as_strided(shape, strides, 2 * layer * chunk),
+        pool.as_strided(shape, strides, (2 * layer + 1) * chunk),
+    )
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_gives_the_library_paths_bits(
+    fused: FusedCpuBackend, in_dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """pdserve's one-pass rotary + K/V store: q and every pool byte equal to widening qkv,
+    the library's ``rotary_embedding``, rounding to the cache's dtype and its
+    ``cpu_attn_reshape_and_cache``, on a strided projection, scattered slots across blocks
+    and layers, and a negative slot (not stored)."""
+    rope_store = rope_store_op()
+    if rope_store is None:
+        pytest.skip("pdserve's CPU kernels are not built or do not run here")
+    h, kvh, d, bs, t = 9, 3, 64, 16, 41
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(t, (h + 2 * kvh) * d + 8, generator=gen).to(in_dtype)
+    qkv = wide[:, 8:]  # row stride (H + 2 KVH) D + 8
+    pos = torch.randint(0, 512, (t,), generator=gen)
+    slots = torch.randperm(24 * bs, generator=gen)[:t]
+    slots[5] = -1
+    pool = torch.zeros(24, 2, 2, bs, kvh, d, dtype=cache_dtype)
+    ref_pool = pool.clone()
+    key, value = _pool_views(pool, 1)
+    q = rope_store(qkv, pos, fused.cos_sin, key, value, slots, h, kvh)
+    x = qkv.float().clone()
+    q_ref, k_ref = x[:, : h * d], x[:, h * d : (h + kvh) * d]
+    torch.ops._C.rotary_embedding(pos, q_ref, k_ref, d, fused.cos_sin, True)
+    x = x.to(cache_dtype)
+    keep = slots >= 0
+    ref_key, ref_value = _pool_views(ref_pool, 1)
+    torch.ops._C.cpu_attn_reshape_and_cache(
+        x[keep, h * d : (h + kvh) * d].reshape(-1, kvh, d),
+        x[keep, (h + kvh) * d :].reshape(-1, kvh, d),
+        ref_key,
+        ref_value,
+        slots[keep],
+        "vec16",
+    )
+    assert q.dtype == cache_dtype and q.shape == (t, h, d)
+    assert torch.equal(q, x[:, : h * d].view(t, h, d))
+    assert torch.equal(pool, ref_pool) and pool[:, 1].any() and not pool[:, 0].any()
+
+
+def test_rope_store_refuses_what_it_cannot_take(fused: FusedCpuBackend) -> None:
+    rope_store = rope_store_op()
+    if rope_store is None:
+        pytest.skip("pdserve's CPU kernels are not built or do not run here")
+    pool = torch.zeros(4, 1, 2, 16, 3, 64)
+    key, value = _pool_views(pool, 0)
+    qkv, slots = torch.randn(2, 15 * 64), torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="position out of range"):
+        rope_store(qkv, torch.tensor([0, 512]), fused.cos_sin, key, value, slots, 9, 3)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        rope_store(qkv, torch.tensor([0, 1]), fused.cos_sin, key, value, slots * 64, 9, 3)
+    with pytest.raises(RuntimeError, match="width"):
+        rope_store(qkv[:, :-64], torch.tensor([0, 1]), fused.cos_sin, key, value, slots, 9, 3)
+    assert not pool.any()
+
+
 def test_rotary_in_place_on_strided_rows_equals_torch(fused: FusedCpuBackend) -> None:
     """The kernel rotates q and k where they lie in the projection (rows of width W)."""
     t, h, kvh, d = 5, 9, 3, 64
@@ -129,10 +214,12 @@ def _runner(path: Path, backend: str, dtype: str, quantization: str = "none") ->
     return runner
 
 
-def _run(path: Path, backend: str, dtype: str) -> list[torch.Tensor]:
+def _run(
+    path: Path, backend: str, dtype: str, runner: ModelRunner | None = None
+) -> list[torch.Tensor]:
     """Chunked prefill of 3 prompts (fresh chunks, then chunks after earlier ones), then 5
     batched decode steps of teacher-forced tokens: every step's logits."""
-    runner = _runner(path, backend, dtype)
+    runner = runner or _runner(path, backend, dtype)
     g = torch.Generator().manual_seed(0)
     seqs = [
         Sequence(i, torch.randint(0, 1000, (n,), generator=g).tolist(), sampling=SamplingParams())
@@ -156,6 +243,20 @@ def test_forward_equals_torch_backend(fused: FusedCpuBackend, smollm2: Path) -> 
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_rope_store_leaves_the_packed_forwards_bits(fused: FusedCpuBackend, smollm2: Path) -> None:
+    """The packed default with pdserve's one-pass rotary + K/V store and without it (the
+    library's four ops): every logit of prefill, continued chunks and decode the same."""
+    if rope_store_op() is None:
+        pytest.skip("pdserve's CPU kernels are not built or do not run here")
+    one_pass = _runner(smollm2, "auto", "float32", quantization="auto")
+    four_ops = _runner(smollm2, "auto", "float32", quantization="auto")
+    assert isinstance(one_pass.backend, FusedCpuBackend) and one_pass.backend._rope_store
+    assert isinstance(four_ops.backend, FusedCpuBackend)
+    four_ops.backend._rope_store = None
+    for a, b in zip(_run(smollm2, "", "", one_pass), _run(smollm2, "", "", four_ops)):
+        assert torch.equal(a, b)
 
 
 def test_bfloat16_forward_as_close_to_float32_as_torch(

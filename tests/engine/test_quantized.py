@@ -23,6 +23,7 @@ from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from engine.weights.gemm import PlainGemm
 from engine.weights.linear import (
+    DenseKernel,
     Embedding,
     Int4Kernel,
     Linear,
@@ -242,6 +243,28 @@ def test_native_is_forward_without_its_cast_back(bits: int, rows: int) -> None:
     assert biased.bias is not None
     biased.bias.data.normal_()
     assert biased.native(x).dtype == torch.float32 and torch.equal(biased.native(x), biased(x))
+
+
+@pytest.mark.usefixtures("int4_kernel")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [3, 40], ids=["packed", "gemm"])
+def test_input_dtype_for_is_what_the_call_rounds_its_input_to(bits: int, rows: int) -> None:
+    """``Linear.input_dtype_for``: a producer may hand x over already rounded to it (the
+    fused SiLU * up does, for down) and the product has the same bits; a dense float32
+    layer reads x as it is."""
+    torch.manual_seed(bits)
+    q = quantize_int4(torch.randn(48, 64)) if bits == 4 else quantize_int8(torch.randn(48, 64))
+    kernel = packed_kernel(q, torch.bfloat16, CPU)
+    kernel.with_gemm(PlainGemm(q.dequantize()), min_rows=16)
+    linear = Linear(64, 48, False, torch.float32, CPU)
+    linear.kernel = kernel
+    x = torch.randn(rows, 64)
+    dtype = linear.input_dtype_for(x)
+    assert dtype == torch.bfloat16  # every packed path and GEMM here reads bfloat16
+    assert torch.equal(linear(x.to(dtype), torch.float32), linear(x))
+    dense = Linear(64, 48, False, torch.float32, CPU)
+    dense.kernel = DenseKernel(q.dequantize())
+    assert dense.input_dtype_for(x) == torch.float32
 
 
 @pytest.mark.parametrize(

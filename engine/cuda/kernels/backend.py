@@ -65,6 +65,9 @@ class TritonBackend(AttentionBackend[KernelBatch]):
     ) -> torch.Tensor:
         return rmsnorm(x, norm.weight, norm.eps, residual=residual)
 
-    def silu_mul(self, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def silu_mul(
+        self, gate_up: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         # Dense CUDA projections are in the model's dtype already (no cast in a graph).
-        return silu_mul(gate_up if gate_up.dtype == dtype else gate_up.to(dtype))
+        out = silu_mul(gate_up if gate_up.dtype == dtype else gate_up.to(dtype))
+        return out if out_dtype in (None, dtype) else out.to(out_dtype)
