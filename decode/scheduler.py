@@ -24,7 +24,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from decode.admission import Admission, Releases
 from engine.kv.block_allocator import NoFreeBlocks
@@ -108,8 +111,12 @@ class DecodeScheduler:
 
     # ---- one step ----------------------------------------------------------------------
 
-    def step(self) -> DecodeStep:
-        """One decode token for every running request (after recomputing preempted ones)."""
+    def step(self, forward: Callable[[list[Sequence]], torch.Tensor] | None = None) -> DecodeStep:
+        """One decode token for every running request (after recomputing preempted ones).
+
+        ``forward(seqs)``: runs the batch's decode forward instead of ``runner.decode``
+        (the co-located scheduler's, which runs it inside a prefill chunk's forward) and
+        returns its logits (len(seqs), vocab). Not called for a speculative step."""
         out = DecodeStep()
         batcher = TokenBatcher()
         for t, finish in self.admission.take_ended():  # ended (or handed back) without a token
@@ -124,7 +131,8 @@ class DecodeScheduler:
             if drafts is not None:
                 sample = self._speculative_step(batch, drafts, batcher, out)
             else:
-                sample = self.runner.sample(self.runner.decode(seqs), seqs)
+                logits = (forward or self.runner.decode)(seqs)
+                sample = self.runner.sample(logits, seqs)
                 tokens, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
                 for i, r in enumerate(batch):
                     self._emit(r, tokens[i], i, logprobs[i], batcher, out)

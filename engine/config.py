@@ -246,6 +246,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None -> min(max_position_embeddings, 8192)
     max_num_seqs: int = 256
     chunked_prefill_size: int = 2048
+    # Co-located workers run a step's prompt chunks and decode rows in one forward
+    # (colocated/scheduler.py); off, two forwards, decode rows on their own kernels.
+    mixed_batches: bool = True
     # Reuse the KV of a prompt's longest cached prefix (engine/kv/block_allocator.py); off,
     # no block is ever hashed and every prompt is computed in full.
     enable_prefix_caching: bool = True

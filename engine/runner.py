@@ -157,6 +157,13 @@ class ModelRunner:
             self.config, self.model_config, self.kv_dtype, num_blocks, kv_pool, order
         )
 
+    @property
+    def mixes_batches(self) -> bool:
+        """Whether ``prefill`` takes decode rows beside prompt chunks (a sequence's newest
+        token as a chunk of one): everywhere but the CUDA kernel path, whose decode rows
+        run in captured graphs of their own."""
+        return self._kernels is None
+
     def num_blocks_to_allocate(self) -> int:
         """Pool size when the caller passes no pool: explicit, CPU tokens, or GPU memory."""
         wanted = self.config.num_kv_blocks

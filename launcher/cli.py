@@ -101,6 +101,7 @@ def _engine_spec(
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         chunked_prefill_size=config.chunked_prefill_size,
+        mixed_batches=config.mixed_batches,
         enable_prefix_caching=config.enable_prefix_caching,
         attention_backend=config.attention_backend,
         enforce_eager=config.enforce_eager,

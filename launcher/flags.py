@@ -208,6 +208,15 @@ def _engine(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         help="most prompt tokens a prefill step processes; longer prompts are split",
     )
     add(
+        "--mixed-batches",
+        action=argparse.BooleanOptionalAction,
+        default=d.mixed_batches,
+        help="co-located workers run a step's prompt chunks and its decode rows in one "
+        "forward, reading the weights once for both; off, two forwards, the decode rows on "
+        "the kernels a decode step of as many rows runs (their tokens then never depend on "
+        "what else is prefilling)",
+    )
+    add(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=d.enable_prefix_caching,

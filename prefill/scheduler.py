@@ -168,7 +168,21 @@ class PrefillScheduler:
 
     def step(self) -> PrefillStep:
         """Run one batched prefill over as many waiting chunks as the budget and KV allow."""
-        chunks = self._plan()
+        chunks = self.plan()
+        logits = self.runner.prefill([(p.seq, n) for p, n in chunks]) if chunks else None
+        return self.finish(chunks, logits)
+
+    def plan(self) -> list[tuple[PrefillRequest, int]]:
+        """``step``'s first half: this step's chunks, their KV blocks reserved. The caller
+        runs them (``runner.prefill``, or one forward with other rows: the co-located
+        scheduler's decode batch) and hands their logits to ``finish``."""
+        return self._plan()
+
+    def finish(
+        self, chunks: list[tuple[PrefillRequest, int]], logits: torch.Tensor | None
+    ) -> PrefillStep:
+        """``step``'s second half: ``logits`` (len(chunks), vocab), each chunk's last row,
+        from the forward that ran ``plan``'s chunks (None when there were none)."""
         out = PrefillStep()
         batcher = TokenBatcher()
         for p in self._failed:  # an error row: no token, the request ends
@@ -176,7 +190,7 @@ class PrefillScheduler:
         self._failed = []
         sample = None
         if chunks:
-            logits = self.runner.prefill([(p.seq, n) for p, n in chunks])
+            assert logits is not None and logits.shape[0] == len(chunks), "one row a chunk"
             out.ran_tokens = sum(n for _, n in chunks)
             self.computed_tokens += out.ran_tokens
             done = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,9 @@ import torch
 from colocated.scheduler import ColocatedScheduler, NoKVTransfers
 from decode.scheduler import DecodeScheduler, DecodeStep
 from engine.config import EngineConfig
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
+from engine.sampling.sampler import SampleOutput
 from prefill.scheduler import PrefillScheduler
 from transport.errors import KVTransferError
 from wire.params import SamplingParams
@@ -149,22 +152,35 @@ def test_prefill_keep_kv_hands_over_unpinned_and_decode_adopts(default_model_pat
     assert runner.kv.allocator.num_used == 0
 
 
-def test_emit_takes_first_tokens_before_the_decode_forward(default_model_path: Path) -> None:
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "two-forwards"])
+def test_emit_takes_first_tokens_before_the_decode_tokens(
+    default_model_path: Path, mixed: bool
+) -> None:
     """With ``emit``, a new request's first token leaves before the running batch's decode
-    forward; the tokens, their order per shard and the outputs are those without it."""
+    tokens are sampled (unmixed: before its decode forward); the tokens, their order per
+    shard and the outputs are those without it."""
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = {0: [5] * 20, 1: [6] * 30, 2: [7] * 9}
 
     def run(with_emit: bool) -> list[tuple[int, list[int], list[int]]]:
         sched = _sched(default_model_path)
+        assert sched.mixed  # the default
+        sched.mixed = mixed
         order: list[str] = []
-        decode_step = sched.decode.step
+        decode_step, sample = sched.decode.step, sched.runner.sample
 
-        def traced_decode() -> DecodeStep:
-            order.append("decode")
-            return decode_step()
+        def traced_decode(*forward: Callable[[list[Sequence]], torch.Tensor]) -> DecodeStep:
+            if not mixed:
+                order.append("decode")
+            return decode_step(*forward)
+
+        def traced_sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
+            if mixed and any(s.rid in sched.decode.running for s in seqs):
+                order.append("decode")
+            return sample(logits, seqs)
 
         sched.decode.step = traced_decode  # type: ignore[method-assign]
+        sched.runner.sample = traced_sample  # type: ignore[method-assign]
         sent: list[tuple[int, list[int], list[int]]] = []
 
         def emit(shard: int, batch: TokenBatch) -> None:
@@ -180,7 +196,7 @@ def test_emit_takes_first_tokens_before_the_decode_forward(default_model_path: P
             order.clear()
             out = sched.step(emit=emit if with_emit else None)
             sent += [(s, b.rids.tolist(), b.token_ids.tolist()) for s, b in out.tokens]
-            # Within a step, every emit comes before the decode forward.
+            # Within a step, every emit comes before the decode forward (or sampling).
             assert order == sorted(order, key=lambda event: event == "decode")
             both += "emit" in order and "decode" in order
             if not sched.has_work:
@@ -190,3 +206,51 @@ def test_emit_takes_first_tokens_before_the_decode_forward(default_model_path: P
         return sent
 
     assert run(with_emit=True) == run(with_emit=False)
+
+
+def test_mixed_batches_run_chunks_and_decode_rows_in_one_forward(default_model_path: Path) -> None:
+    """A step with prompt chunks to run and requests decoding makes one forward (the decode
+    rows as chunks of one token), two with mixing off; greedy outputs agree either way
+    here (the rows' kernels differ, so only to the last bits in general)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(mixed: bool) -> tuple[dict[int, list[int]], int, int]:
+        sched = _sched(default_model_path)
+        sched.mixed = mixed
+        calls = {"prefill": 0, "decode": 0}
+        both_steps = 0
+        for name in calls:
+            real = getattr(sched.runner, name)
+
+            def traced(
+                *args: object, _real: Callable[..., torch.Tensor] = real, _n: str = name
+            ) -> torch.Tensor:
+                calls[_n] += 1
+                return _real(*args)
+
+            setattr(sched.runner, name, traced)
+        sched.add(_req(0, [9] * 30, params))
+        outputs: dict[int, list[int]] = {}
+        for step in range(40):
+            if step == 2:
+                sched.add(_req(1, [8] * 100, params))  # three 48-token chunks
+            before = dict(calls)
+            planned, decoding = bool(sched.prefill.waiting or sched.queued), sched.num_running
+            for _, batch in sched.step().tokens:
+                for rid, tok in zip(batch.rids.tolist(), batch.token_ids.tolist()):
+                    outputs.setdefault(rid, []).append(tok)
+            forwards = {k: calls[k] - before[k] for k in calls}
+            if planned and decoding:
+                both_steps += 1
+                assert forwards == (
+                    {"prefill": 1, "decode": 0} if mixed else {"prefill": 1, "decode": 1}
+                )
+            if not sched.has_work:
+                break
+        _assert_all_free(sched)
+        return outputs, both_steps, calls["decode"]
+
+    mixed, mixed_steps, _ = run(True)
+    separate, separate_steps, _ = run(False)
+    assert mixed_steps >= 3 and separate_steps >= 3
+    assert mixed == separate and all(len(v) == 8 for v in mixed.values())
