@@ -5,10 +5,14 @@
 
 For each op of one SmolLM2-135M layer (hidden 576, 9 query and 3 KV heads of 64,
 intermediate 1536): add + RMSNorm, rotary over q and k (in place in the qkv projection),
-SiLU * up; three implementations:
+rotary + K/V store (from the projection into a bfloat16 pool), SiLU * up, decode
+attention; up to four implementations:
 
 * ``torch``: the torch backend's eager ops (engine/model/backend.py), the reference;
-* ``library``: the kernel library's op (engine/cpu_kernels.py);
+* ``library``: the kernel library's op (engine/cpu_kernels.py); for rotary + store, its
+  four steps as the fused backend ran them (widen, rotate, round, store);
+* ``pdserve``: pdserve's own kernel (engine/weights/int4_cpu.cpp), where it has one and
+  it is built: ``rope_store``, ``silu_mul``;
 * ``compiled``: the torch ops under ``torch.compile`` (inductor, one graph per row count,
   its cache under the pdserve cache dir), when ``--no-compile`` is not given.
 
@@ -35,6 +39,7 @@ from engine.cpu_kernels import available
 from engine.model.attention import grouped_decode_sdpa
 from engine.model.fused_cpu import ISA
 from engine.model.rope import apply_rotary
+from engine.weights.int4_tiles import rope_store_op, silu_mul_op
 
 RESULTS = Path(__file__).parent / "results" / "fused_ops.md"
 CONTEXT = 300  # decode attention: tokens of KV per sequence
@@ -58,7 +63,7 @@ def _norm_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
 
     ops: dict[str, Op] = {"torch": lambda: eager(x, res)}
     ops["library"] = lambda: torch.ops._C.fused_add_rms_norm(x, res, w, EPS)
-    ops["compiled"] = _compiled(eager, x, res)
+    ops.update(_compiled(eager, x, res))
     return ops
 
 
@@ -80,7 +85,57 @@ def _rotary_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
     q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
     ops: dict[str, Op] = {"torch": lambda: eager(qkv, pos)}
     ops["library"] = lambda: torch.ops._C.rotary_embedding(pos, q, k, HEAD_DIM, cos_sin, True)
-    ops["compiled"] = _compiled(eager, qkv, pos)
+    ops.update(_compiled(eager, qkv, pos))
+    return ops
+
+
+def _rope_store_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
+    """Rotary over q and k of a (rows, q | k | v) projection in ``dtype``, then K and V into
+    their slots of a bfloat16 pool (rows sequences' next token each, 300 tokens in)."""
+    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    bs, blocks = 16, -(-(CONTEXT + 1) // 16)
+    qkv = torch.randn(rows, q_size + 2 * kv_size).to(dtype)
+    pos = torch.full((rows,), CONTEXT)
+    slots = torch.arange(rows) * blocks * bs + CONTEXT  # one sequence's blocks after another
+    key_cache = torch.zeros(rows * blocks, KV_HEADS, bs, HEAD_DIM, dtype=torch.bfloat16)
+    value_cache = torch.zeros_like(key_cache)
+    flat = torch.zeros(rows * blocks * bs, 2, kv_size, dtype=torch.bfloat16)  # torch's rows
+    freqs = torch.randn(2048, HEAD_DIM // 2)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=1)  # float32: the model's tables
+    cos_t, sin_t = (
+        cos_sin[:, : HEAD_DIM // 2].repeat(1, 2),
+        cos_sin[:, HEAD_DIM // 2 :].repeat(1, 2),
+    )
+
+    def eager() -> torch.Tensor:
+        cos, sin = cos_t[pos].unsqueeze(1), sin_t[pos].unsqueeze(1)
+        x = qkv.float()
+        qk = apply_rotary(x[:, : q_size + kv_size].unflatten(1, (-1, HEAD_DIM)), cos, sin)
+        flat[slots, 0] = qk[:, HEADS:].flatten(1).to(torch.bfloat16)
+        flat[slots, 1] = x[:, q_size + kv_size :].to(torch.bfloat16)
+        return qk[:, :HEADS].to(torch.bfloat16)
+
+    def library() -> torch.Tensor:
+        x = qkv.float()
+        torch.ops._C.rotary_embedding(
+            pos, x[:, :q_size], x[:, q_size : q_size + kv_size], HEAD_DIM, cos_sin, True
+        )
+        x = x.to(torch.bfloat16)
+        torch.ops._C.cpu_attn_reshape_and_cache(
+            x[:, q_size : q_size + kv_size].view(rows, KV_HEADS, HEAD_DIM),
+            x[:, q_size + kv_size :].view(rows, KV_HEADS, HEAD_DIM),
+            key_cache,
+            value_cache,
+            slots,
+            ISA,
+        )
+        return x[:, :q_size]
+
+    ops: dict[str, Op] = {"torch": eager, "library": library}
+    if (rope_store := rope_store_op()) is not None:
+        ops["pdserve"] = lambda: rope_store(
+            qkv, pos, cos_sin, key_cache, value_cache, slots, HEADS, KV_HEADS
+        )
     return ops
 
 
@@ -95,11 +150,11 @@ def _silu_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
         torch.ops._C.silu_and_mul(out, gate_up)
         return out
 
-    return {
-        "torch": lambda: eager(gate_up),
-        "library": library,
-        "compiled": _compiled(eager, gate_up),
-    }
+    ops: dict[str, Op] = {"torch": lambda: eager(gate_up), "library": library}
+    ops.update(_compiled(eager, gate_up))
+    if (silu_mul := silu_mul_op()) is not None:
+        ops["pdserve"] = lambda: silu_mul(gate_up, dtype)
+    return ops
 
 
 def _attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
@@ -142,21 +197,17 @@ def _attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
             None,
         )
 
-    return {
-        "torch": lambda: grouped_decode_sdpa(q, dense_k, dense_v, bias),
-        "library": library,
-        "compiled": lambda: None,
-    }
+    return {"torch": lambda: grouped_decode_sdpa(q, dense_k, dense_v, bias), "library": library}
 
 
 COMPILE = True
 
 
-def _compiled(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> Op:
+def _compiled(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> dict[str, Op]:
     if not COMPILE:
-        return lambda: None
+        return {}
     compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-    return lambda: compiled(*args)
+    return {"compiled": lambda: compiled(*args)}
 
 
 def _time(ops: dict[str, Op], iters: int) -> dict[str, float]:
@@ -191,14 +242,16 @@ def main() -> None:
     if kernels is None:
         raise SystemExit("the kernel library does not load here (see the log)")
     lines = [
-        "# Row-wise ops: torch eager, the kernel library, torch.compile",
+        "# Row-wise ops: torch eager, the kernel library, pdserve's kernels, torch.compile",
         "",
         f"Library build `{kernels.path.name}` ({kernels.isa}), {args.threads} threads, median "
-        f"of {args.iters} interleaved calls, microseconds per call. Command: "
+        f"of {args.iters} interleaved calls, microseconds per call (`-`: no such "
+        "implementation). Command: "
         f"`python -m benchmarks.fused_ops{' --no-compile' if args.no_compile else ''}`",
         "",
-        "| op | dtype | rows | torch | library | compiled | library / torch |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| op | dtype | rows | torch | library | pdserve | compiled | library / torch "
+        "| pdserve / torch |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -206,16 +259,18 @@ def main() -> None:
             for op_name, make in (
                 ("add + rmsnorm", _norm_ops),
                 ("rotary q, k", _rotary_ops),
+                ("rotary + K/V store", _rope_store_ops),
                 ("silu * up", _silu_ops),
                 (f"decode attention, {CONTEXT} ctx", _attention_ops),
             ):
                 if make is _attention_ops and dtype != torch.bfloat16:
                     continue  # the cache's dtype when serving
                 t = _time(make(rows, dtype), args.iters)
-                compiled = f"{t['compiled']:.1f}" if COMPILE and make is not _attention_ops else "-"
+                cells = [f"{t[k]:.1f}" if k in t else "-" for k in ("pdserve", "compiled")]
+                ratio = f"{t['pdserve'] / t['torch']:.2f}" if "pdserve" in t else "-"
                 line = (
                     f"| {op_name} | {dtype_name} | {rows} | {t['torch']:.1f} | {t['library']:.1f} "
-                    f"| {compiled} | {t['library'] / t['torch']:.2f} |"
+                    f"| {' | '.join(cells)} | {t['library'] / t['torch']:.2f} | {ratio} |"
                 )
                 print(line, flush=True)
                 lines.append(line)

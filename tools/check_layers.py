@@ -35,7 +35,7 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
     # engine: model code below the KV pool, both below the loaders and the CUDA path, and
     # the runner, the one room the schedulers call, and speculative decoding over it on top.
     "engine": [
-        ("errors", "cache", "cpu_kernels", "gguf_reader"),
+        ("errors", "cache", "cpu_kernels", "gguf_reader", "direct_attrs"),
         ("config",),
         ("weights", "tokenizer", "sampling"),
         ("model", "kv"),

@@ -16,13 +16,14 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.direct_attrs import DirectAttrs
 from engine.model.backend import AttentionBackend, Meta
 from engine.model.layers import GatedMLP, RMSNorm
 from engine.model.rope import RotaryEmbedding
 from engine.weights.linear import Embedding, Linear
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(DirectAttrs):
     def __init__(
         self, m: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device
     ) -> None:
@@ -61,7 +62,7 @@ class SelfAttention(nn.Module):
         return self.o(out, x.dtype)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DirectAttrs):
     def __init__(
         self, m: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device
     ) -> None:
@@ -72,7 +73,7 @@ class DecoderLayer(nn.Module):
         self.mlp: GatedMLP = GatedMLP(m.hidden_size, m.intermediate_size, dtype, device)
 
 
-class CausalLM(nn.Module):
+class CausalLM(DirectAttrs):
     def __init__(
         self, m: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
     ) -> None:

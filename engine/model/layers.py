@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.direct_attrs import DirectAttrs
 from engine.weights.linear import Linear
 
 
@@ -16,7 +17,7 @@ def weight(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectAttrs):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
@@ -31,7 +32,7 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(DirectAttrs):
     """down(silu(gate(x)) * up(x)); gate and up are one (2 * inter, hidden) linear."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> None:

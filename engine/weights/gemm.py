@@ -58,6 +58,7 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.cache import cache_dir
+from engine.direct_attrs import DirectAttrs
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def prepacked_supported() -> bool:
     )
 
 
-class PlainGemm(nn.Module):
+class PlainGemm(DirectAttrs):
     """``F.linear`` on an (N, K) bfloat16 weight: the torch-only path."""
 
     compute_dtype = torch.bfloat16  # what forward(x, None) would cast from, as every GEMM here
@@ -91,7 +92,7 @@ class PlainGemm(nn.Module):
         return F.linear(x.to(torch.bfloat16), self.weight).to(out_dtype or x.dtype)
 
 
-class PrepackedGemm(nn.Module):
+class PrepackedGemm(DirectAttrs):
     """An (N, K) bfloat16 weight reordered once for oneDNN's GEMM.
 
     NOTE: the reordered weight is an opaque oneDNN tensor, private to this process (it has
@@ -117,7 +118,7 @@ def vnni_supported() -> bool:
     return cpu_kernels.available() is not None and hasattr(torch.ops._C, "weight_packed_linear")
 
 
-class VnniGemm(nn.Module):
+class VnniGemm(DirectAttrs):
     """An (N, K) bfloat16 weight reordered once into the library's VNNI layout (pairs of
     inputs side by side, what its dot-product instructions read); same shape and dtype."""
 

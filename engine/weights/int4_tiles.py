@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from engine.direct_attrs import DirectAttrs
 from engine.weights.quant import GROUP, Int4Rows
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def mm(x: torch.Tensor, tiles: torch.Tensor, n: int, kernel: str) -> torch.Tenso
     return torch.ops.pdserve.int4_mm(x, tiles, n, kernel == "amx")
 
 
-class TilesGemm(nn.Module):
+class TilesGemm(DirectAttrs):
     """The many-rows GEMM of a layer packed for the ``amx`` kernel, on its own tiles: each
     call de-quantizes every weight once to bfloat16 and multiplies all its rows on the tile
     unit (``int4_gemm`` in ``int4_cpu.cpp``), so it needs no bfloat16 copy of the weights.

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.direct_attrs import DirectAttrs
 from engine.weights import int4_tiles
 from engine.weights.lora import AdapterBank
 from engine.weights.quant import GROUP, Int4Rows, Int8Rows, QuantRows
@@ -84,7 +85,7 @@ class QuantizationUnsupported(ValueError):
     """A quantized kind was asked for where no kernel of that kind runs."""
 
 
-class DenseKernel(nn.Module):
+class DenseKernel(DirectAttrs):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("weight", weight, persistent=False)
@@ -130,7 +131,7 @@ class ManyRows:
         return out if bias is None else out.add_(bias)
 
 
-class _PackedKernel(nn.Module):
+class _PackedKernel(DirectAttrs):
     """What the packed kinds share: the bfloat16 GEMM for many rows (``with_gemm``) and the
     choice between it and ``packed_forward`` per call."""
 
@@ -311,7 +312,7 @@ class Int8Kernel(_PackedKernel):
         return self.planes.packed_forward(torch.cat((xc, xc), dim=1), bias, out_dtype or x.dtype)
 
 
-class RefinedHead(nn.Module):
+class RefinedHead(DirectAttrs):
     """An LM head on a packed kernel whose leading logits are recomputed in float32.
 
     The packed kernel returns bfloat16 logits: near 25, one step of bfloat16 is 0.125,
@@ -380,7 +381,7 @@ def tiles_gemm(kernel: Int4Kernel | Int8Kernel) -> nn.Module:
     return int4_tiles.TilesGemm(planes.tiles, planes.out_features, isinstance(kernel, Int8Kernel))
 
 
-class Linear(nn.Module):
+class Linear(DirectAttrs):
     """``y = x W^T + b`` for x: (T, in_features); W's storage is the loader's choice."""
 
     def __init__(
@@ -435,7 +436,7 @@ class Linear(nn.Module):
         return self.kernel.input_dtype_for(x)
 
 
-class Embedding(nn.Module):
+class Embedding(DirectAttrs):
     """Token ids (T,) -> rows (T, dim) in the activation dtype; dense or group-quantized."""
 
     def __init__(self, num: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
