@@ -70,11 +70,10 @@ class ModelRunner:
         self.eos_token_ids = self.model_config.eos_token_ids
         # What this process held on the GPU before this engine: not part of its share.
         # Garbage first (an earlier engine's cycles): freed later, it would count against us.
+        self.cuda_baseline_bytes = 0
         if self.device.type == "cuda":
             gc.collect()
-        self.cuda_baseline_bytes = (
-            torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        )
+            self.cuda_baseline_bytes = torch.cuda.memory_allocated(self.device)
         self.model = load_model(
             lambda: CausalLM(self.model_config, self.max_model_len, self.dtype, self.device),
             config,
@@ -117,6 +116,7 @@ class ModelRunner:
             from engine.cuda.kernel_path import KernelPath  # imports triton: only when used
 
             self._kernels = KernelPath(self.model, self.model_config, config, self.max_model_len)
+        self.mixes_batches = self._kernels is None  # prefill takes decode rows (not graphed)
         if self.device.type == "cuda":
             # SDPA (the torch attention path) keeps to the flash and memory-efficient
             # kernels: cuDNN's backend has open silent-correctness bugs
@@ -156,13 +156,6 @@ class ModelRunner:
         return KVPool.create(
             self.config, self.model_config, self.kv_dtype, num_blocks, kv_pool, order
         )
-
-    @property
-    def mixes_batches(self) -> bool:
-        """Whether ``prefill`` takes decode rows beside prompt chunks (a sequence's newest
-        token as a chunk of one): everywhere but the CUDA kernel path, whose decode rows
-        run in captured graphs of their own."""
-        return self._kernels is None
 
     def num_blocks_to_allocate(self) -> int:
         """Pool size when the caller passes no pool: explicit, CPU tokens, or GPU memory."""
@@ -423,10 +416,7 @@ class ModelRunner:
     ) -> dict[str, Any]:
         """Where decode attention reads: the kept dense K/V (CPU) or the pool's blocks."""
         dev = self.device
-        base = block_tables.flatten() * (2 * self.model_config.num_layers)
-        rows = per_layer_rows(base, self.model_config.num_layers, 2, 1).flatten(
-            1
-        )  # (L, 2 * B * W) (block, layer, K|V)
+        rows = self._pool_rows(block_tables)
         fields: dict[str, Any] = {}
         if self._dense is not None:
             seqs: list[object] = [seq for seq, _, _ in spans]
@@ -446,15 +436,18 @@ class ModelRunner:
     def _dense_fields(
         self, spans: list[tuple[Sequence, int, int]], meta: AttentionMetadata, pool: torch.Tensor
     ) -> dict[str, Any]:
-        """A verification's rows in the kept dense K/V (CPU): extended by every query row
-        in place, as a decode step extends it by one, so neither the verification nor
-        the decode step after it copies the batch's context out of the pool again."""
+        """A verification's rows in the kept dense K/V (CPU), extended in place by each query
+        row as a decode step extends it: no copy of the batch's context out of the pool."""
         assert self._dense is not None
-        base = meta.block_tables.flatten() * (2 * self.model_config.num_layers)
-        rows = per_layer_rows(base, self.model_config.num_layers, 2, 1).flatten(1)  # (L, 2 * B * W)
+        rows = self._pool_rows(meta.block_tables)
         seqs: list[object] = [seq for seq, _, _ in spans]
         kv, dense_rows = self._dense.prepare(pool, seqs, meta.ctx_lens, rows, meta.q_lens)
         return {"dense_kv": kv, "dense_rows": dense_rows}
+
+    def _pool_rows(self, block_tables: torch.Tensor) -> torch.Tensor:
+        """(L, 2 * B * W): the pool rows of each table's blocks' K, then V, per layer."""
+        layers = self.model_config.num_layers
+        return per_layer_rows(block_tables.flatten() * (2 * layers), layers, 2, 1).flatten(1)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         """Pick each sequence's next token (output position ``len(seq.output_ids)``)."""
