@@ -9,8 +9,9 @@ benchmarks.serving`` (random prompts, ``ignore_eos``; Poisson arrivals at ``--ra
 req/s, or ``--concurrency`` requests in flight), stops it, then does the same for B (the
 order swapped every round, so a drifting machine hits both alike). Unlike
 ``benchmarks.launch_ab`` (single streams, both servers up at once), a loaded server needs
-every core, so only one runs at a time. Reported per server and round: output tokens/s,
-TTFT p50, TPOT p50, ITL p50 and p99, and B / A of their medians over the rounds.
+every core, so only one runs at a time. Round r draws its prompts and arrivals with seed
+r, the same for both. Reported per server and round: output tokens/s, TTFT p50, TPOT p50,
+ITL p50 and p99; and B / A per round, its median and range over the rounds.
 """
 
 from __future__ import annotations
@@ -125,9 +126,13 @@ def main() -> None:
         for r, m in enumerate(got[name]):
             cells = " | ".join(f"{m[k]:.1f}" for k in METRICS)
             lines.append(f"| {name} `{flags[name]}` | {r + 1} | {cells} |")
-    med = {n: {k: statistics.median(m[k] for m in got[n]) for k in METRICS} for n in got}
-    ratios = ", ".join(f"{col} {med['B'][k] / med['A'][k]:.2f}x" for k, col in METRICS.items())
-    lines += ["", f"B / A, medians over the rounds: {ratios}."]
+    # Per round (both servers saw the same arrivals and lengths), then over the rounds.
+    each = {k: [b[k] / a[k] for a, b in zip(got["A"], got["B"], strict=True)] for k in METRICS}
+    ratios = ", ".join(
+        f"{col} {statistics.median(each[k]):.2f}x ({min(each[k]):.2f}-{max(each[k]):.2f})"
+        for k, col in METRICS.items()
+    )
+    lines += ["", f"B / A, round by round: median (min-max) over the rounds: {ratios}."]
     how = f"--concurrency {args.concurrency}" if args.concurrency else f"--rate {args.rate:g}"
     page = [
         "# Two launch settings under the same load",

@@ -13,15 +13,18 @@ Each ``step()`` is a mixed schedule, as a co-located engine runs it:
     -> plan the prefill chunks (chunk budget; their blocks reserved)
     -> one forward over the chunks and one decode row per running request (a mixed batch)
     -> first tokens of finished prefills, which join the running batch; decode tokens
-A mixed batch reads the weights once for both: a step's GEMMs over a prompt chunk's rows
-and the decode rows cost little more than over the chunk alone (at 256 chunk rows and 32
-decode rows, ~3 % more), where two forwards read them twice, and the decode rows no
-longer wait out a separate prefill forward. The decode rows then run the many-rows GEMM
-that prefill chunks take, not the packed kernel a decode step of as many rows would:
-their tokens may differ in the last bits from a step without a chunk
-(``EngineConfig.mixed_batches`` off keeps two forwards). A speculative step (drafts to
-verify) keeps its own forward, the chunk's after it. A long chunk still lengthens the
-step its decode rows ride in: the interference disaggregation removes.
+With ``EngineConfig.mixed_batches`` (``--mixed-batches``) the chunks and the decode rows
+share one forward, which reads the weights once for both; off (the default), the chunks'
+forward runs first, then the decode rows' own. Mixed, the decode rows run the many-rows
+GEMM that prefill chunks take, not the packed kernel a decode step of as many rows would,
+so their tokens may differ in the last bits from a step without a chunk. On a 2-core Zen 5
+the GEMMs are bound by arithmetic at these row counts, so sharing the weight reads saves
+little (a 256-token chunk with 16 decode rows: 0.97x the two forwards' time, with 32:
+1.00x), while a newcomer's first token waits for the decode rows' share of the forward:
+under Poisson load it measured no faster (``benchmarks/results/mixed_batches.md``). A
+speculative step (drafts to verify) keeps its own forward, the chunk's after it. A long
+chunk lengthens the step its decode rows wait for either way: the interference
+disaggregation removes.
 """
 
 from __future__ import annotations
@@ -97,8 +100,8 @@ class ColocatedScheduler:
     # ---- one step ----------------------------------------------------------------------
 
     def step(self, emit: Callable[[int, TokenBatch], None] | None = None) -> ColocatedStep:
-        """The prefill chunks and the running batch's decode rows in one forward (two where
-        batches are not mixed, prefill first). ``emit(shard, batch)``: takes the prefill's
+        """The prefill chunks' forward, then the running batch's decode forward (mixed
+        batches: one forward for both). ``emit(shard, batch)``: takes the prefill's
         first tokens as soon as they are sampled, so a new request's first token does not
         wait for the decode tokens' bookkeeping (or, unmixed, for the decode forward: at
         32 rows, ~40 ms on a 2-core CPU); without it they come back in ``tokens``, ahead of

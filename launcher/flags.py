@@ -212,9 +212,9 @@ def _engine(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.mixed_batches,
         help="co-located workers run a step's prompt chunks and its decode rows in one "
-        "forward, reading the weights once for both; off, two forwards, the decode rows on "
-        "the kernels a decode step of as many rows runs (their tokens then never depend on "
-        "what else is prefilling)",
+        "forward, reading the weights once for both (default: off, two forwards, the decode "
+        "rows on the kernels a decode step of as many rows runs, so their tokens never "
+        "depend on what else is prefilling; on a 2-core CPU mixing measured no faster)",
     )
     add(
         "--enable-prefix-caching",

@@ -95,7 +95,7 @@ class ServerConfig:
     max_model_len: int | None = _ENGINE.max_model_len
     max_num_seqs: int = _ENGINE.max_num_seqs
     chunked_prefill_size: int = _ENGINE.chunked_prefill_size
-    mixed_batches: bool = _ENGINE.mixed_batches  # co-located: chunks and decode rows, one forward
+    mixed_batches: bool = _ENGINE.mixed_batches  # co-located: chunks + decode rows, one forward
     enable_prefix_caching: bool = _ENGINE.enable_prefix_caching
     # KV tiers beyond the pools (launcher/kv_tiers.py): host RAM per host, then a directory.
     kv_offload_memory: float = DEFAULT_KV_OFFLOAD_GIB

@@ -63,14 +63,16 @@ def _assert_all_free(sched: ColocatedScheduler) -> None:
     assert a.num_used == 0 and a.num_pinned == 0 and a.num_available == a.num_blocks
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["two-forwards", "mixed"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_colocated_greedy_matches_transformers_and_frees_blocks(arch: str) -> None:
+def test_colocated_greedy_matches_transformers_and_frees_blocks(arch: str, mixed: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     from checkpoints.tiny import tiny_model_dir
 
     model = tiny_model_dir(arch)
     sched = _sched(model)
+    sched.mixed = mixed
     g = torch.Generator().manual_seed(11)
     # 95 tokens span two 48-token prefill chunks while the others already decode.
     prompts = [torch.randint(0, 150_000, (n,), generator=g).tolist() for n in (1, 17, 40, 95)]
@@ -164,7 +166,6 @@ def test_emit_takes_first_tokens_before_the_decode_tokens(
 
     def run(with_emit: bool) -> list[tuple[int, list[int], list[int]]]:
         sched = _sched(default_model_path)
-        assert sched.mixed  # the default
         sched.mixed = mixed
         order: list[str] = []
         decode_step, sample = sched.decode.step, sched.runner.sample
