@@ -19,8 +19,7 @@ forward runs first, then the decode rows' own. Mixed, the decode rows run the ma
 GEMM that prefill chunks take, not the packed kernel a decode step of as many rows would,
 so their tokens may differ in the last bits from a step without a chunk. On a 2-core Zen 5
 the GEMMs are bound by arithmetic at these row counts, so sharing the weight reads saves
-little (a 256-token chunk with 16 decode rows: 0.97x the two forwards' time, with 32:
-1.00x), while a newcomer's first token waits for the decode rows' share of the forward:
+little, while a newcomer's first token waits for the decode rows' share of the forward:
 under Poisson load it measured no faster (``benchmarks/results/mixed_batches.md``). A
 speculative step (drafts to verify) keeps its own forward, the chunk's after it. A long
 chunk lengthens the step its decode rows wait for either way: the interference
