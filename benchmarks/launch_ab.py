@@ -137,28 +137,26 @@ def main() -> None:
         f"TTFT p50 B / A: {ttft['B'] / ttft['A']:.3f}; "
         f"TPOT p50 B / A: {tpot['B'] / tpot['A']:.3f}.",
     ]
-    page = [
-        "# Two launch settings, alternating requests",
-        "",
+    write_page(
+        "Two launch settings, alternating requests",
         f"Command: `python -m benchmarks.launch_ab --a {shlex.quote(args.a)} "
         f"--b {shlex.quote(args.b)}{_tree_flags(args.a_tree, args.b_tree)} "
         f"--requests {args.requests}`; default model, "
         f"{args.prompt_words}-word prompts, {args.tokens} tokens, greedy. Load average at "
         f"the start: {start_load}; at the end: {load_average()}.",
-        "",
-        *lines,
-        "",
-        "Machine:",
-        "",
-        "```",
-        describe_machine(),
-        "```",
-        "",
-    ]
+        lines,
+        args.out,
+    )
+
+
+def write_page(title: str, command: str, lines: list[str], out: Path | None) -> None:
+    """Print ``lines`` (the tables); with ``out``, write them there as a page under
+    ``title`` and ``command``, with the machine's description."""
+    page = [f"# {title}", "", command, "", *lines, "", "Machine:", "", "```", describe_machine()]
     print("\n".join(lines))
-    if args.out is not None:
-        args.out.write_text("\n".join(page))
-        print(f"wrote {args.out}")
+    if out is not None:
+        out.write_text("\n".join([*page, "```", ""]))
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

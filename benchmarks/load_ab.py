@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.machine import describe as describe_machine
+from benchmarks.launch_ab import write_page
 from benchmarks.machine import load_average
 from benchmarks.soak import launch
 from checkpoints.default_model import DEFAULT_MODEL_NAME, default_model_dir
@@ -134,28 +134,16 @@ def main() -> None:
     )
     lines += ["", f"B / A, round by round: median (min-max) over the rounds: {ratios}."]
     how = f"--concurrency {args.concurrency}" if args.concurrency else f"--rate {args.rate:g}"
-    page = [
-        "# Two launch settings under the same load",
-        "",
+    write_page(
+        "Two launch settings under the same load",
         f"Command: `python -m benchmarks.load_ab --a {shlex.quote(args.a)} --b "
         f"{shlex.quote(args.b)} {how} --prompts {args.prompts} --input-len {args.input_len} "
         f"--range-ratio {args.range_ratio:g} --output-len {args.output_len} --rounds "
         f"{args.rounds}`; the default model, random prompts, greedy, `ignore_eos`. Load "
         f"average at the start: {start_load}; at the end: {load_average()}.",
-        "",
-        *lines,
-        "",
-        "Machine:",
-        "",
-        "```",
-        describe_machine(),
-        "```",
-        "",
-    ]
-    print("\n".join(lines))
-    if args.out is not None:
-        args.out.write_text("\n".join(page))
-        print(f"wrote {args.out}")
+        lines,
+        args.out,
+    )
 
 
 if __name__ == "__main__":

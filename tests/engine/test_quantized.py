@@ -26,6 +26,7 @@ from engine.weights.linear import (
     DenseKernel,
     Embedding,
     Int4Kernel,
+    Int8Kernel,
     Linear,
     RefinedHead,
     decode_rows,
@@ -36,6 +37,7 @@ from engine.weights.plan import QuantizationError, resolve_quantization
 from engine.weights.quant import (
     Int4Rows,
     Int8Rows,
+    QuantRows,
     from_gguf_blocks,
     quantize_int4,
     quantize_int8,
@@ -218,6 +220,18 @@ def test_calls_of_many_rows_take_the_gemm_and_few_stay_packed(bits: int) -> None
         assert torch.equal(head(many, None), gemm(many))
 
 
+def _packed_linear(bits: int) -> tuple[Linear, Int4Kernel | Int8Kernel, QuantRows]:
+    """A float32 (64 -> 48) linear on a packed kernel of random ``bits``-bit weights, its
+    plain GEMM from 16 rows on; the layer, its kernel and its rows."""
+    torch.manual_seed(bits)
+    q = quantize_int4(torch.randn(48, 64)) if bits == 4 else quantize_int8(torch.randn(48, 64))
+    kernel = packed_kernel(q, torch.bfloat16, CPU)
+    kernel.with_gemm(PlainGemm(q.dequantize()), min_rows=16)
+    linear = Linear(64, 48, False, torch.float32, CPU)
+    linear.kernel = kernel
+    return linear, kernel, q
+
+
 @pytest.mark.usefixtures("int4_kernel")
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [3, 40], ids=["packed", "gemm"])
@@ -226,12 +240,7 @@ def test_native_is_forward_without_its_cast_back(bits: int, rows: int) -> None:
     bfloat16 for torch's int4 kernel, float32 for pdserve's; the GEMM's for many rows),
     which ``forward`` widens to x's dtype; a bfloat16 input gives what its float32
     widening gives, in the dtype asked for; with a bias, ``native`` is ``forward``."""
-    torch.manual_seed(bits)
-    q = quantize_int4(torch.randn(48, 64)) if bits == 4 else quantize_int8(torch.randn(48, 64))
-    kernel = packed_kernel(q, torch.bfloat16, CPU)
-    kernel.with_gemm(PlainGemm(q.dequantize()), min_rows=16)
-    linear = Linear(64, 48, False, torch.float32, CPU)
-    linear.kernel = kernel
+    linear, kernel, _ = _packed_linear(bits)
     x = torch.randn(rows, 64)
     native = linear.native(x)
     want = kernel.compute_dtype if rows < 16 else PlainGemm.compute_dtype
@@ -252,12 +261,7 @@ def test_input_dtype_for_is_what_the_call_rounds_its_input_to(bits: int, rows: i
     """``Linear.input_dtype_for``: a producer may hand x over already rounded to it (the
     fused SiLU * up does, for down) and the product has the same bits; a dense float32
     layer reads x as it is."""
-    torch.manual_seed(bits)
-    q = quantize_int4(torch.randn(48, 64)) if bits == 4 else quantize_int8(torch.randn(48, 64))
-    kernel = packed_kernel(q, torch.bfloat16, CPU)
-    kernel.with_gemm(PlainGemm(q.dequantize()), min_rows=16)
-    linear = Linear(64, 48, False, torch.float32, CPU)
-    linear.kernel = kernel
+    linear, _, q = _packed_linear(bits)
     x = torch.randn(rows, 64)
     dtype = linear.input_dtype_for(x)
     assert dtype == torch.bfloat16  # every packed path and GEMM here reads bfloat16
