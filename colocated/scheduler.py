@@ -10,9 +10,9 @@ copy and no release.
 
 Each ``step()`` is a mixed schedule, as a co-located engine runs it:
     admit queued requests while running + prefilling < max_num_seqs
-    -> plan the prefill chunks (chunk budget; their blocks reserved)
-    -> one forward over the chunks and one decode row per running request (a mixed batch)
-    -> first tokens of finished prefills, which join the running batch; decode tokens
+    -> plan the prefill chunks (chunk budget; their blocks reserved) and run them
+    -> first tokens of finished prefills, which join the running batch
+    -> one decode row per running request (those that just joined included)
 With ``EngineConfig.mixed_batches`` (``--mixed-batches``) the chunks and the decode rows
 share one forward, which reads the weights once for both; off (the default), the chunks'
 forward runs first, then the decode rows' own. Mixed, the decode rows run the many-rows
@@ -127,7 +127,7 @@ class ColocatedScheduler:
         if pre is None:
             logits = self.runner.prefill(spans) if chunks else None
             pre = self._finish_prefill(chunks, logits, out, emit)
-        for seq, shard in pre.handovers:  # they decode from the next step on
+        for seq, shard in pre.handovers:  # in this step's decode forward, unless it ran
             self.decode.adopt(seq, shard)
         if dec is None:
             out.decoded = len(self.decode.running)
