@@ -55,7 +55,7 @@ from engine.weights.int4_tiles import rope_store_op, silu_mul_op
 # (the "amx" family packs K differently), and it takes blocks of 16 tokens (``vec``: 32).
 ISA = "vec16"
 BLOCK_ALIGNMENT = 16
-_ROPE_STORE_DTYPES = (torch.float32, torch.bfloat16)  # of qkv and of the pool
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what pdserve's kernels read and write
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,10 @@ class FusedCpuBackend(TorchBackend):
         self._ops = torch.ops._C
         self._silu_mul = silu_mul_op()
         # Its tables in float32 (a float32 model's): rotary in a bfloat16 model rounds q and
-        # k to bfloat16 before the cache's dtype, which the library's path keeps doing.
-        self._rope_store = rope_store_op() if rotary.cos.dtype == torch.float32 else None
+        # k to bfloat16 before the cache's dtype, which the library's path keeps doing. Its
+        # head size in whole vectors of 16 pairs.
+        fits = rotary.cos.dtype == torch.float32 and rotary.cos.shape[1] % 32 == 0
+        self._rope_store = rope_store_op() if fits else None
         half = rotary.cos.shape[1] // 2
         # (P, D): cos then sin of each position's D / 2 frequencies (the halves of
         # RotaryEmbedding's tables are equal), the layout rotary_embedding reads.
@@ -141,9 +143,8 @@ class FusedCpuBackend(TorchBackend):
         if (
             self._rope_store is not None
             and attn.q_norm is None
-            and qkv.dtype in _ROPE_STORE_DTYPES
-            and pool.dtype in _ROPE_STORE_DTYPES
-            and d % 32 == 0
+            and qkv.dtype in _KERNEL_DTYPES
+            and pool.dtype in _KERNEL_DTYPES
             and qkv.stride(1) == 1
         ):
             # The four steps below in one pass, to the same bits (``int4_cpu.cpp``).
@@ -238,18 +239,13 @@ class FusedCpuBackend(TorchBackend):
         self, gate_up: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         out_dtype = out_dtype or dtype
-        if (
-            self._silu_mul is None
-            or dtype not in (torch.float32, torch.bfloat16)
-            or out_dtype not in (torch.float32, torch.bfloat16)
-        ):
+        if self._silu_mul is None or dtype not in _KERNEL_DTYPES or out_dtype not in _KERNEL_DTYPES:
             return super().silu_mul(gate_up, dtype, out_dtype)
-        if dtype == torch.float32:
-            # Computed in float32, rounded once: to ``out_dtype`` directly (the down
-            # projection's bfloat16, a pass fewer), with the bits a cast would give.
-            return self._silu_mul(gate_up, out_dtype)
-        out = self._silu_mul(gate_up, dtype)
-        return out if out_dtype == dtype else out.to(out_dtype)
+        # Computed in float32 and rounded once: a float32 model's result straight to
+        # ``out_dtype`` (the down projection's bfloat16: a pass fewer, the bits of a cast),
+        # a bfloat16 model's to bfloat16 first, as its activations are.
+        out = self._silu_mul(gate_up, out_dtype if dtype == torch.float32 else dtype)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
 
     def rmsnorm(
         self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None = None

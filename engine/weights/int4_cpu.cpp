@@ -584,16 +584,15 @@ PDSERVE_VL_TARGET inline void store_ps(void* p, bool bf16, __m512 v) {
 
 // One token. Neox rotation: for i < D / 2, x1 = x[i], x2 = x[i + D / 2]:
 //   x1 cos_i - x2 sin_i, x2 cos_i + x1 sin_i (float32, then rounded once to the cache's dtype).
-PDSERVE_VL_TARGET __attribute__((optimize("fp-contract=off"))) void rope_store_token(const char* row, bool in_bf16, const float* cs,
-                                        int64_t h, int64_t kvh, int64_t d, int64_t bs,
-                                        char* q_out, char* k_dst, char* v_dst, bool c_bf16) {
+PDSERVE_VL_TARGET __attribute__((optimize("fp-contract=off"))) void rope_store_token(
+    const char* row, bool in_bf16, const float* cs, int64_t h, int64_t kvh, int64_t d,
+    int64_t bs, char* q_out, char* k_dst, char* v_dst, bool c_bf16) {
   // k_dst, v_dst: the token's place in KV head 0's chunk of its block (null: not stored).
   const int64_t in_size = in_bf16 ? 2 : 4, c_size = c_bf16 ? 2 : 4, half = d / 2;
   const int64_t head_bytes = bs * d * c_size;  // one KV head's chunk of a block
   alignas(64) float k_rot[512];  // one K head, rotated (D <= 512)
   for (int64_t head = 0; head < h + kvh; ++head) {
     const char* x = row + head * d * in_size;
-    float* k_head = k_rot;
     for (int64_t i = 0; i < half; i += 16) {
       const __m512 c = _mm512_loadu_ps(cs + i), s = _mm512_loadu_ps(cs + half + i);
       const __m512 x1 = load_ps(x + i * in_size, in_bf16, 0xFFFF);
@@ -608,8 +607,8 @@ PDSERVE_VL_TARGET __attribute__((optimize("fp-contract=off"))) void rope_store_t
         store_ps(o + i * c_size, c_bf16, o1);
         store_ps(o + (half + i) * c_size, c_bf16, o2);
       } else {
-        _mm512_store_ps(k_head + i, o1);
-        _mm512_store_ps(k_head + half + i, o2);
+        _mm512_store_ps(k_rot + i, o1);
+        _mm512_store_ps(k_rot + half + i, o2);
       }
     }
     if (head < h || k_dst == nullptr) continue;
@@ -619,12 +618,12 @@ PDSERVE_VL_TARGET __attribute__((optimize("fp-contract=off"))) void rope_store_t
       alignas(64) uint16_t rounded[512];
       for (int64_t i = 0; i < d; i += 16)
         _mm256_store_si256(reinterpret_cast<__m256i*>(rounded + i),
-                           (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(k_head + i)));
+                           (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(k_rot + i)));
       uint16_t* kb = reinterpret_cast<uint16_t*>(k);
       for (int64_t e = 0; e < d; ++e) kb[e * bs] = rounded[e];
     } else {
       float* kf = reinterpret_cast<float*>(k);
-      for (int64_t e = 0; e < d; ++e) kf[e * bs] = k_head[e];
+      for (int64_t e = 0; e < d; ++e) kf[e * bs] = k_rot[e];
     }
   }
   if (v_dst == nullptr) return;

@@ -57,11 +57,7 @@ def silu_mul_op() -> Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None:
     CPU lacks AVX-512 BF16. Within 6e-7 relative of torch's ``silu`` then ``mul`` (4.4e-7
     the worst over 84M random values); elementwise, so a row's bits do not depend on the
     rows beside it."""
-    try:
-        _load()
-    except Int4KernelUnavailable:
-        return None
-    return torch.ops.pdserve.silu_mul
+    return _op("silu_mul")
 
 
 def rope_store_op() -> Callable[..., torch.Tensor] | None:
@@ -71,11 +67,17 @@ def rope_store_op() -> Callable[..., torch.Tensor] | None:
     ``vec16`` order, the slots -> rotated q (T, H, D) in the pool's dtype, with K and V
     written. Bit for bit what the library's ``rotary_embedding`` then
     ``cpu_attn_reshape_and_cache`` give. None where not built or without AVX-512 BF16."""
+    return _op("rope_store")
+
+
+def _op(name: str) -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.pdserve.<name>``, or None where the library is not built or cannot run."""
     try:
         _load()
     except Int4KernelUnavailable:
         return None
-    return torch.ops.pdserve.rope_store
+    op: Callable[..., torch.Tensor] = getattr(torch.ops.pdserve, name)
+    return op
 
 
 def library_path() -> Path | None:

@@ -136,6 +136,7 @@ class _PackedKernel(DirectAttrs):
     choice between it and ``packed_forward`` per call."""
 
     many_rows: ManyRows | None
+    input_dtype: torch.dtype  # what the packed kernel rounds its input to
     compute_dtype: torch.dtype
 
     def with_gemm(self, gemm: nn.Module, min_rows: int, by_phase: bool = True) -> None:
@@ -153,15 +154,11 @@ class _PackedKernel(DirectAttrs):
 
     def input_dtype_for(self, x: torch.Tensor) -> torch.dtype:
         """The dtype the path of a call on ``x`` rounds x to before its product: bfloat16
-        on every GEMM here, or the packed kernel's own."""
+        on every GEMM here, or the packed kernel's own (``input_dtype``)."""
         rows = self.many_rows
         if rows is not None and rows.serves(x):
             return torch.bfloat16
-        return self.packed_input_dtype
-
-    @property
-    def packed_input_dtype(self) -> torch.dtype:
-        raise NotImplementedError
+        return self.input_dtype
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` without a bias, in the dtype of the path the call takes: the GEMM's
@@ -237,10 +234,6 @@ class Int4Kernel(_PackedKernel):
             self.input_dtype, self.compute_dtype = torch.bfloat16, torch.float32
         self.many_rows: ManyRows | None = None  # see with_gemm
 
-    @property
-    def packed_input_dtype(self) -> torch.dtype:
-        return self.input_dtype
-
     @staticmethod
     def roles(kernel: str) -> tuple[str, ...]:
         """The names of the tensors ``kernel``'s layout holds (what ``from_packed`` takes)."""
@@ -296,19 +289,15 @@ class Int8Kernel(_PackedKernel):
     def _hold(self, planes: Int4Kernel, shape: tuple[int, ...]) -> None:
         self.planes = planes
         self.kernel = planes.kernel  # the int4 kernel the planes run on
-        self.compute_dtype = planes.compute_dtype
+        self.input_dtype, self.compute_dtype = planes.input_dtype, planes.compute_dtype
         self.out_features, self.in_features = shape
         self.shape = (self.out_features, self.in_features)
         self.many_rows: ManyRows | None = None
 
-    @property
-    def packed_input_dtype(self) -> torch.dtype:
-        return self.planes.input_dtype
-
     def packed_forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        xc = x.to(self.planes.input_dtype)  # before the repeat: half the bytes cast
+        xc = x.to(self.input_dtype)  # before the repeat: half the bytes cast
         return self.planes.packed_forward(torch.cat((xc, xc), dim=1), bias, out_dtype or x.dtype)
 
 
@@ -363,7 +352,8 @@ class RefinedHead(DirectAttrs):
         return out.scatter_(1, idx, exact)
 
 
-# What a ``Linear`` holds: each has ``forward(x, bias, out_dtype)`` and ``native(x)``.
+# What a ``Linear`` holds: each has ``forward(x, bias, out_dtype)``, ``native(x)`` and
+# ``input_dtype_for(x)``.
 LinearKernel = DenseKernel | Int4Kernel | Int8Kernel | RefinedHead
 
 
