@@ -372,7 +372,11 @@ def serve(config: ServerConfig) -> int:
         topo.add_kv_tier(tiers.segment, tiers.engine_fields(), tiers.frontend_fields())
     board = topo.board()
     sup = Supervisor(
-        _children(config, topo, gpus, model, backend), topo.load_table(), topo.p, board
+        _children(config, topo, gpus, model, backend),
+        topo.load_table(),
+        topo.p,
+        board,
+        fork=config.fork_workers,
     )
 
     url = f"http://{config.host}:{config.port}"
@@ -438,7 +442,7 @@ def serve_member(config: ServerConfig) -> int:
         topo.add_weights()
     children = _engine_children(config, topo, gpus, model, "nixl", first_decode=base)
     children.append(cluster.member_gateway(config, topo, layout, _model_name(config, model), mine))
-    sup = Supervisor(children, topo.load_table(), topo.p)
+    sup = Supervisor(children, topo.load_table(), topo.p, fork=config.fork_workers)
     return _supervise(
         sup,
         lambda: True,

@@ -98,6 +98,14 @@ def _workers(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         help="run this many workers that each prefill and decode their own requests "
         "(no KV transfer; the benchmark baseline) instead of separate pools",
     )
+    add(
+        "--fork-workers",
+        action=argparse.BooleanOptionalAction,
+        default=d.fork_workers,
+        help="start every child by forking one interpreter that has imported torch and "
+        "the worker code (they share those pages, about 150 MiB a process, and a "
+        "restarted worker starts at once); off, each child is a fresh interpreter",
+    )
     add("--host", default=d.host, help="address the HTTP server listens on")
     add("--port", type=int, default=d.port, help="port the HTTP server listens on")
 

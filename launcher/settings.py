@@ -76,6 +76,7 @@ class ServerConfig:
     detokenizers: int = 1
     api_workers: int = 1  # HTTP frontend processes sharing the port
     colocated: int = 0
+    fork_workers: bool = True  # children forked from one interpreter that imported torch
     host: str = "127.0.0.1"
     port: int = 8000
     device: Device = Device.AUTO

@@ -1,7 +1,9 @@
 """Spawning, watching, restarting and stopping the children of one server.
 
-Every child is a fresh interpreter (``python -m <role module>``) that inherits exactly the
-fds its spec names. The supervisor watches each child's pidfd, so a death is seen at once
+Every child runs ``python -m <role module>`` and inherits exactly the fds its spec names:
+forked from the zygote (``runtime/zygote.py``: one interpreter that has imported torch and
+the role modules, so the children share those pages) or, with ``--no-fork-workers`` or if
+the zygote fails, as a fresh interpreter. The supervisor watches each child's pidfd, so a death is seen at once
 (well within the 1 s promise); a dead worker's load-table row is marked DEAD before it is
 restarted, so the router stops placing work there immediately.
 
@@ -31,8 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from frontend.engine_link.board import FrontendBoard
-from runtime.process import SPEC_ENV, ProcessSpec
+from runtime.process import PARENT_ENV, SPEC_ENV, ProcessSpec
 from runtime.spec_decode import EXIT_BAD_SPEC
+from runtime.zygote import ForkedChild, Zygote, ZygoteError, reap_strays
 from transport.load_table import LoadTable, WorkerState, describe_exit
 from wire.roles import Role
 
@@ -45,6 +48,12 @@ MODULES = {
     Role.COLOCATED: "colocated.worker",
     Role.DETOK: "detokenizer.worker",
     Role.GATEWAY: "cluster.gateway",
+}
+# What roles import lazily, once running, that the zygote imports for them too: the
+# tokenizer's class (and through it most of transformers, ~25 MiB a process).
+LAZY_IMPORTS = {
+    Role.FRONTEND: ("transformers:PreTrainedTokenizerFast",),
+    Role.DETOK: ("transformers:PreTrainedTokenizerFast",),
 }
 SHUTDOWN_GRACE_S = 8.0  # SIGTERM, then SIGKILL: everything is gone within 10 s
 RESTART_BASE_S = 0.5
@@ -66,7 +75,7 @@ class ChildFailed(RuntimeError):
 class Child:
     spec: ProcessSpec
     env: dict[str, str]
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | ForkedChild | None = None
     pidfd: int = -1
     restarts: int = 0
     started_at: float = field(default=0.0)
@@ -82,14 +91,25 @@ class Child:
     def name(self) -> str:
         return self.spec.role.worker_name(self.spec.index)
 
-    def start(self) -> None:
-        env = {**os.environ, **self.env, SPEC_ENV: self.spec.to_json()}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", MODULES[self.spec.role]],
-            env=env,
-            pass_fds=self.spec.fds(),
-            start_new_session=False,
-        )
+    def start(self, zygote: Zygote | None = None) -> None:
+        """Fork it from ``zygote`` (raises ``ZygoteError`` if that fails), or without one
+        start a fresh interpreter."""
+        env = {
+            **os.environ,
+            **self.env,
+            SPEC_ENV: self.spec.to_json(),
+            PARENT_ENV: str(os.getpid()),
+        }
+        module = MODULES[self.spec.role]
+        if zygote is not None:
+            self.proc = zygote.spawn(module, env, self.spec.fds())
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", module],
+                env=env,
+                pass_fds=self.spec.fds(),
+                start_new_session=False,
+            )
         self.pidfd = os.pidfd_open(self.proc.pid)
         self.started_at = time.monotonic()
         logger.info("started %s (pid %d)", self.name, self.proc.pid)
@@ -111,16 +131,44 @@ class Supervisor:
         table: LoadTable,
         num_prefill: int,
         board: FrontendBoard | None = None,
+        fork: bool = True,
     ) -> None:
         self.children = children
         self.table = table
         self.num_prefill = num_prefill
         self.board = board  # the frontends' (their rows' states are the launcher's word too)
         self.stopping = False
+        self.fork = fork
+        self.zygote: Zygote | None = None
+        self.adopts = False  # a subreaper: a dead child's orphans become ours to reap
 
     def start_all(self) -> None:
+        if self.fork:
+            roles = {c.spec.role for c in self.children}
+            lazy = {name for r in roles for name in LAZY_IMPORTS.get(r, ())}
+            modules = sorted({MODULES[r] for r in roles} | lazy)
+            try:
+                self.adopts = True
+                self.zygote = Zygote.start(modules)
+            except (ZygoteError, OSError) as e:
+                logger.warning("no zygote (%s); children start as fresh interpreters", e)
         for child in self.children:
-            child.start()
+            self._start(child)
+
+    def _start(self, child: Child) -> None:
+        if self.zygote is not None:
+            try:
+                child.start(self.zygote)
+                return
+            except ZygoteError as e:
+                logger.warning(
+                    "forking %s failed (%s); children start as fresh interpreters from now on",
+                    child.name,
+                    e,
+                )
+                self.zygote.close()
+                self.zygote = None
+        child.start()
 
     def wait_ready(self, timeout_s: float, frontend_ready: Callable[[], bool]) -> None:
         """Until every engine role has a READY worker and ``frontend_ready()`` is true.
@@ -160,12 +208,15 @@ class Supervisor:
             code = child.reap()
             if code is not None and not self.stopping:
                 self._on_death(child, code)
+        if self.adopts:
+            known = {c.proc.pid for c in self.children if c.proc is not None}
+            reap_strays(known | ({self.zygote.proc.pid} if self.zygote is not None else set()))
         now = time.monotonic()
         for child in self.children:
             if child.restart_at is not None and now >= child.restart_at and not self.stopping:
                 child.restart_at = None
                 child.restarts += 1
-                child.start()
+                self._start(child)
 
     def _on_death(self, child: Child, code: int) -> None:
         how = describe_exit(code)
@@ -228,3 +279,6 @@ class Supervisor:
             if c.pidfd >= 0:
                 os.close(c.pidfd)
                 c.pidfd = -1
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None

@@ -26,6 +26,7 @@ from wire.ring_names import RingKind, RingName
 from wire.roles import Role
 
 SPEC_ENV = "PDSERVE_SPEC"
+PARENT_ENV = "PDSERVE_PARENT"  # the pid a child's parent must have: the launcher's
 _PR_SET_PDEATHSIG = 1
 
 
@@ -90,7 +91,10 @@ def bootstrap() -> tuple[ProcessSpec, Stopping]:
         pass
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # the launcher died before prctl took effect
+    # The launcher died before prctl took effect: we were re-parented (to init, or to a
+    # subreaper above the launcher; the launcher says its pid, a bare test run does not).
+    parent = os.environ.get(PARENT_ENV)
+    if os.getppid() == 1 or (parent is not None and os.getppid() != int(parent)):
         sys.exit(1)
     level = spec.settings.get("log_level", "INFO")
     logging.basicConfig(

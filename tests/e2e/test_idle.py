@@ -53,7 +53,8 @@ def _settled(pids: list[int], timeout_s: float = 60.0) -> None:
 
 def test_idle_server_sleeps_in_the_kernel(server: LaunchedServer) -> None:
     pids = [server.proc.pid, *children(server.proc.pid)]
-    assert len(pids) == 1 + 1 + 2 + 2 + 2  # launcher, frontend, 2 prefill, 2 decode, 2 detok
+    # launcher, the zygote, frontend, 2 prefill, 2 decode, 2 detok
+    assert len(pids) == 1 + 1 + 1 + 2 + 2 + 2
     # The frontend's grammar compile processes (its children) must sleep too, once loaded.
     # The first constrained request starts one (unless an earlier test's did already).
     body = {
@@ -98,6 +99,7 @@ def test_process_titles_name_each_role(server: LaunchedServer) -> None:
         "pdserve:decode-1",
         "pdserve:detok-0",
         "pdserve:detok-1",
+        "pdserve:zygote",
     }
     assert {t.strip() for t in titles} == want
 
