@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from frontend.engine_link.board import FrontendBoard
 from runtime.process import PARENT_ENV, SPEC_ENV, ProcessSpec
 from runtime.spec_decode import EXIT_BAD_SPEC
-from runtime.zygote import ForkedChild, Zygote, ZygoteError, reap_strays
+from runtime.zygote import ForkedChild, Zygote, ZygoteError, ZygoteRefused, reap_strays
 from transport.load_table import LoadTable, WorkerState, describe_exit
 from wire.roles import Role
 
@@ -159,6 +159,10 @@ class Supervisor:
         if self.zygote is not None:
             try:
                 child.start(self.zygote)
+                return
+            except ZygoteRefused as e:
+                logger.warning("%s starts as a fresh interpreter: %s", child.name, e)
+                child.start()
                 return
             except ZygoteError as e:
                 logger.warning(

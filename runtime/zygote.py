@@ -56,7 +56,9 @@ logger = logging.getLogger(__name__)
 
 FD_ENV = "PDSERVE_ZYGOTE_FD"  # the zygote's end of its socket
 MAX_FDS = 250  # one message's SCM_RIGHTS carries at most 253 fds (SCM_MAX_FD)
-MAX_MESSAGE = 1 << 20  # bytes of one request (a spec and an environment: a few KB)
+# Bytes of one request (a spec and an environment: tens of KB); a datagram must fit the
+# socket's send buffer, 208 KiB by default (net.core.wmem_default).
+MAX_MESSAGE = 192 * 1024
 REPARENT_TIMEOUT_S = 10.0
 
 _PR_SET_PDEATHSIG = 1
@@ -65,6 +67,11 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 class ZygoteError(RuntimeError):
     """The zygote could not start, or could not fork a child: start it fresh instead."""
+
+
+class ZygoteRefused(ZygoteError):
+    """This one child cannot go through the zygote (too many fds, too long a request);
+    the zygote itself is fine."""
 
 
 def _prctl(option: int, arg: int) -> None:
@@ -163,12 +170,13 @@ class Zygote:
 
     def spawn(self, module: str, env: dict[str, str], fds: list[int]) -> ForkedChild:
         """Fork a child that runs ``python -m module`` with ``env`` and ``fds`` (same
-        numbers as here). Raises ``ZygoteError`` when the zygote cannot."""
+        numbers as here). Raises ``ZygoteRefused`` for a request the zygote cannot take,
+        ``ZygoteError`` when the zygote is gone or cannot fork."""
         if len(fds) > MAX_FDS:
-            raise ZygoteError(f"{len(fds)} fds are more than one message carries")
+            raise ZygoteRefused(f"{len(fds)} fds are more than one message carries")
         request = json.dumps({"module": module, "env": env, "fds": fds}).encode()
         if len(request) > MAX_MESSAGE:
-            raise ZygoteError(f"a request of {len(request)} bytes is too long")
+            raise ZygoteRefused(f"a request of {len(request)} bytes is too long")
         try:
             socket.send_fds(self.sock, [request], fds)
         except OSError as e:

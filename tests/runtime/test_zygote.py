@@ -65,6 +65,15 @@ def test_a_dead_childs_orphans_are_reaped(run: tuple[dict, Path]) -> None:
     assert seen["zombies_after"] == 0
 
 
+def test_a_request_it_cannot_carry_is_refused_and_the_zygote_serves_on(
+    run: tuple[dict, Path],
+) -> None:
+    seen, _ = run
+    assert len(seen["refused"]) == 2, seen["refused"]
+    assert "fds" in seen["refused"][0] and "too long" in seen["refused"][1]
+    assert seen["after_refusals"] == 3
+
+
 def test_a_dead_zygote_is_reported_not_waited_for(run: tuple[dict, Path]) -> None:
     seen, _ = run
     assert seen["after_death"].startswith("zygote gone") or "exited" in seen["after_death"]

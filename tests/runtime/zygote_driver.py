@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from runtime.zygote import Zygote, ZygoteError, reap_strays
+from runtime.zygote import MAX_FDS, MAX_MESSAGE, Zygote, ZygoteError, ZygoteRefused, reap_strays
 
 CHILD = "tests.runtime.zygote_child"
 
@@ -63,6 +63,16 @@ def main() -> None:
     before = _zombies()
     reap_strays({zygote.proc.pid})
     seen["zombies_before"], seen["zombies_after"] = before, _zombies()
+
+    refused = []
+    many = [os.dup(fds[0]) for _ in range(MAX_FDS + 1)]
+    for name, extra, sent in (("fds", {}, many), ("long", {"BIG": "x" * MAX_MESSAGE}, fds)):
+        try:
+            zygote.spawn(CHILD, {**env(name, "exit:0"), **extra}, sent)
+        except ZygoteRefused as e:
+            refused.append(str(e))
+    seen["refused"] = refused
+    seen["after_refusals"] = zygote.spawn(CHILD, env("after", "exit:3"), fds).wait(30)
 
     zygote.proc.send_signal(signal.SIGKILL)
     zygote.proc.wait()
