@@ -377,6 +377,7 @@ def serve(config: ServerConfig) -> int:
         topo.p,
         board,
         fork=config.fork_workers,
+        model=str(model),
     )
 
     url = f"http://{config.host}:{config.port}"

@@ -49,12 +49,9 @@ MODULES = {
     Role.DETOK: "detokenizer.worker",
     Role.GATEWAY: "cluster.gateway",
 }
-# What roles import lazily, once running, that the zygote imports for them too: the
-# tokenizer's class (and through it most of transformers, ~25 MiB a process).
-LAZY_IMPORTS = {
-    Role.FRONTEND: ("transformers:PreTrainedTokenizerFast",),
-    Role.DETOK: ("transformers:PreTrainedTokenizerFast",),
-}
+# Roles that load the model's tokenizer once running: the zygote loads it for them (and
+# with it most of transformers), so they share it.
+TOKENIZER_ROLES = frozenset({Role.FRONTEND, Role.DETOK})
 SHUTDOWN_GRACE_S = 8.0  # SIGTERM, then SIGKILL: everything is gone within 10 s
 RESTART_BASE_S = 0.5
 RESTART_MAX_S = 30.0
@@ -132,6 +129,7 @@ class Supervisor:
         num_prefill: int,
         board: FrontendBoard | None = None,
         fork: bool = True,
+        model: str | None = None,
     ) -> None:
         self.children = children
         self.table = table
@@ -139,17 +137,18 @@ class Supervisor:
         self.board = board  # the frontends' (their rows' states are the launcher's word too)
         self.stopping = False
         self.fork = fork
+        self.model = model  # the model directory whose tokenizer children load
         self.zygote: Zygote | None = None
         self.adopts = False  # a subreaper: a dead child's orphans become ours to reap
 
     def start_all(self) -> None:
         if self.fork:
             roles = {c.spec.role for c in self.children}
-            lazy = {name for r in roles for name in LAZY_IMPORTS.get(r, ())}
-            modules = sorted({MODULES[r] for r in roles} | lazy)
+            modules = sorted({MODULES[r] for r in roles})
+            tokenizer = self.model if roles & TOKENIZER_ROLES else None
             try:
                 self.adopts = True
-                self.zygote = Zygote.start(modules)
+                self.zygote = Zygote.start(modules, tokenizer)
             except (ZygoteError, OSError) as e:
                 logger.warning("no zygote (%s); children start as fresh interpreters", e)
         for child in self.children:

@@ -137,9 +137,11 @@ class Zygote:
         self.adopted: set[int] = set()  # pids of the children it forked for us
 
     @classmethod
-    def start(cls, modules: list[str], timeout_s: float = 120.0) -> Zygote:
-        """Start a zygote that imports ``modules`` (``module`` or ``module:name``, see
-        ``_preload``) and wait until it has.
+    def start(
+        cls, modules: list[str], tokenizer: str | None = None, timeout_s: float = 120.0
+    ) -> Zygote:
+        """Start a zygote that imports ``modules`` (and loads the tokenizer of the model
+        directory ``tokenizer``) and wait until it has.
 
         Marks the calling process a child subreaper, so the children it forks become ours.
         """
@@ -152,7 +154,13 @@ class Zygote:
             "OMP_NUM_THREADS": "1",  # no OpenMP or BLAS thread pool in the process we fork
         }
         proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.zygote", *modules],
+            [
+                sys.executable,
+                "-m",
+                "runtime.zygote",
+                *(["--tokenizer", tokenizer] if tokenizer is not None else []),
+                *modules,
+            ],
             env=env,
             pass_fds=[theirs.fileno()],
         )
@@ -339,13 +347,15 @@ def _run(job: _Job) -> None:
     runpy.run_module(job.module, run_name="__main__", alter_sys=True)
 
 
-def _preload(entry: str) -> None:
-    """Import ``module``, or for ``module:name`` also touch the name (a package that
-    imports its members lazily, as transformers does, imports that member's module then)."""
-    module, _, name = entry.partition(":")
-    loaded = importlib.import_module(module)
-    if name:
-        getattr(loaded, name)
+def _preload_tokenizer(model_dir: str) -> None:
+    """The children's tokenizer, loaded once here (``engine.tokenizer.hf_tokenizer``):
+    a failure only costs each child its own load, so it is said and not fatal."""
+    from engine.tokenizer.hf_tokenizer import preload_tokenizer
+
+    try:
+        preload_tokenizer(model_dir)
+    except Exception as e:  # whatever it was, the children load their own
+        print(f"pdserve:zygote: tokenizer of {model_dir} not preloaded: {e!r}", file=sys.stderr)
 
 
 def main() -> None:
@@ -362,12 +372,18 @@ def main() -> None:
         setproctitle.setproctitle("pdserve:zygote")
     except ImportError:  # pragma: no cover - a declared dependency
         pass
-    for entry in sys.argv[1:]:
+    # python -m runtime.zygote [--tokenizer MODEL_DIR] MODULE...
+    modules, tokenizer = sys.argv[1:], None
+    if modules[:1] == ["--tokenizer"]:
+        tokenizer, modules = modules[1], modules[2:]
+    for module in modules:
         try:
-            _preload(entry)
+            importlib.import_module(module)
         except Exception as e:  # said to the launcher, which then starts fresh interpreters
-            sock.send(json.dumps({"error": f"importing {entry}: {e!r}"}).encode())
+            sock.send(json.dumps({"error": f"importing {module}: {e!r}"}).encode())
             os._exit(1)
+    if tokenizer is not None:
+        _preload_tokenizer(tokenizer)
     gc.freeze()
     sock.send(json.dumps({"ready": True}).encode())
     job = _serve(sock, launcher)

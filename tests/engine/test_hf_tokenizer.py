@@ -97,3 +97,14 @@ def test_frontend_and_detokenizer_do_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_a_preloaded_tokenizer_is_handed_out_once_then_loaded_afresh() -> None:
+    from engine.tokenizer.hf_tokenizer import preload_tokenizer
+
+    model = tiny.tiny_model_dir(tiny.DEFAULT_ARCH)
+    preloaded = preload_tokenizer(model)
+    first = load_tokenizer(str(model) + "/")  # the same directory, spelled otherwise
+    second = load_tokenizer(model)
+    assert first is preloaded and second is not preloaded  # to the first caller only
+    _same(first, second)
