@@ -128,7 +128,7 @@ class Supervisor:
         table: LoadTable,
         num_prefill: int,
         board: FrontendBoard | None = None,
-        fork: bool = True,
+        fork: bool = False,
         model: str | None = None,
     ) -> None:
         self.children = children

@@ -93,8 +93,10 @@ def bootstrap() -> tuple[ProcessSpec, Stopping]:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     # The launcher died before prctl took effect: we were re-parented (to init, or to a
     # subreaper above the launcher; the launcher says its pid, a bare test run does not).
+    # A launcher that is a container's init is pid 1 itself: trust its word where it gives it.
     parent = os.environ.get(PARENT_ENV)
-    if os.getppid() == 1 or (parent is not None and os.getppid() != int(parent)):
+    orphaned = os.getppid() != int(parent) if parent is not None else os.getppid() == 1
+    if orphaned:
         sys.exit(1)
     level = spec.settings.get("log_level", "INFO")
     logging.basicConfig(

@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import gc
 import importlib
 import json
 import logging
 import os
+import resource
 import runpy
 import select
 import signal
@@ -103,8 +105,13 @@ class ForkedChild:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is not None:
+            return self.returncode  # type: ignore[return-value]
         deadline = None if timeout is None else time.monotonic() + timeout
-        pidfd = os.pidfd_open(self.pid)
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:  # reaped between the poll and here
+            return self.wait(timeout)
         try:
             while self.poll() is None:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -134,7 +141,6 @@ class Zygote:
     def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
         self.proc = proc
         self.sock = sock
-        self.adopted: set[int] = set()  # pids of the children it forked for us
 
     @classmethod
     def start(
@@ -185,21 +191,32 @@ class Zygote:
         request = json.dumps({"module": module, "env": env, "fds": fds}).encode()
         if len(request) > MAX_MESSAGE:
             raise ZygoteRefused(f"a request of {len(request)} bytes is too long")
+        # The child waits for a byte on this pipe before it runs anything: if we do not
+        # learn its pid (no answer, a zygote that died), closing the pipe unwritten makes
+        # it exit, so no child runs that the supervisor does not know of.
+        go_read, go = os.pipe()
         try:
-            socket.send_fds(self.sock, [request], fds)
-        except OSError as e:
-            raise ZygoteError(f"zygote gone: {e}") from e
-        reply = self._reply(30.0)
-        if "pid" not in reply:
-            raise ZygoteError(f"zygote could not fork: {reply.get('error', reply)}")
-        pid = int(reply["pid"])
-        self.adopted.add(pid)
-        return ForkedChild(pid)
+            try:
+                socket.send_fds(self.sock, [request], [*fds, go_read])
+            except OSError as e:
+                if e.errno == errno.EMSGSIZE:
+                    raise ZygoteRefused(f"a request of {len(request)} bytes is too long") from e
+                raise ZygoteError(f"zygote gone: {e}") from e
+            finally:
+                os.close(go_read)
+            reply = self._reply(30.0)
+            if "pid" not in reply:
+                raise ZygoteError(f"zygote could not fork: {reply.get('error', reply)}")
+            child = ForkedChild(int(reply["pid"]))
+            os.write(go, b"g")
+            return child
+        finally:
+            os.close(go)
 
     def _reply(self, timeout_s: float) -> dict[str, Any]:
         ready, _, _ = select.select([self.sock], [], [], timeout_s)
         if not ready:
-            raise ZygoteError(f"no answer from the zygote in {timeout_s:.0f} s")
+            raise ZygoteError(f"no answer from the zygote in {timeout_s:g} s")
         try:
             data = self.sock.recv(MAX_MESSAGE)
         except OSError as e:
@@ -210,13 +227,14 @@ class Zygote:
         return reply
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """End the zygote: it exits when its socket closes."""
+        """End the zygote (it exits when its socket closes) and stop adopting orphans."""
         self.sock.close()
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
 
 
 def reap_strays(known: set[int]) -> None:
@@ -252,7 +270,7 @@ def _serve(sock: socket.socket, launcher: int) -> _Job:
     Returns only in a forked child."""
     while True:
         try:
-            data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+            data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS + 1)
         except InterruptedError:
             continue
         if not data:
@@ -261,19 +279,26 @@ def _serve(sock: socket.socket, launcher: int) -> _Job:
             request = json.loads(data)
             job = _Job(str(request["module"]), {str(k): str(v) for k, v in request["env"].items()})
             targets = [int(fd) for fd in request["fds"]]
-            if len(targets) != len(fds):
+            if len(targets) + 1 != len(fds):  # the last one is the go pipe
                 raise ValueError(f"{len(targets)} fd numbers for {len(fds)} fds")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             for fd in fds:
                 os.close(fd)
-            sock.send(json.dumps({"error": f"bad request: {e}"}).encode())
+            _answer(sock, {"error": f"bad request: {e}"})
             continue
         pid = _fork_adoptable(sock, fds, targets, launcher)
         if pid is None:  # the child
             return job
         for fd in fds:
             os.close(fd)
-        sock.send(json.dumps({"pid": pid} if pid > 0 else {"error": "fork failed"}).encode())
+        _answer(sock, {"pid": pid} if pid > 0 else {"error": "fork failed"})
+
+
+def _answer(sock: socket.socket, reply: dict[str, Any]) -> None:
+    try:
+        sock.send(json.dumps(reply).encode())
+    except OSError:  # the launcher is gone: so are we
+        os._exit(0)
 
 
 def _fork_adoptable(
@@ -281,6 +306,8 @@ def _fork_adoptable(
 ) -> int | None:
     """Fork twice so the child's parent becomes the launcher (a subreaper). Returns the
     child's pid in the zygote (-1 if a fork failed) and None in the child."""
+    sys.stdout.flush()  # nothing buffered here may be written again by the children
+    sys.stderr.flush()
     r, w = os.pipe()
     try:
         middle = os.fork()
@@ -311,24 +338,50 @@ def _fork_adoptable(
 def _become_child(
     sock: socket.socket, fds: list[int], targets: list[int], middle: int, launcher: int
 ) -> None:
-    """In the forked child: wait to be the launcher's, then take on the fds it was sent."""
+    """In the forked child: wait to be the launcher's and for its go, then take on the
+    fds it was sent (``fds[-1]`` is the go pipe)."""
     sock.close()
+    _title("pdserve:starting")  # not the zygote's: the child's own comes with its spec
     deadline = time.monotonic() + REPARENT_TIMEOUT_S
     while os.getppid() == middle and time.monotonic() < deadline:
         time.sleep(0.001)
     if os.getppid() != launcher:  # the launcher died meanwhile
         os._exit(1)
-    # Move each fd to its number, through numbers above every target so none is clobbered.
+    *fds, go = fds
+    if os.read(go, 1) != b"g":  # the launcher never learnt our pid: leave
+        os._exit(1)
+    os.close(go)
+    _move_fds(fds, targets)
+    keep = sorted({0, 1, 2, *targets})
+    for lo, hi in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
+        os.closerange(lo + 1, hi)
+
+
+def _move_fds(fds: list[int], targets: list[int]) -> None:
+    """Put ``fds[i]`` at ``targets[i]``, through numbers above every target so that none
+    is clobbered; the fd limit is raised for the move if that needs it, then restored."""
     floor = max([*targets, *fds, 2]) + 1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = floor + len(fds) + 1
+    if need > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor) for fd in fds]
     for fd in fds:
         os.close(fd)
     for fd, target in zip(high, targets, strict=True):
         os.dup2(fd, target, inheritable=True)
         os.close(fd)
-    keep = sorted({0, 1, 2, *targets})
-    for lo, hi in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
-        os.closerange(lo + 1, hi)
+    if need > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _title(name: str) -> None:
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(name)
+    except ImportError:  # pragma: no cover - a declared dependency
+        pass
 
 
 def _run(job: _Job) -> None:
@@ -358,6 +411,19 @@ def _preload_tokenizer(model_dir: str) -> None:
         print(f"pdserve:zygote: tokenizer of {model_dir} not preloaded: {e!r}", file=sys.stderr)
 
 
+def _unsafe_to_fork() -> str | None:
+    """Why a child forked from here would not be sound, or None: only the calling thread
+    survives a fork (a lock another thread held stays held), and a CUDA context does not
+    survive it at all. An import that started either is caught here, not in the children."""
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        return f"importing the children's modules started {threads - 1} threads"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "importing the children's modules initialised CUDA"
+    return None
+
+
 def main() -> None:
     gc.disable()  # no collections while importing: they would leave holes in shared pages
     sock = socket.socket(fileno=int(os.environ.pop(FD_ENV)))
@@ -366,12 +432,7 @@ def main() -> None:
     if os.getppid() != launcher:
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle("pdserve:zygote")
-    except ImportError:  # pragma: no cover - a declared dependency
-        pass
+    _title("pdserve:zygote")
     # python -m runtime.zygote [--tokenizer MODEL_DIR] MODULE...
     modules, tokenizer = sys.argv[1:], None
     if modules[:1] == ["--tokenizer"]:
@@ -384,8 +445,12 @@ def main() -> None:
             os._exit(1)
     if tokenizer is not None:
         _preload_tokenizer(tokenizer)
+    unsafe = _unsafe_to_fork()
+    if unsafe:
+        _answer(sock, {"error": unsafe})
+        os._exit(1)
     gc.freeze()
-    sock.send(json.dumps({"ready": True}).encode())
+    _answer(sock, {"ready": True})
     job = _serve(sock, launcher)
     _run(job)
 

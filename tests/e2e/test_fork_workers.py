@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.soak import process_tree
 from checkpoints import tiny
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import (
@@ -63,7 +64,10 @@ def test_children_are_forked_from_the_zygote_and_share_its_pages(
     forked: LaunchedServer,
 ) -> None:
     titles = {title(pid): pid for pid in children(forked.proc.pid)}
-    assert set(titles) == {*CHILDREN, "pdserve:zygote"}  # the launcher is every one's parent
+    # The launcher is every one's parent, and there is one of each.
+    assert sorted(title(pid) for pid in children(forked.proc.pid)) == sorted(
+        [*CHILDREN, "pdserve:zygote"]
+    )
     shared = {name: shared_anon_mib(titles[name]) for name in CHILDREN}
     assert all(mib > FORKED_MIB for mib in shared.values()), shared
     model = tiny.tiny_model_dir(tiny.DEFAULT_ARCH)
@@ -86,10 +90,21 @@ def test_a_restarted_worker_is_forked_again(forked: LaunchedServer) -> None:
     check_greedy_matches_transformers(forked, model, random_prompts(3, seed=6), 8)
 
 
+def test_a_stop_ends_every_child_and_the_zygote() -> None:
+    srv = LaunchedServer(shlex.split(ARGS))
+    srv.wait_ready()
+    tree = process_tree(srv.proc.pid)
+    assert srv.stop() == 0
+    deadline = time.monotonic() + 15
+    while any(Path(f"/proc/{pid}").exists() for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in tree if Path(f"/proc/{pid}").exists()]
+
+
 def test_without_forking_each_child_is_a_fresh_interpreter() -> None:
     for srv in serving("--no-fork-workers"):
         titles = {title(pid): pid for pid in children(srv.proc.pid)}
-        assert set(titles) == set(CHILDREN)
+        assert sorted(title(pid) for pid in children(srv.proc.pid)) == sorted(CHILDREN)
         shared = {name: shared_anon_mib(titles[name]) for name in CHILDREN}
         assert all(mib < FRESH_MIB for mib in shared.values()), shared
         model = tiny.tiny_model_dir(tiny.DEFAULT_ARCH)

@@ -1,7 +1,8 @@
 """Children forked by the zygote see what a fresh ``python -m`` child would: their fds at
 the numbers named, the environment sent and nothing else, the launcher as their parent,
-their own thread count; the launcher reaps them, reads their exit status and their
-orphans' too, and learns at once when the zygote cannot fork."""
+default signal handling, their own thread count; the launcher reaps them, reads their exit
+status and their orphans' too, a child whose pid never reached the launcher leaves, and a
+request the zygote cannot carry or a dead zygote is said at once."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), out
@@ -44,25 +45,39 @@ def test_a_child_runs_its_module_as_main_with_its_fds_and_environment(
     assert child["name"] == "__main__"
     assert child["argv0"].endswith("zygote_child.py")
     assert child["ppid"] == seen["driver"]  # adopted by the launcher, not the zygote's
-    assert child["fds"] == {"9": "first", "8": "second", "41": "third"}
-    assert child["open_fds"] == [0, 1, 2, 8, 9, 41]
+    # Each fd at its number with its own content, though the zygote received them on the
+    # same low numbers in another order.
+    assert child["fds"] == {str(fd): str(fd) for fd in seen["fds"]}
+    assert child["open_fds"] == sorted([0, 1, 2, *seen["fds"]])
     assert "DRIVER_ONLY" not in child["env"]  # only what was sent
     assert child["env"]["OMP_NUM_THREADS"] == "2"
     assert child["torch_threads"] == 2  # set from its own environment, not the zygote's 1
     assert child["gc_enabled"]
+    assert child["sigint_default"] and child["sigterm_default"] and child["blocked"] == []
 
 
 def test_exit_codes_and_signals_reach_the_launcher(run: tuple[dict, Path]) -> None:
     seen, _ = run
-    assert seen["exit_code"] == 7
+    assert seen["exit_code"] == 7 and seen["wait_again"] == 7
     assert seen["wait_timed_out"]
     assert seen["killed_code"] == -9
 
 
-def test_a_dead_childs_orphans_are_reaped(run: tuple[dict, Path]) -> None:
+def test_orphans_are_reaped_and_known_children_left_to_their_owner(
+    run: tuple[dict, Path],
+) -> None:
     seen, _ = run
-    assert seen["zombies_before"] == 1
+    assert seen["known_code"] == 5
+    assert seen["orphan_zombie"]
     assert seen["zombies_after"] == 0
+
+
+def test_a_child_whose_pid_never_reached_the_launcher_leaves_before_running(
+    run: tuple[dict, Path],
+) -> None:
+    seen, _ = run
+    assert seen["lost_code"] == 1
+    assert not seen["lost_reported"]  # it never ran its module
 
 
 def test_a_request_it_cannot_carry_is_refused_and_the_zygote_serves_on(

@@ -1,7 +1,8 @@
 """Run by ``zygote_driver`` through the zygote: reports what a forked child sees.
 
 Writes a JSON report to ``$REPORT``, then acts as ``$ACT`` says: ``exit:N`` exits with N,
-``sleep`` sleeps until killed, ``orphan`` leaves a child behind that outlives it briefly.
+``sleep`` sleeps until killed, ``orphan`` leaves a child behind that exits once it has
+been re-parented.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import fcntl
 import gc
 import json
 import os
+import signal
 import sys
 import time
 
@@ -20,6 +22,15 @@ def _is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def _orphan() -> None:
+    parent = os.getpid()
+    if os.fork() == 0:
+        deadline = time.monotonic() + 30
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os._exit(0)
 
 
 if __name__ == "__main__":
@@ -36,6 +47,9 @@ if __name__ == "__main__":
         "open_fds": [fd for fd in range(1024) if _is_open(fd)],
         "gc_enabled": gc.isenabled(),
         "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
+        "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     }
     with open(os.environ["REPORT"], "w") as f:
         json.dump(report, f)
@@ -43,8 +57,6 @@ if __name__ == "__main__":
     if act == "sleep":
         time.sleep(60)
     elif act == "orphan":
-        if os.fork() == 0:
-            time.sleep(0.5)
-            os._exit(0)
+        _orphan()
         sys.exit(0)
     sys.exit(int(act.split(":")[1]))

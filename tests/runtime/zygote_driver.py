@@ -6,40 +6,78 @@ process must not become) and prints what it saw as one JSON line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 from runtime.zygote import MAX_FDS, MAX_MESSAGE, Zygote, ZygoteError, ZygoteRefused, reap_strays
 
 CHILD = "tests.runtime.zygote_child"
 
 
-def memfd_at(text: str, number: int) -> int:
-    """A memfd holding ``text`` at fd ``number`` (the numbers a spec would name)."""
-    fd = os.memfd_create("zygote-test")
-    os.write(fd, text.encode())
-    os.dup2(fd, number)
-    os.close(fd)
-    return number
+class LosingZygote(Zygote):
+    """Reads the zygote's answer, then says it never came (a reply lost to a timeout)."""
+
+    lose_next = False
+    lost_pid = 0
+
+    def _reply(self, timeout_s: float) -> dict[str, Any]:
+        reply = super()._reply(timeout_s)
+        if self.lose_next and "pid" in reply:
+            self.lose_next, self.lost_pid = False, int(reply["pid"])
+            raise ZygoteError("no answer (simulated)")
+        return reply
+
+
+def low_memfds(n: int) -> list[int]:
+    """``n`` memfds at the lowest free numbers, each holding its own number: the numbers
+    the zygote's received copies land on too, so moving them into place must not clobber
+    one with another."""
+    out = []
+    for _ in range(n):
+        fd = os.memfd_create("zygote-test")
+        os.write(fd, str(fd).encode())
+        out.append(fd)
+    return out
+
+
+def zombies(pids: set[int] | None = None) -> list[int]:
+    """Our zombie children (of ``pids`` only, if given)."""
+    kids = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            kids += [int(pid) for pid in f.read().split()]
+    out = []
+    for pid in kids:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z" and (pids is None or pid in pids):
+                out.append(pid)
+    return out
+
+
+def until(check: Any, timeout_s: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return found
 
 
 def main() -> None:
     out, modules = sys.argv[1], sys.argv[2:]
-    # Targets the zygote's own received fds are likely to land on, in reverse order.
-    fds = [memfd_at("first", 9), memfd_at("second", 8), memfd_at("third", 41)]
-    zygote = Zygote.start(modules)
-    seen: dict[str, object] = {"driver": os.getpid()}
+    fds = list(reversed(low_memfds(20)))
+    zygote = LosingZygote.start(modules)
+    seen: dict[str, object] = {"driver": os.getpid(), "fds": fds}
 
     def env(name: str, act: str) -> dict[str, str]:
-        report = os.path.join(out, f"{name}.json")
         return {
             "PATH": os.environ["PATH"],
             "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-            "REPORT": report,
+            "REPORT": os.path.join(out, f"{name}.json"),
             "ACT": act,
             "FDS": json.dumps(fds),
             "OMP_NUM_THREADS": "2",
@@ -47,6 +85,7 @@ def main() -> None:
 
     child = zygote.spawn(CHILD, env("exit", "exit:7"), fds)
     seen["exit_code"] = child.wait(30)
+    seen["wait_again"] = child.wait(0)  # reaped already: the code again, as Popen's
 
     child = zygote.spawn(CHILD, env("sleep", "sleep"), fds)
     try:
@@ -57,12 +96,26 @@ def main() -> None:
     child.send_signal(signal.SIGKILL)
     seen["killed_code"] = child.wait(30)
 
+    # A known child's zombie is left to its owner; an unknown one's is reaped.
+    child = zygote.spawn(CHILD, env("known", "exit:5"), fds)
+    until(lambda: zombies({child.pid}))
+    reap_strays({zygote.proc.pid, child.pid})
+    seen["known_code"] = child.poll()
     child = zygote.spawn(CHILD, env("orphan", "orphan"), fds)
     child.wait(30)
-    time.sleep(1.0)  # the orphan has exited by now: a zombie of ours
-    before = _zombies()
+    seen["orphan_zombie"] = bool(until(zombies))
     reap_strays({zygote.proc.pid})
-    seen["zombies_before"], seen["zombies_after"] = before, _zombies()
+    seen["zombies_after"] = len(zombies())
+
+    # An answer lost after the fork: the child never gets its go and leaves at once.
+    zygote.lose_next = True
+    with contextlib.suppress(ZygoteError):
+        zygote.spawn(CHILD, env("lost", "sleep"), fds)
+    lost = zygote.lost_pid
+    until(lambda: zombies({lost}))
+    _, status = os.waitpid(lost, 0)
+    seen["lost_code"] = os.waitstatus_to_exitcode(status)
+    seen["lost_reported"] = os.path.exists(os.path.join(out, "lost.json"))
 
     refused = []
     many = [os.dup(fds[0]) for _ in range(MAX_FDS + 1)]
@@ -82,18 +135,6 @@ def main() -> None:
     except ZygoteError as e:
         seen["after_death"] = str(e)
     print(json.dumps(seen), flush=True)
-
-
-def _zombies() -> int:
-    kids = []
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            kids += f.read().split()
-    states = []
-    for pid in kids:
-        with open(f"/proc/{pid}/stat") as f:
-            states.append(f.read().rsplit(")", 1)[1].split()[0])
-    return states.count("Z")
 
 
 if __name__ == "__main__":
