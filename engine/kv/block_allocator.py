@@ -16,7 +16,11 @@ and never written again; only FREE blocks and evicted CACHED blocks are handed o
 
 Who calls what, when (``engine.runner.ModelRunner`` is the usual caller):
 - ``allocate(n)`` -> n private blocks (ref 1, unhashed) for positions a sequence is about
-  to compute; it evicts least-recently-used CACHED blocks when FREE ones run out.
+  to compute; it evicts least-recently-used CACHED blocks when FREE ones run out. FREE
+  blocks go out the last freed first, then the never used in order: a freed block's
+  pages are resident already (a CPU pool commits a page when it is first written), so
+  reusing it faults nothing in, and the pool's resident part grows only with what is
+  held at once or cached.
 - ``acquire(hashes)`` -> the blocks holding the longest cached prefix of ``hashes``, one
   reference taken on each (CACHED -> USED). Done once, before a sequence's first forward.
 - ``register(block, hash)`` once a block's last slot is computed: from now on a sequence
@@ -272,7 +276,7 @@ class BlockAllocator:
         ones stay with their sequences but no lookup finds them any more. Journaled as
         evictions; returns the hashes dropped."""
         dropped = list(self._by_hash)
-        self._free.extend(self._cached)
+        self._free.extendleft(reversed(self._cached))  # resident pages first, as in _release
         self._cached.clear()
         for b in self._by_hash.values():
             self._hash[b] = None
@@ -319,7 +323,7 @@ class BlockAllocator:
             if self._refs[b]:
                 continue
             if self._hash[b] is None:
-                self._free.append(b)
+                self._free.appendleft(b)  # reused first: its pages are resident and warm
             else:
                 self._cached[b] = None
 
