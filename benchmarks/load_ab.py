@@ -58,10 +58,13 @@ def _load_flags(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _one(flags: str, load: list[str], model: str, seed: int) -> dict[str, float]:
-    """Serve ``flags``, run the load against it, stop it: the result's metrics."""
+def _one(
+    flags: str, load: list[str], model: str, seed: int, tree: Path | None = None
+) -> dict[str, float]:
+    """Serve ``flags`` (from checkout ``tree``, if given), run the load against it, stop
+    it: the result's metrics."""
     proc, url = launch(
-        ["--model", model, "--served-model-name", DEFAULT_MODEL_NAME, *shlex.split(flags)]
+        ["--model", model, "--served-model-name", DEFAULT_MODEL_NAME, *shlex.split(flags)], tree
     )
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -102,6 +105,8 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.load_ab", description=__doc__)
     p.add_argument("--a", required=True, help="launch flags of server A")
     p.add_argument("--b", required=True, help="launch flags of server B")
+    p.add_argument("--a-tree", type=Path, default=None, help="serve A from this checkout")
+    p.add_argument("--b-tree", type=Path, default=None, help="serve B from this checkout")
     p.add_argument("--rate", type=float, default=5.0, help="req/s, Poisson arrivals")
     p.add_argument("--concurrency", type=int, default=0, help="instead of --rate: in flight")
     p.add_argument("--prompts", type=int, default=48)
@@ -116,9 +121,10 @@ def main() -> None:
     start_load = load_average()
     got: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
     flags = {"A": args.a, "B": args.b}
+    trees = {"A": args.a_tree, "B": args.b_tree}
     for r in range(args.rounds):
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-            got[name].append(_one(flags[name], load, model, seed=r))
+            got[name].append(_one(flags[name], load, model, seed=r, tree=trees[name]))
             print(name, r, got[name][-1], flush=True)
     head = "| server | round | " + " | ".join(METRICS.values()) + " |"
     lines = [head, "|---|---:|" + "---:|" * len(METRICS)]
@@ -139,7 +145,9 @@ def main() -> None:
         f"Command: `python -m benchmarks.load_ab --a {shlex.quote(args.a)} --b "
         f"{shlex.quote(args.b)} {how} --prompts {args.prompts} --input-len {args.input_len} "
         f"--range-ratio {args.range_ratio:g} --output-len {args.output_len} --rounds "
-        f"{args.rounds}`; the default model, random prompts, greedy, `ignore_eos`. Load "
+        f"{args.rounds}"
+        + "".join(f" --{k.lower()}-tree <{k}'s checkout>" for k, t in trees.items() if t)
+        + "`; the default model, random prompts, greedy, `ignore_eos`. Load "
         f"average at the start: {start_load}; at the end: {load_average()}.",
         lines,
         args.out,

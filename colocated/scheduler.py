@@ -10,7 +10,8 @@ copy and no release.
 
 Each ``step()`` is a mixed schedule, as a co-located engine runs it:
     admit queued requests while running + prefilling < max_num_seqs
-    -> plan the prefill chunks (chunk budget; their blocks reserved) and run them
+    -> plan the prefill chunks (the chunk budget, a quarter of it on CPU while
+       ``BUSY_ROWS`` requests are in; their blocks reserved) and run them
     -> first tokens of finished prefills, which join the running batch
     -> one decode row per running request (those that just joined included)
 With ``EngineConfig.mixed_batches`` (``--mixed-batches``) the chunks and the decode rows
@@ -48,6 +49,18 @@ from wire.records import Finish, GenerateRequest, TokenBatch
 
 logger = logging.getLogger(__name__)
 
+# On CPU, while this many requests are in the worker (decoding, prefilling or queued), a
+# step's prompt chunks get a quarter of the chunk budget (at least SMALL_CHUNK tokens):
+# each prefill step stalls every running request, so under a full batch short chunks keep
+# them moving and start newcomers sooner. Measured on a 2-core Zen 5, 256-token prompts,
+# closed loop (benchmarks/results/chunk_budget.md), against the whole budget always: at 24
+# and 32 streams TTFT p50 0.26-0.28x, ITL p99 0.31x, throughput 0.99-1.07x, TPOT p50
+# 1.25-1.30x; at 16 streams (with 16 here) TTFT 0.45x but ITL p99 1.49x, and at 8 a fixed
+# 512 cost throughput (0.92x), so below this the whole budget stays. A GPU's prefill wants
+# its long chunks: not there.
+BUSY_ROWS = 24
+SMALL_CHUNK = 512
+
 
 class NoKVTransfers(KVReceiver):
     """The decode half of a co-located worker never imports KV: every fetch is refused."""
@@ -73,6 +86,12 @@ class ColocatedScheduler:
         self.runner = runner
         self.max_num_seqs = max_num_seqs
         self.prefill = PrefillScheduler(runner, worker_index, chunk_budget, keep_kv=True)
+        self.chunk_budget = chunk_budget
+        self.busy_budget = (
+            min(chunk_budget, max(SMALL_CHUNK, chunk_budget // 4))
+            if runner.device.type == "cpu"
+            else chunk_budget
+        )
         self.decode = DecodeScheduler(runner, NoKVTransfers(), max_num_seqs)
         # Accepted requests not yet given to prefill: holding them here bounds the batch,
         # because an adopted request cannot be refused (its KV is already in place).
@@ -107,6 +126,8 @@ class ColocatedScheduler:
         the decode's."""
         self._feed_prefill()
         out = ColocatedStep()
+        busy = self.num_running + self.num_waiting >= BUSY_ROWS
+        self.prefill.chunk_budget = self.busy_budget if busy else self.chunk_budget
         chunks = self.prefill.plan()
         spans = [(p.seq, n) for p, n in chunks]
         dec, pre = None, None

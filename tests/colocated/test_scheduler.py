@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from colocated.scheduler import ColocatedScheduler, NoKVTransfers
+from colocated.scheduler import BUSY_ROWS, SMALL_CHUNK, ColocatedScheduler, NoKVTransfers
 from decode.scheduler import DecodeScheduler, DecodeStep
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
@@ -255,3 +255,23 @@ def test_mixed_batches_run_chunks_and_decode_rows_in_one_forward(default_model_p
     separate, separate_steps, _ = run(False)
     assert mixed_steps >= 3 and separate_steps >= 3
     assert mixed == separate and all(len(v) == 8 for v in mixed.values())
+
+
+@pytest.mark.parametrize("running", [BUSY_ROWS - 2, BUSY_ROWS - 1])
+def test_a_busy_cpu_worker_prefills_in_shorter_chunks(
+    default_model_path: Path, running: int
+) -> None:
+    """With BUSY_ROWS requests in the worker, the newcomer counted, its prompt goes in
+    chunks of a quarter of the budget (at least SMALL_CHUNK); with one fewer, in one
+    chunk of the whole budget."""
+    runner = ModelRunner(EngineConfig(model=str(default_model_path), num_kv_blocks=512))
+    sched = ColocatedScheduler(runner, worker_index=0, chunk_budget=2048, max_num_seqs=64)
+    assert sched.busy_budget == SMALL_CHUNK
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for rid in range(running):
+        sched.add(_req(rid, [5 + rid] * 4, params))
+    while sched.num_running < running:
+        sched.step()
+    sched.add(_req(99, [7] * 1200, params))
+    ran = sched.step().ran_prefill_tokens
+    assert ran == (SMALL_CHUNK if running + 1 >= BUSY_ROWS else 1200)
