@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 # and 32 streams TTFT p50 0.26-0.28x, ITL p99 0.31x, throughput 0.99-1.07x, TPOT p50
 # 1.25-1.30x; at 16 streams (with 16 here) TTFT 0.45x but ITL p99 1.49x, and at 8 a fixed
 # 512 cost throughput (0.92x), so below this the whole budget stays. A GPU's prefill wants
-# its long chunks: not there.
+# its long chunks: not there. The in-process ``LLM`` follows the same rule.
 BUSY_ROWS = 24
 SMALL_CHUNK = 512
 
@@ -126,7 +126,8 @@ class ColocatedScheduler:
         the decode's."""
         self._feed_prefill()
         out = ColocatedStep()
-        busy = self.num_running + self.num_waiting >= BUSY_ROWS
+        # Queued past max_num_seqs does not count: that many at most decode at once.
+        busy = min(self.num_running + self.num_waiting, self.max_num_seqs) >= BUSY_ROWS
         self.prefill.chunk_budget = self.busy_budget if busy else self.chunk_budget
         chunks = self.prefill.plan()
         spans = [(p.seq, n) for p, n in chunks]

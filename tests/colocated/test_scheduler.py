@@ -275,3 +275,23 @@ def test_a_busy_cpu_worker_prefills_in_shorter_chunks(
     sched.add(_req(99, [7] * 1200, params))
     ran = sched.step().ran_prefill_tokens
     assert ran == (SMALL_CHUNK if running + 1 >= BUSY_ROWS else 1200)
+    while sched.prefill.waiting:  # the rest of the prompt in the chunks left, to its end
+        sched.step()
+    assert 99 in sched.decode.running
+
+
+def test_a_budget_below_the_small_chunk_or_a_short_batch_keeps_the_whole_budget(
+    default_model_path: Path,
+) -> None:
+    runner = ModelRunner(EngineConfig(model=str(default_model_path), num_kv_blocks=256))
+    small = ColocatedScheduler(runner, worker_index=0, chunk_budget=48, max_num_seqs=64)
+    assert small.busy_budget == 48
+    # At most max_num_seqs decode at once: a longer queue does not make the worker busy.
+    few = ColocatedScheduler(runner, worker_index=0, chunk_budget=2048, max_num_seqs=8)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for rid in range(BUSY_ROWS):
+        few.add(_req(rid, [5 + rid] * 4, params))
+    few.add(_req(99, [7] * 1200, params))
+    while few.num_running < 8:
+        few.step()
+    assert few.prefill.chunk_budget == 2048

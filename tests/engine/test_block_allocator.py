@@ -336,3 +336,13 @@ def test_a_freed_block_is_reused_before_a_never_used_one() -> None:
     first = a.allocate(3)
     a.free(first)
     assert a.allocate(4) == [*first, 3]
+
+
+def test_forgotten_cached_blocks_are_handed_out_before_never_used_ones() -> None:
+    a = BlockAllocator(8)
+    ids = a.allocate(3)
+    for b, h in zip(ids, (11, 12, 13), strict=True):
+        a.register(b, h)
+    a.free(ids)
+    assert a.forget_hashes() == 3
+    assert sorted(a.allocate(3)) == sorted(ids)
