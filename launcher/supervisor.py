@@ -3,8 +3,8 @@
 Every child runs ``python -m <role module>`` and inherits exactly the fds its spec names:
 forked from the zygote (``runtime/zygote.py``: one interpreter that has imported torch and
 the role modules, so the children share those pages) or, with ``--no-fork-workers`` or if
-the zygote fails, as a fresh interpreter. The supervisor watches each child's pidfd, so a death is seen at once
-(well within the 1 s promise); a dead worker's load-table row is marked DEAD before it is
+the zygote fails, as a fresh interpreter. The supervisor watches each child's pidfd, so a
+death is seen at once (well within the 1 s promise); a dead worker's load-table row is marked DEAD before it is
 restarted, so the router stops placing work there immediately.
 
 Crash loops: a child is restarted after ``RESTART_BASE_S``, doubling with each death in
@@ -147,8 +147,8 @@ class Supervisor:
             modules = sorted({MODULES[r] for r in roles})
             tokenizer = self.model if roles & TOKENIZER_ROLES else None
             try:
-                self.adopts = True
                 self.zygote = Zygote.start(modules, tokenizer)
+                self.adopts = True
             except (ZygoteError, OSError) as e:
                 logger.warning("no zygote (%s); children start as fresh interpreters", e)
         for child in self.children:
@@ -161,8 +161,6 @@ class Supervisor:
                 return
             except ZygoteRefused as e:
                 logger.warning("%s starts as a fresh interpreter: %s", child.name, e)
-                child.start()
-                return
             except ZygoteError as e:
                 logger.warning(
                     "forking %s failed (%s); children start as fresh interpreters from now on",

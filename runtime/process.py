@@ -27,7 +27,25 @@ from wire.roles import Role
 
 SPEC_ENV = "PDSERVE_SPEC"
 PARENT_ENV = "PDSERVE_PARENT"  # the pid a child's parent must have: the launcher's
-_PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def prctl(option: int, arg: int) -> None:
+    """``prctl(2)`` with one argument; raises ``OSError`` on failure."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, arg, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+
+def set_title(name: str) -> None:
+    """The process's title, as ``ps`` and /proc/PID/cmdline show it."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(name)
+    except ImportError:  # pragma: no cover - a declared dependency
+        pass
 
 
 @dataclass(frozen=True)
@@ -83,14 +101,8 @@ def bootstrap() -> tuple[ProcessSpec, Stopping]:
     """Parse the spec, set the process title and logging, and die with the parent."""
     spec = ProcessSpec.from_json(os.environ[SPEC_ENV])
     name = f"pdserve:{spec.role.worker_name(spec.index)}"
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(name)
-    except ImportError:  # pragma: no cover - a declared dependency
-        pass
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    set_title(name)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     # The launcher died before prctl took effect: we were re-parented (to init, or to a
     # subreaper above the launcher; the launcher says its pid, a bare test run does not).
     # A launcher that is a container's init is pid 1 itself: trust its word where it gives it.

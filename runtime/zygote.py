@@ -33,13 +33,11 @@ No pickle: requests and replies are JSON.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import gc
 import importlib
 import json
-import logging
 import os
 import resource
 import runpy
@@ -52,9 +50,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.process import PARENT_ENV
-
-logger = logging.getLogger(__name__)
+from runtime.process import (
+    PARENT_ENV,
+    PR_SET_CHILD_SUBREAPER,
+    PR_SET_PDEATHSIG,
+    prctl,
+    set_title,
+)
 
 FD_ENV = "PDSERVE_ZYGOTE_FD"  # the zygote's end of its socket
 MAX_FDS = 250  # one message's SCM_RIGHTS carries at most 253 fds (SCM_MAX_FD)
@@ -62,9 +64,6 @@ MAX_FDS = 250  # one message's SCM_RIGHTS carries at most 253 fds (SCM_MAX_FD)
 # socket's send buffer, 208 KiB by default (net.core.wmem_default).
 MAX_MESSAGE = 192 * 1024
 REPARENT_TIMEOUT_S = 10.0
-
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
 
 
 class ZygoteError(RuntimeError):
@@ -74,12 +73,6 @@ class ZygoteError(RuntimeError):
 class ZygoteRefused(ZygoteError):
     """This one child cannot go through the zygote (too many fds, too long a request);
     the zygote itself is fine."""
-
-
-def _prctl(option: int, arg: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, arg, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
 
 # -- the launcher's side ---------------------------------------------------------------
@@ -108,10 +101,7 @@ class ForkedChild:
         if self.poll() is not None:
             return self.returncode  # type: ignore[return-value]
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            pidfd = os.pidfd_open(self.pid)
-        except ProcessLookupError:  # reaped between the poll and here
-            return self.wait(timeout)
+        pidfd = os.pidfd_open(self.pid)  # not reaped yet: only poll() reaps it
         try:
             while self.poll() is None:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -151,7 +141,7 @@ class Zygote:
 
         Marks the calling process a child subreaper, so the children it forks become ours.
         """
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        prctl(PR_SET_CHILD_SUBREAPER, 1)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {
             **os.environ,
@@ -234,7 +224,7 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+        prctl(PR_SET_CHILD_SUBREAPER, 0)
 
 
 def reap_strays(known: set[int]) -> None:
@@ -269,10 +259,7 @@ def _serve(sock: socket.socket, launcher: int) -> _Job:
     """Fork a child for each request until the launcher closes the socket (then exit).
     Returns only in a forked child."""
     while True:
-        try:
-            data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS + 1)
-        except InterruptedError:
-            continue
+        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS + 1)
         if not data:
             os._exit(0)
         try:
@@ -341,7 +328,7 @@ def _become_child(
     """In the forked child: wait to be the launcher's and for its go, then take on the
     fds it was sent (``fds[-1]`` is the go pipe)."""
     sock.close()
-    _title("pdserve:starting")  # not the zygote's: the child's own comes with its spec
+    set_title("pdserve:starting")  # not the zygote's: the child's own comes with its spec
     deadline = time.monotonic() + REPARENT_TIMEOUT_S
     while os.getppid() == middle and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -373,15 +360,6 @@ def _move_fds(fds: list[int], targets: list[int]) -> None:
         os.close(fd)
     if need > soft:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-def _title(name: str) -> None:
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(name)
-    except ImportError:  # pragma: no cover - a declared dependency
-        pass
 
 
 def _run(job: _Job) -> None:
@@ -428,11 +406,11 @@ def main() -> None:
     gc.disable()  # no collections while importing: they would leave holes in shared pages
     sock = socket.socket(fileno=int(os.environ.pop(FD_ENV)))
     launcher = int(os.environ[PARENT_ENV])
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != launcher:
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
-    _title("pdserve:zygote")
+    set_title("pdserve:zygote")
     # python -m runtime.zygote [--tokenizer MODEL_DIR] MODULE...
     modules, tokenizer = sys.argv[1:], None
     if modules[:1] == ["--tokenizer"]:

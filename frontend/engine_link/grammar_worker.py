@@ -19,7 +19,6 @@ It exits when stdin closes, so a frontend that dies leaves no worker behind.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -31,11 +30,11 @@ import msgspec
 
 from engine.sampling.grammar import GrammarCache, GrammarError
 from engine.tokenizer.hf_tokenizer import load_tokenizer
+from runtime.process import PR_SET_PDEATHSIG, prctl
 from wire.params import GrammarKind, GrammarSpec
 
 logger = logging.getLogger(__name__)
 HEADER = struct.Struct(">I")
-_PR_SET_PDEATHSIG = 1
 # NOTE: below serving (0), so a compile yields the cores to requests in flight, but not
 # the lowest: on a host loaded with other work a nice-19 compile starves past any budget.
 NICENESS = 10
@@ -94,7 +93,7 @@ def main() -> None:
         format="%(asctime)s grammar-worker %(levelname)s %(message)s",
     )
     os.nice(NICENESS)
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     config = msgspec.json.decode(sys.argv[1].encode(), type=WorkerConfig)
     # Replies go to the stdout we were given; fd 1 becomes stderr, so that no library's
     # print can corrupt a frame.
