@@ -9,7 +9,9 @@ each int4 kernel this CPU runs (``engine/weights/int4_tiles.py``: pdserve's on A
 AVX-512 BF16 pair-dots, torch's ``_weight_int4pack_mm_for_cpu``), the bfloat16 GEMM on a plain weight (``PlainGemm``, the torch-only path), prepacked for oneDNN
 (``PrepackedGemm``, where this CPU's oneDNN computes bfloat16), VNNI-packed for the kernel
 library's GEMM (``VnniGemm``, where its AVX-512 BF16 build loads), and on AMX the GEMM that
-de-quantizes the int4 tiles once per call (``TilesGemm``), all fed bfloat16 rows.
+de-quantizes the int4 tiles once per call (``TilesGemm``), all fed bfloat16 rows; and where
+AVX-512 VNNI runs, the same tiles with each row's inputs quantized to int8 (``A8Gemm``,
+``--gemm-inputs int8``: not the same numbers, see its docstring).
 Median of ``--iters`` steps after a warm-up, kernels interleaved row count by row count.
 Writes ``benchmarks/results/linear_kernels.md``.
 """
@@ -58,6 +60,9 @@ def _kernels() -> dict[str, list[tuple[int, Callable[[torch.Tensor], torch.Tenso
         out["bf16 GEMM, VNNI-packed (library)"] = []
     if "amx" in int4:
         out["bf16 GEMM on the int4 tiles (AMX)"] = []
+    a8 = "avx512_bf16" in int4 and int4_tiles.a8_supported()
+    if a8:
+        out["int8 inputs x the int4 tiles (VNNI)"] = []
     for _ in range(LAYERS):
         for k, n in SHAPES:
             rows = quantize_int4(torch.randn(n, k, generator=gen) * 0.05)
@@ -75,6 +80,12 @@ def _kernels() -> dict[str, list[tuple[int, Callable[[torch.Tensor], torch.Tenso
                 with _int4_kernel("amx"):
                     tiles = tiles_gemm(Int4Kernel(rows, torch.bfloat16, torch.device("cpu")))
                 out["bf16 GEMM on the int4 tiles (AMX)"].append((k, tiles))
+            if a8:
+                with _int4_kernel("avx512_bf16"):
+                    a8_gemm = tiles_gemm(
+                        Int4Kernel(rows, torch.bfloat16, torch.device("cpu")), "int8"
+                    )
+                out["int8 inputs x the int4 tiles (VNNI)"].append((k, a8_gemm))
     return out
 
 

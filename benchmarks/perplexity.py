@@ -39,8 +39,16 @@ from wire.params import SamplingParams
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 RESULTS = Path(__file__).parent / "results" / "perplexity.md"
-STORAGES = ("none", "auto", "auto+gemm", "int8", "int4", "int4+gemm")
-TARGETS = {"auto": 0.005, "auto+gemm": 0.005, "int8": 0.01, "int4": 0.03, "int4+gemm": 0.03}
+STORAGES = ("none", "auto", "auto+gemm", "auto+a8", "int8", "int4", "int4+gemm", "int4+a8")
+TARGETS = {
+    "auto": 0.005,
+    "auto+gemm": 0.005,
+    "auto+a8": 0.005,
+    "int8": 0.01,
+    "int4": 0.03,
+    "int4+gemm": 0.03,
+    "int4+a8": 0.03,
+}
 
 
 def score(
@@ -55,7 +63,8 @@ def score(
     """
     quantization, _, dtype = quantization.partition("@")  # "auto@bfloat16": activations too
     storage, _, suffix = quantization.partition("+")
-    gemm = suffix == "gemm"  # every call on the GEMM: from one row on
+    # "gemm": every call on the GEMM, from one row on, fed bfloat16; "a8": fed int8
+    gemm = suffix in ("gemm", "a8")
     config = EngineConfig(
         model=str(model),
         dtype=dtype or "auto",
@@ -63,6 +72,7 @@ def score(
         kv_cache_tokens=window + 64,
         large_batch_gemm=gemm,
         gemm_min_rows=1 if gemm else 0,
+        gemm_inputs="int8" if suffix == "a8" else "bfloat16",
     )
     runner = ModelRunner(config)
     rows: list[torch.Tensor] = []

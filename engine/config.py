@@ -231,6 +231,9 @@ class EngineConfig:
     large_batch_gemm: bool = False
     # Rows from which those layers take the GEMM; 0: measured per weight shape at load.
     gemm_min_rows: int = 0
+    # What that GEMM feeds the weights: bfloat16 | int8 (int8: on the packed layers' own
+    # int4 tiles, no bfloat16 copy; engine/weights/int4_tiles.py ``gemm_inputs``).
+    gemm_inputs: str = "bfloat16"
     # The host's weights segment (an inherited memfd, engine/checkpoint/shared_weights.py):
     # CPU workers map one copy of the read-only weights from it, the first one to load
     # writing it. None: this engine loads its own private copy.

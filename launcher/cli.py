@@ -94,6 +94,7 @@ def _engine_spec(
         # prefill chunks, and decode batches past the crossover measured at load.
         large_batch_gemm=True,
         gemm_min_rows=config.gemm_min_rows,
+        gemm_inputs=config.gemm_inputs,
         block_size=config.block_size,
         kv_cache_tokens=config.kv_cache_tokens,
         gpu_memory_utilization=config.gpu_memory_utilization,
@@ -218,7 +219,32 @@ def _serving(config: ServerConfig, model: Path, gpus: GpuAssignment | None) -> t
     except QuantizationError as e:
         raise ConfigError(f"--quantization: {e}") from e
     dtype = dtype_name(config.dtype.value, ModelConfig.from_pretrained(model).dtype_name)
+    if config.gemm_inputs == "int8":
+        _check_int8_gemm(quantization)
     return quantization, cache_dtype_name(dtype, quantization)
+
+
+def _check_int8_gemm(quantization: str) -> None:
+    """``--gemm-inputs int8`` where no engine could serve it is a flag error here, not a
+    worker that fails at load (engine/weights/int4_tiles.py ``gemm_inputs``)."""
+    if quantization == "none":
+        raise ConfigError(
+            "--gemm-inputs int8 multiplies packed int4/int8 weights: serve them with "
+            "--quantization auto (a GGUF's Q4/Q8 blocks), int4 or int8"
+        )
+    try:
+        flags = next(
+            set(line.split(":", 1)[1].split())
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = set()
+    missing = sorted({"avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl"} - flags)
+    if missing:
+        raise ConfigError(
+            f"--gemm-inputs int8 needs AVX-512 VNNI and BF16; this CPU lacks {', '.join(missing)}"
+        )
 
 
 def _build_topology(

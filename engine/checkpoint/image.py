@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.model.causal_lm import CausalLM
 from engine.weights.gemm import PlainGemm, VnniGemm, vnni_supported
-from engine.weights.int4_tiles import TilesGemm
+from engine.weights.int4_tiles import A8Gemm, TilesGemm
 from engine.weights.linear import (
     DenseKernel,
     Embedding,
@@ -144,6 +144,8 @@ def _export_kernel(kernel: nn.Module, name: str, tensors: dict[str, torch.Tensor
         meta["gemm_by_phase"] = kernel.many_rows.by_phase
         if isinstance(gemm, TilesGemm):  # on the kernel's own tiles: nothing more to hold
             meta["gemm_layout"] = "tiles"
+        elif isinstance(gemm, A8Gemm):  # the same, with int8 inputs
+            meta["gemm_layout"] = "a8"
         elif isinstance(gemm, (PlainGemm, VnniGemm)):
             _put(tensors, f"{name}.gemm", gemm.weight)
             meta["gemm_layout"] = "vnni" if isinstance(gemm, VnniGemm) else "plain"
@@ -178,8 +180,9 @@ def _bind_kernel(meta: Meta, name: str, tensors: dict[str, torch.Tensor]) -> Lin
     if "gemm_min_rows" in meta:
         by_phase = bool(meta.get("gemm_by_phase", True))
         gemm: nn.Module
-        if meta.get("gemm_layout") == "tiles":
-            kernel.with_gemm(tiles_gemm(kernel), int(meta["gemm_min_rows"]), by_phase)
+        if meta.get("gemm_layout") in ("tiles", "a8"):
+            inputs = "int8" if meta["gemm_layout"] == "a8" else "bfloat16"
+            kernel.with_gemm(tiles_gemm(kernel, inputs), int(meta["gemm_min_rows"]), by_phase)
             return kernel
         weight = _get(tensors, f"{name}.gemm", shape, torch.bfloat16)
         if meta.get("gemm_layout", "plain") == "plain":

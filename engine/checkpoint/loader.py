@@ -152,10 +152,15 @@ def _shape(value: Value) -> tuple[int, ...]:
 
 class _Loader:
     def __init__(
-        self, model: CausalLM, quantization: str, gemm_rows: int | None, shareable: bool
+        self,
+        model: CausalLM,
+        quantization: str,
+        gemm_rows: int | None,
+        shareable: bool,
+        gemm_inputs: str,
     ) -> None:
         self.model, self.quantization, self.gemm_rows = model, quantization, gemm_rows
-        self.shareable = shareable
+        self.shareable, self.gemm_inputs = shareable, gemm_inputs
         # Packed layers with a GEMM, by (kernel kinds, N, K): their crossover is set once all
         # of them are loaded (``set_crossovers``), measured over all of them together.
         self.with_gemm: dict[tuple[str, int, int], list[Int4Kernel | Int8Kernel]] = {}
@@ -235,7 +240,12 @@ class _Loader:
     def _add_gemm(
         self, packed: Int4Kernel | Int8Kernel, rows: QuantRows, by_phase: bool = True
     ) -> None:
-        if packed.kernel == "amx":
+        # int8 inputs for the layers, not the LM head (``by_phase`` False): the logits carry
+        # no rounding of their inputs beyond bfloat16 (perplexity +1.1 % with the layers on
+        # int8, +1.35 % with the head too: benchmarks/results/perplexity.md).
+        if self.gemm_inputs == "int8" and packed.kernel != "torch" and by_phase:
+            gemm = tiles_gemm(packed, "int8")
+        elif packed.kernel == "amx":
             gemm = tiles_gemm(packed)
         else:
             gemm = bf16_gemm(rows.dequantize(), self.shareable)
@@ -294,6 +304,7 @@ def load_weights(
     quantization: str = "none",
     gemm_rows: int | None = None,
     shareable: bool = False,
+    gemm_inputs: str = "bfloat16",
 ) -> None:
     """Fill every layer of ``model``; unknown or missing tensors are errors.
 
@@ -304,8 +315,10 @@ def load_weights(
     ``shareable``: that GEMM's weight an ordinary tensor (plain or VNNI-packed, what a
     shared image holds: ``engine/checkpoint/shared_weights.py``), never oneDNN's opaque
     prepacked one (``engine.weights.gemm.bf16_gemm``).
+    ``gemm_inputs``: a resolved ``int4_tiles.gemm_inputs``; ``int8``: that GEMM is
+    ``A8Gemm`` on the packed layers' own tiles, which holds no copy.
     """
-    loader = _Loader(model, quantization, gemm_rows, shareable)
+    loader = _Loader(model, quantization, gemm_rows, shareable, gemm_inputs)
     values = _gguf_values(root) if quantization == "gguf" else iter_tensors(root)
     for name, value in values:
         if name.endswith(_IGNORED):

@@ -214,14 +214,19 @@ def load_model(
     when the segment cannot be used: logged, and served privately)."""
     model = build()
     gemm_rows = config.gemm_min_rows if config.large_batch_gemm else None
+    inputs = "bfloat16"
+    if gemm_rows is not None and quantization != "none":
+        inputs = int4_tiles.gemm_inputs(config.gemm_inputs)
     root = Path(config.model)
     if config.weights_fd is None or torch.device(config.device).type != "cpu":
-        load_weights(model, root, quantization, gemm_rows)
+        load_weights(model, root, quantization, gemm_rows, gemm_inputs=inputs)
         return model
     gemm = "no gemm"
     if gemm_rows is not None:
         layout = "vnni" if vnni_supported() else "plain"
-        if int4_tiles.kernel_name() == "amx":
+        if inputs == "int8":
+            layout = "a8"  # on the packed layers' own tiles (``int4_tiles.A8Gemm``)
+        elif int4_tiles.kernel_name() == "amx":
             layout = "tiles"  # the packed layers' own (``int4_tiles.TilesGemm``)
         gemm = f"gemm from {gemm_rows}, {layout}"
     digest = weights_digest(root, quantization, dtype, gemm)
@@ -230,11 +235,13 @@ def load_model(
             model,
             config.weights_fd,
             digest,
-            lambda: load_weights(model, root, quantization, gemm_rows, shareable=True),
+            lambda: load_weights(
+                model, root, quantization, gemm_rows, shareable=True, gemm_inputs=inputs
+            ),
         )
         return model
     except (SharedWeightsError, image.WeightsImageError) as e:
         logger.error("weights not shared, loading a private copy: %s", e)
     model = build()
-    load_weights(model, root, quantization, gemm_rows)
+    load_weights(model, root, quantization, gemm_rows, gemm_inputs=inputs)
     return model

@@ -206,3 +206,74 @@ class TilesGemm(DirectAttrs):
         if self.repeat:
             xb = torch.cat((xb, xb), dim=1)
         return torch.ops.pdserve.int4_gemm(xb, self.tiles, self.n).to(out_dtype or x.dtype)
+
+
+def a8_supported() -> bool:
+    """Whether ``A8Gemm`` runs here: the library built, AVX-512 VNNI, and its probe right."""
+    try:
+        _probe_a8()
+    except (Int4KernelUnavailable, RuntimeError) as e:
+        logger.info("the int8-input GEMM does not run here: %s", e)
+        return False
+    return True
+
+
+@functools.cache
+def _probe_a8() -> None:
+    _load()
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (16, 2 * GROUP), dtype=torch.uint8, generator=gen)
+    rows = Int4Rows(codes, torch.full((16, 2), 0.5), torch.full((16, 2), -1.0))
+    x = torch.randn(3, 2 * GROUP, generator=gen)
+    got = torch.ops.pdserve.int4_gemm_a8(x, pack(rows), 16)
+    want = x @ rows.dequantize().T
+    # int8 inputs: within a few steps of 1/127 of each group's largest input.
+    if not torch.allclose(got, want, rtol=0.05, atol=0.5):
+        raise Int4KernelUnavailable("its probe product is wrong")
+
+
+class A8Gemm(DirectAttrs):
+    """The many-rows GEMM of a layer packed for the ``avx512_bf16`` kernel, on its own tiles,
+    with int8 inputs (``int4_gemm_a8`` in ``int4_cpu.cpp``): each row's inputs quantized per
+    group of 32 as llama.cpp's Q4 x Q8_1 products do (``d = max |x| / 127``), the codes
+    multiplied as bytes (AVX-512 VNNI, 64 products an instruction where bfloat16 pair-dots
+    take 32), each group's sum scaled once. No copy of the weights. Not a bfloat16 GEMM:
+    each input carries up to half a step of its group's ``d`` (about 0.8 % relative error
+    on a product of random rows, against 0.2 % for bfloat16); the perplexity it costs is in
+    ``benchmarks/results/perplexity.md``. ``repeat``: as ``TilesGemm``. x: (T, K) -> (T, n)."""
+
+    compute_dtype = torch.float32
+
+    def __init__(self, tiles: torch.Tensor, n: int, repeat: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("tiles", tiles, persistent=False)
+        self.tiles: torch.Tensor
+        self.n, self.repeat = n, repeat
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        xb = x.to(torch.bfloat16)
+        if self.repeat:
+            xb = torch.cat((xb, xb), dim=1)
+        return torch.ops.pdserve.int4_gemm_a8(xb, self.tiles, self.n).to(out_dtype or x.dtype)
+
+
+GEMM_INPUTS = ("bfloat16", "int8")
+
+
+def gemm_inputs(requested: str) -> str:
+    """What the many-rows GEMM of packed layers feeds their weights: ``bfloat16`` (the
+    default: the bfloat16 GEMMs of ``engine/weights/gemm.py``, or ``TilesGemm`` on AMX) or
+    ``int8`` (``A8Gemm``: on a 2-core Zen 5 a step's layers take 0.72x the bfloat16 GEMM's
+    time at 256 rows, for +1.1 % perplexity on SmolLM2; ``benchmarks/results/``
+    ``linear_kernels.md`` and ``perplexity.md``). Raises ``Int4KernelUnavailable`` for
+    ``int8`` where it cannot run."""
+    if requested not in GEMM_INPUTS:
+        raise Int4KernelUnavailable(
+            f"GEMM inputs {requested!r}: expected one of {', '.join(GEMM_INPUTS)}"
+        )
+    if requested == "int8" and (kernel_name() == "torch" or not a8_supported()):
+        raise Int4KernelUnavailable(
+            "int8 GEMM inputs need pdserve's int4 kernel (built, on an AVX-512 BF16 CPU) and "
+            f"AVX-512 VNNI; this process runs the {kernel_name()} int4 kernel"
+        )
+    return requested

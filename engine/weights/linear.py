@@ -365,10 +365,12 @@ def packed_kernel(
     return Int8Kernel(rows, dtype, device)
 
 
-def tiles_gemm(kernel: Int4Kernel | Int8Kernel) -> nn.Module:
-    """The many-rows GEMM of a kernel packed for AMX, on its own tiles (``TilesGemm``)."""
+def tiles_gemm(kernel: Int4Kernel | Int8Kernel, inputs: str = "bfloat16") -> nn.Module:
+    """The many-rows GEMM on a kernel's own tiles: on AMX in bfloat16 (``TilesGemm``), or
+    with int8 inputs (``A8Gemm``, ``inputs="int8"``)."""
     planes = kernel.planes if isinstance(kernel, Int8Kernel) else kernel
-    return int4_tiles.TilesGemm(planes.tiles, planes.out_features, isinstance(kernel, Int8Kernel))
+    gemm = int4_tiles.A8Gemm if inputs == "int8" else int4_tiles.TilesGemm
+    return gemm(planes.tiles, planes.out_features, isinstance(kernel, Int8Kernel))
 
 
 class Linear(DirectAttrs):

@@ -10,7 +10,7 @@ import torch
 
 from engine.weights import int4_tiles
 from engine.weights.linear import Int4Kernel, Int8Kernel, tiles_gemm
-from engine.weights.quant import Int4Rows, quantize_int4, quantize_int8
+from engine.weights.quant import Int4Rows, Int8Rows, quantize_int4, quantize_int8
 
 CPU = torch.device("cpu")
 
@@ -156,3 +156,73 @@ def test_the_tiles_gemm_is_a_bfloat16_gemm_of_the_same_tiles(
         assert ((got - want).norm() / want.norm()).item() < 4e-3
     for m in (1, 16, 17):
         assert torch.equal(gemm(x[:m], torch.float32), got[:m])
+
+
+def _int8_input_product(x: torch.Tensor, rows: Int4Rows) -> torch.Tensor:
+    """float64 reference of ``A8Gemm``'s sums: x rounded to bfloat16, each group of 32
+    quantized to int8 as the kernel does in float32 (d = max |x| / 127, q = x * (1 / d)
+    rounded half to even), the exact code products scaled per group, and the offset term
+    on the unquantized group sums."""
+    m, k = x.shape
+    xg = x.bfloat16().float().view(m, k // 32, 32)
+    d = xg.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, 0.0)
+    q = torch.round(xg * inv.unsqueeze(-1)).double()
+    xg, d = xg.double(), d.double()
+    codes = rows.codes.double().view(rows.codes.shape[0], k // 32, 32)
+    offset = rows.zero.double() - 8 * rows.scale.double()  # W = c scale + offset
+    dots = torch.einsum("mgk,ngk->mng", q, codes)
+    y = (dots * rows.scale.double().unsqueeze(0) * d.unsqueeze(1)).sum(-1)
+    return y + xg.sum(-1) @ offset.T
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_int8_input_gemm_is_the_exact_sum_of_its_quantized_inputs(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``A8Gemm`` (``--gemm-inputs int8``): the products of each group's int8 inputs with
+    the codes, scaled once per group, to float32's rounding of the float64 reference; an
+    int8 layer's two nibble planes take the input twice; rows 1 to 40 (blocks of 4 and a
+    remainder), 50 outputs (a padded tile); a row's bits whatever the rows beside it and
+    the threads; within int8's error (about 1 %) of the float32 product."""
+    if not int4_tiles.a8_supported() or "avx512_bf16" not in int4_tiles.available_kernels():
+        pytest.skip("the int8-input GEMM does not run here")
+    monkeypatch.setenv("PDSERVE_INT4_KERNEL", "avx512_bf16")
+    gen = torch.Generator().manual_seed(bits)
+    w = torch.randn(50, 96, generator=gen)
+    rows = quantize_int4(w) if bits == 4 else quantize_int8(w)
+    kernel = (Int4Kernel if bits == 4 else Int8Kernel)(rows, torch.bfloat16, CPU)
+    gemm = tiles_gemm(kernel, "int8")
+    assert isinstance(gemm, int4_tiles.A8Gemm)
+    x = torch.randn(40, 96, generator=gen) * torch.rand(40, 1, generator=gen)
+    x[3, :32] = 0.0  # a group of zeros: d = 0
+    got = gemm(x, torch.float32)
+    planes = rows
+    if isinstance(rows, Int8Rows):  # the nibble planes ``Int8Kernel`` packs
+        q, d = rows.codes.to(torch.int16), rows.scale
+        planes = Int4Rows(
+            torch.cat(((q >> 4) + 8, q & 15), 1).to(torch.uint8),
+            torch.cat((16 * d, d), 1),
+            torch.cat((torch.zeros_like(d), 8 * d), 1),
+        )
+    want = _int8_input_product(x if bits == 4 else torch.cat((x, x), 1), planes)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    exact = x.double() @ rows.dequantize().double().T
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 2e-2
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (1, 3, 4, 5, 17):
+                assert torch.equal(gemm(x[:m], torch.float32), got[:m]), (threads, m)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_int8_inputs_are_refused_where_they_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert int4_tiles.gemm_inputs("bfloat16") == "bfloat16"
+    with pytest.raises(int4_tiles.Int4KernelUnavailable, match="expected one of"):
+        int4_tiles.gemm_inputs("int4")
+    monkeypatch.setenv("PDSERVE_INT4_KERNEL", "torch")
+    with pytest.raises(int4_tiles.Int4KernelUnavailable, match="torch int4 kernel"):
+        int4_tiles.gemm_inputs("int8")

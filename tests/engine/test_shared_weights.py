@@ -75,10 +75,15 @@ def gguf_q4_1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "hf"
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4", "gguf"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4", "gguf", "gguf+a8"])
 def test_a_mapped_runner_computes_what_the_builder_and_a_private_one_do(
     quantization: str, gguf_q4_1: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """``gguf+a8``: the GEMM is ``A8Gemm`` on the packed tiles (``--gemm-inputs int8``),
+    which an image holds nothing more for."""
+    quantization, _, a8 = quantization.partition("+")
+    if a8 and not int4_tiles.a8_supported():
+        pytest.skip("the int8-input GEMM does not run here")
     model = gguf_q4_1 if quantization == "gguf" else tiny.tiny_model_dir(tiny.DEFAULT_ARCH)
     fd = create_segment()
     try:
@@ -88,6 +93,7 @@ def test_a_mapped_runner_computes_what_the_builder_and_a_private_one_do(
             quantization="auto" if quantization == "gguf" else quantization,
             large_batch_gemm=True,
             gemm_min_rows=4,  # the prefill's rows take the GEMM, the decode's two stay packed
+            gemm_inputs="int8" if a8 else "bfloat16",
             weights_fd=fd,
         )
         with caplog.at_level("INFO"):
@@ -97,6 +103,15 @@ def test_a_mapped_runner_computes_what_the_builder_and_a_private_one_do(
         assert sum("weights mapped from" in r.message for r in caplog.records) == 1
         assert builder.quantization == quantization
         assert _in_mapping(builder) and _in_mapping(mapped)
+        if a8:  # every layer's GEMM, not the LM head's (bfloat16: see the loader)
+            gemms = {
+                name: getattr(m.kernel, "many_rows", None)
+                for name, m in mapped.model.named_modules()
+                if isinstance(m, Linear) and name != "lm_head"
+            }
+            assert gemms and all(
+                r is not None and isinstance(r.gemm, int4_tiles.A8Gemm) for r in gemms.values()
+            ), gemms
         private = ModelRunner(replace(config, weights_fd=None))
         assert _none_mapped(private)
         got, built, want = _steps(mapped), _steps(builder), _steps(private)

@@ -50,3 +50,29 @@ def test_the_frontend_accepts_the_model_path_as_a_name(default_model_path: Path)
     )
     assert frontend.http.model_name == default_model_path.name
     assert frontend.http.model_aliases == (str(default_model_path), f"{default_model_path}/")
+
+
+def test_int8_gemm_inputs_are_refused_for_dense_weights_and_reach_the_workers(
+    default_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--gemm-inputs int8`` multiplies packed weights: with ``--quantization none`` it is
+    a flag error before any worker starts; with packed weights every engine worker's
+    settings carry it (on a CPU with AVX-512 VNNI and BF16; elsewhere a flag error too)."""
+    from launcher.cli import _serving
+
+    dense = parse_args(["--device", "cpu", "--quantization", "none", "--gemm-inputs", "int8"])
+    with pytest.raises(ConfigError, match="--gemm-inputs int8 multiplies packed"):
+        _serving(dense, default_model_path, None)
+    cfg = parse_args(["--device", "cpu", "--quantization", "int4", "--gemm-inputs", "int8"])
+    flags = Path("/proc/cpuinfo").read_text()
+    if not all(f in flags.split() for f in ("avx512_vnni", "avx512_bf16")):
+        with pytest.raises(ConfigError, match="needs AVX-512 VNNI and BF16"):
+            _serving(cfg, default_model_path, None)
+        return
+    assert _serving(cfg, default_model_path, None)[0] == "int4"
+    gpus = assign_gpus(cfg, [])
+    cfg = _size_kv(cfg, default_model_path, gpus, KVBackend.SHM)
+    topo = _build_topology(cfg, default_model_path, KVBackend.SHM)
+    kids = _children(cfg, topo, gpus, default_model_path, KVBackend.SHM)
+    engines = [c.spec.settings for c in kids if c.spec.role in ("prefill", "decode")]
+    assert engines and all(s["engine"]["gemm_inputs"] == "int8" for s in engines), engines
