@@ -36,6 +36,7 @@ class Quant:
     label: str  # in the server's name
     flag: str  # launch --quantization
     gguf: str | None = None  # serve this GGUF (the one llama.cpp serves) instead of the dir
+    extra: tuple[str, ...] = ()  # further launch flags of this variant
 
 
 PDSERVE_QUANTS = {
@@ -46,6 +47,10 @@ PDSERVE_QUANTS = {
     # the same GGUF file llama.cpp serves, its blocks served packed (`auto`)
     "gguf-q8_0": Quant("Q8_0", "GGUF Q8_0", "auto", "Q8_0"),
     "gguf-q4_1": Quant("Q4_1", "GGUF Q4_1", "auto", "Q4_1"),
+    # the same, its prefills' GEMMs fed int8 inputs (an opt-in that changes outputs)
+    "gguf-q4_1-a8": Quant(
+        "Q4_1", "GGUF Q4_1 int8 inputs", "auto", "Q4_1", ("--gemm-inputs", "int8")
+    ),
 }
 
 
@@ -164,7 +169,7 @@ def pdserve_server(
     if model is None:
         raise ValueError(f"{quant.label}: no {quant.gguf} GGUF given")
     if has_quant_flag:
-        flags = ["--quantization", quant.flag]
+        flags = ["--quantization", quant.flag, *quant.extra]
     elif quant.flag == "none" and quant.gguf is None:
         flags = []
     else:

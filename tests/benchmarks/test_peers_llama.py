@@ -177,6 +177,16 @@ def test_without_launch_quantization_only_the_unquantized_variant_runs(model: Pa
         )
 
 
+def test_the_int8_input_variant_serves_the_same_gguf_with_its_flag(model: Path) -> None:
+    s = contenders.Settings(model, "float32", 1, 2048, 2, 8)
+    spec = contenders.pdserve_server(
+        "pdserve co-located", contenders.PDSERVE_QUANTS["gguf-q4_1-a8"], s, Path("q.gguf"), True
+    )
+    argv = " ".join(spec.argv)
+    assert "--model q.gguf" in argv and "--quantization auto --gemm-inputs int8" in argv
+    assert spec.name == "pdserve co-located GGUF Q4_1 int8 inputs"
+
+
 def pt(server: str, c: int, tput: float, ttft: float, itl: float) -> Point:
     figures = {"output_throughput": tput, "median_ttft_ms": ttft, "median_itl_ms": itl}
     return Point(server, "random", c, figures, completed=4, failed=0, load_avg=1.0)
