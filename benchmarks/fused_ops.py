@@ -12,7 +12,7 @@ attention; up to four implementations:
 * ``library``: the kernel library's op (engine/cpu_kernels.py); for rotary + store, its
   four steps as the fused backend ran them (widen, rotate, round, store);
 * ``pdserve``: pdserve's own kernel (engine/weights/int4_cpu.cpp), where it has one and
-  it is built: ``rope_store``, ``silu_mul``;
+  it is built: ``rope_store``, ``silu_mul``, ``decode_attention``;
 * ``compiled``: the torch ops under ``torch.compile`` (inductor, one graph per row count,
   its cache under the pdserve cache dir), when ``--no-compile`` is not given.
 
@@ -39,10 +39,11 @@ from engine.cpu_kernels import available
 from engine.model.attention import grouped_decode_sdpa
 from engine.model.fused_cpu import ISA
 from engine.model.rope import apply_rotary
-from engine.weights.int4_tiles import rope_store_op, silu_mul_op
+from engine.weights.int4_tiles import decode_attention_op, rope_store_op, silu_mul_op
 
 RESULTS = Path(__file__).parent / "results" / "fused_ops.md"
 CONTEXT = 300  # decode attention: tokens of KV per sequence
+LAYERS = 30  # a decode step's attention: SmolLM2-135M's layers
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, EPS = 576, 1536, 9, 3, 64, 1e-5
 Op = Callable[[], object]
 
@@ -197,7 +198,78 @@ def _attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
             None,
         )
 
-    return {"torch": lambda: grouped_decode_sdpa(q, dense_k, dense_v, bias), "library": library}
+    ops: dict[str, Op] = {
+        "torch": lambda: grouped_decode_sdpa(q, dense_k, dense_v, bias),
+        "library": library,
+    }
+    if (decode_attention := decode_attention_op()) is not None:
+        ops["pdserve"] = lambda: decode_attention(
+            q, key_cache, value_cache, tables, seq_lens, HEAD_DIM**-0.5
+        )
+    return ops
+
+
+def _step_attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
+    """A whole decode step's attention: ``LAYERS`` layers of ``rows`` sequences of
+    ``CONTEXT`` tokens, each sequence's blocks scattered over the pool as a served pool's
+    are after some traffic, the pool in the engine's layout (num_blocks, L, 2, block, KVH,
+    D). Unlike one layer's op above, whose few MB stay in cache between calls, the step
+    reads its K and V from memory, as serving does: the library's kernel against pdserve's
+    (no torch row: its dense copy alone would dominate)."""
+    bs, blocks = 16, -(-CONTEXT // 16)
+    gen = torch.Generator().manual_seed(rows)
+    pool = torch.randn(rows * blocks + 1, LAYERS, 2, bs, KV_HEADS, HEAD_DIM, generator=gen)
+    pool = pool.to(dtype)
+    chunk = bs * KV_HEADS * HEAD_DIM
+    shape, strides = (
+        (pool.shape[0], KV_HEADS, bs, HEAD_DIM),
+        (LAYERS * 2 * chunk, bs * HEAD_DIM, HEAD_DIM, 1),
+    )
+    views = [
+        (
+            pool.as_strided(shape, strides, 2 * i * chunk),
+            pool.as_strided(shape, strides, (2 * i + 1) * chunk),
+        )
+        for i in range(LAYERS)
+    ]
+    tables = (torch.randperm(rows * blocks, generator=gen) + 1).to(torch.int32).view(rows, blocks)
+    q = torch.randn(rows, HEADS, HEAD_DIM).to(dtype)
+    seq_lens = torch.full((rows,), CONTEXT, dtype=torch.int32)
+    starts = torch.arange(rows + 1, dtype=torch.int32)
+    out = torch.empty(rows, HEADS, HEAD_DIM, dtype=dtype)
+
+    def library() -> None:
+        schedule = torch.ops._C.get_scheduler_metadata(
+            rows, HEADS, KV_HEADS, HEAD_DIM, seq_lens, dtype, starts, True, -1, ISA, False, None
+        )
+        for key, value in views:
+            torch.ops._C.cpu_attention_with_kv_cache(
+                q,
+                key,
+                value,
+                out,
+                starts,
+                seq_lens,
+                HEAD_DIM**-0.5,
+                True,
+                None,
+                -1,
+                tables,
+                0.0,
+                schedule,
+                None,
+                None,
+            )
+
+    ops: dict[str, Op] = {"library": library}
+    if (decode_attention := decode_attention_op()) is not None:
+
+        def pdserve() -> None:
+            for key, value in views:
+                decode_attention(q, key, value, tables, seq_lens, HEAD_DIM**-0.5)
+
+        ops["pdserve"] = pdserve
+    return ops
 
 
 COMPILE = True
@@ -262,15 +334,21 @@ def main() -> None:
                 ("rotary + K/V store", _rope_store_ops),
                 ("silu * up", _silu_ops),
                 (f"decode attention, {CONTEXT} ctx", _attention_ops),
+                (
+                    f"decode step's attention, {LAYERS} layers, scattered blocks",
+                    _step_attention_ops,
+                ),
             ):
-                if make is _attention_ops and dtype != torch.bfloat16:
+                if make in (_attention_ops, _step_attention_ops) and dtype != torch.bfloat16:
                     continue  # the cache's dtype when serving
-                t = _time(make(rows, dtype), args.iters)
+                t = _time(make(rows, dtype), args.iters if make is not _step_attention_ops else 20)
                 cells = [f"{t[k]:.1f}" if k in t else "-" for k in ("pdserve", "compiled")]
-                ratio = f"{t['pdserve'] / t['torch']:.2f}" if "pdserve" in t else "-"
+                base = t.get("torch", t["library"])  # the step's row: against the library
+                ratio = f"{t['pdserve'] / base:.2f}" if "pdserve" in t else "-"
+                torch_cell = f"{t['torch']:.1f}" if "torch" in t else "-"
                 line = (
-                    f"| {op_name} | {dtype_name} | {rows} | {t['torch']:.1f} | {t['library']:.1f} "
-                    f"| {' | '.join(cells)} | {t['library'] / t['torch']:.2f} | {ratio} |"
+                    f"| {op_name} | {dtype_name} | {rows} | {torch_cell} | {t['library']:.1f} "
+                    f"| {' | '.join(cells)} | {t['library'] / base:.2f} | {ratio} |"
                 )
                 print(line, flush=True)
                 lines.append(line)

@@ -15,8 +15,14 @@ Here, per layer:
   qkv, ``rotary_embedding`` over q and k, round qkv to the cache's dtype,
   ``cpu_attn_reshape_and_cache`` (the path kept for Qwen3's per-head norms and AVX2);
 * attention: ``cpu_attention_with_kv_cache`` reads each sequence's blocks in place, for
-  prefill, chunked prefill and decode alike (causal over a sequence's whole context), with
-  no dense copy of the batch's K/V;
+  prefill and chunked prefill (causal over a sequence's whole context), with no dense copy
+  of the batch's K/V; steps of one query row a request (decode, and speculative
+  verifications, whose rows run as requests of their own) take pdserve's
+  ``decode_attention`` where it is built (``int4_tiles.decode_attention_op``): the same
+  reads of the pool with a sequence's query heads sharing each K and V load, a row's bits
+  independent of its batch: a step's attention in 0.84-0.86x the library's time at 8-32
+  rows of 300 tokens (1.03x at one), and served at 16 streams of 1.5k-token contexts ITL
+  p50 0.74x (``benchmarks/results/fused_ops.md``);
 * SiLU * up: pdserve's own one-pass kernel where it is built (``int4_tiles.silu_mul_op``;
   2-2.5x faster than torch's ``silu`` then ``mul_`` at 1-256 rows on a Zen 5, and it reads
   a bfloat16 gate_up projection without widening it first), else torch's: the library's
@@ -49,7 +55,12 @@ from engine.model.attention import AttentionMetadata
 from engine.model.backend import TORCH, AttentionLayer, TorchBackend
 from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryEmbedding
-from engine.weights.int4_tiles import rope_store_op, silu_mul_op
+from engine.weights.int4_tiles import (
+    DECODE_HEAD_SIZES,
+    decode_attention_op,
+    rope_store_op,
+    silu_mul_op,
+)
 
 # The library's portable kernel family: its K layout does not depend on the CPU's ISA
 # (the "amx" family packs K differently), and it takes blocks of 16 tokens (``vec``: 32).
@@ -67,7 +78,8 @@ class PagedBatch:
     q_starts: torch.Tensor  # (B + 1,) request b's query rows are [q_starts[b], q_starts[b + 1])
     seq_lens: torch.Tensor  # (B,) context length, the request's new tokens included
     block_tables: torch.Tensor  # (B, W) pool blocks of each request
-    schedule: torch.Tensor  # the library's work split for these shapes (opaque)
+    schedule: torch.Tensor | None  # the library's work split for these shapes (opaque)
+    one_row_each: bool  # every request one query row (B == T): decode-shaped
 
 
 class FusedCpuBackend(TorchBackend):
@@ -87,6 +99,7 @@ class FusedCpuBackend(TorchBackend):
         # head size in whole vectors of 16 pairs.
         fits = rotary.cos.dtype == torch.float32 and rotary.cos.shape[1] % 32 == 0
         self._rope_store = rope_store_op() if fits else None
+        self._decode_attention = decode_attention_op()
         half = rotary.cos.shape[1] // 2
         # (P, D): cos then sin of each position's D / 2 frequencies (the halves of
         # RotaryEmbedding's tables are equal), the layout rotary_embedding reads.
@@ -116,6 +129,10 @@ class FusedCpuBackend(TorchBackend):
                 starts.append(starts[-1] + n)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         q_starts = torch.tensor(starts, dtype=torch.int32)
+        one_row_each = len(lens) == starts[-1]
+        if one_row_each and self._takes_decode(pool, num_heads):
+            paged = PagedBatch(meta.slots, q_starts, seq_lens, tables.contiguous(), None, True)
+            return replace(meta, paged=paged)
         schedule = self._ops.get_scheduler_metadata(
             len(seq_lens),
             num_heads,
@@ -130,8 +147,19 @@ class FusedCpuBackend(TorchBackend):
             False,
             None,
         )
-        paged = PagedBatch(meta.slots, q_starts, seq_lens, tables, schedule)
+        paged = PagedBatch(meta.slots, q_starts, seq_lens, tables, schedule, one_row_each)
         return replace(meta, paged=paged)
+
+    def _takes_decode(self, pool: torch.Tensor, num_heads: int) -> bool:
+        """Whether pdserve's decode attention takes this pool's one-row-a-request steps."""
+        kv_heads, d = pool.shape[4], pool.shape[5]
+        return (
+            self._decode_attention is not None
+            and d in DECODE_HEAD_SIZES
+            and num_heads % kv_heads == 0
+            and num_heads // kv_heads <= 8
+            and pool.dtype in _KERNEL_DTYPES
+        )
 
     def attend(
         self, attn: AttentionLayer, qkv: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata
@@ -153,6 +181,17 @@ class FusedCpuBackend(TorchBackend):
             )
         else:
             query = self._rope_then_store(attn, qkv, pool, meta, key_cache, value_cache)
+        if paged.schedule is None:  # one row a request (``prepare``): pdserve's decode kernel
+            assert self._decode_attention is not None
+            out = self._decode_attention(
+                query.to(pool.dtype).contiguous(),
+                key_cache,
+                value_cache,
+                paged.block_tables,
+                paged.seq_lens,
+                d**-0.5,
+            )
+            return out.view(t, attn.q_size)
         out = torch.empty(t, h, d, dtype=pool.dtype)
         self._ops.cpu_attention_with_kv_cache(
             query,

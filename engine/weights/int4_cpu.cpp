@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <array>
 #include <utility>
 #include <vector>
@@ -894,6 +895,257 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions,
   return q;
 }
 
+// ---- Decode attention over the paged pool ------------------------------------------------
+//
+// One query row per sequence (a decode step, or a verification's rows run as decode rows),
+// against its whole context in the pool, in the library's ``vec16`` order (see rope_store
+// above: per block and KV head, K as (D, block_size), V as (block_size, D)). The library's
+// kernel reads that context at about a third of what a copy of the same bytes moves here
+// (``benchmarks/results/fused_ops.md``); a decode step is bound by reading it.
+//
+// Each (sequence, KV head) is one task: its G = H / KVH query heads share every K and V
+// load. Per 16 tokens: the scores of a head are one vector (K's columns are tokens), then an
+// online softmax (running max and sum per head) and V's rows accumulated in float32. Blocks
+// are prefetched one ahead (a table's blocks are anywhere in the pool). A row's result does
+// not depend on the rows beside it or on the threads: each task runs the same instructions
+// in the same order whatever the batch.
+
+constexpr int64_t kAttnAhead = 1;  // blocks read ahead
+constexpr int64_t kSplitTokens = 512;
+
+// One block's K and V chunks of one head (``bytes`` each, from ``at`` past each base).
+inline void prefetch_kv(const char* k, const char* v, int64_t at, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) {
+    _mm_prefetch(k + at + line, _MM_HINT_T0);
+    _mm_prefetch(v + at + line, _MM_HINT_T0);
+  }
+}
+
+// G heads over tokens [t_begin, t_end) of one sequence. With ``out`` (the whole context):
+// their attention, normalized, in the cache's dtype. Else the softmax state into ``state``
+// (G, 2 + D): per head its running max, its sum of exponentials and its weighted sum of V
+// rows, float32 (an empty range: max -inf, sum 0).
+template <int G, int DV, bool BF16>
+PDSERVE_VL_TARGET void decode_attention_part(const void* q_row, const char* k_head0,
+                                             const char* v_head0, int64_t block_stride,
+                                             const int32_t* table, int64_t bs, int64_t t_begin,
+                                             int64_t t_end, float scale, float* state,
+                                             void* out) {
+  constexpr int64_t D = DV * 16, esize = BF16 ? 2 : 4;
+  float q[G][D];
+  for (int h = 0; h < G; ++h)
+    for (int v = 0; v < DV; ++v)
+      _mm512_storeu_ps(&q[h][v * 16],
+                       _mm512_mul_ps(load_ps(static_cast<const char*>(q_row) + (h * D + v * 16) * esize,
+                                             BF16, 0xFFFF),
+                                     _mm512_set1_ps(scale)));
+  __m512 acc[G][DV];
+  float m[G], l[G];
+  for (int h = 0; h < G; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0.0f;
+    for (int v = 0; v < DV; ++v) acc[h][v] = _mm512_setzero_ps();
+  }
+  alignas(64) float p[G][16];
+  const int64_t chunk_bytes = bs * D * esize, last_block = (t_end - 1) / bs;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
+    const int64_t block = table[t0 / bs], off = t0 % bs;
+    const char* kb = k_head0 + (block * block_stride) * esize;
+    const char* vb = v_head0 + (block * block_stride) * esize;
+    if ((off == 0 || t0 == t_begin) && t0 / bs + kAttnAhead <= last_block)
+      prefetch_kv(k_head0, v_head0, table[t0 / bs + kAttnAhead] * block_stride * esize, chunk_bytes);
+    const int64_t valid = std::min<int64_t>(16, t_end - t0);
+    const __mmask16 mask = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    // Four partial sums a head (dimensions d = j mod 4), so that no chain of D dependent
+    // multiply-adds sets the pace.
+    __m512 part[G][4];
+    for (int h = 0; h < G; ++h)
+      for (int j = 0; j < 4; ++j) part[h][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512 k = load_ps(kb + ((d + j) * bs + off) * esize, BF16, mask);
+        for (int h = 0; h < G; ++h)
+          part[h][j] = _mm512_fmadd_ps(_mm512_set1_ps(q[h][d + j]), k, part[h][j]);
+      }
+    }
+    for (int h = 0; h < G; ++h) {
+      const __m512 s = _mm512_add_ps(_mm512_add_ps(part[h][0], part[h][1]),
+                                     _mm512_add_ps(part[h][2], part[h][3]));
+      const __m512 sm = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), s);
+      const float m_new = std::max(m[h], _mm512_reduce_max_ps(sm));
+      const __m512 e = _mm512_maskz_mov_ps(mask, exp_ps(_mm512_sub_ps(sm, _mm512_set1_ps(m_new))));
+      const float corr = m[h] == -INFINITY ? 0.0f : std::exp(m[h] - m_new);
+      l[h] = l[h] * corr + _mm512_reduce_add_ps(e);
+      m[h] = m_new;
+      for (int v = 0; v < DV; ++v) acc[h][v] = _mm512_mul_ps(acc[h][v], _mm512_set1_ps(corr));
+      _mm512_store_ps(p[h], e);
+    }
+    for (int64_t t = 0; t < valid; ++t) {
+      __m512 vv[DV];
+      for (int v = 0; v < DV; ++v)
+        vv[v] = load_ps(vb + ((off + t) * D + v * 16) * esize, BF16, 0xFFFF);
+      for (int h = 0; h < G; ++h) {
+        const __m512 w = _mm512_set1_ps(p[h][t]);
+        for (int v = 0; v < DV; ++v) acc[h][v] = _mm512_fmadd_ps(w, vv[v], acc[h][v]);
+      }
+    }
+  }
+  for (int h = 0; h < G; ++h) {
+    if (out != nullptr) {
+      const __m512 inv = _mm512_set1_ps(1.0f / l[h]);
+      for (int v = 0; v < DV; ++v)
+        store_ps(static_cast<char*>(out) + (h * D + v * 16) * esize, BF16,
+                 _mm512_mul_ps(acc[h][v], inv));
+      continue;
+    }
+    float* st = state + h * (2 + D);
+    st[0] = m[h];
+    st[1] = l[h];
+    for (int v = 0; v < DV; ++v) _mm512_storeu_ps(st + 2 + v * 16, acc[h][v]);
+  }
+}
+
+using DecodePart = void (*)(const void*, const char*, const char*, int64_t, const int32_t*,
+                            int64_t, int64_t, int64_t, float, float*, void*);
+
+template <int G, int DV>
+DecodePart decode_part(bool bf16) {
+  return bf16 ? &decode_attention_part<G, DV, true> : &decode_attention_part<G, DV, false>;
+}
+
+template <int DV>
+DecodePart decode_part_for(int64_t g, bool bf16) {
+  switch (g) {
+    case 1: return decode_part<1, DV>(bf16);
+    case 2: return decode_part<2, DV>(bf16);
+    case 3: return decode_part<3, DV>(bf16);
+    case 4: return decode_part<4, DV>(bf16);
+    case 5: return decode_part<5, DV>(bf16);
+    case 6: return decode_part<6, DV>(bf16);
+    case 7: return decode_part<7, DV>(bf16);
+    case 8: return decode_part<8, DV>(bf16);
+    default: return nullptr;
+  }
+}
+
+// Two states of one head (2 + D floats each) merged, normalized, stored in the cache's dtype.
+PDSERVE_VL_TARGET void merge_parts(const float* a, const float* b, int64_t d, bool bf16,
+                                   char* out) {
+  const float m = std::max(a[0], b[0]);  // a's range is never empty
+  const float ea = std::exp(a[0] - m), eb = b[0] == -INFINITY ? 0.0f : std::exp(b[0] - m);
+  const __m512 wa = _mm512_set1_ps(ea / (a[1] * ea + b[1] * eb));
+  const __m512 wb = _mm512_set1_ps(eb / (a[1] * ea + b[1] * eb));
+  for (int64_t v = 0; v < d; v += 16) {
+    const __m512 o = _mm512_fmadd_ps(_mm512_loadu_ps(a + 2 + v), wa,
+                                     _mm512_mul_ps(_mm512_loadu_ps(b + 2 + v), wb));
+    store_ps(out + v * (bf16 ? 2 : 4), bf16, o);
+  }
+}
+
+// q: (B, H, D) in the cache's dtype, contiguous; key_cache / value_cache: one layer's
+// (num_blocks, KVH, block_size, D) views (rope_store's); block_tables: int32 (B, W);
+// seq_lens: int32 (B,), each >= 1. -> (B, H, D) in the cache's dtype.
+//
+// Each (sequence, KV head) is a task; a context longer than kSplitTokens is split in two
+// halves (by 16-token chunks), each a task, their states merged after, so that a few long
+// sequences still fill the cores. Whether and where a row is split depends on its length
+// alone, never on the batch or the threads.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "decode_attention: q must be contiguous (B, H, D)");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 &&
+                  key_cache.strides() == value_cache.strides() &&
+                  key_cache.sizes() == value_cache.sizes(),
+              "decode_attention: K and V must be (num_blocks, KVH, block_size, D) views alike");
+  const int64_t b_rows = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t kvh = key_cache.size(1), bs = key_cache.size(2);
+  const bool bf16 = key_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || key_cache.scalar_type() == at::kFloat,
+              "decode_attention: the cache must be float32 or bfloat16");
+  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type(),
+              "decode_attention: q must be in the cache's dtype");
+  TORCH_CHECK(key_cache.size(3) == d && key_cache.stride(3) == 1 && key_cache.stride(2) == d &&
+                  key_cache.stride(1) == bs * d,
+              "decode_attention: each block's head chunk must be (block_size, D) contiguous");
+  TORCH_CHECK(bs % 16 == 0 && kvh > 0 && h % kvh == 0,
+              "decode_attention: block size ", bs, ", heads ", h, " over ", kvh);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.size(0) == b_rows && block_tables.is_contiguous(),
+              "decode_attention: block_tables must be contiguous int32 (B, W)");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == b_rows &&
+                  seq_lens.is_contiguous(),
+              "decode_attention: seq_lens must be int32 (B,)");
+  const int64_t g = h / kvh, width = block_tables.size(1);
+  const DecodePart part = d == 64 ? decode_part_for<4>(g, bf16)
+                          : d == 128 ? decode_part_for<8>(g, bf16) : nullptr;
+  TORCH_CHECK(part != nullptr, "decode_attention: head size ", d, " with ", g,
+              " heads a KV head is not built");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t nb = key_cache.size(0);
+  for (int64_t b = 0; b < b_rows; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * bs, "decode_attention: row ", b, " has ",
+                lens[b], " tokens for ", width, " blocks");
+    for (int64_t j = 0; j < (lens[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tables[b * width + j] >= 0 && tables[b * width + j] < nb,
+                  "decode_attention: row ", b, " names block ", tables[b * width + j]);
+  }
+  at::Tensor out = at::empty_like(q);
+  const int64_t esize = bf16 ? 2 : 4, per_head = 2 + d;
+  // Tasks (row, half): half -1 the whole context; 0 and 1 the halves of a long one, whose
+  // states go to states[split index of the row].
+  std::vector<std::array<int32_t, 3>> tasks;  // row, half, split index
+  tasks.reserve(size_t(2 * b_rows));
+  int32_t splits = 0;
+  for (int64_t b = 0; b < b_rows; ++b) {
+    if (lens[b] > kSplitTokens) {
+      tasks.push_back({int32_t(b), 0, splits});
+      tasks.push_back({int32_t(b), 1, splits++});
+    } else {
+      tasks.push_back({int32_t(b), -1, -1});
+    }
+  }
+  std::vector<float> states(size_t(splits) * h * 2 * per_head);
+  const char* kbase = static_cast<const char*>(key_cache.data_ptr());
+  const char* vbase = static_cast<const char*>(value_cache.data_ptr());
+  const char* qp = static_cast<const char*>(q.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const int64_t block_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
+  float* st = states.data();
+  const int64_t n_tasks = int64_t(tasks.size());
+  at::parallel_for(0, n_tasks * kvh, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const auto [b, half, split_index] = tasks[size_t(i / kvh)];
+      const int64_t kh = i % kvh, n = lens[b], head0 = b * h + kh * g;
+      int64_t t_begin = 0, t_end = n;
+      if (half >= 0) {
+        const int64_t mid = std::min<int64_t>(n, ((n + 15) / 16 + 1) / 2 * 16);
+        t_begin = half == 0 ? 0 : mid;
+        t_end = half == 0 ? mid : n;
+      }
+      float* state = half < 0 ? nullptr : st + ((split_index * kvh + kh) * 2 + half) * g * per_head;
+      part(qp + head0 * d * esize, kbase + kh * head_stride * esize,
+           vbase + kh * head_stride * esize, block_stride, tables + b * width, bs, t_begin,
+           t_end, float(scale), state, half < 0 ? op + head0 * d * esize : nullptr);
+    }
+  });
+  if (splits > 0) {
+    at::parallel_for(0, n_tasks * kvh, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const auto [b, half, split_index] = tasks[size_t(i / kvh)];
+        if (half != 0) continue;  // each split row merged once, by its first half's task
+        const int64_t kh = i % kvh, head0 = b * h + kh * g;
+        const float* halves = st + (split_index * kvh + kh) * 2 * g * per_head;
+        for (int64_t j = 0; j < g; ++j)
+          merge_parts(halves + j * per_head, halves + (g + j) * per_head, d, bf16,
+                      op + (head0 + j) * d * esize);
+      }
+    });
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve, m) {
@@ -904,6 +1156,9 @@ TORCH_LIBRARY(pdserve, m) {
   m.def(
       "rope_store(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slots, int num_heads, int num_kv_heads) -> Tensor");
+  m.def(
+      "decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("int4_mm", &int4_mm);
@@ -911,4 +1166,5 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("int4_gemm_a8", &int4_gemm_a8);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_store", &rope_store);
+  m.impl("decode_attention", &decode_attention);
 }

@@ -70,6 +70,19 @@ def rope_store_op() -> Callable[..., torch.Tensor] | None:
     return _op("rope_store")
 
 
+def decode_attention_op() -> Callable[..., torch.Tensor] | None:
+    """The same library's decode attention over a pool in the ``vec16`` order
+    (``int4_cpu.cpp: decode_attention``): q (B, H, D) in the cache's dtype, one layer's K and
+    V views (as ``rope_store``'s), int32 block tables (B, W) and context lengths (B,), the
+    scale -> (B, H, D) in the cache's dtype; one query row a sequence. Head sizes
+    ``DECODE_HEAD_SIZES``, up to 8 query heads a KV head. None where not built or without
+    AVX-512 BF16."""
+    return _op("decode_attention")
+
+
+DECODE_HEAD_SIZES = (64, 128)
+
+
 def _op(name: str) -> Callable[..., torch.Tensor] | None:
     """``torch.ops.pdserve.<name>``, or None where the library is not built or cannot run."""
     try:

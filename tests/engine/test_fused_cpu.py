@@ -26,7 +26,7 @@ from engine.model.fused_cpu import FusedCpuBackend, cpu_backend
 from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryEmbedding, apply_rotary
 from engine.runner import ModelRunner
-from engine.weights.int4_tiles import rope_store_op, silu_mul_op
+from engine.weights.int4_tiles import decode_attention_op, rope_store_op, silu_mul_op
 from wire.params import SamplingParams
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-7, 2**-7)}  # (atol, rtol)
@@ -392,3 +392,123 @@ def test_attend_takes_the_kernels_bfloat16_with_the_bits_of_float32(
         got = backend.attend(attn, qkv.clone(), pool, meta)  # type: ignore[arg-type]
         want = backend.attend(attn, qkv.float(), wide_pool, meta)  # type: ignore[arg-type]
         assert torch.equal(got, want) and torch.equal(pool, wide_pool)
+
+
+def _dense_attention(
+    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables: torch.Tensor, lens: list[int]
+) -> torch.Tensor:
+    """float64 softmax(q K^T / sqrt(D)) V per row, K and V gathered from ``vec16`` blocks
+    (per block and KV head: K as (D, block_size), V as (block_size, D))."""
+    b, h, d = q.shape
+    _, kvh, bs, _ = key.shape
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    for i, n in enumerate(lens):
+        blocks = tables[i, : -(-n // bs)].long()
+        k = key[blocks].reshape(len(blocks), kvh, d, bs).permute(1, 0, 3, 2)
+        v = value[blocks].reshape(len(blocks), kvh, bs, d).permute(1, 0, 2, 3)
+        k, v = k.reshape(kvh, -1, d)[:, :n].double(), v.reshape(kvh, -1, d)[:, :n].double()
+        for j in range(h):
+            g = j // (h // kvh)
+            out[i, j] = torch.softmax(q[i, j].double() @ k[g].T * d**-0.5, -1) @ v[g]
+    return out
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("h", "kvh", "d", "bs"), [(9, 3, 64, 16), (8, 1, 128, 32), (4, 4, 64, 16)])
+def test_decode_attention_equals_softmax_attention_and_a_rows_bits_stay(
+    fused: FusedCpuBackend, cache_dtype: torch.dtype, h: int, kvh: int, d: int, bs: int
+) -> None:
+    """pdserve's decode attention (one query row a sequence, over the pool in place): within
+    one rounding of the cache's dtype of float64 attention over the gathered context, and
+    of the library's kernel; contexts of 1 to 700 tokens across scattered blocks (past 512
+    a row's context is taken in two halves, then merged); each row's bits the same alone, in any batch and on 1 or 2 threads (a decode
+    step and a speculative verification of the same row agree)."""
+    op = decode_attention_op()
+    if op is None:
+        pytest.skip("pdserve's CPU kernels are not built or do not run here")
+    gen = torch.Generator().manual_seed(h + d)
+    lens = [300, 1, 16, 17, 15, 129, 700, 513]  # past 512 tokens a row is split in two
+    width = -(-max(lens) // bs)
+    pool = torch.randn(len(lens) * width + 3, 2, 2, bs, kvh, d, generator=gen).to(cache_dtype)
+    key, value = _pool_views(pool, 1)
+    tables = torch.randperm(pool.shape[0], generator=gen)[: len(lens) * width]
+    tables = tables.view(len(lens), width).to(torch.int32)
+    q = torch.randn(len(lens), h, d, generator=gen).to(cache_dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = op(q, key, value, tables, seq_lens, d**-0.5)
+    assert got.dtype == cache_dtype and got.shape == q.shape
+    want = _dense_attention(q, key, value, tables, lens)
+    atol, rtol = TOL[cache_dtype]
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
+    if h // kvh <= 8 and d == 64:  # the library's kernel takes these heads too
+        lib = torch.empty_like(q)
+        starts = torch.arange(len(lens) + 1, dtype=torch.int32)
+        schedule = torch.ops._C.get_scheduler_metadata(
+            len(lens), h, kvh, d, seq_lens, cache_dtype, starts, True, -1, "vec16", False, None
+        )
+        torch.ops._C.cpu_attention_with_kv_cache(
+            q,
+            key,
+            value,
+            lib,
+            starts,
+            seq_lens,
+            d**-0.5,
+            True,
+            None,
+            -1,
+            tables,
+            0.0,
+            schedule,
+            None,
+            None,
+        )
+        torch.testing.assert_close(got.double(), lib.double(), atol=atol, rtol=rtol)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for i in range(len(lens)):
+                alone = op(
+                    q[i : i + 1], key, value, tables[i : i + 1], seq_lens[i : i + 1], d**-0.5
+                )
+                assert torch.equal(alone[0], got[i]), (threads, i)
+            assert torch.equal(op(q[2:], key, value, tables[2:], seq_lens[2:], d**-0.5), got[2:])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_decode_attention_refuses_what_it_cannot_take(fused: FusedCpuBackend) -> None:
+    """Bad lengths, blocks outside the pool, and shapes it was not built for are errors,
+    never reads outside the pool."""
+    op = decode_attention_op()
+    if op is None:
+        pytest.skip("pdserve's CPU kernels are not built or do not run here")
+    pool = torch.zeros(4, 1, 2, 16, 3, 64, dtype=torch.bfloat16)
+    key, value = _pool_views(pool, 0)
+    q = torch.zeros(1, 9, 64, dtype=torch.bfloat16)
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="has 33 tokens for 2 blocks"):
+        op(q, key, value, tables, torch.tensor([33], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="has 0 tokens"):
+        op(q, key, value, tables, torch.tensor([0], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="names block 7"):
+        op(
+            q,
+            key,
+            value,
+            torch.tensor([[0, 7]], dtype=torch.int32),
+            torch.tensor([20], dtype=torch.int32),
+            0.125,
+        )
+    with pytest.raises(RuntimeError, match="cache's dtype"):
+        op(q.float(), key, value, tables, torch.tensor([5], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="heads a KV head is not built"):
+        op(
+            torch.zeros(1, 30, 64, dtype=torch.bfloat16),
+            key,
+            value,
+            tables,
+            torch.tensor([5], dtype=torch.int32),
+            0.125,
+        )
