@@ -158,6 +158,23 @@ def _silu_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
     return ops
 
 
+def _library_attention(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tables: torch.Tensor,
+    schedule: torch.Tensor,
+) -> None:
+    """The library's attention over the paged pool, causal, as the fused backend calls it."""
+    torch.ops._C.cpu_attention_with_kv_cache(
+        q, key, value, out, starts, seq_lens, HEAD_DIM**-0.5, True, None, -1, tables, 0.0,
+        schedule, None, None,
+    )  # fmt: skip
+
+
 def _attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
     """Decode attention of ``rows`` sequences of ``CONTEXT`` tokens: SDPA over a dense copy
     of their K/V (the torch backend's decode) against the library's over the paged pool."""
@@ -180,23 +197,7 @@ def _attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
     bias = torch.zeros(rows, 1, 1, CONTEXT, dtype=dtype)
 
     def library() -> None:
-        torch.ops._C.cpu_attention_with_kv_cache(
-            q,
-            key_cache,
-            value_cache,
-            out,
-            starts,
-            seq_lens,
-            HEAD_DIM**-0.5,
-            True,
-            None,
-            -1,
-            tables,
-            0.0,
-            schedule,
-            None,
-            None,
-        )
+        _library_attention(q, key_cache, value_cache, out, starts, seq_lens, tables, schedule)
 
     ops: dict[str, Op] = {
         "torch": lambda: grouped_decode_sdpa(q, dense_k, dense_v, bias),
@@ -243,23 +244,7 @@ def _step_attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
             rows, HEADS, KV_HEADS, HEAD_DIM, seq_lens, dtype, starts, True, -1, ISA, False, None
         )
         for key, value in views:
-            torch.ops._C.cpu_attention_with_kv_cache(
-                q,
-                key,
-                value,
-                out,
-                starts,
-                seq_lens,
-                HEAD_DIM**-0.5,
-                True,
-                None,
-                -1,
-                tables,
-                0.0,
-                schedule,
-                None,
-                None,
-            )
+            _library_attention(q, key, value, out, starts, seq_lens, tables, schedule)
 
     ops: dict[str, Op] = {"library": library}
     if (decode_attention := decode_attention_op()) is not None:

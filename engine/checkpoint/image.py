@@ -143,9 +143,7 @@ def _export_kernel(kernel: nn.Module, name: str, tensors: dict[str, torch.Tensor
         meta["gemm_min_rows"] = kernel.many_rows.min_rows
         meta["gemm_by_phase"] = kernel.many_rows.by_phase
         if isinstance(gemm, TilesGemm):  # on the kernel's own tiles: nothing more to hold
-            meta["gemm_layout"] = "tiles"
-        elif isinstance(gemm, A8Gemm):  # the same, with int8 inputs
-            meta["gemm_layout"] = "a8"
+            meta["gemm_layout"] = "a8" if isinstance(gemm, A8Gemm) else "tiles"
         elif isinstance(gemm, (PlainGemm, VnniGemm)):
             _put(tensors, f"{name}.gemm", gemm.weight)
             meta["gemm_layout"] = "vnni" if isinstance(gemm, VnniGemm) else "plain"

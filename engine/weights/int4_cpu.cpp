@@ -296,15 +296,21 @@ PDSERVE_TARGET void prepare_rows(const at::Tensor& x, int64_t groups, uint16_t* 
   }
 }
 
+// The int4 products' arguments: x (M, K), w uint8 (T, G, 320), n outputs in T tiles.
+void check_gemm(const char* name, const at::Tensor& x, const at::Tensor& w, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3, name, ": x must be (M, K), w (T, G, 320)");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == kGroupBytes,
+              name, ": w must be contiguous uint8 (T, G, ", kGroupBytes, ")");
+  const int64_t k = x.size(1), tiles = w.size(0), groups = w.size(1);
+  TORCH_CHECK(k == groups * kGroup, name, ": x has ", k, " inputs, w ", groups * kGroup);
+  TORCH_CHECK(n > 0 && n <= tiles * kTile && n > (tiles - 1) * kTile,
+              name, ": ", n, " outputs do not fit ", tiles, " tiles");
+}
+
 // x: (M, K) float32 or bfloat16; w: uint8 (T, G, 320); n <= 16 T outputs. -> (M, n) float32.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, bool use_amx) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3, "int4_mm: x must be (M, K), w (T, G, 320)");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == kGroupBytes,
-              "int4_mm: w must be contiguous uint8 (T, G, ", kGroupBytes, ")");
+  check_gemm("int4_mm", x, w, n);
   const int64_t m_rows = x.size(0), k = x.size(1), tiles = w.size(0), groups = w.size(1);
-  TORCH_CHECK(k == groups * kGroup, "int4_mm: x has ", k, " inputs, w ", groups * kGroup);
-  TORCH_CHECK(n > 0 && n <= tiles * kTile && n > (tiles - 1) * kTile,
-              "int4_mm: ", n, " outputs do not fit ", tiles, " tiles");
   at::Tensor y = at::empty({m_rows, n}, x.options().dtype(at::kFloat));
   if (m_rows == 0) return y;
   const bool direct = (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
@@ -450,13 +456,8 @@ PDSERVE_AMX_TARGET void gemm_rows(const uint16_t* x, int64_t ldx, int64_t m_rows
 
 // x: (M, K) float32 or bfloat16; w: uint8 (T, G, 320); n <= 16 T outputs. -> (M, n) float32.
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3, "int4_gemm: x must be (M, K), w (T, G, 320)");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == kGroupBytes,
-              "int4_gemm: w must be contiguous uint8 (T, G, ", kGroupBytes, ")");
+  check_gemm("int4_gemm", x, w, n);
   const int64_t m_rows = x.size(0), k = x.size(1), tiles = w.size(0), groups = w.size(1);
-  TORCH_CHECK(k == groups * kGroup, "int4_gemm: x has ", k, " inputs, w ", groups * kGroup);
-  TORCH_CHECK(n > 0 && n <= tiles * kTile && n > (tiles - 1) * kTile,
-              "int4_gemm: ", n, " outputs do not fit ", tiles, " tiles");
   TORCH_CHECK(amx_enabled(), "int4_gemm: this process cannot use AMX");
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();
   at::Tensor y = at::empty({m_rows, n}, x.options().dtype(at::kFloat));
@@ -625,13 +626,8 @@ bool vnni_supported() {
 
 // x: (M, K) float32 or bfloat16; w: uint8 (T, G, 320); n <= 16 T outputs. -> (M, n) float32.
 at::Tensor int4_gemm_a8(const at::Tensor& x_in, const at::Tensor& w, int64_t n) {
-  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 3, "int4_gemm_a8: x must be (M, K), w (T, G, 320)");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == kGroupBytes,
-              "int4_gemm_a8: w must be contiguous uint8 (T, G, ", kGroupBytes, ")");
+  check_gemm("int4_gemm_a8", x_in, w, n);
   const int64_t m_rows = x_in.size(0), k = x_in.size(1), tiles = w.size(0), groups = w.size(1);
-  TORCH_CHECK(k == groups * kGroup, "int4_gemm_a8: x has ", k, " inputs, w ", groups * kGroup);
-  TORCH_CHECK(n > 0 && n <= tiles * kTile && n > (tiles - 1) * kTile,
-              "int4_gemm_a8: ", n, " outputs do not fit ", tiles, " tiles");
   TORCH_CHECK(vnni_supported(), "int4_gemm_a8: this CPU has no AVX-512 VNNI");
   at::Tensor y = at::empty({m_rows, n}, x_in.options().dtype(at::kFloat));
   if (m_rows == 0) return y;

@@ -207,18 +207,20 @@ class TilesGemm(DirectAttrs):
     one bfloat16 copy). x: (T, K) -> (T, n)."""
 
     compute_dtype = torch.float32
+    op_name = "int4_gemm"  # in torch.ops.pdserve: (x (M, K), tiles, n) -> (M, n) float32
 
     def __init__(self, tiles: torch.Tensor, n: int, repeat: bool = False) -> None:
         super().__init__()
         self.register_buffer("tiles", tiles, persistent=False)
         self.tiles: torch.Tensor
         self.n, self.repeat = n, repeat
+        self._op = getattr(torch.ops.pdserve, self.op_name)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
         if self.repeat:
             xb = torch.cat((xb, xb), dim=1)
-        return torch.ops.pdserve.int4_gemm(xb, self.tiles, self.n).to(out_dtype or x.dtype)
+        return self._op(xb, self.tiles, self.n).to(out_dtype or x.dtype)
 
 
 def a8_supported() -> bool:
@@ -245,7 +247,7 @@ def _probe_a8() -> None:
         raise Int4KernelUnavailable("its probe product is wrong")
 
 
-class A8Gemm(DirectAttrs):
+class A8Gemm(TilesGemm):
     """The many-rows GEMM of a layer packed for the ``avx512_bf16`` kernel, on its own tiles,
     with int8 inputs (``int4_gemm_a8`` in ``int4_cpu.cpp``): each row's inputs quantized per
     group of 32 as llama.cpp's Q4 x Q8_1 products do (``d = max |x| / 127``), the codes
@@ -255,19 +257,7 @@ class A8Gemm(DirectAttrs):
     on a product of random rows, against 0.2 % for bfloat16); the perplexity it costs is in
     ``benchmarks/results/perplexity.md``. ``repeat``: as ``TilesGemm``. x: (T, K) -> (T, n)."""
 
-    compute_dtype = torch.float32
-
-    def __init__(self, tiles: torch.Tensor, n: int, repeat: bool = False) -> None:
-        super().__init__()
-        self.register_buffer("tiles", tiles, persistent=False)
-        self.tiles: torch.Tensor
-        self.n, self.repeat = n, repeat
-
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        xb = x.to(torch.bfloat16)
-        if self.repeat:
-            xb = torch.cat((xb, xb), dim=1)
-        return torch.ops.pdserve.int4_gemm_a8(xb, self.tiles, self.n).to(out_dtype or x.dtype)
+    op_name = "int4_gemm_a8"
 
 
 GEMM_INPUTS = ("bfloat16", "int8")
