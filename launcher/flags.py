@@ -196,7 +196,7 @@ def _engine(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         help="packed weights: what that GEMM feeds them. int8 quantizes each row's inputs "
         "per group of 32 (as llama.cpp's Q4 x Q8 products) and multiplies the int4 codes "
         "as bytes (AVX-512 VNNI): prefill GEMMs ~1.4x faster and no bfloat16 copy of the "
-        "layers, for +1.1%% perplexity on the default model; outputs differ from bfloat16's",
+        "layers, for +0.4%% perplexity on the default model; outputs differ from bfloat16's",
     )
     add(
         "--share-weights",

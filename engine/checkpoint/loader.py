@@ -240,9 +240,9 @@ class _Loader:
     def _add_gemm(
         self, packed: Int4Kernel | Int8Kernel, rows: QuantRows, by_phase: bool = True
     ) -> None:
-        # int8 inputs for the layers, not the LM head (``by_phase`` False): the logits carry
-        # no rounding of their inputs beyond bfloat16 (perplexity +1.1 % with the layers on
-        # int8, +1.35 % with the head too: benchmarks/results/perplexity.md).
+        # int8 inputs for the layers, not the LM head (``by_phase`` False): the logits, which
+        # sampling and logprobs read, carry no rounding of their inputs beyond bfloat16
+        # (the layers on int8: perplexity +0.39 %, benchmarks/results/perplexity.md).
         if self.gemm_inputs == "int8" and packed.kernel != "torch" and by_phase:
             gemm = tiles_gemm(packed, "int8")
         elif packed.kernel == "amx":

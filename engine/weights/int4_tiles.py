@@ -267,7 +267,7 @@ def gemm_inputs(requested: str) -> str:
     """What the many-rows GEMM of packed layers feeds their weights: ``bfloat16`` (the
     default: the bfloat16 GEMMs of ``engine/weights/gemm.py``, or ``TilesGemm`` on AMX) or
     ``int8`` (``A8Gemm``: on a 2-core Zen 5 a step's layers take 0.72x the bfloat16 GEMM's
-    time at 256 rows, for +1.1 % perplexity on SmolLM2; ``benchmarks/results/``
+    time at 256 rows, for +0.39 % perplexity on SmolLM2; ``benchmarks/results/``
     ``linear_kernels.md`` and ``perplexity.md``). Raises ``Int4KernelUnavailable`` for
     ``int8`` where it cannot run."""
     if requested not in GEMM_INPUTS:

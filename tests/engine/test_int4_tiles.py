@@ -162,7 +162,7 @@ def _int8_input_product(x: torch.Tensor, rows: Int4Rows) -> torch.Tensor:
     """float64 reference of ``A8Gemm``'s sums: x rounded to bfloat16, each group of 32
     quantized to int8 as the kernel does in float32 (d = max |x| / 127, q = x * (1 / d)
     rounded half to even), the exact code products scaled per group, and the offset term
-    on the unquantized group sums."""
+    on the quantized group sums (d * sum q): the product of the quantized x."""
     m, k = x.shape
     xg = x.bfloat16().float().view(m, k // 32, 32)
     d = xg.abs().amax(-1) / 127
@@ -173,7 +173,7 @@ def _int8_input_product(x: torch.Tensor, rows: Int4Rows) -> torch.Tensor:
     offset = rows.zero.double() - 8 * rows.scale.double()  # W = c scale + offset
     dots = torch.einsum("mgk,ngk->mng", q, codes)
     y = (dots * rows.scale.double().unsqueeze(0) * d.unsqueeze(1)).sum(-1)
-    return y + xg.sum(-1) @ offset.T
+    return y + (d * q.sum(-1)) @ offset.T
 
 
 @pytest.mark.parametrize("bits", [4, 8])
