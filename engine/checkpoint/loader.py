@@ -243,7 +243,7 @@ class _Loader:
         # int8 inputs for the layers, not the LM head (``by_phase`` False): the logits, which
         # sampling and logprobs read, carry no rounding of their inputs beyond bfloat16
         # (the layers on int8: perplexity +0.39 %, benchmarks/results/perplexity.md).
-        if self.gemm_inputs == "int8" and packed.kernel != "torch" and by_phase:
+        if self.gemm_inputs == "int8" and by_phase:
             gemm = tiles_gemm(packed, "int8")
         elif packed.kernel == "amx":
             gemm = tiles_gemm(packed)

@@ -78,8 +78,9 @@ class PagedBatch:
     q_starts: torch.Tensor  # (B + 1,) request b's query rows are [q_starts[b], q_starts[b + 1])
     seq_lens: torch.Tensor  # (B,) context length, the request's new tokens included
     block_tables: torch.Tensor  # (B, W) pool blocks of each request
-    schedule: torch.Tensor | None  # the library's work split for these shapes (opaque)
-    one_row_each: bool  # every request one query row (B == T): decode-shaped
+    # The library's work split for these shapes (opaque); None: one query row a request,
+    # for pdserve's decode attention (``FusedCpuBackend.prepare``).
+    schedule: torch.Tensor | None
 
 
 class FusedCpuBackend(TorchBackend):
@@ -129,9 +130,8 @@ class FusedCpuBackend(TorchBackend):
                 starts.append(starts[-1] + n)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         q_starts = torch.tensor(starts, dtype=torch.int32)
-        one_row_each = len(lens) == starts[-1]
-        if one_row_each and self._takes_decode(pool, num_heads):
-            paged = PagedBatch(meta.slots, q_starts, seq_lens, tables.contiguous(), None, True)
+        if len(lens) == starts[-1] and self._takes_decode(pool, num_heads):
+            paged = PagedBatch(meta.slots, q_starts, seq_lens, tables.contiguous(), None)
             return replace(meta, paged=paged)
         schedule = self._ops.get_scheduler_metadata(
             len(seq_lens),
@@ -147,7 +147,7 @@ class FusedCpuBackend(TorchBackend):
             False,
             None,
         )
-        paged = PagedBatch(meta.slots, q_starts, seq_lens, tables, schedule, one_row_each)
+        paged = PagedBatch(meta.slots, q_starts, seq_lens, tables, schedule)
         return replace(meta, paged=paged)
 
     def _takes_decode(self, pool: torch.Tensor, num_heads: int) -> bool:

@@ -624,9 +624,12 @@ PDSERVE_VNNI_TARGET void a8_rows(const int8_t* xq, const float* xd, const float*
 }
 
 bool vnni_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return supported;
 }
 
 // x: (M, K) float32 or bfloat16; w: uint8 (T, G, 320); n <= 16 T outputs. -> (M, n) float32.
@@ -900,9 +903,9 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions,
 //
 // One query row per sequence (a decode step, or a verification's rows run as decode rows),
 // against its whole context in the pool, in the library's ``vec16`` order (see rope_store
-// above: per block and KV head, K as (D, block_size), V as (block_size, D)). The library's
-// kernel reads that context at about a third of what a copy of the same bytes moves here
-// (``benchmarks/results/fused_ops.md``); a decode step is bound by reading it.
+// above: per block and KV head, K as (D, block_size), V as (block_size, D)). A decode step
+// is bound by reading that context; the library's kernel reads it at ~15 GB/s here, where a
+// copy of the pool moves ~20 GB/s each way (``benchmarks/results/fused_ops.md``).
 //
 // Each (sequence, KV head) is one task: its G = H / KVH query heads share every K and V
 // load. Per 16 tokens: the scores of a head are one vector (K's columns are tokens), then an
@@ -1095,19 +1098,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
   at::Tensor out = at::empty_like(q);
   const int64_t esize = bf16 ? 2 : 4, per_head = 2 + d;
   // Tasks (row, half): half -1 the whole context; 0 and 1 the halves of a long one, whose
-  // states go to states[split index of the row].
+  // states go to states[split index of the row]; split_rows[i]: the row of split i.
   std::vector<std::array<int32_t, 3>> tasks;  // row, half, split index
+  std::vector<int32_t> split_rows;
   tasks.reserve(size_t(2 * b_rows));
-  int32_t splits = 0;
   for (int64_t b = 0; b < b_rows; ++b) {
     if (lens[b] > kSplitTokens) {
-      tasks.push_back({int32_t(b), 0, splits});
-      tasks.push_back({int32_t(b), 1, splits++});
+      const int32_t i = int32_t(split_rows.size());
+      split_rows.push_back(int32_t(b));
+      tasks.push_back({int32_t(b), 0, i});
+      tasks.push_back({int32_t(b), 1, i});
     } else {
       tasks.push_back({int32_t(b), -1, -1});
     }
   }
-  std::vector<float> states(size_t(splits) * h * 2 * per_head);
+  const int64_t splits = int64_t(split_rows.size());
+  std::vector<float> states(size_t(splits * h * 2 * per_head));
   const char* kbase = static_cast<const char*>(key_cache.data_ptr());
   const char* vbase = static_cast<const char*>(value_cache.data_ptr());
   const char* qp = static_cast<const char*>(q.data_ptr());
@@ -1132,12 +1138,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
     }
   });
   if (splits > 0) {
-    at::parallel_for(0, n_tasks * kvh, 1, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, splits * kvh, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
-        const auto [b, half, split_index] = tasks[size_t(i / kvh)];
-        if (half != 0) continue;  // each split row merged once, by its first half's task
-        const int64_t kh = i % kvh, head0 = b * h + kh * g;
-        const float* halves = st + (split_index * kvh + kh) * 2 * g * per_head;
+        const int64_t kh = i % kvh, head0 = split_rows[size_t(i / kvh)] * h + kh * g;
+        const float* halves = st + i * 2 * g * per_head;  // split i / kvh, KV head kh
         for (int64_t j = 0; j < g; ++j)
           merge_parts(halves + j * per_head, halves + (g + j) * per_head, d, bf16,
                       op + (head0 + j) * d * esize);

@@ -263,19 +263,25 @@ class Int4Kernel(_PackedKernel):
         return out if bias is None else out.add_(bias)
 
 
+def nibble_planes(rows: Int8Rows) -> Int4Rows:
+    """``rows`` (N, K) as the int4 rows (N, 2K) ``Int8Kernel`` packs: ``[hi | lo]``, each
+    multiplied by the same input."""
+    q = rows.codes.to(torch.int16)
+    hi, lo = q >> 4, q & 15  # arithmetic shift: hi in [-8, 7]; q == 16 * hi + lo
+    d = rows.scale
+    return Int4Rows(
+        codes=torch.cat((hi + 8, lo), dim=1).to(torch.uint8),  # (N, 2K)
+        scale=torch.cat((16.0 * d, d), dim=1),
+        zero=torch.cat((torch.zeros_like(d), 8.0 * d), dim=1),
+    )
+
+
 class Int8Kernel(_PackedKernel):
     """Group-wise int8 (``W = q * scale``) as two int4 nibble planes; x: (T, K) -> (T, N)."""
 
     def __init__(self, rows: Int8Rows, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        q = rows.codes.to(torch.int16)
-        hi, lo = q >> 4, q & 15  # arithmetic shift: hi in [-8, 7]; q == 16 * hi + lo
-        d = rows.scale
-        planes = Int4Rows(
-            codes=torch.cat((hi + 8, lo), dim=1).to(torch.uint8),  # (N, 2K)
-            scale=torch.cat((16.0 * d, d), dim=1),
-            zero=torch.cat((torch.zeros_like(d), 8.0 * d), dim=1),
-        )
+        planes = nibble_planes(rows)
         self._hold(Int4Kernel(planes, dtype, device), tuple(rows.codes.shape))
 
     @classmethod

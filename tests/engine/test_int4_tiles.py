@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.weights import int4_tiles
-from engine.weights.linear import Int4Kernel, Int8Kernel, tiles_gemm
+from engine.weights.linear import Int4Kernel, Int8Kernel, nibble_planes, tiles_gemm
 from engine.weights.quant import Int4Rows, Int8Rows, quantize_int4, quantize_int8
 
 CPU = torch.device("cpu")
@@ -130,6 +130,15 @@ def test_packed_weights_bind_only_to_the_kernel_that_packed_them(
             Int4Kernel.from_packed("torch", kernel.shape, **kernel.layout())
 
 
+def _packed_layer(
+    bits: int, gen: torch.Generator
+) -> tuple[Int4Rows | Int8Rows, Int4Kernel | Int8Kernel]:
+    """A (50, 96) layer quantized to ``bits`` and packed for the process's int4 kernel."""
+    w = torch.randn(50, 96, generator=gen)
+    rows = quantize_int4(w) if bits == 4 else quantize_int8(w)
+    return rows, (Int4Kernel if bits == 4 else Int8Kernel)(rows, torch.bfloat16, CPU)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_tiles_gemm_is_a_bfloat16_gemm_of_the_same_tiles(
     bits: int, monkeypatch: pytest.MonkeyPatch
@@ -143,9 +152,7 @@ def test_the_tiles_gemm_is_a_bfloat16_gemm_of_the_same_tiles(
         pytest.skip("the AMX int4 kernel does not run here")
     monkeypatch.setenv("PDSERVE_INT4_KERNEL", "amx")
     gen = torch.Generator().manual_seed(bits)
-    w = torch.randn(50, 96, generator=gen)
-    rows = quantize_int4(w) if bits == 4 else quantize_int8(w)
-    kernel = (Int4Kernel if bits == 4 else Int8Kernel)(rows, torch.bfloat16, CPU)
+    rows, kernel = _packed_layer(bits, gen)
     gemm = tiles_gemm(kernel)
     x = torch.randn(40, 96, generator=gen)
     want = x.bfloat16().float() @ rows.dequantize().bfloat16().float().T
@@ -189,22 +196,13 @@ def test_the_int8_input_gemm_is_the_exact_sum_of_its_quantized_inputs(
         pytest.skip("the int8-input GEMM does not run here")
     monkeypatch.setenv("PDSERVE_INT4_KERNEL", "avx512_bf16")
     gen = torch.Generator().manual_seed(bits)
-    w = torch.randn(50, 96, generator=gen)
-    rows = quantize_int4(w) if bits == 4 else quantize_int8(w)
-    kernel = (Int4Kernel if bits == 4 else Int8Kernel)(rows, torch.bfloat16, CPU)
+    rows, kernel = _packed_layer(bits, gen)
     gemm = tiles_gemm(kernel, "int8")
     assert isinstance(gemm, int4_tiles.A8Gemm)
     x = torch.randn(40, 96, generator=gen) * torch.rand(40, 1, generator=gen)
     x[3, :32] = 0.0  # a group of zeros: d = 0
     got = gemm(x, torch.float32)
-    planes = rows
-    if isinstance(rows, Int8Rows):  # the nibble planes ``Int8Kernel`` packs
-        q, d = rows.codes.to(torch.int16), rows.scale
-        planes = Int4Rows(
-            torch.cat(((q >> 4) + 8, q & 15), 1).to(torch.uint8),
-            torch.cat((16 * d, d), 1),
-            torch.cat((torch.zeros_like(d), 8 * d), 1),
-        )
+    planes = nibble_planes(rows) if isinstance(rows, Int8Rows) else rows
     want = _int8_input_product(x if bits == 4 else torch.cat((x, x), 1), planes)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     exact = x.double() @ rows.dequantize().double().T
