@@ -6,13 +6,14 @@
 For each op of one SmolLM2-135M layer (hidden 576, 9 query and 3 KV heads of 64,
 intermediate 1536): add + RMSNorm, rotary over q and k (in place in the qkv projection),
 rotary + K/V store (from the projection into a bfloat16 pool), SiLU * up, decode
-attention; up to four implementations:
+attention, and (per ``--prompt-tokens``, bfloat16) one prompt's causal attention; up to
+four implementations:
 
 * ``torch``: the torch backend's eager ops (engine/model/backend.py), the reference;
 * ``library``: the kernel library's op (engine/cpu_kernels.py); for rotary + store, its
   four steps as the fused backend ran them (widen, rotate, round, store);
 * ``pdserve``: pdserve's own kernel (engine/weights/int4_cpu.cpp), where it has one and
-  it is built: ``rope_store``, ``silu_mul``, ``decode_attention``;
+  it is built: ``rope_store``, ``silu_mul``, ``decode_attention``, ``prefill_attention``;
 * ``compiled``: the torch ops under ``torch.compile`` (inductor, one graph per row count,
   its cache under the pdserve cache dir), when ``--no-compile`` is not given.
 
@@ -39,7 +40,12 @@ from engine.cpu_kernels import available
 from engine.model.attention import grouped_decode_sdpa
 from engine.model.fused_cpu import ISA
 from engine.model.rope import apply_rotary
-from engine.weights.int4_tiles import decode_attention_op, rope_store_op, silu_mul_op
+from engine.weights.int4_tiles import (
+    decode_attention_op,
+    prefill_attention_op,
+    rope_store_op,
+    silu_mul_op,
+)
 
 RESULTS = Path(__file__).parent / "results" / "fused_ops.md"
 CONTEXT = 300  # decode attention: tokens of KV per sequence
@@ -257,6 +263,44 @@ def _step_attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
     return ops
 
 
+def _prefill_attention_ops(tokens: int, dtype: torch.dtype) -> dict[str, Op]:
+    """One layer's causal attention of a ``tokens``-token prompt over its blocks (scattered)
+    in the pool: torch's SDPA over dense K/V (the torch backend's prefill), the library's
+    kernel and pdserve's over the pool."""
+    bs, blocks = 16, -(-tokens // 16)
+    gen = torch.Generator().manual_seed(tokens)
+    k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+    key_cache = torch.zeros(blocks + 1, KV_HEADS, bs, HEAD_DIM, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    tables = (torch.randperm(blocks, generator=gen) + 1).to(torch.int32).view(1, blocks)
+    offsets = torch.arange(blocks * bs) % bs
+    slots = (tables.long().repeat_interleave(bs, 1) * bs + offsets)[:, :tokens].reshape(-1)
+    torch.ops._C.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, ISA)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    seq_lens = torch.tensor([tokens], dtype=torch.int32)
+    starts = torch.tensor([0, tokens], dtype=torch.int32)
+    schedule = torch.ops._C.get_scheduler_metadata(
+        1, HEADS, KV_HEADS, HEAD_DIM, seq_lens, dtype, starts, True, -1, ISA, False, None
+    )
+    out = torch.empty_like(q)
+    dense_q, dense_k, dense_v = (x.transpose(0, 1) for x in (q, k, v))
+
+    def library() -> None:
+        _library_attention(q, key_cache, value_cache, out, starts, seq_lens, tables, schedule)
+
+    ops: dict[str, Op] = {
+        "torch": lambda: F.scaled_dot_product_attention(
+            dense_q, dense_k, dense_v, is_causal=True, enable_gqa=True
+        ),
+        "library": library,
+    }
+    if (prefill_attention := prefill_attention_op()) is not None:
+        ops["pdserve"] = lambda: prefill_attention(
+            q, key_cache, value_cache, starts, seq_lens, tables, HEAD_DIM**-0.5
+        )
+    return ops
+
+
 COMPILE = True
 
 
@@ -286,6 +330,7 @@ def main() -> None:
     global COMPILE
     p = argparse.ArgumentParser(prog="python -m benchmarks.fused_ops", description=__doc__)
     p.add_argument("--rows", default="1,8,32,256")
+    p.add_argument("--prompt-tokens", default="256,1024,2048", help="prefill attention's")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iters", type=int, default=200)
@@ -337,6 +382,17 @@ def main() -> None:
                 )
                 print(line, flush=True)
                 lines.append(line)
+    for tokens in (int(n) for n in args.prompt_tokens.split(",")):
+        t = _time(_prefill_attention_ops(tokens, torch.bfloat16), max(10, args.iters // 10))
+        ours, ratio = ("-", "-")
+        if "pdserve" in t:
+            ours, ratio = f"{t['pdserve']:.1f}", f"{t['pdserve'] / t['torch']:.2f}"
+        line = (
+            f"| prefill attention, one prompt, causal | bfloat16 | {tokens} | {t['torch']:.1f} "
+            f"| {t['library']:.1f} | {ours} | - | {t['library'] / t['torch']:.2f} | {ratio} |"
+        )
+        print(line, flush=True)
+        lines.append(line)
     lines += ["", f"Load average at the end: {load_average()}.", "", *machine_block()]
     args.out.write_text("\n".join(lines))
     print(f"wrote {args.out}")

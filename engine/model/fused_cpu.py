@@ -14,15 +14,19 @@ Here, per layer:
   and K and V into their slots, bit for bit what the library's four steps give: widen
   qkv, ``rotary_embedding`` over q and k, round qkv to the cache's dtype,
   ``cpu_attn_reshape_and_cache`` (the path kept for Qwen3's per-head norms and AVX2);
-* attention: ``cpu_attention_with_kv_cache`` reads each sequence's blocks in place, for
-  prefill and chunked prefill (causal over a sequence's whole context), with no dense copy
-  of the batch's K/V; steps of one query row a request (decode, and speculative
-  verifications, whose rows run as requests of their own) take pdserve's
-  ``decode_attention`` where it is built (``int4_tiles.decode_attention_op``): the same
-  reads of the pool with a sequence's query heads sharing each K and V load, a row's bits
-  independent of its batch: a step's attention in 0.84-0.86x the library's time at 8-32
-  rows of 300 tokens (1.03x at one), and served at 16 streams of 1.5k-token contexts ITL
-  p50 0.74x (``benchmarks/results/fused_ops.md``);
+* attention: straight over each sequence's blocks in the pool, with no dense copy of the
+  batch's K/V. Steps of one query row a request (decode, and speculative verifications,
+  whose rows run as requests of their own) take pdserve's ``decode_attention`` where it is
+  built (``int4_tiles.decode_attention_op``): a sequence's query heads share each K and V
+  load, a row's bits independent of its batch: a step's attention in 0.84-0.86x the
+  library's time at 8-32 rows of 300 tokens (1.03x at one), and served at 16 streams of
+  1.5k-token contexts ITL p50 0.74x (``benchmarks/results/fused_ops.md``). Other steps
+  (prefill, chunked prefill, mixed) on a bfloat16 pool take pdserve's
+  ``prefill_attention`` (``int4_tiles.prefill_attention_op``): causal over a sequence's
+  whole context, both products as bfloat16 pair-dots on K and V re-laid once per 32 tokens
+  for all of a task's rows, a row's bits independent of its batch and of how its prompt
+  was chunked; ~0.6x the library's time for prompts of 256-2048 tokens. The rest (a
+  float32 pool) take the library's ``cpu_attention_with_kv_cache``;
 * SiLU * up: pdserve's own one-pass kernel where it is built (``int4_tiles.silu_mul_op``;
   2-2.5x faster than torch's ``silu`` then ``mul_`` at 1-256 rows on a Zen 5, and it reads
   a bfloat16 gate_up projection without widening it first), else torch's: the library's
@@ -58,6 +62,7 @@ from engine.model.rope import RotaryEmbedding
 from engine.weights.int4_tiles import (
     DECODE_HEAD_SIZES,
     decode_attention_op,
+    prefill_attention_op,
     rope_store_op,
     silu_mul_op,
 )
@@ -78,9 +83,11 @@ class PagedBatch:
     q_starts: torch.Tensor  # (B + 1,) request b's query rows are [q_starts[b], q_starts[b + 1])
     seq_lens: torch.Tensor  # (B,) context length, the request's new tokens included
     block_tables: torch.Tensor  # (B, W) pool blocks of each request
-    # The library's work split for these shapes (opaque); None: one query row a request,
-    # for pdserve's decode attention (``FusedCpuBackend.prepare``).
-    schedule: torch.Tensor | None
+    # Whose attention takes the step (``FusedCpuBackend.prepare``): pdserve's "decode" (one
+    # query row a request), pdserve's "prefill" (any rows, a bfloat16 pool), or the
+    # "library"'s, with its work split for these shapes (opaque) in ``schedule``.
+    kernel: str
+    schedule: torch.Tensor | None = None
 
 
 class FusedCpuBackend(TorchBackend):
@@ -101,6 +108,7 @@ class FusedCpuBackend(TorchBackend):
         fits = rotary.cos.dtype == torch.float32 and rotary.cos.shape[1] % 32 == 0
         self._rope_store = rope_store_op() if fits else None
         self._decode_attention = decode_attention_op()
+        self._prefill_attention = prefill_attention_op()
         half = rotary.cos.shape[1] // 2
         # (P, D): cos then sin of each position's D / 2 frequencies (the halves of
         # RotaryEmbedding's tables are equal), the layout rotary_embedding reads.
@@ -131,7 +139,10 @@ class FusedCpuBackend(TorchBackend):
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         q_starts = torch.tensor(starts, dtype=torch.int32)
         if len(lens) == starts[-1] and self._takes_decode(pool, num_heads):
-            paged = PagedBatch(meta.slots, q_starts, seq_lens, tables.contiguous(), None)
+            paged = PagedBatch(meta.slots, q_starts, seq_lens, tables.contiguous(), "decode")
+            return replace(meta, paged=paged)
+        if self._takes_prefill(pool, num_heads):
+            paged = PagedBatch(meta.slots, q_starts, seq_lens, tables.contiguous(), "prefill")
             return replace(meta, paged=paged)
         schedule = self._ops.get_scheduler_metadata(
             len(seq_lens),
@@ -147,7 +158,7 @@ class FusedCpuBackend(TorchBackend):
             False,
             None,
         )
-        paged = PagedBatch(meta.slots, q_starts, seq_lens, tables, schedule)
+        paged = PagedBatch(meta.slots, q_starts, seq_lens, tables, "library", schedule)
         return replace(meta, paged=paged)
 
     def _takes_decode(self, pool: torch.Tensor, num_heads: int) -> bool:
@@ -159,6 +170,18 @@ class FusedCpuBackend(TorchBackend):
             and num_heads % kv_heads == 0
             and num_heads // kv_heads <= 8
             and pool.dtype in _KERNEL_DTYPES
+        )
+
+    def _takes_prefill(self, pool: torch.Tensor, num_heads: int) -> bool:
+        """Whether pdserve's prefill attention takes this pool's steps (bfloat16 only: its
+        products are bfloat16 pair-dots)."""
+        kv_heads, d = pool.shape[4], pool.shape[5]
+        return (
+            self._prefill_attention is not None
+            and d in DECODE_HEAD_SIZES
+            and num_heads % kv_heads == 0
+            and num_heads // kv_heads <= 8
+            and pool.dtype == torch.bfloat16
         )
 
     def attend(
@@ -181,7 +204,7 @@ class FusedCpuBackend(TorchBackend):
             )
         else:
             query = self._rope_then_store(attn, qkv, pool, meta, key_cache, value_cache)
-        if paged.schedule is None:  # one row a request (``prepare``): pdserve's decode kernel
+        if paged.kernel == "decode":  # one row a request (``prepare``)
             assert self._decode_attention is not None
             out = self._decode_attention(
                 query.to(pool.dtype).contiguous(),
@@ -189,6 +212,18 @@ class FusedCpuBackend(TorchBackend):
                 value_cache,
                 paged.block_tables,
                 paged.seq_lens,
+                d**-0.5,
+            )
+            return out.view(t, attn.q_size)
+        if paged.kernel == "prefill":
+            assert self._prefill_attention is not None
+            out = self._prefill_attention(
+                query.to(pool.dtype).contiguous(),
+                key_cache,
+                value_cache,
+                paged.q_starts,
+                paged.seq_lens,
+                paged.block_tables,
                 d**-0.5,
             )
             return out.view(t, attn.q_size)

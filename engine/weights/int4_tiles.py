@@ -80,7 +80,17 @@ def decode_attention_op() -> Callable[..., torch.Tensor] | None:
     return _op("decode_attention")
 
 
-DECODE_HEAD_SIZES = (64, 128)
+DECODE_HEAD_SIZES = (64, 128)  # decode_attention's and prefill_attention's
+
+
+def prefill_attention_op() -> Callable[..., torch.Tensor] | None:
+    """The same library's causal attention of any query rows over a bfloat16 pool in the
+    ``vec16`` order (``int4_cpu.cpp: prefill_attention``): q (T, H, D) bfloat16, one layer's
+    K and V views (as ``rope_store``'s), int32 query starts (B + 1,), context lengths (B,)
+    and block tables (B, W), the scale -> (T, H, D) bfloat16; sequence b's query rows are
+    the last of its context. Head sizes ``DECODE_HEAD_SIZES``, up to 8 query heads a KV
+    head. None where not built or without AVX-512 BF16."""
+    return _op("prefill_attention")
 
 
 def _op(name: str) -> Callable[..., torch.Tensor] | None:

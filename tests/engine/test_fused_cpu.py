@@ -21,12 +21,18 @@ from colocated.llm import LLM
 from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
+from engine.model.attention import AttentionMetadata
 from engine.model.backend import TORCH, TorchBackend
-from engine.model.fused_cpu import FusedCpuBackend, cpu_backend
+from engine.model.fused_cpu import FusedCpuBackend, PagedBatch, cpu_backend
 from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryEmbedding, apply_rotary
 from engine.runner import ModelRunner
-from engine.weights.int4_tiles import decode_attention_op, rope_store_op, silu_mul_op
+from engine.weights.int4_tiles import (
+    decode_attention_op,
+    prefill_attention_op,
+    rope_store_op,
+    silu_mul_op,
+)
 from wire.params import SamplingParams
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-7, 2**-7)}  # (atol, rtol)
@@ -512,3 +518,193 @@ def test_decode_attention_refuses_what_it_cannot_take(fused: FusedCpuBackend) ->
             torch.tensor([5], dtype=torch.int32),
             0.125,
         )
+
+
+def _causal_attention(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tables: torch.Tensor,
+    lens: list[int],
+    q_lens: list[int],
+) -> torch.Tensor:
+    """float64 causal attention of each sequence's last ``q_lens[b]`` of ``lens[b]`` tokens,
+    its rows one after another in ``q`` (T, H, D); K and V gathered as ``_dense_attention``."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    row = 0
+    for b, (n, rows) in enumerate(zip(lens, q_lens, strict=True)):
+        for i in range(rows):
+            one = _dense_attention(
+                q[row + i : row + i + 1], key, value, tables[b : b + 1], [n - rows + i + 1]
+            )
+            out[row + i] = one[0]
+        row += rows
+    return out
+
+
+def _prefill_case(
+    h: int, kvh: int, d: int, bs: int, lens: list[int], seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bfloat16 pool and scattered block tables for ``lens``; past each sequence's last
+    token its last block holds NaN (a slot not written yet may hold anything)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-max(lens) // bs)
+    pool = torch.randn(len(lens) * width + 3, 2, 2, bs, kvh, d, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(pool.shape[0], generator=gen)[: len(lens) * width]
+    tables = tables.view(len(lens), width).to(torch.int32)
+    key, value = _pool_views(pool, 1)
+    for b, n in enumerate(lens):
+        if n % bs:
+            last = int(tables[b, n // bs])
+            key[last].view(kvh, d, bs)[:, :, n % bs :] = float("nan")  # K: (D, bs) a head
+            value[last][:, n % bs :] = float("nan")
+    return pool, tables, gen
+
+
+def _starts(q_lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(("h", "kvh", "d", "bs"), [(9, 3, 64, 16), (8, 1, 128, 32), (4, 4, 64, 16)])
+def test_prefill_attention_equals_causal_attention_and_a_rows_bits_stay(
+    fused: FusedCpuBackend, h: int, kvh: int, d: int, bs: int
+) -> None:
+    """pdserve's prefill attention (any query rows, causal, over a bfloat16 pool in place):
+    within one bfloat16 rounding of float64 attention and of the library's kernel, for whole
+    prompts, a chunked prompt's later rows, single rows and lengths around its 32-token
+    chunks and 16-row tasks; each row's bits the same alone, in another batch, with its
+    prompt split differently, and on 1 or 2 threads."""
+    op = prefill_attention_op()
+    if op is None:
+        pytest.skip("pdserve's CPU kernels are not built or do not run here")
+    lens, q_lens = [300, 1, 17, 40, 130, 64], [300, 1, 5, 33, 64, 31]
+    pool, tables, gen = _prefill_case(h, kvh, d, bs, lens, h + d)
+    key, value = _pool_views(pool, 1)
+    q = (2 * torch.randn(sum(q_lens), h, d, generator=gen)).to(torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = op(q, key, value, _starts(q_lens), seq_lens, tables, d**-0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    want = _causal_attention(q, key, value, tables, lens, q_lens)
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
+    if d == 64:  # the library's kernel takes these heads too (not the NaN: its 0 x NaN is NaN)
+        key, value = _pool_views(pool.nan_to_num(), 1)
+        lib = torch.empty_like(q)
+        schedule = torch.ops._C.get_scheduler_metadata(
+            len(lens),
+            h,
+            kvh,
+            d,
+            seq_lens,
+            torch.bfloat16,
+            _starts(q_lens),
+            True,
+            -1,
+            "vec16",
+            False,
+            None,
+        )
+        torch.ops._C.cpu_attention_with_kv_cache(
+            q,
+            key,
+            value,
+            lib,
+            _starts(q_lens),
+            seq_lens,
+            d**-0.5,
+            True,
+            None,
+            -1,
+            tables,
+            0.0,
+            schedule,
+            None,
+            None,
+        )
+        torch.testing.assert_close(got.double(), lib.double(), atol=atol, rtol=rtol)
+        key, value = _pool_views(pool, 1)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            row = 0
+            for b, rows in enumerate(q_lens):  # each sequence alone
+                alone = op(
+                    q[row : row + rows],
+                    key,
+                    value,
+                    _starts([rows]),
+                    seq_lens[b : b + 1],
+                    tables[b : b + 1],
+                    d**-0.5,
+                )
+                assert torch.equal(alone, got[row : row + rows]), (threads, b)
+                row += rows
+            # The 300-token prompt chunked as 37 + 263 rows: the later chunk's rows alike.
+            later = op(q[37:300], key, value, _starts([263]), seq_lens[:1], tables[:1], d**-0.5)
+            assert torch.equal(later, got[37:300]), threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_prefill_attention_refuses_what_it_cannot_take(fused: FusedCpuBackend) -> None:
+    """Bad lengths and row spans, blocks outside the pool, a float32 pool and head sizes it
+    was not built for are errors, never reads outside the pool."""
+    op = prefill_attention_op()
+    if op is None:
+        pytest.skip("pdserve's CPU kernels are not built or do not run here")
+    pool = torch.zeros(4, 1, 2, 16, 3, 64, dtype=torch.bfloat16)
+    key, value = _pool_views(pool, 0)
+    q = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+
+    def call(q=q, key=key, value=value, starts=(0, 4), lens=(20,), tables=tables):  # type: ignore[no-untyped-def]
+        starts_t = torch.tensor(starts, dtype=torch.int32)
+        return op(q, key, value, starts_t, torch.tensor(lens, dtype=torch.int32), tables, 0.125)
+
+    with pytest.raises(RuntimeError, match="4 query rows, 33 tokens, 2 blocks"):
+        call(lens=(33,))
+    with pytest.raises(RuntimeError, match="4 query rows, 3 tokens"):
+        call(lens=(3,))
+    with pytest.raises(RuntimeError, match="q_starts must run from 0 to the 4 rows"):
+        call(starts=(0, 3))
+    with pytest.raises(RuntimeError, match="names block 7"):
+        call(tables=torch.tensor([[0, 7]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="q must be contiguous bfloat16"):
+        call(q=q.float())
+    fkey, fvalue = _pool_views(pool.float(), 0)
+    with pytest.raises(RuntimeError, match="K and V must be bfloat16"):
+        call(key=fkey, value=fvalue)
+    with pytest.raises(RuntimeError, match="heads 30 over 3"):
+        call(q=torch.zeros(4, 30, 64, dtype=torch.bfloat16))
+    small = torch.zeros(4, 1, 2, 16, 3, 32, dtype=torch.bfloat16)
+    skey, svalue = _pool_views(small, 0)
+    with pytest.raises(RuntimeError, match="head size 32 is not built"):
+        call(q=torch.zeros(4, 9, 32, dtype=torch.bfloat16), key=skey, value=svalue)
+
+
+def test_steps_pick_the_attention_for_their_rows_and_pool(fused: FusedCpuBackend) -> None:
+    """One row a request: pdserve's decode kernel; other steps on a bfloat16 pool: its
+    prefill kernel; on a float32 pool: the library's (with its schedule)."""
+    if decode_attention_op() is None or prefill_attention_op() is None:
+        pytest.skip("pdserve's CPU kernels are not built or do not run here")
+
+    def meta(q_lens: list[int], ctx_lens: list[int]) -> AttentionMetadata:
+        t = sum(q_lens)
+        return AttentionMetadata(
+            block_tables=torch.zeros(len(q_lens), 4, dtype=torch.int64),
+            ctx_lens=ctx_lens,
+            q_lens=q_lens,
+            is_decode=all(n == 1 for n in q_lens),
+            positions=torch.zeros(t, dtype=torch.int64),
+            slots=torch.zeros(t, dtype=torch.int64),
+        )
+
+    for dtype, prompt_kernel in ((torch.bfloat16, "prefill"), (torch.float32, "library")):
+        pool = torch.zeros(8, 1, 2, 16, 3, 64, dtype=dtype)
+        decode = fused.prepare(meta([1, 1], [5, 9]), pool, 9).paged
+        prompt = fused.prepare(meta([4, 1], [4, 9]), pool, 9).paged
+        assert isinstance(decode, PagedBatch) and isinstance(prompt, PagedBatch)
+        assert decode.kernel == "decode" and decode.schedule is None
+        assert prompt.kernel == prompt_kernel
+        assert (prompt.schedule is not None) == (prompt_kernel == "library")
