@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -349,7 +351,7 @@ def main() -> None:
         f"Library build `{kernels.path.name}` ({kernels.isa}), {args.threads} threads, median "
         f"of {args.iters} interleaved calls, microseconds per call (`-`: no such "
         "implementation). Command: "
-        f"`python -m benchmarks.fused_ops{' --no-compile' if args.no_compile else ''}`",
+        f"`{shlex.join(['python', '-m', 'benchmarks.fused_ops', *sys.argv[1:]])}`",
         "",
         "| op | dtype | rows | torch | library | pdserve | compiled | library / torch "
         "| pdserve / torch |",
