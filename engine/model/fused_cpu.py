@@ -138,10 +138,10 @@ class FusedCpuBackend(TorchBackend):
                 starts.append(starts[-1] + n)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         q_starts = torch.tensor(starts, dtype=torch.int32)
-        if len(lens) == starts[-1] and self._takes_decode(pool, num_heads):
+        if len(lens) == starts[-1] and self._takes("decode", pool, num_heads):
             paged = PagedBatch(meta.slots, q_starts, seq_lens, tables.contiguous(), "decode")
             return replace(meta, paged=paged)
-        if self._takes_prefill(pool, num_heads):
+        if self._takes("prefill", pool, num_heads):
             paged = PagedBatch(meta.slots, q_starts, seq_lens, tables.contiguous(), "prefill")
             return replace(meta, paged=paged)
         schedule = self._ops.get_scheduler_metadata(
@@ -161,27 +161,22 @@ class FusedCpuBackend(TorchBackend):
         paged = PagedBatch(meta.slots, q_starts, seq_lens, tables, "library", schedule)
         return replace(meta, paged=paged)
 
-    def _takes_decode(self, pool: torch.Tensor, num_heads: int) -> bool:
-        """Whether pdserve's decode attention takes this pool's one-row-a-request steps."""
+    def _takes(self, kernel: str, pool: torch.Tensor, num_heads: int) -> bool:
+        """Whether pdserve's ``kernel`` attention ("decode": one-row-a-request steps,
+        "prefill": any other) is built and takes this pool's heads and dtype (the prefill
+        kernel bfloat16 only: its products are bfloat16 pair-dots)."""
         kv_heads, d = pool.shape[4], pool.shape[5]
-        return (
-            self._decode_attention is not None
-            and d in DECODE_HEAD_SIZES
-            and num_heads % kv_heads == 0
-            and num_heads // kv_heads <= 8
-            and pool.dtype in _KERNEL_DTYPES
+        op, dtypes = (
+            (self._decode_attention, _KERNEL_DTYPES)
+            if kernel == "decode"
+            else (self._prefill_attention, (torch.bfloat16,))
         )
-
-    def _takes_prefill(self, pool: torch.Tensor, num_heads: int) -> bool:
-        """Whether pdserve's prefill attention takes this pool's steps (bfloat16 only: its
-        products are bfloat16 pair-dots)."""
-        kv_heads, d = pool.shape[4], pool.shape[5]
         return (
-            self._prefill_attention is not None
+            op is not None
             and d in DECODE_HEAD_SIZES
             and num_heads % kv_heads == 0
             and num_heads // kv_heads <= 8
-            and pool.dtype == torch.bfloat16
+            and pool.dtype in dtypes
         )
 
     def attend(
@@ -204,28 +199,24 @@ class FusedCpuBackend(TorchBackend):
             )
         else:
             query = self._rope_then_store(attn, qkv, pool, meta, key_cache, value_cache)
-        if paged.kernel == "decode":  # one row a request (``prepare``)
-            assert self._decode_attention is not None
-            out = self._decode_attention(
-                query.to(pool.dtype).contiguous(),
-                key_cache,
-                value_cache,
-                paged.block_tables,
-                paged.seq_lens,
-                d**-0.5,
-            )
-            return out.view(t, attn.q_size)
-        if paged.kernel == "prefill":
-            assert self._prefill_attention is not None
-            out = self._prefill_attention(
-                query.to(pool.dtype).contiguous(),
-                key_cache,
-                value_cache,
-                paged.q_starts,
-                paged.seq_lens,
-                paged.block_tables,
-                d**-0.5,
-            )
+        if paged.kernel != "library":  # pdserve's kernels (``prepare`` chose)
+            q = query.to(pool.dtype).contiguous()
+            if paged.kernel == "decode":  # one row a request
+                assert self._decode_attention is not None
+                out = self._decode_attention(
+                    q, key_cache, value_cache, paged.block_tables, paged.seq_lens, d**-0.5
+                )
+            else:
+                assert self._prefill_attention is not None
+                out = self._prefill_attention(
+                    q,
+                    key_cache,
+                    value_cache,
+                    paged.q_starts,
+                    paged.seq_lens,
+                    paged.block_tables,
+                    d**-0.5,
+                )
             return out.view(t, attn.q_size)
         out = torch.empty(t, h, d, dtype=pool.dtype)
         self._ops.cpu_attention_with_kv_cache(

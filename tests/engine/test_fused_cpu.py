@@ -447,28 +447,8 @@ def test_decode_attention_equals_softmax_attention_and_a_rows_bits_stay(
     atol, rtol = TOL[cache_dtype]
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
     if h // kvh <= 8 and d == 64:  # the library's kernel takes these heads too
-        lib = torch.empty_like(q)
         starts = torch.arange(len(lens) + 1, dtype=torch.int32)
-        schedule = torch.ops._C.get_scheduler_metadata(
-            len(lens), h, kvh, d, seq_lens, cache_dtype, starts, True, -1, "vec16", False, None
-        )
-        torch.ops._C.cpu_attention_with_kv_cache(
-            q,
-            key,
-            value,
-            lib,
-            starts,
-            seq_lens,
-            d**-0.5,
-            True,
-            None,
-            -1,
-            tables,
-            0.0,
-            schedule,
-            None,
-            None,
-        )
+        lib = _library_attention(q, key, value, starts, seq_lens, tables)
         torch.testing.assert_close(got.double(), lib.double(), atol=atol, rtol=rtol)
     before = torch.get_num_threads()
     try:
@@ -518,6 +498,27 @@ def test_decode_attention_refuses_what_it_cannot_take(fused: FusedCpuBackend) ->
             torch.tensor([5], dtype=torch.int32),
             0.125,
         )
+
+
+def _library_attention(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tables: torch.Tensor,
+) -> torch.Tensor:
+    """The library's causal attention over the same pool, as the fused backend calls it."""
+    b, (h, d), kvh = len(seq_lens), q.shape[1:], key.shape[1]
+    schedule = torch.ops._C.get_scheduler_metadata(
+        b, h, kvh, d, seq_lens, q.dtype, starts, True, -1, "vec16", False, None
+    )
+    out = torch.empty_like(q)
+    torch.ops._C.cpu_attention_with_kv_cache(
+        q, key, value, out, starts, seq_lens, d**-0.5, True, None, -1, tables, 0.0, schedule,
+        None, None,
+    )  # fmt: skip
+    return out
 
 
 def _causal_attention(
@@ -589,38 +590,7 @@ def test_prefill_attention_equals_causal_attention_and_a_rows_bits_stay(
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
     if d == 64:  # the library's kernel takes these heads too (not the NaN: its 0 x NaN is NaN)
         key, value = _pool_views(pool.nan_to_num(), 1)
-        lib = torch.empty_like(q)
-        schedule = torch.ops._C.get_scheduler_metadata(
-            len(lens),
-            h,
-            kvh,
-            d,
-            seq_lens,
-            torch.bfloat16,
-            _starts(q_lens),
-            True,
-            -1,
-            "vec16",
-            False,
-            None,
-        )
-        torch.ops._C.cpu_attention_with_kv_cache(
-            q,
-            key,
-            value,
-            lib,
-            _starts(q_lens),
-            seq_lens,
-            d**-0.5,
-            True,
-            None,
-            -1,
-            tables,
-            0.0,
-            schedule,
-            None,
-            None,
-        )
+        lib = _library_attention(q, key, value, _starts(q_lens), seq_lens, tables)
         torch.testing.assert_close(got.double(), lib.double(), atol=atol, rtol=rtol)
         key, value = _pool_views(pool, 1)
     before = torch.get_num_threads()
