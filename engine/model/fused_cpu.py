@@ -25,7 +25,7 @@ Here, per layer:
   ``prefill_attention`` (``int4_tiles.prefill_attention_op``): causal over a sequence's
   whole context, both products as bfloat16 pair-dots on K and V re-laid once per 32 tokens
   for all of a task's rows, a row's bits independent of its batch and of how its prompt
-  was chunked; ~0.6x the library's time for prompts of 256-2048 tokens. The rest (a
+  was chunked; 0.48x the library's time for prompts of 256-2048 tokens. The rest (a
   float32 pool) take the library's ``cpu_attention_with_kv_cache``;
 * SiLU * up: pdserve's own one-pass kernel where it is built (``int4_tiles.silu_mul_op``;
   2-2.5x faster than torch's ``silu`` then ``mul_`` at 1-256 rows on a Zen 5, and it reads
