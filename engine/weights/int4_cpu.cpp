@@ -1,10 +1,13 @@
-// pdserve's int4 kernels (torch.ops.pdserve, engine/weights/int4_tiles.py chooses):
+// pdserve's CPU kernels (torch.ops.pdserve; engine/weights/int4_tiles.py and
+// engine/model/fused_cpu.py choose):
 // * int4_mm, amx = false: a few rows, AVX-512 BF16 pair-dots (below);
 // * int4_mm, amx = true: a few rows on the AMX tile unit, the same sums;
 // * int4_gemm: many rows on AMX, on weights de-quantized to bfloat16 once per call;
 // * int4_gemm_a8: many rows on AVX-512 VNNI, inputs quantized to int8 (an opt-in: not the
 //   same numbers as the others);
-// * silu_mul: the MLP's SiLU(gate) * up in one pass (at the end).
+// * around the GEMMs (further down): silu_mul, the MLP's SiLU(gate) * up in one pass;
+//   rope_store, rotary + K/V store; decode_attention and prefill_attention over the
+//   paged KV pool in place.
 //
 // int4_mm: y = x W^T with W[n, k] = c[n, k] * s[n, g] + m[n, g], c in [0, 15], groups g of 32 inputs.
 // Each group's product is taken on the codes, and scaled once:
