@@ -60,7 +60,7 @@ from engine.model.backend import TORCH, AttentionLayer, TorchBackend
 from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryEmbedding
 from engine.weights.int4_tiles import (
-    DECODE_HEAD_SIZES,
+    ATTENTION_HEAD_SIZES,
     decode_attention_op,
     prefill_attention_op,
     rope_store_op,
@@ -173,7 +173,7 @@ class FusedCpuBackend(TorchBackend):
         )
         return (
             op is not None
-            and d in DECODE_HEAD_SIZES
+            and d in ATTENTION_HEAD_SIZES
             and num_heads % kv_heads == 0
             and num_heads // kv_heads <= 8
             and pool.dtype in dtypes

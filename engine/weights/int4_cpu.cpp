@@ -918,6 +918,33 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions,
 // not depend on the rows beside it or on the threads: each task runs the same instructions
 // in the same order whatever the batch.
 
+// Argument checks the two attentions share. key_cache / value_cache: one layer's
+// (num_blocks, KVH, block_size, D) views of the pool, a block's head chunk contiguous.
+void check_kv_views(const char* name, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                    int64_t d) {
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 &&
+                  key_cache.strides() == value_cache.strides() &&
+                  key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.scalar_type() == value_cache.scalar_type(),
+              name, ": K and V must be (num_blocks, KVH, block_size, D) views alike");
+  const int64_t bs = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == d && key_cache.stride(3) == 1 && key_cache.stride(2) == d &&
+                  key_cache.stride(1) == bs * d,
+              name, ": each block's head chunk must be (block_size, D) contiguous");
+}
+
+void check_block_tables(const char* name, const at::Tensor& block_tables, int64_t b_rows) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.size(0) == b_rows && block_tables.is_contiguous(),
+              name, ": block_tables must be contiguous int32 (B, W)");
+}
+
+// The first ``used`` entries of one table name blocks inside the pool of ``nb``.
+void check_blocks(const char* what, int64_t b, const int32_t* table, int64_t used, int64_t nb) {
+  for (int64_t j = 0; j < used; ++j)
+    TORCH_CHECK(table[j] >= 0 && table[j] < nb, what, b, " names block ", table[j]);
+}
+
 constexpr int64_t kAttnAhead = 1;  // blocks read ahead
 constexpr int64_t kSplitTokens = 512;
 
@@ -1062,10 +1089,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "decode_attention: q must be contiguous (B, H, D)");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 &&
-                  key_cache.strides() == value_cache.strides() &&
-                  key_cache.sizes() == value_cache.sizes(),
-              "decode_attention: K and V must be (num_blocks, KVH, block_size, D) views alike");
+  check_kv_views("decode_attention", key_cache, value_cache, q.size(2));
   const int64_t b_rows = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t kvh = key_cache.size(1), bs = key_cache.size(2);
   const bool bf16 = key_cache.scalar_type() == at::kBFloat16;
@@ -1073,14 +1097,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
               "decode_attention: the cache must be float32 or bfloat16");
   TORCH_CHECK(q.scalar_type() == key_cache.scalar_type(),
               "decode_attention: q must be in the cache's dtype");
-  TORCH_CHECK(key_cache.size(3) == d && key_cache.stride(3) == 1 && key_cache.stride(2) == d &&
-                  key_cache.stride(1) == bs * d,
-              "decode_attention: each block's head chunk must be (block_size, D) contiguous");
   TORCH_CHECK(bs % 16 == 0 && kvh > 0 && h % kvh == 0,
               "decode_attention: block size ", bs, ", heads ", h, " over ", kvh);
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
-                  block_tables.size(0) == b_rows && block_tables.is_contiguous(),
-              "decode_attention: block_tables must be contiguous int32 (B, W)");
+  check_block_tables("decode_attention", block_tables, b_rows);
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == b_rows &&
                   seq_lens.is_contiguous(),
               "decode_attention: seq_lens must be int32 (B,)");
@@ -1095,9 +1114,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
   for (int64_t b = 0; b < b_rows; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * bs, "decode_attention: row ", b, " has ",
                 lens[b], " tokens for ", width, " blocks");
-    for (int64_t j = 0; j < (lens[b] + bs - 1) / bs; ++j)
-      TORCH_CHECK(tables[b * width + j] >= 0 && tables[b * width + j] < nb,
-                  "decode_attention: row ", b, " names block ", tables[b * width + j]);
+    check_blocks("decode_attention: row ", b, tables + b * width, (lens[b] + bs - 1) / bs, nb);
   }
   at::Tensor out = at::empty_like(q);
   const int64_t esize = bf16 ? 2 : 4, per_head = 2 + d;
@@ -1359,6 +1376,15 @@ PDSERVE_VL_TARGET void chunk_rows(const uint16_t* const* q, const int64_t* pos, 
   for (; r < R; ++r) chunk_values<1, DV>(c, p + r, corr + r, o + r);
 }
 
+// A worker's arrays for one task at a time, kept across its tasks: per q-row, its output
+// sums (D floats), running max and sum, its q row, output row and position.
+struct PrefillScratch {
+  std::vector<float> sums;
+  std::vector<const uint16_t*> q;
+  std::vector<float*> o;
+  std::vector<int64_t> pos;
+};
+
 struct PrefillTask {
   int32_t seq, kv_head;
   int64_t row0, rows;  // query rows [row0, row0 + rows) of the step (q's first dimension)
@@ -1372,21 +1398,24 @@ PDSERVE_VL_TARGET void prefill_task(const PrefillTask& task, const uint16_t* q, 
                                     int64_t g, const uint16_t* kbase, const uint16_t* vbase,
                                     int64_t block_stride, int64_t head_stride,
                                     const int32_t* table, int64_t bs, float scale, uint16_t* out,
-                                    PrefillChunk& c, std::vector<float>& scratch) {
+                                    PrefillChunk& c, PrefillScratch& scratch) {
   constexpr int64_t D = DV * 16;
   const int64_t n = task.rows * g;  // q-rows, position-major: (row i, head j) -> i g + j
-  scratch.resize(size_t(n * (D + 2)));
-  float* o = scratch.data();
+  scratch.sums.resize(size_t(n * (D + 2)));
+  scratch.q.resize(size_t(n));
+  scratch.o.resize(size_t(n));
+  scratch.pos.resize(size_t(n));
+  float* o = scratch.sums.data();
   float* m = o + n * D;
   float* l = m + n;
-  std::vector<const uint16_t*> qr(static_cast<size_t>(n));
-  std::vector<float*> orow(static_cast<size_t>(n));
-  std::vector<int64_t> pos(static_cast<size_t>(n));
+  const uint16_t** qr = scratch.q.data();
+  float** orow = scratch.o.data();
+  int64_t* pos = scratch.pos.data();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = task.row0 + i / g, head = task.kv_head * g + i % g;
-    qr[size_t(i)] = q + (row * h + head) * D;
-    orow[size_t(i)] = o + i * D;
-    pos[size_t(i)] = task.pos0 + i / g;
+    qr[i] = q + (row * h + head) * D;
+    orow[i] = o + i * D;
+    pos[i] = task.pos0 + i / g;
     m[i] = -INFINITY;
     l[i] = 0.0f;
   }
@@ -1400,11 +1429,8 @@ PDSERVE_VL_TARGET void prefill_task(const PrefillTask& task, const uint16_t* q, 
     // q-rows before this chunk's first token see none of it: start at the first that does.
     int64_t i = std::max<int64_t>(0, (t0 - task.pos0) * g);
     for (; i + kQkRows <= n; i += kQkRows)
-      chunk_rows<kQkRows, DV>(qr.data() + i, pos.data() + i, t0, scale, c, m + i, l + i,
-                              orow.data() + i);
-    for (; i < n; ++i)
-      chunk_rows<1, DV>(qr.data() + i, pos.data() + i, t0, scale, c, m + i, l + i,
-                        orow.data() + i);
+      chunk_rows<kQkRows, DV>(qr + i, pos + i, t0, scale, c, m + i, l + i, orow + i);
+    for (; i < n; ++i) chunk_rows<1, DV>(qr + i, pos + i, t0, scale, c, m + i, l + i, orow + i);
   }
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = task.row0 + i / g, head = task.kv_head * g + i % g;
@@ -1425,18 +1451,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
                              double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
               "prefill_attention: q must be contiguous bfloat16 (T, H, D)");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 &&
-                  key_cache.strides() == value_cache.strides() &&
-                  key_cache.sizes() == value_cache.sizes() &&
-                  key_cache.scalar_type() == at::kBFloat16 &&
-                  value_cache.scalar_type() == at::kBFloat16,
-              "prefill_attention: K and V must be bfloat16 (num_blocks, KVH, block_size, D) "
-              "views alike");
+  check_kv_views("prefill_attention", key_cache, value_cache, q.size(2));
+  TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16,
+              "prefill_attention: K and V must be bfloat16");
   const int64_t t_rows = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t kvh = key_cache.size(1), bs = key_cache.size(2), nb = key_cache.size(0);
-  TORCH_CHECK(key_cache.size(3) == d && key_cache.stride(3) == 1 && key_cache.stride(2) == d &&
-                  key_cache.stride(1) == bs * d,
-              "prefill_attention: each block's head chunk must be (block_size, D) contiguous");
   TORCH_CHECK(bs % 16 == 0 && kvh > 0 && h % kvh == 0 && h / kvh <= 8,
               "prefill_attention: block size ", bs, ", heads ", h, " over ", kvh);
   TORCH_CHECK(d == 64 || d == 128, "prefill_attention: head size ", d, " is not built");
@@ -1447,9 +1466,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
   TORCH_CHECK(q_starts.scalar_type() == at::kInt && q_starts.numel() == b_rows + 1 &&
                   q_starts.is_contiguous(),
               "prefill_attention: q_starts must be int32 (B + 1,)");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
-                  block_tables.size(0) == b_rows && block_tables.is_contiguous(),
-              "prefill_attention: block_tables must be contiguous int32 (B, W)");
+  check_block_tables("prefill_attention", block_tables, b_rows);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = q_starts.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -1460,9 +1477,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
     const int64_t rows = starts[b + 1] - starts[b], n = lens[b];
     TORCH_CHECK(rows >= 0 && rows <= n && n <= width * bs, "prefill_attention: sequence ", b,
                 " has ", rows, " query rows, ", n, " tokens, ", width, " blocks");
-    for (int64_t j = 0; j < (n + bs - 1) / bs; ++j)
-      TORCH_CHECK(tables[b * width + j] >= 0 && tables[b * width + j] < nb,
-                  "prefill_attention: sequence ", b, " names block ", tables[b * width + j]);
+    check_blocks("prefill_attention: sequence ", b, tables + b * width, (n + bs - 1) / bs, nb);
     for (int64_t r = 0; r < rows; r += kPrefillRows) {
       const int64_t take = std::min<int64_t>(kPrefillRows, rows - r), pos0 = n - rows + r;
       for (int64_t kh = 0; kh < kvh; ++kh)
@@ -1485,7 +1500,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     auto* c = static_cast<PrefillChunk*>(std::aligned_alloc(64, sizeof(PrefillChunk)));
-    std::vector<float> scratch;
+    PrefillScratch scratch;
     for (int64_t i = next.fetch_add(1); i < n_tasks; i = next.fetch_add(1)) {
       const PrefillTask& task = tasks[size_t(i)];
       const int32_t* table = tables + int64_t(task.seq) * width;

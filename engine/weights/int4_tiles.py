@@ -75,12 +75,12 @@ def decode_attention_op() -> Callable[..., torch.Tensor] | None:
     (``int4_cpu.cpp: decode_attention``): q (B, H, D) in the cache's dtype, one layer's K and
     V views (as ``rope_store``'s), int32 block tables (B, W) and context lengths (B,), the
     scale -> (B, H, D) in the cache's dtype; one query row a sequence. Head sizes
-    ``DECODE_HEAD_SIZES``, up to 8 query heads a KV head. None where not built or without
+    ``ATTENTION_HEAD_SIZES``, up to 8 query heads a KV head. None where not built or without
     AVX-512 BF16."""
     return _op("decode_attention")
 
 
-DECODE_HEAD_SIZES = (64, 128)  # decode_attention's and prefill_attention's
+ATTENTION_HEAD_SIZES = (64, 128)  # head sizes decode_attention and prefill_attention are built for
 
 
 def prefill_attention_op() -> Callable[..., torch.Tensor] | None:
@@ -88,7 +88,7 @@ def prefill_attention_op() -> Callable[..., torch.Tensor] | None:
     ``vec16`` order (``int4_cpu.cpp: prefill_attention``): q (T, H, D) bfloat16, one layer's
     K and V views (as ``rope_store``'s), int32 query starts (B + 1,), context lengths (B,)
     and block tables (B, W), the scale -> (T, H, D) bfloat16; sequence b's query rows are
-    the last of its context. Head sizes ``DECODE_HEAD_SIZES``, up to 8 query heads a KV
+    the last of its context. Head sizes ``ATTENTION_HEAD_SIZES``, up to 8 query heads a KV
     head. None where not built or without AVX-512 BF16."""
     return _op("prefill_attention")
 

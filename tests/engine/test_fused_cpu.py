@@ -464,16 +464,24 @@ def test_decode_attention_equals_softmax_attention_and_a_rows_bits_stay(
         torch.set_num_threads(before)
 
 
+def _small_case(
+    rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 4-block bfloat16 pool of one layer (9 heads over 3 of 64), its K and V views,
+    ``rows`` query rows and one sequence's table of blocks 0 and 1: the refusal tests'."""
+    pool = torch.zeros(4, 1, 2, 16, 3, 64, dtype=torch.bfloat16)
+    key, value = _pool_views(pool, 0)
+    q = torch.zeros(rows, 9, 64, dtype=torch.bfloat16)
+    return pool, key, value, q, torch.tensor([[0, 1]], dtype=torch.int32)
+
+
 def test_decode_attention_refuses_what_it_cannot_take(fused: FusedCpuBackend) -> None:
     """Bad lengths, blocks outside the pool, and shapes it was not built for are errors,
     never reads outside the pool."""
     op = decode_attention_op()
     if op is None:
         pytest.skip("pdserve's CPU kernels are not built or do not run here")
-    pool = torch.zeros(4, 1, 2, 16, 3, 64, dtype=torch.bfloat16)
-    key, value = _pool_views(pool, 0)
-    q = torch.zeros(1, 9, 64, dtype=torch.bfloat16)
-    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    _, key, value, q, tables = _small_case(rows=1)
     with pytest.raises(RuntimeError, match="has 33 tokens for 2 blocks"):
         op(q, key, value, tables, torch.tensor([33], dtype=torch.int32), 0.125)
     with pytest.raises(RuntimeError, match="has 0 tokens"):
@@ -623,10 +631,7 @@ def test_prefill_attention_refuses_what_it_cannot_take(fused: FusedCpuBackend) -
     op = prefill_attention_op()
     if op is None:
         pytest.skip("pdserve's CPU kernels are not built or do not run here")
-    pool = torch.zeros(4, 1, 2, 16, 3, 64, dtype=torch.bfloat16)
-    key, value = _pool_views(pool, 0)
-    q = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
-    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    pool, key, value, q, tables = _small_case(rows=4)
 
     def call(q=q, key=key, value=value, starts=(0, 4), lens=(20,), tables=tables):  # type: ignore[no-untyped-def]
         starts_t = torch.tensor(starts, dtype=torch.int32)
