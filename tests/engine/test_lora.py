@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from checkpoints import tiny
 from checkpoints.lora import lora_ref, make_adapter, peft_model
 from colocated.llm import LLM
 from engine.checkpoint.lora_loader import LoraCapacityError
@@ -26,7 +27,8 @@ from wire.params import LoraRef, SamplingParams
 if importlib.util.find_spec("peft") is None:
     pytest.skip("needs peft (the test extra)", allow_module_level=True)
 
-TINY_LLAMA = Path.home() / ".cache/pdserve/tiny-llama-v1"
+# Built (once, cached) on import: a test of this file may be the first to need it.
+TINY_LLAMA = tiny.tiny_model_dir("llama")
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # (rank, targets, extra LoraConfig fields) of the adapters every test uses.
 KINDS: dict[str, tuple[int, tuple[str, ...], dict[str, Any]]] = {
@@ -246,7 +248,7 @@ def test_unfit_or_missing_adapters_are_refused_by_name(
     small.loras.max_rank = 8  # type: ignore[union-attr]
     with pytest.raises(LoraError, match="rank 16 exceeds --max-lora-rank 8"):
         _engine_logits(small, [1, 2, 3], [], lora_ref(big))
-    qwen = Path.home() / ".cache/pdserve/tiny-qwen3-v1"
+    qwen = tiny.tiny_model_dir("qwen3")
     other = make_adapter(qwen, tmp_path / "other", 4, ("q_proj",), seed=0)  # q: 128 wide
     with pytest.raises(LoraError, match="shape"):
         _engine_logits(runner, [1, 2, 3], [], lora_ref(other))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from checkpoints import tiny
 from engine.config import EngineConfig
 from engine.cuda.kernels.lora import lora_update
 from engine.cuda.lora_bank import StackedLoraBank
@@ -25,7 +26,8 @@ from tests.engine.kernels.conftest import DEVICE
 from tests.engine.kernels.test_kernel_runner import _EagerGraphs, _HostTransfers
 from wire.params import LoraRef, SamplingParams
 
-TINY_LLAMA = Path.home() / ".cache/pdserve/tiny-llama-v1"
+# Built (once, cached) on import: a test of this file may be the first to need it.
+TINY_LLAMA = tiny.tiny_model_dir("llama")
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KINDS = {  # name -> (rank, targets)
     "qvd8": (8, ("q_proj", "v_proj", "down_proj")),
