@@ -7,7 +7,12 @@ gate picks the X (0: no speculation) with the most expected tokens per second:
     tokens(X) = B + the X largest gains g[i][j],   g[i][j] = a_i[0] * ... * a_i[j - 1]
 
 where a_i[p] is request i's measured probability that draft p + 1 is accepted given
-that draft p was (per-position EWMAs; ``Acceptance``). The gains of one request fall
+that draft p was (per-position EWMAs; ``Acceptance``). A position the request has not
+tried takes the worker's rate there, and a position no request has tried yet takes the
+rate of the one before it: drafts that follow an earlier run of the text hold about as
+well further along as they did so far, and a fixed guess there (below what verifying one
+more row costs) would keep every request from ever trying past the positions it tried
+first. The gains of one request fall
 with j, so the X largest are a prefix of each request's drafts: request i verifies as
 many drafts as it has among them. t(B, X) is the engine's own step times, measured
 (``StepTimes``): verification rows may cost more than decode rows (other attention, on
@@ -36,6 +41,11 @@ _PRIOR_ACCEPT = 0.5
 _PRIOR_FIXED, _PRIOR_ROW = 0.25, 0.1
 _MARGIN = 1.04  # speculate only for an expected >= 4 % more tokens per second
 _REPROBE = 32  # plain steps in a row after which measured verification costs are re-tried
+
+
+# The worker-wide per-position acceptance new requests start from; None: no request has
+# tried that position yet.
+Prior = list[float | None]
 
 
 class StepTimes:
@@ -115,25 +125,38 @@ class Acceptance:
     shadow: list[int] = field(default_factory=list)  # drafts proposed, not verified
     shadow_base: int = 0  # len(output_ids) when they were proposed
 
-    def observe(self, tried: int, accepted: int, prior: list[float]) -> None:
+    def observe(self, tried: int, accepted: int, prior: Prior) -> None:
         """``tried`` drafts were checked, the first ``accepted`` held (the next did not,
-        if ``accepted < tried``)."""
-        for p in range(min(tried, accepted + 1, len(self.rates))):
+        if ``accepted < tried``). A position's first observation moves its rate from the
+        one ``gains`` used, as every later one does: one lucky draft does not make it 1."""
+        rates = self._rates(min(tried, accepted + 1), prior)
+        for p, rate in enumerate(rates):
             hit = 1.0 if p < accepted else 0.0
-            old = self.rates[p]
-            self.rates[p] = hit if old is None else (1 - _ACC_WEIGHT) * old + _ACC_WEIGHT * hit
-            prior[p] = (1 - _PRIOR_WEIGHT) * prior[p] + _PRIOR_WEIGHT * hit
+            self.rates[p] = (1 - _ACC_WEIGHT) * rate + _ACC_WEIGHT * hit
+            was = prior[p]
+            prior[p] = (1 - _PRIOR_WEIGHT) * (_PRIOR_ACCEPT if was is None else was) + (
+                _PRIOR_WEIGHT * hit
+            )
 
-    def gains(self, n: int, prior: list[float]) -> list[float]:
+    def gains(self, n: int, prior: Prior) -> list[float]:
         """Expected tokens each of the first ``n`` drafts adds: g[j] = P(drafts 1..j+1 held)."""
         out, g = [], 1.0
-        for p in range(min(n, len(self.rates))):
-            rate = self.rates[p]
-            g *= prior[p] if rate is None else rate
+        for rate in self._rates(n, prior):
+            g *= rate
             out.append(g)
         return out
 
-    def check_shadow(self, output_ids: list[int], prior: list[float], final: bool) -> None:
+    def _rates(self, n: int, prior: Prior) -> list[float]:
+        """The acceptance rates of the first ``n`` positions: the request's own, else the
+        worker's, else the position before's (the first: ``_PRIOR_ACCEPT``)."""
+        out, rate = [], _PRIOR_ACCEPT
+        for p in range(min(n, len(self.rates))):
+            own, worker = self.rates[p], prior[p]
+            rate = own if own is not None else worker if worker is not None else rate
+            out.append(rate)
+        return out
+
+    def check_shadow(self, output_ids: list[int], prior: Prior, final: bool) -> None:
         """Score the shadow drafts against the tokens decoded since they were proposed.
         Resolved once one differs or all matched; ``final``: the request is about to
         verify real drafts, so what matched so far counts and the rest is dropped."""

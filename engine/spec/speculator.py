@@ -28,7 +28,7 @@ from engine.config import SpeculativeConfig
 from engine.errors import NoFreeBlocks
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.spec.cost import _PRIOR_ACCEPT, Acceptance, StepTimes, allocate
+from engine.spec.cost import Acceptance, Prior, StepTimes, allocate
 from engine.spec.ngram import NgramProposer
 from engine.spec.proposer import Proposer
 from engine.spec.verify import Verified, grammar_drafts, sample_rows
@@ -65,7 +65,7 @@ class Speculator:
         # The cost-aware gate's measurements; None: every request verifies all the drafts
         # it is offered (``adaptive`` off; tests forcing drafts through a stub proposer).
         self.times: StepTimes | None = StepTimes() if config.adaptive else None
-        self._prior = [_PRIOR_ACCEPT] * k  # worker-wide per-position acceptance
+        self._prior: Prior = [None] * k  # worker-wide per-position acceptance
 
     def drafts(self, seqs: list[Sequence]) -> list[list[int]] | None:
         """This step's drafts per sequence (some may be empty), or None: no speculation."""

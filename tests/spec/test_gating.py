@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
@@ -156,3 +158,33 @@ def test_a_slow_verification_is_tried_again_after_a_while() -> None:
         steps += 1
         assert steps <= 32
     assert steps > 0
+
+
+def test_positions_no_request_has_tried_take_the_rate_before_them() -> None:
+    """A request whose first two drafts always held is offered all four once verifying
+    them pays: the untried positions take the rate measured before them, not a fixed
+    guess below what one more row costs (which kept every request at two drafts)."""
+    times = StepTimes()
+    times.observe(1, 0, 0.016)
+    for _ in range(3):
+        times.observe(1, 1, 0.020)
+        times.observe(1, 0, 0.016)
+        times.observe(1, 2, 0.024)
+        times.observe(1, 0, 0.016)
+    prior: list[float | None] = [None] * 4
+    acc = Acceptance([None] * 4)
+    for _ in range(5):
+        acc.observe(2, 2, prior)
+    g = acc.gains(4, prior)
+    second = acc.rates[1]
+    assert second is not None and second > 0.95 and acc.rates[2:] == [None, None]
+    assert g[2] == pytest.approx(g[1] * second) and g[3] == pytest.approx(g[2] * second)
+    assert allocate([g], 1, times) == [4]
+    # One lucky draft moves a fresh request's rate from the guess, not to 1.
+    fresh = Acceptance([None] * 4)
+    fresh.observe(1, 1, [None] * 4)
+    assert fresh.rates[0] is not None and 0.5 < fresh.rates[0] < 0.8
+    # Once a position is measured, its rate counts, the request's own first.
+    acc.observe(4, 2, prior)
+    gains = acc.gains(4, prior)
+    assert gains[2] < 1.0 and gains[3] <= gains[2]
