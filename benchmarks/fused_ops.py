@@ -265,6 +265,62 @@ def _step_attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
     return ops
 
 
+def _verify_attention_ops(drafts: int, context: int) -> dict[str, Op]:
+    """A speculative verification's attention: ``LAYERS`` layers of one sequence's
+    ``drafts`` + 1 query rows, row j over ``context`` + j tokens of its blocks (scattered),
+    bfloat16: the library's kernel with each row a request of its own, pdserve's decode
+    kernel with each row a sequence of its own ("apart", the tree before), and with the
+    rows given as one sequence's ("together": they run in turn on one core, the context
+    from L2 after the first, to the same bits)."""
+    bs, rows = 16, drafts + 1
+    blocks = -(-(context + rows) // bs)
+    gen = torch.Generator().manual_seed(rows)
+    pool = torch.randn(blocks + 1, LAYERS, 2, bs, KV_HEADS, HEAD_DIM, generator=gen)
+    pool = pool.to(torch.bfloat16)
+    chunk = bs * KV_HEADS * HEAD_DIM
+    shape, strides = (
+        (pool.shape[0], KV_HEADS, bs, HEAD_DIM),
+        (LAYERS * 2 * chunk, bs * HEAD_DIM, HEAD_DIM, 1),
+    )
+    views = [
+        (
+            pool.as_strided(shape, strides, 2 * i * chunk),
+            pool.as_strided(shape, strides, (2 * i + 1) * chunk),
+        )
+        for i in range(LAYERS)
+    ]
+    table = (torch.randperm(blocks, generator=gen) + 1).to(torch.int32).view(1, blocks)
+    row_tables = table.expand(rows, blocks).contiguous()
+    q = torch.randn(rows, HEADS, HEAD_DIM).to(torch.bfloat16)
+    seq_lens = torch.arange(context + 1, context + rows + 1, dtype=torch.int32)
+    row_starts = torch.arange(rows + 1, dtype=torch.int32)
+    together = torch.tensor([0, rows], dtype=torch.int32)
+    out = torch.empty(rows, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    schedule = torch.ops._C.get_scheduler_metadata(
+        rows, HEADS, KV_HEADS, HEAD_DIM, seq_lens, torch.bfloat16, row_starts, True, -1, ISA,
+        False, None,
+    )  # fmt: skip
+
+    def library() -> None:
+        for key, value in views:
+            _library_attention(q, key, value, out, row_starts, seq_lens, row_tables, schedule)
+
+    ops: dict[str, Op] = {"library": library}
+    if (decode_attention := decode_attention_op()) is not None:
+        scale = HEAD_DIM**-0.5
+
+        def apart() -> None:
+            for key, value in views:
+                decode_attention(q, key, value, row_tables, seq_lens, scale)
+
+        def grouped() -> None:
+            for key, value in views:
+                decode_attention(q, key, value, table, seq_lens, scale, together)
+
+        ops["apart"], ops["together"] = apart, grouped
+    return ops
+
+
 def _prefill_attention_ops(tokens: int, dtype: torch.dtype) -> dict[str, Op]:
     """One layer's causal attention of a ``tokens``-token prompt over its blocks (scattered)
     in the pool: torch's SDPA over dense K/V (the torch backend's prefill), the library's
@@ -334,6 +390,8 @@ def main() -> None:
     p.add_argument("--rows", default="1,8,32,256")
     p.add_argument("--prompt-tokens", default="256,1024,2048", help="prefill attention's")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--verify-drafts", default="1,2,4,8", help="verification attention's")
+    p.add_argument("--verify-context", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--no-compile", action="store_true")
@@ -393,6 +451,27 @@ def main() -> None:
             f"| prefill attention, one prompt, causal | bfloat16 | {tokens} | {t['torch']:.1f} "
             f"| {t['library']:.1f} | {ours} | - | {t['library'] / t['torch']:.2f} | {ratio} |"
         )
+        print(line, flush=True)
+        lines.append(line)
+    lines += [
+        "",
+        f"A speculative verification's attention ({LAYERS} layers, drafts + 1 query rows of one "
+        f"sequence, row j over {args.verify_context} + j tokens, scattered blocks, bfloat16), "
+        "microseconds:",
+        "",
+        "| drafts | library, rows as requests | pdserve, rows apart | pdserve, rows together "
+        "| together / apart | together / library |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for drafts in (int(n) for n in args.verify_drafts.split(",")):
+        t = _time(_verify_attention_ops(drafts, args.verify_context), 20)
+        if "together" not in t:
+            line = f"| {drafts} | {t['library']:.1f} | - | - | - | - |"
+        else:
+            line = (
+                f"| {drafts} | {t['library']:.1f} | {t['apart']:.1f} | {t['together']:.1f} "
+                f"| {t['together'] / t['apart']:.2f} | {t['together'] / t['library']:.2f} |"
+            )
         print(line, flush=True)
         lines.append(line)
     lines += ["", f"Load average at the end: {load_average()}.", "", *machine_block()]

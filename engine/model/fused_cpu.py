@@ -15,10 +15,12 @@ Here, per layer:
   qkv, ``rotary_embedding`` over q and k, round qkv to the cache's dtype,
   ``cpu_attn_reshape_and_cache`` (the path kept for Qwen3's per-head norms and AVX2);
 * attention: straight over each sequence's blocks in the pool, with no dense copy of the
-  batch's K/V. Steps of one query row a request (decode, and speculative verifications,
-  whose rows run as requests of their own) take pdserve's ``decode_attention`` where it is
-  built (``int4_tiles.decode_attention_op``): a sequence's query heads share each K and V
-  load, a row's bits independent of its batch: a step's attention in 0.84-0.86x the
+  batch's K/V. Steps whose rows attend as decode rows (decode, and speculative
+  verifications, each of whose k + 1 rows attends over its own length of the context as
+  its decode step would) take pdserve's ``decode_attention`` where it is built
+  (``int4_tiles.decode_attention_op``): a sequence's query heads share each K and V load,
+  its rows run one after another on one core (the context read from memory once, then from
+  L2), a row's bits independent of its batch: a step's attention in 0.84-0.86x the
   library's time at 8-32 rows of 300 tokens (1.03x at one), and served at 16 streams of
   1.5k-token contexts ITL p50 0.74x (``benchmarks/results/fused_ops.md``). Other steps
   (prefill, chunked prefill, mixed) on a bfloat16 pool take pdserve's
@@ -77,11 +79,14 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what pdserve's kernels read 
 @dataclass(frozen=True)
 class PagedBatch:
     """One step's inputs to the library's store and attention. B requests (a verification
-    runs each query row as a request of its own), T tokens, int32 unless said."""
+    on the library's kernel runs each query row as a request of its own), T tokens, int32
+    unless said; ``seq_lens`` is per query row where ``kernel`` is "decode"."""
 
     slots: torch.Tensor  # (T,) int64: block * block_size + offset of each new token
     q_starts: torch.Tensor  # (B + 1,) request b's query rows are [q_starts[b], q_starts[b + 1])
-    seq_lens: torch.Tensor  # (B,) context length, the request's new tokens included
+    # (B,) context length, the request's new tokens included ("decode": (T,), each query
+    # row's own, as a decode step of that row would see it)
+    seq_lens: torch.Tensor
     block_tables: torch.Tensor  # (B, W) pool blocks of each request
     # Whose attention takes the step (``FusedCpuBackend.prepare``): pdserve's "decode" (one
     # query row a request), pdserve's "prefill" (any rows, a bfloat16 pool), or the
@@ -125,22 +130,31 @@ class FusedCpuBackend(TorchBackend):
         kv_heads, d = pool.shape[4], pool.shape[5]
         # From the host's lists, not tensor ops: at 1-32 rows a step, each op's dispatch
         # costs more than its arithmetic.
-        if meta.rows_as_decode:  # every query row a request: it sees what a decode step sees
+        starts = [0]
+        for n in meta.q_lens:
+            starts.append(starts[-1] + n)
+        tables = meta.block_tables.to(torch.int32)
+        if meta.rows_as_decode or starts[-1] == len(starts) - 1:
+            # Every query row attends as a decode step of its own length would (a decode
+            # step; a verification's rows, which see what their decode steps would).
             spans = list(zip(meta.ctx_lens, meta.q_lens, strict=True))
-            seq_of_row = [i for i, (_, n) in enumerate(spans) for _ in range(n)]
-            tables = meta.block_tables[seq_of_row].to(torch.int32)
             lens = [p + 1 for c, n in spans for p in range(c - n, c)]
+            if self._takes("decode", pool, num_heads):  # a sequence's rows read it in turn
+                paged = PagedBatch(
+                    meta.slots,
+                    torch.tensor(starts, dtype=torch.int32),
+                    torch.tensor(lens, dtype=torch.int32),
+                    tables.contiguous(),
+                    "decode",
+                )
+                return replace(meta, paged=paged)
+            # The library's kernel: each row a request of its own.
+            tables = tables[[i for i, (_, n) in enumerate(spans) for _ in range(n)]]
             starts = list(range(len(lens) + 1))
         else:
-            tables, lens = meta.block_tables.to(torch.int32), list(meta.ctx_lens)
-            starts = [0]
-            for n in meta.q_lens:
-                starts.append(starts[-1] + n)
+            lens = list(meta.ctx_lens)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         q_starts = torch.tensor(starts, dtype=torch.int32)
-        if len(lens) == starts[-1] and self._takes("decode", pool, num_heads):
-            paged = PagedBatch(meta.slots, q_starts, seq_lens, tables.contiguous(), "decode")
-            return replace(meta, paged=paged)
         if self._takes("prefill", pool, num_heads):
             paged = PagedBatch(meta.slots, q_starts, seq_lens, tables.contiguous(), "prefill")
             return replace(meta, paged=paged)
@@ -204,7 +218,13 @@ class FusedCpuBackend(TorchBackend):
             if paged.kernel == "decode":  # one row a request
                 assert self._decode_attention is not None
                 out = self._decode_attention(
-                    q, key_cache, value_cache, paged.block_tables, paged.seq_lens, d**-0.5
+                    q,
+                    key_cache,
+                    value_cache,
+                    paged.block_tables,
+                    paged.seq_lens,
+                    d**-0.5,
+                    paged.q_starts,
                 )
             else:
                 assert self._prefill_attention is not None

@@ -73,10 +73,13 @@ def rope_store_op() -> Callable[..., torch.Tensor] | None:
 def decode_attention_op() -> Callable[..., torch.Tensor] | None:
     """The same library's decode attention over a pool in the ``vec16`` order
     (``int4_cpu.cpp: decode_attention``): q (B, H, D) in the cache's dtype, one layer's K and
-    V views (as ``rope_store``'s), int32 block tables (B, W) and context lengths (B,), the
-    scale -> (B, H, D) in the cache's dtype; one query row a sequence. Head sizes
-    ``ATTENTION_HEAD_SIZES``, up to 8 query heads a KV head. None where not built or without
-    AVX-512 BF16."""
+    V views (as ``rope_store``'s), int32 block tables (S, W), each row's int32 context length
+    (B,), the scale, and optionally int32 query starts (S + 1,): sequence s's rows are
+    ``[q_starts[s], q_starts[s + 1])`` (by default one row a sequence) -> (B, H, D) in the
+    cache's dtype. Each row attends over its own length as a decode step of that length
+    would, to the same bits; a sequence's rows (a speculative verification's k + 1) run one
+    after another on one core, so the context comes from memory once, then from L2. Head sizes ``ATTENTION_HEAD_SIZES``, up to 8
+    query heads a KV head. None where not built or without AVX-512 BF16."""
     return _op("decode_attention")
 
 

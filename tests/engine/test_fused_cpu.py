@@ -464,6 +464,54 @@ def test_decode_attention_equals_softmax_attention_and_a_rows_bits_stay(
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("h", "kvh", "d", "bs"), [(9, 3, 64, 16), (8, 1, 128, 32)])
+def test_a_sequences_rows_together_get_each_rows_bits_alone(
+    cache_dtype: torch.dtype, h: int, kvh: int, d: int, bs: int
+) -> None:
+    """Several query rows of one sequence (a speculative verification's k + 1, each over
+    its own length of the same context) in one call, given one block table, get each row's
+    bits alone, a decode step of its length: runs of 1 to 12 rows (the workers' runs cut
+    inside a sequence), across the 16-token chunks and the two halves a row past 512
+    tokens is split into, on 1 and 2 threads."""
+    op = decode_attention_op()
+    if op is None:
+        pytest.skip("pdserve's CPU kernels are not built or do not run here")
+    gen = torch.Generator().manual_seed(7 * h + d)
+    # (first row's length, rows): each run's rows see 1, 2, ... more tokens than the first
+    runs = [(40, 5), (1, 3), (505, 12), (511, 2), (700, 9), (16, 1)]
+    width = -(-max(n + r for n, r in runs) // bs)
+    pool = torch.randn(len(runs) * width + 2, 1, 2, bs, kvh, d, generator=gen).to(cache_dtype)
+    key, value = _pool_views(pool, 0)
+    tables = torch.randperm(pool.shape[0], generator=gen)[: len(runs) * width]
+    tables = tables.view(len(runs), width).to(torch.int32)
+    lens = [n + j for n, r in runs for j in range(r)]
+    starts = [0]
+    for _, r in runs:
+        starts.append(starts[-1] + r)
+    q = torch.randn(len(lens), h, d, generator=gen).to(cache_dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q_starts = torch.tensor(starts, dtype=torch.int32)
+    row_tables = tables[[s for s, (_, r) in enumerate(runs) for _ in range(r)]].contiguous()
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = op(q, key, value, tables, seq_lens, d**-0.5, q_starts)
+            alone = op(q, key, value, row_tables, seq_lens, d**-0.5)  # each row its own
+            assert torch.equal(got, alone), threads
+            for i in (0, 7, 11, len(lens) - 1):
+                one = op(
+                    q[i : i + 1], key, value, row_tables[i : i + 1], seq_lens[i : i + 1], d**-0.5
+                )
+                assert torch.equal(one[0], got[i]), (threads, i)
+    finally:
+        torch.set_num_threads(before)
+    want = _dense_attention(q, key, value, row_tables, lens)
+    atol, rtol = TOL[cache_dtype]
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
+
+
 def _small_case(
     rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -497,6 +545,34 @@ def test_decode_attention_refuses_what_it_cannot_take(fused: FusedCpuBackend) ->
         )
     with pytest.raises(RuntimeError, match="cache's dtype"):
         op(q.float(), key, value, tables, torch.tensor([5], dtype=torch.int32), 0.125)
+    two = torch.tensor([5, 6], dtype=torch.int32)
+    for starts, match in (
+        ([0, 1], "from 0 to the 2 rows"),
+        ([1, 2], "from 0 to the 2 rows"),
+        ([0, 2, 1, 2], "must not decrease"),
+    ):
+        with pytest.raises(RuntimeError, match=match):
+            op(
+                torch.zeros(2, 9, 64, dtype=torch.bfloat16),
+                key,
+                value,
+                tables.expand(len(starts) - 1, 2).contiguous(),
+                two,
+                0.125,
+                torch.tensor(starts, dtype=torch.int32),
+            )
+    with pytest.raises(RuntimeError, match="q_starts must be int32"):
+        op(q, key, value, tables, torch.tensor([5], dtype=torch.int32), 0.125, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="names block 7"):  # the longest row's blocks
+        op(
+            torch.zeros(2, 9, 64, dtype=torch.bfloat16),
+            key,
+            value,
+            torch.tensor([[0, 7]], dtype=torch.int32),
+            torch.tensor([16, 17], dtype=torch.int32),
+            0.125,
+            torch.tensor([0, 2], dtype=torch.int32),
+        )
     with pytest.raises(RuntimeError, match="heads a KV head is not built"):
         op(
             torch.zeros(1, 30, 64, dtype=torch.bfloat16),
