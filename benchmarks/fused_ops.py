@@ -218,6 +218,24 @@ def _attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
     return ops
 
 
+def _layer_views(
+    num_blocks: int, bs: int, dtype: torch.dtype, gen: torch.Generator
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A random pool in the engine's layout (num_blocks, L, 2, block, KVH, D) and, per
+    layer, its (K, V) views as (num_blocks, KVH, block, D), as the fused backend takes them."""
+    pool = torch.randn(num_blocks, LAYERS, 2, bs, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    chunk = bs * KV_HEADS * HEAD_DIM
+    shape = (num_blocks, KV_HEADS, bs, HEAD_DIM)
+    strides = (LAYERS * 2 * chunk, bs * HEAD_DIM, HEAD_DIM, 1)
+    return [
+        (
+            pool.as_strided(shape, strides, 2 * i * chunk),
+            pool.as_strided(shape, strides, (2 * i + 1) * chunk),
+        )
+        for i in range(LAYERS)
+    ]
+
+
 def _step_attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
     """A whole decode step's attention: ``LAYERS`` layers of ``rows`` sequences of
     ``CONTEXT`` tokens, each sequence's blocks scattered over the pool as a served pool's
@@ -227,20 +245,7 @@ def _step_attention_ops(rows: int, dtype: torch.dtype) -> dict[str, Op]:
     (no torch row: its dense copy alone would dominate)."""
     bs, blocks = 16, -(-CONTEXT // 16)
     gen = torch.Generator().manual_seed(rows)
-    pool = torch.randn(rows * blocks + 1, LAYERS, 2, bs, KV_HEADS, HEAD_DIM, generator=gen)
-    pool = pool.to(dtype)
-    chunk = bs * KV_HEADS * HEAD_DIM
-    shape, strides = (
-        (pool.shape[0], KV_HEADS, bs, HEAD_DIM),
-        (LAYERS * 2 * chunk, bs * HEAD_DIM, HEAD_DIM, 1),
-    )
-    views = [
-        (
-            pool.as_strided(shape, strides, 2 * i * chunk),
-            pool.as_strided(shape, strides, (2 * i + 1) * chunk),
-        )
-        for i in range(LAYERS)
-    ]
+    views = _layer_views(rows * blocks + 1, bs, dtype, gen)
     tables = (torch.randperm(rows * blocks, generator=gen) + 1).to(torch.int32).view(rows, blocks)
     q = torch.randn(rows, HEADS, HEAD_DIM).to(dtype)
     seq_lens = torch.full((rows,), CONTEXT, dtype=torch.int32)
@@ -275,20 +280,7 @@ def _verify_attention_ops(drafts: int, context: int) -> dict[str, Op]:
     bs, rows = 16, drafts + 1
     blocks = -(-(context + rows) // bs)
     gen = torch.Generator().manual_seed(rows)
-    pool = torch.randn(blocks + 1, LAYERS, 2, bs, KV_HEADS, HEAD_DIM, generator=gen)
-    pool = pool.to(torch.bfloat16)
-    chunk = bs * KV_HEADS * HEAD_DIM
-    shape, strides = (
-        (pool.shape[0], KV_HEADS, bs, HEAD_DIM),
-        (LAYERS * 2 * chunk, bs * HEAD_DIM, HEAD_DIM, 1),
-    )
-    views = [
-        (
-            pool.as_strided(shape, strides, 2 * i * chunk),
-            pool.as_strided(shape, strides, (2 * i + 1) * chunk),
-        )
-        for i in range(LAYERS)
-    ]
+    views = _layer_views(blocks + 1, bs, torch.bfloat16, gen)
     table = (torch.randperm(blocks, generator=gen) + 1).to(torch.int32).view(1, blocks)
     row_tables = table.expand(rows, blocks).contiguous()
     q = torch.randn(rows, HEADS, HEAD_DIM).to(torch.bfloat16)
