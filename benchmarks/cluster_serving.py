@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    from checkpoints.default_model import default_model_dir
+    from bundled_models.default_model import default_model_dir
 
     model = default_model_dir()  # converted (once, cached) before anything is timed
     command = "python -m benchmarks.cluster_serving " + " ".join(

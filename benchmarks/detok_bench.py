@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO)
     from transformers import AutoTokenizer
 
-    from checkpoints import tiny
+    from bundled_models import tiny
 
     tokenizer = AutoTokenizer.from_pretrained(tiny.tokenizer_dir())
     table = DetokShard(tokenizer).table

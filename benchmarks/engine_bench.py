@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.cli import quick_parser
 from benchmarks.machine import machine_block
-from checkpoints import tiny
+from bundled_models import tiny
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.machine import load_average, machine_block
-from checkpoints.default_model import resolve_model
+from bundled_models.default_model import resolve_model
 from engine.checkpoint.weights_segment import create_segment
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence

@@ -42,7 +42,7 @@ stamp "C helpers built"
 tests=(
     tests/engine/kernels tests/engine/test_cuda_graphs.py tests/engine/test_mistral_and_cuda.py
     tests/engine/test_gpu_memory.py tests/engine/test_kv_tiers_cuda.py tests/transport/test_kv.py
-    tests/launcher/test_gpus.py tests/e2e/test_cuda_launch.py tests/spec/test_cuda_speculative.py
+    tests/launcher/test_gpus.py tests/e2e/test_cuda_launch.py tests/speculative/test_cuda_speculative.py
 )
 if (( $# )); then tests=("$@"); fi
 timeout 330 python3 -m pytest -q -p no:cacheprovider --timeout 120 --junitxml "$out/cuda_tests.xml" \

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from benchmarks.machine import load_average, report_head
-from checkpoints.default_model import resolve_model
+from bundled_models.default_model import resolve_model
 from colocated.llm import LLM
 from engine.config import EngineConfig, ModelConfig
 from engine.kv.kv_cache import pool_layout

@@ -33,7 +33,7 @@ from benchmarks.machine import load_average
 from benchmarks.soak import launch
 from benchmarks.sse import sse_chunks
 from benchmarks.words import PLAIN_WORDS
-from checkpoints.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from bundled_models.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
 
 def _request(client: httpx.Client, url: str, prompt: str, tokens: int) -> tuple[float, float]:

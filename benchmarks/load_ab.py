@@ -29,7 +29,7 @@ from pathlib import Path
 from benchmarks.launch_ab import write_page
 from benchmarks.machine import load_average
 from benchmarks.soak import launch
-from checkpoints.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from bundled_models.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
 METRICS = {  # result JSON key -> column
     "output_throughput": "out tok/s",

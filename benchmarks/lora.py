@@ -41,8 +41,8 @@ from benchmarks.peers.servers import ensure_vllm, running, vllm_version
 from benchmarks.soak import launch
 from benchmarks.speculative import article
 from benchmarks.sse import sse_chunks
-from checkpoints.default_model import default_model_dir
-from checkpoints.lora import make_adapter
+from bundled_models.default_model import default_model_dir
+from bundled_models.lora import make_adapter
 
 RESULTS = Path(__file__).parent / "results" / "lora.md"
 CONDITIONS = (0, 1, 4, 8)  # distinct adapters; 0: the base alone

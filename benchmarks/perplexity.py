@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.machine import machine_block
-from checkpoints.default_model import resolve_model
+from bundled_models.default_model import resolve_model
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner

@@ -35,7 +35,7 @@ from benchmarks.cli import quick_parser
 from benchmarks.machine import machine_block
 from benchmarks.serving.__main__ import main as serving_main
 from benchmarks.soak import launch
-from checkpoints import tiny
+from bundled_models import tiny
 from engine.kv.block_allocator import block_hashes
 
 logger = logging.getLogger("benchmarks.prefix_cache")

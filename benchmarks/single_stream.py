@@ -128,7 +128,7 @@ def main() -> None:
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args()
-    from checkpoints.default_model import resolve_model
+    from bundled_models.default_model import resolve_model
 
     model_dir = resolve_model(a.model)
     rows = []

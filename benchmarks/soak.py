@@ -368,7 +368,7 @@ def launch(args: list[str], tree: Path | None = None) -> tuple[subprocess.Popen[
     recorded figures were taken: these benchmarks measure the serving stack, not a model.
     """
     from benchmarks.peers.servers import free_port
-    from checkpoints.tiny import tiny_model_dir
+    from bundled_models.tiny import tiny_model_dir
 
     port = free_port()
     if "--model" not in args:

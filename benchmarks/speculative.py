@@ -43,7 +43,7 @@ from benchmarks.peers import llama_cpp
 from benchmarks.peers.servers import ServerSpec, running
 from benchmarks.soak import launch
 from benchmarks.sse import sse_chunks
-from checkpoints.default_model import bundled_gguf, default_model_dir
+from bundled_models.default_model import bundled_gguf, default_model_dir
 
 RESULTS = Path(__file__).parent / "results" / "speculative.md"
 PDSERVE = ("off", "on")
@@ -148,7 +148,7 @@ def served_model(url: str) -> str:
     return _MODELS[url]
 
 
-def spec_counts(url: str) -> tuple[float, float]:
+def speculation_counts(url: str) -> tuple[float, float]:
     """(draft tokens, accepted tokens) the decode workers report so far."""
     text = httpx.get(url + "/metrics", timeout=10).text
 
@@ -175,7 +175,7 @@ def measure(
         for name, content in single_prompts().items():
             for key in order:
                 url, best = urls[key], None
-                before = spec_counts(url) if key in PDSERVE else (0.0, 0.0)
+                before = speculation_counts(url) if key in PDSERVE else (0.0, 0.0)
                 drafted = accepted = 0.0
                 if temp > 0 and seeds > 1:
                     best = pooled([stream(url, content, tokens, temp, 7 + i) for i in range(seeds)])
@@ -186,7 +186,7 @@ def measure(
                         drafted, accepted = drafted + s.drafted, accepted + s.accepted
                         best = s if best is None or s.tpot < best.tpot else best
                 if key in PDSERVE:
-                    after = spec_counts(url)
+                    after = speculation_counts(url)
                     drafted, accepted = after[0] - before[0], after[1] - before[1]
                 rate = accepted / drafted if drafted else float("nan")
                 singles = out[key]["singles"]
@@ -220,7 +220,9 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def report(command: str, off: dict[str, object], on: dict[str, object], spec: str = SPEC) -> str:
+def report(
+    command: str, off: dict[str, object], on: dict[str, object], speculative_config: str = SPEC
+) -> str:
     lines = report_head("Speculative decoding (n-gram) on CPU", command)
     cores = sorted(os.sched_getaffinity(0))
     lines += [
@@ -232,7 +234,7 @@ def report(command: str, off: dict[str, object], on: dict[str, object], spec: st
         "run side by side; each workload goes to one then the other, alternating which "
         "goes first; the 8-stream workload runs ABBA (its figure: the mean of two).",
         "",
-        f"pdserve 1P+1D, `--speculative-config '{spec}'` against none; single "
+        f"pdserve 1P+1D, `--speculative-config '{speculative_config}'` against none; single "
         "streams (one request at a time), ms:",
         "",
         "| workload | TTFT off | TTFT on | TPOT off | TPOT on | TPOT off/on | ITL p50 off "
@@ -331,8 +333,8 @@ def main() -> None:
             if not a.no_llama_cpp and a.model is None:
                 log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
                 specs, describe = llama_specs(served_model(urls["off"]), log_dir)
-                for spec in specs:
-                    urls[spec.name] = stack.enter_context(running(spec, log_dir))
+                for server in specs:
+                    urls[server.name] = stack.enter_context(running(server, log_dir))
             figures = measure(urls, a.tokens, a.runs, a.seeds)
         finally:
             for proc, _ in procs.values():

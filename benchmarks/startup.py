@@ -109,7 +109,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("launch_args", nargs="*")
     a = p.parse_args()
-    from checkpoints.default_model import resolve_model
+    from bundled_models.default_model import resolve_model
 
     # Convert (once) and cache whatever --model names, so no run times a conversion.
     given = (

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from benchmarks.machine import describe as describe_machine
-from checkpoints import tiny
-from checkpoints.default_model import default_model_dir
+from bundled_models import tiny
+from bundled_models.default_model import default_model_dir
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner

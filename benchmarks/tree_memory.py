@@ -266,7 +266,7 @@ def main() -> None:
     p.add_argument("--code", type=Path, default=None, help="launch this checkout's code")
     p.add_argument("launch_args", nargs="*")
     a = p.parse_args()
-    from checkpoints.default_model import resolve_model
+    from bundled_models.default_model import resolve_model
 
     given = (
         a.launch_args[a.launch_args.index("--model") + 1] if "--model" in a.launch_args else None

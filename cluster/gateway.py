@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from runtime.process import attach_rings, bootstrap
-from runtime.spec_decode import EXIT_BAD_SPEC, exit_on_bad_spec
+from runtime.strict_spec import EXIT_BAD_SPEC, exit_on_bad_spec
 from transport.errors import KVTransferError, LinkError, PeerDead, RingFull
 from transport.kv_nixl import check_compatible
 from transport.link.client import LinkClient

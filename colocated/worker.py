@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from colocated.scheduler import ColocatedScheduler
 from engine.runner import ModelRunner
-from engine.spec.speculator import Speculator
+from engine.speculative.speculator import Speculator
 from runtime.worker import Worker
 from runtime.worker_io import drain, send
 from transport.worker_load import WorkerLoad
@@ -55,7 +55,7 @@ class ColocatedWorker(Worker):
         send(self.tok_out[shard], batch)
 
     def speculator(self) -> Speculator | None:
-        return self.sched.decode.spec
+        return self.sched.decode.speculator
 
     def load(self) -> WorkerLoad:
         return self.sched.load()

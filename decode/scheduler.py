@@ -8,7 +8,7 @@ waited on); the batch itself runs only the model.
 A decode request's life (admission's states first, then the batch's):
     COMPILING -> PENDING -> READING -> admitted      (decode/admission.py; or ENDED)
     RUNNING: one token per step, every running request in every step (with
-      speculation, engine/spec/: a verified run of drafts and one more token)
+      speculation, engine/speculative/: a verified run of drafts and one more token)
       -> finished (EOS, stop token, length) or aborted: blocks freed the same step
     PREEMPTED: a running request whose next block cannot be had; its blocks are freed and
       it is recomputed here (one prefill over prompt + output) when room returns. It
@@ -34,8 +34,8 @@ from engine.kv.block_allocator import NoFreeBlocks
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from engine.sampling.sampler import SampleOutput
-from engine.spec.speculator import Speculator
-from engine.spec.verify import accepted_run
+from engine.speculative.speculator import Speculator
+from engine.speculative.verify import accepted_run
 from runtime.step_output import TokenBatcher
 from transport.kv import KVReceiver
 from wire.records import Finish, KVTransfer, TokenBatch
@@ -62,8 +62,8 @@ class DecodeScheduler:
         self.admission = Admission(runner, receiver)
         self.running: dict[int, _Running] = {}
         self.preempted: deque[_Running] = deque()
-        spec = runner.config.speculative
-        self.spec = Speculator(runner, spec) if spec is not None else None
+        config = runner.config.speculative
+        self.speculator = Speculator(runner, config) if config is not None else None
 
     # ---- inputs ------------------------------------------------------------------------
 
@@ -79,8 +79,8 @@ class DecodeScheduler:
         r = self.running.pop(rid, None)
         if r is not None:
             self.runner.kv.free_blocks(r.seq)
-        if self.spec is not None:
-            self.spec.release(rid)
+        if self.speculator is not None:
+            self.speculator.release(rid)
         return releases
 
     def admit(self) -> Releases:
@@ -126,7 +126,7 @@ class DecodeScheduler:
         sample = None
         if batch:
             seqs = [r.seq for r in batch]
-            drafts = self.spec.drafts(seqs) if self.spec is not None else None
+            drafts = self.speculator.drafts(seqs) if self.speculator is not None else None
             began = time.perf_counter()
             if drafts is not None:
                 sample = self._speculative_step(batch, drafts, batcher, out)
@@ -136,9 +136,11 @@ class DecodeScheduler:
                 tokens, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
                 for i, r in enumerate(batch):
                     self._emit(r, tokens[i], i, logprobs[i], batcher, out)
-            if self.spec is not None:  # the cost-aware gate's clock (engine/spec/cost.py)
+            if (
+                self.speculator is not None
+            ):  # the cost-aware gate's clock (engine/speculative/cost.py)
                 x = sum(map(len, drafts)) if drafts is not None else 0
-                self.spec.timed(len(batch), x, time.perf_counter() - began)
+                self.speculator.timed(len(batch), x, time.perf_counter() - began)
         out.tokens = batcher.batches(sample)
         return out
 
@@ -151,14 +153,14 @@ class DecodeScheduler:
     ) -> SampleOutput:
         """Verify every request's drafts in one forward; emit each one's accepted run and
         the token sampled after it, cut at the first token that ends the request."""
-        assert self.spec is not None
+        assert self.speculator is not None
         seqs = [r.seq for r in batch]
         starts = [seq.num_computed_tokens for seq in seqs]
-        v = self.spec.verify(seqs, drafts)
+        v = self.speculator.verify(seqs, drafts)
         logprobs = v.sample.logprobs.tolist()
         for r, start, d, tokens, first in zip(batch, starts, drafts, v.tokens, v.first_row):
             m = accepted_run(d, tokens)
-            self.spec.record(r.seq, len(d), m)
+            self.speculator.record(r.seq, len(d), m)
             # The step's first row says how many drafts were verified; each row whether
             # its token is an accepted draft (row m, sampled after the run, is not).
             if not any(
@@ -199,8 +201,8 @@ class DecodeScheduler:
         self.runner.kv.free_blocks(r.seq)
         del self.running[r.seq.rid]
         out.finished.append(r.seq.rid)
-        if self.spec is not None:
-            self.spec.release(r.seq.rid)
+        if self.speculator is not None:
+            self.speculator.release(r.seq.rid)
         return True
 
     def _reserve_blocks(self) -> list[_Running]:

@@ -23,7 +23,7 @@ import torch
 from decode.scheduler import DecodeScheduler
 from engine.kv.kv_cache import layout_of
 from engine.runner import ModelRunner
-from engine.spec.speculator import Speculator
+from engine.speculative.speculator import Speculator
 from runtime.worker import Worker
 from runtime.worker_io import drain, fail_request, send
 from transport.errors import KVTransferError
@@ -201,7 +201,7 @@ class DecodeWorker(Worker):
         return bool(s.running or a.pending or s.preempted or a.compiling)
 
     def speculator(self) -> Speculator | None:
-        return self.sched.spec
+        return self.sched.speculator
 
     def load(self) -> WorkerLoad:
         s = self.sched

@@ -22,7 +22,7 @@ from typing import Any
 from detokenizer.shard import DetokShard
 from engine.tokenizer.hf_tokenizer import load_tokenizer
 from runtime.process import ProcessSpec, bootstrap
-from runtime.spec_decode import DetokWorkerSpec, exit_on_bad_spec
+from runtime.strict_spec import DetokWorkerSpec, exit_on_bad_spec
 from transport.doorbell import Doorbell, DoorbellSpec
 from transport.errors import PeerDead
 from transport.ring import Ring, RingSpec

@@ -157,14 +157,14 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding on decode workers (engine/spec/); vLLM's field names.
+    """Speculative decoding on decode workers (engine/speculative/); vLLM's field names.
 
     ``ngram`` proposes the tokens that followed the request's current suffix (the longest
     n-gram of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) earlier in its
     prompt or output; ``draft_model`` runs ``model`` (same vocabulary) greedily.
     ``num_speculative_tokens`` is the most drafts a step verifies (k; adaptive below it);
     with more than ``disable_by_batch_size`` requests running, a step does not speculate.
-    ``adaptive`` False turns the cost-aware gate off (engine/spec/cost.py): every request
+    ``adaptive`` False turns the cost-aware gate off (engine/speculative/cost.py): every request
     verifies every draft it is proposed, whatever it costs (tests, and measuring the
     verifier itself); ``disable_by_batch_size`` still applies.
     """

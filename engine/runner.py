@@ -245,7 +245,7 @@ class ModelRunner:
 
     def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
         """Run each sequence's newest token and its drafts in one forward (speculative
-        decoding, engine/spec/) -> float32 logits (sum(len(d) + 1), vocab): a sequence's
+        decoding, engine/speculative/) -> float32 logits (sum(len(d) + 1), vocab): a sequence's
         row j predicts the token after its j-th draft (row 0: after its newest token).
 
         KV is written for every draft, but ``num_computed_tokens`` does not move and no

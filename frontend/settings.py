@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from runtime.spec_decode import decode_spec
+from runtime.strict_spec import decode_spec
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # NOTE: a grammar spec travels in GenerateRequest and KVTransfer records: this keeps them

@@ -40,7 +40,7 @@ from launcher.placement import WorkerPlace, describe, kv_transfer_backend, place
 from launcher.settings import ConfigError, KVBackend, ServerConfig
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
-from runtime.spec_decode import DetokWorkerSpec, encode_spec
+from runtime.strict_spec import DetokWorkerSpec, encode_spec
 from runtime.worker_spec import EngineWorkerSpec, KVTransferName
 from transport.errors import TransportError
 from transport.prefix_summary import summary_counters
@@ -57,7 +57,7 @@ DEFAULT_GPU_KV_TOKENS = 65_536
 
 def _model_path(config: ServerConfig) -> Path:
     """The checkpoint directory to serve; a .gguf or the default model is converted once."""
-    from checkpoints.default_model import DefaultModelMissing, resolve_model
+    from bundled_models.default_model import DefaultModelMissing, resolve_model
     from engine.errors import UnsupportedModelError
 
     if config.model is None:

@@ -22,7 +22,7 @@ from launcher.args import check_node_name, split_host_port
 from launcher.settings import DEFAULT_CLUSTER_PORT, ConfigError, ServerConfig
 from launcher.supervisor import Child
 from launcher.topology import Topology
-from runtime.spec_decode import encode_spec
+from runtime.strict_spec import encode_spec
 from transport.errors import ClusterUnavailable, LinkError
 from wire.kv_layout import KVLayout
 from wire.ring_names import Peer

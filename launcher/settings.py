@@ -105,7 +105,7 @@ class ServerConfig:
     kv_offload_disk: float = 16.0
     attention_backend: str = _ENGINE.attention_backend
     enforce_eager: bool = _ENGINE.enforce_eager
-    # Decode (and co-located) workers verify several proposed tokens a step (engine/spec/).
+    # Decode (and co-located) workers verify several proposed tokens a step (engine/speculative/).
     speculative_config: SpeculativeConfig | None = None
     router_policy: str | None = None  # None: cache-aware with prefix caching, else least-load
     served_model_name: str | None = None

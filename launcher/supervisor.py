@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from frontend.engine_link.board import FrontendBoard
 from runtime.process import PARENT_ENV, SPEC_ENV, ProcessSpec
-from runtime.spec_decode import EXIT_BAD_SPEC
+from runtime.strict_spec import EXIT_BAD_SPEC
 from runtime.zygote import ForkedChild, Zygote, ZygoteError, ZygoteRefused, reap_strays
 from transport.load_table import LoadTable, WorkerState, describe_exit
 from wire.roles import Role

@@ -21,9 +21,9 @@ from typing import ClassVar, Protocol
 import torch
 
 from engine.runner import ModelRunner
-from engine.spec.speculator import SpecStats, Speculator
+from engine.speculative.speculator import SpeculationStats, Speculator
 from runtime.process import attach_rings, bootstrap, load_table, prefix_summaries
-from runtime.spec_decode import exit_on_bad_spec
+from runtime.strict_spec import exit_on_bad_spec
 from runtime.worker_io import IDLE_WAIT_S, drain, fail_request
 from runtime.worker_spec import EngineWorkerSpec
 from transport.core_lease import CoreLease, host_cores
@@ -174,7 +174,7 @@ class Worker(abc.ABC):
         kv = self.runner.kv.figures()
         if self.summary is not None:
             self.summary.update(*self.runner.kv.take_prefix_hash_changes())
-        spec = self.speculator()
+        speculator = self.speculator()
         self.row.publish(
             dataclasses.replace(
                 self.load(),
@@ -185,7 +185,7 @@ class Worker(abc.ABC):
                 prefix_queried_tokens=kv.queried_tokens,
                 **self._lora_counters(),
                 prefix_reset_epoch=self.prefix_reset_epoch,
-                **(spec_counters(spec.stats) if spec is not None else {}),
+                **(speculation_counters(speculator.stats) if speculator is not None else {}),
             )
         )
 
@@ -196,7 +196,7 @@ class Worker(abc.ABC):
         return {"lora_adapters": len(loras.resident), "lora_loads": loras.loads}
 
 
-def spec_counters(stats: SpecStats) -> dict[str, int]:
+def speculation_counters(stats: SpeculationStats) -> dict[str, int]:
     """``stats`` as ``WorkerLoad``'s ``spec_*`` fields."""
     per_pos = (stats.accepted_per_pos + [0] * SPEC_POSITIONS)[:SPEC_POSITIONS]
     skipped = [stats.skipped[r] for r in SPEC_SKIP_REASONS]

@@ -1,11 +1,11 @@
 """What ``launch`` tells each worker process: one typed record per kind.
 
 The launcher builds the record (``EngineWorkerSpec`` for prefill, decode and co-located
-workers; ``runtime.spec_decode.DetokWorkerSpec`` for detokenizer shards, which must not
+workers; ``runtime.strict_spec.DetokWorkerSpec`` for detokenizer shards, which must not
 import torch as this module does; the frontend's is
 ``frontend.settings.FrontendLaunch``) and sends it, ``encode_spec``-ed, as the ``settings``
 of the process's ``ProcessSpec``; the process reads it back with
-``runtime.spec_decode.exit_on_bad_spec``, strictly.
+``runtime.strict_spec.exit_on_bad_spec``, strictly.
 """
 
 from __future__ import annotations

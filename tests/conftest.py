@@ -1,6 +1,6 @@
 """Session-wide fixtures: the Qwen2-vocabulary tokenizer and the tiny checkpoints.
 
-They are built offline on first use and cached (see ``checkpoints.tiny``), so the
+They are built offline on first use and cached (see ``bundled_models.tiny``), so the
 suite needs no network and pays the build cost once per machine.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import tiny
+from bundled_models import tiny
 
 
 @pytest.fixture(scope="session")

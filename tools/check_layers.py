@@ -19,7 +19,7 @@ from pathlib import Path
 FLOORS: list[tuple[str, ...]] = [
     ("wire",),
     ("transport", "engine"),
-    ("runtime", "checkpoints"),
+    ("runtime", "bundled_models"),
     ("prefill", "decode", "detokenizer", "router", "cluster"),
     ("colocated",),
     ("frontend",),
@@ -41,7 +41,7 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
         ("model", "kv"),
         ("checkpoint", "cuda"),
         ("runner",),
-        ("spec",),
+        ("speculative",),
     ],
     "frontend": [
         ("settings", "errors"),

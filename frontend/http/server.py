@@ -31,7 +31,7 @@ from frontend.settings import ConnectionLimits, FrontendLaunch
 from frontend.telemetry.metrics import FrontendMetrics
 from router.router import RouterConfig
 from runtime.process import bootstrap
-from runtime.spec_decode import exit_on_bad_spec
+from runtime.strict_spec import exit_on_bad_spec
 from transport.load_table import WorkerState
 
 logger = logging.getLogger(__name__)

@@ -167,7 +167,7 @@ def _tier_metrics(c: dict[str, int]) -> Iterator[Metric]:
 
 def speculation_metrics(loads: list[WorkerReport], labels: list[str]) -> Iterator[Metric]:
     """vLLM's speculative-decoding counters, per decoding worker, and the request-steps
-    that did not speculate, by reason (engine/spec/speculator.py)."""
+    that did not speculate, by reason (engine/speculative/speculator.py)."""
     names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
     docs = (
         "Request-steps that verified drafts",

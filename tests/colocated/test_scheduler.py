@@ -68,7 +68,7 @@ def _assert_all_free(sched: ColocatedScheduler) -> None:
 def test_colocated_greedy_matches_transformers_and_frees_blocks(arch: str, mixed: bool) -> None:
     from transformers import AutoModelForCausalLM
 
-    from checkpoints.tiny import tiny_model_dir
+    from bundled_models.tiny import tiny_model_dir
 
     model = tiny_model_dir(arch)
     sched = _sched(model)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.netns_pair import NetnsLaunch, NetnsPair, Side, available
-from checkpoints import tiny
+from bundled_models import tiny
 from engine.config import ModelConfig
 from tests.e2e.helpers import check_exact, children, random_prompts, title
 
@@ -347,7 +347,7 @@ def test_smollm2_across_two_hosts_equals_transformers() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from checkpoints.default_model import default_model_dir
+    from bundled_models.default_model import default_model_dir
 
     path = default_model_dir()
     questions = ["What is the capital of France?", "Name three colours."]

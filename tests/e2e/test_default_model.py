@@ -16,7 +16,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from checkpoints.default_model import default_model_dir
+from bundled_models.default_model import default_model_dir
 from colocated.llm import LLM
 from engine.config import EngineConfig
 from tests.conftest import LaunchedServer

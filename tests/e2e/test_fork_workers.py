@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.soak import process_tree
-from checkpoints import tiny
+from bundled_models import tiny
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import (
     check_greedy_matches_transformers,

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from checkpoints.lora import make_adapter, peft_model
+from bundled_models.lora import make_adapter, peft_model
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import hf_greedy, pid_of, random_prompts, wait_all_alive
 

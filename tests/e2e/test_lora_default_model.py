@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from checkpoints.default_model import default_model_dir
-from checkpoints.lora import make_adapter, peft_model
+from bundled_models.default_model import default_model_dir
+from bundled_models.lora import make_adapter, peft_model
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import hf_greedy
 

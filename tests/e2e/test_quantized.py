@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from checkpoints import tiny
+from bundled_models import tiny
 from colocated.llm import LLM
 from engine.config import EngineConfig
 from tests.conftest import LaunchedServer

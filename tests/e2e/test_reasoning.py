@@ -25,7 +25,7 @@ import jsonschema
 import openai
 import pytest
 
-from checkpoints import tiny
+from bundled_models import tiny
 from tests.conftest import LaunchedServer
 
 MODEL = "thinker"

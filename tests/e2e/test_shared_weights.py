@@ -25,7 +25,7 @@ import pytest
 
 from benchmarks.soak import process_tree
 from benchmarks.tree_memory import WEIGHTS_MAPPING, mapping_usage
-from checkpoints import tiny
+from bundled_models import tiny
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import (
     check_greedy_matches_transformers,

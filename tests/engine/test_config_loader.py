@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints import tiny
+from bundled_models import tiny
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import UnsupportedModelError
 from engine.kv.sequence import Sequence

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints.default_model import resolve_model
+from bundled_models.default_model import resolve_model
 from colocated.llm import LLM
 from engine import cpu_kernels
 from engine.config import EngineConfig

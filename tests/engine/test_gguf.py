@@ -1,6 +1,6 @@
 """GGUF files convert into checkpoints that compute what their source checkpoint computes.
 
-Each tiny random checkpoint (``checkpoints.tiny``) is written as a GGUF the way
+Each tiny random checkpoint (``bundled_models.tiny``) is written as a GGUF the way
 llama.cpp's converter writes one (``gguf_files.py``: llama's Q/K permutation, Llama 3 rope
 as ``rope_freqs``, padded vocabulary), converted back by ``engine.checkpoint.gguf``, and run by the
 engine next to the source. F32 must give back the very same weights; F16 and Q8_0 the
@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import engine.checkpoint.gguf as engine_gguf
-from checkpoints import tiny
+from bundled_models import tiny
 from engine.checkpoint.gguf import convert_gguf
 from engine.checkpoint.gguf_config import llama3_rope_from_factors
 from engine.config import EngineConfig

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import tiny
-from checkpoints.default_model import default_model_dir
+from bundled_models import tiny
+from bundled_models.default_model import default_model_dir
 from engine.tokenizer.hf_tokenizer import GENERIC_MODEL_TYPES, load_tokenizer, loads_directly
 
 _TEXTS = [

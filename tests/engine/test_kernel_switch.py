@@ -10,7 +10,7 @@ batch (every row on the GEMM, ``gemm_min_rows=2``), 24 tokens.
 
 from __future__ import annotations
 
-from checkpoints.default_model import default_model_dir
+from bundled_models.default_model import default_model_dir
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoints import tiny
-from checkpoints.lora import lora_ref, make_adapter, peft_model
+from bundled_models import tiny
+from bundled_models.lora import lora_ref, make_adapter, peft_model
 from colocated.llm import LLM
 from engine.checkpoint.lora_loader import LoraCapacityError
 from engine.config import EngineConfig

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints.tiny import TINY_SIZES
+from bundled_models.tiny import TINY_SIZES
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner

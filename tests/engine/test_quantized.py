@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoints import tiny
+from bundled_models import tiny
 from engine.checkpoint.gguf import GGUFCheckpoint, convert_gguf, hf_tensors
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints import tiny
+from bundled_models import tiny
 from engine.checkpoint import image
 from engine.checkpoint.gguf import convert_gguf
 from engine.checkpoint.weights_segment import MAPPING_NAME, create_segment

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from checkpoints import tiny
+from bundled_models import tiny
 from engine.sampling.grammar import GrammarError
 from frontend.engine_link.grammar_pool import GrammarPool, GrammarTimeout, GrammarUnavailable
 from frontend.engine_link.grammar_worker import WorkerConfig

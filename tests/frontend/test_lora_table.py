@@ -26,7 +26,7 @@ if importlib.util.find_spec("peft") is None:
 
 @pytest.fixture(scope="module")
 def adapters(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    from checkpoints.lora import make_adapter
+    from bundled_models.lora import make_adapter
 
     root = tmp_path_factory.mktemp("adapters")
     return [

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from frontend.settings import ConnectionLimits, FrontendLaunch, FrontendSettings
-from runtime.spec_decode import SpecError
+from runtime.strict_spec import SpecError
 
 
 def _launch() -> FrontendLaunch:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from checkpoints.tiny import tiny_model_dir
+from bundled_models.tiny import tiny_model_dir
 
 
 def test_importing_the_launcher_imports_no_torch() -> None:
@@ -28,7 +28,7 @@ def test_converting_a_gguf_loads_torch_in_a_child_not_in_the_launcher(tmp_path: 
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from checkpoints.default_model import resolve_model\n"
+        "from bundled_models.default_model import resolve_model\n"
         "from engine.errors import UnsupportedModelError\n"
         f"out = resolve_model(Path({str(path)!r}))\n"
         "assert (out / 'config.json').exists() and (out / 'model.safetensors').exists()\n"

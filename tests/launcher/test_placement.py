@@ -13,7 +13,7 @@ from launcher.cli import _build_topology, _children, _size_kv
 from launcher.gpus import GpuInfo, assign_gpus
 from launcher.placement import kv_transfer_backend, placements
 from launcher.settings import ConfigError, KVBackend
-from runtime.spec_decode import decode_spec
+from runtime.strict_spec import decode_spec
 from runtime.worker_spec import EngineWorkerSpec
 
 GIB = 1 << 30

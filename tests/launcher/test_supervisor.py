@@ -16,7 +16,7 @@ from frontend.settings import ConnectionLimits, FrontendLaunch, FrontendSettings
 from launcher import supervisor
 from launcher.supervisor import Child, ChildFailed, Supervisor, restart_delay
 from launcher.topology import Topology
-from runtime.spec_decode import encode_spec
+from runtime.strict_spec import encode_spec
 from runtime.worker_spec import EngineWorkerSpec
 from transport.load_table import WorkerState, describe_exit
 from wire.roles import Role

@@ -11,7 +11,7 @@ import pytest
 from engine.config import EngineConfig, SpeculativeConfig
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
-from runtime.spec_decode import EXIT_BAD_SPEC, DetokWorkerSpec, SpecError, decode_spec, encode_spec
+from runtime.strict_spec import EXIT_BAD_SPEC, DetokWorkerSpec, SpecError, decode_spec, encode_spec
 from runtime.worker_spec import EngineWorkerSpec
 from transport.load_table import WorkerState
 from wire.roles import Role

@@ -33,7 +33,7 @@ def _run(prefill: PrefillScheduler, decode: DecodeScheduler) -> dict[int, list[i
 def test_disaggregated_greedy_matches_transformers(arch: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from checkpoints.tiny import tiny_model_dir
+    from bundled_models.tiny import tiny_model_dir
 
     model = tiny_model_dir(arch)
     prefill, decode = _pair(model)

@@ -36,7 +36,7 @@ def adapters(
     default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, LoraRef]:
     pytest.importorskip("peft")
-    from checkpoints.lora import make_adapter_refs
+    from bundled_models.lora import make_adapter_refs
 
     return make_adapter_refs(default_model_path, tmp_path_factory.mktemp("lora"), KINDS)
 
@@ -51,7 +51,7 @@ def test_mixed_adapters_and_base_on_the_cuda_path_match_transformers_peft(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from checkpoints.lora import peft_model
+    from bundled_models.lora import peft_model
 
     refs = [adapters["qvd8"], None, adapters["all16"], adapters["kogu16"]]
     llm = LLM(

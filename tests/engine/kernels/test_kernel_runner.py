@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from checkpoints import tiny
+from bundled_models import tiny
 from colocated.llm import LLM
 from engine.config import EngineConfig
 from engine.cuda.graphs import StepArrays, StepInputs

@@ -1,7 +1,7 @@
 """The Triton LoRA path (CPU interpreter here): the kernels against the torch math, and a
 kernel runner serving several adapters and the base in one batch as the torch path does.
 
-peft is imported inside the tests (``checkpoints.lora``): at module level it would import
+peft is imported inside the tests (``bundled_models.lora``): at module level it would import
 triton before the conftest sets up the interpreter.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoints import tiny
+from bundled_models import tiny
 from engine.config import EngineConfig
 from engine.cuda.kernels.lora import lora_update
 from engine.cuda.lora_bank import StackedLoraBank
@@ -120,7 +120,7 @@ def _rows(slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoraRef]:
     if importlib.util.find_spec("peft") is None:
         pytest.skip("needs peft")
-    from checkpoints.lora import make_adapter_refs
+    from bundled_models.lora import make_adapter_refs
 
     return make_adapter_refs(TINY_LLAMA, tmp_path_factory.mktemp("lora"), KINDS)
 
@@ -184,7 +184,7 @@ def test_a_kernel_runner_serves_three_adapters_and_the_base_as_the_torch_path_do
 
 @needs_peft
 def test_kernel_path_adapters_match_transformers_peft(adapters: dict[str, LoraRef]) -> None:
-    from checkpoints.lora import peft_model
+    from bundled_models.lora import peft_model
 
     ref = adapters["all16"]
     full = torch.randint(0, 1000, (24,), generator=torch.Generator().manual_seed(9)).tolist()

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine.spec.speculator import SpecStats
+from engine.speculative.speculator import SpeculationStats
 from frontend.engine_link.worker_status import worker_metrics
 from frontend.telemetry.engine_metrics import speculation_metrics
-from runtime.worker import spec_counters
+from runtime.worker import speculation_counters
 from transport.load_table import LoadTable
 from wire.roles import Role
 
 
 def test_a_decode_workers_speculation_reaches_metrics() -> None:
     table = LoadTable(bytearray(LoadTable.layout_nbytes(2)), 2)
-    stats = SpecStats(
+    stats = SpeculationStats(
         num_drafts=7,
         num_draft_tokens=20,
         num_accepted_tokens=12,
@@ -23,7 +23,7 @@ def test_a_decode_workers_speculation_reaches_metrics() -> None:
     )
     decode, prefill = table.writer(0), table.writer(1)
     decode.claim(Role.DECODE, 0, block_size=16, node="n")
-    decode.publish(**spec_counters(stats))
+    decode.publish(**speculation_counters(stats))
     prefill.claim(Role.PREFILL, 0, block_size=16, node="n")
     prefill.publish(running_requests=1)
     loads = worker_metrics(table, {}, node="n")

@@ -1,4 +1,4 @@
-"""The speculator's gates: batch size, room, and the cost-aware gate (engine/spec/cost.py):
+"""The speculator's gates: batch size, room, and the cost-aware gate (engine/speculative/cost.py):
 drafts only where the measured acceptance pays for the measured cost of verifying them."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.spec.cost import Acceptance, StepTimes, allocate
-from engine.spec.proposer import Proposer
-from engine.spec.speculator import Speculator
+from engine.speculative.cost import Acceptance, StepTimes, allocate
+from engine.speculative.proposer import Proposer
+from engine.speculative.speculator import Speculator
 from wire.params import SamplingParams
 
 
@@ -33,7 +33,7 @@ class Fixed(Proposer):
 
 def _setup(model: Path, **kw: int) -> tuple[Speculator, list[Sequence]]:
     runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=64))
-    spec = Speculator(runner, SpeculativeConfig(**kw), Fixed())  # type: ignore[arg-type]
+    speculator = Speculator(runner, SpeculativeConfig(**kw), Fixed())  # type: ignore[arg-type]
     seqs = [
         Sequence(
             rid=i,
@@ -45,64 +45,64 @@ def _setup(model: Path, **kw: int) -> tuple[Speculator, list[Sequence]]:
         )
         for i in range(3)
     ]
-    return spec, seqs
+    return speculator, seqs
 
 
 def test_a_batch_above_the_gate_does_not_speculate(default_model_path: Path) -> None:
-    spec, seqs = _setup(default_model_path, disable_by_batch_size=2)
-    spec.times = None
-    assert spec.drafts(seqs) is None
-    assert spec.stats.skipped["batch_size"] == 3
-    assert spec.drafts(seqs[:2]) == [[1] * 4, [1] * 4]
+    speculator, seqs = _setup(default_model_path, disable_by_batch_size=2)
+    speculator.times = None
+    assert speculator.drafts(seqs) is None
+    assert speculator.stats.skipped["batch_size"] == 3
+    assert speculator.drafts(seqs[:2]) == [[1] * 4, [1] * 4]
 
 
 def test_no_draft_past_max_tokens_or_the_model_length(default_model_path: Path) -> None:
-    spec, seqs = _setup(default_model_path)
-    spec.times = None
+    speculator, seqs = _setup(default_model_path)
+    speculator.times = None
     seq = seqs[0]
     seq.sampling = SamplingParams(max_tokens=3)  # 1 output so far: 2 more, 1 of them a draft
-    assert spec.drafts([seq]) == [[1]]
+    assert speculator.drafts([seq]) == [[1]]
     seq.sampling = SamplingParams(max_tokens=2)
-    assert spec.drafts([seq]) is None and spec.stats.skipped["length"] == 1
+    assert speculator.drafts([seq]) is None and speculator.stats.skipped["length"] == 1
 
 
 def test_nothing_is_verified_before_a_plain_step_was_timed(default_model_path: Path) -> None:
-    spec, seqs = _setup(default_model_path)
-    assert spec.drafts(seqs[:1]) is None  # no decode step of 1 measured: nothing to compare
-    spec.timed(1, 0, 0.010)
-    assert spec.drafts(seqs[:1]) is not None
+    speculator, seqs = _setup(default_model_path)
+    assert speculator.drafts(seqs[:1]) is None  # no decode step of 1 measured: nothing to compare
+    speculator.timed(1, 0, 0.010)
+    assert speculator.drafts(seqs[:1]) is not None
 
 
 def test_k_follows_cost_and_acceptance(default_model_path: Path) -> None:
     """Cheap verification and drafts that hold: all 4; drafts that stop holding: none
     within a few steps; verification as dear as its tokens: none even when they hold."""
-    spec, seqs = _setup(default_model_path)
+    speculator, seqs = _setup(default_model_path)
     seq = seqs[0]
-    spec.timed(1, 0, 0.010)
+    speculator.timed(1, 0, 0.010)
     for x in (1, 2, 3, 4):
-        spec.timed(1, x, 0.011 + 0.001 * x)  # verifying costs little more than decoding
-        spec.timed(1, 0, 0.010)
+        speculator.timed(1, x, 0.011 + 0.001 * x)  # verifying costs little more than decoding
+        speculator.timed(1, 0, 0.010)
     drafted = accepted = 0
     for _ in range(3):  # from the prior's guess up to all 4 as they all hold
-        d = spec.drafts([seq])
+        d = speculator.drafts([seq])
         assert d is not None
-        spec.record(seq, len(d[0]), len(d[0]))
+        speculator.record(seq, len(d[0]), len(d[0]))
         drafted, accepted = drafted + len(d[0]), accepted + len(d[0])
-    assert spec.drafts([seq]) == [[1] * 4]
+    assert speculator.drafts([seq]) == [[1] * 4]
     steps = 0
-    while (d := spec.drafts([seq])) is not None:  # every draft rejected from now on
-        spec.record(seq, len(d[0]), 0)
+    while (d := speculator.drafts([seq])) is not None:  # every draft rejected from now on
+        speculator.record(seq, len(d[0]), 0)
         drafted += len(d[0])
         steps += 1
         assert steps < 6  # backs off within a few steps
-    assert spec.stats.skipped["low_acceptance"] > 0
-    assert spec.counts(seq.rid) == (drafted, accepted)
+    assert speculator.stats.skipped["low_acceptance"] > 0
+    assert speculator.counts(seq.rid) == (drafted, accepted)
 
-    spec, seqs = _setup(default_model_path)
-    spec.timed(1, 0, 0.010)
+    speculator, seqs = _setup(default_model_path)
+    speculator.timed(1, 0, 0.010)
     for x in (1, 2, 3, 4):  # each draft row costs as much as a decode step
-        spec.timed(1, x, 0.010 * (1 + x))
-    assert spec.drafts(seqs[:1]) is None
+        speculator.timed(1, x, 0.010 * (1 + x))
+    assert speculator.drafts(seqs[:1]) is None
 
 
 def test_shadow_drafts_measure_acceptance_without_verifying() -> None:

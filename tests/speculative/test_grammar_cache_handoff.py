@@ -13,10 +13,10 @@ from decode.scheduler import DecodeScheduler
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.spec.proposer import Proposer
-from engine.spec.speculator import Speculator
+from engine.speculative.proposer import Proposer
+from engine.speculative.speculator import Speculator
 from tests.pipeline.drive import pair, run
-from tests.spec.helpers import Oracle, engine, prompts, with_proposer
+from tests.speculative.helpers import Oracle, engine, prompts, with_proposer
 from wire.params import GrammarKind, GrammarSpec, SamplingParams
 from wire.records import Finish, GenerateRequest
 
@@ -127,8 +127,8 @@ def test_speculation_from_the_first_decode_token_after_the_handoff(
         if k is not None:
             cfg = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=64)
             refs = {tuple(p): o for p, (o, _) in zip(ps, outs[0].values())}
-            decode.spec = Speculator(decode.runner, cfg, Oracle(refs, "mixed", VOCAB))
-            decode.spec.times = None  # every draft verified (no cost gate)
+            decode.speculator = Speculator(decode.runner, cfg, Oracle(refs, "mixed", VOCAB))
+            decode.speculator.times = None  # every draft verified (no cost gate)
         for rid, (p, sp) in enumerate(zip(ps, params)):
             req = GenerateRequest(
                 rid=rid, prompt_ids=p, sampling=sp, decode_worker=0, detok_shard=0
@@ -137,4 +137,4 @@ def test_speculation_from_the_first_decode_token_after_the_handoff(
         outs.append(run(prefill, decode))
         assert isinstance(decode, DecodeScheduler)
     assert outs[1] == outs[0]
-    assert decode.spec is not None and decode.spec.stats.num_accepted_tokens > 0
+    assert decode.speculator is not None and decode.speculator.stats.num_accepted_tokens > 0

@@ -11,10 +11,10 @@ Who calls what (the decode scheduler, each step, with the running batch):
     release(rid)        the request left this worker
 
 Aiming at no loss: a step with more than ``disable_by_batch_size`` requests running
-does not speculate; below that, the cost-aware gate (engine/spec/cost.py) gives each
+does not speculate; below that, the cost-aware gate (engine/speculative/cost.py) gives each
 request the drafts that maximise the step's expected tokens per measured second, none
 when verifying would not pay. Requests that do not speculate in a step are counted by
-reason (``SpecStats.skipped``; ``low_acceptance``: the gate found its expected accepted
+reason (``SpeculationStats.skipped``; ``low_acceptance``: the gate found its expected accepted
 tokens not worth the measured cost of verifying them), never refused: they decode one
 token, as without speculation.
 """
@@ -28,14 +28,14 @@ from engine.config import SpeculativeConfig
 from engine.errors import NoFreeBlocks
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.spec.cost import Acceptance, Prior, StepTimes, allocate
-from engine.spec.ngram import NgramProposer
-from engine.spec.proposer import Proposer
-from engine.spec.verify import Verified, grammar_drafts, sample_rows
+from engine.speculative.cost import Acceptance, Prior, StepTimes, allocate
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.proposer import Proposer
+from engine.speculative.verify import Verified, grammar_drafts, sample_rows
 
 
 @dataclass
-class SpecStats:
+class SpeculationStats:
     """Counters since the worker started (vLLM's names, in engine terms)."""
 
     num_drafts: int = 0  # request-steps that verified at least one draft
@@ -60,7 +60,7 @@ class Speculator:
         self.config = config
         self.proposer = proposer if proposer is not None else make_proposer(runner, config)
         k = config.num_speculative_tokens
-        self.stats = SpecStats(accepted_per_pos=[0] * k)
+        self.stats = SpeculationStats(accepted_per_pos=[0] * k)
         self._reqs: dict[int, _Req] = {}
         # The cost-aware gate's measurements; None: every request verifies all the drafts
         # it is offered (``adaptive`` off; tests forcing drafts through a stub proposer).
@@ -177,7 +177,7 @@ class Speculator:
 def make_proposer(runner: ModelRunner, config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    from engine.spec.draft_model import DraftModelProposer
+    from engine.speculative.draft_model import DraftModelProposer
 
     assert config.model is not None
     return DraftModelProposer(runner, config.model)

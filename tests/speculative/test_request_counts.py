@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from colocated.llm import GenerationResult
-from tests.spec.helpers import Oracle, engine, generate, prompts, with_proposer
+from tests.speculative.helpers import Oracle, engine, generate, prompts, with_proposer
 from wire.params import SamplingParams
 from wire.records import Finish
 
@@ -57,9 +57,9 @@ def test_a_single_requests_counts_agree_with_the_engines(
     llm = with_proposer(engine(default_model_path, K), _oracle(reference, mode))
     [got] = generate(llm, PROMPTS[:1], LONG)
     assert got.output_ids == reference[0].output_ids
-    spec = llm.scheduler.decode.spec
-    assert spec is not None
-    st = spec.stats
+    speculator = llm.scheduler.decode.speculator
+    assert speculator is not None
+    st = speculator.stats
     assert got.drafted_tokens == st.num_draft_tokens > 0
     assert got.accepted_tokens == st.num_accepted_tokens
     if mode == "accept":
@@ -73,10 +73,10 @@ def test_counts_of_a_batch_add_up_to_the_engines(
 ) -> None:
     llm = with_proposer(engine(default_model_path, K), _oracle(reference, "mixed"))
     got = generate(llm, PROMPTS, LONG)
-    spec = llm.scheduler.decode.spec
-    assert spec is not None
-    assert sum(r.drafted_tokens for r in got) == spec.stats.num_draft_tokens
-    assert sum(r.accepted_tokens for r in got) == spec.stats.num_accepted_tokens
+    speculator = llm.scheduler.decode.speculator
+    assert speculator is not None
+    assert sum(r.drafted_tokens for r in got) == speculator.stats.num_draft_tokens
+    assert sum(r.accepted_tokens for r in got) == speculator.stats.num_accepted_tokens
     for r in got:  # a draft accepted is an output token; at most half of k per step here
         assert 0 < r.accepted_tokens < len(r.output_ids) and r.accepted_tokens < r.drafted_tokens
 
@@ -94,10 +94,10 @@ def test_a_stop_token_inside_an_accepted_run_counts_only_what_was_emitted(
     llm = with_proposer(engine(default_model_path, K), _oracle(reference, "accept"))
     [got] = generate(llm, PROMPTS[:1], params)
     assert got.output_ids == ref[: first + 1] and got.finish == Finish.STOP
-    spec = llm.scheduler.decode.spec
-    assert spec is not None
+    speculator = llm.scheduler.decode.speculator
+    assert speculator is not None
     assert (got.drafted_tokens, got.accepted_tokens) == _all_right(first + 1)
-    assert got.drafted_tokens == spec.stats.num_draft_tokens
-    assert spec.stats.num_accepted_tokens >= got.accepted_tokens
+    assert got.drafted_tokens == speculator.stats.num_draft_tokens
+    assert speculator.stats.num_accepted_tokens >= got.accepted_tokens
     if first >= 1 and (first - 1) % (K + 1) < K - 1:  # the run went on past the stop
-        assert spec.stats.num_accepted_tokens > got.accepted_tokens
+        assert speculator.stats.num_accepted_tokens > got.accepted_tokens

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import tiny
+from bundled_models import tiny
 from engine.config import SpeculativeConfig, parse_speculative_config
 from engine.kv.sequence import Sequence
-from engine.spec.ngram import NgramProposer
-from tests.spec.helpers import engine, prompts, ungated
+from engine.speculative.ngram import NgramProposer
+from tests.speculative.helpers import engine, prompts, ungated
 from wire.params import SamplingParams
 
 
@@ -88,13 +88,13 @@ def test_a_draft_model_changes_nothing_but_speed(default_model_path: Path, draft
     ] * 3
     want = engine(default_model_path, None).generate(ps, params)
     draft = str(tiny.tiny_model_dir(draft_arch))
-    spec = SpeculativeConfig(
+    config = SpeculativeConfig(
         method="draft_model", model=draft, num_speculative_tokens=4, disable_by_batch_size=64
     )
-    llm = ungated(engine(default_model_path, 4, speculative=spec))
+    llm = ungated(engine(default_model_path, 4, speculative=config))
     got = llm.generate(ps, params)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
-    stats = llm.scheduler.decode.spec.stats  # type: ignore[union-attr]
+    stats = llm.scheduler.decode.speculator.stats  # type: ignore[union-attr]
     assert stats.num_draft_tokens > 0
     if draft_arch == "qwen2":  # greedy requests: the draft is the target (4 of 5 tokens)
         greedy_decoded = sum(len(w.output_ids) - 1 for w in want[::2])

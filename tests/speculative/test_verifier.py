@@ -8,7 +8,7 @@ import torch
 
 from engine.kv.sequence import Sequence
 from engine.sampling.grammar import GrammarCache
-from engine.spec.verify import accepted_run, sample_rows
+from engine.speculative.verify import accepted_run, sample_rows
 from wire.params import SamplingParams
 
 V = 6

@@ -1,4 +1,4 @@
-"""What a proposer of draft tokens is, for the speculator (engine/spec/speculator.py).
+"""What a proposer of draft tokens is, for the speculator (engine/speculative/speculator.py).
 
 Who calls what, when (all from the decode worker's step, one thread):
 - ``propose(seqs, ks)`` once per step, for the requests the speculator lets speculate:
@@ -21,7 +21,7 @@ from engine.kv.sequence import Sequence
 
 class Proposer(abc.ABC):
     # True: a proposal costs next to nothing (a lookup), so the speculator may ask for
-    # drafts it will not verify, to measure their acceptance (engine/spec/cost.py).
+    # drafts it will not verify, to measure their acceptance (engine/speculative/cost.py).
     cheap = False
 
     @abc.abstractmethod

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from colocated.llm import GenerationResult
-from tests.spec.helpers import Oracle, engine, generate, prompts, with_proposer
+from tests.speculative.helpers import Oracle, engine, generate, prompts, with_proposer
 from wire.params import SamplingParams
 
 VOCAB = 151936
@@ -57,8 +57,8 @@ def test_concurrent_streams_give_the_same_tokens_and_logprobs_with_speculation(
     refs = {tuple(r.prompt_ids): r.output_ids for r in plain}
     llm = with_proposer(engine(default_model_path, k, dtype="bfloat16"), Oracle(refs, mode, VOCAB))
     got = generate(llm, PROMPTS, PARAMS)
-    spec = llm.scheduler.decode.spec
-    assert spec is not None and spec.stats.num_accepted_tokens > 0
+    speculator = llm.scheduler.decode.speculator
+    assert speculator is not None and speculator.stats.num_accepted_tokens > 0
     assert _max_diff(got, plain) < TOL
 
 

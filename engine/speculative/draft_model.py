@@ -14,7 +14,7 @@ from dataclasses import replace
 from engine.errors import NoFreeBlocks
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
-from engine.spec.proposer import Proposer
+from engine.speculative.proposer import Proposer
 
 
 class DraftModelProposer(Proposer):

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-from checkpoints.tiny import atomic_build, cache_root
+from bundled_models.tiny import atomic_build, cache_root
 from engine.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def _convert(gguf_path: Path) -> Callable[[Path], None]:
         # to float32 (several times the file); the launcher, which then runs for hours
         # without torch, would keep both for its whole life.
         proc = subprocess.run(
-            [sys.executable, "-m", "checkpoints.default_model", str(gguf_path), str(out)],
+            [sys.executable, "-m", "bundled_models.default_model", str(gguf_path), str(out)],
             capture_output=True,
             text=True,
             check=False,
@@ -113,8 +113,8 @@ def resolve_model(model: Path | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m checkpoints.default_model``: build the default model and print where it
-    lies; ``python -m checkpoints.default_model FILE.gguf OUT``: convert one GGUF into the
+    """``python -m bundled_models.default_model``: build the default model and print where it
+    lies; ``python -m bundled_models.default_model FILE.gguf OUT``: convert one GGUF into the
     directory OUT (what ``_convert`` runs; a refused file: its reason on stdout, exit
     ``UNSUPPORTED_EXIT``)."""
     args = sys.argv[1:] if argv is None else argv
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(default_model_dir())
         return 0
     if len(args) != 2:
-        print("usage: python -m checkpoints.default_model [FILE.gguf OUT]", file=sys.stderr)
+        print("usage: python -m bundled_models.default_model [FILE.gguf OUT]", file=sys.stderr)
         return 2
     from engine.checkpoint.gguf import convert_gguf
 

@@ -3,7 +3,7 @@ verification the torch path over the same pool. In float32 outputs equal specula
 token for token, whatever the drafts, and logprobs within 1e-4.
 
 bfloat16 is not here: there a verification's logits sit a few roundings from the decode
-step's (up to 0.012 on an H200 with this model, ``python -m benchmarks.spec_rounding
+step's (up to 0.012 on an H200 with this model, ``python -m benchmarks.speculation_rounding
 --device cuda``), so a near-tie can break the other way: speculation keeps the
 distribution, not the bits (README, speculative decoding)."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from colocated.llm import GenerationResult
-from tests.spec.helpers import Oracle, engine, generate, prompts, with_proposer
+from tests.speculative.helpers import Oracle, engine, generate, prompts, with_proposer
 from wire.params import SamplingParams
 
 pytestmark = [
@@ -52,11 +52,11 @@ def test_cuda_outputs_are_identical_whatever_the_drafts(
         if w.logprobs is not None:
             assert g.logprobs is not None
             assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs, strict=True)) < 1e-4
-    spec = on.scheduler.decode.spec
-    assert spec is not None and spec.stats.num_draft_tokens > 0
+    speculator = on.scheduler.decode.speculator
+    assert speculator is not None and speculator.stats.num_draft_tokens > 0
     if mode == "reject":
-        assert spec.stats.num_accepted_tokens == 0
+        assert speculator.stats.num_accepted_tokens == 0
     else:
-        assert spec.stats.num_accepted_tokens > 0
+        assert speculator.stats.num_accepted_tokens > 0
     on.runner.kv.allocator.check_invariants()
     assert on.runner.kv.allocator.num_used == 0

@@ -206,7 +206,7 @@ def tiny_model_dir(arch: str = DEFAULT_ARCH) -> Path:
 
 
 def main() -> None:
-    """``python -m checkpoints.tiny``: build every fixture and print where it lies."""
+    """``python -m bundled_models.tiny``: build every fixture and print where it lies."""
     logging.basicConfig(level=logging.INFO)
     print(tokenizer_dir())
     for arch in ARCHITECTURES:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from colocated.llm import GenerationResult
-from tests.spec.helpers import Oracle, engine, generate, prompts, with_proposer
+from tests.speculative.helpers import Oracle, engine, generate, prompts, with_proposer
 from wire.params import SamplingParams
 from wire.records import Finish
 
@@ -67,9 +67,9 @@ def test_outputs_are_identical_whatever_the_drafts(
     llm = with_proposer(engine(default_model_path, k), oracle)
     got = generate(llm, PROMPTS, _params(len(PROMPTS)))
     assert_same(got, reference)
-    spec = llm.scheduler.decode.spec
-    assert spec is not None and oracle.proposed > 0
-    st = spec.stats
+    speculator = llm.scheduler.decode.speculator
+    assert speculator is not None and oracle.proposed > 0
+    st = speculator.stats
     assert st.num_draft_tokens > 0
     if mode == "accept":  # k of every k + 1 decode tokens at least, but near max_tokens
         decoded = sum(len(r.output_ids) - 1 for r in reference)
@@ -87,10 +87,10 @@ def test_one_request_alone_gets_several_tokens_a_step(
     llm = with_proposer(engine(default_model_path, 4), Oracle(_refs(reference), "accept", VOCAB))
     got = llm.generate([PROMPTS[0]], GREEDY)
     assert got[0].output_ids == reference[0].output_ids
-    spec = llm.scheduler.decode.spec
-    assert spec is not None
+    speculator = llm.scheduler.decode.speculator
+    assert speculator is not None
     # 15 decode tokens, 5 a step (4 drafts + the bonus): 3 verify steps.
-    assert spec.stats.num_drafts == 3 and spec.stats.num_accepted_tokens == 4 + 4 + 4
+    assert speculator.stats.num_drafts == 3 and speculator.stats.num_accepted_tokens == 4 + 4 + 4
 
 
 @pytest.mark.parametrize("cut", [1, 3, 5])  # a run's first draft, a middle one, the bonus

@@ -17,14 +17,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from checkpoints.default_model import (
+from bundled_models.default_model import (
     DEFAULT_MODEL_NAME,
     bundled_gguf,
     default_model_dir,
     gguf_model_dir,
     resolve_model,
 )
-from checkpoints.tiny import tiny_model_dir
+from bundled_models.tiny import tiny_model_dir
 from colocated.llm import LLM
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence

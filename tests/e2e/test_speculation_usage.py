@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.speculative import spec_counts
+from benchmarks.speculative import speculation_counts
 from tests.conftest import LaunchedServer
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ OPT_IN = {"return_prediction_tokens_details": True}
 
 
 @pytest.fixture(scope="module")
-def spec_server(default_model_path: Path) -> Iterator[LaunchedServer]:
+def speculative_server(default_model_path: Path) -> Iterator[LaunchedServer]:
     # Not adaptive: every step verifies K drafts (the cost-aware gate would decide by
     # this machine's timings whether a request speculates).
     spec = {
@@ -56,7 +56,7 @@ def _settled(url: str, before: tuple[float, float], drafted: int) -> tuple[float
     ``drafted`` more drafts (it publishes every step; the request may end first)."""
     deadline = time.monotonic() + 10
     while True:
-        now = spec_counts(url)
+        now = speculation_counts(url)
         delta = (now[0] - before[0], now[1] - before[1])
         if delta[0] >= drafted or time.monotonic() > deadline:
             return delta
@@ -89,9 +89,11 @@ def _details(usage: dict[str, Any]) -> tuple[int, int]:
     return d["accepted_prediction_tokens"], d["rejected_prediction_tokens"]
 
 
-def test_counts_of_a_request_agree_with_the_engines_metrics(spec_server: LaunchedServer) -> None:
-    url = spec_server.url
-    before = spec_counts(url)
+def test_counts_of_a_request_agree_with_the_engines_metrics(
+    speculative_server: LaunchedServer,
+) -> None:
+    url = speculative_server.url
+    before = speculation_counts(url)
     out = _complete(url, **OPT_IN)
     accepted, rejected = _details(out["usage"])
     drafted, engine_accepted = _settled(url, before, accepted + rejected)
@@ -101,21 +103,21 @@ def test_counts_of_a_request_agree_with_the_engines_metrics(spec_server: Launche
     assert accepted < out["usage"]["completion_tokens"]  # prefill's token is no draft
 
 
-def test_without_opt_in_the_fields_are_absent(spec_server: LaunchedServer) -> None:
-    out = _complete(spec_server.url)
+def test_without_opt_in_the_fields_are_absent(speculative_server: LaunchedServer) -> None:
+    out = _complete(speculative_server.url)
     assert "completion_tokens_details" not in out["usage"]
-    opted = _complete(spec_server.url, **OPT_IN)
+    opted = _complete(speculative_server.url, **OPT_IN)
     assert opted["choices"][0]["text"] == out["choices"][0]["text"]
 
 
-def test_a_stop_token_inside_an_accepted_run(spec_server: LaunchedServer) -> None:
+def test_a_stop_token_inside_an_accepted_run(speculative_server: LaunchedServer) -> None:
     """The engine verifies the whole run and counts it accepted; the request ends at the
     stop, so the drafts after it are reported rejected: not in the completion."""
-    url = spec_server.url
+    url = speculative_server.url
     ids = _complete(url, return_token_ids=True)["choices"][0]["token_ids"]
     stop = next(t for t in ids[8:] if ids.index(t) >= 8)  # first occurrence past 8 tokens
     cut = ids.index(stop) + 1
-    before = spec_counts(url)
+    before = speculation_counts(url)
     out = _complete(url, stop_token_ids=[stop], return_token_ids=True, **OPT_IN)
     assert out["choices"][0]["token_ids"] == ids[:cut]
     assert out["choices"][0]["finish_reason"] == "stop"
@@ -128,15 +130,15 @@ def test_a_stop_token_inside_an_accepted_run(spec_server: LaunchedServer) -> Non
         assert rejected > 0
 
 
-def test_a_stop_string_inside_an_accepted_run(spec_server: LaunchedServer) -> None:
+def test_a_stop_string_inside_an_accepted_run(speculative_server: LaunchedServer) -> None:
     """Cut by the detokenizer: the decode worker may verify a step or more past it before
     it hears, none of which reaches the client's counts."""
-    url = spec_server.url
+    url = speculative_server.url
     full = _complete(url, return_token_ids=True)["choices"][0]
     tok = httpx.post(url + "/detokenize", json={"tokens": full["token_ids"][:12]}, timeout=30)
     text = tok.json()["prompt"]
     stop = text[-3:] if len(text) >= 6 else text  # ends inside the 12th token or so
-    before = spec_counts(url)
+    before = speculation_counts(url)
     out = _complete(url, stop=[stop], return_token_ids=True, **OPT_IN)
     choice = out["choices"][0]
     assert choice["finish_reason"] == "stop" and stop not in choice["text"]
@@ -148,8 +150,8 @@ def test_a_stop_string_inside_an_accepted_run(spec_server: LaunchedServer) -> No
     assert accepted + rejected <= drafted and accepted <= engine_accepted
 
 
-def test_the_streaming_final_usage_chunk_carries_them(spec_server: LaunchedServer) -> None:
-    url = spec_server.url
+def test_the_streaming_final_usage_chunk_carries_them(speculative_server: LaunchedServer) -> None:
+    url = speculative_server.url
     want = _details(_complete(url, **OPT_IN)["usage"])
     for path, extra in (
         ("/v1/completions", {"prompt": PROMPT}),

@@ -14,7 +14,7 @@ from pathlib import Path
 from colocated.llm import LLM, GenerationResult
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.kv.sequence import Sequence
-from engine.spec.proposer import Proposer
+from engine.speculative.proposer import Proposer
 from wire.params import SamplingParams
 
 
@@ -50,29 +50,31 @@ class Oracle(Proposer):
 def engine(model: Path, k: int | None, blocks: int = 512, **kw: object) -> LLM:
     """A co-located engine (its decode half is the decode scheduler), speculating with k
     drafts at any batch size, or not at all (k None)."""
-    spec = (
+    speculative = (
         None
         if k is None
         else SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=256)
     )
-    config = EngineConfig(model=str(model), dtype="float32", num_kv_blocks=blocks, speculative=spec)
+    config = EngineConfig(
+        model=str(model), dtype="float32", num_kv_blocks=blocks, speculative=speculative
+    )
     return LLM(replace(config, **kw))  # type: ignore[arg-type]
 
 
 def with_proposer(llm: LLM, proposer: Proposer) -> LLM:
     """``llm`` speculating with ``proposer``'s drafts, all of them verified (no cost gate)."""
-    spec = llm.scheduler.decode.spec
-    assert spec is not None
-    spec.proposer = proposer
+    speculator = llm.scheduler.decode.speculator
+    assert speculator is not None
+    speculator.proposer = proposer
     return ungated(llm)
 
 
 def ungated(llm: LLM) -> LLM:
-    """Every draft offered is verified: the cost-aware gate (engine/spec/cost.py) would
+    """Every draft offered is verified: the cost-aware gate (engine/speculative/cost.py) would
     decide by this machine's timings, and these tests force drafts to check exactness."""
-    spec = llm.scheduler.decode.spec
-    assert spec is not None
-    spec.times = None
+    speculator = llm.scheduler.decode.speculator
+    assert speculator is not None
+    speculator.times = None
     return llm
 
 

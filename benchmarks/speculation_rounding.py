@@ -8,7 +8,7 @@ keeps outputs identical; where the verification runs other kernels than the deco
 (on CUDA: torch attention and GEMMs of k + 1 rows a sequence, against the Triton kernels
 in a graph), a low-precision dtype can round them apart.
 
-    python -m benchmarks.spec_rounding [--device cuda] [--drafts 4]
+    python -m benchmarks.speculation_rounding [--device cuda] [--drafts 4]
 
 Prints one table (tiny Qwen2 checkpoint, 8 sequences of 5-117 prompt tokens); writes
 nothing.
@@ -21,7 +21,7 @@ import argparse
 import torch
 
 from benchmarks.machine import machine_block
-from checkpoints import tiny
+from bundled_models import tiny
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner

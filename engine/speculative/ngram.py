@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.kv.sequence import Sequence
-from engine.spec.proposer import Proposer
+from engine.speculative.proposer import Proposer
 
 
 @dataclass
