@@ -20,9 +20,8 @@ from __future__ import annotations
 import gc
 import logging
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,10 +33,9 @@ from engine.cuda.kernels import use_kernels
 from engine.kv.kv_cache import GpuMemoryError
 from engine.kv.pool import KVPool
 from engine.kv.sequence import Sequence
-from engine.model.attention import AttentionMetadata, DenseDecodeKV, exact_rows, per_layer_rows
-from engine.model.backend import TORCH
 from engine.model.causal_lm import CausalLM
 from engine.model.fused_cpu import cpu_backend
+from engine.model.torch_backend import StepBatch, TorchBackend, TorchGeometry
 from engine.sampling.grammar import GrammarCache
 from engine.sampling.grammar_mask import batch_constraint
 from engine.sampling.sampler import SampleOutput, SampleRequest, sample
@@ -101,16 +99,20 @@ class ModelRunner:
         )
         # The torch path's backend: on CPU the fused ops where their library loads, whose
         # attention reads the pool in place (no dense copy, no gathered blocks).
-        self.backend = (
-            cpu_backend(
-                config.attention_backend, self.model.rotary, config.block_size, self.kv_dtype
-            )
-            if self.device.type == "cpu"
-            else TORCH
+        mc = self.model_config
+        geometry = TorchGeometry(
+            mc.num_layers,
+            mc.num_heads,
+            self.block_size,
+            self.kv_dtype,
+            self.model.rotary,
+            self.device,
         )
-        # CPU only: on CUDA gathering is cheap and a second copy of the KV would cost memory.
-        cpu_torch = self.device.type == "cpu" and self.backend is TORCH
-        self._dense = DenseDecodeKV() if cpu_torch else None
+        self.backend: TorchBackend = (
+            cpu_backend(config.attention_backend, geometry)
+            if self.device.type == "cpu"
+            else TorchBackend(geometry)
+        )
         self._kernels: KernelPath | None = None
         if kernels:
             from engine.cuda.kernel_path import KernelPath  # imports triton: only when used
@@ -123,8 +125,8 @@ class ModelRunner:
             # (pytorch/pytorch#193893: corrupted greedy output for GQA models).
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.kv = self._make_pool(kv_pool)
-        if (dense := self._dense) is not None:
-            self.kv.on_free(lambda seq: dense.forget([seq]))
+        backend = self.backend
+        self.kv.on_free(lambda seq: backend.forget([seq]))
         if self._kernels is not None:
             self.kv.on_free(self._kernels.release)
             self._kernels.reset()  # the profiling forwards' sequences are gone
@@ -198,8 +200,7 @@ class ModelRunner:
                     self.prefill([chunks[i] for i in run], pool, every_position) for run in runs
                 ]
                 return in_batch_order(parts, runs, every_position and [n for _, n in chunks])
-        if self._dense is not None:
-            self._dense.forget([seq for seq, _ in chunks])
+        self.backend.forget([seq for seq, _ in chunks])
         for seq, n in chunks:
             if not 0 < n <= seq.num_uncomputed_tokens:
                 raise ValueError(
@@ -314,18 +315,12 @@ class ModelRunner:
         if slots is not None:  # the torch path groups token rows
             per_token = [s for s, (_, _, n) in zip(slots, spans) for _ in range(n)]
             adapters = group_rows(per_token, self.device)
-        meta, last = self._metadata(spans, is_decode, kv_pool)
-        if decode_weights or (is_decode and self._dense is not None):
-            # Rows reporting logprobs attend over their own context, as if alone in the step.
-            wants = [s.sampling.logprobs is not None for s, _, _ in spans]
-            exact = exact_rows(wants, meta.ctx_lens, narrower_only=not decode_weights)
-            meta = replace(meta, exact_rows=exact)
-        if decode_weights:  # speculative verification: rows attend as decode rows do
-            meta = replace(meta, rows_as_decode=True)
-            if self._dense is not None:  # attend over the kept dense K/V, not a gather
-                meta = replace(meta, **self._dense_fields(spans, meta, kv_pool))
-        meta = self.backend.prepare(meta, kv_pool, self.model_config.num_heads)
+        # Speculative verification (``decode_weights``): rows attend as decode rows do.
+        meta = self.backend.prepare_metadata(StepBatch(spans, kv_pool, is_decode, decode_weights))
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        last = None
+        if not every_position:  # each span's last token's row
+            last = torch.tensor(meta.q_lens, device=self.device).cumsum(0) - 1
         try:
             # Verification (``decode_weights``) runs k + 1 rows a sequence on the kernels its
             # sequences' decode step would run, so its rows get that step's bits.
@@ -334,12 +329,9 @@ class ModelRunner:
             else:
                 kernels = decode_rows(len(spans)) if decode_weights else prefill_phase()
             with kernels, lora_rows(adapters):
-                return self.model(
-                    ids, kv_pool, meta, self.backend, None if every_position else last
-                )
+                return self.model(ids, kv_pool, meta, self.backend, last)
         except BaseException:
-            if self._dense is not None:  # some layers may have extended it, others not
-                self._dense.invalidate()
+            self.backend.step_failed()
             raise
 
     def capture_decode_graphs(self) -> None:
@@ -370,84 +362,6 @@ class ModelRunner:
             return None
         slots = self.loras.slots(refs)
         return slots if any(s >= 0 for s in slots) else None
-
-    def _metadata(
-        self, spans: list[tuple[Sequence, int, int]], is_decode: bool, kv_pool: torch.Tensor
-    ) -> tuple[AttentionMetadata, torch.Tensor]:
-        """The step's attention metadata, and the rows of each span's last token."""
-        bs, dev = self.block_size, self.device
-        positions = [p for _, start, n in spans for p in range(start, start + n)]
-        width = max(len(seq.block_table) for seq, _, _ in spans)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _, _ in spans]
-        ctx_lens = [start + n for _, start, n in spans]
-        q_lens = [n for _, _, n in spans]
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-        slot_blocks = [s.block_table[p // bs] for s, a, n in spans for p in range(a, a + n)]
-        fields: dict[str, Any] = {}
-        if self.backend.paged_in_place:
-            slots = [b * bs + p % bs for b, p in zip(slot_blocks, positions, strict=True)]
-            fields["slots"] = torch.tensor(slots, dtype=torch.long, device=dev)
-        else:  # the torch backend's rows and rotations
-            layers = self.model_config.num_layers
-            blocks = torch.tensor(slot_blocks, dtype=torch.long, device=dev)
-            slot_rows = blocks * (layers * 2 * bs) + pos % bs  # layer 0's K row of each token
-            fields["write_rows"] = per_layer_rows(slot_rows, layers, 2 * bs, bs).unbind(0)
-            fields["cos_sin"] = self.model.rotary.lookup(pos)
-        if is_decode and self.backend is TORCH:
-            fields.update(self._decode_fields(spans, block_tables, ctx_lens, kv_pool))
-        meta = AttentionMetadata(
-            block_tables=block_tables,
-            ctx_lens=ctx_lens,
-            q_lens=q_lens,
-            is_decode=is_decode,
-            positions=pos,
-            **fields,
-        )
-        last = torch.tensor(q_lens, device=dev).cumsum(0) - 1  # each chunk's last token
-        return meta, last
-
-    def _decode_fields(
-        self,
-        spans: list[tuple[Sequence, int, int]],
-        block_tables: torch.Tensor,
-        ctx_lens: list[int],
-        kv_pool: torch.Tensor,
-    ) -> dict[str, Any]:
-        """Where decode attention reads: the kept dense K/V (CPU) or the pool's blocks."""
-        dev = self.device
-        rows = self._pool_rows(block_tables)
-        fields: dict[str, Any] = {}
-        if self._dense is not None:
-            seqs: list[object] = [seq for seq, _, _ in spans]
-            kv, dense_rows = self._dense.prepare(kv_pool, seqs, ctx_lens, rows)
-            fields.update(dense_kv=kv, dense_rows=dense_rows)
-            width = max(ctx_lens)
-        else:
-            fields["gather_rows"] = rows.unbind(0)
-            width = block_tables.shape[1] * self.block_size
-        slots = torch.arange(width, device=dev)
-        ctx = torch.tensor(ctx_lens, device=dev)
-        bias = torch.zeros(len(spans), 1, 1, width, dtype=self.kv_dtype, device=dev)
-        bias.masked_fill_((slots.unsqueeze(0) >= ctx.unsqueeze(1))[:, None, None, :], float("-inf"))
-        fields["attn_bias"] = bias  # (B, 1, 1, S)
-        return fields
-
-    def _dense_fields(
-        self, spans: list[tuple[Sequence, int, int]], meta: AttentionMetadata, pool: torch.Tensor
-    ) -> dict[str, Any]:
-        """A verification's rows in the kept dense K/V (CPU), extended in place by each query
-        row as a decode step extends it: no copy of the batch's context out of the pool."""
-        assert self._dense is not None
-        rows = self._pool_rows(meta.block_tables)
-        seqs: list[object] = [seq for seq, _, _ in spans]
-        kv, dense_rows = self._dense.prepare(pool, seqs, meta.ctx_lens, rows, meta.q_lens)
-        return {"dense_kv": kv, "dense_rows": dense_rows}
-
-    def _pool_rows(self, block_tables: torch.Tensor) -> torch.Tensor:
-        """(L, 2 * B * W): the pool rows of each table's blocks' K, then V, per layer."""
-        layers = self.model_config.num_layers
-        return per_layer_rows(block_tables.flatten() * (2 * layers), layers, 2, 1).flatten(1)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         """Pick each sequence's next token (output position ``len(seq.output_ids)``)."""

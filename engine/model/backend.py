@@ -5,13 +5,15 @@ differs between devices sits behind this interface: how a layer's new K/V are ro
 stored and how it attends over the paged pool, and the small row-wise ops between the
 GEMMs (add + RMSNorm, SiLU * up), which a backend may fuse.
 
-* ``TorchBackend`` (here): torch ops and SDPA (``engine/model/attention.py``); every device,
-  and the reference the others are tested against;
+* ``TorchBackend`` (``engine/model/torch_backend.py``): torch ops and SDPA
+  (``engine/model/attention.py``); every device, and the reference the others are tested
+  against; the fused CPU backend (``engine/model/fused_cpu.py``) builds on it;
 * ``TritonBackend`` (``engine/cuda/kernels/backend.py``): rotary + KV store in one kernel,
   attention that reads the pool in place, fused add + RMSNorm and SiLU * up.
 
-Who calls what: the runner builds one step's metadata in the backend's own type
-(``AttentionMetadata`` for torch, ``KernelBatch`` for Triton) and calls
+Who calls what: each backend builds one step's metadata in its own type
+(``TorchBackend.prepare_metadata``: ``AttentionMetadata``; the Triton path's
+``KernelPath``: ``KernelBatch``), and the runner calls
 ``CausalLM.hidden(ids, pool, meta, backend)``; the model calls the backend per layer. No
 method syncs with the host unless its backend says so (Triton's never do: decode forwards
 are captured in CUDA graphs).
@@ -23,11 +25,8 @@ from abc import ABC, abstractmethod
 from typing import Generic, Protocol, TypeVar
 
 import torch
-import torch.nn.functional as F
 
-from engine.model.attention import AttentionMetadata, paged_attention
 from engine.model.layers import RMSNorm
-from engine.model.rope import apply_rotary
 
 Meta = TypeVar("Meta")
 
@@ -56,8 +55,8 @@ class AttentionBackend(ABC, Generic[Meta]):
     # projections cast to the activations' dtype.
     takes_kernel_dtype = False
     # Whether ``attend`` finds a token's slot and rotation from ``positions`` and the block
-    # tables alone, so the runner skips the torch backend's per-layer write rows and
-    # rotary lookups (``AttentionMetadata.write_rows``, ``cos_sin``).
+    # tables alone, so its metadata holds slots instead of the torch backend's per-layer
+    # write rows and rotary lookups (``AttentionMetadata.write_rows``, ``cos_sin``).
     paged_in_place = False
 
     def prepare(self, meta: Meta, pool: torch.Tensor, num_heads: int) -> Meta:
@@ -88,40 +87,3 @@ class AttentionBackend(ABC, Generic[Meta]):
         """(T, 2 * inter) gate columns then up columns -> silu(gate) * up, (T, inter),
         computed in ``dtype`` (the activations'), returned rounded to ``out_dtype`` (None:
         ``dtype``; the down projection's input dtype, which would round it anyway)."""
-
-
-class TorchBackend(AttentionBackend[AttentionMetadata]):
-    """torch ops: SDPA over the pool (a dense copy of the batch's K/V on CPU decode)."""
-
-    def attend(
-        self, attn: AttentionLayer, qkv: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        assert meta.cos_sin is not None, "the runner looks positions up once per step"
-        h, d, q_size = attn.num_heads, attn.head_dim, attn.q_size
-        if attn.q_norm is None:  # q and k heads side by side: one rotation for both
-            v = qkv[:, q_size + attn.kv_size :].unflatten(1, (attn.num_kv_heads, d))
-            qk = apply_rotary(qkv[:, : q_size + attn.kv_size].unflatten(1, (-1, d)), *meta.cos_sin)
-            q, k = qk[:, :h], qk[:, h:]  # (T, H, D), (T, KVH, D)
-        else:
-            q, k, v = attn.split(qkv)
-            q, k = apply_rotary(q, *meta.cos_sin), apply_rotary(k, *meta.cos_sin)
-        out = paged_attention(pool, attn.layer, meta, q, k, v)  # (T, H, D)
-        return out.reshape(qkv.shape[0], q_size)
-
-    def rmsnorm(
-        self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if residual is None:
-            return norm(x)
-        return norm(residual.add_(x))
-
-    def silu_mul(
-        self, gate_up: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        inter = gate_up.shape[1] // 2
-        # In place on silu's fresh output; up is widened by the multiply if it is narrower.
-        out = F.silu(gate_up[:, :inter].to(dtype)).mul_(gate_up[:, inter:])
-        return out if out_dtype in (None, dtype) else out.to(out_dtype)
-
-
-TORCH = TorchBackend()

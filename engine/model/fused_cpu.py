@@ -52,15 +52,17 @@ the cache's dtype, as the torch backend's decode does (its prefill: in the activ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from engine.cpu_kernels import CpuKernels, available
 from engine.model.attention import AttentionMetadata
-from engine.model.backend import TORCH, AttentionLayer, TorchBackend
+from engine.model.backend import AttentionLayer
 from engine.model.layers import RMSNorm
-from engine.model.rope import RotaryEmbedding
+from engine.model.torch_backend import PagedSequence, TorchBackend, TorchGeometry
 from engine.weights.int4_tiles import (
     ATTENTION_HEAD_SIZES,
     decode_attention_op,
@@ -103,7 +105,9 @@ class FusedCpuBackend(TorchBackend):
     takes_kernel_dtype = True
     paged_in_place = True
 
-    def __init__(self, kernels: CpuKernels, rotary: RotaryEmbedding) -> None:
+    def __init__(self, kernels: CpuKernels, geometry: TorchGeometry) -> None:
+        super().__init__(geometry)  # no dense K/V: attention reads the pool in place
+        rotary = geometry.rotary
         self.kernels = kernels
         self._ops = torch.ops._C
         self._silu_mul = silu_mul_op()
@@ -122,11 +126,29 @@ class FusedCpuBackend(TorchBackend):
             tuple[int, tuple[int, ...]], list[tuple[torch.Tensor, torch.Tensor]]
         ] = {}
 
+    def _placement(
+        self, positions: list[int], pos: torch.Tensor, slot_blocks: list[int]
+    ) -> dict[str, Any]:
+        """Each new token's slot, block * block_size + offset: the store and the rotation
+        find the rest from ``positions``."""
+        bs = self.geometry.block_size
+        slots = [b * bs + p % bs for b, p in zip(slot_blocks, positions, strict=True)]
+        return {"slots": torch.tensor(slots, dtype=torch.long, device=self.geometry.device)}
+
+    def _decode_fields(
+        self,
+        spans: Sequence[tuple[PagedSequence, int, int]],
+        block_tables: torch.Tensor,
+        ctx_lens: list[int],
+        pool: torch.Tensor,
+    ) -> dict[str, Any]:
+        return {}  # decode attention reads the pool in place: no bias, no gathered rows
+
     def prepare(
         self, meta: AttentionMetadata, pool: torch.Tensor, num_heads: int
     ) -> AttentionMetadata:
         """``meta`` with the step's ``PagedBatch``, computed once for all layers."""
-        assert meta.positions is not None and meta.slots is not None, "the runner sets them"
+        assert meta.positions is not None and meta.slots is not None, "_metadata sets them"
         kv_heads, d = pool.shape[4], pool.shape[5]
         # From the host's lists, not tensor ops: at 1-32 rows a step, each op's dispatch
         # costs more than its arithmetic.
@@ -345,19 +367,19 @@ class FusedCpuBackend(TorchBackend):
         return x
 
 
-def cpu_backend(
-    attention_backend: str, rotary: RotaryEmbedding, block_size: int, kv_dtype: torch.dtype
-) -> TorchBackend:
-    """The backend of a CPU runner: fused where ``attention_backend`` is ``auto``, the
+def cpu_backend(attention_backend: str, geometry: TorchGeometry) -> TorchBackend:
+    """The backend of a CPU engine: fused where ``attention_backend`` is ``auto``, the
     kernel library loads on this CPU and its attention takes the model's head size, the
-    cache's dtype and the block size; else the torch reference (``--attention-backend
-    torch`` forces it)."""
-    if attention_backend != "auto" or block_size % BLOCK_ALIGNMENT:
-        return TORCH
+    cache's dtype and the block size; else the torch reference with its dense decode K/V
+    (``--attention-backend torch`` forces it)."""
+    reference = TorchBackend(geometry, dense_decode=True)
+    if attention_backend != "auto" or geometry.block_size % BLOCK_ALIGNMENT:
+        return reference
     kernels = available()
-    if kernels is None or not _attention_takes(rotary.cos.shape[1], kv_dtype):
-        return TORCH
-    return FusedCpuBackend(kernels, rotary)
+    head_dim = geometry.rotary.cos.shape[1]
+    if kernels is None or not _attention_takes(head_dim, geometry.kv_dtype):
+        return reference
+    return FusedCpuBackend(kernels, geometry)
 
 
 def _attention_takes(head_dim: int, dtype: torch.dtype) -> bool:

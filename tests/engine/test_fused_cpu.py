@@ -22,10 +22,10 @@ from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.model.attention import AttentionMetadata
-from engine.model.backend import TORCH, TorchBackend
 from engine.model.fused_cpu import FusedCpuBackend, PagedBatch, cpu_backend
 from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.model.torch_backend import TorchBackend, TorchGeometry
 from engine.runner import ModelRunner
 from engine.weights.int4_tiles import (
     decode_attention_op,
@@ -35,6 +35,15 @@ from engine.weights.int4_tiles import (
 )
 from wire.params import SamplingParams
 
+CPU = torch.device("cpu")
+
+
+def _geometry(positions: int, block_size: int = 16) -> TorchGeometry:
+    rotary = RotaryEmbedding(64, positions, 10000.0, None, CPU, torch.float32)
+    return TorchGeometry(1, 4, block_size, torch.bfloat16, rotary, CPU)
+
+
+TORCH = TorchBackend(_geometry(16))  # the reference of the row-wise ops
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-7, 2**-7)}  # (atol, rtol)
 
 
@@ -43,8 +52,7 @@ def fused() -> FusedCpuBackend:
     kernels = cpu_kernels.available()
     if kernels is None:
         pytest.skip("the fused CPU kernel library does not load here")
-    rotary = RotaryEmbedding(64, 512, 10000.0, None, torch.device("cpu"), torch.float32)
-    return FusedCpuBackend(kernels, rotary)
+    return FusedCpuBackend(kernels, _geometry(512))
 
 
 @pytest.fixture(scope="module")
@@ -327,8 +335,8 @@ def test_backend_follows_the_head_sizes_the_library_takes(
 
 
 def test_torch_backend_forced_or_library_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    rotary = RotaryEmbedding(64, 16, 10000.0, None, torch.device("cpu"), torch.float32)
-    assert cpu_backend("torch", rotary, 16, torch.bfloat16) is TORCH
+    forced = cpu_backend("torch", _geometry(16))
+    assert type(forced) is TorchBackend and forced.dense is not None
     monkeypatch.setenv("PDSERVE_CPU_KERNELS", "off")
     with pytest.raises(cpu_kernels.CpuKernelsUnavailable, match="PDSERVE_CPU_KERNELS"):
         cpu_kernels.load()
