@@ -83,7 +83,7 @@ class Rig:
     def persist(self) -> None:
         tiers = self.llm.runner.kv.tiers
         assert tiers is not None and tiers.disk is not None
-        Persister(tiers.host, tiers.disk, 64 << 30, 0).stop(flush=True)
+        Persister(tiers.host, tiers.disk.root, 64 << 30, 0).stop(flush=True)
 
 
 def _tokens(rng: np.random.Generator, n: int) -> list[int]:
@@ -135,7 +135,7 @@ def no_reuse_cost(
     }
     tiers = rigs["tiers 2+3"].llm.runner.kv.tiers
     assert tiers is not None and tiers.disk is not None
-    pers = Persister(tiers.host, tiers.disk, 64 << 30, 0)
+    pers = Persister(tiers.host, tiers.disk.root, 64 << 30, 0)
     pers.start()
     times: dict[str, list[float]] = {name: [] for name in rigs}
     for r in range(rounds):

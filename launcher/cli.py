@@ -393,7 +393,7 @@ def serve(config: ServerConfig) -> int:
     topo = _build_topology(config, model, backend, gpus)
     if shares_weights(config, gpus):
         topo.add_weights()
-    tiers = kv_tiers.create(config, model, _kv_layout(config, model, gpus))
+    tiers = kv_tiers.create(config, _kv_layout(config, model, gpus))
     if tiers is not None:
         topo.add_kv_tier(tiers.segment, tiers.engine_fields(), tiers.frontend_fields())
     board = topo.board()

@@ -7,7 +7,9 @@ has a name, so a killed server leaves nothing in /dev/shm, and it is not bound b
 committed as blocks arrive; its size is in the launcher's memory budget
 (``launcher/memory.py``) all the same. Tier 3 is written only by this process's
 ``Persister`` thread, which the launcher stops, flushing what is pending, after every
-worker has stopped.
+worker has stopped. Neither names the blocks: the engine workers do, on their own pool's
+layout (``engine/kv/tiers/keys.py``'s ``block_namespace``), and publish the namespace in
+tier 2's header for the writer and the router.
 """
 
 from __future__ import annotations
@@ -15,12 +17,8 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
-from engine.config import ModelConfig
-from engine.kv.tiers.disk_store import DiskStore
 from engine.kv.tiers.host_store import Geometry, HostStore, create_segment
-from engine.kv.tiers.keys import Namespace, weights_fingerprint
 from engine.kv.tiers.persister import Persister
 from launcher.memory import GIB
 from launcher.settings import ConfigError, ServerConfig
@@ -45,11 +43,10 @@ class HostTiers:
     segment: Segment
     store: HostStore
     persister: Persister | None
-    namespace: bytes  # the blocks' namespace digest (engine/kv/tiers/keys.py)
 
     def engine_fields(self) -> dict[str, object]:
         """What each engine worker's ``EngineConfig`` carries to attach the tiers."""
-        d = self.persister.disk.root if self.persister is not None else None
+        d = self.persister.root if self.persister is not None else None
         return {
             "kv_offload_fd": self.segment.spec.fd,
             "kv_offload_nbytes": self.segment.spec.nbytes,
@@ -58,9 +55,9 @@ class HostTiers:
 
     def frontend_fields(self) -> dict[str, object]:
         """What the frontend's router needs besides the segment to see the tiers' content
-        (``router/tier_residency.py``): the namespace its keys chain from, tier 3's dir."""
-        d = self.persister.disk.root if self.persister is not None else None
-        return {"namespace": self.namespace.hex(), "dir": None if d is None else str(d)}
+        (``router/tier_residency.py``): tier 3's dir (the namespace is in the segment)."""
+        d = self.persister.root if self.persister is not None else None
+        return {"dir": None if d is None else str(d)}
 
     def stop(self) -> None:
         """Flush what tier 3 has not written yet (the workers are stopped by now)."""
@@ -73,7 +70,7 @@ class HostTiers:
             )
 
 
-def create(config: ServerConfig, model: Path, layout: KVLayout) -> HostTiers | None:
+def create(config: ServerConfig, layout: KVLayout) -> HostTiers | None:
     """The host's tiers for ``config``, or None when they are off."""
     nbytes = offload_bytes(config)
     if nbytes <= 0:
@@ -83,15 +80,6 @@ def create(config: ServerConfig, model: Path, layout: KVLayout) -> HostTiers | N
     segment = Segment.attach_fd(fd, geometry.offsets[3], "kvtier")
     HostStore.format(segment.buf, geometry)
     store = HostStore(segment.spec.fd, segment.buf)
-    mcfg = ModelConfig.from_pretrained(model)
-    assert mcfg.num_layers == layout.num_layers
-    # The engine workers derive the same digest from their pools (tiers/open_tiers.py).
-    ns = Namespace(
-        weights_fingerprint(model),
-        f"torch.{layout.dtype}",  # str(torch dtype), as the engine workers write it
-        layout.block_size,
-        str(layout.shape[1:]),
-    ).digest
     persister = None
     if config.kv_offload_dir is not None:
         root = config.kv_offload_dir
@@ -102,10 +90,9 @@ def create(config: ServerConfig, model: Path, layout: KVLayout) -> HostTiers | N
             probe.unlink()
         except OSError as e:
             raise ConfigError(f"--kv-offload-dir {root}: not a writable directory ({e})") from e
-        disk = DiskStore(root, ns, layout.block_size, layout.block_nbytes)
         st = os.statvfs(root)
         min_free = min(MIN_FREE_CAP, int(st.f_blocks * st.f_frsize * MIN_FREE_FRACTION))
-        persister = Persister(store, disk, int(config.kv_offload_disk * GIB), min_free)
+        persister = Persister(store, root, int(config.kv_offload_disk * GIB), min_free)
         persister.start()
     logger.info(
         "KV tier 2: %.2f GiB of host RAM, %d blocks, shared by every worker%s",
@@ -115,4 +102,4 @@ def create(config: ServerConfig, model: Path, layout: KVLayout) -> HostTiers | N
         if persister is None
         else f"; tier 3: {config.kv_offload_dir}, {config.kv_offload_disk:g} GiB",
     )
-    return HostTiers(segment, store, persister, ns)
+    return HostTiers(segment, store, persister)

@@ -8,8 +8,9 @@ pool holds. So the router asks the tiers once per request, through this view, an
 their run to every candidate on the tiers' node.
 
 Who does what:
-    launcher   gives the frontend the host's tier-2 segment, the tiers' namespace digest
-               and tier 3's directory (``ProcessSpec.segments["kvtier"]``).
+    launcher   gives the frontend the host's tier-2 segment and tier 3's directory
+               (``ProcessSpec.segments["kvtier"]``); the blocks' namespace is in the
+               segment's header, where the engine workers published it.
     router     ``TierResidency.query(token_ids, block_size)`` once per request, then
                ``TierQuery.run(first)`` per candidate: the blocks from ``first`` on that a
                worker whose pool holds ``first`` leading blocks would load from the tiers.
@@ -36,27 +37,29 @@ from engine.kv.tiers.keys import chain_keys, root_key
 class TierResidency:
     """The host tiers of node ``node``: ``host`` (tier 2), tier 3 under ``disk_dir``."""
 
-    def __init__(
-        self, host: HostStore, namespace: bytes, disk_dir: Path | None, node: str = ""
-    ) -> None:
-        self.host, self.namespace, self.node = host, namespace, node
-        g = host.geometry
-        # Reads only ``path``: the payload size is the tier-2 geometry's.
-        self.disk = (
-            None
-            if disk_dir is None
-            else DiskStore(disk_dir, namespace, g.block_size, g.payload_nbytes)
-        )
+    def __init__(self, host: HostStore, disk_dir: Path | None, node: str = "") -> None:
+        self.host, self.node, self.disk_dir = host, node, disk_dir
+        self.namespace: bytes | None = None  # the workers', once one has published it
+        self.disk: DiskStore | None = None
 
     def query(
         self, token_ids: Sequence[int], block_size: int, extra: bytes | None = None
     ) -> TierQuery | None:
         """What the tiers hold of ``token_ids``' full blocks, keys salted by ``extra`` as
         the workers' are (a LoRA adapter's); None for another block size (a tier of
-        another geometry cannot be the workers')."""
-        if block_size != self.host.geometry.block_size:
+        another geometry cannot be the workers') or before a worker named the blocks."""
+        if block_size != self.host.geometry.block_size or not self._named():
             return None
         return TierQuery(self, token_ids, extra)
+
+    def _named(self) -> bool:
+        """Whether the workers' namespace is known (read from tier 2's header once)."""
+        if self.namespace is None:
+            self.namespace = self.host.namespace
+            if self.namespace is not None and self.disk_dir is not None:
+                g = self.host.geometry  # reads only ``path``: any payload size would do
+                self.disk = DiskStore(self.disk_dir, self.namespace, g.block_size, g.payload_nbytes)
+        return self.namespace is not None
 
 
 class TierQuery:
@@ -74,6 +77,7 @@ class TierQuery:
     def keys(self) -> list[bytes]:
         if self._keys is None:
             t = self._tiers
+            assert t.namespace is not None, "queries exist only once the blocks are named"
             parent = root_key(t.namespace, self._extra)
             self._keys = chain_keys(parent, self._token_ids, t.host.geometry.block_size)
         return self._keys

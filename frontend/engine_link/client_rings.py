@@ -351,14 +351,10 @@ class RingEngineClient(EngineClient):
             self._loop.remove_reader(self.doorbell.fileno())
 
 
-def tier_residency(tier: HostStore, fields: dict[str, Any], node: str) -> TierResidency | None:
-    """The router's view of the host tiers (None: the launcher named no namespace)."""
-    if not fields.get("namespace"):
-        return None
+def tier_residency(tier: HostStore, fields: dict[str, Any], node: str) -> TierResidency:
+    """The router's view of the host tiers (their blocks' namespace is in ``tier``)."""
     disk = fields.get("dir")
-    return TierResidency(
-        tier, bytes.fromhex(fields["namespace"]), None if disk is None else Path(disk), node
-    )
+    return TierResidency(tier, None if disk is None else Path(disk), node)
 
 
 def _worker_key(name: str) -> tuple[Role, int]:

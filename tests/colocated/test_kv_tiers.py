@@ -102,7 +102,7 @@ def _keys(llm: LLM) -> list[bytes]:
 def _persist(llm: LLM, budget: int = 1 << 30, min_free: int = 0) -> Persister:
     tiers = llm.runner.kv.tiers
     assert tiers is not None and tiers.disk is not None
-    pers = Persister(tiers.host, tiers.disk, budget, min_free)
+    pers = Persister(tiers.host, tiers.disk.root, budget, min_free)
     pers.stop(flush=True)  # never started: writes everything pending here
     return pers
 

@@ -260,23 +260,41 @@ def test_processes_writing_the_same_blocks_at_once_leave_one_intact_file_each(
 
 
 def test_blocks_in_the_fused_backends_order_have_a_namespace_of_their_own(
-    default_model_path: Path,
+    default_model_path: Path, tmp_path: Path
 ) -> None:
     """A worker on the fused CPU ops writes its blocks in the kernel library's order: a
-    tier shared with (or a restart into) a torch-backend worker must never hand them over."""
+    tier shared with (or a restart into) a torch-backend worker must never hand them over.
+    The first worker's namespace is the host's (tier 2's header): tier 3's writer files
+    blocks under it, and a worker of another order stays off the tiers."""
     from engine.config import EngineConfig
-    from engine.kv.tiers.host_store import Geometry, HostStore, create_segment
+    from engine.kv.kv_cache import layout_of
+    from engine.kv.tiers.keys import block_namespace
     from engine.kv.tiers.open_tiers import open_tiers
+    from engine.kv.tiers.persister import Persister
 
     pool = torch.zeros(4, 2, 2, 16, 2, 16)
+    weights = weights_fingerprint(default_model_path)
+    spaces = {o: block_namespace(weights, layout_of(pool, o)) for o in ("tokens", "vec16")}
+    assert spaces["tokens"] != spaces["vec16"]
+    # "tokens" blocks keep the namespace they had before the order was part of it.
+    assert spaces["tokens"] == Namespace(weights, "torch.float32", 16, "(2, 2, 16, 2, 16)").digest
     nbytes = pool[0].numel() * pool.element_size()
     g = Geometry.for_budget(1 << 20, 16, nbytes)
-    fd, buf = create_segment(g.offsets[3])
-    HostStore.format(buf, g)
-    config = EngineConfig(
-        model=str(default_model_path), kv_offload_fd=fd, kv_offload_nbytes=g.offsets[3]
-    )
-    spaces = {order: open_tiers(config, pool, order) for order in ("tokens", "vec16")}
-    assert spaces["tokens"] is not None and spaces["vec16"] is not None
-    assert spaces["tokens"].namespace != spaces["vec16"].namespace
-    os.close(fd)
+    for first, second in (("vec16", "tokens"), ("tokens", "vec16")):
+        fd, buf = create_segment(g.offsets[3])
+        HostStore.format(buf, g)
+        host = HostStore(fd, buf)
+        config = EngineConfig(
+            model=str(default_model_path),
+            kv_offload_fd=fd,
+            kv_offload_nbytes=g.offsets[3],
+            kv_offload_dir=str(tmp_path),
+        )
+        writer = Persister(host, tmp_path, 1 << 30, 0)
+        assert writer.disk is None  # no worker has named the blocks yet
+        tiers = open_tiers(config, pool, first)
+        assert tiers is not None and tiers.disk is not None
+        assert tiers.namespace == spaces[first] == host.namespace
+        assert writer.disk is not None and writer.disk.dir == tiers.disk.dir
+        assert open_tiers(config, pool, second) is None
+        os.close(fd)

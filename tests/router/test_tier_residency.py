@@ -26,11 +26,15 @@ PAYLOAD = 64
 NS = bytes(range(16))
 
 
-def _host(slots: int = 64) -> HostStore:
+def _host(slots: int = 64, namespace: bytes | None = NS) -> HostStore:
+    """A tier-2 store whose blocks a worker named ``namespace`` (None: no worker yet)."""
     g = Geometry(slots, BS, PAYLOAD)
     fd, buf = create_segment(g.offsets[3])
     HostStore.format(buf, g)
-    return HostStore(fd, buf)
+    host = HostStore(fd, buf)
+    if namespace is not None:
+        assert host.adopt_namespace(namespace) == namespace
+    return host
 
 
 def _store(
@@ -85,18 +89,24 @@ def test_a_run_is_tier2_then_tier3_from_where_tier2_stopped(tmp_path: Path) -> N
     _store(host, None, prompt, range(0, 20))
     _store(None, disk, prompt, range(20, 30))
     _store(None, disk, prompt, range(31, 40))  # after a gap: never part of a run
-    q = TierResidency(host, NS, tmp_path).query(prompt, BS)
+    q = TierResidency(host, tmp_path).query(prompt, BS)
     assert q is not None
     assert q.run(0) == 30
     assert q.run(5) == 25  # a pool holding 5 blocks loads the next 25
     assert q.run(30) == 0
     # Without tier 3 the run ends where tier 2 does; another namespace holds nothing.
-    assert TierResidency(host, NS, None).query(prompt, BS).run(0) == 20  # type: ignore[union-attr]
-    other = TierResidency(host, bytes(16), tmp_path).query(prompt, BS)
+    assert TierResidency(host, None).query(prompt, BS).run(0) == 20  # type: ignore[union-attr]
+    other = TierResidency(_host(namespace=bytes(range(1, 17))), tmp_path).query(prompt, BS)
     assert other is not None and other.run(0) == 0
-    assert TierResidency(host, NS, tmp_path).query(prompt, 2 * BS) is None
+    assert TierResidency(host, tmp_path).query(prompt, 2 * BS) is None
+    # Before a worker has named the blocks the tiers answer nothing, then read its name.
+    unnamed = _host(namespace=None)
+    late = TierResidency(unnamed, tmp_path)
+    assert late.query(prompt, BS) is None
+    assert unnamed.adopt_namespace(NS) == NS and unnamed.adopt_namespace(bytes(range(1, 17))) == NS
+    assert late.query(prompt, BS).run(20) == 10  # type: ignore[union-attr]
     host.clear()  # tier 2 emptied: tier 3 holds nothing from block 0
-    assert TierResidency(host, NS, tmp_path).query(prompt, BS).run(0) == 0  # type: ignore[union-attr]
+    assert TierResidency(host, tmp_path).query(prompt, BS).run(0) == 0  # type: ignore[union-attr]
 
 
 def test_a_tier_hit_draws_the_request_to_a_busier_worker_of_the_tiers_host(
@@ -109,7 +119,7 @@ def test_a_tier_hit_draws_the_request_to_a_busier_worker_of_the_tiers_host(
     _store(None, disk, prompt, range(20, 35))
     # p0 and p1 share the tiers' node; p2 is on another host. p0 is the busiest.
     table = _table(["here", "here", "there"], queued=[300, 200, 0])
-    tiers = TierResidency(host, NS, tmp_path, node="here")
+    tiers = TierResidency(host, tmp_path, node="here")
 
     plain = Router(table, PolicyName.CACHE_AWARE, summaries=_summaries(3))
     p = plain.place(len(prompt), 8, plain.hash_blocks(prompt))
@@ -132,7 +142,7 @@ def test_tier_blocks_count_after_the_pool_prefix_of_each_worker(tmp_path: Path) 
     table = _table(["here", "here"], queued=[100, 0])
     summaries = _summaries(2)
     summaries[(Role.PREFILL, 0)].update(block_hashes(prompt, BS)[:10], [])  # p0's pool
-    tiers = TierResidency(host, NS, None, node="here")
+    tiers = TierResidency(host, None, node="here")
     router = Router(table, PolicyName.CACHE_AWARE, summaries=summaries, tiers=tiers)
     p = router.place(len(prompt), 8, router.hash_blocks(prompt))
     # p0: 10 blocks in its pool, the other 30 from tier 2; p1's pool has none, and tier 2

@@ -1,7 +1,7 @@
 """Tier 2: a block store in shared memory, one per host, used by every worker on it.
 
 Layout of the mapped buffer (all little-endian u64 unless named):
-    header   (64,)                        magic, format, geometry, clock, epoch, counters
+    header   (64,)                        magic, format, geometry, clock, epoch, ns, counters
     index    (table,) i32                 open-addressed hash of key -> slot + 1 (0 empty,
                                           -1 deleted); table = a power of two >= 2 slots
     meta     (slots, 8)                   version, tick, pid, key lo/hi, parent lo/hi, flags
@@ -47,6 +47,7 @@ H_MAGIC, H_FORMAT, H_SLOTS, H_BLOCK, H_PAYLOAD, H_STRIDE, H_TICK, H_EPOCH, H_DEL
 # The last ``clear`` epoch tier 3's writer has applied to the disk (it empties its
 # namespace's files when the epoch moves: ``Persister.persist_some``).
 H_DISK_EPOCH = 9
+H_NAMESPACE = 10  # and 11: the blocks' namespace digest, 0 until a worker adopts one
 # counters (header words from 16): what /metrics shows, summed over the host's workers
 COUNTERS = (
     "host_stores",
@@ -382,6 +383,20 @@ class HostStore:
     def set_disk_epoch(self, epoch: int) -> None:
         with self.locked():
             self.header[H_DISK_EPOCH] = epoch
+
+    def adopt_namespace(self, namespace: bytes) -> bytes:
+        """The store's namespace: ``namespace``, unless a worker adopted one before."""
+        with self.locked():
+            if not self.header[H_NAMESPACE : H_NAMESPACE + 2].any():
+                self.header[H_NAMESPACE : H_NAMESPACE + 2] = key_words(namespace)
+            return words_key(*self.header[H_NAMESPACE : H_NAMESPACE + 2].tolist())
+
+    @property
+    def namespace(self) -> bytes | None:
+        """The namespace the engine workers adopted, None before the first one did."""
+        with self.locked():
+            words = self.header[H_NAMESPACE : H_NAMESPACE + 2].tolist()
+        return words_key(*words) if any(words) else None
 
     # ---- the persister's view ------------------------------------------------------
 

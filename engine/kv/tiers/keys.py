@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from wire.kv_layout import KVLayout
+
 # Bump when the pool's block layout (engine/kv/kv_cache.py) changes meaning.
 KV_LAYOUT_VERSION = 1
 # Bump when the way keys are chained below changes.
@@ -40,6 +42,22 @@ class Namespace:
         text = f"{self.weights}|{self.dtype}|{self.block_size}|{self.layout}|"
         text += f"{KV_LAYOUT_VERSION}|{HASH_SCHEME.decode()}"
         return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
+
+
+def block_namespace(weights: str, layout: KVLayout) -> bytes:
+    """The namespace digest of the blocks of a pool of ``layout`` (its dtype, block size,
+    per-block shape and byte order inside a block) holding KV of ``weights``.
+
+    NOTE: the one statement of a block's namespace. Only the engine workers call it, on
+    their own pool's layout (``layout_of(pool, backend.kv_order)``): the order inside a
+    block is their attention backend's, which only they know. The first of them publishes
+    the digest in tier 2's header (``HostStore.adopt_namespace``), and tier 3's writer and
+    the router take it from there, so every party names a block alike.
+    """
+    per_block = str(layout.shape[1:])
+    if layout.order != "tokens":  # "tokens" blocks keep the namespace they always had
+        per_block += f" {layout.order}"
+    return Namespace(weights, f"torch.{layout.dtype}", layout.block_size, per_block).digest
 
 
 def weights_fingerprint(model_dir: Path, also: Sequence[Path] = ()) -> str:

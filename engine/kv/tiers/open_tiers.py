@@ -1,6 +1,7 @@
 """Opening a pool's tiers: the host's tier-2 segment (inherited fd), tier 3's directory,
 and the class that fits the pool's device (``TieredKV`` on CPU, ``AsyncTieredKV`` with a
-side-stream copier on CUDA)."""
+side-stream copier on CUDA). The workers name the blocks: the first to open the tiers
+publishes their namespace in tier 2's header, where tier 3's writer and the router read it."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.kv.kv_cache import layout_of
 from engine.kv.tiers.async_tiers import AsyncTieredKV
 from engine.kv.tiers.cuda_copy import CudaCopier
 from engine.kv.tiers.disk_store import DiskStore
 from engine.kv.tiers.host_store import HostStore
-from engine.kv.tiers.keys import Namespace, weights_fingerprint
+from engine.kv.tiers.keys import block_namespace, weights_fingerprint
 from engine.kv.tiers.tiered import TieredKV
 
 logger = logging.getLogger(__name__)
@@ -29,13 +31,18 @@ def open_tiers(config: EngineConfig, pool: torch.Tensor, order: str = "tokens") 
         return None
     buf = memoryview(mmap.mmap(config.kv_offload_fd, config.kv_offload_nbytes, mmap.MAP_SHARED))
     host = HostStore(config.kv_offload_fd, buf)
-    ns = Namespace(
-        weights=weights_fingerprint(Path(config.model)),
-        dtype=str(pool.dtype),
-        block_size=config.block_size,
-        # "tokens" blocks keep the namespace they always had (files on disk stay valid).
-        layout=str(tuple(pool.shape[1:])) + ("" if order == "tokens" else f" {order}"),
-    ).digest
+    ns = block_namespace(weights_fingerprint(Path(config.model)), layout_of(pool, order))
+    adopted = host.adopt_namespace(ns)
+    if adopted != ns:  # another worker of this host writes blocks of another layout
+        logger.error(
+            "KV tiers off in this worker: its blocks (%s order, %s) are not those the "
+            "host's tiers hold (namespace %s, this worker's %s)",
+            order,
+            pool.dtype,
+            adopted.hex(),
+            ns.hex(),
+        )
+        return None
     disk = None
     if config.kv_offload_dir:
         nbytes = pool[0].numel() * pool.element_size()

@@ -13,6 +13,11 @@ within ``budget`` bytes and above ``min_free`` bytes free on the file system, an
 failed write (disk full, quota, read-only) drops the block and refunds its bytes.
 While idle it wakes twice a second to look for new blocks (a few microseconds' work).
 
+The blocks' namespace (tier 3's subdirectory and every file's header) is the one the engine
+workers published in tier 2's header (``HostStore.adopt_namespace``), never one of its own:
+the writer cannot know the order inside a block, which is the workers' attention backend's.
+Until a worker has published it, tier 2 holds nothing to write.
+
 A ``HostStore.clear`` (POST /reset_prefix_cache) moves tier 2's epoch; the writer then
 deletes every file of its namespace and reports the epoch back (``disk_epoch``). A write
 racing the clear (its slot checked just before it) lands before that deletion, which
@@ -43,8 +48,9 @@ BATCH = 64
 class Persister:
     """Tier 3's writer; ``start()`` its thread, ``stop()`` flushes and joins it."""
 
-    def __init__(self, host: HostStore, disk: DiskStore, budget: int, min_free: int) -> None:
-        self.host, self.disk = host, disk
+    def __init__(self, host: HostStore, root: Path, budget: int, min_free: int) -> None:
+        self.host, self.root = host, root
+        self._disk: DiskStore | None = None
         self.budget, self.min_free = budget, min_free
         self.files: OrderedDict[Path, tuple[int, float]] = OrderedDict()  # LRU first
         self.usage = 0
@@ -54,12 +60,22 @@ class Persister:
         host.set_disk_epoch(self._epoch)
         self.scan()
 
+    @property
+    def disk(self) -> DiskStore | None:
+        """The files of the workers' namespace; None until a worker has published it."""
+        if self._disk is None:
+            ns = self.host.namespace
+            if ns is not None:
+                g = self.host.geometry
+                self._disk = DiskStore(self.root, ns, g.block_size, g.payload_nbytes)
+        return self._disk
+
     def scan(self) -> None:
         """Rebuild usage and LRU order from the directory; delete leftover temp files."""
         found: list[tuple[float, Path, int]] = []
         removed = 0
-        if self.disk.root.exists():
-            for dirpath, _dirs, names in os.walk(self.disk.root):
+        if self.root.exists():
+            for dirpath, _dirs, names in os.walk(self.root):
                 if Path(dirpath).name == "quarantine":
                     continue
                 for name in names:
@@ -78,7 +94,7 @@ class Persister:
         self.usage = sum(size for _, _, size in found)
         logger.info(
             "KV tier 3 at %s: %d block files, %.1f MiB; %d temp files removed",
-            self.disk.root,
+            self.root,
             len(found),
             self.usage / (1 << 20),
             removed,
@@ -88,14 +104,16 @@ class Persister:
 
     def clear(self) -> int:
         """Delete every block file of this namespace (tier 2 was cleared); files deleted."""
-        deleted = 0
-        for dirpath, _dirs, names in os.walk(self.disk.dir):
+        deleted, disk = 0, self.disk
+        if disk is None:  # no worker has named blocks yet: none of this namespace to delete
+            return 0
+        for dirpath, _dirs, names in os.walk(disk.dir):
             for name in names:
                 if name.endswith((SUFFIX, TMP_SUFFIX)):
                     with contextlib.suppress(OSError):
                         (Path(dirpath) / name).unlink()
                         deleted += 1
-        logger.info("KV tier 3 cleared: %d files of %s deleted", deleted, self.disk.dir)
+        logger.info("KV tier 3 cleared: %d files of %s deleted", deleted, disk.dir)
         self.scan()  # usage and LRU order of what is left (other namespaces)
         return deleted
 
@@ -122,31 +140,39 @@ class Persister:
             self.clear()
             self._epoch = epoch
             self.host.set_disk_epoch(epoch)
-        batch = self.host.unpersisted(BATCH)
+        disk = self.disk
+        batch = [] if disk is None else self.host.unpersisted(BATCH)
         for found, key, parent, tokens in batch:
-            path = self.disk.path(key)
+            assert disk is not None
+            path = disk.path(key)
             if path in self.files or path.exists():
                 self.host.mark_persisted(found)
                 continue
-            payload = self.host.payload[found.slot, : self.disk.payload_nbytes].copy()
+            payload = self.host.payload[found.slot, : disk.payload_nbytes].copy()
             if self.host.still_valid([found]) != 1:
                 continue  # evicted while copied: nothing to write
-            self._write(key, parent, tokens, payload, path)
+            self._write(disk, key, parent, tokens, payload, path)
             self.host.mark_persisted(found)  # written, or dropped for good (disk full)
         if batch:
             self._publish()
         return len(batch)
 
     def _write(
-        self, key: bytes, parent: bytes, tokens: np.ndarray, payload: np.ndarray, path: Path
+        self,
+        disk: DiskStore,
+        key: bytes,
+        parent: bytes,
+        tokens: np.ndarray,
+        payload: np.ndarray,
+        path: Path,
     ) -> None:
-        size = self.disk.file_nbytes
+        size = disk.file_nbytes
         if not self._evict(size):
             self.host.set_counter("disk_dropped", self._counter("disk_dropped") + 1)
             return
         t0 = time.perf_counter_ns()
         try:
-            written = self.disk.write(key, parent, tokens, payload)
+            written = disk.write(key, parent, tokens, payload)
         except OSError as e:
             logger.warning("KV tier 3: cannot write a block (%s); it stays off disk", e)
             with self.host.locked():
@@ -189,7 +215,7 @@ class Persister:
 
     def _free(self) -> int:
         try:
-            st = os.statvfs(self.disk.root if self.disk.root.exists() else self.disk.root.parent)
+            st = os.statvfs(self.root if self.root.exists() else self.root.parent)
         except OSError:
             return 0
         return st.f_bavail * st.f_frsize
