@@ -115,6 +115,10 @@ class FrontendLaunch:
     # A head node's ``--remote-decode`` reserve: decode indices other nodes bring. Until a
     # node brings one, /health cannot say where it runs (its node reads "").
     remote_decode: tuple[int, ...] = ()
+    # ``--workers``: the (TTFT, TPOT) targets in ms its planner holds (router/planner.py),
+    # and whether POST /roles may set roles by hand; None: no planner (fixed roles).
+    slo_ms: tuple[float, float] | None = None
+    allow_role_override: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -4,11 +4,12 @@ refusal is a ``ConfigError`` naming the flag to change."""
 from __future__ import annotations
 
 import os
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from launcher.flags import build_parser
 from launcher.limit_args import validate_request_limits
 from launcher.lora_args import validate_lora_flags
+from launcher.role_args import validate_role_flags
 from launcher.settings import (
     API_KEY_ENV,
     CLUSTER_KEY_ENV,
@@ -33,6 +34,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     if values["cluster_key"] is None:
         values["cluster_key"] = os.environ.get(CLUSTER_KEY_ENV) or None
     config = ServerConfig(**values)
+    if (problem := validate_role_flags(config, DEFAULTS)) is not None:
+        raise ConfigError(problem)
+    if config.workers:  # co-located workers that also hand KV off (launcher/role_args.py)
+        config = replace(config, colocated=config.workers)
     validate(config)
     return config
 

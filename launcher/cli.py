@@ -37,6 +37,7 @@ from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
 from launcher.lora_args import lora_modules
 from launcher.memory import Demand, MemoryBudgetError, plan_kv, weight_bytes
 from launcher.placement import WorkerPlace, describe, kv_transfer_backend, placements
+from launcher.role_args import slo_targets
 from launcher.settings import ConfigError, KVBackend, ServerConfig
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
@@ -138,7 +139,7 @@ def _engine_children(
     for place in placements(gpus, config.gpu_memory_utilization):
         if place.role is Role.DECODE:
             place = replace(place, index=place.index + first_decode)
-        handoff = None if place.role is Role.COLOCATED else backend
+        handoff = backend if place.role is not Role.COLOCATED else _workers_handoff(config)
         fields = dict(topo.kv_tier_fields)
         if topo.weights_fd is not None and place.device == "cpu":
             fields["weights_fd"] = topo.weights_fd
@@ -147,6 +148,11 @@ def _engine_children(
         env = {"OMP_NUM_THREADS": threads, **ucx, **place.env()}
         out.append(Child(topo.spec(place.role, place.index, settings), env))
     return out
+
+
+def _workers_handoff(config: ServerConfig) -> KVTransferName | None:
+    """A co-located worker's KV handoff: ``shm`` to the other ``--workers``, else none."""
+    return "shm" if config.workers else None
 
 
 def _children(
@@ -196,6 +202,8 @@ def _children(
         api_workers=config.api_workers,
         node=cluster.node_name(config),
         remote_decode=tuple(cluster.remote_decode(config)),
+        slo_ms=slo_targets(config, "cpu" if gpus.on_cpu else "cuda") if config.workers else None,
+        allow_role_override=config.allow_role_override,
     ).to_json()
     frontends = [
         Child(topo.spec(Role.FRONTEND, n, frontend), dict(cpu_only))
@@ -257,6 +265,7 @@ def _build_topology(
         num_colocated=config.colocated,
         num_frontends=config.api_workers,
         remote=cluster.head_topology_remote(config),
+        handoff=config.workers > 0,
     )
     if config.enable_lora:
         topo.add_lora_table(config.max_loras)
@@ -266,6 +275,11 @@ def _build_topology(
         on_cpu = gpus is not None and gpus.on_cpu
         blocks = -(-config.kv_cache_tokens // config.block_size) if on_cpu else None
         topo.add_prefix_summaries(summary_counters(blocks))
+    if config.workers:  # --workers: any worker may hand KV to another, from its shared pool
+        layout = _kv_layout(config, model, gpus)
+        for c in range(config.workers):
+            topo.add_kv_pool(c, layout, Role.COLOCATED)
+        return topo
     if config.colocated:  # no prefill/decode pools, no KV handoff: nothing more to share
         return topo
     if backend is KVBackend.CUDA_IPC:  # decode workers map the prefill GPU pools
@@ -379,6 +393,10 @@ def serve(config: ServerConfig) -> int:
     if swept:
         logger.info("removed %d shared-memory leftovers of dead servers", len(swept))
     gpus = assign_gpus(config)
+    if config.workers and not gpus.on_cpu:
+        raise ConfigError(
+            "--workers runs on CPU for now; on GPUs give --prefill/--decode or --colocated"
+        )
     backend = kv_transfer_backend(config, gpus)
     if config.advertise is not None and backend is not KVBackend.SHM:
         raise ConfigError(

@@ -13,6 +13,7 @@ from engine.weights.plan import QUANTIZATIONS
 from frontend.api.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from launcher.limit_args import add_request_limit_flags
 from launcher.lora_args import add_lora_flags
+from launcher.role_args import add_role_flags
 from launcher.settings import (
     API_KEY_ENV,
     CLUSTER_KEY_ENV,
@@ -98,6 +99,7 @@ def _workers(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         help="run this many workers that each prefill and decode their own requests "
         "(no KV transfer; the benchmark baseline) instead of separate pools",
     )
+    add_role_flags(g)
     add(
         "--fork-workers",
         action=argparse.BooleanOptionalAction,

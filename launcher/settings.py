@@ -11,6 +11,7 @@ from engine.config import EngineConfig, SpeculativeConfig
 from frontend.settings import ConnectionLimits
 from launcher.limit_args import DEFAULTS as LIMIT_DEFAULTS
 from launcher.lora_args import DEFAULTS as LORA_DEFAULTS
+from launcher.role_args import DEFAULTS as ROLE_DEFAULTS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 CLUSTER_KEY_ENV = "PDSERVE_CLUSTER_KEY"
@@ -75,7 +76,12 @@ class ServerConfig:
     decode: int = 1
     detokenizers: int = 1
     api_workers: int = 1  # HTTP frontend processes sharing the port
-    colocated: int = 0
+    colocated: int = 0  # --workers N sets it to N (parse_args): co-located workers with roles
+    # Roles the server chooses (launcher/role_args.py): N engine workers and the targets.
+    workers: int = ROLE_DEFAULTS["workers"]
+    slo_ttft_ms: float | None = ROLE_DEFAULTS["slo_ttft_ms"]
+    slo_tpot_ms: float | None = ROLE_DEFAULTS["slo_tpot_ms"]
+    allow_role_override: bool = ROLE_DEFAULTS["allow_role_override"]
     fork_workers: bool = True  # children forked from one interpreter that imported torch
     host: str = "127.0.0.1"
     port: int = 8000

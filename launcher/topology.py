@@ -25,6 +25,7 @@ from transport.kv import create_pool_segment
 from transport.load_table import LoadTable
 from transport.prefix_summary import PrefixSummary, create_summary_segment
 from transport.ring import Ring
+from transport.role_table import RoleTable
 from transport.segment import Segment
 from wire.kv_layout import KVLayout
 from wire.ring_names import Peer, RingKind, RingName
@@ -64,8 +65,11 @@ class Topology:
         num_colocated: int = 0,
         num_frontends: int = 1,
         remote: frozenset[Peer] = frozenset(),
+        handoff: bool = False,
     ) -> None:
+        """``handoff``: the co-located workers also hand KV to each other (``--workers``)."""
         self.p, self.d, self.k, self.c = num_prefill, num_decode, num_detok, num_colocated
+        self.handoff = handoff
         self.f = num_frontends
         self.remote = remote
         self.frontends = [Peer(Role.FRONTEND, n) for n in range(self.f)]
@@ -98,6 +102,11 @@ class Topology:
         self.weights_fd: int | None = None
         # The LoRA adapters every frontend serves (``--enable-lora``): one shared list.
         self.lora_segment: Segment | None = None
+        # ``--workers``: every worker's role (transport/role_table.py), for the frontends.
+        self.roles_segment: Segment | None = None
+        if handoff:
+            self.roles_segment = Segment.create("roles", RoleTable.layout_nbytes(self.c, self.f))
+            RoleTable.format(self.roles_segment.buf, self.c, self.f)
 
     def add_lora_table(self, max_loras: int) -> None:
         self.lora_segment = Segment.create("loras", lora_table.layout_nbytes(max_loras))
@@ -141,14 +150,19 @@ class Topology:
             for k in shards:
                 self._add(RingKind.TOK, w, k)
                 self._add(RingKind.STOP, k, w)
+            for other in range(self.c) if self.handoff else ():
+                if other != c:  # c prefills, other decodes (transport/role_table.py)
+                    self._add(RingKind.KV, w, Peer(Role.COLOCATED, other))
+                    self._add(RingKind.REL, Peer(Role.COLOCATED, other), w)
         for k in shards:
             for f in self.frontends:
                 self._add(RingKind.CTL, f, k)
                 self._add(RingKind.TEXT, k, f)
 
-    def add_kv_pool(self, prefill: int, layout: KVLayout) -> None:
-        """The shared segment decode workers copy prefill ``prefill``'s blocks from."""
-        name = str(Peer(Role.PREFILL, prefill))
+    def add_kv_pool(self, prefill: int, layout: KVLayout, role: Role = Role.PREFILL) -> None:
+        """The shared segment decode workers copy prefill ``prefill``'s blocks from (or
+        the other ``--workers`` workers, co-located worker ``prefill``'s)."""
+        name = str(Peer(role, prefill))
         self.kv_segments[name] = (create_pool_segment(name, layout), layout)
 
     def add_kv_tier(
@@ -215,6 +229,9 @@ class Topology:
         if self.lora_segment is not None and role is Role.FRONTEND:
             lora = self.lora_segment.spec
             segments["loras"] = {"fd": lora.fd, "nbytes": lora.nbytes}
+        if self.roles_segment is not None and role is Role.FRONTEND:
+            roles = self.roles_segment.spec
+            segments["roles"] = {"fd": roles.fd, "nbytes": roles.nbytes}
         if self.kv_tier is not None and (role.is_engine or role is Role.FRONTEND):
             segments["kvtier"] = {"fd": self.kv_tier.spec.fd, "nbytes": self.kv_tier.spec.nbytes}
             if role is Role.FRONTEND:  # what its router needs (router/tier_residency.py)
@@ -228,7 +245,7 @@ class Topology:
         kv_pools = {
             name: {"fd": seg.spec.fd, "nbytes": seg.spec.nbytes, "layout": asdict(layout)}
             for name, (seg, layout) in self.kv_segments.items()
-            if name == str(me) or role is Role.DECODE
+            if name == str(me) or role in (Role.DECODE, Role.COLOCATED)
         }
         return ProcessSpec(
             role=role,

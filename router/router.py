@@ -37,16 +37,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.kv.block_allocator import block_hashes
 from router.ledger import Ledger, PeerBooks, WorkerKey
 from router.lora_affinity import AdapterAffinity
 from router.policy import Candidate, PolicyName, make_policy
+from router.roles import local_is_sooner
 from router.tier_residency import TierQuery, TierResidency
 from transport.load_table import LoadRow, LoadTable, WorkerState
 from transport.prefix_summary import PrefixSummary
+from transport.role_table import RoleTable
 from transport.segment import pid_alive
 from wire.roles import Role
 
@@ -107,10 +109,15 @@ class Router:
         summaries: Mapping[WorkerKey, PrefixSummary] | None = None,
         peers: PeerBooks | None = None,
         tiers: TierResidency | None = None,
+        roles: RoleTable | None = None,
+        owner: int = 0,
     ) -> None:
         """``peers``: the other frontends' books (``router/ledger.py``), when several
         frontends route over the same workers; admission bounds then hold for their sum.
-        ``tiers``: the host's KV tiers, a hit for every worker on ``tiers.node``."""
+        ``tiers``: the host's KV tiers, a hit for every worker on ``tiers.node``.
+        ``roles``: the roles of ``launch --workers`` workers (``transport/role_table.py``):
+        placement follows them, and this frontend (``owner``) counts its placements there."""
+        self.roles, self._owner = roles, owner
         self._table = table
         self._config = config or RouterConfig()
         # Prefix summaries by (role, index); read only by the cache-aware policy.
@@ -167,11 +174,16 @@ class Router:
                 f"prompt_len and max_tokens must be >= 1, got {prompt_len}, {max_tokens}"
             )
         rows, now = self._snapshot()
-        p_role, d_role = _roles(rows)
         req = _Request(prompt_len, max_tokens, hashes if self.cache_aware else (), lora)
-        p_row = self._choose(rows, p_role, req, now, only=prefill)
-        d_row = p_row if p_role is d_role else self._choose(rows, d_role, req, now)
+        if self.roles is not None:
+            p_row, d_row, kind = self._by_role(rows, req, now, prefill)
+        else:
+            p_role, d_role = _roles(rows)
+            p_row = self._choose(rows, p_role, req, now, only=prefill)
+            d_row = p_row if p_role is d_role else self._choose(rows, d_role, req, now)
         placement = self._commit(p_row, d_row, prompt_len, max_tokens)
+        if self.roles is not None:
+            self.roles.count(self._owner, kind)
         if lora is not None:
             for key in placement.keys:
                 self.adapters.sent(key, lora)
@@ -186,6 +198,9 @@ class Router:
         (Admission only gets harder as the prompt grows, so a 1-token prompt is the test.)
         """
         rows, now = self._snapshot()
+        if self.roles is not None:
+            self._by_role(rows, _Request(1, 1), now, None)
+            return
         for role in set(_roles(rows)):
             self._choose(rows, role, _Request(1, 1), now)
 
@@ -240,11 +255,17 @@ class Router:
         req: _Request,
         now_ns: int,
         only: int | None = None,
+        among: Collection[int] | None = None,
+        decode: bool = False,
     ) -> LoadRow:
+        """``among``: only workers of these indices; ``decode``: choose as a decoder."""
         live = [
             r
             for r in rows
-            if r.role is role and self._routable(r, now_ns) and (only is None or r.index == only)
+            if r.role is role
+            and self._routable(r, now_ns)
+            and (only is None or r.index == only)
+            and (among is None or r.index in among)
         ]
         if not live:
             raise NoCapacity(self._config.retry_after_dead_s, f"no live {role} worker")
@@ -258,9 +279,45 @@ class Router:
         ]
         if req.lora is not None:
             candidates = self._adapter_holders(admitted, candidates, req.lora)
-        policy = self._decode_policy if role is Role.DECODE else self._prefill_policy
+        decode = decode or role is Role.DECODE
+        policy = self._decode_policy if decode else self._prefill_policy
         pick = policy.choose(candidates).index
         return next(r for r in admitted if r.index == pick)
+
+    def _by_role(
+        self, rows: list[LoadRow], req: _Request, now_ns: int, only: int | None
+    ) -> tuple[LoadRow, LoadRow, str]:
+        """(prefill row, decode row, placement kind) among ``--workers`` workers by their
+        roles (``transport/role_table.py``): a COLOCATED worker takes a request whole; a
+        PREFILL one hands it to a DECODE (or COLOCATED) worker, unless prefilling it on
+        that decoder finishes it sooner (``router/roles.py``)."""
+        assert self.roles is not None
+        roles = self.roles.roles()
+        takers = [i for i, r in enumerate(roles) if r is not Role.DECODE]
+        p_row = self._choose(rows, Role.COLOCATED, req, now_ns, only=only, among=takers)
+        if roles[p_row.index] is Role.COLOCATED:
+            return p_row, p_row, "colocated"
+        decoders = [i for i, r in enumerate(roles) if r is not Role.PREFILL]
+        try:
+            d_row = self._choose(rows, Role.COLOCATED, req, now_ns, among=decoders, decode=True)
+        except NoCapacity:  # no decoder can take it now: its prefill worker decodes it too
+            return p_row, p_row, "colocated"
+        if only is None and local_is_sooner(
+            self._compute_tokens(d_row, req), self._queued(p_row), self._queued(d_row)
+        ):
+            return d_row, d_row, "local"
+        return p_row, d_row, "handoff"
+
+    def _queued(self, r: LoadRow) -> int:
+        """Prompt tokens waiting for ``r``'s prefill, those still on its ring included."""
+        return r.queued_prefill_tokens + self.ledger.of(r).unsent_tokens(r)
+
+    def _compute_tokens(self, r: LoadRow, req: _Request) -> int:
+        """Prompt tokens ``r`` would compute for ``req`` past the prefix it probably holds."""
+        summary = self._summaries.get(r.worker)
+        bs = max(r.block_size, 1)
+        held = summary.count_prefix(req.hashes) if summary is not None and req.hashes else 0
+        return req.prompt_len - min(held, (req.prompt_len - 1) // bs) * bs
 
     def _adapter_holders(
         self, rows: list[LoadRow], candidates: list[Candidate], lora: str

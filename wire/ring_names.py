@@ -18,6 +18,9 @@ With ``--colocated N`` there are no prefill/decode rings; instead:
     req.f{n}.c{c}   frontend n -> colocated c GenerateRequest, AbortRequest
     tok.c{c}.k{k}   colocated c -> detok k    TokenBatch (first and later tokens)
     stop.k{k}.c{c}  detok k -> colocated c    AbortRequest (a stop string matched)
+With ``--workers N`` (co-located workers whose roles change) also, for c != w:
+    kv.c{c}.c{w}    worker c -> worker w      KVTransfer (c prefilled, w decodes)
+    rel.c{w}.c{c}   worker w -> worker c      KVRelease
 Every frontend (``launch --api-workers N``) has its own rings to every worker and shard:
 rings stay single-producer, single-consumer. Which frontend owns a request is in its id
 (``wire/rids.py``).

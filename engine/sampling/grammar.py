@@ -19,6 +19,7 @@ Who calls what, when:
   ``apply_bitmask`` puts -inf on the rest; ``GrammarState.accept`` advances the matcher by
   the sampled token (``Sequence.append_token`` calls it).
 - ``compile_now(spec)``: compile synchronously (the frontend validates off its loop).
+  A grammar whose language is empty is a ``GrammarError`` (engine/sampling/grammar_check.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import EngineError
+from engine.sampling.grammar_check import emptiness
 from engine.sampling.grammar_vocab import tokenizer_info
 from wire.params import GrammarKind, GrammarSpec
 
@@ -97,10 +99,10 @@ class GrammarState:
         if self.failed or self._matcher.is_terminated():
             return False
         if not self._matcher.accept_token(token):
-            # NOTE: the mask makes this unreachable for tokens sampled here; a replayed
-            # output from elsewhere could still disagree. The request then runs on
-            # unconstrained rather than dying (check_stop ends it as soon as it can).
-            logger.error("rid %d: token %d is outside the grammar", self.rid, token)
+            # NOTE: only a mask that allowed nothing (the sampler then picks any token)
+            # or a replayed output that disagrees gets here. The request ends with an
+            # error where its token is emitted (runtime/step_output.py), never unconstrained.
+            logger.warning("rid %d: token %d is outside the grammar", self.rid, token)
             self.failed = True
             return False
         return True
@@ -108,8 +110,8 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write this sequence's allowed next tokens into ``bitmask[row]``.
 
-        A failed or complete grammar leaves the row as it is (check_stop ends the
-        request at once: the row is not sampled under a grammar again).
+        A failed or complete grammar leaves the row as it is (the request ends at
+        once: the row is not sampled under a grammar again).
         """
         if self.failed or self._matcher.is_terminated():
             return
@@ -214,12 +216,17 @@ class GrammarCache:
         """Compile ``spec`` in the calling thread (no caching); ``GrammarError`` if bad."""
         self.compiled += 1
         try:
-            return compile_spec(self._get_compiler(), spec)
+            compiled = compile_spec(self._get_compiler(), spec)
+            why = emptiness(compiled, self.vocab_size)
         except GrammarError:
             raise
         except Exception as e:  # the library's own failure: the request fails, not the worker
             logger.exception("the grammar engine failed on a %s", spec.kind.value)
             raise GrammarError(f"the grammar engine failed: {_clean(e)}") from e
+        if why is not None:  # sampling under it would have no token to pick
+            what = "schema" if spec.kind is GrammarKind.JSON_SCHEMA else spec.kind.value
+            raise GrammarError(f"{what} admits no output: {why}")
+        return compiled
 
     def _get_compiler(self) -> Any:
         with self._compiler_lock:

@@ -12,7 +12,9 @@ The spec is compiled once here, in one of the frontend's grammar worker processe
 grammar engine rejects, one using a keyword it would silently not enforce, or one that
 would take too long, is a 400 that says what is wrong before any worker sees the
 request. Workers compile it again for themselves (engine/sampling/grammar.py); both
-sides cache by the spec's key. Sizes and depths are checked first (``limits.py``).
+sides cache by the spec's key. Sizes and depths are checked first (``limits.py``). A
+grammar that admits no output is a 400 too: a JSON schema that says so on its face
+(``schema_checks.py``), or one whose compiled grammar does (engine/sampling/grammar_check.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from engine.sampling.grammar import GrammarError
 from frontend.api.limits import check_text_size, decode_json_text
+from frontend.api.schema_checks import check_satisfiable
 from frontend.engine_link.grammar_pool import GrammarPool, GrammarTimeout, GrammarUnavailable
 from frontend.errors import (
     InvalidRequest,
@@ -110,6 +113,7 @@ def _spec(key: str, value: Any, param: str, max_depth: int) -> GrammarSpec:
     """One vLLM-style constraint (``json``/``regex``/``choice``/``grammar``) as a spec."""
     if key == "json":
         schema = _schema(value, param, max_depth)
+        check_satisfiable(schema, param)
         check_enforceable(schema, param)
         return GrammarSpec(kind=GrammarKind.JSON_SCHEMA, text=json.dumps(schema))
     if key == "choice":
@@ -145,6 +149,11 @@ def check_enforceable(schema: Any, param: str) -> None:
             raise NotImplementedField(
                 param, f"the JSON-schema keyword '{word}' is not enforced by the grammar engine"
             )
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        # NOTE: xgrammar 0.2.8 drops such an allOf and every keyword beside it.
+        raise NotImplementedField(
+            param, "an 'allOf' of several schemas is not enforced by the grammar engine"
+        )
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         raise NotImplementedField(param, f"only local $ref ('#/...') is supported, not {ref!r}")

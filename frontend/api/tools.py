@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend.api.protocol import ChatTool
+from frontend.api.schema_checks import check_satisfiable
 from frontend.api.structured import check_enforceable
 from frontend.api.tool_parsers import (
     PARSERS,
@@ -95,6 +96,7 @@ def _checked_tool(i: int, tool: ChatTool) -> dict[str, Any]:
         )
     fn = tool.function.model_dump(exclude_none=True)
     params = fn.get("parameters", {"type": "object", "properties": {}})
+    check_satisfiable(params, f"{param}.function.parameters")
     check_enforceable(params, f"{param}.function.parameters")
     return {"type": "function", "function": {**fn, "parameters": params}}
 

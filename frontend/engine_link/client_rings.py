@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from frontend.engine_link.engine_client import (
 from frontend.engine_link.lora_table import LoraTable
 from frontend.engine_link.prefix_reset import ResetDone, reset_prefix_cache
 from frontend.engine_link.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream
+from frontend.engine_link.roles import RoleControl
 from frontend.engine_link.worker_status import (
     frontend_health,
     shards_alive,
@@ -57,6 +59,7 @@ from runtime.process import (
 )
 from transport.errors import PeerDead, RecordTooLarge
 from transport.ring import Ring
+from transport.role_table import RoleTable
 from wire.records import (
     AbortRequest,
     Control,
@@ -87,7 +90,11 @@ class RingEngineClient(EngineClient):
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         node: str = "",
         remote_decode: Sequence[int] = (),
+        slo_ms: tuple[float, float] | None = None,
+        allow_role_override: bool = False,
     ) -> None:
+        """``slo_ms``, ``allow_role_override``: ``launch --workers``' planner targets and
+        test route (``frontend/engine_link/roles.py``)."""
         rings = attach_rings(spec)
         self.doorbell = rings.doorbell
         self.table, self._table_seg = load_table(spec)
@@ -117,8 +124,19 @@ class RingEngineClient(EngineClient):
         mapped = prefix_summaries(spec)  # each engine worker's; kept mapped with the client
         self._summary_segs = [seg for _, seg in mapped.values()]
         summaries = {_worker_key(name): summary for name, (summary, _) in mapped.items()}
+        self._roles_seg = shared_segment(spec, "roles")  # launch --workers
+        roles = None if self._roles_seg is None else RoleTable(self._roles_seg.buf)
+        if roles is not None:
+            self.role_control = RoleControl(roles, spec.index, slo_ms, allow_role_override)
         self.router = Router(
-            self.table, policy, router_config, summaries, peers=self.shared, tiers=residency
+            self.table,
+            policy,
+            router_config,
+            summaries,
+            peers=self.shared,
+            tiers=residency,
+            roles=roles,
+            owner=spec.index,
         )
         self.shard_ctl = rings.sinks(RingKind.CTL, Role.DETOK)
         self.decode_ctl = rings.sinks(RingKind.CTL, Role.DECODE)
@@ -141,6 +159,7 @@ class RingEngineClient(EngineClient):
         self.remote = frozenset((Role.DECODE, j) for j in remote_decode)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._planner: asyncio.Task[None] | None = None
 
     # ---- reading -----------------------------------------------------------------------
 
@@ -150,6 +169,8 @@ class RingEngineClient(EngineClient):
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self.doorbell.fileno(), self._on_bell)
         self._watchdog = self._loop.create_task(self.recovery.watch())
+        if self.role_control is not None and self.role_control.planner is not None:
+            self._planner = self._loop.create_task(self.role_control.run(self.table))
         self._on_bell()
 
     def _on_bell(self) -> None:
@@ -215,12 +236,17 @@ class RingEngineClient(EngineClient):
         stream = Stream(req, asyncio.Queue(), req.rid, placement, shard)
         self.streams[req.rid] = self.by_origin[req.rid] = stream
         finished = submitted = False
+        arrived, first_at = time.monotonic(), None  # the planner's TTFT and TPOT
         try:
             await self.submit(stream)
             submitted = True
             while True:
                 delta = await stream.queue.get()
+                if first_at is None and delta.token_ids:
+                    first_at = time.monotonic()
                 finished = delta.finish != Finish.NONE
+                if finished and self.role_control is not None:
+                    self.role_control.observe(arrived, first_at, len(stream.token_ids))
                 yield delta
                 if finished:
                     return
@@ -315,6 +341,8 @@ class RingEngineClient(EngineClient):
         targets = [self.req_rings[s.placement.prefill], self.shard_ctl[s.shard]]
         if self.decode_ctl:
             targets.append(self.decode_ctl[s.placement.decode])
+        elif s.placement.decode != s.placement.prefill:  # --workers: a handoff's decoder
+            targets.append(self.req_rings[s.placement.decode])
         for ring in targets:
             with contextlib.suppress(EngineUnavailable):
                 await self._put(ring, msg)
@@ -337,6 +365,12 @@ class RingEngineClient(EngineClient):
             node=self.node,
             remote=self.remote,
         )
+        if self.role_control is not None:  # launch --workers: each worker's role now
+            roles = self.role_control.serving_roles()
+            workers = [
+                replace(w, serving_role=roles.get(w.index)) if w.role == "colocated" else w
+                for w in workers
+            ]
         return workers + frontend_health(self.shared, node=self.node)
 
     def metrics_snapshot(self) -> list[WorkerReport]:
@@ -347,6 +381,8 @@ class RingEngineClient(EngineClient):
     async def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self._planner is not None:
+            self._planner.cancel()
         if self._loop is not None:
             self._loop.remove_reader(self.doorbell.fileno())
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from frontend.engine_link.board import FrontendBoard
 from frontend.engine_link.lora_table import LoraTable
+from frontend.engine_link.roles import RoleControl
 from transport.worker_load import WorkerLoad
 from wire.params import DetokParams, SamplingParams
 from wire.records import TextDelta
@@ -75,6 +76,9 @@ class WorkerHealth:
     state: str = "ready"
     reason: str | None = None
     node: str = ""
+    # ``launch --workers``: what the worker serves as now (``transport/role_table.py``):
+    # prefill, decode or colocated; None for a worker whose role is fixed.
+    serving_role: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,8 @@ class EngineClient(ABC):
     kv_tier_counters: Callable[[], dict[str, int]] | None = None
     # The LoRA adapters every frontend of the server serves (None: this one's alone).
     lora_table: LoraTable | None = None
+    # ``launch --workers``: the workers' roles and their planner (None: fixed roles).
+    role_control: RoleControl | None = None
     _rids: Iterator[int] | None = None
 
     def next_rid(self) -> int:

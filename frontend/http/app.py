@@ -67,6 +67,7 @@ from frontend.errors import (
 from frontend.http.guard import JSON_PATHS, Guard
 from frontend.http.openapi import with_request_bodies
 from frontend.http.reset_route import add_reset_route
+from frontend.http.roles_route import add_roles_route
 from frontend.settings import FrontendSettings
 from frontend.telemetry.metrics import FrontendMetrics
 from frontend.telemetry.stats_log import StatsLog
@@ -367,6 +368,7 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
     )
 
     add_reset_route(app, client)
+    add_roles_route(app, client)
 
     @app.get("/version")
     async def server_version() -> Response:

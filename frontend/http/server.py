@@ -113,6 +113,8 @@ def main() -> None:
         launch.stall_timeout_s,
         node=launch.node,
         remote_decode=launch.remote_decode,
+        slo_ms=launch.slo_ms,
+        allow_role_override=launch.allow_role_override,
     )
     app = build_app(client, tokenizer, settings)
     config = uvicorn.Config(

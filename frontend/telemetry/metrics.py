@@ -40,6 +40,7 @@ from frontend.engine_link.board import METRIC_WORDS, FrontendBoard
 from frontend.engine_link.engine_client import EngineClient
 from frontend.errors import LIMITS
 from frontend.telemetry.engine_metrics import EngineCollector
+from frontend.telemetry.role_metrics import RoleCollector
 from transport.load_table import WorkerState
 
 logger = logging.getLogger(__name__)
@@ -218,6 +219,8 @@ class FrontendMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_SharedCollector(self))
         self.registry.register(EngineCollector(client))
+        if client.role_control is not None:  # launch --workers
+            self.registry.register(RoleCollector(client.role_control.table))
         gpu = _NvmlCollector.try_create() if nvml else None
         if gpu is not None:
             self.registry.register(gpu)
