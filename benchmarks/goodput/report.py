@@ -1,0 +1,173 @@
+"""A goodput run's results: per point summaries, the markdown page, the JSON and the plot."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.goodput.drive import Sent
+from benchmarks.goodput.slo import TARGET, Goodput, Slo, attainment, goodput, percentiles_ms
+
+
+@dataclass(frozen=True)
+class Point:
+    """One configuration on one trace at one rate; ``sent`` empty and ``skipped`` set
+    when a lower rate already missed badly enough that this one was not sent."""
+
+    config: str
+    trace: str
+    rate: float
+    sent: tuple[Sent, ...] = ()
+    seconds: float = 0.0
+    skipped: str = ""
+
+    def attainment(self, slo: Slo) -> float:
+        return attainment([s.outcome for s in self.sent], slo)
+
+    def summary(self, slo: Slo) -> dict[str, Any]:
+        ok = [s.outcome for s in self.sent if s.outcome.ok]
+        ttft = percentiles_ms([o.ttft for o in ok])
+        tpot = percentiles_ms([o.tpot for o in ok if o.tpot is not None])
+        short = sum(1 for s in self.sent if s.outcome.ok and s.output_tokens < s.arrival.output_len)
+        return {
+            "requests": len(self.sent),
+            "failed": sum(1 for s in self.sent if not s.outcome.ok),
+            "short_outputs": short,
+            "attainment": self.attainment(slo),
+            "ttft_p50_ms": ttft[0],
+            "ttft_p90_ms": ttft[1],
+            "tpot_p50_ms": tpot[0],
+            "tpot_p90_ms": tpot[1],
+        }
+
+
+@dataclass
+class Run:
+    """Everything one ``python -m benchmarks.goodput`` records."""
+
+    command: str
+    slo: Slo
+    traces: list[str]
+    configs: list[str]
+    settings: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    points: list[Point] = field(default_factory=list)
+    load_before: str = ""
+    load_after: str = ""
+
+    def sweep(self, config: str, trace: str) -> list[Point]:
+        return sorted(
+            (p for p in self.points if p.config == config and p.trace == trace),
+            key=lambda p: p.rate,
+        )
+
+    def goodput(self, config: str, trace: str) -> Goodput | None:
+        pts = self.sweep(config, trace)
+        measured = [(p.rate, p.attainment(self.slo)) for p in pts if not p.skipped]
+        return goodput(measured) if measured else None
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def _goodput_table(run: Run) -> list[str]:
+    lines = [
+        "| configuration | " + " | ".join(f"{t} goodput (req/s)" for t in run.traces) + " |",
+        "|---|" + "---:|" * len(run.traces),
+    ]
+    for config in run.configs:
+        cells = []
+        for trace in run.traces:
+            g = run.goodput(config, trace)
+            cells.append("-" if g is None else g.text())
+        lines.append(f"| `{config}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _sweep_table(run: Run, trace: str) -> list[str]:
+    lines = [
+        "| configuration | rate (req/s) | requests | failed | attainment | TTFT p50 / p90 (ms) "
+        "| TPOT p50 / p90 (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for config in run.configs:
+        for p in run.sweep(config, trace):
+            if p.skipped:
+                lines.append(f"| `{config}` | {p.rate:g} | - | - | not sent: {p.skipped} | | |")
+                continue
+            s = p.summary(run.slo)
+            lines.append(
+                f"| `{config}` | {p.rate:g} | {s['requests']} | {s['failed']} "
+                f"| {100 * s['attainment']:.0f} % "
+                f"| {_ms(s['ttft_p50_ms'])} / {_ms(s['ttft_p90_ms'])} "
+                f"| {_ms(s['tpot_p50_ms'])} / {_ms(s['tpot_p90_ms'])} |"
+            )
+    return lines
+
+
+def render(run: Run, plot_name: str | None, machine: list[str]) -> str:
+    """The markdown page; ``machine`` is the machine block (benchmarks.machine)."""
+    slo = run.slo
+    lines = [
+        "# Goodput: SLO attainment against request rate",
+        "",
+        f"Command: `{run.command}`",
+        "",
+        f"SLOs: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms, both per request "
+        f"(TPOT = mean time per output token after the first). Attainment = the fraction of "
+        f"a point's requests that finished and met both; goodput = the rate at which "
+        f"attainment falls to {100 * TARGET:.0f} %, interpolated linearly between the last "
+        "swept rate that met it and the first that did not, as DistServe does "
+        "(`< r`: even the lowest rate missed; `>= r`: every swept rate met it).",
+        "",
+        f"Load average (1, 5, 15 min): {run.load_before} at the start, "
+        f"{run.load_after} at the end.",
+        "",
+        *(f"- {k}: {v}" for k, v in run.settings.items()),
+        *(f"- {note}" for note in run.notes),
+        "",
+        "## Goodput",
+        "",
+        *_goodput_table(run),
+        "",
+    ]
+    if plot_name:
+        lines += [f"![SLO attainment against rate]({plot_name})", ""]
+    for trace in run.traces:
+        lines += [f"## Trace `{trace}`", "", *_sweep_table(run, trace), ""]
+    return "\n".join(lines + machine)
+
+
+def write_json(run: Run, path: Path) -> None:
+    """Every request of every point, for re-analysis at other SLOs."""
+    doc = asdict(run)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def plot(run: Run, path: Path) -> None:
+    """Attainment (%) against rate, one panel a trace, one line a configuration, with the
+    90 % target dashed (the figure DistServe draws)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a display
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(run.traces), figsize=(5 * len(run.traces), 4), squeeze=False)
+    for ax, trace in zip(axes[0], run.traces):
+        for config in run.configs:
+            pts = [p for p in run.sweep(config, trace) if p.sent]
+            if pts:
+                ys = [100 * p.attainment(run.slo) for p in pts]
+                ax.plot([p.rate for p in pts], ys, marker="o", label=config)
+        ax.axhline(100 * TARGET, color="grey", linestyle="--", linewidth=1)
+        ax.set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", title=trace)
+        ax.set_ylim(-5, 105)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"TTFT <= {run.slo.ttft_ms:g} ms, TPOT <= {run.slo.tpot_ms:g} ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,73 @@
+"""The goodput benchmark's page, JSON and plot from hand-made points."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.goodput.drive import UNFINISHED, Sent, busy
+from benchmarks.goodput.report import Point, Run, plot, render, write_json
+from benchmarks.goodput.slo import Outcome, Slo
+from benchmarks.goodput.traces import Arrival
+
+
+def _sent(ttft_s: float, tpot_s: float, ok: bool = True) -> Sent:
+    arrival = Arrival(0.0, "chat", "chat", 200, 150)
+    return Sent(
+        arrival, Outcome(ok, ttft_s, tpot_s), 150 if ok else 0, 200, "" if ok else UNFINISHED
+    )
+
+
+def _run() -> Run:
+    slo = Slo(ttft_ms=500, tpot_ms=50)
+    run = Run(
+        "python -m benchmarks.goodput --traces chat", slo, ["chat"], ["1p1d", "colocated1"], {}
+    )
+    run.settings["rates (req/s)"] = "chat: 1, 2, 3"
+    good, slow = _sent(0.1, 0.02), _sent(0.9, 0.02)
+    run.points += [
+        Point("1p1d", "chat", 1.0, (good,) * 10, 12.0),
+        Point("1p1d", "chat", 2.0, (good,) * 8 + (slow, _sent(0, 0, ok=False)), 12.0),
+        Point("1p1d", "chat", 3.0, (slow,) * 10, 12.0),
+        Point("colocated1", "chat", 1.0, (slow,) * 4, 12.0),
+        Point("colocated1", "chat", 2.0, skipped="0 % at a lower rate"),
+    ]
+    run.notes.append("workers6: skipped")
+    return run
+
+
+def test_page_carries_command_slos_attainment_percentiles_and_goodput() -> None:
+    page = render(_run(), "goodput.png", ["Machine:", "", "```", "cpu line", "```"])
+    assert "Command: `python -m benchmarks.goodput --traces chat`" in page
+    assert "TTFT <= 500 ms and TPOT <= 50 ms" in page
+    assert "interpolated linearly" in page
+    # 1p1d: 100 % at 1, 80 % at 2 -> 0.9 crossed half way: 1.50; colocated1 never meets.
+    assert "| `1p1d` | 1.50 |" in page
+    assert "| `colocated1` | < 1 |" in page
+    # p90 of eight 100 ms and one 900 ms TTFT (the failed request has none): 260 ms.
+    assert "| `1p1d` | 2 | 10 | 1 | 80 % | 100 / 260 | 20 / 20 |" in page
+    assert "| `colocated1` | 2 | - | - | not sent: 0 % at a lower rate | | |" in page
+    assert "![SLO attainment against rate](goodput.png)" in page
+    assert "- workers6: skipped" in page and page.rstrip().endswith("```")
+
+
+def test_json_and_plot_are_written(tmp_path: Path) -> None:
+    run = _run()
+    write_json(run, tmp_path / "g.json")
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["slo"] == {"ttft_ms": 500, "tpot_ms": 50}
+    assert len(doc["points"]) == 5 and doc["points"][1]["sent"][9]["error"] == UNFINISHED
+    plot(run, tmp_path / "g.png")
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_busy_counts_engine_and_frontend_requests_in_flight() -> None:
+    health = {
+        "workers": [
+            {"role": "prefill", "load": {"running_requests": 1.0, "waiting_requests": 2.0}},
+            {"role": "frontend", "load": {"active_requests": 1.0}},
+            {"role": "detokenizer", "load": {"active_requests": 0.0}},
+        ]
+    }
+    assert busy(health) == 4
+    assert busy({"workers": [{"role": "decode", "load": {"running_requests": 0.0}}]}) == 0
