@@ -21,6 +21,7 @@ _ANTHROPIC_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",  # a request (head or body) that arrived too late
     413: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
@@ -72,11 +73,13 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
 
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The body in the shape of the API ``path`` belongs to."""
+        return self.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else self.body()
+
     def response_for(self, path: str) -> JSONResponse:
         """The response in the shape of the API ``path`` belongs to."""
-        if not path.startswith(ANTHROPIC_PATHS):
-            return self.response()
-        return JSONResponse(self.anthropic_body(), status_code=self.status, headers=self.headers())
+        return JSONResponse(self.body_for(path), status_code=self.status, headers=self.headers())
 
 
 class InvalidRequest(APIError):

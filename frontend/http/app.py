@@ -65,6 +65,7 @@ from frontend.errors import (
     ServiceUnavailable,
 )
 from frontend.http.guard import JSON_PATHS, Guard
+from frontend.http.log_bounds import clip, ignored_fields
 from frontend.http.openapi import with_request_bodies
 from frontend.http.reset_route import add_reset_route
 from frontend.http.roles_route import add_roles_route
@@ -148,15 +149,15 @@ async def _serve(
     try:
         body = parse_body(model, await read_json(request, s.max_body_bytes, s.max_json_depth))
         if unknown := body.unknown_fields():
-            logger.info("%s: ignoring unknown fields %s", request.url.path, unknown)
+            logger.info("%s", ignored_fields(request.url.path, unknown))  # one bounded line
         return await handler(ctx, request, body, arrival)
     except LimitExceeded as e:
         ctx.metrics.limit_refusals.labels(limit=e.limit).inc()
-        logger.info("%s: refused: %s", request.url.path, e.message)
+        logger.info("%s: refused: %s", request.url.path, clip(e.message))
         return e.response_for(request.url.path)
     except APIError as e:
         if e.status >= 500:
-            _server_errors.warning("%s: %d %s", request.url.path, e.status, e.message)
+            _server_errors.warning("%s: %d %s", request.url.path, e.status, clip(e.message))
         return e.response_for(request.url.path)
     except (ClientGone, ClientDisconnect):
         # Ordinary client behaviour (a timeout, a cancelled upload): nothing to log loudly.

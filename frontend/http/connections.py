@@ -9,7 +9,8 @@ the accept thread could not even take /health probes any more. Now:
   request's first byte; its body within ``body_timeout_s`` of the end of the head. Both are
   whole-phase deadlines, not gaps between reads, so a client trickling a byte at a time
   cannot stretch them. A client that misses one gets 408 (if no response has started) and
-  is closed. Between requests uvicorn's ``timeout_keep_alive`` closes idle connections.
+  is closed; the 408's body is in Anthropic's error shape when the request line that did
+  arrive names a ``/v1/messages`` path, else in OpenAI's (``APIError.body_for``). Between requests uvicorn's ``timeout_keep_alive`` closes idle connections.
 * At most ``max_connections_per_peer`` connections per client address, and at most
   ``max_connections`` in all; a connection beyond either gets 503 and is closed at once.
   ``max_connections`` defaults to the descriptor limit less a reserve for the accept
@@ -108,9 +109,12 @@ class ConnectionLimiter:
             del self.per_peer[peer]
 
 
-def error_response(status: int, message: str, code: str, retry_after_s: int = 0) -> bytes:
-    """A whole HTTP/1.1 response that closes the connection, with an OpenAI error body."""
-    body = msgspec.json.encode(APIError(message, code=code, status=status).body())
+def error_response(
+    status: int, message: str, code: str, retry_after_s: int = 0, path: str = ""
+) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection, its error body in the shape of
+    the API ``path`` belongs to (Anthropic's on ``/v1/messages...``, else OpenAI's)."""
+    body = msgspec.json.encode(APIError(message, code=code, status=status).body_for(path))
     head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
     if retry_after_s:
         head += f"retry-after: {retry_after_s}\r\n"
@@ -207,6 +211,13 @@ class TimedHttpProtocol(HttpToolsProtocol):
         answer = self.cycle is not None and not self.cycle.response_started
         self._give_up("request body", self.limits.body_timeout_s, answer)
 
+    def _path(self) -> str:
+        """The path of the request in flight as far as its head arrived ("" before its
+        request line): the error's shape follows it. ``url`` is uvicorn's, reset by each
+        request's ``on_message_begin`` and grown by ``on_url``."""
+        url: bytes = getattr(self, "url", b"")
+        return url.split(b"?", 1)[0].decode("latin-1")
+
     def _give_up(self, what: str, timeout_s: float, answer: bool) -> None:
         if self.transport.is_closing():
             return
@@ -216,7 +227,7 @@ class TimedHttpProtocol(HttpToolsProtocol):
         self.limiter.timed_out += 1
         if answer:
             message = f"The {what} was not received within {timeout_s:g} s"
-            self.transport.write(error_response(408, message, "request_timeout"))
+            self.transport.write(error_response(408, message, "request_timeout", path=self._path()))
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             # The handler waiting for the body sees a disconnect, and nothing it sends
