@@ -43,6 +43,7 @@ from wire.records import (
     TextDelta,
     TokenBatch,
     TokenLogprob,
+    error_message,
 )
 from wire.rids import owner_of
 
@@ -86,6 +87,7 @@ class _Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: Finish = Finish.NONE
     stop_reason: str | int | None = None
+    error: str | None = None  # what the client is told of an ERROR finish
     stop_token_ids: frozenset[int] = frozenset()
     cached_tokens: int | None = None  # known once the first token arrived
     count_drafts: bool = False
@@ -287,6 +289,7 @@ class DetokShard:
         if tok.finish == Finish.ERROR:  # the engine failed the request: the row has no token
             req.text += self._answer(req, req.detok.flush(), final=True, token=False)
             self._dirty[req.rid] = req
+            req.error = error_message(tok.token_id)
             self._finish(req, Finish.ERROR, None)
             return
         req.next_pos += 1
@@ -379,7 +382,7 @@ class DetokShard:
             stop_reason=req.stop_reason,
             num_output_tokens=req.next_pos,
             logprobs=logprobs,
-            error="the engine failed this request" if req.finish == Finish.ERROR else None,
+            error=(req.error or error_message(-1)) if req.finish == Finish.ERROR else None,
             cached_tokens=req.cached_tokens,
             reasoning=reasoning,
             reasoning_tokens=req.reasoning.tokens if req.reasoning is not None else 0,

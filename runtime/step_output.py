@@ -7,6 +7,7 @@ shard per step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,7 +15,9 @@ import numpy as np
 
 from engine.kv.sequence import Sequence
 from engine.sampling.sampler import SampleOutput
-from wire.records import Finish, TokenBatch
+from wire.records import ErrorCause, Finish, TokenBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,10 +83,19 @@ class TokenBatcher:
     ) -> Finish:
         """Append a sampled ``token`` to ``seq``, decide whether it ends the request, and
         add it (``row``: its row in the step's ``SampleOutput``). Returns that finish; the
-        caller frees a finished request's blocks."""
+        caller frees a finished request's blocks.
+
+        A token its grammar refuses (the mask allowed none, so the sampler had nothing
+        to pick) ends the request: an ERROR row saying so, the token not sent.
+        """
         seq.append_token(token)
-        finish = check_stop(seq)
         position = len(seq.output_ids) - 1
+        if seq.grammar is not None and seq.grammar.failed:
+            logger.error("rid %d: ended: its grammar refused output token %d", seq.rid, position)
+            cause = ErrorCause.NO_ALLOWED_TOKEN
+            self.add(shard, seq.rid, position, cause, row, float("nan"), Finish.ERROR)
+            return Finish.ERROR
+        finish = check_stop(seq)
         self.add(
             shard, seq.rid, position, token, row, logprob, finish, cached_tokens, drafted, accepted
         )

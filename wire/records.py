@@ -50,6 +50,21 @@ class Finish(enum.IntEnum):
     LOST = 5
 
 
+class ErrorCause(enum.IntEnum):
+    """Why the engine failed a request: the token id of its ERROR row (a row that
+    carries no token, so its id is free to say why)."""
+
+    ENGINE = -1  # a grammar that did not compile, a request that can never fit, ...
+    NO_ALLOWED_TOKEN = -2  # the output grammar allowed no next token
+
+
+def error_message(token_id: int) -> str:
+    """What a client is told of an ERROR row whose token id is ``token_id``."""
+    if token_id == ErrorCause.NO_ALLOWED_TOKEN:
+        return "the output constraint allowed no next token, so the request was ended"
+    return "the engine failed this request"
+
+
 class _Msg(msgspec.Struct, array_like=True, tag_field="k", frozen=True):
     pass
 
@@ -221,8 +236,8 @@ class TokenBatch:
         token_ids    (B,)   int32
         logprobs     (B,)   float32 NaN when the request asked for no logprobs
         finish       (B,)   int8    Finish value; non-zero ends the request. A row with
-                                    ERROR carries no token (token_id -1): the engine
-                                    failed the request before sampling one
+                                    ERROR carries no token (token_id an ErrorCause,
+                                    < 0): the engine failed the request
         top_ids      (B, K) int32
         top_logprobs (B, K) float32
         cached_tokens (B,)  int32   prompt tokens the prefix cache supplied, on the row of

@@ -8,6 +8,7 @@ the host, filled by xgrammar's matchers and applied to the (B, V) logits in plac
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -46,7 +47,27 @@ def batch_constraint(cache: GrammarCache, seqs: Sequence[Constrained]) -> Constr
         states.append(seq.grammar)
     bitmask = new_bitmask(len(seqs), cache.vocab_size)
     fill_bitmask(states, bitmask, rows)
+    if _DEAD_END is not None:
+        _force_dead_ends(seqs, rows, bitmask, _DEAD_END)
     return lambda logits: apply_bitmask(logits, bitmask, rows)
+
+
+# Test-only, unset in production: a request whose grammar text holds this marker and then
+# a number N gets a mask that allows no token at its output position N, as a grammar
+# with a dead end would (tests/e2e/test_grammar_dead_end.py).
+DEAD_END_ENV = "PDSERVE_TEST_GRAMMAR_DEAD_END"
+_DEAD_END = os.environ.get(DEAD_END_ENV) or None
+
+
+def _force_dead_ends(
+    seqs: Sequence[Constrained], rows: list[int], bitmask: torch.Tensor, marker: str
+) -> None:
+    for i in rows:
+        spec = seqs[i].sampling.grammar
+        assert spec is not None
+        found = re.search(re.escape(marker) + r"(\d+)", spec.text)
+        if found is not None and int(found.group(1)) == len(seqs[i].output_ids):
+            bitmask[i] = 0
 
 
 def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -14,7 +14,8 @@ Semantics (OpenAI / vLLM):
 - Logprobs are of the raw model distribution (log_softmax of the logits before
   penalties, temperature and filters), as vLLM reports by default.
 - A grammar (``constrain``) masks the penalised logits of its rows before any of that:
-  greedy and sampled picks alike only see tokens the grammar allows.
+  greedy and sampled picks alike only see tokens the grammar allows. A row it masks whole
+  still gets an id inside the vocabulary (one the grammar refuses: the request ends).
 """
 
 from __future__ import annotations
@@ -190,7 +191,11 @@ def draw(
     # cdf entry exceeds it, and the first that does belongs to a token of nonzero mass (a
     # filtered token adds nothing to the sum and can never be the first to pass).
     target = u.unsqueeze(1) * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # NOTE: a row with no mass (a grammar mask that allowed nothing: softmax of all -inf
+    # is NaN) would land at V, past the vocabulary. It gets the last id instead, which
+    # its grammar refuses, and that ends the request (runtime/step_output.py).
+    return picked.clamp_(max=probs.shape[1] - 1)
 
 
 def sample(

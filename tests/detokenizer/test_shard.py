@@ -220,6 +220,26 @@ def test_engine_error_row_ends_the_request_without_a_token(qwen_tokenizer) -> No
     assert delta.error
 
 
+def test_an_error_rows_cause_is_the_clients_message(qwen_tokenizer: Any) -> None:
+    """A grammar that allowed no token ends its request saying so; an unknown cause
+    gets the generic message."""
+    from wire.records import DetokRegister, ErrorCause
+
+    shard = DetokShard(qwen_tokenizer)
+    for rid in (1, 2):
+        shard.register(DetokRegister(rid=rid, params=DetokParams(), prompt_len=3))
+    ids = [64, 65]  # "a", "b"
+    shard.on_tokens(TokenBatch.build([1, 1], [0, 1], ids), None)
+    causes = [int(ErrorCause.NO_ALLOWED_TOKEN), -7]
+    shard.on_tokens(TokenBatch.build([1, 2], [2, 0], causes, finish=[Finish.ERROR] * 2), None)
+    text, _ = shard.take_outputs()
+    assert text is not None
+    last = {d.rid: d for d in text.items}
+    assert last[1].finish == Finish.ERROR and last[1].token_ids == ids
+    assert last[1].error is not None and "allowed no next token" in last[1].error
+    assert last[2].error == "the engine failed this request"
+
+
 def test_a_lost_row_ends_the_request_holding_back_what_a_stop_string_might_still_take(
     qwen_tokenizer,  # type: ignore[no-untyped-def]
 ) -> None:

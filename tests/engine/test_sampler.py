@@ -227,3 +227,28 @@ def test_a_seeded_row_draws_the_same_token_alone_and_anywhere_in_a_batch() -> No
     for i in (0, 1, 3, 4):
         alone = draw(probs[i : i + 1].clone(), [rows[i]], torch.Generator().manual_seed(5))
         assert alone.item() == batch[i]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=3, min_p=0.1),
+        SamplingParams(temperature=1.0, seed=5),
+    ],
+)
+def test_a_row_masked_whole_still_gets_an_id_inside_the_vocabulary(
+    params: SamplingParams,
+) -> None:
+    """A grammar that allows no token leaves a row of -inf: its pick is an id < V (the
+    grammar then refuses it and the request ends), and the other rows are untouched."""
+
+    def mask_row_one(logits: torch.Tensor) -> None:
+        logits[1] = float("-inf")
+
+    logits = LOGITS.expand(3, -1).clone()
+    out = sample(logits, _rows(params, 3), torch.Generator().manual_seed(0), mask_row_one)
+    assert all(0 <= t < LOGITS.shape[0] for t in out.token_ids.tolist())
+    if params.greedy:
+        assert out.token_ids[[0, 2]].tolist() == [0, 0]
