@@ -30,6 +30,7 @@ from benchmarks.engine_step import step_arguments, timed_decode
 from benchmarks.machine import load_average, machine_block
 from benchmarks.perplexity import TEXT, load_tokenizer, score
 from bundled_models.default_model import resolve_model
+from engine.build import build_engine
 from engine.checkpoint.weights_segment import create_segment
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
@@ -41,7 +42,7 @@ DTYPES = ("auto", "bfloat16")
 
 
 def _runner(model: Path, dtype: str, tokens: int) -> ModelRunner:
-    return ModelRunner(
+    return build_engine(
         EngineConfig(
             model=str(model),
             dtype=dtype,
@@ -50,7 +51,7 @@ def _runner(model: Path, dtype: str, tokens: int) -> ModelRunner:
             large_batch_gemm=True,
             weights_fd=create_segment(),
         )
-    )
+    ).runner
 
 
 class _Prompts:

@@ -27,6 +27,7 @@ import torch
 from benchmarks.cli import quick_parser
 from benchmarks.machine import machine_block
 from bundled_models import tiny
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
@@ -198,7 +199,7 @@ def bench_model(
     from transformers import AutoModelForCausalLM
 
     config = EngineConfig(model=str(path), num_kv_blocks=1024, device=device, dtype=dtype)
-    runner = ModelRunner(config)
+    runner = build_engine(config).runner
     hf: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     hf = hf.to(torch.device(device)).eval()
     repeats, steps = (2, 4) if quick else (6, 12)

@@ -40,6 +40,7 @@ import torch
 
 from benchmarks.machine import load_average, machine_block
 from bundled_models.default_model import resolve_model
+from engine.build import build_engine
 from engine.checkpoint.weights_segment import create_segment
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
@@ -182,7 +183,7 @@ def _runner(model: Path, variant: str, backend: str, context: int) -> ModelRunne
 def _build(
     model: Path, variant: str, dtype: str, quantization: str, backend: str, context: int
 ) -> ModelRunner:
-    return ModelRunner(
+    return build_engine(
         EngineConfig(
             model=str(model),
             dtype=dtype or "auto",
@@ -193,7 +194,7 @@ def _build(
             weights_fd=create_segment() if variant == "shared" else None,
             attention_backend=BACKENDS[backend],
         )
-    )
+    ).runner
 
 
 def timed_decode(runner: ModelRunner, seqs: list[Sequence]) -> float:

@@ -10,9 +10,9 @@ attention, and (per ``--prompt-tokens``, bfloat16) one prompt's causal attention
 four implementations:
 
 * ``torch``: the torch backend's eager ops (engine/model/backend.py), the reference;
-* ``library``: the kernel library's op (engine/cpu_kernels.py); for rotary + store, its
+* ``library``: the kernel library's op (engine/kernels/vllm_cpu.py); for rotary + store, its
   four steps as the fused backend ran them (widen, rotate, round, store);
-* ``pdserve``: pdserve's own kernel (engine/weights/int4_cpu.cpp), where it has one and
+* ``pdserve``: pdserve's own kernel (engine/kernels/cpu/), where it has one and
   it is built: ``rope_store``, ``silu_mul``, ``decode_attention``, ``prefill_attention``;
 * ``compiled``: the torch ops under ``torch.compile`` (inductor, one graph per row count,
   its cache under the pdserve cache dir), when ``--no-compile`` is not given.
@@ -38,16 +38,16 @@ import torch.nn.functional as F
 
 from benchmarks.machine import load_average, machine_block
 from engine.cache import cache_dir
-from engine.cpu_kernels import available
-from engine.model.attention import grouped_decode_sdpa
-from engine.model.fused_cpu import ISA
-from engine.model.rope import apply_rotary
-from engine.weights.int4_tiles import (
+from engine.kernels.cpu.ops import (
     decode_attention_op,
     prefill_attention_op,
     rope_store_op,
     silu_mul_op,
 )
+from engine.kernels.vllm_cpu import available
+from engine.model.attention import grouped_decode_sdpa
+from engine.model.fused_cpu import ISA
+from engine.model.rope import apply_rotary
 
 RESULTS = Path(__file__).parent / "results" / "fused_ops.md"
 CONTEXT = 300  # decode attention: tokens of KV per sequence

@@ -31,9 +31,9 @@ import torch
 
 from benchmarks.machine import machine_block
 from bundled_models.default_model import resolve_model
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from engine.tokenizer.hf_tokenizer import load_tokenizer
 from wire.params import SamplingParams
 
@@ -74,7 +74,7 @@ def score(
         gemm_min_rows=1 if gemm else 0,
         gemm_inputs="int8" if suffix == "a8" else "bfloat16",
     )
-    runner = ModelRunner(config)
+    runner = build_engine(config).runner
     rows: list[torch.Tensor] = []
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window + 1]  # the extra token is the last target

@@ -48,9 +48,9 @@ from benchmarks.cli import quick_parser
 from benchmarks.machine import machine_block
 from benchmarks.soak import launch
 from bundled_models import tiny
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from wire.params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "serving_overhead.md"
@@ -152,9 +152,9 @@ class InProcess:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
         # On CUDA it shares the GPU with the served workers: a fixed small pool, not a share.
         blocks = None if device == "cpu" else 256
-        self.runner = ModelRunner(
+        self.runner = build_engine(
             EngineConfig(model=str(model), device=device, num_kv_blocks=blocks)
-        )
+        ).runner
         self.cuda = device != "cpu"
         self.greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS + 1, ignore_eos=True)
         g = torch.Generator().manual_seed(0)

@@ -22,6 +22,7 @@ import torch
 
 from benchmarks.machine import machine_block
 from bundled_models import tiny
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
@@ -39,7 +40,9 @@ def _seqs() -> list[Sequence]:
 
 def _runner(device: str, dtype: str) -> ModelRunner:
     model = str(tiny.tiny_model_dir(tiny.DEFAULT_ARCH))
-    return ModelRunner(EngineConfig(model=model, device=device, dtype=dtype, num_kv_blocks=512))
+    return build_engine(
+        EngineConfig(model=model, device=device, dtype=dtype, num_kv_blocks=512)
+    ).runner
 
 
 def _prefilled(runner: ModelRunner, seqs: list[Sequence]) -> list[Sequence]:

@@ -31,6 +31,7 @@ import torch
 from benchmarks.machine import describe as describe_machine
 from bundled_models import tiny
 from bundled_models.default_model import default_model_dir
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
@@ -135,14 +136,14 @@ def bench_steps(model_dir: Path, batch: int, steps: int) -> dict[str, list[float
     for name, (k, schema) in cases.items():
         # NOTE: a runner per case: on CPU a runner keeps its batch's K/V dense between
         # steps, and alternating batches on one runner would rebuild it every step.
-        runner = ModelRunner(
+        runner = build_engine(
             EngineConfig(
                 model=str(model_dir),
                 dtype="float32",
                 num_kv_blocks=kv_tokens // 16 + batch,
                 max_model_len=1024,
             )
-        )
+        ).runner
         runner.grammars.prepare(_spec(schema)).result()  # compiled before timing
         runners[name], groups[name] = runner, _batch(runner, batch, k, schema)
     times: dict[str, list[float]] = {name: [] for name in cases}

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from colocated.scheduler import ColocatedScheduler
+from engine.build import Engine, build_engine
 from engine.config import EngineConfig
 from engine.errors import NoFreeBlocks, PromptTooLongError
-from engine.runner import ModelRunner
 from wire.params import SamplingParams
 from wire.records import Finish, GenerateRequest, TokenBatch
 
@@ -44,8 +44,9 @@ class _Output:
     accepted: int = 0
 
 
-def check_request(runner: ModelRunner, prompt: list[int], params: SamplingParams) -> None:
-    """Raise if ``prompt`` with ``params`` could never run on ``runner``."""
+def check_request(engine: Engine, prompt: list[int], params: SamplingParams) -> None:
+    """Raise if ``prompt`` with ``params`` could never run on ``engine``."""
+    runner = engine.runner
     params.validate(runner.model_config.vocab_size)
     if not prompt:
         raise ValueError("a prompt needs at least one token")
@@ -56,17 +57,18 @@ def check_request(runner: ModelRunner, prompt: list[int], params: SamplingParams
         )
     # A sequence that can never fit in the whole pool would wait forever.
     longest = min(len(prompt) + params.max_tokens, runner.max_model_len)
-    if math.ceil(longest / runner.block_size) > runner.kv.num_blocks:
-        raise NoFreeBlocks(math.ceil(longest / runner.block_size), runner.kv.num_blocks)
+    if math.ceil(longest / runner.block_size) > engine.kv.num_blocks:
+        raise NoFreeBlocks(math.ceil(longest / runner.block_size), engine.kv.num_blocks)
 
 
 class LLM:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
-        self.runner.kv.defer_tier_stores = True
+        self.engine = build_engine(config)
+        self.runner, self.kv = self.engine.runner, self.engine.kv
+        self.kv.defer_tier_stores = True
         self.scheduler = ColocatedScheduler(
-            self.runner, 0, config.chunked_prefill_size, config.max_num_seqs
+            self.engine, 0, config.chunked_prefill_size, config.max_num_seqs
         )
         self._next_rid = 0
 
@@ -78,7 +80,7 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         for prompt, sp in zip(prompts, plist):
-            check_request(self.runner, prompt, sp)
+            check_request(self.engine, prompt, sp)
         outputs: dict[int, _Output] = {}
         for prompt, sp in zip(prompts, plist):
             self._next_rid += 1
@@ -89,7 +91,7 @@ class LLM:
         while self.scheduler.has_work:
             for _, batch in self.scheduler.step().tokens:
                 _collect(batch, outputs)
-            self.runner.kv.store_offered()  # as a worker's loop does after a step
+            self.kv.store_offered()  # as a worker's loop does after a step
         return [_result(prompt, out) for prompt, out in zip(prompts, outputs.values(), strict=True)]
 
 

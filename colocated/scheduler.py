@@ -37,16 +37,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.admission import Releases
 from decode.scheduler import DecodeScheduler
+from engine.build import Engine
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from prefill.forks import PrefillRequest
 from prefill.scheduler import Intake, PrefillScheduler, PrefillStep
 from transport.errors import KVTransferError
 from transport.kv import KVReceiver
 from transport.worker_load import WorkerLoad
-from wire.records import Finish, GenerateRequest, KVTransfer, TokenBatch
+from wire.records import Finish, GenerateRequest, TokenBatch
 
 logger = logging.getLogger(__name__)
 
@@ -76,42 +75,28 @@ class ColocatedStep:
     except those ``step``'s ``emit`` took."""
 
     tokens: list[tuple[int, TokenBatch]] = field(default_factory=list)
-    # ``receiver`` given (``launch --workers``): KV handoffs to other workers' decode, per
-    # worker (the prefill worker's ``PrefillStep.transfers``).
-    transfers: list[tuple[int, KVTransfer]] = field(default_factory=list)
     ran_prefill_tokens: int = 0
     decoded: int = 0  # requests that got a decode token this step
 
 
 class ColocatedScheduler:
     def __init__(
-        self,
-        runner: ModelRunner,
-        worker_index: int,
-        chunk_budget: int,
-        max_num_seqs: int,
-        receiver: KVReceiver | None = None,
+        self, engine: Engine, worker_index: int, chunk_budget: int, max_num_seqs: int
     ) -> None:
-        """``receiver``: this worker also hands KV off and adopts handoffs (``launch
-        --workers``): a request whose ``decode_worker`` is another worker is exported
-        after its prefill (``ColocatedStep.transfers``), and ``offer``/``admit`` take
-        other workers' handoffs through ``receiver``."""
-        self.runner = runner
+        self.runner = runner = engine.runner
         self.max_num_seqs = max_num_seqs
-        self.prefill = PrefillScheduler(runner, worker_index, chunk_budget, keep_kv=True)
+        self.prefill = PrefillScheduler(engine, worker_index, chunk_budget, keep_kv=True)
         self.chunk_budget = chunk_budget
         self.busy_budget = (
             min(chunk_budget, max(SMALL_CHUNK, chunk_budget // 4))
             if runner.device.type == "cpu"
             else chunk_budget
         )
-        self.decode = DecodeScheduler(runner, receiver or NoKVTransfers(), max_num_seqs)
-        self.prefill.exports = receiver is not None
-        self.releases: Releases = []  # owed to other workers' prefill (aborted handoffs)
+        self.decode = DecodeScheduler(engine, NoKVTransfers(), max_num_seqs)
         # Accepted requests not yet given to prefill: holding them here bounds the batch,
         # because an adopted request cannot be refused (its KV is already in place).
         self.queued: deque[GenerateRequest] = deque()
-        self.intake = Intake(runner)
+        self.intake = Intake(engine)
         # One forward for a step's prefill chunks and decode rows (see the module's note).
         self.mixed = runner.config.mixed_batches and runner.mixes_batches
 
@@ -128,21 +113,7 @@ class ColocatedScheduler:
         """Stop ``rid`` wherever it is; its blocks are free when this returns."""
         self.queued = deque(r for r in self.queued if r.rid != rid)
         self.prefill.abort(rid)
-        self.releases += self.decode.abort(rid)
-
-    def admit(self) -> Releases:
-        """Adopt other workers' pending handoffs while the batch has room, counting the
-        prefills here that will join it; the releases owed for them (``launch --workers``)."""
-        d = self.decode
-
-        def room() -> bool:
-            held = d.num_running + len(d.admission.reading) + self.prefill.num_waiting
-            return d._has_room() and held < self.max_num_seqs
-
-        admitted, releases = d.admission.admit(room)
-        for seq, t in admitted:
-            d.adopt(seq, t.detok_shard)
-        return releases
+        self.decode.abort(rid)
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -201,7 +172,6 @@ class ColocatedScheduler:
     ) -> PrefillStep:
         pre = self.prefill.finish(chunks, logits)
         out.ran_prefill_tokens = pre.ran_tokens
-        out.transfers += pre.transfers
         if emit is None:
             out.tokens += pre.tokens.items()
         else:
@@ -225,11 +195,7 @@ class ColocatedScheduler:
     @property
     def has_work(self) -> bool:
         return bool(
-            self.queued
-            or self.prefill.waiting
-            or self.decode.running
-            or self.decode.preempted
-            or self.decode.admission.compiling
+            self.queued or self.prefill.waiting or self.decode.running or self.decode.preempted
         )
 
     @property
@@ -247,5 +213,4 @@ class ColocatedScheduler:
 
     @property
     def num_waiting(self) -> int:
-        handoffs = self.decode.admission.num_waiting  # launch --workers: KV to adopt
-        return len(self.queued) + self.prefill.num_waiting + len(self.decode.preempted) + handoffs
+        return len(self.queued) + self.prefill.num_waiting + len(self.decode.preempted)

@@ -29,9 +29,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.build import Engine
+from engine.checkpoint.lora_loader import lora_refusal
 from engine.kv.block_allocator import NoFreeBlocks
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from engine.sampling.grammar import GrammarError
 from transport.errors import KVReadFailed, KVTransferError
 from transport.kv import KVRead, KVReceiver
@@ -58,8 +59,8 @@ class Reading:
 class Admission:
     """The COMPILING, PENDING, READING, DRAINING and ENDED requests of one decode worker."""
 
-    def __init__(self, runner: ModelRunner, receiver: KVReceiver) -> None:
-        self.runner = runner
+    def __init__(self, engine: Engine, receiver: KVReceiver) -> None:
+        self.kv, self.grammars, self.loras = engine.kv, engine.grammars, engine.loras
         self.receiver = receiver
         self.compiling: list[KVTransfer] = []
         self.pending: deque[KVTransfer] = deque()
@@ -76,13 +77,13 @@ class Admission:
         """A prefill worker has KV ready for ``t.rid``; refused at once if already aborted."""
         if t.rid in self._aborted:
             return [(t.prefill_worker, KVRelease(rid=t.rid, accepted=False))]
-        why = self.runner.check_lora(t.sampling.lora)
+        why = lora_refusal(self.loras, t.sampling.lora)
         if why is not None:
             logger.error("rid %d: its LoRA adapter cannot run here: %s", t.rid, why)
             self._ended.append((t, Finish.ERROR))
             return [(t.prefill_worker, KVRelease(rid=t.rid, accepted=False))]
         if t.sampling.grammar is not None:
-            self.runner.grammars.prepare(t.sampling.grammar)
+            self.grammars.prepare(t.sampling.grammar)
             self.compiling.append(t)
             return self._promote_compiled()
         self.pending.append(t)
@@ -157,7 +158,7 @@ class Admission:
         still = []
         for r in self.draining:
             if r.read.abandon():
-                self.runner.kv.free_blocks(r.seq)
+                self.kv.free_blocks(r.seq)
             else:
                 still.append(r)
         self.draining = still
@@ -170,7 +171,7 @@ class Admission:
         for t in self.compiling:
             assert t.sampling.grammar is not None
             try:
-                ready = self.runner.grammars.ready(t.sampling.grammar)
+                ready = self.grammars.ready(t.sampling.grammar)
             except GrammarError as e:
                 logger.error("rid %d: its grammar does not compile: %s", t.rid, e)
                 releases.append((t.prefill_worker, KVRelease(rid=t.rid, accepted=False)))
@@ -184,7 +185,7 @@ class Admission:
         """I/O: ``t``'s KV into this pool (held prefix blocks + copies of the rest); the
         read in flight if the copy has not landed yet; None and nothing held if the blocks
         for it cannot be had now."""
-        kv, bs = self.runner.kv, self.runner.block_size
+        kv, bs = self.kv, self.kv.block_size
         seq = Sequence(
             rid=t.rid,
             prompt_ids=list(t.prompt_ids),
@@ -239,9 +240,9 @@ class Admission:
     def _landed(self, t: KVTransfer, seq: Sequence, held: int) -> None:
         """``t``'s KV has landed in ``seq``'s blocks: they are computed, and cacheable."""
         seq.num_computed_tokens = t.num_tokens
-        self.runner.kv.cache_full_blocks(seq, start=held)
+        self.kv.cache_full_blocks(seq, start=held)
         if seq.block_hashes:  # this worker's hit rate: handed-off KV it did not copy
-            self.runner.kv.count_prefix_lookup(t.num_tokens, held)
+            self.kv.count_prefix_lookup(t.num_tokens, held)
 
     def _lose(self, t: KVTransfer, e: KVReadFailed, releases: Releases) -> None:
         """``t``'s KV cannot be had (e.g. its prefill host died or is cut off): a LOST row

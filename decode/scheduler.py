@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from decode.admission import Admission, Releases
+from engine.build import Engine
 from engine.kv.block_allocator import NoFreeBlocks
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from engine.sampling.sampler import SampleOutput
 from engine.speculative.speculator import Speculator
 from engine.speculative.verify import accepted_run
@@ -56,14 +56,15 @@ class DecodeStep:
 
 
 class DecodeScheduler:
-    def __init__(self, runner: ModelRunner, receiver: KVReceiver, max_num_seqs: int) -> None:
-        self.runner = runner
+    def __init__(self, engine: Engine, receiver: KVReceiver, max_num_seqs: int) -> None:
+        # The runner runs the forwards and samples; the blocks are the pool's (``kv``).
+        self.runner, self.kv, self.stops = engine.runner, engine.kv, engine.stops
         self.max_num_seqs = max_num_seqs
-        self.admission = Admission(runner, receiver)
+        self.admission = Admission(engine, receiver)
         self.running: dict[int, _Running] = {}
         self.preempted: deque[_Running] = deque()
-        config = runner.config.speculative
-        self.speculator = Speculator(runner, config) if config is not None else None
+        config = engine.config.speculative
+        self.speculator = Speculator(engine, config) if config is not None else None
 
     # ---- inputs ------------------------------------------------------------------------
 
@@ -78,7 +79,7 @@ class DecodeScheduler:
         self.preempted = deque(r for r in self.preempted if r.seq.rid != rid)
         r = self.running.pop(rid, None)
         if r is not None:
-            self.runner.kv.free_blocks(r.seq)
+            self.kv.free_blocks(r.seq)
         if self.speculator is not None:
             self.speculator.release(rid)
         return releases
@@ -106,7 +107,7 @@ class DecodeScheduler:
         return (
             len(self.running) + len(self.admission.reading) < self.max_num_seqs
             and not self.preempted
-            and self.runner.kv.num_free_blocks > len(self.running)
+            and self.kv.num_free_blocks > len(self.running)
         )
 
     # ---- one step ----------------------------------------------------------------------
@@ -192,13 +193,13 @@ class DecodeScheduler:
     ) -> bool:
         """Append ``token`` to ``r``; True if that ended the request (its blocks freed).
         ``drafted`` goes on a speculative step's first row only (``TokenBatch.drafted``)."""
-        check = self.runner.check_stop
+        check = self.stops.check
         finish = batcher.emit(
             r.seq, r.detok_shard, token, row, logprob, check, drafted=drafted, accepted=accepted
         )
         if finish == Finish.NONE:
             return False
-        self.runner.kv.free_blocks(r.seq)
+        self.kv.free_blocks(r.seq)
         del self.running[r.seq.rid]
         out.finished.append(r.seq.rid)
         if self.speculator is not None:
@@ -211,7 +212,7 @@ class DecodeScheduler:
         i = 0
         while i < len(batch):
             try:
-                self.runner.kv.ensure_blocks(batch[i].seq, 1)
+                self.kv.ensure_blocks(batch[i].seq, 1)
                 i += 1
             except NoFreeBlocks:
                 victim = batch.pop()  # newest admitted
@@ -220,7 +221,7 @@ class DecodeScheduler:
 
     def _preempt(self, r: _Running) -> None:
         logger.info("rid %d: preempted for lack of KV blocks; will recompute", r.seq.rid)
-        self.runner.kv.free_blocks(r.seq)
+        self.kv.free_blocks(r.seq)
         del self.running[r.seq.rid]
         self.preempted.append(r)
 
@@ -229,10 +230,10 @@ class DecodeScheduler:
         while self.preempted:
             r = self.preempted[0]
             need = r.seq.blocks_needed(r.seq.num_tokens)  # as if nothing were cached
-            if self.runner.kv.num_free_blocks < need + len(self.running):
+            if self.kv.num_free_blocks < need + len(self.running):
                 return
             self.preempted.popleft()
-            self.runner.kv.reuse_prefix(r.seq)
+            self.kv.reuse_prefix(r.seq)
             n = r.seq.num_uncomputed_tokens - 1  # the newest token is decode's
             if n:
                 self.runner.prefill([(r.seq, n)])

@@ -21,6 +21,7 @@ import time
 import torch
 
 from decode.scheduler import DecodeScheduler
+from engine.build import build_engine
 from engine.kv.kv_cache import layout_of
 from engine.runner import ModelRunner
 from engine.speculative.speculator import Speculator
@@ -61,7 +62,8 @@ class DecodeWorker(Worker):
 
     def __init__(self) -> None:
         super().__init__()
-        runner = ModelRunner(self.config)
+        engine = build_engine(self.config)
+        runner = engine.runner
         runner.capture_decode_graphs()
         self.imports: PoolImports | None = None
         self.receiver: KVReceiver
@@ -71,7 +73,7 @@ class DecodeWorker(Worker):
             self.imports, self.receiver = PoolImports(), self._nixl_receiver(runner)
         else:
             self.receiver = self._shm_receiver(runner)
-        self.sched = DecodeScheduler(runner, self.receiver, self.config.max_num_seqs)
+        self.sched = DecodeScheduler(engine, self.receiver, self.config.max_num_seqs)
         self.kv_in = self.rings.sources(RingKind.KV)
         self.ctl_in = [r for n, r in self.rings.inbound.items() if n.kind is not RingKind.KV]
         self.rel_out = self.rings.sinks(RingKind.REL)

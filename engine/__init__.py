@@ -13,8 +13,10 @@ Rooms, bottom up (``tools/check_layers.py`` keeps imports pointing down this lis
     checkpoint/  safetensors and GGUF files -> a model's parameters (not the top-level
                  ``checkpoints`` package, which builds test fixtures)
     cuda/        the CUDA path: Triton kernels, their choice, graph capture, KV sizing
-    runner.py    ModelRunner: weights, prefill / decode / verify, sample, check_stop; it
-                 holds the KVPool (``runner.kv``)
+    runner.py    ModelRunner: prefill / decode / verify forwards over the pool, sampling
+    build.py     build_engine: loads the weights, adapters and grammars, picks the attention
+                 backend, sizes the KVPool; hands the schedulers an Engine (runner, kv,
+                 grammars, loras, stops)
 
 Model code knows tokens, positions and block tables, never requests; which linear kind or
 attention backend runs is chosen at load, not branched on in the model.

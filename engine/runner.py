@@ -1,51 +1,41 @@
 """The model runner both worker pools share: weights, batched forward, sampling.
 
 Who calls what:
+- ``engine/build.py`` assembles the runner (weights, adapters, grammars, the attention
+  backend) and gives it the engine's KV pool (``use_pool``);
 - a scheduler (prefill worker, decode worker, or ``colocated.llm.LLM``) owns ``Sequence``
-  objects and decides each step's batch; it manages their blocks through the runner's
-  KV pool, ``runner.kv`` (``engine/kv/pool.py``: prefix reuse, forks, pins, frees);
+  objects and decides each step's batch; it manages their blocks through the engine's
+  KV pool (``engine/kv/pool.py``: prefix reuse, forks, pins, frees);
 - ``prefill`` / ``decode`` run one batched forward, write KV into the pool and advance
   ``num_computed_tokens``; ``sample`` picks next tokens; the caller appends them and
-  asks ``check_stop``. ``prefill``/``decode`` publish every block they fill, so the
-  next sequence sharing the prefix reuses it;
+  asks ``Stops.check`` (``engine/sampling/stops.py``). ``prefill``/``decode`` publish
+  every block they fill, so the next sequence sharing the prefix reuses it;
 - ``verify`` / ``commit_verified`` are speculative decoding's forward and its keep;
-- a sequence with a grammar (``sampling.grammar``) is sampled only once
-  ``grammar_ready`` says its grammar is compiled (``grammars.prepare`` starts that on
-  arrival); ``sample`` then masks its row and ``check_stop`` ends it when the grammar is
-  complete.
+- a sequence with a grammar (``sampling.grammar``) is sampled only once ``grammar_ready``
+  says its grammar is compiled; ``sample`` then masks its row.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.checkpoint.lora_loader import LoraAdapters, in_batch_order
-from engine.checkpoint.shared_weights import load_model
-from engine.config import EngineConfig, ModelConfig, dtype_name, torch_dtype
-from engine.cuda.gpu_memory import gpu_kv_blocks
-from engine.cuda.kernels import use_kernels
-from engine.kv.kv_cache import GpuMemoryError
+from engine.config import EngineConfig, ModelConfig
 from engine.kv.pool import KVPool
 from engine.kv.sequence import Sequence
 from engine.model.causal_lm import CausalLM
-from engine.model.fused_cpu import cpu_backend
-from engine.model.torch_backend import StepBatch, TorchBackend, TorchGeometry
+from engine.model.torch_backend import StepBatch, TorchBackend
 from engine.sampling.grammar import GrammarCache
 from engine.sampling.grammar_mask import batch_constraint
 from engine.sampling.sampler import SampleOutput, SampleRequest, sample
-from engine.tokenizer.hf_tokenizer import load_tokenizer
 from engine.weights.linear import decode_rows, prefill_phase
 from engine.weights.lora import group_rows, lora_rows
 from engine.weights.lora_spec import LoraError
-from engine.weights.plan import cache_dtype, resolve_quantization
-from wire.params import LoraRef
-from wire.records import Finish
 
 if TYPE_CHECKING:
     from engine.cuda.kernel_path import KernelPath
@@ -53,130 +43,63 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
-    def __init__(self, config: EngineConfig, kv_pool: torch.Tensor | None = None) -> None:
-        self.config = config
-        self.model_config = ModelConfig.from_pretrained(config.model)
-        self.device = torch.device(config.device)
-        self.quantization = resolve_quantization(
-            config.quantization, Path(config.model), config.device
-        )
-        self.dtype = torch_dtype(dtype_name(config.dtype, self.model_config.dtype_name))
-        self.kv_dtype = cache_dtype(self.dtype, self.quantization)
-        self.block_size = config.block_size
-        self.max_model_len = config.resolve_max_model_len(self.model_config)
-        self.eos_token_ids = self.model_config.eos_token_ids
-        # What this process held on the GPU before this engine: not part of its share.
-        # Garbage first (an earlier engine's cycles): freed later, it would count against us.
-        self.cuda_baseline_bytes = 0
-        if self.device.type == "cuda":
-            gc.collect()
-            self.cuda_baseline_bytes = torch.cuda.memory_allocated(self.device)
-        self.model = load_model(
-            lambda: CausalLM(self.model_config, self.max_model_len, self.dtype, self.device),
-            config,
-            self.quantization,
-            self.dtype,
-        )
-        kernels = use_kernels(config.attention_backend, self.device.type)
-        self.loras: LoraAdapters | None = None
-        if config.max_loras > 0:
-            bank = None
-            if kernels:  # graphs need fixed addresses: adapters go into preallocated slots
-                from engine.cuda.lora_bank import StackedLoraBank
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model's weights on their device, and what loading them resolved
+    (``engine.build.load_weights``)."""
 
-                bank = StackedLoraBank.factory(config.max_loras, self.dtype, self.device)
-            self.loras = LoraAdapters(
-                self.model, config.model, config.max_loras, config.max_lora_rank, bank
-            )
+    model: CausalLM
+    model_config: ModelConfig
+    device: torch.device
+    quantization: str
+    dtype: torch.dtype  # the activations' and dense weights'
+    kv_dtype: torch.dtype  # the KV pool's
+    max_model_len: int
+    # What this process held on the GPU before this engine: not part of its share.
+    cuda_baseline_bytes: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        backend: TorchBackend,
+        kernels: KernelPath | None,
+        loras: LoraAdapters | None,
+        grammars: GrammarCache,
+    ) -> None:
+        """A runner over ``loaded``'s weights; ``backend`` runs its torch forwards,
+        ``kernels`` (CUDA's Triton path, if taken) the others. It has no pool until
+        ``use_pool``: only forwards given a scratch pool run before (the GPU profile)."""
+        self.config = config
+        self.model = loaded.model
+        self.model_config = loaded.model_config
+        self.device = loaded.device
+        self.quantization = loaded.quantization
+        self.dtype, self.kv_dtype = loaded.dtype, loaded.kv_dtype
+        self.block_size = config.block_size
+        self.max_model_len = loaded.max_model_len
+        self.cuda_baseline_bytes = loaded.cuda_baseline_bytes
+        self.backend = backend
+        self._kernels = kernels
+        self.mixes_batches = kernels is None  # prefill takes decode rows (not graphed)
+        self.loras = loras
+        self.grammars = grammars  # the sampler masks constrained rows with them
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        self.grammars = GrammarCache(
-            lambda: load_tokenizer(config.model),  # when a grammar first needs it
-            self.model_config.vocab_size,
-            self.eos_token_ids,
-            model_dir=config.model,
-        )
-        # The torch path's backend: on CPU the fused ops where their library loads, whose
-        # attention reads the pool in place (no dense copy, no gathered blocks).
-        mc = self.model_config
-        geometry = TorchGeometry(
-            mc.num_layers,
-            mc.num_heads,
-            self.block_size,
-            self.kv_dtype,
-            self.model.rotary,
-            self.device,
-        )
-        self.backend: TorchBackend = (
-            cpu_backend(config.attention_backend, geometry)
-            if self.device.type == "cpu"
-            else TorchBackend(geometry)
-        )
-        self._kernels: KernelPath | None = None
-        if kernels:
-            from engine.cuda.kernel_path import KernelPath  # imports triton: only when used
+        self.kv: KVPool  # set by use_pool
 
-            self._kernels = KernelPath(self.model, self.model_config, config, self.max_model_len)
-        self.mixes_batches = self._kernels is None  # prefill takes decode rows (not graphed)
-        if self.device.type == "cuda":
-            # SDPA (the torch attention path) keeps to the flash and memory-efficient
-            # kernels: cuDNN's backend has open silent-correctness bugs
-            # (pytorch/pytorch#193893: corrupted greedy output for GQA models).
-            torch.backends.cuda.enable_cudnn_sdp(False)
-        self.kv = self._make_pool(kv_pool)
+    def use_pool(self, kv: KVPool) -> None:
+        """Run on ``kv`` from now on: the pool is final (graphs may hold it)."""
+        self.kv = kv
         backend = self.backend
-        self.kv.on_free(lambda seq: backend.forget([seq]))
+        kv.on_free(lambda seq: backend.forget([seq]))
         if self._kernels is not None:
-            self.kv.on_free(self._kernels.release)
+            kv.on_free(self._kernels.release)
             self._kernels.reset()  # the profiling forwards' sequences are gone
-            if self.device.type == "cuda" and not config.enforce_eager:
-                self._kernels.enable_graphs()  # the pool is final: graphs may hold it
-        logger.info(
-            "%s: %d KV blocks of %d tokens, max_model_len %d, %s weights, %s on %s",
-            self.model_config.architecture,
-            self.kv.num_blocks,
-            self.block_size,
-            self.max_model_len,
-            self.quantization,
-            self.dtype,
-            self.device,
-        )
-
-    def _make_pool(self, kv_pool: torch.Tensor | None) -> KVPool:
-        def num_blocks() -> int:
-            try:
-                return self.num_blocks_to_allocate()  # on CUDA: runs a profiling forward
-            except torch.cuda.OutOfMemoryError as e:
-                raise GpuMemoryError(
-                    f"the profiling forward (one --chunked-prefill-size chunk, --max-num-seqs "
-                    f"decode rows) ran out of memory on {self.device}: lower those, or "
-                    "--max-model-len, or raise --gpu-memory-utilization"
-                ) from e
-
-        order = self.backend.kv_order
-        return KVPool.create(
-            self.config, self.model_config, self.kv_dtype, num_blocks, kv_pool, order
-        )
-
-    def num_blocks_to_allocate(self) -> int:
-        """Pool size when the caller passes no pool: explicit, CPU tokens, or GPU memory."""
-        wanted = self.config.num_kv_blocks
-        if wanted is None:
-            if self.device.type != "cuda":
-                return -(-self.config.kv_cache_tokens // self.block_size)
-            return gpu_kv_blocks(self)
-        if self.device.type == "cuda" and self.config.gpu_memory_share is not None:
-            # A launched worker with a fixed pool (shm staging): it must fit its share too,
-            # or it would take memory from the workers it shares the GPU with.
-            fits = gpu_kv_blocks(self)
-            if wanted > fits:
-                raise GpuMemoryError(
-                    f"a KV pool of {wanted} blocks does not fit this worker's GPU share "
-                    f"({fits} blocks): lower --kv-cache-tokens or raise "
-                    "--gpu-memory-utilization"
-                )
-        return wanted
+            if self.device.type == "cuda" and not self.config.enforce_eager:
+                self._kernels.enable_graphs()
 
     def prefill(
         self,
@@ -339,19 +262,6 @@ class ModelRunner:
         if self._kernels is not None:
             self._kernels.capture_decode_graphs(self.kv.tensor)
 
-    def check_lora(self, lora: LoraRef | None) -> str | None:
-        """Why a request under ``lora`` cannot run here, or None: checked on arrival so a
-        step never meets an adapter it cannot load."""
-        if lora is None:
-            return None
-        if self.loras is None:
-            return "this worker serves no LoRA adapters (--enable-lora)"
-        try:
-            self.loras.check(lora)
-        except LoraError as e:
-            return str(e)
-        return None
-
     def _lora_slots(self, spans: list[tuple[Sequence, int, int]]) -> list[int] | None:
         """Each span's adapter slot, -1 for the base (loading what is missing, evicting
         what was retired); None when every span is base."""
@@ -374,29 +284,6 @@ class ModelRunner:
                 out.token_ids.cpu(), out.logprobs.cpu(), out.top_ids.cpu(), out.top_logprobs.cpu()
             )
         return out
-
-    def grammar_ready(self, seq: Sequence) -> bool:
-        """May ``seq`` be sampled: no grammar, or its grammar is compiled.
-
-        Raises ``GrammarError`` if its grammar failed to compile.
-        """
-        spec = seq.sampling.grammar
-        return spec is None or seq.grammar is not None or self.grammars.ready(spec)
-
-    def check_stop(self, seq: Sequence) -> Finish:
-        """Why ``seq`` must stop after its newest token, or ``Finish.NONE``."""
-        assert seq.output_ids, "check_stop runs after a token is appended"
-        last = seq.output_ids[-1]
-        params = seq.sampling
-        if last in params.stop_token_ids:
-            return Finish.STOP
-        if not params.ignore_eos and last in self.eos_token_ids:
-            return Finish.STOP
-        if seq.grammar is not None and seq.grammar.terminated:
-            return Finish.STOP
-        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return Finish.LENGTH
-        return Finish.NONE
 
 
 def _newest(seq: Sequence) -> int:

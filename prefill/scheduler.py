@@ -27,11 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.build import Engine
+from engine.checkpoint.lora_loader import lora_refusal
 from engine.kv.block_allocator import NoFreeBlocks
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from engine.sampling.grammar import GrammarError
 from engine.sampling.sampler import SampleOutput
+from engine.sampling.stops import grammar_ready
 from prefill.forks import Forks, PrefillRequest
 from runtime.step_output import TokenBatcher
 from transport.kv import PinnedBlocks
@@ -43,14 +45,14 @@ logger = logging.getLogger(__name__)
 LOAD_POLL_S = 0.005  # with nothing to run, how long a step waits on a parked tier-3 load
 
 
-def fits(runner: ModelRunner, req: GenerateRequest) -> bool:
+def fits(engine: Engine, req: GenerateRequest) -> bool:
     """Could ``req`` ever run here (max_model_len, the whole KV pool)? Logs when not."""
     total = len(req.prompt_ids) + len(req.output_ids) + 1  # + the token it will sample
-    blocks = -(-total // runner.block_size)
-    if total > runner.max_model_len or blocks > runner.kv.num_blocks:
+    blocks = -(-total // engine.kv.block_size)
+    if total > engine.stops.max_model_len or blocks > engine.kv.num_blocks:
         logger.error("rid %d: %d tokens can never fit; rejected", req.rid, total)
         return False
-    why = runner.check_lora(req.sampling.lora)
+    why = lora_refusal(engine.loras, req.sampling.lora)
     if why is not None:
         logger.error("rid %d: its LoRA adapter cannot run: %s", req.rid, why)
         return False
@@ -62,7 +64,7 @@ class Intake:
     """The requests a worker took off its request ring, cumulative over its generation
     (the router compares them with what it sent to know what is still in flight)."""
 
-    runner: ModelRunner
+    engine: Engine
     requests: int = 0
     prompt_tokens: int = 0
 
@@ -70,7 +72,7 @@ class Intake:
         """Count ``req`` in; False if it can never run on this worker (see ``fits``)."""
         self.requests += 1
         self.prompt_tokens += len(req.prompt_ids)
-        return fits(self.runner, req)
+        return fits(self.engine, req)
 
     def load(self, queued_tokens: int, waiting: int, running: int, computed: int) -> WorkerLoad:
         """The worker's queue figures for its load-table row, these counts among them."""
@@ -101,13 +103,12 @@ class PrefillStep:
 
 class PrefillScheduler:
     def __init__(
-        self, runner: ModelRunner, worker_index: int, chunk_budget: int, keep_kv: bool = False
+        self, engine: Engine, worker_index: int, chunk_budget: int, keep_kv: bool = False
     ) -> None:
-        self.runner = runner
+        # The runner runs the forwards and samples; the blocks are the pool's (``kv``).
+        self.runner, self.kv, self.grammars = engine.runner, engine.kv, engine.grammars
+        self.stops = engine.stops
         self.keep_kv = keep_kv
-        # keep_kv: requests another worker decodes (their ``decode_worker`` is not this
-        # worker's index) are exported all the same (``launch --workers``).
-        self.exports = False
         self.index = worker_index
         self.chunk_budget = chunk_budget
         self.waiting: deque[PrefillRequest] = deque()
@@ -115,7 +116,7 @@ class PrefillScheduler:
         self._failed: list[PrefillRequest] = []  # dropped this step: their grammar failed
         self.forks = Forks()
         self.computed_tokens = 0  # prompt tokens run through the model, cumulative
-        self.intake = Intake(runner)
+        self.intake = Intake(engine)
 
     # ---- inputs ------------------------------------------------------------------------
 
@@ -131,7 +132,7 @@ class PrefillScheduler:
             block_size=self.runner.block_size,
         )
         if req.sampling.grammar is not None:
-            self.runner.grammars.prepare(req.sampling.grammar)
+            self.grammars.prepare(req.sampling.grammar)
         p = PrefillRequest(seq, req.decode_worker, req.detok_shard)
         if req.fork_of < 0 or not self.forks.join(req, p):
             self.waiting.append(p)
@@ -143,7 +144,7 @@ class PrefillScheduler:
         for p in list(self.waiting):
             if p.seq.rid == rid:
                 self.waiting.remove(p)
-                self.runner.kv.free_blocks(p.seq)
+                self.kv.free_blocks(p.seq)
         self.waiting.extend(self.forks.abort(rid))  # a leader's forks go on alone
 
     def preempt_newest(self) -> bool:
@@ -156,16 +157,16 @@ class PrefillScheduler:
         for p in reversed(self.waiting):
             if p.seq.block_table:
                 logger.info("rid %d: prefill preempted, KV blocks exhausted", p.seq.rid)
-                self.runner.kv.free_blocks(p.seq)
+                self.kv.free_blocks(p.seq)
                 return True
         return False
 
     def release(self, rid: int) -> None:
         """Decode no longer needs ``rid``'s pinned blocks."""
-        self.runner.kv.unpin(self.pinned.on_release(rid))
+        self.kv.unpin(self.pinned.on_release(rid))
 
     def decode_worker_died(self, decode_worker: int) -> None:
-        self.runner.kv.unpin(self.pinned.on_peer_dead(decode_worker))
+        self.kv.unpin(self.pinned.on_peer_dead(decode_worker))
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -210,11 +211,11 @@ class PrefillScheduler:
     def loading(self) -> bool:
         """Is a waiting request parked on tier reads still in flight (``KVPool.reuse_prefix``)?
         Reads that are done do not count: the next ``_plan`` settles them."""
-        return any(self.runner.kv.tier_load_pending(p.seq) for p in self.waiting)
+        return any(self.kv.tier_load_pending(p.seq) for p in self.waiting)
 
     def wait_for_loads(self, timeout_s: float = LOAD_POLL_S) -> None:
         """Sleep until a parked request's reads are done (at most ``timeout_s``)."""
-        self.runner.kv.wait_tier_loads([p.seq for p in self.waiting], timeout_s)
+        self.kv.wait_tier_loads([p.seq for p in self.waiting], timeout_s)
 
     def _sample_done(
         self,
@@ -234,12 +235,12 @@ class PrefillScheduler:
         for i, (_, p) in enumerate(done):
             cached = p.seq.num_cached_tokens
             finish = batcher.emit(
-                p.seq, p.detok_shard, tokens[i], i, logprobs[i], self.runner.check_stop, cached
+                p.seq, p.detok_shard, tokens[i], i, logprobs[i], self.stops.check, cached
             )
             out.cached_tokens[p.seq.rid] = cached
             if finish != Finish.NONE:
-                self.runner.kv.free_blocks(p.seq)
-            elif self.keep_kv and not (self.exports and p.decode_worker != self.index):
+                self.kv.free_blocks(p.seq)
+            elif self.keep_kv:
                 out.handovers.append((p.seq, p.detok_shard))
             else:
                 out.transfers.append((p.decode_worker, self._export(p)))
@@ -256,7 +257,7 @@ class PrefillScheduler:
                 try:
                     # Co-located decode writes its next token into the prompt's last
                     # block: each fork needs its own copy of it there.
-                    self.runner.kv.fork(p.seq, f.seq, copy_tail=self.keep_kv)
+                    self.kv.fork(p.seq, f.seq, copy_tail=self.keep_kv)
                 except NoFreeBlocks:
                     self.waiting.append(f)  # it computes its prompt itself, later
                     continue
@@ -277,7 +278,7 @@ class PrefillScheduler:
         for p in list(self.waiting):
             if budget <= 0:
                 break
-            if full and not p.seq.block_table and not self.runner.kv.tier_loading(p.seq):
+            if full and not p.seq.block_table and not self.kv.tier_loading(p.seq):
                 continue
             ready = self._grammar_ready(p)
             if ready is None:
@@ -285,8 +286,8 @@ class PrefillScheduler:
             ready = self._forks_ready(p) and ready
             # No-op unless this is its first chunk. A request whose prefix is read from
             # the disk tier stays parked (the others step on) until its reads are done.
-            self.runner.kv.reuse_prefix(p.seq, wait=False)
-            if self.runner.kv.tier_loading(p.seq):
+            self.kv.reuse_prefix(p.seq, wait=False)
+            if self.kv.tier_loading(p.seq):
                 continue
             n = min(p.seq.num_uncomputed_tokens, budget)
             if not ready and n == p.seq.num_uncomputed_tokens:
@@ -296,7 +297,7 @@ class PrefillScheduler:
             if n == 0:
                 continue
             try:
-                self.runner.kv.ensure_blocks(p.seq, n)
+                self.kv.ensure_blocks(p.seq, n)
             except NoFreeBlocks:
                 full = True  # back-pressure: the load table shows free blocks at zero
                 continue
@@ -307,7 +308,7 @@ class PrefillScheduler:
     def _grammar_ready(self, p: PrefillRequest, fork: bool = False) -> bool | None:
         """Is ``p``'s grammar (if any) compiled; None: it failed, ``p`` is dropped."""
         try:
-            return self.runner.grammar_ready(p.seq)
+            return grammar_ready(self.grammars, p.seq)
         except GrammarError as e:
             logger.error("rid %d: its grammar does not compile: %s", p.seq.rid, e)
             if fork:
@@ -315,7 +316,7 @@ class PrefillScheduler:
             else:
                 self.waiting.remove(p)
                 self.waiting.extend(self.forks.abort(p.seq.rid))
-            self.runner.kv.free_blocks(p.seq)
+            self.kv.free_blocks(p.seq)
             self._failed.append(p)
             return None
 
@@ -330,7 +331,7 @@ class PrefillScheduler:
         seq = p.seq
         # NOTE: the newest token has no KV yet; decode computes it in its first step.
         blocks = list(seq.block_table)
-        self.runner.kv.pin(blocks)
+        self.kv.pin(blocks)
         self.pinned.pin(seq.rid, p.decode_worker, blocks)
         # Prefix caching: the hashes of the full blocks (already computed when they were
         # published), so decode finds the blocks it holds without rehashing the prompt.

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from engine.build import Engine, build_engine
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler, PrefillStep
@@ -50,16 +51,16 @@ class PrefillWorker(Worker):
         config = self.config
         self.handles: HandleSender | None = None
         if self.settings.kv_transfer == "cuda_ipc":
-            runner = ModelRunner(config)  # the pool is sized from this worker's GPU share
-            self.exporter: KVExporter = CudaIpcExporter(runner.kv.tensor)
+            engine = build_engine(config)  # the pool is sized from this worker's GPU share
+            self.exporter: KVExporter = CudaIpcExporter(engine.kv.tensor)
             self.handles, self._handle = HandleSender(), self.exporter.handle()
         else:
-            runner = self._shm_runner(config)
+            engine = self._shm_engine(config)
         self.remote = set(self.settings.remote_decode)
         self._remote_gen: dict[int, int | None] = {}
         if self.remote:
-            self._export_to_nixl(runner)
-        self.sched = PrefillScheduler(runner, self.index, config.chunked_prefill_size)
+            self._export_to_nixl(engine.runner)
+        self.sched = PrefillScheduler(engine, self.index, config.chunked_prefill_size)
         self.rel_rings = self.rings.sources(RingKind.REL)
         self.kv_out = self.rings.sinks(RingKind.KV)
 
@@ -77,7 +78,7 @@ class PrefillWorker(Worker):
             "KV pool registered with NIXL as %s for decode workers %s", name, sorted(self.remote)
         )
 
-    def _shm_runner(self, config: EngineConfig) -> ModelRunner:
+    def _shm_engine(self, config: EngineConfig) -> Engine:
         """The pool on CPU is the shared segment; on GPU the segment is its pinned mirror."""
         pool = self.spec.kv_pools[str(Peer(Role.PREFILL, self.index))]
         layout = KVLayout(**pool["layout"])
@@ -86,14 +87,14 @@ class PrefillWorker(Worker):
         )
         shared = pool_view(self._pool_seg, layout)
         if torch.device(config.device).type == "cpu":
-            runner = ModelRunner(config, kv_pool=shared)
-            self.exporter = ShmExporter(runner.kv.tensor)
-            return runner
+            engine = build_engine(config, kv_pool=shared)
+            self.exporter = ShmExporter(engine.kv.tensor)
+            return engine
         # NOTE: exactly the mirror's blocks, so a block id means the same in both.
-        runner = ModelRunner(dataclasses.replace(config, num_kv_blocks=layout.num_blocks))
+        engine = build_engine(dataclasses.replace(config, num_kv_blocks=layout.num_blocks))
         register_host_memory(shared)
-        self.exporter = ShmExporter(runner.kv.tensor, staging=shared)
-        return runner
+        self.exporter = ShmExporter(engine.kv.tensor, staging=shared)
+        return engine
 
     @property
     def runner(self) -> ModelRunner:

@@ -32,8 +32,9 @@ FLOOR = {pkg: level for level, pkgs in enumerate(FLOORS) for pkg in pkgs}
 # name (``frontend.http.app`` is in room ``http``). The package's own ``__init__`` is no
 # room: it holds only its docstring.
 ROOMS: dict[str, list[tuple[str, ...]]] = {
-    # engine: model code below the KV pool, both below the loaders and the CUDA path, and
-    # the runner, the one room the schedulers call, and speculative decoding over it on top.
+    # engine: model code below the KV pool, both below the loaders and the CUDA path, the
+    # runner (forwards and sampling), the engine's assembly (``build``: what the schedulers
+    # are handed), and speculative decoding over it on top.
     "engine": [
         ("errors", "cache", "cpu_kernels", "gguf_reader", "direct_attrs"),
         ("config",),
@@ -41,6 +42,7 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
         ("model", "kv"),
         ("checkpoint", "cuda"),
         ("runner",),
+        ("build",),
         ("speculative",),
     ],
     "frontend": [

@@ -246,3 +246,17 @@ def in_batch_order(
         for i, rows in zip(run, part.split([rows_each[i] for i in run])):
             by_item[i] = rows
     return torch.cat([by_item[i] for i in range(len(rows_each))])
+
+
+def lora_refusal(loras: LoraAdapters | None, lora: LoraRef | None) -> str | None:
+    """Why a request under ``lora`` cannot run on an engine serving ``loras``, or None:
+    checked on arrival so a step never meets an adapter it cannot load."""
+    if lora is None:
+        return None
+    if loras is None:
+        return "this worker serves no LoRA adapters (--enable-lora)"
+    try:
+        loras.check(lora)
+    except LoraError as e:
+        return str(e)
+    return None

@@ -10,5 +10,5 @@
     tiers/               KV beyond the pool: host RAM shared by a host's workers, local
                          disk; offered every registered block, asked on a prefix miss
 
-Schedulers use ``KVPool`` (``runner.kv``) and never the allocator it holds.
+Schedulers use ``KVPool`` (``Engine.kv``, engine/build.py) and never the allocator it holds.
 """

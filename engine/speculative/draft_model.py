@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from engine.build import build_engine
 from engine.errors import NoFreeBlocks
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
@@ -32,7 +33,8 @@ class DraftModelProposer(Proposer):
             kv_offload_dir=None,
             max_loras=0,  # the draft proposes from its base weights, whatever the adapter
         )
-        self.runner = ModelRunner(config)
+        draft = build_engine(config)
+        self.runner, self.kv = draft.runner, draft.kv
         if self.runner.model_config.vocab_size != target.model_config.vocab_size:
             raise ValueError(
                 f"draft model {model}: vocabulary of {self.runner.model_config.vocab_size} "
@@ -91,4 +93,4 @@ class DraftModelProposer(Proposer):
         self._synced.pop(rid, None)
         m = self._mirrors.pop(rid, None)
         if m is not None:
-            self.runner.kv.free_blocks(m)
+            self.kv.free_blocks(m)

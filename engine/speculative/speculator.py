@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from engine.build import Engine
 from engine.config import SpeculativeConfig
 from engine.errors import NoFreeBlocks
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from engine.speculative.cost import Acceptance, Prior, StepTimes, allocate
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.proposer import Proposer
@@ -54,11 +54,11 @@ class _Req:
 
 class Speculator:
     def __init__(
-        self, runner: ModelRunner, config: SpeculativeConfig, proposer: Proposer | None = None
+        self, engine: Engine, config: SpeculativeConfig, proposer: Proposer | None = None
     ) -> None:
-        self.runner = runner
+        self.runner, self.kv, self.grammars = engine.runner, engine.kv, engine.grammars
         self.config = config
-        self.proposer = proposer if proposer is not None else make_proposer(runner, config)
+        self.proposer = proposer if proposer is not None else make_proposer(engine, config)
         k = config.num_speculative_tokens
         self.stats = SpeculationStats(accepted_per_pos=[0] * k)
         self._reqs: dict[int, _Req] = {}
@@ -85,7 +85,7 @@ class Speculator:
                 out[i] = list(d[: ks[i]])
                 if not out[i]:
                     self.stats.skipped["no_draft"] += 1
-        grammar_drafts(self.runner.grammars, seqs, out)
+        grammar_drafts(self.grammars, seqs, out)
         if gated and self.proposer.cheap:
             self._gate(seqs, reqs, out)
         for seq, d in zip(seqs, out, strict=True):
@@ -134,7 +134,7 @@ class Speculator:
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         try:
-            self.runner.kv.ensure_blocks(seq, n + 1)
+            self.kv.ensure_blocks(seq, n + 1)
         except NoFreeBlocks:
             self.stats.skipped["no_kv_blocks"] += 1
             return False
@@ -142,7 +142,7 @@ class Speculator:
 
     def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> Verified:
         logits = self.runner.verify(seqs, drafts)
-        return sample_rows(logits, seqs, drafts, self.runner.grammars, self.runner.generator)
+        return sample_rows(logits, seqs, drafts, self.grammars, self.runner.generator)
 
     def timed(self, b: int, x: int, seconds: float) -> None:
         """A step of ``b`` requests verifying ``x`` drafts in all took ``seconds``."""
@@ -174,10 +174,10 @@ class Speculator:
         self.proposer.release(rid)
 
 
-def make_proposer(runner: ModelRunner, config: SpeculativeConfig) -> Proposer:
+def make_proposer(engine: Engine, config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     from engine.speculative.draft_model import DraftModelProposer
 
     assert config.model is not None
-    return DraftModelProposer(runner, config.model)
+    return DraftModelProposer(engine.runner, config.model)

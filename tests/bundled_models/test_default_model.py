@@ -26,9 +26,9 @@ from bundled_models.default_model import (
 )
 from bundled_models.tiny import tiny_model_dir
 from colocated.llm import LLM
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from engine.weights.linear import Linear
 from wire.params import SamplingParams
 
@@ -88,7 +88,9 @@ def test_engine_logits_match_transformers_on_the_gguf(
 ) -> None:
     prompts = [tokenizer(t).input_ids for t in TEXTS]
     # float32 serving is the exactness reference; the default packs the GGUF's blocks.
-    runner = ModelRunner(EngineConfig(model=str(model_dir), num_kv_blocks=32, quantization="none"))
+    runner = build_engine(
+        EngineConfig(model=str(model_dir), num_kv_blocks=32, quantization="none")
+    ).runner
     seqs = [Sequence(i, p, sampling=SamplingParams()) for i, p in enumerate(prompts)]
     got = runner.prefill([(s, s.num_tokens) for s in seqs])
     for step in range(DECODE_STEPS + 1):
@@ -105,7 +107,7 @@ def test_engine_logits_match_transformers_on_the_gguf(
 
 
 def test_default_model_serves_its_q4_1_blocks_packed(model_dir: Path) -> None:
-    runner = ModelRunner(EngineConfig(model=str(model_dir), num_kv_blocks=8))
+    runner = build_engine(EngineConfig(model=str(model_dir), num_kv_blocks=8)).runner
     assert runner.quantization == "gguf"
     kinds = {m.kind for m in runner.model.modules() if isinstance(m, Linear)}
     assert kinds == {"int4", "int8"}  # Q4_1 blocks; the Q8_0 embedding as the tied head

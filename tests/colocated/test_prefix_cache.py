@@ -9,7 +9,7 @@ import torch
 
 from colocated.scheduler import ColocatedScheduler
 from tests.colocated.test_scheduler import _assert_all_free, _req, _run
-from tests.pipeline.drive import float_runner
+from tests.pipeline.drive import float_engine
 from wire.params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -17,7 +17,7 @@ PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 def _sched(model: Path, caching: bool, blocks: int = 128) -> ColocatedScheduler:
     return ColocatedScheduler(
-        float_runner(model, blocks, caching), worker_index=0, chunk_budget=48, max_num_seqs=16
+        float_engine(model, blocks, caching), worker_index=0, chunk_budget=48, max_num_seqs=16
     )
 
 

@@ -10,9 +10,9 @@ import torch
 
 from colocated.scheduler import BUSY_ROWS, SMALL_CHUNK, ColocatedScheduler, NoKVTransfers
 from decode.scheduler import DecodeScheduler, DecodeStep
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from engine.sampling.sampler import SampleOutput
 from prefill.scheduler import PrefillScheduler
 from transport.errors import KVTransferError
@@ -23,8 +23,8 @@ torch.set_num_threads(1)
 
 
 def _sched(model: Path, blocks: int = 256, max_num_seqs: int = 64) -> ColocatedScheduler:
-    runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=blocks))
-    return ColocatedScheduler(runner, worker_index=0, chunk_budget=48, max_num_seqs=max_num_seqs)
+    engine = build_engine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=blocks))
+    return ColocatedScheduler(engine, worker_index=0, chunk_budget=48, max_num_seqs=max_num_seqs)
 
 
 def _req(rid: int, prompt: list[int], params: SamplingParams) -> GenerateRequest:
@@ -136,11 +136,12 @@ def test_colocated_decode_half_refuses_kv_imports() -> None:
 
 
 def test_prefill_keep_kv_hands_over_unpinned_and_decode_adopts(default_model_path: Path) -> None:
-    runner = ModelRunner(
+    engine = build_engine(
         EngineConfig(model=str(default_model_path), dtype="float32", num_kv_blocks=64)
     )
-    prefill = PrefillScheduler(runner, worker_index=0, chunk_budget=64, keep_kv=True)
-    decode = DecodeScheduler(runner, NoKVTransfers(), max_num_seqs=8)
+    runner = engine.runner
+    prefill = PrefillScheduler(engine, worker_index=0, chunk_budget=64, keep_kv=True)
+    decode = DecodeScheduler(engine, NoKVTransfers(), max_num_seqs=8)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prefill.add(_req(0, [9] * 33, params))
     out = prefill.step()
@@ -264,8 +265,8 @@ def test_a_busy_cpu_worker_prefills_in_shorter_chunks(
     """With BUSY_ROWS requests in the worker, the newcomer counted, its prompt goes in
     chunks of a quarter of the budget (at least SMALL_CHUNK); with one fewer, in one
     chunk of the whole budget."""
-    runner = ModelRunner(EngineConfig(model=str(default_model_path), num_kv_blocks=512))
-    sched = ColocatedScheduler(runner, worker_index=0, chunk_budget=2048, max_num_seqs=64)
+    engine = build_engine(EngineConfig(model=str(default_model_path), num_kv_blocks=512))
+    sched = ColocatedScheduler(engine, worker_index=0, chunk_budget=2048, max_num_seqs=64)
     assert sched.busy_budget == SMALL_CHUNK
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     for rid in range(running):
@@ -283,11 +284,11 @@ def test_a_busy_cpu_worker_prefills_in_shorter_chunks(
 def test_a_budget_below_the_small_chunk_or_a_short_batch_keeps_the_whole_budget(
     default_model_path: Path,
 ) -> None:
-    runner = ModelRunner(EngineConfig(model=str(default_model_path), num_kv_blocks=256))
-    small = ColocatedScheduler(runner, worker_index=0, chunk_budget=48, max_num_seqs=64)
+    engine = build_engine(EngineConfig(model=str(default_model_path), num_kv_blocks=256))
+    small = ColocatedScheduler(engine, worker_index=0, chunk_budget=48, max_num_seqs=64)
     assert small.busy_budget == 48
     # At most max_num_seqs decode at once: a longer queue does not make the worker busy.
-    few = ColocatedScheduler(runner, worker_index=0, chunk_budget=2048, max_num_seqs=8)
+    few = ColocatedScheduler(engine, worker_index=0, chunk_budget=2048, max_num_seqs=8)
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     for rid in range(BUSY_ROWS):
         few.add(_req(rid, [5 + rid] * 4, params))

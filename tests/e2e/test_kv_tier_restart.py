@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from bundled_models import tiny
-from engine.cpu_kernels import available
+from engine.kernels.vllm_cpu import available
 from tests.conftest import LaunchedServer
 
 pytestmark = pytest.mark.skipif(

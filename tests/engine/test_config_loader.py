@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bundled_models import tiny
+from engine.build import build_engine
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import UnsupportedModelError
 from engine.kv.sequence import Sequence
@@ -98,8 +99,8 @@ def test_sharded_checkpoint_loads_the_same_weights(
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="8MB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     prompt = list(range(100, 140))
-    single = ModelRunner(EngineConfig(model=str(default_model_path), num_kv_blocks=8))
-    sharded = ModelRunner(EngineConfig(model=str(tmp_path / "sharded"), num_kv_blocks=8))
+    single = build_engine(EngineConfig(model=str(default_model_path), num_kv_blocks=8)).runner
+    sharded = build_engine(EngineConfig(model=str(tmp_path / "sharded"), num_kv_blocks=8)).runner
     torch.testing.assert_close(
         _prefill_logits(sharded, prompt), _prefill_logits(single, prompt), atol=0, rtol=0
     )
@@ -107,10 +108,10 @@ def test_sharded_checkpoint_loads_the_same_weights(
 
 def test_bfloat16_runs_close_to_float32(default_model_path: Path) -> None:
     prompt = list(range(1000, 1030))
-    f32 = ModelRunner(EngineConfig(model=str(default_model_path), num_kv_blocks=4))
-    bf16 = ModelRunner(
+    f32 = build_engine(EngineConfig(model=str(default_model_path), num_kv_blocks=4)).runner
+    bf16 = build_engine(
         EngineConfig(model=str(default_model_path), dtype="bfloat16", num_kv_blocks=4)
-    )
+    ).runner
     assert bf16.kv.tensor.dtype == torch.bfloat16
     a, b = _prefill_logits(f32, prompt), _prefill_logits(bf16, prompt)
     assert b.dtype == torch.float32

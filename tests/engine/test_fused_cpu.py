@@ -18,8 +18,15 @@ import torch
 
 from bundled_models.default_model import resolve_model
 from colocated.llm import LLM
-from engine import cpu_kernels
+from engine.build import build_engine
 from engine.config import EngineConfig
+from engine.kernels import vllm_cpu
+from engine.kernels.cpu.ops import (
+    decode_attention_op,
+    prefill_attention_op,
+    rope_store_op,
+    silu_mul_op,
+)
 from engine.kv.sequence import Sequence
 from engine.model.attention import AttentionMetadata
 from engine.model.fused_cpu import FusedCpuBackend, PagedBatch, cpu_backend
@@ -27,12 +34,6 @@ from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryEmbedding, apply_rotary
 from engine.model.torch_backend import TorchBackend, TorchGeometry
 from engine.runner import ModelRunner
-from engine.weights.int4_tiles import (
-    decode_attention_op,
-    prefill_attention_op,
-    rope_store_op,
-    silu_mul_op,
-)
 from wire.params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -49,7 +50,7 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-7, 2**-7)}  # (atol, rt
 
 @pytest.fixture(scope="module")
 def fused() -> FusedCpuBackend:
-    kernels = cpu_kernels.available()
+    kernels = vllm_cpu.available()
     if kernels is None:
         pytest.skip("the fused CPU kernel library does not load here")
     return FusedCpuBackend(kernels, _geometry(512))
@@ -215,7 +216,7 @@ def test_rotary_in_place_on_strided_rows_equals_torch(fused: FusedCpuBackend) ->
 
 
 def _runner(path: Path, backend: str, dtype: str, quantization: str = "none") -> ModelRunner:
-    runner = ModelRunner(
+    runner = build_engine(
         EngineConfig(
             model=str(path),
             quantization=quantization,
@@ -223,7 +224,7 @@ def _runner(path: Path, backend: str, dtype: str, quantization: str = "none") ->
             attention_backend=backend,
             dtype=dtype,
         )
-    )
+    ).runner
     assert type(runner.backend) is (TorchBackend if backend == "torch" else FusedCpuBackend)
     return runner
 
@@ -329,7 +330,7 @@ def test_backend_follows_the_head_sizes_the_library_takes(
 ) -> None:
     """Heads of 16 (tiny llama, qwen2): no library kernels, the torch backend; of 32 (tiny
     qwen3): the fused one, which the parity tests against transformers then run."""
-    runner = ModelRunner(EngineConfig(model=str(tiny_model_path), num_kv_blocks=8))
+    runner = build_engine(EngineConfig(model=str(tiny_model_path), num_kv_blocks=8)).runner
     head_dim = runner.model_config.head_dim
     assert type(runner.backend) is (TorchBackend if head_dim == 16 else FusedCpuBackend)
 
@@ -338,12 +339,12 @@ def test_torch_backend_forced_or_library_off(monkeypatch: pytest.MonkeyPatch) ->
     forced = cpu_backend("torch", _geometry(16))
     assert type(forced) is TorchBackend and forced.dense is not None
     monkeypatch.setenv("PDSERVE_CPU_KERNELS", "off")
-    with pytest.raises(cpu_kernels.CpuKernelsUnavailable, match="PDSERVE_CPU_KERNELS"):
-        cpu_kernels.load()
+    with pytest.raises(vllm_cpu.CpuKernelsUnavailable, match="PDSERVE_CPU_KERNELS"):
+        vllm_cpu.load()
     monkeypatch.setenv("PDSERVE_CPU_KERNELS", "/nonexistent")
-    if cpu_kernels.cpu_isa() is not None:
-        with pytest.raises(cpu_kernels.CpuKernelsUnavailable, match="not found"):
-            cpu_kernels.load()
+    if vllm_cpu.cpu_isa() is not None:
+        with pytest.raises(vllm_cpu.CpuKernelsUnavailable, match="not found"):
+            vllm_cpu.load()
 
 
 def test_build_chosen_from_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -358,9 +359,9 @@ def test_build_chosen_from_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda v=avx512: v)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=bf16: v)
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda v=capability: v)
-        assert cpu_kernels.cpu_isa() == want
+        assert vllm_cpu.cpu_isa() == want
     monkeypatch.setattr("platform.machine", lambda: "aarch64")
-    assert cpu_kernels.cpu_isa() is None
+    assert vllm_cpu.cpu_isa() is None
 
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3-norms"])

@@ -22,12 +22,12 @@ from safetensors.torch import load_file
 
 import engine.checkpoint.gguf as engine_gguf
 from bundled_models import tiny
+from engine.build import build_engine
 from engine.checkpoint.gguf import convert_gguf
 from engine.checkpoint.gguf_config import llama3_rope_from_factors
 from engine.config import EngineConfig
 from engine.errors import UnsupportedModelError
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from tests.engine.gguf_files import Q, llama3_rope_factors, permute, write_gguf
 from wire.params import SamplingParams
 
@@ -51,7 +51,7 @@ Convert = Callable[[str, Q], Path]
 
 def _last_logits(model: Path) -> torch.Tensor:
     """(len(PROMPTS), vocab) float32 logits of each prompt's last token, from the engine."""
-    runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=16))
+    runner = build_engine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=16)).runner
     seqs = [Sequence(i, p, sampling=SamplingParams()) for i, p in enumerate(PROMPTS)]
     return runner.prefill([(s, s.num_tokens) for s in seqs])
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.build import build_engine
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda.gpu_memory import profile_forward
 from engine.kv.kv_cache import GpuMemoryError, kv_blocks_for_budget, pool_layout
-from engine.runner import ModelRunner
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -48,7 +48,7 @@ def test_profiling_runs_the_largest_forwards_on_a_scratch_pool_and_keeps_the_rng
     config = EngineConfig(
         model=str(default_model_path), chunked_prefill_size=40, max_num_seqs=5, num_kv_blocks=4
     )
-    runner = ModelRunner(config)
+    runner = build_engine(config).runner
     state = runner.generator.get_state()
     pool, free = runner.kv.tensor.clone(), runner.kv.allocator.num_free
     scratch = profile_forward(runner)
@@ -65,7 +65,7 @@ def test_profiling_runs_the_largest_forwards_on_a_scratch_pool_and_keeps_the_rng
 def test_cuda_pool_is_sized_from_the_share_alone(default_model_path: Path) -> None:
     def blocks(share: float) -> int:
         cfg = EngineConfig(model=str(default_model_path), device="cuda", gpu_memory_share=share)
-        runner = ModelRunner(cfg)
+        runner = build_engine(cfg).runner
         total = torch.cuda.mem_get_info()[1]
         assert runner.kv.tensor.numel() * runner.kv.tensor.element_size() < share * total
         return runner.kv.allocator.num_blocks

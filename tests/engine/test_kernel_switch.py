@@ -11,6 +11,7 @@ batch (every row on the GEMM, ``gemm_min_rows=2``), 24 tokens.
 from __future__ import annotations
 
 from bundled_models.default_model import default_model_dir
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
@@ -61,7 +62,7 @@ def test_a_request_alone_and_in_a_batch_part_only_after_a_near_tie() -> None:
     config = EngineConfig(
         model=str(path), num_kv_blocks=128, large_batch_gemm=True, gemm_min_rows=2
     )
-    runner = ModelRunner(config)
+    runner = build_engine(config).runner
     assert runner.quantization == "gguf"
     together = _greedy(runner, prompts)
     for prompt, (batched, batched_gaps) in zip(prompts, together, strict=True):

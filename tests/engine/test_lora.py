@@ -14,6 +14,7 @@ import torch
 from bundled_models import tiny
 from bundled_models.lora import lora_ref, make_adapter, peft_model
 from colocated.llm import LLM
+from engine.build import build_engine
 from engine.checkpoint.lora_loader import LoraCapacityError
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
@@ -55,11 +56,11 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Path, str],
 
 
 def _runner(base: Path, quantization: str = "none", max_loras: int = 4) -> ModelRunner:
-    return ModelRunner(
+    return build_engine(
         EngineConfig(
             model=str(base), num_kv_blocks=128, max_loras=max_loras, quantization=quantization
         )
-    )
+    ).runner
 
 
 def _tokens(n: int, seed: int) -> list[int]:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from bundled_models.tiny import TINY_SIZES
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from wire.params import SamplingParams
 
 
@@ -39,10 +39,10 @@ def test_mistral_logits_match_transformers(tmp_path: Path) -> None:
 
     path = _tiny_mistral(tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    runner = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=16))
+    runner = build_engine(EngineConfig(model=str(path), num_kv_blocks=16)).runner
     # Attention is always full here, so the context stops at the sliding window.
     assert runner.max_model_len == 1024
-    assert runner.eos_token_ids == (2,)
+    assert runner.model_config.eos_token_ids == (2,)
     ids = torch.randint(0, 1000, (45,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
@@ -59,7 +59,7 @@ def test_cuda_runner_matches_cpu_runner(default_model_path: Path) -> None:
     prompts = [list(range(100, 100 + n)) for n in (1, 17, 50)]
     logits = {}
     for device in ("cpu", "cuda"):
-        runner = ModelRunner(EngineConfig(model=str(default_model_path), device=device))
+        runner = build_engine(EngineConfig(model=str(default_model_path), device=device)).runner
         seqs = [Sequence(i, p) for i, p in enumerate(prompts)]
         first = runner.prefill([(s, s.num_tokens) for s in seqs]).cpu()
         for s in seqs:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from colocated.llm import LLM
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from wire.params import SamplingParams
 
 PROMPT_LENS = [1, 2, 15, 16, 17, 31, 33, 48, 64, 77, 99, 100]
@@ -33,7 +33,7 @@ def test_prefill_and_decode_logits_match_transformers(
     tiny_model_path: Path, chunk: int | None
 ) -> None:
     hf = _hf_model(tiny_model_path)
-    runner = ModelRunner(EngineConfig(model=str(tiny_model_path), num_kv_blocks=128))
+    runner = build_engine(EngineConfig(model=str(tiny_model_path), num_kv_blocks=128)).runner
     full = [_random_tokens(n + DECODE_STEPS, seed=n) for n in PROMPT_LENS]
     with torch.no_grad():
         ref = [hf(torch.tensor([ids])).logits[0] for ids in full]  # (len, vocab) each

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from colocated.llm import LLM
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from wire.params import SamplingParams
 
 BS = 16
@@ -138,7 +138,7 @@ def test_a_second_turn_reuses_the_first_turns_answer(default_model_path: Path) -
 def test_a_fully_cached_prompt_never_writes_into_a_shared_block(
     default_model_path: Path,
 ) -> None:
-    runner = ModelRunner(EngineConfig(model=str(default_model_path), num_kv_blocks=16))
+    runner = build_engine(EngineConfig(model=str(default_model_path), num_kv_blocks=16)).runner
     prompt = _tokens(3 * BS, seed=4)
     owner = Sequence(0, list(prompt), block_size=BS)
     runner.prefill([(owner, len(prompt))])  # holds its 3 blocks, all published
@@ -149,9 +149,9 @@ def test_a_fully_cached_prompt_never_writes_into_a_shared_block(
     logits = runner.prefill([(reader, BS)])
     assert reader.block_table[2] != owner.block_table[2]
     assert torch.equal(runner.kv.tensor[owner.block_table], cached)
-    alone = ModelRunner(
+    alone = build_engine(
         EngineConfig(model=str(default_model_path), num_kv_blocks=16, enable_prefix_caching=False)
-    )
+    ).runner
     fresh = Sequence(2, list(prompt), block_size=BS)
     torch.testing.assert_close(logits, alone.prefill([(fresh, len(prompt))]), atol=1e-5, rtol=0)
     for seq in (owner, reader):
@@ -161,9 +161,9 @@ def test_a_fully_cached_prompt_never_writes_into_a_shared_block(
 
 
 def test_caching_off_hashes_nothing_and_reuses_nothing(default_model_path: Path) -> None:
-    runner = ModelRunner(
+    runner = build_engine(
         EngineConfig(model=str(default_model_path), num_kv_blocks=16, enable_prefix_caching=False)
-    )
+    ).runner
     prompt = _tokens(40, seed=5)
     for rid in range(2):
         seq = Sequence(rid, list(prompt), block_size=BS)

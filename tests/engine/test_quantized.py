@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from bundled_models import tiny
+from engine.build import build_engine
 from engine.checkpoint.gguf import GGUFCheckpoint, convert_gguf, hf_tensors
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from engine.weights.gemm import PlainGemm
 from engine.weights.linear import (
     DenseKernel,
@@ -112,12 +112,12 @@ def test_a_converted_gguf_is_served_packed_and_near_its_dequantized_self(
     gguf_dirs: dict[Q, tuple[Path, Path]], qtype: Q
 ) -> None:
     _, hf = gguf_dirs[qtype]
-    packed = ModelRunner(EngineConfig(model=str(hf), num_kv_blocks=16))
+    packed = build_engine(EngineConfig(model=str(hf), num_kv_blocks=16)).runner
     assert packed.quantization == "gguf"
     kind = "int8" if qtype == Q.Q8_0 else "int4"
     layers = [m for m in packed.model.modules() if isinstance(m, Linear)]
     assert {m.kind for m in layers} == {kind}  # the head too: this model's is its own
-    dense = ModelRunner(EngineConfig(model=str(hf), num_kv_blocks=16, quantization="none"))
+    dense = build_engine(EngineConfig(model=str(hf), num_kv_blocks=16, quantization="none")).runner
     prompts = [[9, 70, 11, 187, 0, 42], list(range(100, 133))]
     got, want = [], []
     for runner, out in ((packed, got), (dense, want)):
@@ -163,12 +163,12 @@ def test_quantizing_at_load_stays_on_its_grid(bits: int) -> None:
 def test_quantization_at_load_on_every_tiny_architecture(
     tiny_model_path: Path, quantization: str
 ) -> None:
-    runner = ModelRunner(
+    runner = build_engine(
         EngineConfig(model=str(tiny_model_path), num_kv_blocks=16, quantization=quantization)
-    )
-    dense = ModelRunner(
+    ).runner
+    dense = build_engine(
         EngineConfig(model=str(tiny_model_path), num_kv_blocks=16, quantization="none")
-    )
+    ).runner
     body = {m.kind for m in runner.model.modules() if isinstance(m, Linear)}
     assert body == ({"int8"} if quantization == "int8" else {"int4", "int8"})
     assert runner.model.lm_head.kind == "int8"

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from colocated.llm import LLM
+from engine.build import build_engine
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import NoFreeBlocks, PromptTooLongError
 from engine.kv.kv_cache import pool_layout
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
+from engine.sampling.stops import Stops
 from wire.params import SamplingParams
 from wire.records import Finish
 
@@ -22,7 +24,7 @@ PROMPT = list(range(300, 340))  # 40 tokens: 3 blocks of 16
 
 
 def _runner(path: Path, **kw: object) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=str(path), **kw))  # type: ignore[arg-type]
+    return build_engine(EngineConfig(model=str(path), **kw)).runner  # type: ignore[arg-type]
 
 
 def _seq(runner: ModelRunner, prompt: list[int], **params: object) -> Sequence:
@@ -39,7 +41,7 @@ def test_kv_written_to_an_external_shared_pool_and_copied_blocks_decode_elsewher
     nbytes = layout.nbytes
     shared = mmap.mmap(-1, nbytes)  # stands in for a POSIX shm segment
     pool = torch.frombuffer(shared, dtype=torch.float32).view(layout.shape)
-    prefill = ModelRunner(EngineConfig(model=str(default_model_path)), kv_pool=pool)
+    prefill = build_engine(EngineConfig(model=str(default_model_path)), kv_pool=pool).runner
     assert prefill.kv.allocator.num_blocks == 8
     assert prefill.kv.tensor.data_ptr() == pool.data_ptr()
     seq = _seq(prefill, PROMPT)
@@ -59,7 +61,7 @@ def test_kv_written_to_an_external_shared_pool_and_copied_blocks_decode_elsewher
 
 def test_external_pool_of_wrong_shape_is_rejected(default_model_path: Path) -> None:
     with pytest.raises(ValueError, match="shape"):
-        ModelRunner(EngineConfig(model=str(default_model_path)), kv_pool=torch.zeros(4, 2, 2))
+        build_engine(EngineConfig(model=str(default_model_path)), kv_pool=torch.zeros(4, 2, 2))
 
 
 def test_out_of_blocks_is_typed_and_leaves_the_sequence_untouched(
@@ -83,10 +85,11 @@ def test_max_model_len_is_enforced(default_model_path: Path) -> None:
     seq = _seq(runner, PROMPT, max_tokens=100, ignore_eos=True)
     runner.prefill([(seq, len(PROMPT))])
     seq.output_ids.append(5)
-    assert runner.check_stop(seq) is Finish.NONE  # 41 tokens
+    stops = Stops(runner.model_config.eos_token_ids, runner.max_model_len)
+    assert stops.check(seq) is Finish.NONE  # 41 tokens
     runner.decode([seq])
     seq.output_ids.append(6)
-    assert runner.check_stop(seq) is Finish.LENGTH  # 42 tokens
+    assert stops.check(seq) is Finish.LENGTH  # 42 tokens
     runner.decode([seq])  # position 41 still fits; a 43rd token would not
     seq.output_ids.append(7)
     with pytest.raises(ValueError, match="max_model_len"):
@@ -112,10 +115,10 @@ def test_max_model_len_is_enforced(default_model_path: Path) -> None:
 def test_stop_checks(
     default_model_path: Path, params: dict[str, object], token: int, expected: Finish
 ) -> None:
-    runner = _runner(default_model_path, num_kv_blocks=4)
-    seq = _seq(runner, PROMPT, **params)
+    engine = build_engine(EngineConfig(model=str(default_model_path), num_kv_blocks=4))
+    seq = _seq(engine.runner, PROMPT, **params)
     seq.output_ids.append(token)
-    assert runner.check_stop(seq) is expected
+    assert engine.stops.check(seq) is expected
 
 
 def test_preemption_under_a_small_pool_keeps_greedy_outputs(default_model_path: Path) -> None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from bundled_models import tiny
+from engine.build import build_engine
 from engine.checkpoint import image
 from engine.checkpoint.gguf import convert_gguf
 from engine.checkpoint.weights_segment import MAPPING_NAME, create_segment
@@ -97,8 +98,8 @@ def test_a_mapped_runner_computes_what_the_builder_and_a_private_one_do(
             weights_fd=fd,
         )
         with caplog.at_level("INFO"):
-            builder = ModelRunner(config)
-            mapped = ModelRunner(config)
+            builder = build_engine(config).runner
+            mapped = build_engine(config).runner
         assert sum("weights written to" in r.message for r in caplog.records) == 1
         assert sum("weights mapped from" in r.message for r in caplog.records) == 1
         assert builder.quantization == quantization
@@ -112,7 +113,7 @@ def test_a_mapped_runner_computes_what_the_builder_and_a_private_one_do(
             assert gemms and all(
                 r is not None and isinstance(r.gemm, int4_tiles.A8Gemm) for r in gemms.values()
             ), gemms
-        private = ModelRunner(replace(config, weights_fd=None))
+        private = build_engine(replace(config, weights_fd=None)).runner
         assert _none_mapped(private)
         got, built, want = _steps(mapped), _steps(builder), _steps(private)
         for g, b, w in zip(got, built, want, strict=True):
@@ -134,7 +135,7 @@ def test_an_unsealed_segment_is_built_again_and_a_sealed_one_is_read_only(
             model=str(tiny.tiny_model_dir(tiny.DEFAULT_ARCH)), num_kv_blocks=16, weights_fd=fd
         )
         with caplog.at_level("INFO"):
-            runner = ModelRunner(config)
+            runner = build_engine(config).runner
         assert any("weights written to" in r.message for r in caplog.records)
         assert _in_mapping(runner)
         with pytest.raises(PermissionError):
@@ -151,13 +152,15 @@ def test_a_segment_holding_another_image_is_refused_and_the_runner_loads_private
     fd = create_segment()
     try:
         model = str(tiny.tiny_model_dir(tiny.DEFAULT_ARCH))
-        ModelRunner(EngineConfig(model=model, num_kv_blocks=16, quantization="int8", weights_fd=fd))
+        build_engine(
+            EngineConfig(model=model, num_kv_blocks=16, quantization="int8", weights_fd=fd)
+        )
         config = EngineConfig(model=model, num_kv_blocks=16, quantization="int4", weights_fd=fd)
         with caplog.at_level("ERROR"):
-            other = ModelRunner(config)
+            other = build_engine(config).runner
         assert any("weights not shared" in r.message for r in caplog.records)
         assert _none_mapped(other)
-        private = ModelRunner(replace(config, weights_fd=None))
+        private = build_engine(replace(config, weights_fd=None)).runner
         for g, w in zip(_steps(other), _steps(private), strict=True):
             assert torch.equal(g, w)
     finally:
@@ -190,7 +193,7 @@ def test_the_many_rows_gemm_is_shared_in_the_layout_this_cpu_runs(
             gemm_min_rows=4,
             weights_fd=fd,
         )
-        builder, mapped = ModelRunner(config), ModelRunner(config)
+        builder, mapped = build_engine(config).runner, build_engine(config).runner
         assert _in_mapping(mapped)
         want = {"tiles": TilesGemm, "vnni": gemm.VnniGemm, "torch-only": gemm.PlainGemm}[layout]
         kernels = [m.kernel for m in mapped.model.modules() if isinstance(m, Linear)]

@@ -7,30 +7,36 @@ import time
 from pathlib import Path
 
 from decode.scheduler import DecodeScheduler
+from engine.build import Engine, build_engine
 from engine.config import EngineConfig
-from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler
 from transport.kv_backends import ShmReceiver
 from wire.records import Finish, TokenBatch
 
 
-def float_runner(model: Path, blocks: int, caching: bool = True) -> ModelRunner:
+def float_engine(model: Path, blocks: int, caching: bool = True) -> Engine:
     """``model`` in float32 with ``blocks`` KV blocks; ``caching`` turns the prefix cache
     on, as ``EngineConfig`` has it by default."""
     config = EngineConfig(
         model=str(model), dtype="float32", num_kv_blocks=blocks, enable_prefix_caching=caching
     )
-    return ModelRunner(config)
+    return build_engine(config)
 
 
 def pair(
     model: Path, *, chunk_budget: int = 64, decode_blocks: int = 256
 ) -> tuple[PrefillScheduler, DecodeScheduler]:
     """Prefill (256 KV blocks) handing off to decode through shared memory."""
-    p_runner, d_runner = float_runner(model, 256), float_runner(model, decode_blocks)
-    receiver = ShmReceiver({0: p_runner.kv.tensor}, d_runner.kv.tensor)
-    prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=chunk_budget)
-    return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=64)
+    return pair_of(float_engine(model, 256), float_engine(model, decode_blocks), chunk_budget)
+
+
+def pair_of(
+    p_engine: Engine, d_engine: Engine, chunk_budget: int = 64
+) -> tuple[PrefillScheduler, DecodeScheduler]:
+    """``p_engine``'s prefill handing off to ``d_engine``'s decode through shared memory."""
+    receiver = ShmReceiver({0: p_engine.kv.tensor}, d_engine.kv.tensor)
+    prefill = PrefillScheduler(p_engine, worker_index=0, chunk_budget=chunk_budget)
+    return prefill, DecodeScheduler(d_engine, receiver, max_num_seqs=64)
 
 
 def run(

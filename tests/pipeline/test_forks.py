@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from colocated.scheduler import ColocatedScheduler
+from engine.build import build_engine
 from engine.config import EngineConfig
-from engine.runner import ModelRunner
 from tests.pipeline.drive import pair, run
 from wire.params import SamplingParams, choice_seed
 from wire.records import Finish, GenerateRequest
@@ -105,8 +105,7 @@ def test_an_aborted_leader_hands_its_forks_on(default_model_path: Path) -> None:
 
 def test_colocated_forks_copy_the_prompt_tail_they_write_into(default_model_path: Path) -> None:
     cfg = EngineConfig(model=str(default_model_path), dtype="float32", num_kv_blocks=64)
-    runner = ModelRunner(cfg)
-    sched = ColocatedScheduler(runner, 0, chunk_budget=64, max_num_seqs=8)
+    sched = ColocatedScheduler(build_engine(cfg), 0, chunk_budget=64, max_num_seqs=8)
     choices = _choices(3, seed=9)
     for req in choices:
         sched.add(req)
@@ -116,6 +115,6 @@ def test_colocated_forks_copy_the_prompt_tail_they_write_into(default_model_path
             for rid, tok in zip(batch.rids.tolist(), batch.token_ids.tolist()):
                 outputs.setdefault(rid, []).append(tok)
     assert sched.prefill.computed_tokens == len(PROMPT)
-    runner.kv.allocator.check_invariants()
+    sched.runner.kv.allocator.check_invariants()
     for req in choices:
         assert outputs[req.rid] == _alone(default_model_path, req)

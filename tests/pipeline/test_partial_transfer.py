@@ -15,7 +15,7 @@ import torch
 
 from decode.scheduler import DecodeScheduler
 from prefill.scheduler import PrefillScheduler
-from tests.pipeline.drive import float_runner
+from tests.pipeline.drive import float_engine
 from transport.kv_backends import ShmReceiver
 from wire.params import SamplingParams
 from wire.records import GenerateRequest
@@ -37,10 +37,10 @@ class RecordingReceiver(ShmReceiver):
 
 
 def _pair(model: Path, caching: bool) -> tuple[PrefillScheduler, DecodeScheduler]:
-    p_runner, d_runner = float_runner(model, 96, caching), float_runner(model, 96, caching)
-    receiver = RecordingReceiver({0: p_runner.kv.tensor}, d_runner.kv.tensor)
-    prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=512)
-    return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=8)
+    p_engine, d_engine = float_engine(model, 96, caching), float_engine(model, 96, caching)
+    receiver = RecordingReceiver({0: p_engine.kv.tensor}, d_engine.kv.tensor)
+    prefill = PrefillScheduler(p_engine, worker_index=0, chunk_budget=512)
+    return prefill, DecodeScheduler(d_engine, receiver, max_num_seqs=8)
 
 
 def _positions(pool: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from decode.scheduler import DecodeScheduler
+from engine.build import build_engine
 from engine.config import EngineConfig
-from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler, PrefillStep
-from tests.pipeline.drive import float_runner
+from tests.pipeline.drive import float_engine
 from transport.kv_backends import ShmReceiver
 from wire.params import SamplingParams
 from wire.records import Finish, GenerateRequest
@@ -24,10 +24,10 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def _pair(model: Path, caching: bool) -> tuple[PrefillScheduler, DecodeScheduler]:
-    p_runner, d_runner = float_runner(model, 128, caching), float_runner(model, 128, caching)
-    prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=40)
-    receiver = ShmReceiver({0: p_runner.kv.tensor}, d_runner.kv.tensor)
-    return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=16)
+    p_engine, d_engine = float_engine(model, 128, caching), float_engine(model, 128, caching)
+    prefill = PrefillScheduler(p_engine, worker_index=0, chunk_budget=40)
+    receiver = ShmReceiver({0: p_engine.kv.tensor}, d_engine.kv.tensor)
+    return prefill, DecodeScheduler(d_engine, receiver, max_num_seqs=16)
 
 
 def _drive(
@@ -100,15 +100,15 @@ def test_requests_reuse_blocks_pinned_for_an_earlier_transfer(default_model_path
 def test_a_request_waiting_for_blocks_is_one_query_however_often_it_is_looked_up(
     default_model_path: Path,
 ) -> None:
-    runner = ModelRunner(EngineConfig(model=str(default_model_path), num_kv_blocks=6))
-    prefill = PrefillScheduler(runner, worker_index=0, chunk_budget=512)
+    engine = build_engine(EngineConfig(model=str(default_model_path), num_kv_blocks=6))
+    prefill = PrefillScheduler(engine, worker_index=0, chunk_budget=512)
     g = torch.Generator().manual_seed(12)
     a, b = (torch.randint(0, 150_000, (n,), generator=g).tolist() for n in (64, 80))
     prefill.add(_req(0, a))
     prefill.add(_req(1, b))
     for _ in range(3):  # rid 0 holds 4 blocks pinned; rid 1 (5 blocks) waits, looked up
         step = prefill.step()
-    assert step.cached_tokens == {} and runner.kv.allocator.num_pinned == 4
+    assert step.cached_tokens == {} and engine.kv.allocator.num_pinned == 4
     prefill.release(0)
     assert prefill.step().cached_tokens == {1: 0}
-    assert runner.kv.allocator.stats.queried_tokens == 64 + 80
+    assert engine.kv.allocator.stats.queried_tokens == 64 + 80

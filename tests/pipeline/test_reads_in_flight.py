@@ -16,8 +16,8 @@ import msgspec
 import torch
 
 from decode.scheduler import DecodeScheduler
+from engine.build import build_engine
 from engine.config import EngineConfig
-from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler
 from tests.pipeline.drive import pair, run
 from transport.errors import KVReadFailed
@@ -64,11 +64,11 @@ class HeldReceiver(ShmReceiver):
 
 
 def _held_pair(model: Path) -> tuple[PrefillScheduler, DecodeScheduler, HeldReceiver]:
-    p_runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=128))
-    d_runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=128))
-    receiver = HeldReceiver({0: p_runner.kv.tensor}, d_runner.kv.tensor)
-    prefill = PrefillScheduler(p_runner, worker_index=0, chunk_budget=512)
-    return prefill, DecodeScheduler(d_runner, receiver, max_num_seqs=8), receiver
+    p_engine = build_engine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=128))
+    d_engine = build_engine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=128))
+    receiver = HeldReceiver({0: p_engine.kv.tensor}, d_engine.kv.tensor)
+    prefill = PrefillScheduler(p_engine, worker_index=0, chunk_budget=512)
+    return prefill, DecodeScheduler(d_engine, receiver, max_num_seqs=8), receiver
 
 
 def _prompts() -> list[list[int]]:

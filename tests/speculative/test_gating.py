@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.build import build_engine
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from engine.speculative.cost import Acceptance, StepTimes, allocate
 from engine.speculative.proposer import Proposer
 from engine.speculative.speculator import Speculator
@@ -32,8 +32,9 @@ class Fixed(Proposer):
 
 
 def _setup(model: Path, **kw: int) -> tuple[Speculator, list[Sequence]]:
-    runner = ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=64))
-    speculator = Speculator(runner, SpeculativeConfig(**kw), Fixed())  # type: ignore[arg-type]
+    engine = build_engine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=64))
+    runner = engine.runner
+    speculator = Speculator(engine, SpeculativeConfig(**kw), Fixed())  # type: ignore[arg-type]
     seqs = [
         Sequence(
             rid=i,

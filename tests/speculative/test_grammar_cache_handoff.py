@@ -10,12 +10,12 @@ import jsonschema
 import torch
 
 from decode.scheduler import DecodeScheduler
+from engine.build import build_engine
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.kv.sequence import Sequence
-from engine.runner import ModelRunner
 from engine.speculative.proposer import Proposer
 from engine.speculative.speculator import Speculator
-from tests.pipeline.drive import pair, run
+from tests.pipeline.drive import float_engine, pair_of, run
 from tests.speculative.helpers import Oracle, engine, prompts, with_proposer
 from wire.params import GrammarKind, GrammarSpec, SamplingParams
 from wire.records import Finish, GenerateRequest
@@ -87,14 +87,14 @@ def test_the_prefix_cache_never_holds_rejected_kv(default_model_path: Path) -> N
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     runner = llm.runner
     by_hash = dict(runner.kv.allocator._by_hash)
-    fresh = ModelRunner(
+    fresh = build_engine(
         EngineConfig(
             model=str(default_model_path),
             dtype="float32",
             num_kv_blocks=64,
             enable_prefix_caching=False,
         )
-    )
+    ).runner
     checked = 0
     for g in got:
         tokens = g.prompt_ids + g.output_ids
@@ -123,11 +123,12 @@ def test_speculation_from_the_first_decode_token_after_the_handoff(
     ] * 4
     outs = []
     for k in (None, 4):
-        prefill, decode = pair(default_model_path)
+        engines = float_engine(default_model_path, 256), float_engine(default_model_path, 256)
+        prefill, decode = pair_of(*engines)
         if k is not None:
             cfg = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=64)
             refs = {tuple(p): o for p, (o, _) in zip(ps, outs[0].values())}
-            decode.speculator = Speculator(decode.runner, cfg, Oracle(refs, "mixed", VOCAB))
+            decode.speculator = Speculator(engines[1], cfg, Oracle(refs, "mixed", VOCAB))
             decode.speculator.times = None  # every draft verified (no cost gate)
         for rid, (p, sp) in enumerate(zip(ps, params)):
             req = GenerateRequest(

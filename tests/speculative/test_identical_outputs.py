@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,8 @@ def test_a_stop_inside_an_accepted_run_cuts_it_there(
         if k is not None:
             with_proposer(llm, Oracle(_refs(reference), "accept", VOCAB))
         if how == "eos":
-            llm.runner.eos_token_ids = (token,)
+            stops = replace(llm.engine.stops, eos_token_ids=(token,))
+            llm.scheduler.prefill.stops = llm.scheduler.decode.stops = stops
         results.append(generate(llm, [PROMPTS[0]], params))
         llm.runner.kv.allocator.check_invariants()
         assert llm.runner.kv.allocator.num_used == 0

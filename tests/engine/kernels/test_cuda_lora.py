@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from colocated.llm import LLM
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.cuda.lora_bank import StackedLoraBank
 from engine.kv.sequence import Sequence
@@ -104,7 +105,7 @@ def test_bfloat16_graphs_with_adapters_agree_with_the_torch_path(
     refs = [adapters["all16"], None, adapters["qvd8"], adapters["all16"]]
 
     def runner(backend: str) -> ModelRunner:
-        return ModelRunner(
+        return build_engine(
             EngineConfig(
                 model=str(default_model_path),
                 device="cuda",
@@ -114,7 +115,7 @@ def test_bfloat16_graphs_with_adapters_agree_with_the_torch_path(
                 max_loras=2,
                 attention_backend=backend,
             )
-        )
+        ).runner
 
     kernel = runner("auto")
     assert kernel.loras is not None

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
@@ -36,7 +37,7 @@ def test_graphs_eager_kernels_and_torch_agree(
     default_model_path: Path, dtype: str, tol: float
 ) -> None:
     def runner(**kw: object) -> ModelRunner:
-        return ModelRunner(
+        return build_engine(
             EngineConfig(
                 model=str(default_model_path),
                 device="cuda",
@@ -45,7 +46,7 @@ def test_graphs_eager_kernels_and_torch_agree(
                 max_num_seqs=16,
                 **kw,
             )
-        )  # type: ignore[arg-type]
+        ).runner  # type: ignore[arg-type]
 
     graphs = runner()
     results = {
@@ -75,7 +76,7 @@ def test_graphs_captured_before_serving_write_no_kv_and_replay_what_eager_runs(
         config = EngineConfig(
             model=str(default_model_path), device="cuda", num_kv_blocks=64, max_num_seqs=16
         )
-        return ModelRunner(replace(config, **kw))  # type: ignore[arg-type]
+        return build_engine(replace(config, **kw)).runner  # type: ignore[arg-type]
 
     graphs = runner()
     before = graphs.kv.tensor.view(torch.uint8).clone()
@@ -91,11 +92,11 @@ def test_graphs_captured_before_serving_write_no_kv_and_replay_what_eager_runs(
 
 def test_a_graph_decode_step_never_syncs_with_the_host(default_model_path: Path) -> None:
     """decode() only launches work; the step's one sync is the sampler's copy of tokens."""
-    runner = ModelRunner(
+    runner = build_engine(
         EngineConfig(
             model=str(default_model_path), device="cuda", num_kv_blocks=64, max_num_seqs=16
         )
-    )
+    ).runner
     seqs = [Sequence(i, list(range(10, 10 + 20 * (i + 1)))) for i in range(3)]
     logits = runner.prefill([(s, s.num_tokens) for s in seqs])
     for step in range(3):  # step 0 captures the graph (capture synchronises); 1, 2 replay

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from bundled_models import tiny
 from colocated.llm import LLM
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.cuda.graphs import StepArrays, StepInputs
 from engine.kv.sequence import Sequence
@@ -37,8 +38,8 @@ def _runners(path: Path, **kw: Any) -> tuple[ModelRunner, ModelRunner]:
         "device": DEVICE.type,
         **kw,
     }
-    kernel = ModelRunner(EngineConfig(attention_backend="triton", **common))
-    torch_ = ModelRunner(EngineConfig(attention_backend="torch", **common))
+    kernel = build_engine(EngineConfig(attention_backend="triton", **common)).runner
+    torch_ = build_engine(EngineConfig(attention_backend="torch", **common)).runner
     assert kernel._kernels is not None and torch_._kernels is None
     return kernel, torch_
 
@@ -101,14 +102,14 @@ def test_greedy_generation_is_token_identical(default_model_path: Path) -> None:
 def test_a_decode_step_makes_one_host_to_device_copy_and_sends_only_new_blocks(
     default_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    runner = ModelRunner(
+    runner = build_engine(
         EngineConfig(
             model=str(default_model_path),
             num_kv_blocks=16,
             device=DEVICE.type,
             attention_backend="triton",
         )
-    )
+    ).runner
     seqs = [Sequence(0, list(range(10, 25))), Sequence(1, list(range(30, 33)))]  # 15, 3 tokens
     runner.prefill([(s, s.num_tokens) for s in seqs])
     staged: list[int] = []

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from bundled_models import tiny
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.cuda.kernels.lora import lora_update
 from engine.cuda.lora_bank import StackedLoraBank
@@ -126,7 +127,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoraRef]:
 
 
 def _runner(backend: str, max_loras: int = 4) -> ModelRunner:
-    return ModelRunner(
+    return build_engine(
         EngineConfig(
             model=str(TINY_LLAMA),
             num_kv_blocks=64,
@@ -135,7 +136,7 @@ def _runner(backend: str, max_loras: int = 4) -> ModelRunner:
             device=DEVICE.type,
             attention_backend=backend,
         )
-    )
+    ).runner
 
 
 def _mixed_run(runner: ModelRunner, refs: list[LoraRef | None], steps: int) -> torch.Tensor:
