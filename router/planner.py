@@ -102,11 +102,11 @@ def decide(
     configured quantile), with the reason in words ("" when it stays)."""
     r_ttft = ttft / config.slo_ttft_s
     r_tpot = 0.0 if tpot is None else tpot / config.slo_tpot_s
-    if r_tpot > 1 and r_tpot >= r_ttft and level < n - 1:
+    if tpot is not None and r_tpot > 1 and r_tpot >= r_ttft and level < n - 1:
         return (
             level + 1,
             f"TPOT {tpot * 1e3:.0f} ms over its {config.slo_tpot_s * 1e3:.0f} ms target",
-        )  # type: ignore[operator]
+        )
     if r_ttft > 1 and r_ttft > r_tpot and level > 0:
         return (
             level - 1,
