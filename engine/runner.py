@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.checkpoint.lora_loader import LoraAdapters, in_batch_order
+from engine.checkpoint.lora_loader import LoraAdapters, in_batch_order, lora_slots
 from engine.config import EngineConfig, ModelConfig
 from engine.kv.pool import KVPool
 from engine.kv.sequence import Sequence
@@ -35,7 +35,6 @@ from engine.sampling.grammar_mask import batch_constraint
 from engine.sampling.sampler import SampleOutput, SampleRequest, sample
 from engine.weights.linear import decode_rows, prefill_phase
 from engine.weights.lora import group_rows, lora_rows
-from engine.weights.lora_spec import LoraError
 
 if TYPE_CHECKING:
     from engine.cuda.kernel_path import KernelPath
@@ -231,7 +230,7 @@ class ModelRunner:
                 raise ValueError(
                     f"rid {seq.rid}: {start + n} tokens exceed max_model_len {self.max_model_len}"
                 )
-        slots = self._lora_slots(spans)
+        slots = lora_slots(self.loras, [seq.sampling.lora for seq, _, _ in spans])
         if self._kernels is not None and not every_position:
             return self._kernels.forward(spans, tokens, is_decode, kv_pool, slots)
         adapters = None
@@ -261,17 +260,6 @@ class ModelRunner:
         """Before a worker that decodes serves (``KernelPath.capture_decode_graphs``)."""
         if self._kernels is not None:
             self._kernels.capture_decode_graphs(self.kv.tensor)
-
-    def _lora_slots(self, spans: list[tuple[Sequence, int, int]]) -> list[int] | None:
-        """Each span's adapter slot, -1 for the base (loading what is missing, evicting
-        what was retired); None when every span is base."""
-        refs = [seq.sampling.lora for seq, _, _ in spans]
-        if self.loras is None:
-            if any(r is not None for r in refs):
-                raise LoraError("this worker serves no LoRA adapters (start it with --enable-lora)")
-            return None
-        slots = self.loras.slots(refs)
-        return slots if any(s >= 0 for s in slots) else None
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         """Pick each sequence's next token (output position ``len(seq.output_ids)``)."""

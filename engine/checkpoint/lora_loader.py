@@ -260,3 +260,15 @@ def lora_refusal(loras: LoraAdapters | None, lora: LoraRef | None) -> str | None
     except LoraError as e:
         return str(e)
     return None
+
+
+def lora_slots(loras: LoraAdapters | None, refs: list[LoraRef | None]) -> list[int] | None:
+    """Each row's adapter slot, -1 for the base (loading what is missing, evicting what was
+    retired); None when every row is base. Raises ``LoraError`` for an adapter row on an
+    engine without adapters."""
+    if loras is None:
+        if any(r is not None for r in refs):
+            raise LoraError("this worker serves no LoRA adapters (start it with --enable-lora)")
+        return None
+    slots = loras.slots(refs)
+    return slots if any(s >= 0 for s in slots) else None
