@@ -139,6 +139,20 @@ def test_a_body_that_stops_coming_is_closed_after_the_body_deadline(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
 
 
+def test_a_late_head_or_body_on_anthropic_paths_gets_anthropic_s_408(server: Server) -> None:
+    """Once the request line names an Anthropic path, its 408 is in Anthropic's shape."""
+    late_body = HEAD.replace(b"/v1/completions", b"/v1/messages/count_tokens") + b'{"mo'
+    for sent in (b"POST /v1/messages HTTP/1.1\r\nhost: 127.0.0.1\r\n", late_body):
+        with server.connect() as s:
+            s.sendall(sent)
+            data, _ = read_until_closed(s)
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), data
+        payload = json.loads(body)
+        assert payload["type"] == "error" and payload["error"]["type"] == "timeout_error"
+        assert payload["error"]["message"].endswith("was not received within 0.5 s")
+
+
 def test_an_idle_kept_alive_connection_is_closed(server: Server) -> None:
     with httpx.Client(base_url=f"http://127.0.0.1:{server.port}") as http:
         assert http.get("/v1/models").status_code == 200
