@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode.admission import Releases
 from decode.scheduler import DecodeScheduler
 from engine.build import Engine
 from engine.kv.sequence import Sequence
@@ -45,7 +46,7 @@ from prefill.scheduler import Intake, PrefillScheduler, PrefillStep
 from transport.errors import KVTransferError
 from transport.kv import KVReceiver
 from transport.worker_load import WorkerLoad
-from wire.records import Finish, GenerateRequest, TokenBatch
+from wire.records import Finish, GenerateRequest, KVTransfer, TokenBatch
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +76,26 @@ class ColocatedStep:
     except those ``step``'s ``emit`` took."""
 
     tokens: list[tuple[int, TokenBatch]] = field(default_factory=list)
+    # ``receiver`` given (``launch --workers``): KV handoffs to other workers' decode, per
+    # worker (the prefill worker's ``PrefillStep.transfers``).
+    transfers: list[tuple[int, KVTransfer]] = field(default_factory=list)
     ran_prefill_tokens: int = 0
     decoded: int = 0  # requests that got a decode token this step
 
 
 class ColocatedScheduler:
     def __init__(
-        self, engine: Engine, worker_index: int, chunk_budget: int, max_num_seqs: int
+        self,
+        engine: Engine,
+        worker_index: int,
+        chunk_budget: int,
+        max_num_seqs: int,
+        receiver: KVReceiver | None = None,
     ) -> None:
+        """``receiver``: this worker also hands KV off and adopts handoffs (``launch
+        --workers``): a request whose ``decode_worker`` is another worker is exported
+        after its prefill (``ColocatedStep.transfers``), and ``offer``/``admit`` take
+        other workers' handoffs through ``receiver``."""
         self.runner = runner = engine.runner
         self.max_num_seqs = max_num_seqs
         self.prefill = PrefillScheduler(engine, worker_index, chunk_budget, keep_kv=True)
@@ -92,7 +105,9 @@ class ColocatedScheduler:
             if runner.device.type == "cpu"
             else chunk_budget
         )
-        self.decode = DecodeScheduler(engine, NoKVTransfers(), max_num_seqs)
+        self.decode = DecodeScheduler(engine, receiver or NoKVTransfers(), max_num_seqs)
+        self.prefill.exports = receiver is not None
+        self.releases: Releases = []  # owed to other workers' prefill (aborted handoffs)
         # Accepted requests not yet given to prefill: holding them here bounds the batch,
         # because an adopted request cannot be refused (its KV is already in place).
         self.queued: deque[GenerateRequest] = deque()
@@ -113,7 +128,21 @@ class ColocatedScheduler:
         """Stop ``rid`` wherever it is; its blocks are free when this returns."""
         self.queued = deque(r for r in self.queued if r.rid != rid)
         self.prefill.abort(rid)
-        self.decode.abort(rid)
+        self.releases += self.decode.abort(rid)
+
+    def admit(self) -> Releases:
+        """Adopt other workers' pending handoffs while the batch has room, counting the
+        prefills here that will join it; the releases owed for them (``launch --workers``)."""
+        d = self.decode
+
+        def room() -> bool:
+            held = d.num_running + len(d.admission.reading) + self.prefill.num_waiting
+            return d._has_room() and held < self.max_num_seqs
+
+        admitted, releases = d.admission.admit(room)
+        for seq, t in admitted:
+            d.adopt(seq, t.detok_shard)
+        return releases
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -172,6 +201,7 @@ class ColocatedScheduler:
     ) -> PrefillStep:
         pre = self.prefill.finish(chunks, logits)
         out.ran_prefill_tokens = pre.ran_tokens
+        out.transfers += pre.transfers
         if emit is None:
             out.tokens += pre.tokens.items()
         else:
@@ -195,7 +225,11 @@ class ColocatedScheduler:
     @property
     def has_work(self) -> bool:
         return bool(
-            self.queued or self.prefill.waiting or self.decode.running or self.decode.preempted
+            self.queued
+            or self.prefill.waiting
+            or self.decode.running
+            or self.decode.preempted
+            or self.decode.admission.compiling
         )
 
     @property
@@ -213,4 +247,5 @@ class ColocatedScheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.queued) + self.prefill.num_waiting + len(self.decode.preempted)
+        handoffs = self.decode.admission.num_waiting  # launch --workers: KV to adopt
+        return len(self.queued) + self.prefill.num_waiting + len(self.decode.preempted) + handoffs

@@ -17,6 +17,7 @@ import time
 
 from colocated.handoff import Handoff
 from colocated.scheduler import ColocatedScheduler
+from engine.build import build_engine
 from engine.runner import ModelRunner
 from engine.speculative.speculator import Speculator
 from runtime.worker import Worker
@@ -41,11 +42,12 @@ class ColocatedWorker(Worker):
         self.handoff = None
         if self.settings.kv_transfer == "shm":
             self.handoff = Handoff(self.spec, self.rings, cfg)
-        runner = ModelRunner(cfg, kv_pool=None if self.handoff is None else self.handoff.own_pool)
+        engine = build_engine(cfg, kv_pool=None if self.handoff is None else self.handoff.own_pool)
+        runner = engine.runner
         runner.capture_decode_graphs()
         receiver = None if self.handoff is None else self.handoff.receiver(runner)
         self.sched = ColocatedScheduler(
-            runner, self.index, cfg.chunked_prefill_size, cfg.max_num_seqs, receiver=receiver
+            engine, self.index, cfg.chunked_prefill_size, cfg.max_num_seqs, receiver=receiver
         )
         self.stop_in = list(self.rings.sources(RingKind.STOP).values())
 

@@ -109,6 +109,9 @@ class PrefillScheduler:
         self.runner, self.kv, self.grammars = engine.runner, engine.kv, engine.grammars
         self.stops = engine.stops
         self.keep_kv = keep_kv
+        # keep_kv: requests another worker decodes (their ``decode_worker`` is not this
+        # worker's index) are exported all the same (``launch --workers``).
+        self.exports = False
         self.index = worker_index
         self.chunk_budget = chunk_budget
         self.waiting: deque[PrefillRequest] = deque()
@@ -240,7 +243,7 @@ class PrefillScheduler:
             out.cached_tokens[p.seq.rid] = cached
             if finish != Finish.NONE:
                 self.kv.free_blocks(p.seq)
-            elif self.keep_kv:
+            elif self.keep_kv and not (self.exports and p.decode_worker != self.index):
                 out.handovers.append((p.seq, p.detok_shard))
             else:
                 out.transfers.append((p.decode_worker, self._export(p)))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from colocated.scheduler import ColocatedScheduler
+from engine.build import Engine, build_engine
 from engine.config import EngineConfig
-from engine.runner import ModelRunner
 from transport.kv_backends import ShmReceiver
 from wire.params import SamplingParams
 from wire.records import Finish, GenerateRequest, KVTransfer, TokenBatch
@@ -19,8 +19,8 @@ from wire.records import Finish, GenerateRequest, KVTransfer, TokenBatch
 torch.set_num_threads(1)
 
 
-def _runner(model: str) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=model, dtype="float32", num_kv_blocks=256))
+def _engine(model: str) -> Engine:
+    return build_engine(EngineConfig(model=model, dtype="float32", num_kv_blocks=256))
 
 
 def _collect(out: dict[int, dict[int, int]], batch: TokenBatch, done: set[int]) -> None:
@@ -85,9 +85,9 @@ def test_handoffs_between_two_workers_give_the_colocated_tokens() -> None:
             for i, (p, (a, d)) in enumerate(zip(prompts, route, strict=True))
         ]
 
-    alone = ColocatedScheduler(_runner(model), 0, 48, 64)
+    alone = ColocatedScheduler(_engine(model), 0, 48, 64)
     want = _serve([alone], reqs([(0, 0)] * 4))
-    a, b = _runner(model), _runner(model)
+    a, b = _engine(model), _engine(model)
     scheds = [
         ColocatedScheduler(a, 0, 48, 64, receiver=ShmReceiver({1: b.kv.tensor}, a.kv.tensor)),
         ColocatedScheduler(b, 1, 48, 64, receiver=ShmReceiver({0: a.kv.tensor}, b.kv.tensor)),
