@@ -25,6 +25,7 @@ from engine.build import build_engine
 from engine.kv.kv_cache import layout_of
 from engine.runner import ModelRunner
 from engine.speculative.speculator import Speculator
+from runtime.faults import crash_if_poisoned
 from runtime.worker import Worker
 from runtime.worker_io import drain, fail_request, send
 from transport.errors import KVTransferError
@@ -134,6 +135,7 @@ class DecodeWorker(Worker):
                     self._map_pool(msg)
 
     def _offer(self, t: KVTransfer) -> None:
+        crash_if_poisoned(self.crash_token, t.prompt_ids)  # tests only (runtime/faults.py)
         verdict = Verdict.ACCEPT if self.imports is None else self.imports.verdict(t.prefill_worker)
         if verdict is Verdict.ACCEPT:
             self._release(self.sched.offer(t))

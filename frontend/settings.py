@@ -111,6 +111,7 @@ class FrontendLaunch:
     # it for the shards, the frontends, and engine workers whose rows name no node.
     node: str
     log_level: str = "INFO"
+    max_request_retries: int = 1  # resumes after worker deaths blamed on a request
     api_workers: int = 1  # frontend processes sharing the port (this is one of them)
     # A head node's ``--remote-decode`` reserve: decode indices other nodes bring. Until a
     # node brings one, /health cannot say where it runs (its node reads "").

@@ -15,6 +15,7 @@ from launcher.settings import (
     CLUSTER_KEY_ENV,
     DEFAULT_CLUSTER_PORT,
     DEFAULTS,
+    DETERMINISTIC_ENV,
     ConfigError,
     Device,
     KVBackend,
@@ -33,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
     if values["cluster_key"] is None:
         values["cluster_key"] = os.environ.get(CLUSTER_KEY_ENV) or None
+    if values["deterministic"] is None:  # no flag either way: the environment's switch
+        values["deterministic"] = os.environ.get(DETERMINISTIC_ENV, "").strip() not in ("", "0")
     config = ServerConfig(**values)
     if (problem := validate_role_flags(config, DEFAULTS)) is not None:
         raise ConfigError(problem)
@@ -53,6 +56,11 @@ def validate(config: ServerConfig) -> None:
         ("--max-waiting-requests", c.max_waiting_requests),
         ("--max-queued-prefill-tokens", c.max_queued_prefill_tokens),
     )
+    if c.deterministic and c.device is Device.CUDA:
+        raise ConfigError(
+            "--enable-deterministic-inference runs on CPU only for now: drop it, or serve "
+            "with --device cpu"
+        )
     if c.gemm_min_rows < 0:
         raise ConfigError(f"--gemm-min-rows must be >= 0 (0: measured), got {c.gemm_min_rows}")
     if c.api_workers > MAX_FRONTENDS:
@@ -103,6 +111,8 @@ def validate(config: ServerConfig) -> None:
         )
     if c.stall_timeout <= 0:
         raise ConfigError("--stall-timeout must be a positive number of seconds")
+    if c.max_request_retries < 0:
+        raise ConfigError("--max-request-retries must be 0 or more")
     for flag, seconds in (
         ("--timeout-header", c.timeout_header),
         ("--timeout-body", c.timeout_body),

@@ -238,6 +238,15 @@ def _engine(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         "depend on what else is prefilling; on a 2-core CPU mixing measured no faster)",
     )
     add(
+        "--enable-deterministic-inference",
+        dest="deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="batch-invariant serving: a request's tokens and logprobs do not depend on "
+        "what else runs (kernels chosen per row, not per batch size; CPU only; README, "
+        "'Determinism'); default: off, or on where VLLM_BATCH_INVARIANT=1 is set",
+    )
+    add(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=d.enable_prefix_caching,
@@ -384,6 +393,13 @@ def _admission(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         default=d.stall_timeout,
         help="seconds a READY worker may go without a heartbeat before its requests are "
         "resumed on other workers (it is reported stalled in /health after a quarter of it)",
+    )
+    add(
+        "--max-request-retries",
+        type=int,
+        default=d.max_request_retries,
+        help="times a request is resumed after worker deaths blamed on it (it had just "
+        "been given to the worker); at the next such death it ends with an error, as poison",
     )
     add(
         "--timeout-header",

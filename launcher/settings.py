@@ -15,6 +15,9 @@ from launcher.role_args import DEFAULTS as ROLE_DEFAULTS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 CLUSTER_KEY_ENV = "PDSERVE_CLUSTER_KEY"
+# Set to anything but empty or 0: --enable-deterministic-inference where the flag is not
+# given (vLLM's name for the same switch).
+DETERMINISTIC_ENV = "VLLM_BATCH_INVARIANT"
 DEFAULT_CLUSTER_PORT = 7481
 
 
@@ -104,6 +107,7 @@ class ServerConfig:
     max_num_seqs: int = _ENGINE.max_num_seqs
     chunked_prefill_size: int = _ENGINE.chunked_prefill_size
     mixed_batches: bool = _ENGINE.mixed_batches  # co-located: chunks + decode rows, one forward
+    deterministic: bool = _ENGINE.deterministic  # batch-invariant (engine/batch_invariance.py)
     enable_prefix_caching: bool = _ENGINE.enable_prefix_caching
     # KV tiers beyond the pools (launcher/kv_tiers.py): host RAM per host, then a directory.
     kv_offload_memory: float = DEFAULT_KV_OFFLOAD_GIB
@@ -134,6 +138,7 @@ class ServerConfig:
     max_waiting_requests: int = 1024
     max_queued_prefill_tokens: int = 262_144
     stall_timeout: float = 20.0  # seconds without a heartbeat before a worker's requests move
+    max_request_retries: int = 1  # resumes of a request after worker deaths blamed on it
     timeout_header: float = _LIMITS.header_timeout_s
     timeout_body: float = _LIMITS.body_timeout_s
     timeout_keep_alive: float = _LIMITS.keep_alive_timeout_s

@@ -10,9 +10,19 @@ restarted, so the router stops placing work there immediately.
 Crash loops: a child is restarted after ``RESTART_BASE_S``, doubling with each death in
 the last ``CRASH_WINDOW_S`` (at most ``RESTART_MAX_S``), so a worker that dies at once
 (a bad flag, the OOM killer) does not burn the machine re-loading its model. After
-``MAX_CRASHES`` deaths in the window it is left FAILED, with how it died in its row for
-``/health``, and logged once. The server serves on while every role has a live worker; a
-role whose every worker failed ends it (and ends a startup at once).
+``MAX_CRASHES`` deaths in the window it is FAILED, with how it died in its row for
+``/health``, logged once, and left alone for a back-off (``failed_backoff``: from
+``FAILED_BASE_S``, doubling each time, at most ``FAILED_MAX_S``) that ``/health`` shows
+(the board's ``retry_at``); then it is started again. The server serves on while every
+role has a live worker; a role whose every worker failed ends it (and ends a startup at
+once).
+
+Deaths a request is to blame for do not count: a frontend that ends a request as poison
+(``frontend/engine_link/poison.py``) names the pids of the deaths it explains on the
+board, and the crash-loop verdict, taken when a restart is due (at least
+``EXPLAIN_GRACE_S`` after the death, time for the frontend to see it), leaves them out.
+So crash loops, and the end of the server, come only from deaths no request explains
+(start-up failures, bad weights, a broken device): never from what clients send.
 
 Frontends (``--api-workers``) are children like any other: a dead one is marked DEAD on
 the frontends' board (the others stop counting its reservations) and restarted with the
@@ -57,11 +67,19 @@ RESTART_BASE_S = 0.5
 RESTART_MAX_S = 30.0
 CRASH_WINDOW_S = 60.0
 MAX_CRASHES = 5
+EXPLAIN_GRACE_S = 1.0  # a crash-loop verdict waits this long for a frontend's explanation
+FAILED_BASE_S = 30.0
+FAILED_MAX_S = 300.0
 
 
 def restart_delay(recent_deaths: int) -> float:
     """Seconds before restarting a child that died ``recent_deaths`` times in the window."""
     return min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (recent_deaths - 1))
+
+
+def failed_backoff(times_failed: int) -> float:
+    """Seconds a child past its crash-loop limit for the ``times_failed``-th time waits."""
+    return min(FAILED_MAX_S, FAILED_BASE_S * 2 ** (times_failed - 1))
 
 
 class ChildFailed(RuntimeError):
@@ -76,9 +94,12 @@ class Child:
     pidfd: int = -1
     restarts: int = 0
     started_at: float = field(default=0.0)
-    deaths: list[float] = field(default_factory=list)  # monotonic times, last window only
+    # (monotonic time, pid) of its deaths in the last window
+    deaths: list[tuple[float, int]] = field(default_factory=list)
     restart_at: float | None = None  # a restart is due then (back-off)
-    failed: str | None = None  # why it is no longer restarted
+    failed: str | None = None  # why it is in crash-loop back-off (or, with no restart_at, done)
+    times_failed: int = 0
+    last_exit: int = 0  # exit status of its last death
 
     @property
     def slot(self) -> int:
@@ -215,9 +236,53 @@ class Supervisor:
         now = time.monotonic()
         for child in self.children:
             if child.restart_at is not None and now >= child.restart_at and not self.stopping:
-                child.restart_at = None
-                child.restarts += 1
-                self._start(child)
+                self._restart_due(child, now)
+
+    def _restart_due(self, child: Child, now: float) -> None:
+        """Restart ``child`` now, unless its unexplained deaths make it a crash loop."""
+        if child.failed is None and self._unexplained(child, now) >= MAX_CRASHES:
+            self._fail(child, now)
+            return
+        if child.failed is not None:
+            logger.warning("%s: its crash-loop back-off is over; starting it again", child.name)
+            child.failed = None
+            self._set_retry_at(child, 0.0)
+        child.restart_at = None
+        child.restarts += 1
+        self._start(child)
+
+    def _unexplained(self, child: Child, now: float) -> int:
+        """Its deaths in the window that no frontend explained (``explain_deaths``)."""
+        child.deaths = [(t, pid) for t, pid in child.deaths if now - t < CRASH_WINDOW_S]
+        explained = self.board.explained() if self.board is not None else set()
+        return sum(pid not in explained for _, pid in child.deaths)
+
+    def _fail(self, child: Child, now: float) -> None:
+        """Past its crash-loop limit: FAILED, and left alone for its back-off."""
+        child.times_failed += 1
+        wait = failed_backoff(child.times_failed)
+        how = describe_exit(child.last_exit)
+        child.failed = f"{how}; died {len(child.deaths)} times in {CRASH_WINDOW_S:.0f} s"
+        logger.error(
+            "%s %s: no longer restarted for now (crash-loop back-off: started again in %.0f s)",
+            child.name,
+            child.failed,
+            wait,
+        )
+        child.deaths = []  # the next window starts after the back-off
+        child.restart_at = now + wait
+        self._mark(child, WorkerState.FAILED, child.last_exit)
+        self._set_retry_at(child, time.time() + wait)
+        self._check_roles()
+
+    def _set_retry_at(self, child: Child, when: float) -> None:
+        """Tell ``/health`` (the board) when a worker in back-off is started again."""
+        if self.board is None:
+            return
+        if child.slot >= 0:
+            self.board.set_retry_at(child.slot, when)
+        elif child.spec.role is Role.DETOK:
+            self.board.set_retry_at(self.board.num_workers + child.spec.index, when)
 
     def _on_death(self, child: Child, code: int) -> None:
         how = describe_exit(code)
@@ -228,15 +293,14 @@ class Supervisor:
             self._mark(child, WorkerState.FAILED, code)
             self._check_roles()
             return
-        child.deaths = [t for t in child.deaths if now - t < CRASH_WINDOW_S] + [now]
-        if len(child.deaths) >= MAX_CRASHES:
-            child.failed = f"{how}; died {len(child.deaths)} times in {CRASH_WINDOW_S:.0f} s"
-            logger.error("%s %s: no longer restarted", child.name, child.failed)
-            self._mark(child, WorkerState.FAILED, code)
-            self._check_roles()
-            return
-        delay = restart_delay(len(child.deaths))
-        logger.error("%s %s; restarting in %.1f s", child.name, how, delay)
+        assert child.proc is not None
+        child.deaths.append((now, child.proc.pid))
+        child.last_exit = code
+        recent = self._unexplained(child, now)
+        # At the crash-loop limit the verdict waits for a frontend to explain the death.
+        delay = EXPLAIN_GRACE_S if recent >= MAX_CRASHES else restart_delay(recent)
+        verdict = " (unless that is a crash loop)" if recent >= MAX_CRASHES else ""
+        logger.error("%s %s; restarting in %.1f s%s", child.name, how, delay, verdict)
         self._mark(child, WorkerState.DEAD, code)
         child.restart_at = now + delay
 

@@ -22,6 +22,7 @@ import torch
 
 from engine.runner import ModelRunner
 from engine.speculative.speculator import SpeculationStats, Speculator
+from runtime.faults import crash_if_poisoned, crash_token
 from runtime.process import attach_rings, bootstrap, load_table, prefix_summaries
 from runtime.strict_spec import exit_on_bad_spec
 from runtime.worker_io import IDLE_WAIT_S, drain, fail_request
@@ -56,6 +57,7 @@ class Worker(abc.ABC):
         # A spec this worker cannot read stops it here, before it claims its row or maps
         # anything: the launcher reports the exit and does not restart it.
         self.settings = exit_on_bad_spec(self.spec.settings, EngineWorkerSpec)
+        self.crash_token = crash_token(self.role)  # None unless a test asked for it
         self.config = self.settings.engine
         self.rings = attach_rings(self.spec)
         self.table, self._load_seg = load_table(self.spec)
@@ -111,6 +113,7 @@ class Worker(abc.ABC):
         for ring in self.req_in:
             for msg in drain(ring):
                 if isinstance(msg, GenerateRequest):
+                    crash_if_poisoned(self.crash_token, msg.prompt_ids)  # tests only
                     if sched.add(msg) == Finish.ERROR:
                         fail_request(self.tok_out, msg.rid, msg.detok_shard, len(msg.output_ids))
                 elif isinstance(msg, AbortRequest):

@@ -123,16 +123,46 @@ def _required_grammar(tools: list[dict[str, Any]], parallel: bool | None) -> Gra
     items = [
         {
             "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "parameters": {"$ref": f"#/$defs/tool_{i}"},
+            },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for t in tools
+        for i, t in enumerate(tools)
     ]
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
+    # Each tool's parameters sit under $defs, their local $refs made to point there.
+    defs = {f"tool_{i}": _rebased(_parameters(t), f"#/$defs/tool_{i}") for i, t in enumerate(tools)}
+    schema: dict[str, Any] = {
+        "$defs": defs,
+        "type": "array",
+        "items": {"anyOf": items},
+        "minItems": 1,
+    }
     if parallel is False:
         schema["maxItems"] = 1
     return GrammarSpec(kind=GrammarKind.JSON_SCHEMA, text=json.dumps(schema))
+
+
+_DATA = ("const", "enum", "default", "examples")  # values, not schemas: never rebased
+_NAMED = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with every local '$ref' ('#', '#/$defs/x') made relative to ``base``."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA else _rebased(v, base) for k, v in schema.items()}
+    for key in _NAMED:  # their keys are names, not keywords: a property may be "enum"
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: _rebased(sub, base) for name, sub in schema[key].items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def new_call_id() -> str:

@@ -7,23 +7,30 @@ publishes here what the others need to give the same answers.
 Who does what:
     launcher    creates the segment (``layout_nbytes``, ``format``) before any child
                 starts, like every ring; marks a reaped frontend's row DEAD (``mark_dead``)
-                and reads ``all_ready`` while it waits for the server to come up.
+                and reads ``all_ready`` while it waits for the server to come up; reads
+                which worker deaths the frontends explained (``explained``) and writes
+                when a worker in crash-loop back-off will be retried (``set_retry_at``).
     frontend n  ``claim(n)`` at start (pid, incarnation, STARTING), ``set_state(READY)``
                 once it serves; then writes only its own row: its active requests per
                 detokenizer shard, its router's books per worker slot (``PeerBooks``,
                 ``router/ledger.py``) and its metric values (``frontend/telemetry``).
-                It reads every row.
+                It reads every row. A request it ends as poison names the pids of the
+                worker deaths it explains (``explain_deaths``).
 
 Row n:
-    meta[8]       pid, state (transport.load_table.WorkerState), incarnation
+    meta[24]      pid, state (transport.load_table.WorkerState), incarnation, explained
+                  deaths so far, then the pids of the last ``EXPLAINED`` of them (a ring)
     active[K]     requests of frontend n per detokenizer shard
     books[W, 8]   per load-table slot: generation, sent requests, sent tokens, reserved
                   requests, reserved tokens, assigned requests, assigned tokens
     metrics[M]    float64 metric values, laid out by frontend/telemetry/metrics.py
+After the rows, the launcher's words:
+    retry_at[W + K]  per load-table slot, then per detokenizer shard: the wall-clock time
+                  (Unix seconds) a worker in crash-loop back-off is started again; 0: none
 
 NOTE: every word has one writer (its row's frontend; the launcher writes ``state`` only
-of a frontend it has reaped), and every value is an aligned 8-byte word written with one
-store, so a reader never sees a torn word. It may see one word of a row newer than
+of a frontend it has reaped, and its own words after the rows), and every value is an
+aligned 8-byte word written with one store, so a reader never sees a torn word. It may see one word of a row newer than
 another (sent requests updated, sent tokens not yet): admission, /health and /metrics
 are advisory figures and tolerate being one request off for one read. A frontend that
 restarts goes on from its predecessor's cumulative figures (books, metrics), so the
@@ -42,8 +49,9 @@ from transport.load_table import WorkerState
 
 _MAGIC = 0x70647366_726F6E74  # "pdsfront"
 _HEADER = 128
-_META = 8
-_PID, _STATE, _INCARNATION = 0, 1, 2
+_META = 24
+_PID, _STATE, _INCARNATION, _EXPLAINED = 0, 1, 2, 3
+EXPLAINED = 16  # explained deaths a frontend's row remembers (the launcher reads them within 1 s)
 _CELL = 8
 _GEN, _SENT_REQ, _SENT_TOK, _RES_REQ, _RES_TOK, _ASG_REQ, _ASG_TOK = range(7)
 METRIC_WORDS = 128  # float64 words of metrics per frontend (telemetry checks it fits)
@@ -73,6 +81,7 @@ class FrontendBoard:
         self._ints = np.ndarray((n, ints), np.int64, buf, _HEADER, (stride, 8))
         self.metrics = np.ndarray((n, m), np.float64, buf, _HEADER + 8 * ints, (stride, 8))
         self._books = self._ints[:, _META + k :].reshape(n, w, _CELL)
+        self._retry_at = np.ndarray((w + k,), np.float64, buf, _HEADER + n * stride)
         self.me = me
         self._buf = buf
         if me is not None and not 0 <= me < n:
@@ -82,7 +91,8 @@ class FrontendBoard:
 
     @staticmethod
     def layout_nbytes(num_frontends: int, num_shards: int, num_workers: int) -> int:
-        return _HEADER + num_frontends * _row_bytes(num_shards, num_workers)
+        rows = num_frontends * _row_bytes(num_shards, num_workers)
+        return _HEADER + rows + 8 * (num_workers + num_shards)
 
     @staticmethod
     def format(
@@ -130,6 +140,26 @@ class FrontendBoard:
 
     def all_ready(self) -> bool:
         return bool((self._ints[:, _STATE] == WorkerState.READY).all())
+
+    def explain_deaths(self, pids: list[int]) -> None:
+        """This frontend ended a request as poison: the deaths of ``pids`` were its doing."""
+        row = self._ints[self._mine]
+        for pid in pids:
+            n = int(row[_EXPLAINED])
+            row[_META - EXPLAINED + n % EXPLAINED] = pid
+            row[_EXPLAINED] = n + 1  # after the pid: a reader never sees a count ahead of it
+
+    def explained(self) -> set[int]:
+        """The pids of the deaths any frontend explained lately (``EXPLAINED`` each)."""
+        return {int(p) for p in self._ints[:, _META - EXPLAINED : _META].ravel() if p > 0}
+
+    def set_retry_at(self, index: int, when: float) -> None:
+        """The launcher: worker ``index`` (a load-table slot, or ``num_workers`` + a shard)
+        is started again at Unix time ``when``; 0: it is not in back-off."""
+        self._retry_at[index] = when
+
+    def retry_at(self, index: int) -> float:
+        return float(self._retry_at[index])
 
     def set_active(self, per_shard: list[int]) -> None:
         """This frontend's requests in flight per detokenizer shard."""

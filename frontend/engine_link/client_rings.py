@@ -40,7 +40,12 @@ from frontend.engine_link.engine_client import (
 )
 from frontend.engine_link.lora_table import LoraTable
 from frontend.engine_link.prefix_reset import ResetDone, reset_prefix_cache
-from frontend.engine_link.recovery import DEFAULT_STALL_TIMEOUT_S, Recovery, Stream
+from frontend.engine_link.recovery import (
+    DEFAULT_MAX_REQUEST_RETRIES,
+    DEFAULT_STALL_TIMEOUT_S,
+    Recovery,
+    Stream,
+)
 from frontend.engine_link.roles import RoleControl
 from frontend.engine_link.worker_status import (
     frontend_health,
@@ -92,6 +97,7 @@ class RingEngineClient(EngineClient):
         remote_decode: Sequence[int] = (),
         slo_ms: tuple[float, float] | None = None,
         allow_role_override: bool = False,
+        max_request_retries: int = DEFAULT_MAX_REQUEST_RETRIES,
     ) -> None:
         """``slo_ms``, ``allow_role_override``: ``launch --workers``' planner targets and
         test route (``frontend/engine_link/roles.py``)."""
@@ -151,7 +157,9 @@ class RingEngineClient(EngineClient):
         )
         self.streams: dict[int, Stream] = {}  # by current rid
         self.by_origin: dict[int, Stream] = {}  # by the rid the frontend gave the request
-        self.recovery = Recovery(self, self.router, self.table, self.text_rings, stall_timeout_s)
+        self.recovery = Recovery(
+            self, self.router, self.table, self.text_rings, stall_timeout_s, max_request_retries
+        )
         self.stall_timeout_s = stall_timeout_s
         # Where /health and /metrics place each worker (frontend/engine_link/worker_status.py):
         # this frontend's node, and the decode workers other nodes bring (a head's reserve).
@@ -298,6 +306,13 @@ class RingEngineClient(EngineClient):
         )
         await self._put(self.req_rings[s.placement.prefill], gen)
 
+    def poisoned(self, pids: list[int]) -> None:
+        """Recovery ended a request as poison: the launcher is told which deaths it
+        explains (not counted towards those workers' crash loops), /metrics counts it."""
+        self.shared.explain_deaths(pids)
+        if self.on_poisoned is not None:
+            self.on_poisoned()
+
     async def reset_prefix_cache(self) -> ResetDone:
         """Empty every pool's prefix cache and the host tiers (``prefix_reset.py``)."""
         rings = [*self.req_rings.values(), *self.decode_ctl.values()]
@@ -364,6 +379,7 @@ class RingEngineClient(EngineClient):
             self.stall_timeout_s / 4,
             node=self.node,
             remote=self.remote,
+            board=self.shared,
         )
         if self.role_control is not None:  # launch --workers: each worker's role now
             roles = self.role_control.serving_roles()

@@ -66,6 +66,8 @@ class WorkerHealth:
     ``state`` is the worker's lifecycle state (starting, ready, dead, failed, ...);
     ``reason`` says how a dead or failed worker died. ``node`` names the host it runs on
     (``--node-name`` or the host name; "" for a worker no node has brought yet).
+    ``retry_at``: for a worker in crash-loop back-off (``failed``), the Unix time the
+    launcher starts it again.
     """
 
     role: str  # Role.health_label
@@ -79,6 +81,7 @@ class WorkerHealth:
     # ``launch --workers``: what the worker serves as now (``transport/role_table.py``):
     # prefill, decode or colocated; None for a worker whose role is fixed.
     serving_role: str | None = None
+    retry_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ class EngineClient(ABC):
     lora_table: LoraTable | None = None
     # ``launch --workers``: the workers' roles and their planner (None: fixed roles).
     role_control: RoleControl | None = None
+    # Called once for each request ended as poison (``/metrics`` counts them).
+    on_poisoned: Callable[[], object] | None = None
     _rids: Iterator[int] | None = None
 
     def next_rid(self) -> int:

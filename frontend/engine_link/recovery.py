@@ -17,6 +17,11 @@ it is retried with back-off (``RETRY_FIRST_S`` doubling to ``RETRY_MAX_S``) for
 ``RESUME_WINDOW_S`` — long enough for a worker to restart and load its model — and only
 then ends with ``finish = ERROR`` and a message, never a hang. A request resumed
 ``MAX_RESUMES`` times ends the same way: its workers keep dying under it.
+
+Poison (``frontend/engine_link/poison.py``): a death is blamed on the requests that had
+just been given to the dead worker; one blamed for more than ``max_retries`` deaths is
+ended as poison, its deaths are reported to the launcher as explained (``explain``), and
+a request on its last chance re-enters alone (``_may_resume``).
 """
 
 from __future__ import annotations
@@ -30,9 +35,17 @@ from typing import Protocol
 
 from detokenizer.routing import live_shard_for
 from frontend.engine_link.engine_client import EngineRequest, EngineUnavailable
+from frontend.engine_link.poison import (
+    Death,
+    Strikes,
+    explained_pids,
+    last_chance,
+    poison_message,
+    record_death,
+)
 from frontend.engine_link.worker_status import shards_alive
 from router.router import NoCapacity, Placement, Router
-from transport.load_table import LoadTable, WorkerState
+from transport.load_table import LoadTable, WorkerState, describe_exit
 from transport.ring import Ring
 from wire.records import Finish, TextDelta
 from wire.roles import Role
@@ -45,9 +58,11 @@ RESUME_WINDOW_S = 60.0
 RETRY_FIRST_S = 0.25
 RETRY_MAX_S = 4.0
 DEFAULT_STALL_TIMEOUT_S = 20.0
+DEFAULT_MAX_REQUEST_RETRIES = 1  # resumes after deaths a request is blamed for
 
-# (role, index, generation) of a dead or stalled process; a dead shard is (None, k, 0).
-DeadSet = set[tuple[Role | None, int, int]]
+# (role, index, generation) of a dead or stalled process -> how it died; a dead shard is
+# (None, k, 0).
+DeadSet = dict[tuple[Role | None, int, int], Death]
 
 
 @dataclass
@@ -63,6 +78,7 @@ class Stream:
     resumes: int = 0
     lost_since: float | None = None  # monotonic time it was found lost and not yet resumed
     retry_at: float = 0.0  # no resume attempt before this (back-off)
+    strikes: Strikes = field(default_factory=Strikes)  # deaths it was present at
 
 
 class Resubmitter(Protocol):
@@ -73,6 +89,8 @@ class Resubmitter(Protocol):
     def next_rid(self) -> int: ...
     async def submit(self, s: Stream) -> None: ...
     async def abort_everywhere(self, s: Stream) -> None: ...
+    def poisoned(self, pids: list[int]) -> None:
+        """A request was ended as poison; the deaths of ``pids`` are explained by it."""
 
 
 def stalled(row_heartbeat_ns: int, now_ns: int, timeout_s: float) -> bool:
@@ -87,10 +105,13 @@ class Recovery:
         table: LoadTable,
         text_rings: Sequence[Ring],
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        max_retries: int = DEFAULT_MAX_REQUEST_RETRIES,
     ) -> None:
         self.client, self.router, self.table = client, router, table
         self.text_rings = text_rings
         self.stall_timeout_s = stall_timeout_s
+        self.max_retries = max_retries
+        self._probation: Stream | None = None  # the last-chance request now re-entering
 
     async def watch(self) -> None:
         while True:
@@ -104,12 +125,42 @@ class Recovery:
         dead = self._dead_workers()
         now = time.monotonic()
         for stream in list(self.client.streams.values()):
-            if stream.lost_since is None and self._lost(stream, dead):
-                stream.lost_since = now
+            if stream.lost_since is None:
+                death = self._lost(stream, dead)
+                if death is not None and self._poisoned(stream, death):
+                    continue
+                if death is not None:
+                    stream.lost_since = now
             if stream.lost_since is not None and now >= stream.retry_at:
                 await self._resume(stream, now)
 
-    def _lost(self, s: Stream, dead: DeadSet) -> bool:
+    def _poisoned(self, s: Stream, death: Death) -> bool:
+        """Count ``death`` against ``s``; end it as poison if that was one too many."""
+        if not record_death(s.strikes, death, len(s.token_ids), self.max_retries):
+            return False
+        message = poison_message(s.strikes)
+        # The one log line naming it (never its body): whoever sent it can be found.
+        logger.error("rid %d: ended as a poison request: %s", s.rid, message)
+        self.fail(s, message, log=False)
+        self.client.poisoned(explained_pids(s.strikes))
+        return True
+
+    def _may_resume(self, s: Stream) -> bool:
+        """A last-chance request re-enters only while no other is fresh on its workers."""
+        if not last_chance(s.strikes, self.max_retries):
+            return True
+        h = self._probation
+        if (
+            h is not None
+            and h is not s
+            and self.client.streams.get(h.rid) is h
+            and (h.lost_since is not None or h.strikes.fresh(len(h.token_ids)))
+        ):
+            return False
+        self._probation = s
+        return True
+
+    def _lost(self, s: Stream, dead: DeadSet) -> Death | None:
         """Did a process this request depends on die (or stall)?
 
         A dead prefill worker matters only before decode has produced anything: after
@@ -119,10 +170,11 @@ class Recovery:
         """
         p = s.placement
         (p_role, _), (d_role, _) = p.keys
-        if (d_role, p.decode, p.decode_generation) in dead or (None, s.shard, 0) in dead:
-            return True
+        death = dead.get((d_role, p.decode, p.decode_generation)) or dead.get((None, s.shard, 0))
+        if death is not None:
+            return death
         early = len(s.token_ids) <= 1 or p.colocated
-        return (p_role, p.prefill, p.prefill_generation) in dead and early
+        return dead.get((p_role, p.prefill, p.prefill_generation)) if early else None
 
     async def _resume(self, s: Stream, now: float) -> None:
         """Continue ``s`` under a fresh rid on live workers, from the tokens received.
@@ -134,6 +186,9 @@ class Recovery:
         assert s.lost_since is not None
         if s.resumes >= MAX_RESUMES:
             return self.fail(s, "request failed: its workers died repeatedly")
+        if not self._may_resume(s):  # its turn comes: not a wait for capacity
+            s.lost_since, s.retry_at = now, now + WATCHDOG_S
+            return
         rid = self.client.next_rid()  # the owner's: its text must come back here
         shard = live_shard_for(rid, shards_alive(self.text_rings))
         try:
@@ -162,6 +217,7 @@ class Recovery:
         s.rid, s.placement, s.shard = rid, placement, shard
         s.lost_since, s.retry_at = None, 0.0
         s.resumes += 1
+        s.strikes.placed_tokens = len(s.token_ids)
         streams[s.rid] = s
         logger.warning(
             "rid %d: resumed as rid %d after %d tokens (prefill %d, decode %d, shard %d)",
@@ -180,29 +236,37 @@ class Recovery:
             s.lost_since, s.retry_at = now, now + RETRY_FIRST_S
 
     def _dead_workers(self) -> DeadSet:
-        dead: DeadSet = set()
+        dead: DeadSet = {}
         now_ns = time.monotonic_ns()
         live = {(r.role, r.index): r for r in self.table.snapshot()}
         for (role, index), row in live.items():
-            if row.state in (WorkerState.DEAD, WorkerState.FAILED) or (
-                row.state == WorkerState.READY
-                and stalled(row.heartbeat_ns, now_ns, self.stall_timeout_s)
+            if role is None:
+                continue
+            if row.state in (WorkerState.DEAD, WorkerState.FAILED):
+                how = describe_exit(row.exit_status)
+            elif row.state == WorkerState.READY and stalled(
+                row.heartbeat_ns, now_ns, self.stall_timeout_s
             ):
-                dead.add((role, index, row.generation))
+                how = "stalled"
+            else:
+                continue
+            dead[(role, index, row.generation)] = Death(role, index, row.pid, how)
         for p in {s.placement for s in self.client.streams.values()}:
             p_key, d_key = p.keys
             for (role, index), gen in ((p_key, p.prefill_generation), (d_key, p.decode_generation)):
                 now = live.get((role, index))
-                if now is not None and now.generation != gen:
-                    dead.add((role, index, gen))  # restarted since placement
+                if now is not None and now.generation != gen and role is not None:
+                    # restarted since placement; the dead process's pid is gone with it
+                    dead.setdefault((role, index, gen), Death(role, index, 0, "restarted"))
         for k, ring in enumerate(self.text_rings):
             if not ring.peer_alive():
-                dead.add((None, k, 0))
+                dead[(None, k, 0)] = Death(None, k, ring.peer_pid, "died")
         return dead
 
-    def fail(self, s: Stream, message: str) -> None:
+    def fail(self, s: Stream, message: str, log: bool = True) -> None:
         """End ``s`` with ``finish = ERROR`` and ``message``; it is never resumed again."""
-        logger.error("rid %d: %s", s.rid, message)
+        if log:
+            logger.error("rid %d: %s", s.rid, message)
         s.lost_since = None
         s.resumes = MAX_RESUMES
         s.queue.put_nowait(

@@ -62,9 +62,11 @@ def worker_health(
     *,
     node: str,
     remote: Collection[tuple[Role, int]] = (),
+    board: FrontendBoard | None = None,
 ) -> list[WorkerHealth]:
     """Every worker's role, index, pid, liveness, load and node; then every detokenizer
     shard (on ``node``, the frontend's). ``remote``: the reserve other nodes bring.
+    ``board``: where the launcher says when a worker in crash-loop back-off is retried.
 
     ``expected`` lists the engine workers the launch started (the frontend has a ring to
     each): one that has not claimed its load-table row yet is reported ``starting``, so a
@@ -93,16 +95,46 @@ def worker_health(
         load = {f: float(getattr(r, f)) for f in _LOAD_FIELDS}
         dead = r.state in (WorkerState.DEAD, WorkerState.FAILED) and r.exit_status != 0
         reason = describe_exit(r.exit_status) if dead else None
+        retry = _retry_at(board, r.slot) if r.state == WorkerState.FAILED else None
         out.append(
-            WorkerHealth(role.health_label, r.index, r.pid, alive, load, state, reason, node=where)
+            WorkerHealth(
+                role.health_label,
+                r.index,
+                r.pid,
+                alive,
+                load,
+                state,
+                reason,
+                node=where,
+                retry_at=retry,
+            )
         )
     for k, (ring, alive) in enumerate(zip(text_rings, shards_alive(text_rings), strict=True)):
         load = {"active_requests": float(active_per_shard.get(k, 0))}
-        state = "ready" if alive else "dead"
+        retry = None if alive or board is None else _retry_at(board, board.num_workers + k)
+        state = "ready" if alive else "dead" if retry is None else "failed"
         out.append(
-            WorkerHealth(Role.DETOK.health_label, k, ring.peer_pid, alive, load, state, node=node)
+            WorkerHealth(
+                Role.DETOK.health_label,
+                k,
+                ring.peer_pid,
+                alive,
+                load,
+                state,
+                node=node,
+                retry_at=retry,
+            )
         )
     return out
+
+
+def _retry_at(board: FrontendBoard | None, index: int) -> float | None:
+    """When the launcher starts worker ``index`` (board numbering) again; None: not in
+    back-off (or no board says)."""
+    if board is None or not 0 <= index < board.num_workers + board.num_shards:
+        return None
+    when = board.retry_at(index)
+    return when if when > 0 else None
 
 
 def frontend_health(board: FrontendBoard, *, node: str) -> list[WorkerHealth]:

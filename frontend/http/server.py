@@ -115,6 +115,7 @@ def main() -> None:
         remote_decode=launch.remote_decode,
         slo_ms=launch.slo_ms,
         allow_role_override=launch.allow_role_override,
+        max_request_retries=launch.max_request_retries,
     )
     app = build_app(client, tokenizer, settings)
     config = uvicorn.Config(

@@ -180,6 +180,11 @@ class FrontendMetrics:
         self.refused = counter(
             "pdserve_requests_refused", "Requests answered 503: no worker could take them"
         )
+        self.poisoned = counter(
+            "pdserve_requests_poisoned",
+            "Requests ended as poison: blamed for more worker deaths than their retries allow",
+        )
+        client.on_poisoned = self.poisoned.inc
         self._requests = w.take(len(FINISH_REASONS))
         self.requests = _Labelled(
             {r: SharedCounter(words, self._requests + i) for i, r in enumerate(FINISH_REASONS)}

@@ -3,18 +3,21 @@ the server, also during startup."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from engine.config import EngineConfig
+from frontend.engine_link.board import FrontendBoard
 from frontend.settings import ConnectionLimits, FrontendLaunch, FrontendSettings
 from launcher import supervisor
-from launcher.supervisor import Child, ChildFailed, Supervisor, restart_delay
+from launcher.supervisor import Child, ChildFailed, Supervisor, failed_backoff, restart_delay
 from launcher.topology import Topology
 from runtime.strict_spec import encode_spec
 from runtime.worker_spec import EngineWorkerSpec
@@ -29,6 +32,13 @@ def test_restart_delay_doubles_up_to_its_cap() -> None:
     assert delays[:4] == [0.5, 1.0, 2.0, 4.0]
     assert max(delays) == supervisor.RESTART_MAX_S
     assert delays == sorted(delays)
+
+
+def test_failed_backoff_doubles_up_to_five_minutes() -> None:
+    waits = [failed_backoff(n) for n in range(1, 12)]
+    assert waits[:2] == [supervisor.FAILED_BASE_S, 2 * supervisor.FAILED_BASE_S]
+    assert max(waits) == supervisor.FAILED_MAX_S == 300.0
+    assert waits == sorted(waits)
 
 
 def test_exit_status_in_words_names_the_oom_killer_for_sigkill() -> None:
@@ -119,3 +129,81 @@ def test_launch_whose_every_worker_dies_exits_with_the_reason(
     assert out.returncode == 1, out.stderr[-2000:]
     assert "no longer restarted" in out.stderr and "failed" in out.stderr
     assert "pdserve is serving" not in out.stdout
+
+
+def _dying_decode(topo: Topology, tmp_path: Path, index: int) -> Child:
+    """A decode worker whose checkpoint does not exist: it dies in its first second."""
+    spec = EngineWorkerSpec("error", EngineConfig(model=str(tmp_path / "missing")), "shm")
+    return Child(topo.spec(Role.DECODE, index, encode_spec(spec)), {})
+
+
+def _alive_decode(topo: Topology, index: int) -> Child:
+    """A decode worker that stays up (a sleeping process stands in for it)."""
+    child = Child(topo.spec(Role.DECODE, index, {}), {})
+    child.proc = subprocess.Popen(["sleep", "600"])
+    child.pidfd = os.pidfd_open(child.proc.pid)
+    return child
+
+
+def test_a_crash_looping_worker_is_retried_after_its_backoff_shown_on_the_board(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past its crash-loop limit a worker is FAILED, the board says when it comes back,
+    and it is started again then, while the other worker of its role serves on."""
+    monkeypatch.setattr(supervisor, "RESTART_BASE_S", 0.01)
+    monkeypatch.setattr(supervisor, "EXPLAIN_GRACE_S", 0.05)
+    monkeypatch.setattr(supervisor, "FAILED_BASE_S", 2.0)
+    topo = Topology(0, 2, 1)
+    board = topo.board()
+    dying, alive = _dying_decode(topo, tmp_path, 0), _alive_decode(topo, 1)
+    sup = Supervisor([dying, alive], topo.load_table(), 0, board)
+    sup._start(dying)
+    try:
+        for _ in range(400):
+            sup._tend(0.2)
+            if dying.failed is not None:
+                break
+        assert dying.failed is not None and dying.restarts == supervisor.MAX_CRASHES - 1
+        row = next(r for r in topo.load_table().snapshot() if r.worker == (Role.DECODE, 0))
+        assert row.state is WorkerState.FAILED
+        retry_at = board.retry_at(dying.slot)
+        assert time.time() < retry_at <= time.time() + 2.0
+        for _ in range(400):  # its back-off runs out: started again (and dies again)
+            sup._tend(0.2)
+            if dying.restarts >= supervisor.MAX_CRASHES:
+                break
+        assert dying.restarts == supervisor.MAX_CRASHES and dying.failed is None
+        assert board.retry_at(dying.slot) == 0.0
+    finally:
+        sup.shutdown()
+
+
+def test_deaths_a_frontend_explains_do_not_make_a_crash_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker killed by poison requests, each death explained on the board by the
+    frontend that ended the request, is restarted every time: never FAILED, and the
+    server (its only decode worker) never ends."""
+    monkeypatch.setattr(supervisor, "RESTART_BASE_S", 0.01)
+    monkeypatch.setattr(supervisor, "EXPLAIN_GRACE_S", 0.05)
+    topo = Topology(0, 1, 1)
+    frontend_view = FrontendBoard(topo.board_segment.buf, me=0)
+    child = _dying_decode(topo, tmp_path, 0)
+    sup = Supervisor([child], topo.load_table(), 0, topo.board())
+    explain = sup._on_death
+
+    def explained_death(c: Child, code: int) -> None:
+        assert c.proc is not None
+        frontend_view.explain_deaths([c.proc.pid])  # as the poison accounting would
+        explain(c, code)
+
+    monkeypatch.setattr(sup, "_on_death", explained_death)
+    sup.start_all()
+    try:
+        for _ in range(400):
+            sup._tend(0.2)  # raises ChildFailed if it counted the deaths
+            if child.restarts >= 2 * supervisor.MAX_CRASHES:
+                break
+        assert child.restarts >= 2 * supervisor.MAX_CRASHES and child.failed is None
+    finally:
+        sup.shutdown()
