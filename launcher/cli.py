@@ -33,6 +33,7 @@ from engine.weights.plan import (
 from frontend.settings import FrontendLaunch, FrontendSettings
 from launcher import cluster, kv_tiers
 from launcher.args import parse_args
+from launcher.engine_config import engine_config
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
 from launcher.lora_args import lora_modules
 from launcher.memory import Demand, MemoryBudgetError, plan_kv, weight_bytes
@@ -85,34 +86,7 @@ def _engine_spec(
     backend: KVBackend | str | None,
     tiers: dict[str, Any],
 ) -> EngineWorkerSpec:
-    assert config.kv_cache_tokens is not None, "sized by _size_kv"
-    engine = EngineConfig(
-        model=str(model),
-        dtype=config.dtype.value,
-        device=place.device,
-        quantization=config.quantization,
-        # Packed layers also hold a bfloat16 GEMM for calls of many rows, in every role:
-        # prefill chunks, and decode batches past the crossover measured at load.
-        large_batch_gemm=True,
-        gemm_min_rows=config.gemm_min_rows,
-        gemm_inputs=config.gemm_inputs,
-        block_size=config.block_size,
-        kv_cache_tokens=config.kv_cache_tokens,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        gpu_memory_share=place.gpu_memory_share,  # None on CPU
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        chunked_prefill_size=config.chunked_prefill_size,
-        mixed_batches=config.mixed_batches,
-        enable_prefix_caching=config.enable_prefix_caching,
-        attention_backend=config.attention_backend,
-        enforce_eager=config.enforce_eager,
-        max_loras=config.max_loras if config.enable_lora else 0,
-        max_lora_rank=config.max_lora_rank,
-        **tiers,
-    )
-    if place.role in (Role.DECODE, Role.COLOCATED):  # prefill workers never speculate
-        engine = replace(engine, speculative=config.speculative_config)
+    engine = engine_config(config, model, place, tiers)
     # Prefill and decode workers: how KV moves between them; co-located workers: None.
     name = backend.value if isinstance(backend, KVBackend) else backend
     kv_transfer = None if name is None else cast(KVTransferName, name)
@@ -199,7 +173,6 @@ def _children(
         max_waiting_requests=config.max_waiting_requests,
         max_queued_prefill_tokens=config.max_queued_prefill_tokens,
         stall_timeout_s=config.stall_timeout,
-        max_request_retries=config.max_request_retries,
         api_workers=config.api_workers,
         node=cluster.node_name(config),
         remote_decode=tuple(cluster.remote_decode(config)),
