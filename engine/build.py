@@ -29,6 +29,11 @@ from engine.cuda.gpu_memory import gpu_kv_blocks
 from engine.cuda.kernels import use_kernels
 from engine.kv.kv_cache import GpuMemoryError
 from engine.kv.pool import KVPool
+from engine.model.batch_invariance import (
+    check_device,
+    fused_attention_invariant,
+    make_batch_invariant,
+)
 from engine.model.causal_lm import CausalLM
 from engine.model.fused_cpu import cpu_backend
 from engine.model.torch_backend import TorchBackend, TorchGeometry
@@ -118,9 +123,13 @@ def load_weights(config: EngineConfig) -> LoadedModel:
     if device.type == "cuda":
         gc.collect()
         baseline = torch.cuda.memory_allocated(device)
+    if config.deterministic:
+        check_device(device)
     model = load_model(
         lambda: CausalLM(model_config, max_model_len, dtype, device), config, quantization, dtype
     )
+    if config.deterministic:  # per-row arithmetic at every step (batch_invariance.py)
+        make_batch_invariant(model)
     return LoadedModel(
         model,
         model_config,
@@ -145,9 +154,14 @@ def _torch_backend(config: EngineConfig, loaded: LoadedModel) -> TorchBackend:
         loaded.model.rotary,
         loaded.device,
     )
-    if loaded.device.type == "cpu":
-        return cpu_backend(config.attention_backend, geometry)
-    return TorchBackend(geometry)
+    if loaded.device.type != "cpu":
+        return TorchBackend(geometry)
+    backend = cpu_backend(config.attention_backend, geometry)
+    if config.deterministic and not fused_attention_invariant(
+        backend, loaded.kv_dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim
+    ):
+        backend = cpu_backend("torch", geometry)
+    return backend
 
 
 def _make_pool(runner: ModelRunner, kv_pool: torch.Tensor | None) -> KVPool:

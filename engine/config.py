@@ -256,6 +256,9 @@ class EngineConfig:
     # Reuse the KV of a prompt's longest cached prefix (engine/kv/block_allocator.py); off,
     # no block is ever hashed and every prompt is computed in full.
     enable_prefix_caching: bool = True
+    # Batch-invariant inference (engine/model/batch_invariance.py): a request's tokens and
+    # logprobs never depend on what shares its steps (CPU only).
+    deterministic: bool = False
     seed: int = 0
     # "auto": Triton kernels over the paged pool on CUDA (engine/cuda/kernels/), torch SDPA
     # elsewhere; "torch" or "triton" force one (see engine.cuda.kernels.use_kernels).

@@ -28,6 +28,7 @@ from engine.checkpoint.lora_loader import LoraAdapters, in_batch_order, lora_slo
 from engine.config import EngineConfig, ModelConfig
 from engine.kv.pool import KVPool
 from engine.kv.sequence import Sequence
+from engine.model.batch_invariance import invariant_meta
 from engine.model.causal_lm import CausalLM
 from engine.model.torch_backend import StepBatch, TorchBackend
 from engine.sampling.grammar import GrammarCache
@@ -82,7 +83,9 @@ class ModelRunner:
         self.cuda_baseline_bytes = loaded.cuda_baseline_bytes
         self.backend = backend
         self._kernels = kernels
-        self.mixes_batches = kernels is None  # prefill takes decode rows (not graphed)
+        # Prefill takes decode rows (not graphed; nor batch-invariant: a decode row in a
+        # prefill forward runs prefill's kernels).
+        self.mixes_batches = kernels is None and not config.deterministic
         self.loras = loras
         self.grammars = grammars  # the sampler masks constrained rows with them
         self.generator = torch.Generator(device=self.device)
@@ -239,6 +242,8 @@ class ModelRunner:
             adapters = group_rows(per_token, self.device)
         # Speculative verification (``decode_weights``): rows attend as decode rows do.
         meta = self.backend.prepare_metadata(StepBatch(spans, kv_pool, is_decode, decode_weights))
+        if self.config.deterministic and not self.backend.paged_in_place:
+            meta = invariant_meta(meta)  # the torch reference: every row alone
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         last = None
         if not every_position:  # each span's last token's row

@@ -77,6 +77,9 @@ class FrontendSettings:
     eos_token_ids: tuple[int, ...] = ()
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # The workers serve batch-invariant (engine/model/batch_invariance.py): /health and
+    # /v1/models say so, for clients that rely on it.
+    deterministic: bool = False
     max_json_depth: int = 64
     max_tools_bytes: int = 256 * 1024
     max_schema_bytes: int = MAX_GRAMMAR_BYTES

@@ -154,6 +154,7 @@ def _children(
         eos_token_ids=mcfg.eos_token_ids,
         tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser,
+        deterministic=config.deterministic,
         max_json_depth=config.max_json_depth,
         max_tools_bytes=config.max_tools_bytes,
         max_schema_bytes=config.max_schema_bytes,

@@ -107,7 +107,7 @@ class ServerConfig:
     max_num_seqs: int = _ENGINE.max_num_seqs
     chunked_prefill_size: int = _ENGINE.chunked_prefill_size
     mixed_batches: bool = _ENGINE.mixed_batches  # co-located: chunks + decode rows, one forward
-    deterministic: bool = _ENGINE.deterministic  # batch-invariant (engine/batch_invariance.py)
+    deterministic: bool = _ENGINE.deterministic  # batch-invariant serving
     enable_prefix_caching: bool = _ENGINE.enable_prefix_caching
     # KV tiers beyond the pools (launcher/kv_tiers.py): host RAM per host, then a directory.
     kv_offload_memory: float = DEFAULT_KV_OFFLOAD_GIB

@@ -111,7 +111,9 @@ def _prefill_attention(
     start, i, b = 0, 0, len(meta.q_lens)
     while i < b:
         n = meta.q_lens[i]
-        if n != meta.ctx_lens[i]:
+        # Rows as decode rows (a verification; every prefill row when batch-invariant,
+        # engine/model/batch_invariance.py): over the context in the pool, fresh or not.
+        if n != meta.ctx_lens[i] or meta.rows_as_decode:
             if meta.rows_as_decode and meta.dense_kv is not None:  # CPU verification
                 ki, vi = meta.dense_kv[layer, :, i, : meta.ctx_lens[i]]  # (c, KVH, D) views
             else:

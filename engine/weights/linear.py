@@ -48,6 +48,7 @@ from engine.direct_attrs import DirectAttrs
 from engine.weights import int4_tiles
 from engine.weights.lora import AdapterBank
 from engine.weights.quant import GROUP, Int4Rows, Int8Rows, QuantRows
+from engine.weights.row_tiles import tiled_linear
 
 # torch's CPU int4 packing wants output rows in multiples of 16.
 _ROW_MULTIPLE = 16
@@ -90,6 +91,8 @@ class DenseKernel(DirectAttrs):
         super().__init__()
         self.register_buffer("weight", weight, persistent=False)
         self.weight: torch.Tensor
+        # Rows per GEMM call (``tiled_linear``); 0: one call, its kernel picked by its rows.
+        self.row_tile = 0
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -105,7 +108,8 @@ class DenseKernel(DirectAttrs):
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         w = self.weight
-        y = F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w, bias)
+        x = x if x.dtype == w.dtype else x.to(w.dtype)
+        y = F.linear(x, w, bias) if not self.row_tile else tiled_linear(x, w, bias, self.row_tile)
         return y if out_dtype in (None, y.dtype) else y.to(out_dtype)
 
 
@@ -326,6 +330,9 @@ class RefinedHead(DirectAttrs):
     def __init__(self, packed: nn.Module, rows: QuantRows) -> None:
         super().__init__()
         self.packed, self.rows = packed, rows
+        # Near logits as products summed per logit (``engine/model/batch_invariance.py``): the
+        # batched product's sums run in an order that moves with the batch's shape.
+        self.row_invariant = False
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward(x, None)
@@ -348,7 +355,10 @@ class RefinedHead(DirectAttrs):
         n = int(near.sum(dim=1).max())
         idx = idx[:, :n]
         w = self.rows.rows(idx.flatten()).dequantize().view(*idx.shape, -1)  # (T, n, K)
-        exact = torch.einsum("tk,tnk->tn", x, w)
+        if self.row_invariant:
+            exact = (x.unsqueeze(1) * w).sum(dim=2)  # (T, n): a sum over K per logit
+        else:
+            exact = torch.einsum("tk,tnk->tn", x, w)
         if bias is not None:
             exact += bias[idx]
         # Only a row's own near logits: ``n`` is the batch's widest, and a row's logits

@@ -209,13 +209,15 @@ def node_summary(workers: list[WorkerHealth]) -> dict[str, dict[str, int]]:
     return out
 
 
-def health_report(client: EngineClient) -> tuple[int, bytes]:
+def health_report(client: EngineClient, deterministic: bool = False) -> tuple[int, bytes]:
     """(status, JSON body) of /health.
 
     200 while every role has a live worker: ``"ok"`` when all are alive, ``"degraded"``
     when some are not (each worker's state and, for a dead one, how it died, say which).
     503 ``"unavailable"`` when some role has no live worker: nothing can be served.
     Each worker names its node; ``"nodes"`` counts the workers and live ones per node.
+    ``"deterministic"``: whether the workers serve batch-invariant
+    (``engine/model/batch_invariance.py``).
     """
     try:
         workers = client.health()
@@ -232,12 +234,13 @@ def health_report(client: EngineClient) -> tuple[int, bytes]:
         "status": status,
         "workers": [asdict(w) for w in workers],
         "nodes": node_summary(workers),
+        "deterministic": deterministic,
     }
     return 200 if serving else 503, msgspec.json.encode(body)
 
 
-def health_response(client: EngineClient) -> Response:
-    status, body = health_report(client)
+def health_response(client: EngineClient, deterministic: bool = False) -> Response:
+    status, body = health_report(client, deterministic)
     return Response(body, status_code=status, media_type="application/json")
 
 
@@ -256,14 +259,17 @@ class FastPaths:
     path.
     """
 
-    def __init__(self, app: ASGIApp, client: EngineClient, metrics: FrontendMetrics) -> None:
+    def __init__(
+        self, app: ASGIApp, client: EngineClient, metrics: FrontendMetrics, deterministic: bool
+    ) -> None:
         self.app, self.client, self.metrics = app, client, metrics
+        self.deterministic = deterministic
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path, method = scope["path"], scope["method"]
             if path == "/health" and method == "GET":
-                await health_response(self.client)(scope, receive, send)
+                await health_response(self.client, self.deterministic)(scope, receive, send)
                 return
             if path in GENERATE_PATHS and method == "POST":
                 try:
@@ -354,7 +360,9 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
-    app.add_middleware(FastPaths, client=client, metrics=ctx.metrics)
+    app.add_middleware(
+        FastPaths, client=client, metrics=ctx.metrics, deterministic=settings.deterministic
+    )
     app.add_middleware(Guard, settings=settings)
     app.add_middleware(NameFrontend, index=client.owner)  # added last: outermost
 
@@ -383,13 +391,14 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
             "created": 0,
             "owned_by": "pdserve",
             "max_model_len": settings.max_model_len,
+            "deterministic": settings.deterministic,  # batch-invariant serving
         }
         adapters = ctx.loras.cards() if ctx.loras is not None else []
         return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     @app.get("/health")
     async def health() -> Response:  # reached only when the fast path is bypassed
-        return health_response(client)
+        return health_response(client, settings.deterministic)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -47,9 +47,11 @@ class _Server(uvicorn.Server):
         client: EngineClient,
         metrics: FrontendMetrics,
         limits: ConnectionLimits,
+        deterministic: bool = False,
     ) -> None:
         super().__init__(config)
         self.sock, self.client, self.metrics, self.limits = sock, client, metrics, limits
+        self.deterministic = deterministic  # reported by /health
         self.acceptor: HealthAcceptor | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -78,7 +80,9 @@ class _Server(uvicorn.Server):
                 limiter=limiter,
             )
 
-        self.acceptor = HealthAcceptor(self.sock, protocol, lambda: health_report(self.client))
+        self.acceptor = HealthAcceptor(
+            self.sock, protocol, lambda: health_report(self.client, self.deterministic)
+        )
         if self.client.board is not None:  # before the first report the acceptor publishes
             self.client.board.set_state(WorkerState.READY)
         self.acceptor.start()
@@ -133,7 +137,7 @@ def main() -> None:
     sock = socket.create_server(
         (settings.host, settings.port), backlog=2048, reuse_port=launch.api_workers > 1
     )
-    _Server(config, sock, client, app.state.ctx.metrics, limits).run()
+    _Server(config, sock, client, app.state.ctx.metrics, limits, settings.deterministic).run()
 
 
 if __name__ == "__main__":
