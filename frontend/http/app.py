@@ -65,7 +65,7 @@ from frontend.errors import (
     ServiceUnavailable,
 )
 from frontend.http.guard import JSON_PATHS, Guard
-from frontend.http.log_bounds import clip, ignored_fields
+from frontend.http.log_bounds import bounded_traceback, clip, ignored_fields
 from frontend.http.openapi import with_request_bodies
 from frontend.http.reset_route import add_reset_route
 from frontend.http.roles_route import add_roles_route
@@ -163,11 +163,16 @@ async def _serve(
         # Ordinary client behaviour (a timeout, a cancelled upload): nothing to log loudly.
         logger.info("%s: the client disconnected before the response", request.url.path)
         return Response(status_code=499)  # nobody is listening; nginx's code for it
-    except Exception:
+    except Exception as e:
         # Our bug, not the client's: logged with an id the client is given too, so that a
         # report can be matched to its traceback. The frontend serves on.
         incident = f"req-{secrets.token_hex(6)}"
-        logger.exception("%s: unhandled error (request id %s)", request.url.path, incident)
+        logger.error(  # the traceback bounded: its message may quote the request
+            "%s: unhandled error (request id %s)\n%s",
+            request.url.path,
+            incident,
+            bounded_traceback(e),
+        )
         err = InternalError(f"Internal server error (request id {incident})")
         response = err.response_for(request.url.path)
         response.headers["x-request-id"] = incident

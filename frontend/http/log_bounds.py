@@ -6,16 +6,20 @@ its input) goes through ``clip`` before it is logged: at most ``MAX_LINE`` chara
 control characters escaped (a newline in a field name must not forge a second log line).
 Unknown or ignored fields are logged as one line per request: their count and the first
 ``SHOWN_NAMES`` names (``ignored_fields``). With at most one such line, one refusal line
-and one error line a request, no request writes more than about 1 kB to the log.
+and one error line a request, no request writes more than about 1 kB to the log. A
+handler's own bug logs its traceback (``bounded_traceback``): its last ``TRACEBACK_LINES``
+lines (the innermost frames and the message), each clipped, at most about 4 kB.
 """
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Sequence
 
 MAX_LINE = 200  # characters of client-controlled text in one log line
 SHOWN_NAMES = 5  # unknown field names a line names; the rest are counted
 _NAME = 40  # characters of one field name shown
+TRACEBACK_LINES = 20  # lines of an unhandled error's traceback logged, the last ones
 
 
 def clip(text: str, limit: int = MAX_LINE) -> str:
@@ -36,3 +40,12 @@ def ignored_fields(path: str, names: Sequence[str]) -> str:
     more = f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else ""
     noun = "field" if len(names) == 1 else "fields"
     return clip(f"{path}: ignoring {len(names)} unknown {noun}: {shown}{more}")
+
+
+def bounded_traceback(error: BaseException) -> str:
+    """``error``'s traceback as a log line's continuation: its last ``TRACEBACK_LINES``
+    lines, each clipped (an exception's message may quote a client's input)."""
+    lines = "".join(traceback.format_exception(error)).splitlines()
+    kept = [clip(line) for line in lines[-TRACEBACK_LINES:]]
+    cut = len(lines) - len(kept)
+    return "\n".join(([f"... ({cut} lines before)"] if cut > 0 else []) + kept)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.anyio
 
 
 async def broken(*args: Any) -> Any:
-    raise KeyError("a bug in a handler")
+    raise KeyError("a bug in a handler, quoting its input: " + "x" * 1_000_000)
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,10 @@ async def test_a_handler_bug_is_a_logged_500_with_a_request_id(
             assert payload["error"]["type"] == "server_error"
         assert incident in message
         logged = [rec for rec in caplog.records if incident in rec.getMessage()]
-        assert logged and logged[0].exc_info is not None  # the traceback, under that id
+        assert len(logged) == 1  # the traceback, under that id, bounded though the
+        text = logged[0].getMessage()  # exception's message quotes a megabyte
+        assert "Traceback" in text and "in broken" in text and "a bug in a handler" in text
+        assert len(text) < 5000 and all(len(line) <= 200 for line in text.splitlines())
         # The app serves on: another endpoint answers, and the broken one again.
         assert (await http.post("/detokenize", json={"tokens": [1, 2]})).status_code == 200
         assert (await http.post(path, json=body)).status_code == 500
