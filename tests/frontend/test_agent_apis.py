@@ -68,10 +68,11 @@ async def test_edge_errors_on_anthropic_paths_are_anthropic_shaped(
         assert "Content-Type" in anthropic_error(form, 415, "invalid_request_error")
         anthropic_error(await h.get("/v1/messages"), 405, "invalid_request_error")
         anthropic_error(await h.post("/v1/messages/nothing", json={}), 404, "not_found_error")
-        big = await h.post(
-            "/v1/messages", content=b" " * (9 << 20), headers={"content-type": "application/json"}
-        )
-        anthropic_error(big, 413, "request_too_large")
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            big = await h.post(
+                path, content=b" " * (9 << 20), headers={"content-type": "application/json"}
+            )
+            anthropic_error(big, 413, "request_too_large")
 
 
 async def test_a_quiet_stream_gets_pings(
