@@ -49,6 +49,7 @@ from frontend.engine_link.recovery import (
 from frontend.engine_link.roles import RoleControl
 from frontend.engine_link.worker_status import (
     frontend_health,
+    restart_pending,
     shards_alive,
     worker_health,
     worker_metrics,
@@ -84,6 +85,7 @@ logger = logging.getLogger(__name__)
 
 _PUT_TIMEOUT_S = 5.0
 _NO_SHARD_RETRY_S = 5.0  # a shard restarts in a few seconds
+_RESTART_WAIT_S = 20.0  # a new request waits this long for a role's worker to restart
 
 
 class RingEngineClient(EngineClient):
@@ -221,11 +223,34 @@ class RingEngineClient(EngineClient):
     # ---- requests ----------------------------------------------------------------------
 
     def check_admission(self) -> None:
+        if self._restart_pending():  # generate waits for it (``_admit``)
+            return
         self._live_shard(0)
         try:
             self.router.check_capacity()
         except NoCapacity as e:
             raise Overloaded(e.retry_after_s, f"server overloaded: {e}") from e
+
+    def _restart_pending(self) -> bool:
+        return restart_pending(self.table, self.text_rings, self.shared)
+
+    async def _admit(self, req: EngineRequest) -> tuple[int, Placement]:
+        """The shard and placement of a new request. While a role has no live worker (or
+        no shard lives) but one is being restarted, the request waits for it, up to
+        ``_RESTART_WAIT_S``, as a resumed request does, rather than getting a 503: a
+        killed worker is back in seconds. Busy workers are answered at once."""
+        until = time.monotonic() + _RESTART_WAIT_S
+        while True:
+            try:
+                shard = self._live_shard(req.rid)
+                return shard, self._place(req)
+            except (NoCapacity, Overloaded) as e:
+                down = isinstance(e, Overloaded) or e.reason.startswith("no live")
+                if not down or time.monotonic() > until or not self._restart_pending():
+                    if isinstance(e, Overloaded):
+                        raise
+                    raise Overloaded(e.retry_after_s, f"server overloaded: {e}") from e
+            await asyncio.sleep(0.1)
 
     def _live_shard(self, rid: int) -> int:
         """The shard for a new request; ``Overloaded`` (503) while none is alive."""
@@ -236,11 +261,7 @@ class RingEngineClient(EngineClient):
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[TextDelta]:
         self._start()
-        shard = self._live_shard(req.rid)
-        try:
-            placement = self._place(req)
-        except NoCapacity as e:
-            raise Overloaded(e.retry_after_s, f"server overloaded: {e}") from e
+        shard, placement = await self._admit(req)
         stream = Stream(req, asyncio.Queue(), req.rid, placement, shard)
         self.streams[req.rid] = self.by_origin[req.rid] = stream
         finished = submitted = False

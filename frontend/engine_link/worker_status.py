@@ -28,6 +28,17 @@ def shards_alive(text_rings: Sequence[Ring]) -> list[bool]:
     return [ring.peer_alive() and ring.peer_pid != 0 for ring in text_rings]
 
 
+def restart_pending(table: LoadTable, text_rings: Sequence[Ring], board: FrontendBoard) -> bool:
+    """Is some worker being restarted (dead, or starting again) and not in crash-loop
+    back-off? A shard is in back-off while the board names its retry time."""
+    if any(r.role is not None and r.state in _RESTARTING for r in table.snapshot()):
+        return True
+    alive = shards_alive(text_rings)
+    return any(not a and board.retry_at(board.num_workers + k) == 0 for k, a in enumerate(alive))
+
+
+_RESTARTING = (WorkerState.DEAD, WorkerState.STARTING)
+
 # An engine worker's load as /health shows it (LoadRow fields).
 _LOAD_FIELDS = (
     "queued_prefill_tokens",
