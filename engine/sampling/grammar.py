@@ -64,12 +64,18 @@ def _clean(e: BaseException) -> str:
     return " ".join(line for line in lines if line) or type(e).__name__
 
 
+# JSON schemas compile strict, in compact whitespace: an unconstrained model may
+# otherwise pad JSON forever. (The same for the compile and for the recursion check.)
+_ANY_WHITESPACE, _STRICT = False, True
+
+
 def compile_spec(compiler: Any, spec: GrammarSpec) -> Any:
     """``spec`` compiled by an ``xgrammar.GrammarCompiler``; ``GrammarError`` if it cannot."""
     try:
         if spec.kind is GrammarKind.JSON_SCHEMA:
-            # Compact whitespace: an unconstrained model may otherwise pad JSON forever.
-            return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=True)
+            return compiler.compile_json_schema(
+                spec.text, any_whitespace=_ANY_WHITESPACE, strict_mode=_STRICT
+            )
         if spec.kind is GrammarKind.JSON_OBJECT:
             return compiler.compile_builtin_json_grammar()
         if spec.kind is GrammarKind.REGEX:
@@ -79,6 +85,22 @@ def compile_spec(compiler: Any, spec: GrammarSpec) -> Any:
         return compiler.compile_grammar(spec.text)
     except (RuntimeError, ValueError, TypeError) as e:
         raise GrammarError(f"invalid {spec.kind.value}: {_clean(e)}") from e
+
+
+def source_grammar(spec: GrammarSpec) -> Any:
+    """``spec`` as an ``xgrammar.Grammar`` before compiling (its rules, no automata), for
+    the recursion check; None for the kinds whose rules always end (JSON, choices)."""
+    import xgrammar as xgr
+
+    if spec.kind is GrammarKind.JSON_SCHEMA:
+        return xgr.Grammar.from_json_schema(
+            spec.text, any_whitespace=_ANY_WHITESPACE, strict_mode=_STRICT
+        )
+    if spec.kind is GrammarKind.REGEX:
+        return xgr.Grammar.from_regex(spec.text)
+    if spec.kind is GrammarKind.EBNF:
+        return xgr.Grammar.from_ebnf(spec.text)
+    return None
 
 
 class GrammarState:
@@ -217,7 +239,7 @@ class GrammarCache:
         self.compiled += 1
         try:
             compiled = compile_spec(self._get_compiler(), spec)
-            why = emptiness(compiled, self.vocab_size)
+            why = emptiness(source_grammar(spec), compiled, self.vocab_size)
         except GrammarError:
             raise
         except Exception as e:  # the library's own failure: the request fails, not the worker

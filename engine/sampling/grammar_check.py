@@ -6,7 +6,7 @@ all, or only an unending recursion. Sampling under such a mask has nothing to pi
 every process refuses the grammar where it compiles it (``GrammarCache.compile_now``):
 the frontend answers 400 before any worker sees the request.
 
-- ``unproductive_root``: the grammar's rules as data (xgrammar's serialized form), and
+- ``unproductive_root``: the source grammar's rules as data (xgrammar's serialized form), and
   the least fixpoint of "this rule can derive some finite string". The root rule outside
   that set has an empty language, whatever the vocabulary.
 - ``first_token_allowed``: a fresh matcher's token bitmask. No token allowed (stop
@@ -57,11 +57,22 @@ class _Rules:
         # any kind unknown here: productive, so that the check never refuses wrongly.
         return True
 
+    def refs(self, expr: int) -> set[int]:
+        """The rules ``expr`` refers to, directly or through its sub-expressions."""
+        kind, args = self.exprs[expr]
+        if kind in (_RULE, _REPEAT):
+            return {args[0]}
+        if kind in (_SEQUENCE, _CHOICES):
+            return set().union(*(self.refs(e) for e in args))
+        return set()
 
-def unproductive_root(compiled: Any) -> list[str] | None:
-    """If no finite string derives from the root rule, the rules none derives from (the
-    root first); else None. Unknown serializations (another xgrammar) are not judged."""
-    data = json.loads(compiled.grammar.serialize_json())
+
+def unproductive_root(grammar: Any) -> list[str] | None:
+    """If no finite string derives from ``grammar``'s root rule (an ``xgrammar.Grammar``
+    as converted, not a compiled one: that one serializes its automata too, seconds for a
+    large schema), the rules none derives from (the root first); else None. Unknown
+    serializations (another xgrammar) are not judged."""
+    data = json.loads(grammar.serialize_json())
     if data.get("__VERSION__") != SERIALIZED_VERSION:
         logger.warning(
             "grammar serialization %s, not %s: the recursion check is skipped",
@@ -71,12 +82,18 @@ def unproductive_root(compiled: Any) -> list[str] | None:
         return None
     rules = _Rules(data)
     productive = [False] * len(rules.names)
-    changed = True
-    while changed:  # at most one pass per rule: each pass that changes adds one
-        changed = False
-        for r, body in enumerate(rules.bodies):
-            if not productive[r] and rules.derives(body, productive):
-                productive[r] = changed = True
+    users: list[list[int]] = [[] for _ in rules.names]  # rule -> the rules that refer to it
+    for r, body in enumerate(rules.bodies):
+        for q in rules.refs(body):
+            users[q].append(r)
+    # A worklist: a rule is judged again only when one it refers to turns productive, so
+    # each is judged at most once per rule it refers to (not once per pass over them all).
+    todo = list(range(len(rules.names)))
+    while todo:
+        r = todo.pop()
+        if not productive[r] and rules.derives(rules.bodies[r], productive):
+            productive[r] = True
+            todo.extend(users[r])
     if productive[rules.root]:
         return None
     stuck = [rules.names[r] for r in range(len(rules.names)) if not productive[r]]
@@ -95,9 +112,11 @@ def first_token_allowed(compiled: Any, vocab_size: int) -> bool:
     return bool(bitmask.any())
 
 
-def emptiness(compiled: Any, vocab_size: int) -> str | None:
-    """Why ``compiled`` admits no output, or None if some output can start."""
-    stuck = unproductive_root(compiled)
+def emptiness(source: Any, compiled: Any, vocab_size: int) -> str | None:
+    """Why ``compiled`` admits no output, or None if some output can start. ``source``:
+    the ``xgrammar.Grammar`` it was compiled from, or None to skip the recursion check
+    (a grammar that is productive by construction)."""
+    stuck = unproductive_root(source) if source is not None else None
     if stuck is not None:
         if len(stuck) == 1:
             rules = f"its rule {stuck[0]!r} always needs another copy of itself"

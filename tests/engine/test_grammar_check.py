@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -33,7 +32,7 @@ def _schema(schema: Any) -> GrammarSpec:
 def _ebnf(text: str) -> Any:
     import xgrammar as xgr
 
-    return SimpleNamespace(grammar=xgr.Grammar.from_ebnf(text))
+    return xgr.Grammar.from_ebnf(text)
 
 
 CYCLE = {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}
@@ -110,9 +109,10 @@ def test_a_grammar_no_token_can_start_is_found_by_its_first_mask() -> None:
 
     info = xgr.TokenizerInfo(["a", "b", "ab", "</s>"], stop_token_ids=[3])
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    never = compiler.compile_grammar('root ::= "c"')  # nonempty, but no token spells "c"
-    assert unproductive_root(never) is None
+    source = xgr.Grammar.from_ebnf('root ::= "c"')  # nonempty, but no token spells "c"
+    never = compiler.compile_grammar(source)
+    assert unproductive_root(source) is None
     assert not first_token_allowed(never, 4)
-    assert emptiness(never, 4) == "no token of the model's vocabulary can start it"
+    assert emptiness(source, never, 4) == "no token of the model's vocabulary can start it"
     fine = compiler.compile_grammar('root ::= "a" "b"?')
-    assert first_token_allowed(fine, 4) and emptiness(fine, 4) is None
+    assert first_token_allowed(fine, 4) and emptiness(None, fine, 4) is None
