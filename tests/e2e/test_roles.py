@@ -13,6 +13,7 @@ import asyncio
 import os
 import re
 import signal
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -134,3 +135,41 @@ def test_a_decoder_killed_during_a_role_change_is_recovered(
     wait_all_alive(server)  # the launcher restarted it, in the role the table holds
     assert _health_roles(server) == [D, P]
     _set_roles(server, [C, C])
+
+
+@pytest.fixture(scope="module")
+def planned_server() -> Iterator[LaunchedServer]:
+    """The planner alone sets roles: a TPOT target no CPU step meets, a TTFT target
+    every request meets, so its one move is to split the two workers."""
+    yield from LaunchedServer.serving(
+        "--workers 2 --detokenizers 1 --device cpu --kv-cache-tokens 8192 "
+        "--max-model-len 1024 --slo-tpot-ms 1 --slo-ttft-ms 600000"
+    )
+
+
+def test_the_planner_splits_roles_when_tpot_misses_its_target(
+    planned_server: LaunchedServer, exact: Exact
+) -> None:
+    server = planned_server
+    wait_all_alive(server)
+    pids = reported_pids(server)
+    assert _health_roles(server) == [C, C]
+    prompts = random_prompts(8, seed=62)
+    first = asyncio.run(_streams(server, prompts))  # the planner's samples
+    exact.check(first, prompts, server.log)
+    deadline = time.monotonic() + 60
+    while _health_roles(server) != [P, D] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _health_roles(server) == [P, D]
+    assert any("role colocated -> decode (TPOT" in line for line in server.log)
+    second = asyncio.run(_streams(server, prompts))  # placed by the roles it set
+    exact.check(second, prompts, server.log)
+    assert _metric(server, "pdserve_placements_total", kind="handoff") > 0
+    assert reported_pids(server) == pids
+
+
+async def _streams(server: LaunchedServer, prompts: list[list[int]]) -> list[dict]:  # type: ignore[type-arg]
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        started = asyncio.Event()
+        tasks = [greedy_stream(client, p, started) for p in prompts]
+        return await asyncio.wait_for(asyncio.gather(*tasks), 200)
