@@ -6,9 +6,9 @@ all, or only an unending recursion. Sampling under such a mask has nothing to pi
 every process refuses the grammar where it compiles it (``GrammarCache.compile_now``):
 the frontend answers 400 before any worker sees the request.
 
-- ``unproductive_root``: the source grammar's rules as data (xgrammar's serialized form), and
-  the least fixpoint of "this rule can derive some finite string". The root rule outside
-  that set has an empty language, whatever the vocabulary.
+- ``unproductive_root``: the source grammar's rules as data (xgrammar's serialized
+  form), and the least fixpoint of "this rule can derive some finite string". The root
+  rule outside that set has an empty language, whatever the vocabulary.
 - ``first_token_allowed``: a fresh matcher's token bitmask. No token allowed (stop
   tokens included) means no output can even start with this vocabulary.
 """
