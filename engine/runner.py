@@ -28,7 +28,7 @@ from engine.checkpoint.lora_loader import LoraAdapters, in_batch_order, lora_slo
 from engine.config import EngineConfig, ModelConfig
 from engine.kv.pool import KVPool
 from engine.kv.sequence import Sequence
-from engine.model.batch_invariance import invariant_meta
+from engine.model.batch_invariance import decode_kv_equals_prefill, invariant_meta
 from engine.model.causal_lm import CausalLM
 from engine.model.torch_backend import StepBatch, TorchBackend
 from engine.sampling.grammar import GrammarCache
@@ -86,6 +86,12 @@ class ModelRunner:
         # Prefill takes decode rows (not graphed; nor batch-invariant: a decode row in a
         # prefill forward runs prefill's kernels).
         self.mixes_batches = kernels is None and not config.deterministic
+        # Batch-invariant, where prefill and decode run other arithmetic (packed layers, the
+        # fused attentions): blocks decode fills are not published, so cached KV is always
+        # what a prefill of those tokens writes.
+        self.decode_publishes = not config.deterministic or decode_kv_equals_prefill(
+            self.model, backend
+        )
         self.loras = loras
         self.grammars = grammars  # the sampler masks constrained rows with them
         self.generator = torch.Generator(device=self.device)
@@ -166,7 +172,7 @@ class ModelRunner:
         spans = [(seq, seq.num_computed_tokens, 1) for seq in seqs]
         newest = [_newest(seq) for seq in seqs]
         logits = self._forward(spans, newest, True, pool)
-        self._advance(spans, publish=pool is None)
+        self._advance(spans, publish=pool is None and self.decode_publishes)
         return logits
 
     def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
@@ -202,7 +208,8 @@ class ModelRunner:
         assert seq.num_uncomputed_tokens == 1, seq.num_uncomputed_tokens
         # Blocks past what the next step needs held only rejected drafts.
         self.kv.truncate(seq, -(-(seq.num_computed_tokens + 1) // self.block_size))
-        if seq.num_computed_tokens // self.block_size > start // self.block_size:
+        filled = seq.num_computed_tokens // self.block_size > start // self.block_size
+        if filled and self.decode_publishes:
             self.kv.cache_full_blocks(seq, start)
 
     def _ensure_blocks(self, seq: Sequence, n: int, pool: torch.Tensor | None) -> None:

@@ -26,9 +26,11 @@ rotary, SiLU * up, sampling (a seeded request's token at output position ``p`` d
 only on (seed, p, logits)).
 
 Not covered: CUDA (refused: ``DeterminismUnsupported``), LoRA adapters. On packed
-weights a prompt's rows (GEMM) and generated rows (packed kernel) keep different
-arithmetic, so KV recomputed for generated tokens (a request resumed on another worker)
-is not bitwise what decode wrote.
+weights (and the fused attentions) a prompt's rows and generated rows keep different
+arithmetic (``decode_kv_equals_prefill``): there blocks that decode steps fill are not
+published to the prefix cache (a later prompt holding those tokens gets a prefill's KV,
+cached or not), and KV recomputed for generated tokens (a request resumed on another
+worker, or preempted for KV space) is not bitwise what decode wrote.
 """
 
 from __future__ import annotations
@@ -77,6 +79,19 @@ def make_batch_invariant(model: nn.Module) -> dict[str, int]:
             kernel.row_tile = ROW_TILE
             changed["dense"] += 1
     return changed
+
+
+def decode_kv_equals_prefill(model: nn.Module, backend: object) -> bool:
+    """Whether a batch-invariant ``model`` writes the same KV for a token in a decode step
+    as in a prefill: not where packed layers hold a GEMM for prefill, nor on the fused
+    attentions (one kernel each, per row but not the same arithmetic)."""
+    if getattr(backend, "paged_in_place", False):
+        return False
+    for module in model.modules():
+        kernel = module.kernel if isinstance(module, Linear) else None
+        if isinstance(kernel, Int4Kernel | Int8Kernel) and kernel.many_rows is not None:
+            return False
+    return True
 
 
 def fused_attention_invariant(

@@ -122,3 +122,5 @@ def test_switch_reaches_every_linear_layer(default_model_path: Path, invariant: 
     tiles = {m.kernel.row_tile for m in model.modules() if hasattr(m, "kernel")}
     assert tiles == {ROW_TILE}
     assert invariant.runner.mixes_batches is False
+    # The torch reference: prefill rows run as decode rows, so decode's blocks may be cached.
+    assert invariant.runner.decode_publishes is True
