@@ -4,7 +4,8 @@ others and a decode worker for them, over the ``shm`` backend.
 Every worker's pool is a shared segment (``kv.c{c}``, made by the launcher), which the
 other workers map to copy from: a handoff from c to w is what a prefill worker's is to a
 decode worker (``prefill/worker.py``, ``decode/worker.py``), on these rings:
-    kv.c{c}.c{w}    c -> w    KVTransfer (c prefilled it; w decodes it)
+    kv.c{c}.c{w}    c -> w    KVTransfer (c prefilled it; w decodes it), AbortRequest
+                              (a stop string matched its first token, which c sent)
     rel.c{w}.c{c}   w -> c    KVRelease (w copied, or refused, the blocks c pinned)
 Which requests move is the router's choice (the request's ``decode_worker``), by the
 workers' roles (``transport/role_table.py``); a worker itself does not know its role.
@@ -13,6 +14,7 @@ workers' roles (``transport/role_table.py``); a worker itself does not know its 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 
 import torch
 
@@ -26,11 +28,13 @@ from transport.kv_backends import ShmExporter, ShmReceiver
 from transport.ring import Ring
 from transport.segment import Segment, SegmentSpec
 from wire.kv_layout import KVLayout
-from wire.records import KVRelease, KVTransfer
+from wire.records import AbortRequest, KVRelease, KVTransfer
 from wire.ring_names import Peer, RingKind
 from wire.roles import Role
 
 logger = logging.getLogger(__name__)
+
+_EXPORTS_REMEMBERED = 4096  # recent handoffs' decoders, for stop notices that come late
 
 
 class Handoff:
@@ -53,6 +57,7 @@ class Handoff:
         self.rel_in = rings.sources(RingKind.REL, Role.COLOCATED)
         self.rel_out = rings.sinks(RingKind.REL, Role.COLOCATED)
         self.exporter: ShmExporter | None = None
+        self._decoder_of: OrderedDict[int, int] = OrderedDict()  # rid -> worker, recent
 
     def receiver(self, runner: ModelRunner) -> ShmReceiver:
         """Copies into ``runner``'s pool from the other workers' shared pools."""
@@ -65,6 +70,8 @@ class Handoff:
             for msg in drain(ring):
                 if isinstance(msg, KVTransfer):
                     self.release(sched.decode.offer(msg))
+                elif isinstance(msg, AbortRequest):  # after its transfer: the ring is FIFO
+                    sched.abort(msg.rid)
         for ring in self.rel_in.values():
             for msg in drain(ring):
                 if isinstance(msg, KVRelease):
@@ -74,6 +81,13 @@ class Handoff:
             if sched.prefill.pinned.rids_for(w) and not ring.peer_alive():
                 logger.warning("worker %d is gone: unpinning the KV handed to it", w)
                 sched.prefill.decode_worker_died(w)
+
+    def stopped(self, rid: int) -> None:
+        """A detokenizer's stop notice for ``rid``: it reaches this worker, which sent the
+        first token; if ``rid`` was handed off, its decoder is told too."""
+        w = self._decoder_of.pop(rid, None)
+        if w is not None:
+            send(self.kv_out[w], AbortRequest(rid=rid))
 
     def admit(self, sched: ColocatedScheduler) -> None:
         self.release(sched.admit())
@@ -89,6 +103,9 @@ class Handoff:
         assert self.exporter is not None
         for w, transfer in out.transfers:
             self.exporter.export(transfer.src_blocks)
+            self._decoder_of[transfer.rid] = w
+            while len(self._decoder_of) > _EXPORTS_REMEMBERED:
+                self._decoder_of.popitem(last=False)
             if w not in self.kv_out or not send(self.kv_out[w], transfer):
                 logger.error("rid %d: no way to hand its KV to worker %d", transfer.rid, w)
                 sched.prefill.release(transfer.rid)

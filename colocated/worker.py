@@ -61,6 +61,8 @@ class ColocatedWorker(Worker):
             for msg in drain(ring):
                 if isinstance(msg, AbortRequest):
                     self.sched.abort(msg.rid)
+                    if self.handoff is not None:
+                        self.handoff.stopped(msg.rid)
         if self.handoff is not None:
             self.handoff.take_inputs(self.sched)
 
