@@ -18,7 +18,6 @@ import time
 from colocated.handoff import Handoff
 from colocated.scheduler import ColocatedScheduler
 from engine.build import build_engine
-from engine.runner import ModelRunner
 from engine.speculative.speculator import Speculator
 from runtime.worker import Worker
 from runtime.worker_io import drain, send
@@ -43,17 +42,13 @@ class ColocatedWorker(Worker):
         if self.settings.kv_transfer == "shm":
             self.handoff = Handoff(self.spec, self.rings, cfg)
         engine = build_engine(cfg, kv_pool=None if self.handoff is None else self.handoff.own_pool)
-        runner = engine.runner
+        self.engine, runner = engine, engine.runner
         runner.capture_decode_graphs()
         receiver = None if self.handoff is None else self.handoff.receiver(runner)
         self.sched = ColocatedScheduler(
             engine, self.index, cfg.chunked_prefill_size, cfg.max_num_seqs, receiver=receiver
         )
         self.stop_in = list(self.rings.sources(RingKind.STOP).values())
-
-    @property
-    def runner(self) -> ModelRunner:
-        return self.sched.runner
 
     def take_inputs(self) -> None:
         self.take_requests(self.sched)

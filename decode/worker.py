@@ -63,7 +63,7 @@ class DecodeWorker(Worker):
 
     def __init__(self) -> None:
         super().__init__()
-        engine = build_engine(self.config)
+        self.engine = engine = build_engine(self.config)
         runner = engine.runner
         runner.capture_decode_graphs()
         self.imports: PoolImports | None = None
@@ -99,10 +99,6 @@ class DecodeWorker(Worker):
             if runner.device.type == "cuda":
                 register_host_memory(sources[i])  # host -> GPU copies by DMA
         return ShmReceiver(sources, runner.kv.tensor)
-
-    @property
-    def runner(self) -> ModelRunner:
-        return self.sched.runner
 
     def step(self) -> bool:
         if self.imports is not None:

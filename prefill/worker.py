@@ -60,6 +60,7 @@ class PrefillWorker(Worker):
         self._remote_gen: dict[int, int | None] = {}
         if self.remote:
             self._export_to_nixl(engine.runner)
+        self.engine = engine
         self.sched = PrefillScheduler(engine, self.index, config.chunked_prefill_size)
         self.rel_rings = self.rings.sources(RingKind.REL)
         self.kv_out = self.rings.sinks(RingKind.KV)
@@ -95,10 +96,6 @@ class PrefillWorker(Worker):
         register_host_memory(shared)
         self.exporter = ShmExporter(engine.kv.tensor, staging=shared)
         return engine
-
-    @property
-    def runner(self) -> ModelRunner:
-        return self.sched.runner
 
     def step(self) -> bool:
         if self.handles is not None:

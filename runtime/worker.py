@@ -20,7 +20,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from engine.runner import ModelRunner
+from engine.build import Engine
 from engine.speculative.speculator import SpeculationStats, Speculator
 from runtime.faults import crash_if_poisoned, crash_token
 from runtime.process import attach_rings, bootstrap, load_table, prefix_summaries
@@ -50,6 +50,9 @@ class Worker(abc.ABC):
     """One engine worker process; ``main()`` of each role builds one and calls ``run()``."""
 
     role: ClassVar[Role]
+    # Set by each role's ``__init__`` (``engine/build.py``): the pool, adapters and KV
+    # figures this loop reports and resets.
+    engine: Engine
 
     def __init__(self) -> None:
         self.spec, self.stopping = bootstrap()
@@ -77,11 +80,6 @@ class Worker(abc.ABC):
         self.req_in: list[Ring] = list(self.rings.sources(RingKind.REQ).values())
         self.summary: PrefixSummary | None = None  # opened in run(), once the engine exists
         self.prefix_reset_epoch = 0  # the latest ResetPrefixCache done (reported each step)
-
-    @property
-    @abc.abstractmethod
-    def runner(self) -> ModelRunner:
-        """The engine whose KV figures the load table carries."""
 
     @abc.abstractmethod
     def take_inputs(self) -> None:
@@ -125,7 +123,7 @@ class Worker(abc.ABC):
 
     def reset_prefix_cache(self, msg: ResetPrefixCache) -> None:
         """Between steps: the pool forgets its prefixes; the row reports ``msg.epoch``."""
-        dropped = self.runner.kv.reset_prefix_cache()
+        dropped = self.engine.kv.reset_prefix_cache()
         self.prefix_reset_epoch = max(self.prefix_reset_epoch, msg.epoch)
         logger.info("prefix cache reset (epoch %d): %d blocks forgotten", msg.epoch, dropped)
 
@@ -133,7 +131,7 @@ class Worker(abc.ABC):
         """Between steps: free the adapter's slot (a request still running under it loads
         it again and the first step without one evicts it); the row's ``lora_adapters``
         shows it gone after this step."""
-        loras = self.runner.loras
+        loras = self.engine.loras
         if loras is not None and loras.retire(msg.fingerprint):
             logger.info("LoRA adapter %s unloaded", msg.fingerprint)
 
@@ -145,7 +143,7 @@ class Worker(abc.ABC):
             return None
         summary, self._summary_seg = mapped
         summary.clear()
-        self.runner.kv.watch_prefix_hashes()  # from now on every hash change reaches the summary
+        self.engine.kv.watch_prefix_hashes()  # from now on every hash change reaches the summary
         return summary
 
     def run(self) -> None:
@@ -153,11 +151,11 @@ class Worker(abc.ABC):
         self.row.set_state(WorkerState.READY)
         logger.info("ready")
         inbound = list(self.rings.inbound.values())
-        self.runner.kv.defer_tier_stores = True  # stored below, once the step's tokens are out
+        self.engine.kv.defer_tier_stores = True  # stored below, once the step's tokens are out
         while not self.stopping:
             self.take_inputs()
             busy = self._leased_step() if self.cores is not None else self.step()
-            self.runner.kv.store_offered()
+            self.engine.kv.store_offered()
             self._publish()
             if not busy:
                 self.rings.doorbell.wait(inbound, IDLE_WAIT_S)
@@ -174,9 +172,9 @@ class Worker(abc.ABC):
             return self.step()
 
     def _publish(self) -> None:
-        kv = self.runner.kv.figures()
+        kv = self.engine.kv.figures()
         if self.summary is not None:
-            self.summary.update(*self.runner.kv.take_prefix_hash_changes())
+            self.summary.update(*self.engine.kv.take_prefix_hash_changes())
         speculator = self.speculator()
         self.row.publish(
             dataclasses.replace(
@@ -193,7 +191,7 @@ class Worker(abc.ABC):
         )
 
     def _lora_counters(self) -> dict[str, int]:
-        loras = self.runner.loras
+        loras = self.engine.loras
         if loras is None:
             return {}
         return {"lora_adapters": len(loras.resident), "lora_loads": loras.loads}
