@@ -21,9 +21,8 @@ import time
 import torch
 
 from decode.scheduler import DecodeScheduler
-from engine.build import build_engine
+from engine.build import Engine, build_engine
 from engine.kv.kv_cache import layout_of
-from engine.runner import ModelRunner
 from engine.speculative.speculator import Speculator
 from runtime.faults import crash_if_poisoned
 from runtime.worker import Worker
@@ -64,30 +63,29 @@ class DecodeWorker(Worker):
     def __init__(self) -> None:
         super().__init__()
         self.engine = engine = build_engine(self.config)
-        runner = engine.runner
-        runner.capture_decode_graphs()
+        engine.runner.capture_decode_graphs()
         self.imports: PoolImports | None = None
         self.receiver: KVReceiver
         if self.settings.kv_transfer == "cuda_ipc":
-            self.imports, self.receiver = PoolImports(), CudaIpcReceiver({}, runner.kv.tensor)
+            self.imports, self.receiver = PoolImports(), CudaIpcReceiver({}, engine.kv.tensor)
         elif self.settings.kv_transfer == "nixl":
-            self.imports, self.receiver = PoolImports(), self._nixl_receiver(runner)
+            self.imports, self.receiver = PoolImports(), self._nixl_receiver(engine)
         else:
-            self.receiver = self._shm_receiver(runner)
+            self.receiver = self._shm_receiver(engine)
         self.sched = DecodeScheduler(engine, self.receiver, self.config.max_num_seqs)
         self.kv_in = self.rings.sources(RingKind.KV)
         self.ctl_in = [r for n, r in self.rings.inbound.items() if n.kind is not RingKind.KV]
         self.rel_out = self.rings.sinks(RingKind.REL)
 
-    def _nixl_receiver(self, runner: ModelRunner) -> NixlReceiver:
+    def _nixl_receiver(self, engine: Engine) -> NixlReceiver:
         """On a node that joined a cluster: prefill pools are on another host, read by NIXL
         from the handle each prefill worker sends (``transport/kv_nixl.py``)."""
         name = f"{self.settings.node}-decode-{self.index}-{os.getpid()}"
         return NixlReceiver(
-            runner.kv.tensor, layout_of(runner.kv.tensor, runner.backend.kv_order), name
+            engine.kv.tensor, layout_of(engine.kv.tensor, engine.runner.backend.kv_order), name
         )
 
-    def _shm_receiver(self, runner: ModelRunner) -> ShmReceiver:
+    def _shm_receiver(self, engine: Engine) -> ShmReceiver:
         """Map every prefill worker's shared pool (or staging mirror); copies read from it."""
         self._pool_segs: list[Segment] = []
         sources: dict[int, torch.Tensor] = {}
@@ -96,9 +94,9 @@ class DecodeWorker(Worker):
             self._pool_segs.append(seg)
             i = Peer.parse(name).index  # the prefill worker whose pool it is
             sources[i] = pool_view(seg, KVLayout(**pool["layout"]))
-            if runner.device.type == "cuda":
+            if engine.runner.device.type == "cuda":
                 register_host_memory(sources[i])  # host -> GPU copies by DMA
-        return ShmReceiver(sources, runner.kv.tensor)
+        return ShmReceiver(sources, engine.kv.tensor)
 
     def step(self) -> bool:
         if self.imports is not None:

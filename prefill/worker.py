@@ -21,7 +21,6 @@ import torch
 
 from engine.build import Engine, build_engine
 from engine.config import EngineConfig
-from engine.runner import ModelRunner
 from prefill.scheduler import PrefillScheduler, PrefillStep
 from runtime.worker import Worker
 from runtime.worker_io import drain, fail_request, send
@@ -59,21 +58,21 @@ class PrefillWorker(Worker):
         self.remote = set(self.settings.remote_decode)
         self._remote_gen: dict[int, int | None] = {}
         if self.remote:
-            self._export_to_nixl(engine.runner)
+            self._export_to_nixl(engine)
         self.engine = engine
         self.sched = PrefillScheduler(engine, self.index, config.chunked_prefill_size)
         self.rel_rings = self.rings.sources(RingKind.REL)
         self.kv_out = self.rings.sinks(RingKind.KV)
 
-    def _export_to_nixl(self, runner: ModelRunner) -> None:
+    def _export_to_nixl(self, engine: Engine) -> None:
         """Decode workers on other hosts read this pool by NIXL: register it and send them
         its handle (local ones keep reading it as before)."""
         from transport.kv_nixl import NixlExporter
 
         layout = KVLayout(**self.spec.kv_pools[str(Peer(Role.PREFILL, self.index))]["layout"])
-        layout = dataclasses.replace(layout, order=runner.backend.kv_order)  # what it writes
+        layout = dataclasses.replace(layout, order=engine.runner.backend.kv_order)  # what it writes
         name = f"{self.settings.node}-prefill-{self.index}-{os.getpid()}"
-        self.nixl = NixlExporter(runner.kv.tensor, layout, name)
+        self.nixl = NixlExporter(engine.kv.tensor, layout, name)
         self.handles, self._handle = HandleSender(), self.nixl.handle()
         logger.info(
             "KV pool registered with NIXL as %s for decode workers %s", name, sorted(self.remote)
