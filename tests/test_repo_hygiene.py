@@ -18,7 +18,7 @@ _ABSOLUTE = re.compile(r"(?<![\w.~/-])/(?:work|root|home)/")
 # A cited document with a directory part (``docs/design.md``); bare names are files a
 # benchmark writes (``engine_cuda.md`` before any GPU run), not citations.
 _CITED_MD = re.compile(r"(?<![\w./-])((?:[\w.-]+/)+[\w.-]+\.md)\b")
-_CODE = ("*.py", "*.sh", "*.c", "*.toml", "Makefile")
+_CODE = ("*.py", "*.sh", "*.c", "*.cpp", "*.h", "*.toml", "Makefile")
 # Results a benchmark writes that no recorded run has produced yet: outputs, not citations.
 # NOTE: drop a name here once its run is committed.
 _NOT_YET_WRITTEN = {"benchmarks/results/api_workers.md", "benchmarks/results/engine_step.md"}
@@ -75,17 +75,21 @@ def test_every_cited_document_exists() -> None:
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 120
 MAX_FMT_SKIPS = 50
+# C and C++ (the kernels included): the same rule, at the sizes the Python ones are headed for.
+MAX_C_FILE_LINES = 450
+MAX_C_FUNCTION_LINES = 100
+_C_SOURCES = ("*.c", "*.cpp", "*.cc", "*.h", "*.hpp")
 
 
-def _sources() -> list[Path]:
-    return [p for p in _tracked("*.py") if "tests" not in p.relative_to(REPO).parts]
+def _sources(*patterns: str) -> list[Path]:
+    return [p for p in _tracked(*patterns) if "tests" not in p.relative_to(REPO).parts]
 
 
 def test_no_source_file_or_function_is_too_long() -> None:
     import ast
 
     long_files, long_functions = [], []
-    for path in _sources():
+    for path in _sources("*.py"):
         text = path.read_text()
         if text.count("\n") > MAX_FILE_LINES:
             long_files.append(str(path.relative_to(REPO)))
@@ -96,6 +100,67 @@ def test_no_source_file_or_function_is_too_long() -> None:
                     long_functions.append(f"{path.relative_to(REPO)}:{node.name}")
     assert not long_files, f"over {MAX_FILE_LINES} lines: {long_files}"
     assert not long_functions, f"over {MAX_FUNCTION_LINES} lines: {long_functions}"
+
+
+# A comment, a string or character literal, or a preprocessor line (with its continuations).
+_C_NOISE = re.compile(
+    r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'|^[ \t]*#(?:\\\n|[^\n])*",
+    re.DOTALL | re.MULTILINE,
+)
+_C_NOT_FUNCTIONS = {"if", "for", "while", "switch", "catch", "return", "sizeof", "alignas"}
+
+
+def c_functions(text: str) -> list[tuple[str, int]]:
+    """Each outermost function body of a C or C++ file: (name, lines from the first line of
+    its signature to its closing brace). A body is a ``{`` after a parameter list ``)`` (or
+    its qualifiers), outside any other body; namespaces, classes, initializers and lambdas
+    inside a body are not functions of their own."""
+    code = _C_NOISE.sub(lambda m: re.sub(r"[^\n]", " ", m.group()), text)
+    out, depth, start, body_depth = [], 0, 0, -1
+    for i, ch in enumerate(code):
+        if ch in ";{}" and body_depth < 0:
+            if ch == "{":
+                head = code[start:i].strip()
+                sig = re.search(r"(\w+)\s*\([^()]*(?:\([^()]*\)[^()]*)*\)[\w\s:&*<>,-]*$", head)
+                if sig and sig.group(1) not in _C_NOT_FUNCTIONS:
+                    body_depth = depth
+                    first = start + len(code[start:i]) - len(code[start:i].lstrip())
+                    out.append((sig.group(1), code.count("\n", 0, first)))
+            start = i + 1
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == body_depth:
+                name, first = out[-1]
+                out[-1] = (name, code.count("\n", 0, i) - first + 1)
+                body_depth, start = -1, i + 1
+    return out
+
+
+def test_c_function_lengths_are_counted() -> None:
+    code = (
+        "namespace {\n// f() {\nstruct S { int a; };\n"
+        "template <int N>\nstatic int f(int a,\n      int b) {\n"
+        '  if (a) {\n    return "}";\n  }\n  auto g = [](int x) { return x; };\n'
+        "  return g(b);\n}\n#define M(x) { x }\nconstexpr int k[2] = {1, 2};\n"
+        "TORCH_LIBRARY(ns, m) {\n  m.def(1);\n}\n}  // namespace\n"
+    )
+    assert c_functions(code) == [("f", 9), ("TORCH_LIBRARY", 3)]
+
+
+def test_no_c_source_file_or_function_is_too_long() -> None:
+    long_files, long_functions = [], []
+    for path in _sources(*_C_SOURCES):
+        text = path.read_text()
+        if text.count("\n") > MAX_C_FILE_LINES:
+            long_files.append(str(path.relative_to(REPO)))
+        for name, lines in c_functions(text):
+            if lines > MAX_C_FUNCTION_LINES:
+                long_functions.append(f"{path.relative_to(REPO)}:{name} ({lines} lines)")
+    assert _sources(*_C_SOURCES), "no C or C++ source: is this check still needed?"
+    assert not long_files, f"over {MAX_C_FILE_LINES} lines: {long_files}"
+    assert not long_functions, f"over {MAX_C_FUNCTION_LINES} lines: {long_functions}"
 
 
 def test_the_formatter_is_followed() -> None:

@@ -36,7 +36,7 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
     # runner (forwards and sampling), the engine's assembly (``build``: what the schedulers
     # are handed), and speculative decoding over it on top.
     "engine": [
-        ("errors", "cache", "cpu_kernels", "gguf_reader", "direct_attrs"),
+        ("errors", "cache", "kernels", "gguf_reader", "direct_attrs"),
         ("config",),
         ("weights", "tokenizer", "sampling"),
         ("model", "kv"),

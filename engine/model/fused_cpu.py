@@ -1,4 +1,4 @@
-"""The fused CPU attention backend: the kernel library's ops (``engine/cpu_kernels.py``)
+"""The fused CPU attention backend: the kernel library's ops (``engine/kernels/vllm_cpu.py``)
 around the GEMMs, and its attention straight over the paged pool.
 
 Per layer, around the GEMMs, the torch backend runs ~35 small eager ops (the norms' float
@@ -9,7 +9,7 @@ Here, per layer:
 
 * add + RMSNorm: ``fused_add_rms_norm`` (the residual sum, then its norm, one pass);
 * rotary + K/V store: pdserve's one-pass ``rope_store`` where it is built
-  (``int4_tiles.rope_store_op``): it reads the projection in its kernel's dtype
+  (``engine/kernels/cpu/ops.py``): it reads the projection in its kernel's dtype
   (``takes_kernel_dtype``), rotates q and k in float32, and writes q in the cache's dtype
   and K and V into their slots, bit for bit what the library's four steps give: widen
   qkv, ``rotary_embedding`` over q and k, round qkv to the cache's dtype,
@@ -18,18 +18,18 @@ Here, per layer:
   batch's K/V. Steps whose rows attend as decode rows (decode, and speculative
   verifications, each of whose k + 1 rows attends over its own length of the context as
   its decode step would) take pdserve's ``decode_attention`` where it is built
-  (``int4_tiles.decode_attention_op``): a sequence's query heads share each K and V load,
+  (``ops.decode_attention_op``): a sequence's query heads share each K and V load,
   its rows run one after another on one core (the context read from memory once, then from
   L2), a row's bits independent of its batch: a step's attention in 0.84-0.86x the
   library's time at 8-32 rows of 300 tokens (1.03x at one), and served at 16 streams of
   1.5k-token contexts ITL p50 0.74x (``benchmarks/results/fused_ops.md``). Other steps
   (prefill, chunked prefill, mixed) on a bfloat16 pool take pdserve's
-  ``prefill_attention`` (``int4_tiles.prefill_attention_op``): causal over a sequence's
+  ``prefill_attention`` (``ops.prefill_attention_op``): causal over a sequence's
   whole context, both products as bfloat16 pair-dots on K and V re-laid once per 32 tokens
   for all of a task's rows, a row's bits independent of its batch and of how its prompt
   was chunked; 0.48x the library's time for prompts of 256-2048 tokens. The rest (a
   float32 pool) take the library's ``cpu_attention_with_kv_cache``;
-* SiLU * up: pdserve's own one-pass kernel where it is built (``int4_tiles.silu_mul_op``;
+* SiLU * up: pdserve's own one-pass kernel where it is built (``ops.silu_mul_op``;
   2-2.5x faster than torch's ``silu`` then ``mul_`` at 1-256 rows on a Zen 5, and it reads
   a bfloat16 gate_up projection without widening it first), else torch's: the library's
   ``silu_and_mul`` measured 1.2-5x slower than torch's at 1-256 rows
@@ -58,18 +58,18 @@ from typing import Any
 
 import torch
 
-from engine.cpu_kernels import CpuKernels, available
-from engine.model.attention import AttentionMetadata
-from engine.model.backend import AttentionLayer
-from engine.model.layers import RMSNorm
-from engine.model.torch_backend import PagedSequence, TorchBackend, TorchGeometry
-from engine.weights.int4_tiles import (
+from engine.kernels.cpu.ops import (
     ATTENTION_HEAD_SIZES,
     decode_attention_op,
     prefill_attention_op,
     rope_store_op,
     silu_mul_op,
 )
+from engine.kernels.vllm_cpu import CpuKernels, available
+from engine.model.attention import AttentionMetadata
+from engine.model.backend import AttentionLayer
+from engine.model.layers import RMSNorm
+from engine.model.torch_backend import PagedSequence, TorchBackend, TorchGeometry
 
 # The library's portable kernel family: its K layout does not depend on the CPU's ISA
 # (the "amx" family packs K differently), and it takes blocks of 16 tokens (``vec``: 32).
@@ -229,7 +229,7 @@ class FusedCpuBackend(TorchBackend):
             and pool.dtype in _KERNEL_DTYPES
             and qkv.stride(1) == 1
         ):
-            # The four steps below in one pass, to the same bits (``int4_cpu.cpp``).
+            # The four steps below in one pass, to the same bits (``rope_store``).
             query = self._rope_store(
                 qkv, meta.positions, self.cos_sin, key_cache, value_cache, paged.slots, h, kvh
             )

@@ -23,7 +23,7 @@ bfloat16 once per call: no copy of the weights, and as fast as the library's GEM
 bfloat16 copy at 256 rows, faster below (``benchmarks/results/linear_kernels.md``).
 Elsewhere, three GEMMs, one interface (``x (T, K) -> (T, N)`` in ``out_dtype``, by default
 the input's), chosen by ``bf16_gemm`` in this order:
-* ``VnniGemm``: the kernel library's bfloat16 GEMM (``engine/cpu_kernels.py``; its
+* ``VnniGemm``: the kernel library's bfloat16 GEMM (``engine/kernels/vllm_cpu.py``; its
   AVX-512 BF16 build) on the weight reordered once into pairs along K. The reordered
   weight is an ordinary tensor of the weight's shape, so it can live in the host's shared
   weights segment (``engine/checkpoint/image.py``); here it is as fast as oneDNN's
@@ -56,9 +56,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels
 from engine.cache import cache_dir
 from engine.direct_attrs import DirectAttrs
+from engine.kernels import vllm_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class PrepackedGemm(DirectAttrs):
 
 def vnni_supported() -> bool:
     """Whether the kernel library's bfloat16 GEMM loads here (its AVX-512 BF16 build)."""
-    return cpu_kernels.available() is not None and hasattr(torch.ops._C, "weight_packed_linear")
+    return vllm_cpu.available() is not None and hasattr(torch.ops._C, "weight_packed_linear")
 
 
 class VnniGemm(DirectAttrs):

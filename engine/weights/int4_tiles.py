@@ -2,9 +2,9 @@
 
 torch's CPU int4 kernel de-quantizes per row block, so on a 2-core Xeon a step's layers
 cost 2.5x at 8 rows what they cost at one, and 2.1x at 5 (a speculative verification of
-4 drafts). This kernel (``int4_cpu.cpp``, built by ``make setup``) decodes each weight once
-per 16 rows and multiplies on the AMX tile unit where the CPU has one (1.4x at 8 rows),
-else with AVX-512 BF16 pair-dots (on a 2-core Zen 5: 1.4x at 8 rows, 1.7x at 5). On AMX the same tiles also serve calls of many rows
+4 drafts). This kernel (``engine/kernels/cpu/int4_mm.cpp`` and ``int4_amx.cpp``, built by
+``make setup``) decodes each weight once per 16 rows and multiplies on the AMX tile unit
+where the CPU has one (1.4x at 8 rows), else with AVX-512 BF16 pair-dots (on a 2-core Zen 5: 1.4x at 8 rows, 1.7x at 5). On AMX the same tiles also serve calls of many rows
 (``TilesGemm``: prefills, large decode batches), de-quantizing each weight once per call
 into bfloat16 tiles, where a bfloat16 copy of the weights (two bytes a weight) served them
 before. Measured: ``benchmarks/results/linear_kernels.md``.
@@ -21,8 +21,8 @@ them that runs here):
   library was not built. The tests run each one this CPU can.
 
 ``amx`` and ``avx512_bf16`` compute ``x W^T`` on bfloat16 inputs with float32 sums, scaling
-each group of 32 once (``int4_cpu.cpp``); each gives a row the same bits whatever the rows
-beside it and the threads, so a decode step's rows and a verification's agree. Between
+each group of 32 once (``engine/kernels/cpu/``); each gives a row the same bits whatever
+the rows beside it and the threads, so a decode step's rows and a verification's agree. Between
 kernels the bits differ.
 """
 
@@ -31,13 +31,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from engine.direct_attrs import DirectAttrs
+from engine.kernels.cpu import ops
 from engine.weights.quant import GROUP, Int4Rows
 
 logger = logging.getLogger(__name__)
@@ -49,67 +48,6 @@ _GROUP_BYTES = GROUP * _TILE // 2 + 4 * _TILE  # codes, then scale and offset as
 
 class Int4KernelUnavailable(RuntimeError):
     """The int4 kernel asked for cannot run here; the message says why."""
-
-
-def silu_mul_op() -> Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None:
-    """The same library's one-pass ``silu(gate) * up`` (``int4_cpu.cpp``: (T, 2 I) float32
-    or bfloat16 -> (T, I) in float32 or bfloat16), or None where it is not built or this
-    CPU lacks AVX-512 BF16. Within 6e-7 relative of torch's ``silu`` then ``mul`` (4.4e-7
-    the worst over 84M random values); elementwise, so a row's bits do not depend on the
-    rows beside it."""
-    return _op("silu_mul")
-
-
-def rope_store_op() -> Callable[..., torch.Tensor] | None:
-    """The same library's rotary + K/V store in one pass (``int4_cpu.cpp: rope_store``):
-    (T, (H + 2 KVH) D) float32 or bfloat16 q | k | v, positions, the (P, D) float32
-    cos | sin table, one layer's K and V views of a pool in the attention library's
-    ``vec16`` order, the slots -> rotated q (T, H, D) in the pool's dtype, with K and V
-    written. Bit for bit what the library's ``rotary_embedding`` then
-    ``cpu_attn_reshape_and_cache`` give. None where not built or without AVX-512 BF16."""
-    return _op("rope_store")
-
-
-def decode_attention_op() -> Callable[..., torch.Tensor] | None:
-    """The same library's decode attention over a pool in the ``vec16`` order
-    (``int4_cpu.cpp: decode_attention``): q (B, H, D) in the cache's dtype, one layer's K and
-    V views (as ``rope_store``'s), int32 block tables (S, W), each row's int32 context length
-    (B,), the scale, and optionally int32 query starts (S + 1,): sequence s's rows are
-    ``[q_starts[s], q_starts[s + 1])`` (by default one row a sequence) -> (B, H, D) in the
-    cache's dtype. Each row attends over its own length as a decode step of that length
-    would, to the same bits; a sequence's rows (a speculative verification's k + 1) run one
-    after another on one core, so the context comes from memory once, then from L2. Head sizes ``ATTENTION_HEAD_SIZES``, up to 8
-    query heads a KV head. None where not built or without AVX-512 BF16."""
-    return _op("decode_attention")
-
-
-ATTENTION_HEAD_SIZES = (64, 128)  # head sizes decode_attention and prefill_attention are built for
-
-
-def prefill_attention_op() -> Callable[..., torch.Tensor] | None:
-    """The same library's causal attention of any query rows over a bfloat16 pool in the
-    ``vec16`` order (``int4_cpu.cpp: prefill_attention``): q (T, H, D) bfloat16, one layer's
-    K and V views (as ``rope_store``'s), int32 query starts (B + 1,), context lengths (B,)
-    and block tables (B, W), the scale -> (T, H, D) bfloat16; sequence b's query rows are
-    the last of its context. Head sizes ``ATTENTION_HEAD_SIZES``, up to 8 query heads a KV
-    head. None where not built or without AVX-512 BF16."""
-    return _op("prefill_attention")
-
-
-def _op(name: str) -> Callable[..., torch.Tensor] | None:
-    """``torch.ops.pdserve.<name>``, or None where the library is not built or cannot run."""
-    try:
-        _load()
-    except Int4KernelUnavailable:
-        return None
-    op: Callable[..., torch.Tensor] = getattr(torch.ops.pdserve, name)
-    return op
-
-
-def library_path() -> Path | None:
-    """The built kernel (``setup.py``'s ``engine.weights._int4_cpu``), or None."""
-    found = sorted(Path(__file__).parent.glob("_int4_cpu*.so"))
-    return found[0] if found else None
 
 
 def kernel_name() -> str:
@@ -138,7 +76,7 @@ def _resolve(requested: str) -> str:
         )
     for name in KERNELS[:-1] if requested == "auto" else (requested,):
         try:
-            _load()
+            ops.load()
             _probe(name == "amx")
             return name
         except (Int4KernelUnavailable, RuntimeError) as e:
@@ -146,16 +84,6 @@ def _resolve(requested: str) -> str:
                 raise Int4KernelUnavailable(f"int4 kernel {name!r}: {e}") from e
             logger.info("int4 kernel %s does not run here: %s", name, e)
     return "torch"
-
-
-@functools.cache
-def _load() -> None:
-    if not torch.cpu._is_avx512_bf16_supported():
-        raise Int4KernelUnavailable("this CPU has no AVX-512 BF16")
-    path = library_path()
-    if path is None:
-        raise Int4KernelUnavailable("not built (make setup builds it)")
-    torch.ops.load_library(str(path))
 
 
 def _probe(amx: bool) -> None:
@@ -213,7 +141,8 @@ def mm(x: torch.Tensor, tiles: torch.Tensor, n: int, kernel: str) -> torch.Tenso
 class TilesGemm(DirectAttrs):
     """The many-rows GEMM of a layer packed for the ``amx`` kernel, on its own tiles: each
     call de-quantizes every weight once to bfloat16 and multiplies all its rows on the tile
-    unit (``int4_gemm`` in ``int4_cpu.cpp``), so it needs no bfloat16 copy of the weights.
+    unit (``int4_gemm`` in ``engine/kernels/cpu/int4_amx.cpp``), so it needs no bfloat16
+    copy of the weights.
     Numerically a bfloat16 GEMM, as the copies it replaces: bfloat16 weights and inputs,
     float32 sums. ``repeat``: the input is given twice side by side (an int8 layer's two
     nibble planes, ``Int8Kernel``, each rounded to bfloat16 apart: about 1.4x the error of
@@ -248,7 +177,7 @@ def a8_supported() -> bool:
 
 @functools.cache
 def _probe_a8() -> None:
-    _load()
+    ops.load()
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (16, 2 * GROUP), dtype=torch.uint8, generator=gen)
     rows = Int4Rows(codes, torch.full((16, 2), 0.5), torch.full((16, 2), -1.0))
@@ -262,7 +191,7 @@ def _probe_a8() -> None:
 
 class A8Gemm(TilesGemm):
     """The many-rows GEMM of a layer packed for the ``avx512_bf16`` kernel, on its own tiles,
-    with int8 inputs (``int4_gemm_a8`` in ``int4_cpu.cpp``): each row's inputs quantized per
+    with int8 inputs (``int4_gemm_a8`` in ``engine/kernels/cpu/int4_a8.cpp``): each row's inputs quantized per
     group of 32 as llama.cpp's Q4 x Q8_1 products do (``d = max |x| / 127``), the codes
     multiplied as bytes (AVX-512 VNNI, 64 products an instruction where bfloat16 pair-dots
     take 32), each group's sum scaled once. No copy of the weights. Not a bfloat16 GEMM:

@@ -1,0 +1,373 @@
+// decode_attention: query rows that each attend over their own length of a sequence's context
+// in the pool (one a sequence in a decode step; a speculative verification's k + 1, each as its
+// decode step would), in the library's ``vec16`` order (see rope_store, elementwise.cpp: per
+// block and KV head, K as (D, block_size), V as (block_size, D)). A decode step is bound by
+// reading that context; the library's kernel reads it at ~15 GB/s here, where a copy of the
+// pool moves ~20 GB/s each way (``benchmarks/results/fused_ops.md``).
+//
+// A task is (query row, KV head, part of the row's context): its G = H / KVH query heads
+// share every K and V load. Per 16 tokens: the scores of a head are one vector (K's columns
+// are tokens), then an online softmax (running max and sum per head) and V's rows
+// accumulated in float32. Blocks are prefetched one ahead (a table's blocks are anywhere in
+// the pool). A row's result does not depend on the rows beside it or on the threads: each
+// row runs the same instructions in the same order whatever the batch.
+
+#include "common.h"
+
+namespace pdserve {
+namespace {
+
+constexpr int64_t kAttnAhead = 1;  // blocks read ahead
+constexpr int64_t kSplitTokens = 512;
+
+// One block's K and V chunks of one head (``bytes`` each, from ``at`` past each base).
+inline void prefetch_kv(const char* k, const char* v, int64_t at, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) {
+    _mm_prefetch(k + at + line, _MM_HINT_T0);
+    _mm_prefetch(v + at + line, _MM_HINT_T0);
+  }
+}
+
+// The running softmax of one query row's G heads over the tokens it has seen so far: per head
+// its max, its sum of exponentials and its weighted sum of V rows, float32 (none seen yet:
+// max -inf, sum 0).
+template <int G, int DV>
+struct RowState {
+  __m512 acc[G][DV];
+  float m[G], l[G];
+};
+
+// One row's G heads over one 16-token chunk of a block: ``valid`` tokens from ``off``.
+// Every caller (a decode row alone, or among a verification's rows) runs this same code
+// on the same inputs in the same order, so a row's bits never depend on the rows beside
+// it; fp-contract=off keeps the compiler from fusing the scalar steps one way here and
+// another there. Its caller carries the same attribute: GCC does not inline a function
+// whose optimize options differ from its caller's, and a call a chunk costs ~10 %.
+#define PDSERVE_EXACT_FP __attribute__((optimize("fp-contract=off")))
+template <int G, int DV, bool BF16>
+PDSERVE_VL_TARGET PDSERVE_EXACT_FP inline void attend_chunk(
+    const float (&q)[G][DV * 16], const char* kb, const char* vb, int64_t bs, int64_t off,
+    int64_t valid, RowState<G, DV>& st) {
+  constexpr int64_t D = DV * 16, esize = BF16 ? 2 : 4;
+  const __mmask16 mask = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  // Four partial sums a head (dimensions d = j mod 4), so that no chain of D dependent
+  // multiply-adds sets the pace.
+  __m512 part[G][4];
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < 4; ++j) part[h][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 4) {
+    for (int j = 0; j < 4; ++j) {
+      const __m512 k = load_ps(kb + ((d + j) * bs + off) * esize, BF16, mask);
+      for (int h = 0; h < G; ++h)
+        part[h][j] = _mm512_fmadd_ps(_mm512_set1_ps(q[h][d + j]), k, part[h][j]);
+    }
+  }
+  alignas(64) float p[G][16];
+  for (int h = 0; h < G; ++h) {
+    const __m512 s = _mm512_add_ps(_mm512_add_ps(part[h][0], part[h][1]),
+                                   _mm512_add_ps(part[h][2], part[h][3]));
+    const __m512 sm = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), s);
+    const float m_new = std::max(st.m[h], _mm512_reduce_max_ps(sm));
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp_ps(_mm512_sub_ps(sm, _mm512_set1_ps(m_new))));
+    const float corr = st.m[h] == -INFINITY ? 0.0f : std::exp(st.m[h] - m_new);
+    st.l[h] = st.l[h] * corr + _mm512_reduce_add_ps(e);
+    st.m[h] = m_new;
+    for (int v = 0; v < DV; ++v) st.acc[h][v] = _mm512_mul_ps(st.acc[h][v], _mm512_set1_ps(corr));
+    _mm512_store_ps(p[h], e);
+  }
+  for (int64_t t = 0; t < valid; ++t) {
+    __m512 vv[DV];
+    for (int v = 0; v < DV; ++v) vv[v] = load_ps(vb + ((off + t) * D + v * 16) * esize, BF16, 0xFFFF);
+    for (int h = 0; h < G; ++h) {
+      const __m512 w = _mm512_set1_ps(p[h][t]);
+      for (int v = 0; v < DV; ++v) st.acc[h][v] = _mm512_fmadd_ps(w, vv[v], st.acc[h][v]);
+    }
+  }
+}
+
+// G heads over tokens [t_begin, t_end) of one sequence. With ``out`` (the whole context):
+// their attention, normalized, in the cache's dtype. Else the softmax state into ``state``
+// (G, 2 + D): per head its running max, its sum of exponentials and its weighted sum of V
+// rows, float32 (an empty range: max -inf, sum 0).
+template <int G, int DV, bool BF16>
+PDSERVE_VL_TARGET PDSERVE_EXACT_FP void decode_attention_part(
+    const void* q_row, const char* k_head0, const char* v_head0, int64_t block_stride,
+    const int32_t* table, int64_t bs, int64_t t_begin, int64_t t_end, float scale,
+    float* state, void* out) {
+  constexpr int64_t D = DV * 16, esize = BF16 ? 2 : 4;
+  float q[G][D];
+  RowState<G, DV> st;
+  for (int h = 0; h < G; ++h) {
+    for (int v = 0; v < DV; ++v) {
+      _mm512_storeu_ps(&q[h][v * 16],
+                       _mm512_mul_ps(load_ps(static_cast<const char*>(q_row) + (h * D + v * 16) * esize,
+                                             BF16, 0xFFFF),
+                                     _mm512_set1_ps(scale)));
+      st.acc[h][v] = _mm512_setzero_ps();
+    }
+    st.m[h] = -INFINITY;
+    st.l[h] = 0.0f;
+  }
+  const int64_t chunk_bytes = bs * D * esize, last_block = (t_end - 1) / bs;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
+    const int64_t block = table[t0 / bs], off = t0 % bs;
+    const char* kb = k_head0 + (block * block_stride) * esize;
+    const char* vb = v_head0 + (block * block_stride) * esize;
+    if ((off == 0 || t0 == t_begin) && t0 / bs + kAttnAhead <= last_block)
+      prefetch_kv(k_head0, v_head0, table[t0 / bs + kAttnAhead] * block_stride * esize, chunk_bytes);
+    attend_chunk<G, DV, BF16>(q, kb, vb, bs, off, std::min<int64_t>(16, t_end - t0), st);
+  }
+  for (int h = 0; h < G; ++h) {
+    if (out != nullptr) {
+      const __m512 inv = _mm512_set1_ps(1.0f / st.l[h]);
+      for (int v = 0; v < DV; ++v)
+        store_ps(static_cast<char*>(out) + (h * D + v * 16) * esize, BF16,
+                 _mm512_mul_ps(st.acc[h][v], inv));
+      continue;
+    }
+    float* dst = state + h * (2 + D);
+    dst[0] = st.m[h];
+    dst[1] = st.l[h];
+    for (int v = 0; v < DV; ++v) _mm512_storeu_ps(dst + 2 + v * 16, st.acc[h][v]);
+  }
+}
+
+using DecodePart = void (*)(const void*, const char*, const char*, int64_t, const int32_t*,
+                            int64_t, int64_t, int64_t, float, float*, void*);
+
+template <int G, int DV>
+DecodePart decode_part(bool bf16) {
+  return bf16 ? &decode_attention_part<G, DV, true> : &decode_attention_part<G, DV, false>;
+}
+
+template <int DV>
+DecodePart decode_part_for(int64_t g, bool bf16) {
+  switch (g) {
+    case 1: return decode_part<1, DV>(bf16);
+    case 2: return decode_part<2, DV>(bf16);
+    case 3: return decode_part<3, DV>(bf16);
+    case 4: return decode_part<4, DV>(bf16);
+    case 5: return decode_part<5, DV>(bf16);
+    case 6: return decode_part<6, DV>(bf16);
+    case 7: return decode_part<7, DV>(bf16);
+    case 8: return decode_part<8, DV>(bf16);
+    default: return nullptr;
+  }
+}
+
+// Two states of one head (2 + D floats each) merged, normalized, stored in the cache's dtype.
+PDSERVE_VL_TARGET void merge_parts(const float* a, const float* b, int64_t d, bool bf16,
+                                   char* out) {
+  const float m = std::max(a[0], b[0]);  // a's range is never empty
+  const float ea = std::exp(a[0] - m), eb = b[0] == -INFINITY ? 0.0f : std::exp(b[0] - m);
+  const __m512 wa = _mm512_set1_ps(ea / (a[1] * ea + b[1] * eb));
+  const __m512 wb = _mm512_set1_ps(eb / (a[1] * ea + b[1] * eb));
+  for (int64_t v = 0; v < d; v += 16) {
+    const __m512 o = _mm512_fmadd_ps(_mm512_loadu_ps(a + 2 + v), wa,
+                                     _mm512_mul_ps(_mm512_loadu_ps(b + 2 + v), wb));
+    store_ps(out + v * (bf16 ? 2 : 4), bf16, o);
+  }
+}
+
+// Sequence s's rows are [starts[s], starts[s + 1]): q_starts, checked, or one row a sequence.
+std::vector<int32_t> row_starts(const std::optional<at::Tensor>& q_starts, int64_t b_rows) {
+  std::vector<int32_t> starts;
+  if (q_starts.has_value()) {
+    const at::Tensor& qs = *q_starts;
+    TORCH_CHECK(qs.scalar_type() == at::kInt && qs.dim() == 1 && qs.numel() >= 1 &&
+                    qs.is_contiguous(),
+                "decode_attention: q_starts must be int32 (S + 1,)");
+    starts.assign(qs.data_ptr<int32_t>(), qs.data_ptr<int32_t>() + qs.numel());
+    TORCH_CHECK(starts.front() == 0 && starts.back() == b_rows,
+                "decode_attention: q_starts must run from 0 to the ", b_rows, " rows");
+    for (size_t s = 1; s < starts.size(); ++s)
+      TORCH_CHECK(starts[s] >= starts[s - 1], "decode_attention: q_starts must not decrease");
+  } else {
+    starts.resize(size_t(b_rows + 1));
+    for (int64_t b = 0; b <= b_rows; ++b) starts[size_t(b)] = int32_t(b);
+  }
+  return starts;
+}
+
+// Each row's length fits its sequence's table of ``width`` blocks, and the entries its
+// longest row reads name blocks inside the pool of ``nb``.
+void check_rows(const std::vector<int32_t>& starts, const int32_t* lens, const int32_t* tables,
+                int64_t width, int64_t bs, int64_t nb) {
+  const int64_t seqs = int64_t(starts.size()) - 1;
+  for (int64_t s = 0; s < seqs; ++s) {
+    int32_t longest = 0;
+    for (int32_t b = starts[size_t(s)]; b < starts[size_t(s + 1)]; ++b) {
+      TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * bs, "decode_attention: row ", b, " has ",
+                  lens[b], " tokens for ", width, " blocks");
+      longest = std::max(longest, lens[b]);
+    }
+    check_blocks("decode_attention: sequence ", s, tables + s * width, (longest + bs - 1) / bs, nb);
+  }
+}
+
+// A split row's halves: [0, mid) and [mid, n), mid on a 16-token boundary.
+inline int64_t mid_of(int64_t n) { return std::min<int64_t>(n, ((n + 15) / 16 + 1) / 2 * 16); }
+
+struct DecodeItem {
+  int32_t row, seq, kh;
+  int32_t begin, end;  // tokens [begin, end) of the row's context
+  float* state;        // a split row's half: its softmax state here, else the output
+};
+
+// One call's work: its (row, KV head, part) items in the order workers take them, and the
+// rows split in two with their halves' softmax states.
+// NOTE: items point into ``states``; a plan is moved, never copied (a moved vector keeps its
+// buffer).
+struct DecodePlan {
+  std::vector<DecodeItem> items;
+  std::vector<int32_t> split_rows;  // split_rows[i]: the row of split i
+  std::vector<float> states;        // per split, KV head and half: G heads of 2 + D floats
+};
+
+// Items sequence by sequence, KV head by KV head, and within that row by row (a split row's
+// first halves, then its second ones).
+DecodePlan plan_items(const std::vector<int32_t>& starts, const int32_t* lens, int64_t b_rows,
+                      int64_t kvh, int64_t h, int64_t g, int64_t per_head) {
+  DecodePlan plan;
+  // split_of[b]: row b's split index (its states' place), -1 if it is not split.
+  std::vector<int32_t> split_of(size_t(b_rows), -1);
+  for (int32_t b = 0; b < int32_t(b_rows); ++b) {
+    if (lens[b] > kSplitTokens) {
+      split_of[size_t(b)] = int32_t(plan.split_rows.size());
+      plan.split_rows.push_back(b);
+    }
+  }
+  const int64_t splits = int64_t(plan.split_rows.size()), seqs = int64_t(starts.size()) - 1;
+  plan.states.resize(size_t(splits * h * 2 * per_head));
+  float* st = plan.states.data();
+  std::vector<DecodeItem>& items = plan.items;
+  items.reserve(size_t((b_rows + splits) * kvh));
+  for (int32_t s = 0; s < int32_t(seqs); ++s) {
+    for (int32_t kh = 0; kh < int32_t(kvh); ++kh) {
+      for (int32_t part = 0; part < 2; ++part) {
+        for (int32_t b = starts[size_t(s)]; b < starts[size_t(s + 1)]; ++b) {
+          const int32_t split = split_of[size_t(b)], n = lens[b];
+          if (split < 0) {
+            if (part == 0) items.push_back({b, s, kh, 0, n, nullptr});
+            continue;
+          }
+          float* state = st + ((int64_t(split) * kvh + kh) * 2 + part) * g * per_head;
+          items.push_back({b, s, kh, part == 0 ? 0 : int32_t(mid_of(n)),
+                           part == 0 ? int32_t(mid_of(n)) : n, state});
+        }
+      }
+    }
+  }
+  return plan;
+}
+
+// Worker w takes items [cuts[w], cuts[w + 1]): one contiguous run each, cut where their
+// tokens balance.
+std::vector<int64_t> balance_cuts(const std::vector<DecodeItem>& items, int64_t workers) {
+  const int64_t n_items = int64_t(items.size());
+  std::vector<int64_t> cuts(size_t(workers + 1), n_items);
+  cuts[0] = 0;
+  int64_t total = 0, seen = 0;
+  for (const DecodeItem& it : items) total += it.end - it.begin;
+  for (int64_t i = 0, w = 1; i < n_items && w < workers; ++i) {
+    const int64_t before = seen;
+    seen += items[size_t(i)].end - items[size_t(i)].begin;
+    for (; w < workers && seen * workers >= total * w; ++w) {  // share w ends in item i
+      const bool after = seen * workers - total * w <= total * w - before * workers;
+      cuts[size_t(w)] = std::max(cuts[size_t(w - 1)], after ? i + 1 : i);  // the nearer
+    }
+  }
+  return cuts;
+}
+
+// Each split row's two halves merged into its G heads of output, per (split, KV head).
+void merge_splits(const DecodePlan& plan, int64_t kvh, int64_t h, int64_t g, int64_t d,
+                  bool bf16, char* op) {
+  const int64_t splits = int64_t(plan.split_rows.size()), per_head = 2 + d, esize = bf16 ? 2 : 4;
+  const float* st = plan.states.data();
+  at::parallel_for(0, splits * kvh, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t kh = i % kvh, head0 = plan.split_rows[size_t(i / kvh)] * h + kh * g;
+      const float* halves = st + i * 2 * g * per_head;  // split i / kvh, KV head kh
+      for (int64_t j = 0; j < g; ++j)
+        merge_parts(halves + j * per_head, halves + (g + j) * per_head, d, bf16,
+                    op + (head0 + j) * d * esize);
+    }
+  });
+}
+
+}  // namespace
+
+// q: (B, H, D) in the cache's dtype, contiguous; key_cache / value_cache: one layer's
+// (num_blocks, KVH, block_size, D) views (rope_store's); block_tables: int32 (S, W), one a
+// sequence; seq_lens: int32 (B,), each row's context length (>= 1); q_starts: int32
+// (S + 1,), sequence s's rows are [q_starts[s], q_starts[s + 1]) (None: one row a sequence,
+// S = B). -> (B, H, D) in the cache's dtype.
+//
+// A decode step has one row a sequence; a speculative verification has k + 1, each a query
+// over its own length of the same context, each row's result bit for bit what a decode step
+// of that length gives (the same decode_attention_part on the same range). A row longer than
+// kSplitTokens is split in two halves (by 16-token chunks), their states merged after, so
+// that a few long sequences still fill the cores. Whether and where a row is split depends
+// on its length alone, never on the batch, the rows beside it or the threads.
+//
+// The (row, KV head, part) items are ordered sequence by sequence, KV head by KV head, and
+// within that row by row, so that a verification's rows read one head's context one after
+// the other on one core: the first from memory, the next from L2. Each worker takes one
+// contiguous run of items, the runs cut where their tokens balance.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale,
+                            const std::optional<at::Tensor>& q_starts) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "decode_attention: q must be contiguous (B, H, D)");
+  check_kv_views("decode_attention", key_cache, value_cache, q.size(2));
+  const int64_t b_rows = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t kvh = key_cache.size(1), bs = key_cache.size(2);
+  const bool bf16 = key_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || key_cache.scalar_type() == at::kFloat,
+              "decode_attention: the cache must be float32 or bfloat16");
+  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type(),
+              "decode_attention: q must be in the cache's dtype");
+  TORCH_CHECK(bs % 16 == 0 && kvh > 0 && h % kvh == 0,
+              "decode_attention: block size ", bs, ", heads ", h, " over ", kvh);
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.numel() == b_rows &&
+                  seq_lens.is_contiguous(),
+              "decode_attention: seq_lens must be int32 (B,)");
+  const std::vector<int32_t> starts = row_starts(q_starts, b_rows);
+  const int64_t seqs = int64_t(starts.size()) - 1;
+  check_block_tables("decode_attention", block_tables, seqs);
+  const int64_t g = h / kvh, width = block_tables.size(1);
+  const DecodePart run = d == 64 ? decode_part_for<4>(g, bf16)
+                         : d == 128 ? decode_part_for<8>(g, bf16) : nullptr;
+  TORCH_CHECK(run != nullptr, "decode_attention: head size ", d, " with ", g,
+              " heads a KV head is not built");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  check_rows(starts, lens, tables, width, bs, key_cache.size(0));
+  at::Tensor out = at::empty_like(q);
+  const int64_t esize = bf16 ? 2 : 4;
+  const DecodePlan plan = plan_items(starts, lens, b_rows, kvh, h, g, 2 + d);
+  const std::vector<DecodeItem>& items = plan.items;
+  const int64_t n_items = int64_t(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  const std::vector<int64_t> cuts = balance_cuts(items, workers);
+  const char* kbase = static_cast<const char*>(key_cache.data_ptr());
+  const char* vbase = static_cast<const char*>(value_cache.data_ptr());
+  const char* qp = static_cast<const char*>(q.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const int64_t block_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
+  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t i = cuts[size_t(w0)]; i < cuts[size_t(w1)]; ++i) {
+      const DecodeItem& it = items[size_t(i)];
+      const int64_t head0 = int64_t(it.row) * h + int64_t(it.kh) * g;
+      run(qp + head0 * d * esize, kbase + it.kh * head_stride * esize,
+          vbase + it.kh * head_stride * esize, block_stride, tables + int64_t(it.seq) * width,
+          bs, it.begin, it.end, float(scale), it.state,
+          it.state == nullptr ? op + head0 * d * esize : nullptr);
+    }
+  });
+  if (!plan.split_rows.empty()) merge_splits(plan, kvh, h, g, d, bf16, op);
+  return out;
+}
+
+}  // namespace pdserve
