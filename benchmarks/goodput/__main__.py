@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -58,9 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--seed", type=int, default=0)
     a("--base-url", help="measure this running OpenAI-compatible server instead")
     a("--label", default="server", help="with --base-url: its name on the page")
-    a("--model", help="launched servers' --model (default: the embedded SmolLM2)")
+    a("--model", help="launched servers' --model (default: the embedded SmolLM2's dir)")
     a("--tokenizer", help="tokenizer dir or name (default: the launched model's)")
     a("--launch-args", default="", help="more arguments for every launched server")
+    a("--tree", type=Path, help="serve from this copy of the code (default: this checkout)")
+    a("--note", action="append", default=[], help="a line for the page (repeatable)")
     a("--warm-concurrency", type=int, default=4)
     a("--out", type=Path, default=Path("benchmarks/results/goodput"), help="<out>.md/.png")
     args = p.parse_args(argv)
@@ -125,12 +128,13 @@ def sweep(run: Run, target: Target, config: str, tokenizer: Any, args: argparse.
 def measure_launched(run: Run, config: ServerConfig, args: argparse.Namespace, tok: Any) -> None:
     from benchmarks.soak import launch
 
+    signal.signal(signal.SIGTERM, _stop)  # a stopped run stops its server too (finally)
     launch_args = ["--model", args.model, *config.launch_args, *shlex.split(args.launch_args)]
     if config.adaptive:  # the planner holds the targets the benchmark measures against
         launch_args += ["--slo-ttft-ms", f"{args.slo_ttft_ms:g}"]
         launch_args += ["--slo-tpot-ms", f"{args.slo_tpot_ms:g}"]
     try:
-        proc, url = launch(launch_args)
+        proc, url = launch(launch_args, tree=args.tree)
     except RuntimeError as e:
         run.notes.append(f"{config.name}: did not start ({e}); not measured")
         return
@@ -148,6 +152,10 @@ def measure_launched(run: Run, config: ServerConfig, args: argparse.Namespace, t
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def write(run: Run, out: Path) -> None:
@@ -172,17 +180,20 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         f"of {args.phase_s:g} s phases (phased), within [{args.min_requests}, "
         f"{args.max_requests}]",
         "deadline": f"a point's requests still running {args.drain_s:g} s after its last "
-        "arrival are cut and count as misses",
+        "arrival are cut and judged on what they showed by then (TTFT; the mean gap between "
+        "their chunks so far as TPOT; under two chunks: a miss); the tables count them",
         "higher rates skipped": f"after a point under {100 * args.stop_below:.0f} % attainment",
         "prompts": "random vocabulary, exactly the drawn length in the model's tokens; outputs "
         "forced to length with ignore_eos; /v1/completions, streamed, greedy",
     }
 
 
-def _revision() -> str:
+def _revision(tree: Path | None) -> str:
     """The code measured: HEAD, and whether tracked files differ from it (this checkout
-    is shared; launched servers run the working tree)."""
-    git = ["git", "-C", str(Path(__file__).resolve().parents[2])]
+    is shared; launched servers run the working tree, or ``tree``)."""
+    if tree is not None and not (tree / ".git").exists():
+        return f"served from {tree} (a copy, not a git checkout: see the notes)"
+    git = ["git", "-C", str(tree or Path(__file__).resolve().parents[2])]
     try:
         head = subprocess.run(
             [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -224,14 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     names = [args.label] if args.base_url else [c.name for c in configs]
     run = Run(command, slo, traces, names, _settings(args), load_before=load_average())
     run.settings["host"] = f"{os.cpu_count()} cores, loopback"
-    run.settings["code"] = _revision()
+    run.settings["code"] = _revision(args.tree)
+    run.notes += args.note
     if args.base_url:
         sweep(run, Target(args.base_url, served_model(args.base_url)), args.label, tokenizer, args)
     else:
-        has_workers = launch_has_workers()
+        has_workers = launch_has_workers(args.tree)
         for config in configs:
             if config.adaptive and not has_workers:
-                note = f"{config.name}: skipped, this checkout's `launch --help` has no --workers"
+                note = f"{config.name}: skipped, `launch --help` has no --workers here"
                 print(note, flush=True)
                 run.notes.append(note)
                 continue

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 # Fixed splits, smallest first; a host runs those with at most WORKERS_PER_CORE engine
 # workers a core (on 2 cores: 1p1d, 1p2d and 2p4d, the ``make run`` default).
@@ -53,9 +56,16 @@ def default_configs(cores: int | None = None) -> list[str]:
     return [*(f"{p}p{d}d" for p, d in splits), "colocated1", "colocated2", f"workers{largest}"]
 
 
-def launch_has_workers() -> bool:
-    """Whether this checkout's ``launch`` takes ``--workers`` (roles the server chooses):
-    the option table ``launch --help`` prints, read in-process."""
-    from launcher.flags import build_parser
-
-    return "--workers" in build_parser()._option_string_actions
+def launch_has_workers(tree: Path | None = None) -> bool:
+    """Whether ``launch --help`` lists ``--workers`` (roles the server chooses), run from
+    ``tree`` (default: this checkout)."""
+    root = tree or Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=root,
+    ).stdout
+    return re.search(r"^\s*--workers\b", out, re.MULTILINE) is not None

@@ -2,8 +2,9 @@
 timed, all bounded by the point's deadline; warming a server and waiting for it to empty.
 
 A point lasts at most its arrival window plus ``drain_s``: requests still running then
-are cancelled (the client drops the stream, which aborts them on the server) and count
-as misses, so an overloaded configuration costs bounded time.
+are cancelled (the client drops the stream, which aborts them on the server) and judged
+on what they showed so far (``Outcome.cut``), so an overloaded configuration costs
+bounded time.
 """
 
 from __future__ import annotations
@@ -64,9 +65,15 @@ def _request_config(target: Target, timeout_s: float) -> RequestConfig:
     )
 
 
-def _sent(arrival: Arrival, record: RequestRecord) -> Sent:
-    outcome = Outcome(record.success, record.ttft, record.tpot)
-    return Sent(arrival, outcome, record.output_tokens, record.prompt_len, record.error)
+def _sent(arrival: Arrival, record: RequestRecord, finished: bool) -> Sent:
+    if finished:
+        outcome = Outcome(record.success, record.ttft, record.tpot)
+        return Sent(arrival, outcome, record.output_tokens, record.prompt_len, record.error)
+    # Cut at the deadline: judged on its chunks so far (see Outcome.cut).
+    chunks = len(record.itl) + (1 if record.ttft else 0)
+    tpot = sum(record.itl) / len(record.itl) if record.itl else None
+    outcome = Outcome(chunks >= 2, record.ttft, tpot, cut=True)
+    return Sent(arrival, outcome, chunks, record.prompt_len, "" if chunks >= 2 else UNFINISHED)
 
 
 async def run_point(
@@ -80,22 +87,20 @@ async def run_point(
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
         start = time.perf_counter()
-        tasks = []
-        for a, text in zip(arrivals, texts):
+        tasks, records = [], [RequestRecord(a.prompt_len) for a in arrivals]
+        for a, text, record in zip(arrivals, texts, records):
             await asyncio.sleep(max(0.0, start + a.at - time.perf_counter()))
             req = SampleRequest(text, a.prompt_len, a.output_len)
-            tasks.append(asyncio.create_task(send_request(http, cfg, req, prompts.tokenizer)))
+            sending = send_request(http, cfg, req, prompts.tokenizer, record)
+            tasks.append(asyncio.create_task(sending))
         deadline = start + window + drain_s
         if tasks:
             await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
+        finished = [task.done() for task in tasks]
         for task in tasks:
             task.cancel()  # no-op on the finished ones
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-    out = []
-    for a, res in zip(arrivals, results):
-        record = res if isinstance(res, RequestRecord) else None
-        out.append(_sent(a, record or RequestRecord(a.prompt_len, error=UNFINISHED)))
-    return out
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return [_sent(a, r, done) for a, r, done in zip(arrivals, records, finished)]
 
 
 async def warm(target: Target, prompts: Prompts, concurrency: int) -> list[str]:

@@ -30,10 +30,15 @@ class Point:
         ok = [s.outcome for s in self.sent if s.outcome.ok]
         ttft = percentiles_ms([o.ttft for o in ok])
         tpot = percentiles_ms([o.tpot for o in ok if o.tpot is not None])
-        short = sum(1 for s in self.sent if s.outcome.ok and s.output_tokens < s.arrival.output_len)
+        short = sum(
+            1
+            for s in self.sent
+            if s.outcome.ok and not s.outcome.cut and s.output_tokens < s.arrival.output_len
+        )
         return {
             "requests": len(self.sent),
             "failed": sum(1 for s in self.sent if not s.outcome.ok),
+            "cut": sum(1 for s in self.sent if s.outcome.cut),
             "short_outputs": short,
             "attainment": self.attainment(slo),
             "ttft_p50_ms": ttft[0],
@@ -89,18 +94,18 @@ def _goodput_table(run: Run) -> list[str]:
 
 def _sweep_table(run: Run, trace: str) -> list[str]:
     lines = [
-        "| configuration | rate (req/s) | requests | failed | attainment | TTFT p50 / p90 (ms) "
-        "| TPOT p50 / p90 (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| configuration | rate (req/s) | requests | failed | cut | attainment "
+        "| TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for config in run.configs:
         for p in run.sweep(config, trace):
             if p.skipped:
-                lines.append(f"| `{config}` | {p.rate:g} | - | - | not sent: {p.skipped} | | |")
+                lines.append(f"| `{config}` | {p.rate:g} | - | - | - | not sent: {p.skipped} | | |")
                 continue
             s = p.summary(run.slo)
             lines.append(
-                f"| `{config}` | {p.rate:g} | {s['requests']} | {s['failed']} "
+                f"| `{config}` | {p.rate:g} | {s['requests']} | {s['failed']} | {s['cut']} "
                 f"| {100 * s['attainment']:.0f} % "
                 f"| {_ms(s['ttft_p50_ms'])} / {_ms(s['ttft_p90_ms'])} "
                 f"| {_ms(s['tpot_p50_ms'])} / {_ms(s['tpot_p90_ms'])} |"

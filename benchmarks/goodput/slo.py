@@ -29,11 +29,17 @@ class Slo:
 
 @dataclass(frozen=True)
 class Outcome:
-    """One request as the client saw it (seconds); ``tpot`` is None under two tokens."""
+    """One request as the client saw it (seconds); ``tpot`` is None under two tokens.
+
+    ``cut``: still streaming at its point's deadline and judged on what it showed by then
+    (``ok`` once it had two tokens; ``tpot`` the mean gap between its chunks so far).
+    Arrivals have stopped by then, so its remaining tokens come no slower than those.
+    """
 
     ok: bool
     ttft: float
     tpot: float | None
+    cut: bool = False
 
     def meets(self, slo: Slo) -> bool:
         if not self.ok:

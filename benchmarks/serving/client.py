@@ -83,10 +83,16 @@ class _Timing:
 
 
 async def send_request(
-    http: httpx.AsyncClient, cfg: RequestConfig, req: SampleRequest, tokenizer: Any
+    http: httpx.AsyncClient,
+    cfg: RequestConfig,
+    req: SampleRequest,
+    tokenizer: Any,
+    record: RequestRecord | None = None,
 ) -> RequestRecord:
-    """Send ``req``; never raises: failures are recorded with their error."""
-    record = RequestRecord(prompt_len=req.prompt_len)
+    """Send ``req``; never raises: failures are recorded with their error. ``record``: the
+    record to fill as chunks arrive (a caller that may cancel the request reads what it
+    got so far there); default a new one."""
+    record = RequestRecord(prompt_len=req.prompt_len) if record is None else record
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     start = time.perf_counter()
     timing = _Timing(record, start)

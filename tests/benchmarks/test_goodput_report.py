@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 from benchmarks.goodput.drive import UNFINISHED, Sent, busy
+from benchmarks.goodput.drive import _sent as _cut
 from benchmarks.goodput.report import Point, Run, plot, render, write_json
 from benchmarks.goodput.slo import Outcome, Slo
 from benchmarks.goodput.traces import Arrival
+from benchmarks.serving.metrics import RequestRecord
 
 
 def _sent(ttft_s: float, tpot_s: float, ok: bool = True) -> Sent:
@@ -45,8 +47,8 @@ def test_page_carries_command_slos_attainment_percentiles_and_goodput() -> None:
     assert "| `1p1d` | 1.50 |" in page
     assert "| `colocated1` | < 1 |" in page
     # p90 of eight 100 ms and one 900 ms TTFT (the failed request has none): 260 ms.
-    assert "| `1p1d` | 2 | 10 | 1 | 80 % | 100 / 260 | 20 / 20 |" in page
-    assert "| `colocated1` | 2 | - | - | not sent: 0 % at a lower rate | | |" in page
+    assert "| `1p1d` | 2 | 10 | 1 | 0 | 80 % | 100 / 260 | 20 / 20 |" in page
+    assert "| `colocated1` | 2 | - | - | - | not sent: 0 % at a lower rate | | |" in page
     assert "![SLO attainment against rate](goodput.png)" in page
     assert "- workers6: skipped" in page and page.rstrip().endswith("```")
 
@@ -59,6 +61,23 @@ def test_json_and_plot_are_written(tmp_path: Path) -> None:
     assert len(doc["points"]) == 5 and doc["points"][1]["sent"][9]["error"] == UNFINISHED
     plot(run, tmp_path / "g.png")
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_request_cut_at_the_deadline_is_judged_on_its_chunks_so_far() -> None:
+    arrival = Arrival(0.0, "chat", "chat", 200, 150)
+    slo = Slo(ttft_ms=500, tpot_ms=50)
+    streaming = RequestRecord(200, ttft=0.2, itl=[0.03, 0.05])
+    cut = _cut(arrival, streaming, finished=False)
+    assert cut.outcome == Outcome(True, 0.2, 0.04, cut=True) and cut.outcome.meets(slo)
+    assert cut.output_tokens == 3 and cut.error == ""
+    slow = _cut(arrival, RequestRecord(200, ttft=0.2, itl=[0.2]), finished=False)
+    assert slow.outcome.cut and not slow.outcome.meets(slo)
+    # One chunk or none by the deadline: nothing to judge a TPOT on, a miss.
+    for record in (RequestRecord(200, ttft=0.2), RequestRecord(200)):
+        silent = _cut(arrival, record, finished=False)
+        assert not silent.outcome.ok and silent.error == UNFINISHED
+    done = RequestRecord(200, success=True, ttft=0.2, latency=1.0, output_tokens=5)
+    assert _cut(arrival, done, finished=True).outcome == Outcome(True, 0.2, 0.2)
 
 
 def test_busy_counts_engine_and_frontend_requests_in_flight() -> None:
