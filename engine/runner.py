@@ -149,7 +149,7 @@ class ModelRunner:
             for seq, start, n in spans
             for b in seq.block_table[start // bs : (start + n - 1) // bs + 1]
         ), "a prefill would write into a shared or cached block"
-        tokens = [t for seq, start, n in spans for t in _token_span(seq, start, n)]
+        tokens = [t for seq, start, n in spans for t in seq.token_span(start, n)]
         logits = self._forward(spans, tokens, False, pool, every_position)
         self._advance(spans, publish=pool is None)
         return logits
@@ -170,7 +170,7 @@ class ModelRunner:
                 )
             self._ensure_blocks(seq, 1, pool)
         spans = [(seq, seq.num_computed_tokens, 1) for seq in seqs]
-        newest = [_newest(seq) for seq in seqs]
+        newest = [seq.newest_token for seq in seqs]
         logits = self._forward(spans, newest, True, pool)
         self._advance(spans, publish=pool is None and self.decode_publishes)
         return logits
@@ -193,7 +193,7 @@ class ModelRunner:
                 )
             self.kv.ensure_blocks(seq, len(d) + 1)
         spans = [(seq, seq.num_computed_tokens, len(d) + 1) for seq, d in zip(seqs, drafts)]
-        tokens = [t for seq, d in zip(seqs, drafts) for t in (_newest(seq), *d)]
+        tokens = [t for seq, d in zip(seqs, drafts) for t in (seq.newest_token, *d)]
         return self._forward(spans, tokens, False, None, every_position=True, decode_weights=True)
 
     def commit_verified(self, seq: Sequence, start: int, accepted: int) -> None:
@@ -284,17 +284,3 @@ class ModelRunner:
                 out.token_ids.cpu(), out.logprobs.cpu(), out.top_ids.cpu(), out.top_logprobs.cpu()
             )
         return out
-
-
-def _newest(seq: Sequence) -> int:
-    return seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
-
-
-def _token_span(seq: Sequence, start: int, n: int) -> list[int]:
-    """``seq.all_ids[start : start + n]`` without concatenating prompt and output."""
-    p = len(seq.prompt_ids)
-    if start + n <= p:
-        return seq.prompt_ids[start : start + n]
-    if start >= p:
-        return seq.output_ids[start - p : start - p + n]
-    return seq.prompt_ids[start:] + seq.output_ids[: start + n - p]

@@ -72,6 +72,19 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    @property
+    def newest_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def token_span(self, start: int, n: int) -> list[int]:
+        """``all_ids[start : start + n]`` without concatenating prompt and output."""
+        p = len(self.prompt_ids)
+        if start + n <= p:
+            return self.prompt_ids[start : start + n]
+        if start >= p:
+            return self.output_ids[start - p : start - p + n]
+        return self.prompt_ids[start:] + self.output_ids[: start + n - p]
+
     def blocks_needed(self, n_more_tokens: int) -> int:
         """Blocks to add so KV for ``n_more_tokens`` beyond the computed ones fits."""
         total = self.num_computed_tokens + n_more_tokens
