@@ -38,6 +38,8 @@ class RoleFlags(Protocol):
     def prefill(self) -> int: ...
     @property
     def decode(self) -> int: ...
+    @property
+    def allow_role_override(self) -> bool: ...
 
 
 def add_role_flags(p: argparse._ActionsContainer) -> None:
@@ -85,6 +87,8 @@ def validate_role_flags(c: RoleFlags, defaults: RoleFlags) -> str | None:
     if c.workers == 0:
         if c.slo_ttft_ms is not None or c.slo_tpot_ms is not None:
             return "--slo-ttft-ms/--slo-tpot-ms steer --workers' planner: add --workers N"
+        if c.allow_role_override:
+            return "--allow-role-override sets the roles of --workers N: add --workers N"
         return None
     if c.colocated not in (0, c.workers):  # parse_args makes it c.workers
         return "--workers replaces --colocated: give one of them"
