@@ -4,6 +4,7 @@ refusal is a ``ConfigError`` naming the flag to change."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import fields, replace
 
 from launcher.flags import build_parser
@@ -34,8 +35,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
     if values["cluster_key"] is None:
         values["cluster_key"] = os.environ.get(CLUSTER_KEY_ENV) or None
-    if values["deterministic"] is None:  # no flag either way: the environment's switch
-        values["deterministic"] = os.environ.get(DETERMINISTIC_ENV, "").strip() not in ("", "0")
+    given = sys.argv[1:] if argv is None else argv
+    if os.environ.get(DETERMINISTIC_ENV, "").strip() not in ("", "0") and not any(
+        a.startswith("--no-enable-deterministic") for a in given
+    ):  # the environment's switch, unless the flag turned it off
+        values["deterministic"] = True
     config = ServerConfig(**values)
     if (problem := validate_role_flags(config, DEFAULTS)) is not None:
         raise ConfigError(problem)

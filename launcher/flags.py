@@ -241,7 +241,7 @@ def _engine(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         "--enable-deterministic-inference",
         dest="deterministic",
         action=argparse.BooleanOptionalAction,
-        default=None,
+        default=d.deterministic,
         help="batch-invariant serving: a request's tokens and logprobs do not depend on "
         "what else runs (kernels chosen per row, not per batch size; CPU only; README, "
         "'Determinism'); default: off, or on where VLLM_BATCH_INVARIANT=1 is set",

@@ -154,3 +154,18 @@ def test_a_bad_speculative_config_is_refused_by_the_parser(
     with pytest.raises(SystemExit):
         parse_args(["--speculative-config", '{"method": "medusa"}'])
     assert "--speculative-config: method must be one of" in capsys.readouterr().err
+
+
+def test_deterministic_inference_from_the_flag_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert parse_args([]).deterministic is False
+    assert parse_args(["--enable-deterministic-inference"]).deterministic is True
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert parse_args([]).deterministic is True
+    assert parse_args(["--no-enable-deterministic-inference"]).deterministic is False
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert parse_args([]).deterministic is False
+    with pytest.raises(ConfigError, match="CPU only"):
+        parse_args(["--enable-deterministic-inference", "--device", "cuda"])
