@@ -14,7 +14,8 @@ model that is its GGUF de-quantized exactly), ``auto`` (a GGUF's blocks served p
 ``int8`` and ``int4`` (quantized at load). A ``+gemm`` suffix scores the same storage with
 every linear call on the bfloat16 GEMM that packed layers take for many rows
 (``engine/weights/gemm.py``): serving runs each call on one kernel or the other by its
-rows, so both must hold. An ``@bfloat16`` suffix runs the activations in bfloat16 too
+rows, so both must hold; ``+det`` as batch-invariant serving runs a prefill
+(``--enable-deterministic-inference``: the layers on that GEMM, the LM head packed). An ``@bfloat16`` suffix runs the activations in bfloat16 too
 (``launch --dtype bfloat16``). Targets (issue #21): packed GGUF within 0.5 % of
 the float32 reference; int8 within 1 %, int4 within 3 %. Writes
 ``benchmarks/results/perplexity.md``.
@@ -39,10 +40,21 @@ from wire.params import SamplingParams
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 RESULTS = Path(__file__).parent / "results" / "perplexity.md"
-STORAGES = ("none", "auto", "auto+gemm", "auto+a8", "int8", "int4", "int4+gemm", "int4+a8")
+STORAGES = (
+    "none",
+    "auto",
+    "auto+gemm",
+    "auto+det",
+    "auto+a8",
+    "int8",
+    "int4",
+    "int4+gemm",
+    "int4+a8",
+)
 TARGETS = {
     "auto": 0.005,
     "auto+gemm": 0.005,
+    "auto+det": 0.005,
     "auto+a8": 0.005,
     "int8": 0.01,
     "int4": 0.03,
@@ -63,8 +75,9 @@ def score(
     """
     quantization, _, dtype = quantization.partition("@")  # "auto@bfloat16": activations too
     storage, _, suffix = quantization.partition("+")
-    # "gemm": every call on the GEMM, from one row on, fed bfloat16; "a8": fed int8
-    gemm = suffix in ("gemm", "a8")
+    # "gemm": every call on the GEMM, from one row on, fed bfloat16; "a8": fed int8;
+    # "det": batch-invariant (a prefill's layers on the GEMM, the LM head packed)
+    gemm = suffix in ("gemm", "a8", "det")
     config = EngineConfig(
         model=str(model),
         dtype=dtype or "auto",
@@ -73,6 +86,7 @@ def score(
         large_batch_gemm=gemm,
         gemm_min_rows=1 if gemm else 0,
         gemm_inputs="int8" if suffix == "a8" else "bfloat16",
+        deterministic=suffix == "det",
     )
     runner = build_engine(config).runner
     rows: list[torch.Tensor] = []
