@@ -31,6 +31,9 @@ With the host's KV tiers on (``router/tier_residency.py``), a prefill or co-loca
 worker on the tiers' node also holds, after its pool's prefix, the run of blocks the
 tiers would load into it: a prefix in tier 2 or 3 is a hit for every worker of the host.
 (Decode workers take handed-off KV from their pool only, so tiers do not lower theirs.)
+
+``launch --workers``: every worker is a co-located row, and its role in the role table
+(``transport/role_table.py``) says what it is sent (``_by_role``; ``router/roles.py``).
 """
 
 from __future__ import annotations
