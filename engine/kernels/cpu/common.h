@@ -70,7 +70,9 @@ void check_blocks(const char* what, int64_t b, const int32_t* table, int64_t use
 
 // NOTE: the helpers below are local to each file that includes this header (an unnamed
 // namespace), as they were when the kernels were one file: each file inlines its own copy
-// and compiles it as before, so splitting the library changed no instruction of a kernel.
+// and compiles it as before. Splitting the library changed no kernel's arithmetic: its
+// machine code is the one-file build's, instruction for instruction (one function's vector
+// registers renamed), and every op's outputs are the same bits.
 namespace {
 
 // exp(x) = 2^n p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), p Cephes'
