@@ -122,3 +122,53 @@ def test_an_all_of_of_several_schemas_is_refused_as_not_enforced() -> None:
     with pytest.raises(NotImplementedField, match="'allOf' of several schemas"):
         grammar_spec(chat(guided_json=schema))
     assert grammar_spec(chat(guided_json={"allOf": [{"type": "integer"}]})) is not None
+
+
+def test_a_long_chain_of_refs_is_followed_once_not_once_per_link(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check runs on the event loop before any size limit: a chain of n '$ref's must
+    cost n resolutions (each link walking the rest of the chain made it cubic: 37 s for
+    2,000 links)."""
+    from frontend.api import schema_checks
+
+    calls = 0
+    resolve = schema_checks._resolve
+
+    def counted(root: Any, ref: str) -> Any:
+        nonlocal calls
+        calls += 1
+        return resolve(root, ref)
+
+    monkeypatch.setattr(schema_checks, "_resolve", counted)
+    n = 3000
+    defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    assert problem({"$defs": {**defs, f"d{n}": {"type": "string"}}, "$ref": "#/$defs/d0"}) is None
+    assert calls <= n + 1, calls
+    calls = 0
+    looped = {"$defs": {**defs, f"d{n}": {"$ref": "#/$defs/d1"}}, "$ref": "#/$defs/d0"}
+    found = problem(looped)
+    assert found is not None and found[0] == "#" and "loop of '$ref's" in found[1], found
+    assert calls <= n + 2, calls
+
+
+def test_integers_past_a_floats_range_are_judged_not_raised() -> None:
+    """A JSON integer of 400 digits decodes as a Python int that ``math.isfinite`` cannot
+    take: the check compares it exactly (it was an OverflowError: a 500)."""
+    huge = 10**400
+    found = problem({"type": "integer", "minimum": huge, "maximum": 1})
+    assert found is not None and "bounds leave no number" in found[1], found
+    found = problem({"type": "string", "minLength": huge, "maxLength": 3})
+    assert found is not None and "'minLength'" in found[1], found
+    assert problem({"type": "integer", "minimum": 1, "maximum": huge}) is None
+    assert problem({"type": "string", "minLength": 1, "maxLength": huge}) is None
+    assert problem({"type": "integer", "minimum": 0.5, "exclusiveMaximum": huge}) is None
+
+
+def test_a_ref_into_a_list_takes_ascii_indices_only() -> None:
+    """'²' is a digit to ``str.isdigit`` but not to ``int`` (it was a ValueError: a 500);
+    a pointer index that is not ASCII digits names nothing."""
+    assert problem({"anyOf": [{"type": "string"}], "items": {"$ref": "#/anyOf/\u00b2"}}) is None
+    assert problem({"anyOf": [{"type": "string"}], "items": {"$ref": "#/anyOf/-1"}}) is None
+    found = problem({"anyOf": [{"$ref": "#/anyOf/0"}]})
+    assert found == ("#/anyOf/0", "its '$ref' '#/anyOf/0' leads only into a loop of '$ref's")
