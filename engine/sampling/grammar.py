@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from engine.errors import EngineError
 from engine.sampling.grammar_check import emptiness
 from engine.sampling.grammar_vocab import tokenizer_info
+from engine.sampling.json_bounds import whole_integer_bounds
 from wire.params import GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:  # not at import: xgrammar brings torch with it, when a grammar first needs it
@@ -74,7 +75,7 @@ def compile_spec(compiler: Any, spec: GrammarSpec) -> Any:
     try:
         if spec.kind is GrammarKind.JSON_SCHEMA:
             return compiler.compile_json_schema(
-                spec.text, any_whitespace=_ANY_WHITESPACE, strict_mode=_STRICT
+                whole_integer_bounds(spec.text), any_whitespace=_ANY_WHITESPACE, strict_mode=_STRICT
             )
         if spec.kind is GrammarKind.JSON_OBJECT:
             return compiler.compile_builtin_json_grammar()
@@ -94,7 +95,7 @@ def source_grammar(spec: GrammarSpec) -> Any:
 
     if spec.kind is GrammarKind.JSON_SCHEMA:
         return xgr.Grammar.from_json_schema(
-            spec.text, any_whitespace=_ANY_WHITESPACE, strict_mode=_STRICT
+            whole_integer_bounds(spec.text), any_whitespace=_ANY_WHITESPACE, strict_mode=_STRICT
         )
     if spec.kind is GrammarKind.REGEX:
         return xgr.Grammar.from_regex(spec.text)
