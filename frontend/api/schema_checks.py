@@ -115,7 +115,7 @@ def _kinds(node: dict[str, Any]) -> frozenset[str]:
     kinds = _ANY
     declared = node.get("type")
     names = [declared] if isinstance(declared, str) else declared
-    if isinstance(names, list) and all(n in _KINDS for n in names):
+    if isinstance(names, list) and all(isinstance(n, str) and n in _KINDS for n in names):
         kinds = frozenset().union(*(_KINDS[n] for n in names))
     if "const" in node:
         kinds &= _kind_of(node["const"])
@@ -195,7 +195,7 @@ def _object_problem(node: dict[str, Any], kinds: frozenset[str]) -> str | None:
     props = props if isinstance(props, dict) else {}
     if node.get("additionalProperties") is False and not node.get("patternProperties"):
         for name in required:
-            if name not in props:
+            if isinstance(name, str) and name not in props:  # (a dict name is no name)
                 return f"it requires {name!r}, which 'additionalProperties': false forbids"
     return None
 

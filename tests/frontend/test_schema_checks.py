@@ -86,6 +86,11 @@ def test_an_empty_schema_is_found_where_it_is_empty(schema: Any, where: str, why
         },
         {"not": {"type": "string"}},
         {"type": "object", "properties": {"not": {}, "enum": {"type": "string"}}},
+        # Malformed parts (unhashable type names and required names) are not judged: no
+        # TypeError (it was a 500); the compiler says what is wrong with them.
+        {"type": [{}]},
+        {"type": [["integer"]], "minimum": 2, "maximum": 1},
+        {"type": "object", "required": [{}], "additionalProperties": False},
     ],
 )
 def test_schemas_with_some_value_pass(schema: Any) -> None:
