@@ -239,8 +239,10 @@ class Supervisor:
                 self._restart_due(child, now)
 
     def _restart_due(self, child: Child, now: float) -> None:
-        """Restart ``child`` now, unless its unexplained deaths make it a crash loop."""
-        if child.failed is None and self._unexplained(child, now) >= MAX_CRASHES:
+        """Restart ``child`` now, unless its unexplained deaths make it a crash loop (the
+        window ends at its last death: the verdict is that death's, only taken later)."""
+        last = child.deaths[-1][0] if child.deaths else now
+        if child.failed is None and self._unexplained(child, last) >= MAX_CRASHES:
             self._fail(child, now)
             return
         if child.failed is not None:

@@ -51,6 +51,7 @@ def test_a_worker_that_always_dies_at_startup_ends_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(supervisor, "RESTART_BASE_S", 0.01)
+    monkeypatch.setattr(supervisor, "CRASH_WINDOW_S", 600.0)  # 5 lives, however slow
     topo = Topology(0, 1, 1)
     # A decode worker whose checkpoint does not exist dies in its first second, every time.
     spec = EngineWorkerSpec("error", EngineConfig(model=str(tmp_path / "missing")), "shm")
@@ -74,6 +75,8 @@ def test_frontends_are_restarted_like_workers_and_marked_on_their_board(
     """A dying frontend no longer ends the server: it is restarted (its board row DEAD
     meanwhile), and only when every frontend has failed does the server give up."""
     monkeypatch.setattr(supervisor, "RESTART_BASE_S", 0.01)
+    # Each start imports the tokenizer stack: on a loaded host 5 lives outlast a minute.
+    monkeypatch.setattr(supervisor, "CRASH_WINDOW_S", 600.0)
     topo = Topology(0, 1, 1, num_frontends=2)
     # A well-formed spec whose checkpoint does not exist: it dies loading the tokenizer.
     http = FrontendSettings(model_name="m", max_model_len=64, vocab_size=64)
