@@ -200,3 +200,17 @@ class InternalError(APIError):
 
     def __init__(self, message: str = "Internal server error") -> None:
         super().__init__(message, code="internal_error")
+
+
+class EngineFailed(InternalError):
+    """The engine ended the request with an error (its constraint allowed no next token,
+    it was poison, it can never fit): a 500 on the APIs with no error finish of their own.
+    The same request would fail the same way, so the SDKs, which retry a 500 twice by
+    default, are told not to (``x-should-retry: false``, which OpenAI's and Anthropic's
+    both read): a poison request's retries would each take workers down again."""
+
+    def __init__(self, why: str | None) -> None:
+        super().__init__(f"the engine failed this request: {why}")
+
+    def headers(self) -> dict[str, str]:
+        return {"x-should-retry": "false"}

@@ -45,7 +45,7 @@ from frontend.api.context import ServingContext, check_model
 from frontend.api.messages_request import CountTokensRequest, MessagesRequest, to_chat
 from frontend.api.sse import typed_sse_stream, with_keepalive
 from frontend.api.tools import plan_tools
-from frontend.errors import APIError, InternalError
+from frontend.errors import APIError, EngineFailed, InternalError
 from wire.records import Finish
 
 PING_S = 10.0  # a quiet stream gets a ping this often (a queued or slowly compiling request)
@@ -82,7 +82,7 @@ async def create_message(
     (gen,) = await collect_all(run.calls, request)
     answer = read_answer(gen, run.plan)
     if answer.finish == Finish.ERROR:
-        raise InternalError(f"the engine failed this request: {answer.error}")
+        raise EngineFailed(answer.error)
     reason, sequence = _stop_reason(answer.finish, answer.stop_reason, bool(answer.tool_calls))
     return JSONResponse(
         {

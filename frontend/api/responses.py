@@ -38,7 +38,7 @@ from frontend.api.context import ServingContext
 from frontend.api.responses_request import ResponsesRequest, to_chat
 from frontend.api.sse import typed_sse_stream
 from frontend.api.tools import new_call_id
-from frontend.errors import APIError, InternalError
+from frontend.errors import APIError, EngineFailed
 from wire.records import Finish
 
 
@@ -56,7 +56,7 @@ async def create_response(
     (gen,) = await collect_all(run.calls, request)
     answer = read_answer(gen, run.plan)
     if answer.finish == Finish.ERROR:
-        raise InternalError(f"the engine failed this request: {answer.error}")
+        raise EngineFailed(answer.error)
     items = _Items()
     if answer.reasoning:
         items.open("reasoning").text = answer.reasoning

@@ -111,3 +111,35 @@ async def test_keepalive_yields_none_while_quiet_and_closes_its_source() -> None
     assert await anext(left) is None  # waiting on the first item
     await left.aclose()  # the consumer leaves: the source is closed, not left running
     assert closed.is_set()
+
+
+async def test_an_engine_error_is_a_500_the_sdks_do_not_retry(
+    make_client: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request the engine ended with an error (here: its constraint allowed no next
+    token) would fail the same way again, and a poison one would take workers down with
+    each try: its 500 says ``x-should-retry: false``, which both SDKs obey (they retry a
+    500 twice by default)."""
+    import dataclasses
+
+    from frontend.api import responses as responses_api
+    from wire.records import Finish
+
+    why = "the output constraint allowed no next token, so the request was ended"
+    for module in (messages_api, responses_api):
+        real = module.read_answer
+
+        def failed(*args: Any, real: Any = real) -> Any:
+            return dataclasses.replace(real(*args), finish=Finish.ERROR, error=why)
+
+        monkeypatch.setattr(module, "read_answer", failed)
+    async with client_for(make_client) as h:
+        r = await h.post("/v1/messages", json=ASK)
+        message = anthropic_error(r, 500, "api_error")
+        assert message == f"the engine failed this request: {why}"
+        assert r.headers["x-should-retry"] == "false"
+        r = await h.post("/v1/responses", json={"model": MODEL, "input": "Hi"})
+        assert r.status_code == 500 and r.headers["x-should-retry"] == "false", r.text
+        assert r.json()["error"]["message"] == f"the engine failed this request: {why}"
+        ok = await h.post("/v1/chat/completions", json={**ASK, "max_tokens": 2})
+        assert ok.status_code == 200 and "x-should-retry" not in ok.headers
