@@ -32,10 +32,10 @@ from benchmarks.goodput.configs import (
     parse_config,
 )
 from benchmarks.goodput.drive import Prompts, Target, run_point, wait_quiet, warm
-from benchmarks.goodput.report import Point, Run, plot, render, write_json
+from benchmarks.goodput.report import Point, Run, plot, read_json, render, write_json
 from benchmarks.goodput.slo import Slo
 from benchmarks.goodput.traces import TRACES, request_count, schedule
-from benchmarks.machine import load_average, machine_block, portable
+from benchmarks.machine import describe, load_average, portable
 
 logger = logging.getLogger("benchmarks.goodput")
 DEFAULT_RATES = {"chat": "0.25,0.5,1,1.5,2", "doc": "0.25,0.5,1,1.5,2", "phased": "0.25,0.5,1,1.5"}
@@ -48,8 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--configs", help=f"comma-separated (default here: {','.join(default_configs())})")
     a("--traces", default="chat,doc,phased", help=f"comma-separated of {','.join(TRACES)}")
     a("--rates", action="append", default=[], metavar="TRACE=R1,R2", help="req/s per trace")
-    a("--slo-ttft-ms", type=float, default=2000.0)
-    a("--slo-tpot-ms", type=float, default=100.0)
+    a("--slo-ttft-ms", type=float, help="default 2000 (--from-json: the recorded one)")
+    a("--slo-tpot-ms", type=float, help="default 100 (--from-json: the recorded one)")
+    a("--trace-slo", action="append", default=[], metavar="TRACE=TTFT_MS:TPOT_MS")
+    a("--from-json", type=Path, help="judge a recorded run's requests at these SLOs")
     a("--duration-s", type=float, default=60.0, help="steady traces: seconds of arrivals")
     a("--phase-s", type=float, default=180.0, help="phased trace: seconds a phase")
     a("--min-requests", type=int, default=8, help="least requests a point sends")
@@ -112,7 +114,7 @@ def sweep(run: Run, target: Target, config: str, tokenizer: Any, args: argparse.
             sent = asyncio.run(run_point(target, arrivals, Prompts(tokenizer, seed), args.drain_s))
             point = Point(config, trace, rate, tuple(sent), time.perf_counter() - start)
             run.points.append(point)
-            s = point.summary(run.slo)
+            s = point.summary(run.slo_for(trace))
             logger.info(
                 "%s %s %.2f req/s: %d requests, attainment %.0f %%, TTFT p50 %s ms, TPOT p50 %s "
                 "ms, %d failed (%.0f s)",
@@ -131,8 +133,8 @@ def measure_launched(run: Run, config: ServerConfig, args: argparse.Namespace, t
     signal.signal(signal.SIGTERM, _stop)  # a stopped run stops its server too (finally)
     launch_args = ["--model", args.model, *config.launch_args, *shlex.split(args.launch_args)]
     if config.adaptive:  # the planner holds the targets the benchmark measures against
-        launch_args += ["--slo-ttft-ms", f"{args.slo_ttft_ms:g}"]
-        launch_args += ["--slo-tpot-ms", f"{args.slo_tpot_ms:g}"]
+        launch_args += ["--slo-ttft-ms", f"{run.slo.ttft_ms:g}"]
+        launch_args += ["--slo-tpot-ms", f"{run.slo.tpot_ms:g}"]
     try:
         proc, url = launch(launch_args, tree=args.tree)
     except RuntimeError as e:
@@ -158,13 +160,46 @@ def _stop(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def write(run: Run, out: Path) -> None:
+def write(run: Run, out: Path, ended: bool = True) -> None:
+    """The page, its JSON and the plot; ``ended``: stamp the load and machine of now."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    run.load_after = load_average()
+    if ended:
+        run.load_after, run.machine = load_average(), describe()
     plot(run, out.with_suffix(".png"))
     write_json(run, out.with_suffix(".json"))
-    md = render(run, out.with_suffix(".png").name, machine_block())
+    machine = ["Machine:", "", "```", run.machine, "```", ""]
+    md = render(run, out.with_suffix(".png").name, machine)
     out.with_suffix(".md").write_text(md + "\n")
+
+
+def trace_slos(specs: list[str]) -> dict[str, Slo]:
+    """``["doc=30000:300"]`` -> ``{"doc": Slo(30000, 300)}``."""
+    out = {}
+    for spec in specs:
+        trace, _, values = spec.partition("=")
+        ttft, sep, tpot = values.partition(":")
+        if trace not in TRACES or not sep:
+            raise ValueError(
+                f"--trace-slo {spec!r}: use TRACE=TTFT_MS:TPOT_MS, TRACE of {list(TRACES)}"
+            )
+        out[trace] = Slo(float(ttft), float(tpot))
+    return out
+
+
+def rejudge(args: argparse.Namespace, command: str) -> int:
+    """``--from-json``: the recorded requests judged at the given SLOs, written to --out."""
+    run = read_json(args.from_json)
+    run.slo = Slo(args.slo_ttft_ms or run.slo.ttft_ms, args.slo_tpot_ms or run.slo.tpot_ms)
+    run.trace_slos = trace_slos(args.trace_slo)
+    page = args.from_json.with_suffix(".md")
+    if not run.machine and page.exists():  # recorded before the JSON kept the machine
+        run.machine = page.read_text().split("Machine:\n\n```\n", 1)[-1].split("\n```", 1)[0]
+    run.notes.append(
+        f"judged at the SLOs above by `{command}` from the requests this run recorded "
+        f"({portable(str(args.from_json))}); the run itself was measured by the command above"
+    )
+    write(run, args.out, ended=False)
+    return 0
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:
@@ -218,9 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     traces = [t for t in args.traces.split(",") if t]
     if unknown := set(traces) - set(TRACES):
         raise SystemExit(f"--traces: unknown {sorted(unknown)}; choose from {list(TRACES)}")
+    command = portable("python -m benchmarks.goodput " + shlex.join(argv or sys.argv[1:]))
     try:
+        if args.from_json:
+            return rejudge(args, command)
         args.rates = rates_by_trace(args.rates, traces)
-        slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+        slo = Slo(args.slo_ttft_ms or 2000.0, args.slo_tpot_ms or 100.0)
+        per_trace = trace_slos(args.trace_slo)
         configs = [
             parse_config(c) for c in (args.configs or ",".join(default_configs())).split(",")
         ]
@@ -231,9 +270,9 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = str(default_model_dir())
     tokenizer = _tokenizer(args)
-    command = portable("python -m benchmarks.goodput " + shlex.join(argv or sys.argv[1:]))
     names = [args.label] if args.base_url else [c.name for c in configs]
     run = Run(command, slo, traces, names, _settings(args), load_before=load_average())
+    run.trace_slos = per_trace
     run.settings["host"] = f"{os.cpu_count()} cores, loopback"
     run.settings["code"] = _revision(args.tree)
     run.notes += args.note

@@ -8,7 +8,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.goodput.drive import Sent
-from benchmarks.goodput.slo import TARGET, Goodput, Slo, attainment, goodput, percentiles_ms
+from benchmarks.goodput.slo import (
+    TARGET,
+    Goodput,
+    Outcome,
+    Slo,
+    attainment,
+    goodput,
+    percentiles_ms,
+)
+from benchmarks.goodput.traces import Arrival
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,11 @@ class Run:
     points: list[Point] = field(default_factory=list)
     load_before: str = ""
     load_after: str = ""
+    trace_slos: dict[str, Slo] = field(default_factory=dict)  # a trace's own targets
+    machine: str = ""  # benchmarks.machine.describe() when the run ended
+
+    def slo_for(self, trace: str) -> Slo:
+        return self.trace_slos.get(trace, self.slo)
 
     def sweep(self, config: str, trace: str) -> list[Point]:
         return sorted(
@@ -70,7 +84,8 @@ class Run:
 
     def goodput(self, config: str, trace: str) -> Goodput | None:
         pts = self.sweep(config, trace)
-        measured = [(p.rate, p.attainment(self.slo)) for p in pts if not p.skipped]
+        slo = self.slo_for(trace)
+        measured = [(p.rate, p.attainment(slo)) for p in pts if not p.skipped]
         return goodput(measured) if measured else None
 
 
@@ -103,7 +118,7 @@ def _sweep_table(run: Run, trace: str) -> list[str]:
             if p.skipped:
                 lines.append(f"| `{config}` | {p.rate:g} | - | - | - | not sent: {p.skipped} | | |")
                 continue
-            s = p.summary(run.slo)
+            s = p.summary(run.slo_for(trace))
             lines.append(
                 f"| `{config}` | {p.rate:g} | {s['requests']} | {s['failed']} | {s['cut']} "
                 f"| {100 * s['attainment']:.0f} % "
@@ -111,6 +126,13 @@ def _sweep_table(run: Run, trace: str) -> list[str]:
                 f"| {_ms(s['tpot_p50_ms'])} / {_ms(s['tpot_p90_ms'])} |"
             )
     return lines
+
+
+def _overrides(run: Run) -> str:
+    return "".join(
+        f" ({t}: TTFT <= {s.ttft_ms:g} ms, TPOT <= {s.tpot_ms:g} ms)"
+        for t, s in run.trace_slos.items()
+    )
 
 
 def render(run: Run, plot_name: str | None, machine: list[str]) -> str:
@@ -121,7 +143,8 @@ def render(run: Run, plot_name: str | None, machine: list[str]) -> str:
         "",
         f"Command: `{run.command}`",
         "",
-        f"SLOs: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms, both per request "
+        f"SLOs: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms{_overrides(run)}, "
+        "both per request "
         f"(TPOT = mean time per output token after the first). Attainment = the fraction of "
         f"a point's requests that finished and met both; goodput = the rate at which "
         f"attainment falls to {100 * TARGET:.0f} %, interpolated linearly between the last "
@@ -152,6 +175,27 @@ def write_json(run: Run, path: Path) -> None:
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
+def read_json(path: Path) -> Run:
+    """A run as ``write_json`` wrote it (to judge its requests against other SLOs)."""
+    doc = json.loads(path.read_text())
+    points = []
+    for p in doc.pop("points"):
+        sent = tuple(
+            Sent(
+                Arrival(**s["arrival"]),
+                Outcome(**s["outcome"]),
+                s["output_tokens"],
+                s["server_prompt_tokens"],
+                s["error"],
+            )
+            for s in p.pop("sent")
+        )
+        points.append(Point(**p, sent=sent))
+    doc["slo"] = Slo(**doc["slo"])
+    doc["trace_slos"] = {t: Slo(**s) for t, s in doc.get("trace_slos", {}).items()}
+    return Run(**doc, points=points)
+
+
 def plot(run: Run, path: Path) -> None:
     """Attainment (%) against rate, one panel a trace, one line a configuration, with the
     90 % target dashed (the figure DistServe draws)."""
@@ -165,14 +209,15 @@ def plot(run: Run, path: Path) -> None:
         for config in run.configs:
             pts = [p for p in run.sweep(config, trace) if p.sent]
             if pts:
-                ys = [100 * p.attainment(run.slo) for p in pts]
+                ys = [100 * p.attainment(run.slo_for(trace)) for p in pts]
                 ax.plot([p.rate for p in pts], ys, marker="o", label=config)
         ax.axhline(100 * TARGET, color="grey", linestyle="--", linewidth=1)
-        ax.set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", title=trace)
+        slo = run.slo_for(trace)
+        title = f"{trace}: TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms"
+        ax.set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", title=title)
         ax.set_ylim(-5, 105)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"TTFT <= {run.slo.ttft_ms:g} ms, TPOT <= {run.slo.tpot_ms:g} ms")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks.goodput.__main__ import main
 from benchmarks.goodput.drive import UNFINISHED, Sent, busy
 from benchmarks.goodput.drive import _sent as _cut
-from benchmarks.goodput.report import Point, Run, plot, render, write_json
+from benchmarks.goodput.report import Point, Run, plot, read_json, render, write_json
 from benchmarks.goodput.slo import Outcome, Slo
 from benchmarks.goodput.traces import Arrival
 from benchmarks.serving.metrics import RequestRecord
@@ -61,6 +62,22 @@ def test_json_and_plot_are_written(tmp_path: Path) -> None:
     assert len(doc["points"]) == 5 and doc["points"][1]["sent"][9]["error"] == UNFINISHED
     plot(run, tmp_path / "g.png")
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_recorded_run_reads_back_and_is_judged_at_other_slos(tmp_path: Path) -> None:
+    run = _run()
+    write_json(run, tmp_path / "g.json")
+    back = read_json(tmp_path / "g.json")
+    assert back == run
+    out = tmp_path / "re"
+    argv = ["--from-json", str(tmp_path / "g.json"), "--trace-slo", "chat=1000:50"]
+    assert main([*argv, "--out", str(out)]) == 0
+    page = out.with_suffix(".md").read_text()
+    # TTFT 900 ms now meets: 1p1d meets at every rate it was sent, colocated1 at its one.
+    assert "TTFT <= 500 ms and TPOT <= 50 ms (chat: TTFT <= 1000 ms, TPOT <= 50 ms)" in page
+    assert "| `1p1d` | >= 3 |" in page and "| `colocated1` | >= 1 |" in page
+    assert "judged at the SLOs above by `python -m benchmarks.goodput --from-json" in page
+    assert "Command: `python -m benchmarks.goodput --traces chat`" in page
 
 
 def test_a_request_cut_at_the_deadline_is_judged_on_its_chunks_so_far() -> None:
