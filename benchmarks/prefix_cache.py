@@ -113,7 +113,7 @@ def _prompt_ids(tokenizer: Any, dataset: str, extra: list[str]) -> list[list[int
     if dataset != "multiturn":
         return [tokenizer.encode(r.prompt, add_special_tokens=False) for r in reqs]
     out = []
-    for r in reqs:  # rendered, then encoded, as the frontend does (frontend/api/chat.py)
+    for r in reqs:  # rendered, then encoded, as the frontend does (frontend/api/openai/chat_completions.py)
         chat = [{"role": role, "content": text} for role, text in r.messages or ()]
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         out.append(tokenizer.encode(text, add_special_tokens=False))

@@ -30,7 +30,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.api.answer import (
+from frontend.api.anthropic.messages_request import CountTokensRequest, MessagesRequest, to_chat
+from frontend.api.chat.answer import (
     Answer,
     AnswerEvents,
     CallArgs,
@@ -39,12 +40,11 @@ from frontend.api.answer import (
     Reasoning,
     read_answer,
 )
-from frontend.api.call import collect_all
-from frontend.api.chat_run import ChatRun, chat_prompt_ids, start_translated
-from frontend.api.context import ServingContext, check_model
-from frontend.api.messages_request import CountTokensRequest, MessagesRequest, to_chat
-from frontend.api.sse import typed_sse_stream, with_keepalive
-from frontend.api.tools import plan_tools
+from frontend.api.chat.run import ChatRun, chat_prompt_ids, start_translated
+from frontend.api.chat.tools import plan_tools
+from frontend.api.common.call import collect_all
+from frontend.api.common.context import ServingContext, check_model
+from frontend.api.common.sse import typed_sse_stream, with_keepalive
 from frontend.errors import APIError, InternalError
 from wire.records import Finish
 

@@ -21,9 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.api.protocol import ChatTool
-from frontend.api.structured import check_enforceable
-from frontend.api.tool_parsers import (
+from frontend.api.chat.tool_parsers import (
     PARSERS,
     CallArgs,
     CallStart,
@@ -32,6 +30,8 @@ from frontend.api.tool_parsers import (
     RequiredCalls,
     ToolParser,
 )
+from frontend.api.common.protocol import ChatTool
+from frontend.api.common.structured import check_enforceable
 from frontend.errors import InvalidRequest, NotImplementedField
 from wire.params import GrammarKind, GrammarSpec
 

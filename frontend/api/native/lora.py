@@ -11,9 +11,9 @@ import asyncio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.api.context import ServingContext
-from frontend.api.lora_registry import LoraRegistry
-from frontend.api.protocol import Body
+from frontend.api.common.context import ServingContext
+from frontend.api.common.lora_registry import LoraRegistry
+from frontend.api.common.protocol import Body
 from frontend.errors import InvalidRequest
 
 

@@ -8,15 +8,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.api.answer import Answer, finish_reason, read_answer
-from frontend.api.call import EngineCall, Generation, collect_all, predictions
-from frontend.api.chat_run import start_chat
-from frontend.api.choices import check_choices, merged
-from frontend.api.context import ServingContext, check_model, now_s
-from frontend.api.protocol import ChatCompletionRequest
-from frontend.api.sse import sse_stream
-from frontend.api.tools import ToolCallDeltas, ToolPlan
-from frontend.api.usage import usage
+from frontend.api.chat.answer import Answer, finish_reason, read_answer
+from frontend.api.chat.run import start_chat
+from frontend.api.chat.tools import ToolCallDeltas, ToolPlan
+from frontend.api.common.call import EngineCall, Generation, collect_all, predictions
+from frontend.api.common.choices import check_choices, merged
+from frontend.api.common.context import ServingContext, check_model, now_s
+from frontend.api.common.protocol import ChatCompletionRequest
+from frontend.api.common.sse import sse_stream
+from frontend.api.common.usage import usage
 from wire.records import Finish, TokenLogprob
 
 
@@ -37,9 +37,9 @@ async def create_chat_completion(
     ctx: ServingContext, request: Request, body: ChatCompletionRequest, arrival: float
 ) -> Response:
     body.reject_unsupported()
-    check_model(ctx, body.model)
+    lora = check_model(ctx, body.model)
     n, _ = check_choices(body.n, None, body.stream)
-    run = await start_chat(ctx, request, body, arrival, n)
+    run = await start_chat(ctx, request, body, arrival, lora, n)
     calls, prompt_ids = run.calls, run.prompt_ids
     head = {"id": f"chatcmpl-{run.rid:x}", "created": now_s(), "model": ctx.settings.model_name}
     reasoning = ctx.settings.reasoning_parser is not None

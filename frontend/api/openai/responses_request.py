@@ -28,8 +28,8 @@ from typing import Any
 
 from pydantic import Field
 
-from frontend.api.limits import decode_json_text
-from frontend.api.protocol import Body, ChatCompletionRequest, parse_body
+from frontend.api.common.limits import decode_json_text
+from frontend.api.common.protocol import Body, ChatCompletionRequest, parse_body
 from frontend.errors import InvalidRequest, NotImplementedField
 
 _NO_STATE = (

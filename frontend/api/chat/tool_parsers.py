@@ -11,7 +11,7 @@ Formats, named as vLLM names them:
                  anywhere in the output, text around them is content.
     llama3_json  Llama 3.1/3.2: the output is ``{"name": ..., "parameters": {...}}`` (after
                  an optional ``<|python_tag|>``), several separated by ``;``.
-Two more serve ``tool_choice`` (frontend/api/tools.py), whose output a grammar has shaped:
+Two more serve ``tool_choice`` (frontend/api/chat/tools.py), whose output a grammar has shaped:
     RequiredCalls  a JSON array of ``{"name": ..., "parameters": {...}}`` (``required``)
     NamedCall      the arguments object of one given function (a named ``tool_choice``)
 Output that does not parse as a call is returned as content, never dropped.

@@ -3,7 +3,7 @@
 ``MessagesRequest`` is the body of ``POST /v1/messages`` (``CountTokensRequest`` that of
 ``/v1/messages/count_tokens``), checked as strictly as the OpenAI bodies are. ``to_chat``
 turns it into the ``ChatCompletionRequest`` every chat-shaped API runs through
-(``frontend/api/chat_run.py``), so that tools, grammars, sampling and the request's
+(``frontend/api/chat/run.py``), so that tools, grammars, sampling and the request's
 life in the engine are the chat path's own. What maps onto what:
 
     system (a string or text blocks)       a leading system message
@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from frontend.api.protocol import Body, ChatCompletionRequest, parse_body
+from frontend.api.common.protocol import Body, ChatCompletionRequest, parse_body
 from frontend.errors import InvalidRequest, NotImplementedField
 
 # Block types of the API whose content no model served here can read.

@@ -6,7 +6,7 @@ shapes. Each handler translates its body into a ``ChatCompletionRequest`` and ca
 structured output, sampling and detokenizer parameters (the reasoning split included),
 and admission into the engine (``EngineCall``: abort on client disconnect, metrics;
 recovery lives below, in the engine client). The output comes back through
-``frontend/api/answer.py``; each API writes it in its own format.
+``frontend/api/chat/answer.py``; each API writes it in its own format.
 """
 
 from __future__ import annotations
@@ -20,22 +20,22 @@ from msgspec.structs import replace
 from starlette.requests import Request
 
 from detokenizer.reasoning import CLOSE, OPEN
-from frontend.api.call import EngineCall
-from frontend.api.chat_prompt import encode_chat, encode_rendered
-from frontend.api.choices import start_choices
-from frontend.api.context import ServingContext, check_model
-from frontend.api.limits import check_size, decode_json_text
-from frontend.api.protocol import (
+from frontend.api.chat.prompt import encode_chat, encode_rendered
+from frontend.api.chat.tools import ToolPlan, plan_tools
+from frontend.api.common.call import EngineCall
+from frontend.api.common.choices import start_choices
+from frontend.api.common.context import ServingContext, check_model
+from frontend.api.common.limits import check_size, decode_json_text
+from frontend.api.common.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     check_prompt_ids,
     resolve_max_tokens,
     to_engine_params,
 )
-from frontend.api.structured import checked_grammar, compile_checked
-from frontend.api.tools import ToolPlan, plan_tools
+from frontend.api.common.structured import checked_grammar, compile_checked
 from frontend.errors import InvalidRequest
-from wire.params import GrammarSpec, ReasoningMode
+from wire.params import GrammarSpec, LoraRef, ReasoningMode
 
 # Prompt tokens decoded to see whether the template left a <think> block open.
 _TAIL_TOKENS = 8
@@ -63,7 +63,7 @@ def chat_prompt_ids(
     ctx: ServingContext, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
 ) -> list[int]:
     """The messages (and ``tools``) through the chat template, tokenized; content stays
-    text unless the server allows special tokens in it (``frontend/api/chat_prompt.py``)."""
+    text unless the server allows special tokens in it (``frontend/api/chat/prompt.py``)."""
     template = ctx.settings.chat_template or getattr(ctx.tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequest(
@@ -133,18 +133,24 @@ async def start_translated(
     """Run another API's request as the chat request ``to_chat`` makes of it: what either
     side cannot serve is refused first (``reject_unsupported``), and the model checked."""
     body.reject_unsupported()
-    check_model(ctx, body.model)
+    lora = check_model(ctx, body.model)
     chat = to_chat(body)
     chat.reject_unsupported()
-    return await start_chat(ctx, request, chat, arrival)
+    return await start_chat(ctx, request, chat, arrival, lora)
 
 
 async def start_chat(
-    ctx: ServingContext, request: Request, body: ChatCompletionRequest, arrival: float, n: int = 1
+    ctx: ServingContext,
+    request: Request,
+    body: ChatCompletionRequest,
+    arrival: float,
+    lora: LoraRef | None,
+    n: int = 1,
 ) -> ChatRun:
-    """Plan, tokenize, constrain and admit ``body`` (``n`` choices); returns once each
-    choice's first delta is in, so admission errors are raised before any byte is sent."""
-    if body.tools:  # before any work is spent on them (frontend/api/limits.py)
+    """Plan, tokenize, constrain and admit ``body`` (``n`` choices) on ``lora``, which the
+    caller's ``check_model`` of the request's model gave; returns once each choice's first
+    delta is in, so admission errors are raised before any byte is sent."""
+    if body.tools:  # before any work is spent on them (frontend/api/common/limits.py)
         check_size(
             [t.model_dump(exclude_none=True) for t in body.tools],
             ctx.settings.max_tools_bytes,
@@ -171,7 +177,7 @@ async def start_chat(
     sampling, detok = to_engine_params(
         body, max_tokens, num_logprobs, s.vocab_size, s.max_logprobs, grammar, mode
     )
-    sampling = replace(sampling, lora=check_model(ctx, body.model))
+    sampling = replace(sampling, lora=lora)
     calls = await start_choices(ctx, request, prompt_ids, sampling, detok, n, arrival)
     return ChatRun(calls, plan, prompt_ids)
 

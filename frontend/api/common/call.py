@@ -19,7 +19,7 @@ from typing import TypeVar
 import anyio
 from starlette.requests import Request
 
-from frontend.api.context import ServingContext
+from frontend.api.common.context import ServingContext
 from frontend.engine_link.engine_client import (
     EngineRequest,
     EngineUnavailable,

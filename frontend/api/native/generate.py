@@ -12,16 +12,16 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.api.call import FINISH_REASONS, EngineCall, predictions
-from frontend.api.context import ServingContext
-from frontend.api.protocol import (
+from frontend.api.common.call import FINISH_REASONS, EngineCall, predictions
+from frontend.api.common.context import ServingContext
+from frontend.api.common.protocol import (
     NativeGenerateRequest,
     check_prompt_ids,
     resolve_max_tokens,
     to_engine_params,
 )
-from frontend.api.sse import sse_stream
-from frontend.api.usage import usage
+from frontend.api.common.sse import sse_stream
+from frontend.api.common.usage import usage
 from frontend.engine_link.engine_client import EngineRequest
 from frontend.errors import InvalidRequest
 from wire.records import Finish

@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from engine.sampling.grammar import GrammarError
-from frontend.api.limits import check_text_size, decode_json_text
+from frontend.api.common.limits import check_text_size, decode_json_text
 from frontend.engine_link.grammar_pool import GrammarPool, GrammarTimeout, GrammarUnavailable
 from frontend.errors import (
     InvalidRequest,

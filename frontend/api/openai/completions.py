@@ -9,18 +9,24 @@ from msgspec.structs import replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.api.call import FINISH_REASONS, EngineCall, Generation, collect_all, predictions
-from frontend.api.choices import best, check_choices, merged, start_choices
-from frontend.api.context import ServingContext, check_model, now_s
-from frontend.api.protocol import (
+from frontend.api.common.call import (
+    FINISH_REASONS,
+    EngineCall,
+    Generation,
+    collect_all,
+    predictions,
+)
+from frontend.api.common.choices import best, check_choices, merged, start_choices
+from frontend.api.common.context import ServingContext, check_model, now_s
+from frontend.api.common.protocol import (
     CompletionRequest,
     check_prompt_ids,
     resolve_max_tokens,
     to_engine_params,
 )
-from frontend.api.sse import sse_stream
-from frontend.api.structured import checked_grammar
-from frontend.api.usage import usage
+from frontend.api.common.sse import sse_stream
+from frontend.api.common.structured import checked_grammar
+from frontend.api.common.usage import usage
 from wire.records import Finish, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 from msgspec.structs import replace
 from starlette.requests import Request
 
-from frontend.api.call import EngineCall, Generation, start_all
-from frontend.api.context import ServingContext
+from frontend.api.common.call import EngineCall, Generation, start_all
+from frontend.api.common.context import ServingContext
 from frontend.engine_link.engine_client import EngineRequest
 from frontend.errors import InvalidRequest
 from wire.params import DetokParams, SamplingParams, choice_seed

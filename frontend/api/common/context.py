@@ -16,7 +16,7 @@ from frontend.telemetry.metrics import FrontendMetrics
 from wire.params import LoraRef
 
 if TYPE_CHECKING:
-    from frontend.api.lora_registry import LoraRegistry
+    from frontend.api.common.lora_registry import LoraRegistry
 
 # Prompts up to this many characters are tokenized on the event loop (tens of microseconds).
 INLINE_ENCODE_CHARS = 2048

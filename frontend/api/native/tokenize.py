@@ -9,9 +9,9 @@ from importlib.metadata import PackageNotFoundError, version
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.api.chat_run import chat_prompt_ids
-from frontend.api.context import ServingContext, check_model
-from frontend.api.protocol import (
+from frontend.api.chat.run import chat_prompt_ids
+from frontend.api.common.context import ServingContext, check_model
+from frontend.api.common.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,

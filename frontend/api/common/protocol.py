@@ -92,7 +92,7 @@ class OpenAIFields(SamplingFields):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False
-    # Structured output (frontend/api/structured.py): OpenAI's, vLLM's current and older names.
+    # Structured output (frontend/api/common/structured.py): OpenAI's, vLLM's current and older names.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -185,7 +185,7 @@ class FunctionDef(Body):
 
 
 class ChatTool(Body):
-    """A tool as it arrives; ``frontend/api/tools.py`` refuses types other than
+    """A tool as it arrives; ``frontend/api/chat/tools.py`` refuses types other than
     ``function`` and checks the function."""
 
     type: str = Field(examples=["function", "code_interpreter"])
@@ -201,7 +201,7 @@ class ChatCompletionRequest(OpenAIFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the reply continues the last message
     tools: list[ChatTool] | None = None
-    tool_choice: str | dict[str, Any] | None = None  # checked by frontend/api/tools.py
+    tool_choice: str | dict[str, Any] | None = None  # checked by frontend/api/chat/tools.py
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
