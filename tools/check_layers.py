@@ -50,6 +50,12 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
         ("api",),
         ("http",),
     ],
+    # benchmarks: the harness every benchmark imports, then one room per subject.
+    "benchmarks": [
+        ("harness",),
+        ("engine", "transport", "cluster", "serving"),
+        ("peers",),
+    ],
     # frontend.api: what handlers share, the internal chat request, then one room per API
     # family (``frontend.api.openai.chat_completions`` is in room ``openai``).
     "frontend.api": [
