@@ -94,7 +94,7 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
 
 
 def _agent(name: str) -> Any:
-    from transport.kv_nixl import load_nixl
+    from transport.nixl_agent import load_nixl
 
     nixl = load_nixl()
     return nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))

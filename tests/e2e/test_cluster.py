@@ -29,7 +29,7 @@ ok, why = available()
 if not ok:  # pragma: no cover - root with network namespaces is the norm here and in CI
     pytest.skip(f"two network namespaces cannot be made here: {why}", allow_module_level=True)
 try:
-    from transport.kv_nixl import load_nixl
+    from transport.nixl_agent import load_nixl
 
     load_nixl()
 except Exception as e:  # pragma: no cover - the test extra installs it
