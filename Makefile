@@ -72,7 +72,7 @@ test: lint typecheck pytest
 # The long schema-driven fuzz of every endpoint (README, "Reliability"); `make test` runs a
 # bounded one.
 fuzz-long: setup-test
-	$(PY) -m benchmarks.api_fuzz --bodies 5000 --out benchmarks/results/api_fuzz
+	$(PY) -m benchmarks.serving.api_fuzz --bodies 5000 --out benchmarks/results/api_fuzz
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

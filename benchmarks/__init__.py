@@ -1,1 +1,3 @@
-"""Benchmarks: each compares against a baseline in the same run; see README.md."""
+"""Benchmarks, in rooms: ``harness`` (what every benchmark imports), then ``engine``,
+``transport``, ``cluster``, ``serving`` and ``peers`` (pdserve against vLLM and llama.cpp)
+by subject. Each compares against a baseline in the same run; see README.md."""

@@ -49,7 +49,7 @@ timeout 330 python3 -m pytest -q -p no:cacheprovider --timeout 120 --junitxml "$
     "${tests[@]}" 2>&1 | tee "$out/cuda_tests.log" | tail -40
 stamp "tests done"
 
-timeout 150 python3 -m benchmarks.engine_bench --device cuda --dtype bfloat16 --models smollm2 \
+timeout 150 python3 -m benchmarks.engine.engine_bench --device cuda --dtype bfloat16 --models smollm2 \
     2>&1 | tee "$out/engine_bench.log" | tail -15
 stamp "engine_bench done"
 grep -E "passed|failed|error" "$out/cuda_tests.log" | tail -3

@@ -7,9 +7,10 @@
   its shared-memory ring implementation, recovery of requests whose workers died, and
   the ``/health`` and ``/metrics`` views of the workers.
 - ``telemetry/``: Prometheus metrics and the periodic stats line.
-- ``openai/``: the API surface: request shapes, chat prompts, tools, structured output,
-  ``n`` choices and the handlers of every endpoint (OpenAI's, Anthropic's Messages API
-  and vLLM's native ones).
+- ``api/``: the API surface, in rooms of its own: what every handler shares
+  (``common/``), the one internal chat request (``chat/``), then one room per API family:
+  ``openai/`` (completions, chat completions, Responses), ``anthropic/`` (Messages) and
+  ``native/`` (``/generate``, ``/tokenize``, LoRA adapters).
 - ``http/``: the edge and the process: the C accept thread, connection deadlines and
   caps, the guard (key, Host, Content-Type), the FastAPI app and ``server`` (the
   process's ``main``, started by the launcher).

@@ -47,7 +47,7 @@ class FrontendSettings:
     control tokens (the old behaviour; a user can then forge a system turn).
     ``eos_token_ids`` are the model's (its grammars end on them, as in the workers).
 
-    What one request may cost (``frontend/api/limits.py``; README, "Reliability"): JSON
+    What one request may cost (``frontend/api/common/limits.py``; README, "Reliability"): JSON
     nested at most ``max_json_depth`` levels anywhere in it (the body, tool call
     arguments, schemas: real schemas nest a dozen levels, and 64 leaves room for the body
     around them); ``tools`` of at most ``max_tools_bytes`` as compact JSON (256 KiB: a
@@ -55,10 +55,10 @@ class FrontendSettings:
     forced tool choice makes) of at most ``max_schema_bytes``; and at most
     ``grammar_compile_timeout_s`` of wall-clock time to compile its grammar, in one of
     ``grammar_workers`` processes (``frontend/engine_link/grammar_pool.py``).
-    ``tool_call_parser`` reads tool calls out of chat output (frontend/api/tool_parsers.py);
+    ``tool_call_parser`` reads tool calls out of chat output (frontend/api/chat/tool_parsers.py);
     None: ``tool_choice: auto`` is refused. ``reasoning_parser`` (``qwen3``, ``deepseek_r1``:
     the ``<think>…</think>`` family) keeps reasoning apart from the answer in the chat-shaped
-    APIs (``frontend/api/chat_run.py``); None: the output is all answer.
+    APIs (``frontend/api/chat/run.py``); None: the output is all answer.
     """
 
     model_name: str
@@ -85,7 +85,7 @@ class FrontendSettings:
     max_schema_bytes: int = MAX_GRAMMAR_BYTES
     grammar_compile_timeout_s: float = 5.0
     grammar_workers: int = 2
-    # LoRA (frontend/api/lora_registry.py): adapters served at once (0: LoRA off), the
+    # LoRA (frontend/api/common/lora_registry.py): adapters served at once (0: LoRA off), the
     # largest rank, the adapters of --lora-modules, and the base checkpoint they must fit.
     max_loras: int = 0
     max_lora_rank: int = 16

@@ -17,7 +17,7 @@ import os
 import socket
 from pathlib import Path
 
-from cluster.gateway import GatewaySpec
+from cluster.membership import GatewaySpec
 from launcher.args import check_node_name, split_host_port
 from launcher.settings import DEFAULT_CLUSTER_PORT, ConfigError, ServerConfig
 from launcher.supervisor import Child
@@ -122,8 +122,8 @@ def ucx_env(config: ServerConfig) -> dict[str, str]:
 def require_extra() -> None:
     """Fail at once, naming the extra, when this install cannot join a cluster."""
     try:
-        from transport.kv_nixl import load_nixl
         from transport.link.auth import cluster_keypair
+        from transport.nixl_agent import load_nixl
 
         load_nixl()
         cluster_keypair("x" * 16)

@@ -10,7 +10,7 @@ from pathlib import Path
 from detokenizer.reasoning import PARSERS as REASONING_PARSERS
 from engine.config import ATTENTION_BACKENDS, SpeculativeConfig, parse_speculative_config
 from engine.weights.plan import QUANTIZATIONS
-from frontend.api.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+from frontend.api.chat.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from launcher.limit_args import add_request_limit_flags
 from launcher.lora_args import add_lora_flags
 from launcher.role_args import add_role_flags

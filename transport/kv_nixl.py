@@ -32,15 +32,13 @@ block_size, kv_heads, head_dim)``, so block ``b`` is ``block_nbytes`` at ``base 
 block_nbytes`` on both sides and the two sides' block counts may differ.
 
 NIXL is an optional extra (``pip install 'pdserve[nixl]'``): nothing on a single host
-imports this module, and constructing either end without it raises ``NixlUnavailable``.
+imports this module, and constructing either end without it raises ``NixlUnavailable``
+(``transport/nixl_agent.py`` loads NIXL and makes its agents).
 """
 
 from __future__ import annotations
 
-import collections
-import importlib
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,71 +48,29 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from transport.errors import ClusterUnavailable, KVReadFailed, KVTransferError
+from transport.errors import KVReadFailed, KVTransferError
 from transport.kv import KVExporter, KVRead, KVReceiver, check_ids
+from transport.nixl_agent import (
+    Progress,
+    check_compatible,
+    load_nixl,
+    new_agent,
+    nixl_errors,
+)
 from wire.kv_layout import KVLayout
-from wire.records import KVRelease, RecordError, decode, encode
+from wire.records import KVRelease, encode
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-NIXL_EXTRA = "pip install 'pdserve[nixl]'"
-# The wheels name their module for the CUDA they were built against; the ``nixl`` meta
-# package re-exports one of them. Any of them serves DRAM; VRAM needs the matching CUDA.
-_MODULES = ("nixl._api", "nixl_cu13", "nixl_cu12")
-_BACKEND = "UCX"
 _SPIN_POLLS = 64  # state checks before the wait starts sleeping: most reads finish in these
 _POLL_SLEEP_S = 0.0002
-_EXPORT_POLL_S = 0.0005
-_NOTIF_FLUSH_S = 0.05  # how often an exporter serving READs progresses its agent
-
-
-class NixlUnavailable(ClusterUnavailable):
-    """NIXL is not installed: the multi-host KV backend cannot run."""
-
-    def __init__(self, detail: str = "") -> None:
-        super().__init__(
-            "KV transfer between hosts needs NIXL, an optional extra: "
-            f"{NIXL_EXTRA}" + (f" ({detail})" if detail else "")
-        )
-
-
-class KVLayoutMismatch(KVTransferError):
-    """A remote pool whose blocks are not laid out as ours: its bytes cannot be copied."""
-
-
-def load_nixl() -> ModuleType:
-    """The installed NIXL Python API (the module holding ``nixl_agent``)."""
-    errors = []
-    for name in _MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError as e:
-            errors.append(f"{name}: {e}")
-            continue
-        if hasattr(module, "nixl_agent"):
-            return module
-    raise NixlUnavailable("; ".join(errors))
-
-
-_COMPARED = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "order")
-
-
-def check_compatible(local: KVLayout, remote: KVLayout) -> None:
-    """Raise ``KVLayoutMismatch`` unless a block of ``remote`` is a block of ``local``.
-
-    Only the block count may differ. Called when a peer joins (with the layout it
-    announces) and again when its pool handle is opened.
-    """
-    diffs = [
-        f"{f} {getattr(remote, f)} (here {getattr(local, f)})"
-        for f in _COMPARED
-        if getattr(local, f) != getattr(remote, f)
-    ]
-    if diffs:
-        raise KVLayoutMismatch("remote KV pool layout differs: " + ", ".join(diffs))
+# A notification with no READ is progressed for this long and at least this many polls: on
+# a busy host 50 ms of wall time can hold only a few polls, too few to connect and send.
+_NOTIF_FLUSH_S = 0.05
+_NOTIF_FLUSH_POLLS = 256
 
 
 class NixlPool(msgspec.Struct, array_like=True, frozen=True):
@@ -146,84 +102,6 @@ def _block_descs(base: int, blocks: int, block_nbytes: int, device: int) -> np.n
     return out
 
 
-def nixl_errors(nixl: ModuleType) -> tuple[type[Exception], ...]:
-    """The exception types NIXL's bindings raise (they share no base class but Exception)."""
-    bindings = getattr(importlib.import_module(nixl.nixl_agent.__module__), "nixlBind", None)
-    found = (
-        tuple(
-            obj
-            for name, obj in vars(bindings).items()
-            if name.startswith("nixl") and isinstance(obj, type) and issubclass(obj, Exception)
-        )
-        if bindings is not None
-        else ()
-    )
-    return found or (RuntimeError,)
-
-
-def _agent(nixl: ModuleType, name: str) -> Any:
-    # NOTE: no NIXL progress thread: the Python API starts it with no delay between
-    # polls, a whole core per agent while idle. A receiver progresses its own agent while
-    # it waits for a READ; an exporter runs ``_Progress`` only while READs may come.
-    config = nixl.nixl_agent_config(enable_prog_thread=False, backends=[_BACKEND])
-    agent = nixl.nixl_agent(name, config)
-    if _BACKEND not in agent.backends:
-        raise NixlUnavailable(f"its {_BACKEND} plugin did not load")
-    return agent
-
-
-class _Progress:
-    """Progresses an exporter's agent while its owner says READs may come.
-
-    A READ over a transport without remote memory access (UCX over TCP) is served by the
-    source's worker, and connecting needs it too: something must progress the source's
-    agent while a decode worker reads, also while the prefill worker's own thread is busy
-    in a forward. This thread polls every ``_EXPORT_POLL_S`` while ``active`` and sleeps
-    on an event otherwise, so an exporter with nothing pinned costs no CPU. It is the only
-    caller of the agent after construction; releases pass to the owner through a deque.
-    """
-
-    def __init__(self, agent: Any) -> None:
-        self.agent = agent
-        self.releases: collections.deque[KVRelease] = collections.deque()
-        self._wanted = threading.Event()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="nixl-progress", daemon=True)
-        self._thread.start()
-
-    def active(self, on: bool) -> None:
-        if on:
-            self._wanted.set()
-        else:
-            self._wanted.clear()
-
-    def _run(self) -> None:
-        while not self._stop:
-            self._wanted.wait()
-            while self._wanted.is_set() and not self._stop:
-                self._collect()
-                time.sleep(_EXPORT_POLL_S)
-            self._collect()  # what came with the last READs
-
-    def _collect(self) -> None:
-        for peer, messages in self.agent.get_new_notifs().items():
-            for message in messages:
-                try:
-                    record = decode(message)
-                except RecordError as e:
-                    logger.warning("nixl: unreadable notification from %s: %s", peer, e)
-                    continue
-                if isinstance(record, KVRelease):
-                    self.releases.append(record)
-                else:
-                    logger.warning("nixl: notification from %s is not a KVRelease", peer)
-
-    def stop(self) -> None:
-        self._stop = True
-        self._wanted.set()
-        self._thread.join(5)
-
-
 class NixlExporter(KVExporter):
     """Prefill side: the pool registered with this worker's NIXL agent.
 
@@ -239,7 +117,7 @@ class NixlExporter(KVExporter):
         nixl = nixl or load_nixl()
         self.pool, self.layout = pool, layout
         self.mem, self.device = _pool_region(pool, layout)
-        self.agent = _agent(nixl, name)
+        self.agent = new_agent(nixl, name)
         self._reg = self.agent.register_memory(
             [(pool.data_ptr(), layout.nbytes, self.device, "")], self.mem
         )
@@ -253,7 +131,7 @@ class NixlExporter(KVExporter):
                 device=self.device,
             )
         )
-        self._progress = _Progress(self.agent)
+        self._progress = Progress(self.agent)
 
     def serve_reads(self, on: bool) -> None:
         """Progress the agent (reads can be served) or let it sleep (nothing pinned)."""
@@ -310,7 +188,7 @@ class NixlReceiver(KVReceiver):
         nixl = nixl or load_nixl()
         self.pool, self.layout, self.timeout_s = pool, layout, timeout_s
         self.mem, self.device = _pool_region(pool, layout)
-        self.agent = _agent(nixl, name)
+        self.agent = new_agent(nixl, name)
         self._reg = self.agent.register_memory(
             [(pool.data_ptr(), layout.nbytes, self.device, "")], self.mem
         )
@@ -417,8 +295,10 @@ class NixlReceiver(KVReceiver):
         """A notification with no READ has no completion to wait on: progress this agent
         a little (no progress thread runs here) so it leaves, connection set-up included."""
         deadline = time.monotonic() + _NOTIF_FLUSH_S
-        while time.monotonic() < deadline:
+        polls = 0
+        while polls < _NOTIF_FLUSH_POLLS or time.monotonic() < deadline:
             self.agent.get_new_notifs()
+            polls += 1
             time.sleep(_POLL_SLEEP_S)
 
     def close(self) -> None:

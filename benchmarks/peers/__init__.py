@@ -13,4 +13,8 @@ are up side by side on loopback ports, each warmed up, and take turns at every
 (workload, concurrency) point (the order rotates), so a change in the shared machine's
 load falls on all of them alike; then they are stopped, their whole process sessions, and
 the next group starts.
+
+Beside the sweep, two features against the peers: ``speculative`` (n-gram speculation
+served, against none and against llama.cpp's) and ``lora`` (batched adapters against
+vLLM's).
 """

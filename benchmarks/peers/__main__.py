@@ -19,8 +19,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import describe as describe_machine
-from benchmarks.machine import load_average, portable, vector_flags
+from benchmarks.harness.machine import describe as describe_machine
+from benchmarks.harness.machine import load_average, portable, vector_flags
+from benchmarks.harness.servers import (
+    VLLM_SPEC,
+    ServerFailed,
+    ServerSpec,
+    ensure_vllm,
+    running,
+    vllm_version,
+)
 from benchmarks.peers import llama_cpp
 from benchmarks.peers.contenders import (
     LLAMA,
@@ -39,14 +47,6 @@ from benchmarks.peers.contenders import (
     vllm_server,
 )
 from benchmarks.peers.report import Point, Report, render
-from benchmarks.peers.servers import (
-    VLLM_SPEC,
-    ServerFailed,
-    ServerSpec,
-    ensure_vllm,
-    running,
-    vllm_version,
-)
 from benchmarks.peers.workloads import WORKLOADS, measure, warm_up
 
 logger = logging.getLogger("benchmarks.peers")
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         *(f"{s.name}: `{s.describe()}`" for g in groups for s in g.specs),
     ]
     machine, notes = describe_machine(), []
-    if "vector flags" not in machine:  # benchmarks.machine names them itself on newer trees
+    if "vector flags" not in machine:  # benchmarks.harness.machine names them itself on newer trees
         machine += f"\n{vector_line()}"
     points: list[Point] = []
     try:

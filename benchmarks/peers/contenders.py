@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.harness.servers import OFFLINE, VLLM_ENTRY, ServerSpec
 from benchmarks.peers import llama_cpp
-from benchmarks.peers.servers import OFFLINE, VLLM_ENTRY, ServerSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM = "vLLM"

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.peers.servers import ServerFailed
+from benchmarks.harness.servers import ServerFailed
 
 logger = logging.getLogger(__name__)
 

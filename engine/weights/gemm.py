@@ -4,7 +4,7 @@ row count from which that GEMM beats the packed kernel, measured on this machine
 torch's int4 CPU kernel de-quantizes per block of rows, so its cost grows with every row;
 a bfloat16 GEMM is bound by reading its weights until far more rows. SmolLM2's linear
 layers of one step (30 layers, 2 threads, a 2-core AMD EPYC with AVX-512 BF16, no AMX;
-``python -m benchmarks.linear_kernels``, ``benchmarks/results/linear_kernels.md``), ms:
+``python -m benchmarks.engine.linear_kernels``, ``benchmarks/results/linear_kernels.md``), ms:
 
     rows                              1      8     32     64    256
     packed int4                     3.3    6.8   21.4   40.8  157.6

@@ -1,17 +1,16 @@
-"""The API surface: OpenAI's completions, chat completions and Responses API, Anthropic's
-Messages API, vLLM's native ``/generate``, ``/tokenize`` and ``/detokenize``, and its
-LoRA adapter endpoints. ``frontend.http.app`` routes every POST to a handler here, from
-one table.
+"""The API surface, in rooms; bottom up, each imports only the rooms below it
+(``tools/check_layers.py`` enforces the order):
 
-    handlers   completions, chat, messages (Anthropic), responses, generate, tokenize, lora
-    shared     context (what every handler gets; ``check_model``), call (one engine call's
-               lifecycle), sse (stream framing), usage (token counts), protocol (bodies
-               parsed and validated), limits (what one body may cost)
-    building   chat_prompt, tools, tool_parsers, structured, choices: bodies into engine
-               requests, engine output into responses
+    common     what every handler shares: context (the model checked once), call, choices,
+               protocol, limits, structured, sse, usage, lora_registry
+    chat       the one internal chat request: prompt, tools, tool_parsers, run, answer
+    openai     /v1/completions, /v1/chat/completions, /v1/responses
+    anthropic  /v1/messages, /v1/messages/count_tokens
+    native     /generate, /tokenize, /detokenize, /version, the LoRA adapter endpoints
 
-The chat-shaped APIs share one internal request: ``messages_request`` and
-``responses_request`` translate their bodies into a chat completion request,
-``chat_run`` starts it and ``answer`` reads its output (reasoning, content, tool calls)
-for each API to write in its own shape.
+``frontend.http.app`` routes every request to a handler here, from one table. The
+chat-shaped APIs share one internal request: ``openai.responses_request`` and
+``anthropic.messages_request`` translate their bodies into a chat completion request,
+``chat.run`` starts it and ``chat.answer`` reads its output for each API to write in its
+own shape.
 """

@@ -1,7 +1,7 @@
 """The frontend's grammar check: does a request's grammar compile, within its budget?
 
 Who calls what, when:
-- ``check(spec)`` as a constrained request arrives (``frontend/api/structured.py``):
+- ``check(spec)`` as a constrained request arrives (``frontend/api/common/structured.py``):
   a verdict cached by ``spec.key`` answers at once (``hits`` counts it); otherwise the
   spec goes to an idle worker process (``grammar_worker.py``), and the verdict, once in,
   is cached (LRU, ``max_cached`` entries). Raises ``GrammarError`` if the grammar does

@@ -4,7 +4,7 @@
 connection may land on any of them: an adapter loaded through one must be served by all,
 and one unloaded through another must be gone from all. The launcher creates this
 segment (``layout_nbytes``, ``format``) before any frontend starts; each frontend maps it
-(``frontend/api/lora_registry.py``), and a restarted one finds every adapter loaded
+(``frontend/api/common/lora_registry.py``), and a restarted one finds every adapter loaded
 before it died.
 
 Layout (little-endian u64 words, then UTF-8 JSON):

@@ -12,7 +12,7 @@ its own, then ``HealthAcceptor.start`` on the loop; at shutdown ``close`` stops 
 before uvicorn closes the connections it has.
 
 Why a thread in C, judged against simpler designs for the figure it exists for (``/health``
-p99 < 100 ms while 500 streaming clients arrive, ``benchmarks/overload.py``):
+p99 < 100 ms while 500 streaming clients arrive, ``benchmarks/serving/overload.py``):
 - Probes answered first on the loop (a pure-ASGI fast path, which ``frontend.http.app`` still
   has for probes that reach it): measured at p99 67-332 ms before this thread existed,
   because a probe still waits behind every handler queued ahead of it.

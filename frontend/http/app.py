@@ -27,22 +27,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend.api.call import ClientGone
-from frontend.api.chat import create_chat_completion
-from frontend.api.completions import create_completion
-from frontend.api.context import ServingContext
-from frontend.api.generate import generate
-from frontend.api.limits import check_depth, too_deep
-from frontend.api.lora import (
-    LoadLoraAdapterRequest,
-    UnloadLoraAdapterRequest,
-    load_lora_adapter,
-    unload_lora_adapter,
-)
-from frontend.api.lora_registry import LoraRegistry
-from frontend.api.messages import count_tokens, create_message
-from frontend.api.messages_request import CountTokensRequest, MessagesRequest
-from frontend.api.protocol import (
+from frontend.api.anthropic.messages import count_tokens, create_message
+from frontend.api.anthropic.messages_request import CountTokensRequest, MessagesRequest
+from frontend.api.common.call import ClientGone
+from frontend.api.common.context import ServingContext
+from frontend.api.common.limits import check_depth, too_deep
+from frontend.api.common.lora_registry import LoraRegistry
+from frontend.api.common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -50,9 +41,18 @@ from frontend.api.protocol import (
     TokenizeRequest,
     parse_body,
 )
-from frontend.api.responses import create_response
-from frontend.api.responses_request import ResponsesRequest
-from frontend.api.tokenize import detokenize, tokenize, version_response
+from frontend.api.native.generate import generate
+from frontend.api.native.lora import (
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
+from frontend.api.native.tokenize import detokenize, tokenize, version_response
+from frontend.api.openai.chat_completions import create_chat_completion
+from frontend.api.openai.completions import create_completion
+from frontend.api.openai.responses import create_response
+from frontend.api.openai.responses_request import ResponsesRequest
 from frontend.engine_link.engine_client import EngineClient, Overloaded, WorkerHealth
 from frontend.engine_link.grammar_pool import GrammarPool
 from frontend.engine_link.grammar_worker import WorkerConfig

@@ -4,7 +4,7 @@ Handlers read their bodies themselves (``app._serve``: size, depth and type chec
 one place), so FastAPI cannot see the bodies' models; this puts each model's JSON schema
 back into the document, as the request body of its path. The document is what clients
 generate code from, and what the suite's schema-driven fuzzer generates bodies from
-(``benchmarks/api_fuzz.py``).
+(``benchmarks/serving/api_fuzz.py``).
 """
 
 from __future__ import annotations

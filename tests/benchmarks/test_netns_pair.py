@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from benchmarks import netns_pair
-from benchmarks.netns_pair import NetnsPair, list_namespaces, sweep_stale
+from benchmarks.cluster import netns_pair
+from benchmarks.cluster.netns_pair import NetnsPair, list_namespaces, sweep_stale
 
 ok, why = netns_pair.available()
 pytestmark = pytest.mark.skipif(not ok, reason=why)

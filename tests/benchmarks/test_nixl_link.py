@@ -1,4 +1,4 @@
-"""benchmarks.nixl_link: the pipe framing, the UCX protocol-table reader, and one small
+"""benchmarks.cluster.nixl_link: the pipe framing, the UCX protocol-table reader, and one small
 READ across the veth pair (skipped without root namespaces or without NIXL)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import io
 
 import pytest
 
-from benchmarks import netns_pair
-from benchmarks.nixl_link import measure_read, read_frame, read_protocol, write_frame
+from benchmarks.cluster import netns_pair
+from benchmarks.cluster.nixl_link import measure_read, read_frame, read_protocol, write_frame
 
 
 def test_frames_carry_arbitrary_bytes_and_a_short_read_is_an_eof() -> None:

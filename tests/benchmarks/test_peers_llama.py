@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 import benchmarks.peers.__main__ as cli
-from benchmarks.machine import vector_flags
+from benchmarks.harness.machine import vector_flags
+from benchmarks.harness.servers import ServerFailed
 from benchmarks.peers import contenders, llama_cpp
 from benchmarks.peers.report import Point, Report, peer_ratio_rows, render
-from benchmarks.peers.servers import ServerFailed
 
 AVX512_VM = (
     "processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.prefix_cache import CONFIGS, DATASETS, hit_rate, ideal_hit_rate, report
+from benchmarks.serving.prefix_cache import CONFIGS, DATASETS, hit_rate, ideal_hit_rate, report
 
 
 def test_ideal_hit_rate_counts_block_aligned_prefixes_seen_before() -> None:
@@ -45,6 +45,6 @@ def test_report_has_a_row_per_run_and_the_ratios() -> None:
         for d in DATASETS
         for c in CONFIGS
     ]
-    text = report(rows, dict.fromkeys(DATASETS, 0.8), "python -m benchmarks.prefix_cache")
+    text = report(rows, dict.fromkeys(DATASETS, 0.8), "python -m benchmarks.serving.prefix_cache")
     assert text.count("| 5 / 6 |") == len(rows)
     assert text.count("off / on = **4.00x**") == len(DATASETS) and "(75%)" in text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.speculative import Stream, pooled
+from benchmarks.peers.speculative import Stream, pooled
 
 
 def _stream(ttft: float, times: list[float], tokens: int, drafted: int = 0) -> Stream:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.gateway import Gateway, GatewaySpec, Member, join_refusal
+from cluster.gateway import Gateway
+from cluster.membership import GatewaySpec, Member, join_refusal
 from launcher import cluster
 from launcher.args import parse_args
 from launcher.cli import main

@@ -17,7 +17,7 @@ import httpx
 import torch
 from hypothesis import HealthCheck, settings
 
-from benchmarks.soak import parents
+from benchmarks.harness.processes import parents
 from tests.conftest import LaunchedServer
 
 # The hypothesis settings of the hand-written e2e fuzz tests: reproducible (derandomized, no

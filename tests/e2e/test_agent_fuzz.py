@@ -16,7 +16,7 @@ import httpx
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.api_fuzz import any_json, json_leaf
+from benchmarks.serving.api_fuzz import any_json, json_leaf
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import E2E_FUZZ
 

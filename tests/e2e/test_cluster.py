@@ -1,5 +1,5 @@
 """Several hosts, stood in for by two network namespaces joined by a veth
-(``benchmarks/netns_pair.py``): a head node (frontend, prefill, detokenizer) in ``a`` and
+(``benchmarks/cluster/netns_pair.py``): a head node (frontend, prefill, detokenizer) in ``a`` and
 member nodes (decode) in ``b``. KV crosses by NIXL, UCX over TCP on the veth; records on
 the authenticated cluster link. Traffic stays inside the two namespaces, which are
 deleted afterwards.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.netns_pair import NetnsLaunch, NetnsPair, Side, available
+from benchmarks.cluster.netns_pair import NetnsLaunch, NetnsPair, Side, available
 from bundled_models import tiny
 from engine.config import ModelConfig
 from tests.e2e.helpers import check_exact, children, random_prompts, title
@@ -29,7 +29,7 @@ ok, why = available()
 if not ok:  # pragma: no cover - root with network namespaces is the norm here and in CI
     pytest.skip(f"two network namespaces cannot be made here: {why}", allow_module_level=True)
 try:
-    from transport.kv_nixl import load_nixl
+    from transport.nixl_agent import load_nixl
 
     load_nixl()
 except Exception as e:  # pragma: no cover - the test extra installs it

@@ -10,7 +10,7 @@ import re
 import signal
 import time
 
-from benchmarks.netns_pair import NetnsPair
+from benchmarks.cluster.netns_pair import NetnsPair
 from bundled_models import tiny
 from tests.e2e.helpers import check_exact, children, random_prompts, title
 from tests.e2e.test_cluster import Cluster, _start, start_streams

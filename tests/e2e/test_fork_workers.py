@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import process_tree
+from benchmarks.harness.processes import process_tree
 from bundled_models import tiny
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import (

@@ -20,7 +20,7 @@ import httpx
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.api_fuzz import any_json
+from benchmarks.serving.api_fuzz import any_json
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import E2E_FUZZ
 

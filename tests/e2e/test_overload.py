@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.overload import CLIENTS, LAUNCH_ARGS, Probe, percentile, storm
-from benchmarks.soak import rss_bytes
+from benchmarks.harness.processes import rss_bytes
+from benchmarks.serving.overload import CLIENTS, LAUNCH_ARGS, Probe, percentile, storm
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import pid_of
 
@@ -80,7 +80,7 @@ def test_500_streams_beyond_the_bound_get_503_and_health_keeps_answering(
 
 
 def test_after_the_storm_the_server_serves_and_holds_no_kv(small: LaunchedServer) -> None:
-    from benchmarks.soak import wait_quiet
+    from benchmarks.serving.soak import wait_quiet
 
     assert not any(wait_quiet(small.url, timeout_s=30).values())
     body = {"prompt": "hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}

@@ -1,13 +1,13 @@
 """Schema-driven fuzzing of a launched server (issue 36): every POST endpoint's bodies are
 generated from the request schema the server itself publishes in /openapi.json, then
-mutated (``benchmarks/api_fuzz.py``: types swapped for lists, objects, null, numbers and
+mutated (``benchmarks/serving/api_fuzz.py``: types swapped for lists, objects, null, numbers and
 huge strings, fields dropped and added, deep nesting, unicode, numbers at their bounds).
 
 No body may get a 5xx; every 4xx must be in its API's own error shape; no stream may
 carry a server error; afterwards every worker is the same process and a greedy request
 is answered as before. Bounded: ``EXAMPLES`` bodies per endpoint with a 4-token output
 budget, a few seconds per endpoint on the tiny model. The long run is
-``python -m benchmarks.api_fuzz`` (README, "Reliability").
+``python -m benchmarks.serving.api_fuzz`` (README, "Reliability").
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.api_fuzz import endpoint_schemas, probe, problems, send, strategies
+from benchmarks.serving.api_fuzz import endpoint_schemas, probe, problems, send, strategies
 from frontend.http.app import ROUTES
 from frontend.http.reset_route import PATH as RESET_PATH
 from tests.conftest import LaunchedServer

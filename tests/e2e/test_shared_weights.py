@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.soak import process_tree
-from benchmarks.tree_memory import WEIGHTS_MAPPING, mapping_usage
+from benchmarks.harness.processes import process_tree
+from benchmarks.serving.tree_memory import WEIGHTS_MAPPING, mapping_usage
 from bundled_models import tiny
 from tests.conftest import LaunchedServer
 from tests.e2e.helpers import (

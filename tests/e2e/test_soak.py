@@ -1,6 +1,6 @@
 """A short soak of the shared server: mixed load with hang-ups leaves nothing behind.
 
-The CI variant of ``python -m benchmarks.soak``: about 40 s of load on the session's
+The CI variant of ``python -m benchmarks.serving.soak``: about 40 s of load on the session's
 2P/2D/2K server, then every worker holds zero KV blocks and the launcher's process tree
 holds no more shm segments, and no more than 10 % more shm bytes, fds or RSS, than after
 the warm-up.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.soak import BENIGN, Snapshot, SoakConfig, leaks, soak
+from benchmarks.serving.soak import BENIGN, Snapshot, SoakConfig, leaks, soak
 from tests.conftest import LaunchedServer
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.speculative import speculation_counts
+from benchmarks.peers.speculative import speculation_counts
 from tests.conftest import LaunchedServer
 
 pytestmark = pytest.mark.slow

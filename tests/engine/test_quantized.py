@@ -179,7 +179,7 @@ def test_quantization_at_load_on_every_tiny_architecture(
         outs.append(r.prefill([(s, s.num_tokens)]))
     rel = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
     # Random tiny weights are the worst case for a 16-level grid (measured: int8 ~2 %,
-    # int4 up to ~35 %); the real model's loss is measured by benchmarks.perplexity.
+    # int4 up to ~35 %); the real model's loss is measured by benchmarks.engine.perplexity.
     assert rel < (5e-2 if quantization == "int8" else 0.5)
 
 

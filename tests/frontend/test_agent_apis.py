@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from frontend.api import messages as messages_api
-from frontend.api.sse import with_keepalive
+from frontend.api.anthropic import messages as messages_api
+from frontend.api.common.sse import with_keepalive
 from frontend.http.app import build_app
 from tests.frontend.conftest import MODEL, make_settings
 

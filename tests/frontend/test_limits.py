@@ -1,4 +1,4 @@
-"""What one request may cost (frontend/api/limits.py): depth without recursion, sizes."""
+"""What one request may cost (frontend/api/common/limits.py): depth without recursion, sizes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.api.limits import check_depth, check_size, decode_json_text, json_depth, raw_depth
+from frontend.api.common.limits import (
+    check_depth,
+    check_size,
+    decode_json_text,
+    json_depth,
+    raw_depth,
+)
 from frontend.errors import LimitExceeded
 
 

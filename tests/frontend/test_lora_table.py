@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from frontend.api.lora_registry import LoraRegistry
+from frontend.api.common.lora_registry import LoraRegistry
 from frontend.engine_link.lora_table import LoraTable, format_table, layout_nbytes
 from frontend.errors import APIError
 from frontend.settings import FrontendSettings

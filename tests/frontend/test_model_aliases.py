@@ -7,7 +7,7 @@ from typing import Any, cast
 
 import pytest
 
-from frontend.api.context import ServingContext, check_model
+from frontend.api.common.context import ServingContext, check_model
 from frontend.errors import ModelNotFound
 from tests.frontend.conftest import MODEL, make_settings
 

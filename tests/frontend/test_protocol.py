@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from frontend.api.protocol import (
+from frontend.api.common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     NativeGenerateRequest,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from frontend.api.protocol import (
+from frontend.api.common.protocol import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from frontend.api.structured import compile_checked, grammar_spec
+from frontend.api.common.structured import compile_checked, grammar_spec
 from frontend.engine_link.grammar_pool import GrammarPool
 from frontend.engine_link.grammar_worker import WorkerConfig
 from frontend.errors import InvalidRequest, LimitExceeded, NotImplementedField, ServiceUnavailable

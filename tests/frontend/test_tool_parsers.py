@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from frontend.api.tool_parsers import HermesParser, Llama3JsonParser, NamedCall, RequiredCalls
-from frontend.api.tools import ToolCallDeltas, parse_output
+from frontend.api.chat.tool_parsers import HermesParser, Llama3JsonParser, NamedCall, RequiredCalls
+from frontend.api.chat.tools import ToolCallDeltas, parse_output
 
 HERMES = (
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'

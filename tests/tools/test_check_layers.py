@@ -14,15 +14,19 @@ def test_the_tree_passes() -> None:
 
 def test_a_room_may_import_a_lower_room_only() -> None:
     graph = {
-        "frontend.http.app": {"frontend.api.protocol", "frontend.errors", "frontend.http.guard"},
+        "frontend.http.app": {
+            "frontend.api.common.protocol",
+            "frontend.errors",
+            "frontend.http.guard",
+        },
         "frontend.engine_link.recovery": {"frontend.http.app"},
-        "frontend.api.protocol": {"frontend.telemetry.metrics"},
-        "frontend.telemetry.metrics": {"frontend.api.protocol"},
+        "frontend.api.common.protocol": {"frontend.telemetry.metrics"},
+        "frontend.telemetry.metrics": {"frontend.api.common.protocol"},
     }
     assert layer_offences(graph) == [
         "frontend.engine_link.recovery imports frontend.http.app: "
         "room frontend.http is not below frontend.engine_link",
-        "frontend.telemetry.metrics imports frontend.api.protocol: "
+        "frontend.telemetry.metrics imports frontend.api.common.protocol: "
         "room frontend.api is not below frontend.telemetry",
     ]
 

@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from transport import kv_nixl
+from transport import kv_nixl, nixl_agent
 from transport.errors import KVTransferError
 from transport.kv_nixl import NixlExporter, NixlReceiver
 from wire.kv_layout import KVLayout
 from wire.records import KVRelease
 
 try:
-    NIXL = kv_nixl.load_nixl()
-except kv_nixl.NixlUnavailable as e:  # pragma: no cover - the test extra installs it
+    NIXL = nixl_agent.load_nixl()
+except nixl_agent.NixlUnavailable as e:  # pragma: no cover - the test extra installs it
     pytest.skip(str(e), allow_module_level=True)
 
 LAYOUT = KVLayout(
@@ -115,7 +115,7 @@ def test_a_pool_of_another_layout_is_refused_with_the_fields_named(
     exporter = kv_nixl.NixlExporter(_pool(other), other, f"prefill-bad-{named[:6]}", nixl=NIXL)
     receiver = kv_nixl.NixlReceiver(_pool(LAYOUT), LAYOUT, f"decode-bad-{named[:6]}", nixl=NIXL)
     try:
-        with pytest.raises(kv_nixl.KVLayoutMismatch, match=re.escape(named)):
+        with pytest.raises(nixl_agent.KVLayoutMismatch, match=re.escape(named)):
             receiver.open(0, exporter.handle())
         assert 0 not in receiver.sources
         with pytest.raises(KVTransferError, match="no nixl pool open"):
@@ -129,7 +129,7 @@ def test_only_the_block_count_may_differ() -> None:
     bigger = KVLayout(
         num_blocks=40, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16"
     )
-    kv_nixl.check_compatible(LAYOUT, bigger)
+    nixl_agent.check_compatible(LAYOUT, bigger)
     src = _pool(bigger)
     exporter = kv_nixl.NixlExporter(src, bigger, "prefill-bigger", nixl=NIXL)
     exporter.serve_reads(True)
@@ -204,9 +204,9 @@ def test_an_exporter_with_nothing_to_serve_costs_no_cpu() -> None:
 def test_without_nixl_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("nixl", "nixl._api", "nixl_cu13", "nixl_cu12"):
         monkeypatch.setitem(sys.modules, name, None)  # import of each now fails
-    with pytest.raises(kv_nixl.NixlUnavailable, match=r"pdserve\[nixl\]"):
-        kv_nixl.load_nixl()
-    with pytest.raises(kv_nixl.NixlUnavailable):
+    with pytest.raises(nixl_agent.NixlUnavailable, match=r"pdserve\[nixl\]"):
+        nixl_agent.load_nixl()
+    with pytest.raises(nixl_agent.NixlUnavailable):
         kv_nixl.NixlReceiver(_pool(LAYOUT), LAYOUT, "decode-none")
 
 
@@ -311,5 +311,5 @@ def test_a_read_in_flight_is_polled_and_one_from_a_stopped_source_ends_at_its_de
 def test_pools_whose_blocks_are_ordered_differently_are_refused() -> None:
     """A fused-CPU worker's blocks (the kernel library's order) are not a torch worker's."""
     fused = dataclasses.replace(LAYOUT, order="vec16")
-    with pytest.raises(kv_nixl.KVLayoutMismatch, match="order vec16 \\(here tokens\\)"):
-        kv_nixl.check_compatible(LAYOUT, fused)
+    with pytest.raises(nixl_agent.KVLayoutMismatch, match="order vec16 \\(here tokens\\)"):
+        nixl_agent.check_compatible(LAYOUT, fused)

@@ -1,0 +1,69 @@
+"""A process tree as /proc shows it: parents, descendants, open fds, RSS and the
+shared-memory segments each process maps (what the leak and memory benchmarks read)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def parents() -> dict[int, int]:
+    """pid -> parent pid of every process (one /proc scan)."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parent
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants (parent links followed)."""
+    parent = parents()
+    tree, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, ppid in parent.items() if ppid in frontier]
+        tree += frontier
+    return tree
+
+
+def open_fds(pid: int) -> int:
+    """How many fds ``pid`` holds open (0 once it has exited)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except OSError:
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def shm_segments(pid: int) -> dict[int, int]:
+    """Shared-memory segments ``pid`` maps or holds open: inode -> bytes.
+
+    Segments are unlinked right after creation (see transport/segment.py), so they never
+    show in a /dev/shm listing; the fds and mappings are what hold them alive.
+    """
+    out: dict[int, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                extent = int(parts[2], 16) + hi - lo
+                out[int(parts[4])] = max(out.get(int(parts[4]), 0), extent)
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                out[st.st_ino] = st.st_size
+    except OSError:
+        pass  # the process exited (or the fd closed) while we read
+    return out
