@@ -8,7 +8,7 @@
 ``--engine``: in one process, two engines on the default model as a worker builds it
 (packed layers, the bfloat16 GEMM from the crossover measured at load), one with the
 switch on; a decode step of ``B`` rows (``--input-len`` tokens of context each) timed on
-each, interleaved round by round (``benchmarks.engine_step.measure``), medians kept: the
+each, interleaved round by round (``benchmarks.engine.engine_step.measure``), medians kept: the
 cost at the step, which load on a shared machine hits on both sides alike.
 
 Serves the default model with ``--flags`` (co-located by default), then with the same
@@ -32,9 +32,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.launch_ab import write_page
-from benchmarks.machine import load_average
-from benchmarks.soak import launch
+from benchmarks.harness.machine import load_average
+from benchmarks.harness.servers import launch
+from benchmarks.serving.launch_ab import write_page
 from bundled_models.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
 RESULTS = Path(__file__).parent / "results" / "determinism.md"
@@ -103,7 +103,7 @@ def _table(got: dict[str, list[dict[int, dict]]], streams: list[int]) -> list[st
 
 def _engine(args: argparse.Namespace, model: str) -> list[str]:
     """The decode step with the switch off and on, interleaved: a table's lines."""
-    from benchmarks.engine_step import measure
+    from benchmarks.engine.engine_step import measure
     from engine.build import build_engine
     from engine.config import EngineConfig
 

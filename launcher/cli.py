@@ -174,6 +174,7 @@ def _children(
         max_waiting_requests=config.max_waiting_requests,
         max_queued_prefill_tokens=config.max_queued_prefill_tokens,
         stall_timeout_s=config.stall_timeout,
+        max_request_retries=config.max_request_retries,
         api_workers=config.api_workers,
         node=cluster.node_name(config),
         remote_decode=tuple(cluster.remote_decode(config)),

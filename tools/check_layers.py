@@ -56,7 +56,7 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
     "benchmarks": [
         ("harness",),
         ("engine", "transport", "cluster", "serving"),
-        ("peers",),
+        ("peers", "goodput", "determinism"),
     ],
     # frontend.api: what handlers share, the internal chat request, then one room per API
     # family (``frontend.api.openai.chat_completions`` is in room ``openai``).

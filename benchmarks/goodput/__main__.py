@@ -35,7 +35,7 @@ from benchmarks.goodput.drive import Prompts, Target, run_point, wait_quiet, war
 from benchmarks.goodput.report import Point, Run, plot, read_json, render, write_json
 from benchmarks.goodput.slo import Slo
 from benchmarks.goodput.traces import TRACES, request_count, schedule
-from benchmarks.machine import describe, load_average, portable
+from benchmarks.harness.machine import describe, load_average, portable
 
 logger = logging.getLogger("benchmarks.goodput")
 DEFAULT_RATES = {"chat": "0.25,0.5,1,1.5,2", "doc": "0.25,0.5,1,1.5,2", "phased": "0.25,0.5,1,1.5"}
@@ -128,7 +128,7 @@ def sweep(run: Run, target: Target, config: str, tokenizer: Any, args: argparse.
 
 
 def measure_launched(run: Run, config: ServerConfig, args: argparse.Namespace, tok: Any) -> None:
-    from benchmarks.soak import launch
+    from benchmarks.harness.servers import launch
 
     signal.signal(signal.SIGTERM, _stop)  # a stopped run stops its server too (finally)
     launch_args = ["--model", args.model, *config.launch_args, *shlex.split(args.launch_args)]

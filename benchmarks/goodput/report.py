@@ -71,7 +71,7 @@ class Run:
     load_before: str = ""
     load_after: str = ""
     trace_slos: dict[str, Slo] = field(default_factory=dict)  # a trace's own targets
-    machine: str = ""  # benchmarks.machine.describe() when the run ended
+    machine: str = ""  # benchmarks.harness.machine.describe() when the run ended
 
     def slo_for(self, trace: str) -> Slo:
         return self.trace_slos.get(trace, self.slo)
@@ -136,7 +136,7 @@ def _overrides(run: Run) -> str:
 
 
 def render(run: Run, plot_name: str | None, machine: list[str]) -> str:
-    """The markdown page; ``machine`` is the machine block (benchmarks.machine)."""
+    """The markdown page; ``machine`` is the machine block (benchmarks.harness.machine)."""
     slo = run.slo
     lines = [
         "# Goodput: SLO attainment against request rate",

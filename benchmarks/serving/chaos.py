@@ -8,7 +8,7 @@ for ``--duration`` s. Every answer must equal its prompt's solo run token for to
 request may get a 503 or an error; and the process tree must be whole again (every worker
 alive in ``/health``) within the launcher's crash-loop back-off cap.
 
-    python -m benchmarks.chaos --duration 80 --out benchmarks/results/chaos.md
+    python -m benchmarks.serving.chaos --duration 80 --out benchmarks/results/chaos.md
 
 The exit status is 0 only if all of that held. ``tests/e2e/test_chaos.py`` runs a short one.
 """
@@ -31,8 +31,9 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.machine import load_average, portable, report_head
-from benchmarks.soak import launch, process_tree
+from benchmarks.harness.machine import load_average, portable, report_head
+from benchmarks.harness.processes import process_tree
+from benchmarks.harness.servers import launch
 from launcher.supervisor import FAILED_MAX_S
 
 LAUNCH_ARGS = (
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    command = portable(" ".join(["python -m benchmarks.chaos", *(argv or sys.argv[1:])]))
+    command = portable(" ".join(["python -m benchmarks.serving.chaos", *(argv or sys.argv[1:])]))
     text = "\n".join(report(res, cfg, command)) + "\n"
     print(text)
     if a.out is not None:

@@ -1,4 +1,4 @@
-"""A short chaos run (``python -m benchmarks.chaos`` bounded to 20 s): random prefill,
+"""A short chaos run (``python -m benchmarks.serving.chaos`` bounded to 20 s): random prefill,
 decode and detokenizer SIGKILLs every 4 s under 12 streaming clients; every answer equals
 its prompt's solo run, none is refused or ended with an error, and the tree is whole again
 within the launcher's back-off cap."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shlex
 
-from benchmarks.chaos import LAUNCH_ARGS, ChaosConfig, chaos
+from benchmarks.serving.chaos import LAUNCH_ARGS, ChaosConfig, chaos
 from tests.conftest import LaunchedServer
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from frontend.api.schema_checks import check_satisfiable, problem
-from frontend.api.structured import grammar_spec
+from frontend.api.common.schema_checks import check_satisfiable, problem
+from frontend.api.common.structured import grammar_spec
 from frontend.errors import InvalidRequest, NotImplementedField
 from tests.frontend.test_protocol import chat
 
@@ -135,7 +135,7 @@ def test_a_long_chain_of_refs_is_followed_once_not_once_per_link(
     """The check runs on the event loop before any size limit: a chain of n '$ref's must
     cost n resolutions (each link walking the rest of the chain made it cubic: 37 s for
     2,000 links)."""
-    from frontend.api import schema_checks
+    from frontend.api.common import schema_checks
 
     calls = 0
     resolve = schema_checks._resolve

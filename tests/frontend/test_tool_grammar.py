@@ -11,7 +11,7 @@ import pytest
 from bundled_models import tiny
 from engine.sampling.grammar import GrammarCache
 from engine.tokenizer.hf_tokenizer import load_tokenizer
-from frontend.api.tools import _required_grammar
+from frontend.api.chat.tools import _required_grammar
 
 TOOLS: list[dict[str, Any]] = [
     {

@@ -7,7 +7,12 @@ from typing import Any
 
 import pytest
 
-from frontend.api.chat.tool_parsers import HermesParser, Llama3JsonParser, NamedCall, RequiredCalls
+from frontend.api.chat.tool_parsers import (
+    HermesParser,
+    Llama3JsonParser,
+    NamedCall,
+    RequiredCalls,
+)
 from frontend.api.chat.tools import ToolCallDeltas, parse_output
 
 HERMES = (

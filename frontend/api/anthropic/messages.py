@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from frontend.api.anthropic.messages_request import CountTokensRequest, MessagesRequest, to_chat
-from frontend.api.openai.chat_completions.answer import (
+from frontend.api.chat.answer import (
     Answer,
     AnswerEvents,
     CallArgs,
@@ -40,12 +40,11 @@ from frontend.api.openai.chat_completions.answer import (
     Reasoning,
     read_answer,
 )
+from frontend.api.chat.run import ChatRun, chat_prompt_ids, start_translated
+from frontend.api.chat.tools import plan_tools
 from frontend.api.common.call import collect_all
-from frontend.api.openai.chat_completions.run import ChatRun, chat_prompt_ids, start_translated
 from frontend.api.common.context import ServingContext, check_model
-from frontend.api.anthropic.messages_request import CountTokensRequest, MessagesRequest, to_chat
 from frontend.api.common.sse import typed_sse_stream, with_keepalive
-from frontend.api.openai.chat_completions.tools import plan_tools
 from frontend.errors import APIError, EngineFailed, InternalError
 from wire.records import Finish
 

@@ -12,7 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.api.chat.tool_parsers import CallArgs, CallStart, Content, Event, ToolParser
+from frontend.api.chat.tool_parsers import (
+    CallArgs,
+    CallStart,
+    Content,
+    Event,
+    ToolParser,
+)
 from frontend.api.chat.tools import ToolPlan, parse_output
 from frontend.api.common.call import FINISH_REASONS, Generation
 from wire.records import Finish, TextDelta

@@ -21,10 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.api.common.protocol import ChatTool
-from frontend.api.common.schema_checks import check_satisfiable
-from frontend.api.common.structured import check_enforceable
-from frontend.api.openai.chat_completions.tool_parsers import (
+from frontend.api.chat.tool_parsers import (
     PARSERS,
     CallArgs,
     CallStart,
@@ -34,6 +31,7 @@ from frontend.api.openai.chat_completions.tool_parsers import (
     ToolParser,
 )
 from frontend.api.common.protocol import ChatTool
+from frontend.api.common.schema_checks import check_satisfiable
 from frontend.api.common.structured import check_enforceable
 from frontend.errors import InvalidRequest, NotImplementedField
 from wire.params import GrammarKind, GrammarSpec

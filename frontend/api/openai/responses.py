@@ -31,13 +31,20 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from frontend.api.openai.chat_completions.answer import AnswerEvents, CallArgs, CallStart, Content, Reasoning, read_answer
+from frontend.api.chat.answer import (
+    AnswerEvents,
+    CallArgs,
+    CallStart,
+    Content,
+    Reasoning,
+    read_answer,
+)
+from frontend.api.chat.run import ChatRun, start_translated
+from frontend.api.chat.tools import new_call_id
 from frontend.api.common.call import collect_all
-from frontend.api.openai.chat_completions.run import ChatRun, start_translated
 from frontend.api.common.context import ServingContext
-from frontend.api.openai.responses_request import ResponsesRequest, to_chat
 from frontend.api.common.sse import typed_sse_stream
-from frontend.api.openai.chat_completions.tools import new_call_id
+from frontend.api.openai.responses_request import ResponsesRequest, to_chat
 from frontend.errors import APIError, EngineFailed
 from wire.records import Finish
 
