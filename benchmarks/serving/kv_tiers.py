@@ -255,6 +255,59 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def _bandwidth_lines(bw: dict[str, list[float]]) -> list[str]:
+    """The report's bandwidth section: each path's GB/s, and tier 3 against the disk."""
+    lines: list[str] = []
+    lines += [
+        "",
+        "## Bandwidth (GB/s), measured in the same run: median (min-max)",
+        "",
+        "| path | GB/s |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {_spread(v)} |" for k, v in bw.items()]
+    t3 = [
+        a / b
+        for a, b in zip(bw["tier 3 load (cold)"], bw["disk read (cold, one file)"], strict=True)
+    ]
+    raw = [
+        a / b
+        for a, b in zip(
+            bw["tier 3 load (cold)"],
+            bw[f"block files read raw (cold, {READERS} in flight)"],
+            strict=True,
+        )
+    ]
+    lines += [
+        "",
+        f"Tier 2 moves {100 * bw['tier 2 load'][0] / bw['memcpy'][0]:.0f} % of "
+        f"memcpy; tier 3 reads at {100 * statistics.median(t3):.0f} % "
+        f"({100 * min(t3):.0f}-{100 * max(t3):.0f} % over the rounds) of the disk's "
+        "cold sequential read of one file, and at "
+        f"{100 * statistics.median(raw):.0f} % ({100 * min(raw):.0f}-{100 * max(raw):.0f} %) "
+        f"of the same block files read raw, {READERS} at a time.",
+        "",
+        "Round by round (the disk's rates move between rounds; each round's reads are "
+        "taken together):",
+        "",
+        f"| round | tier 3 load | one file | tier 3 / one file | {READERS} block files "
+        "in flight | tier 3 / those |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    rounds = zip(
+        bw["tier 3 load (cold)"],
+        bw["disk read (cold, one file)"],
+        bw[f"block files read raw (cold, {READERS} in flight)"],
+        strict=True,
+    )
+    for i, (tier3, one, files) in enumerate(rounds):
+        lines.append(
+            f"| {i + 1} | {tier3:.2f} | {one:.2f} | {100 * tier3 / one:.0f} % | {files:.2f} "
+            f"| {100 * tier3 / files:.0f} % |"
+        )
+    return lines
+
+
 def report(
     ttft: dict[int, dict[str, float]],
     cost: dict[str, list[float]],
@@ -308,53 +361,7 @@ def report(
         f"per request, {100 * direct / (statistics.median(off) / _PER_ROUND):.2f} % of a "
         "request with tiers off.",
     ]
-    lines += [
-        "",
-        "## Bandwidth (GB/s), measured in the same run: median (min-max)",
-        "",
-        "| path | GB/s |",
-        "|---|---|",
-    ]
-    lines += [f"| {k} | {_spread(v)} |" for k, v in bw.items()]
-    t3 = [
-        a / b
-        for a, b in zip(bw["tier 3 load (cold)"], bw["disk read (cold, one file)"], strict=True)
-    ]
-    raw = [
-        a / b
-        for a, b in zip(
-            bw["tier 3 load (cold)"],
-            bw[f"block files read raw (cold, {READERS} in flight)"],
-            strict=True,
-        )
-    ]
-    lines += [
-        "",
-        f"Tier 2 moves {100 * bw['tier 2 load'][0] / bw['memcpy'][0]:.0f} % of "
-        f"memcpy; tier 3 reads at {100 * statistics.median(t3):.0f} % "
-        f"({100 * min(t3):.0f}-{100 * max(t3):.0f} % over the rounds) of the disk's "
-        "cold sequential read of one file, and at "
-        f"{100 * statistics.median(raw):.0f} % ({100 * min(raw):.0f}-{100 * max(raw):.0f} %) "
-        f"of the same block files read raw, {READERS} at a time.",
-        "",
-        "Round by round (the disk's rates move between rounds; each round's reads are "
-        "taken together):",
-        "",
-        f"| round | tier 3 load | one file | tier 3 / one file | {READERS} block files "
-        "in flight | tier 3 / those |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    rounds = zip(
-        bw["tier 3 load (cold)"],
-        bw["disk read (cold, one file)"],
-        bw[f"block files read raw (cold, {READERS} in flight)"],
-        strict=True,
-    )
-    for i, (tier3, one, files) in enumerate(rounds):
-        lines.append(
-            f"| {i + 1} | {tier3:.2f} | {one:.2f} | {100 * tier3 / one:.0f} % | {files:.2f} "
-            f"| {100 * tier3 / files:.0f} % |"
-        )
+    lines += _bandwidth_lines(bw)
     lines.append("")
     return "\n".join(lines)
 

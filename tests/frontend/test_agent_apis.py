@@ -122,7 +122,7 @@ async def test_an_engine_error_is_a_500_the_sdks_do_not_retry(
     500 twice by default)."""
     import dataclasses
 
-    from frontend.api import responses as responses_api
+    from frontend.api.openai import responses as responses_api
     from wire.records import Finish
 
     why = "the output constraint allowed no next token, so the request was ended"
