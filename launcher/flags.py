@@ -11,22 +11,20 @@ from detokenizer.reasoning import PARSERS as REASONING_PARSERS
 from engine.config import ATTENTION_BACKENDS, SpeculativeConfig, parse_speculative_config
 from engine.weights.plan import QUANTIZATIONS
 from frontend.api.chat.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+from launcher.admission_args import add_admission_flags
+from launcher.cluster_args import add_cluster_flags
 from launcher.limit_args import add_request_limit_flags
 from launcher.lora_args import add_lora_flags
 from launcher.role_args import add_role_flags
 from launcher.settings import (
     API_KEY_ENV,
-    CLUSTER_KEY_ENV,
-    DEFAULT_CLUSTER_PORT,
     DEFAULTS,
     ROUTER_POLICIES,
     Device,
     DType,
     KVBackend,
-    LogLevel,
     ServerConfig,
 )
-from transport.load_table import NODE_NBYTES
 from wire.rids import MAX_FRONTENDS
 
 
@@ -372,114 +370,6 @@ def _api(g: argparse._ActionsContainer, d: ServerConfig) -> None:
     add_lora_flags(g)
 
 
-def _admission(g: argparse._ActionsContainer, d: ServerConfig) -> None:
-    add = g.add_argument
-    add(
-        "--max-waiting-requests",
-        type=int,
-        default=d.max_waiting_requests,
-        help="queued requests per worker beyond which new ones get HTTP 503 + Retry-After",
-    )
-    add(
-        "--max-queued-prefill-tokens",
-        type=int,
-        default=d.max_queued_prefill_tokens,
-        help="admission bound: prompt tokens queued on a prefill worker beyond which new "
-        "requests get HTTP 503 + Retry-After (an idle worker still takes any prompt)",
-    )
-    add(
-        "--stall-timeout",
-        type=float,
-        default=d.stall_timeout,
-        help="seconds a READY worker may go without a heartbeat before its requests are "
-        "resumed on other workers (it is reported stalled in /health after a quarter of it)",
-    )
-    add(
-        "--max-request-retries",
-        type=int,
-        default=d.max_request_retries,
-        help="times a request is resumed after worker deaths blamed on it (it had just "
-        "been given to the worker); at the next such death it ends with an error, as poison",
-    )
-    add(
-        "--timeout-header",
-        type=float,
-        default=d.timeout_header,
-        help="seconds a client has to send a whole request head (from connecting, or from "
-        "the first byte of its next request); then 408 and closed",
-    )
-    add(
-        "--timeout-body",
-        type=float,
-        default=d.timeout_body,
-        help="seconds a client has to send a whole request body after its head; then 408 "
-        "and closed",
-    )
-    add(
-        "--timeout-keep-alive",
-        type=float,
-        default=d.timeout_keep_alive,
-        help="seconds an idle kept-alive connection stays open between requests",
-    )
-    add(
-        "--max-connections",
-        type=int,
-        default=d.max_connections,
-        help="most client connections the frontend holds; beyond it new ones get 503 "
-        "(0: the descriptor limit less a reserve that keeps /health answering)",
-    )
-    add(
-        "--max-connections-per-peer",
-        type=int,
-        default=d.max_connections_per_peer,
-        help="most connections one client address may hold; beyond it new ones get 503 "
-        "(0: no cap; a reverse proxy on this host is one address)",
-    )
-
-
-def _cluster(g: argparse._ActionsContainer, d: ServerConfig) -> None:
-    add = g.add_argument
-    add(
-        "--node-name",
-        default=d.node_name,
-        help="this host's name in /health, /metrics and a cluster (default: its host "
-        f"name); printable, at most {NODE_NBYTES} bytes of UTF-8",
-    )
-    add(
-        "--advertise",
-        default=d.advertise,
-        metavar="HOST[:PORT]",
-        help="serve as a cluster's head node: the address (and port, default "
-        f"{DEFAULT_CLUSTER_PORT}) other nodes --join; the link listens on it only",
-    )
-    add(
-        "--remote-decode",
-        type=int,
-        default=d.remote_decode,
-        help="with --advertise: how many decode workers the joining nodes bring in all",
-    )
-    add(
-        "--join",
-        default=d.join,
-        metavar="HOST:PORT",
-        help="join the cluster whose head node advertises HOST:PORT, bringing this "
-        "node's --decode workers (--prefill 0); needs pip install 'pdserve[nixl]'",
-    )
-    add(
-        "--cluster-key",
-        default=d.cluster_key,
-        help=f"the secret every node of a cluster shares (or set {CLUSTER_KEY_ENV}); "
-        "at least 16 characters",
-    )
-    add(
-        "--log-level",
-        type=LogLevel,
-        choices=list(LogLevel),
-        default=d.log_level,
-        help="how much the server logs",
-    )
-
-
 _GROUPS: tuple[tuple[Callable[[argparse._ActionsContainer, ServerConfig], None], str], ...] = (
     (_workers, "Workers and the HTTP server"),
     (_memory, "Devices and memory"),
@@ -487,6 +377,6 @@ _GROUPS: tuple[tuple[Callable[[argparse._ActionsContainer, ServerConfig], None],
     (_kv_tiers, "KV cache beyond the pools"),
     (_decoding, "Attention, decoding and routing"),
     (_api, "The API"),
-    (_admission, "Admission and connections"),
-    (_cluster, "Several hosts and logging"),
+    (add_admission_flags, "Admission and connections"),
+    (add_cluster_flags, "Several hosts and logging"),
 )
