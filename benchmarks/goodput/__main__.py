@@ -135,6 +135,7 @@ def measure_launched(run: Run, config: ServerConfig, args: argparse.Namespace, t
     if config.adaptive:  # the planner holds the targets the benchmark measures against
         launch_args += ["--slo-ttft-ms", f"{run.slo.ttft_ms:g}"]
         launch_args += ["--slo-tpot-ms", f"{run.slo.tpot_ms:g}"]
+    load_start = os.getloadavg()[0]
     try:
         proc, url = launch(launch_args, tree=args.tree)
     except RuntimeError as e:
@@ -148,6 +149,7 @@ def measure_launched(run: Run, config: ServerConfig, args: argparse.Namespace, t
         wait_quiet(url, QUIET_TIMEOUT_S)
         sweep(run, target, config.name, tok, args)
     finally:
+        run.loads[config.name] = (load_start, os.getloadavg()[0])
         proc.terminate()
         try:
             proc.wait(60)

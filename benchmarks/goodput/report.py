@@ -72,6 +72,8 @@ class Run:
     load_after: str = ""
     trace_slos: dict[str, Slo] = field(default_factory=dict)  # a trace's own targets
     machine: str = ""  # benchmarks.harness.machine.describe() when the run ended
+    # 1-minute load average when each configuration's server started and when it stopped
+    loads: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def slo_for(self, trace: str) -> Slo:
         return self.trace_slos.get(trace, self.slo)
@@ -95,14 +97,18 @@ def _ms(x: float | None) -> str:
 
 def _goodput_table(run: Run) -> list[str]:
     lines = [
-        "| configuration | " + " | ".join(f"{t} goodput (req/s)" for t in run.traces) + " |",
-        "|---|" + "---:|" * len(run.traces),
+        "| configuration | "
+        + " | ".join(f"{t} goodput (req/s)" for t in run.traces)
+        + " | load average (1 min) at start / end |",
+        "|---|" + "---:|" * (len(run.traces) + 1),
     ]
     for config in run.configs:
         cells = []
         for trace in run.traces:
             g = run.goodput(config, trace)
             cells.append("-" if g is None else g.text())
+        load = run.loads.get(config)
+        cells.append("-" if load is None else f"{load[0]:.1f} / {load[1]:.1f}")
         lines.append(f"| `{config}` | " + " | ".join(cells) + " |")
     return lines
 
@@ -193,6 +199,7 @@ def read_json(path: Path) -> Run:
         points.append(Point(**p, sent=sent))
     doc["slo"] = Slo(**doc["slo"])
     doc["trace_slos"] = {t: Slo(**s) for t, s in doc.get("trace_slos", {}).items()}
+    doc["loads"] = {c: (a, b) for c, (a, b) in doc.get("loads", {}).items()}
     return Run(**doc, points=points)
 
 

@@ -36,6 +36,7 @@ def _run() -> Run:
         Point("colocated1", "chat", 2.0, skipped="0 % at a lower rate"),
     ]
     run.notes.append("workers6: skipped")
+    run.loads["1p1d"] = (3.25, 4.0)
     return run
 
 
@@ -45,8 +46,8 @@ def test_page_carries_command_slos_attainment_percentiles_and_goodput() -> None:
     assert "TTFT <= 500 ms and TPOT <= 50 ms" in page
     assert "interpolated linearly" in page
     # 1p1d: 100 % at 1, 80 % at 2 -> 0.9 crossed half way: 1.50; colocated1 never meets.
-    assert "| `1p1d` | 1.50 |" in page
-    assert "| `colocated1` | < 1 |" in page
+    assert "| `1p1d` | 1.50 | 3.2 / 4.0 |" in page
+    assert "| `colocated1` | < 1 | - |" in page
     # p90 of eight 100 ms and one 900 ms TTFT (the failed request has none): 260 ms.
     assert "| `1p1d` | 2 | 10 | 1 | 0 | 80 % | 100 / 260 | 20 / 20 |" in page
     assert "| `colocated1` | 2 | - | - | - | not sent: 0 % at a lower rate | | |" in page
