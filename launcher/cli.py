@@ -23,20 +23,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
-from engine.config import EngineConfig, ModelConfig, dtype_name
-from engine.kv.kv_cache import pool_layout
-from engine.weights.plan import (
-    QuantizationError,
-    cache_dtype_name,
-    resolve_quantization,
-)
+from engine.config import EngineConfig, ModelConfig
 from frontend.settings import FrontendLaunch, FrontendSettings
 from launcher import cluster, kv_tiers
 from launcher.args import parse_args
 from launcher.engine_config import engine_config
+from launcher.engine_plan import kv_layout, shares_weights, size_kv
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
 from launcher.lora_args import lora_modules
-from launcher.memory import Demand, MemoryBudgetError, plan_kv, weight_bytes
 from launcher.placement import WorkerPlace, describe, kv_transfer_backend, placements
 from launcher.role_args import slo_targets
 from launcher.settings import ConfigError, KVBackend, ServerConfig
@@ -47,14 +41,11 @@ from runtime.worker_spec import EngineWorkerSpec, KVTransferName
 from transport.errors import TransportError
 from transport.prefix_summary import summary_counters
 from transport.segment import sweep_stale
-from wire.kv_layout import KVLayout
 from wire.roles import Role
 
 logger = logging.getLogger("launch")
 
 STARTUP_TIMEOUT_S = 600.0
-# GPU pools are sized from GPU memory; this only sizes a pool no host memory backs.
-DEFAULT_GPU_KV_TOKENS = 65_536
 
 
 def _model_path(config: ServerConfig) -> Path:
@@ -186,49 +177,13 @@ def _children(
         for n in range(config.api_workers)
     ]
     if config.advertise is not None:
-        layout = _kv_layout(config, model, gpus)
+        layout = kv_layout(config, model, gpus)
         out.append(cluster.head_gateway(config, topo, layout, _model_name(config, model)))
     return frontends + out
 
 
 def _model_name(config: ServerConfig, model: Path) -> str:
     return config.served_model_name or model.name
-
-
-def _serving(config: ServerConfig, model: Path, gpus: GpuAssignment | None) -> tuple[str, str]:
-    """The weight storage and KV cache dtype (by name) every engine worker will use."""
-    device = "cpu" if gpus is None or gpus.on_cpu else "cuda"
-    try:
-        quantization = resolve_quantization(config.quantization, model, device)
-    except QuantizationError as e:
-        raise ConfigError(f"--quantization: {e}") from e
-    dtype = dtype_name(config.dtype.value, ModelConfig.from_pretrained(model).dtype_name)
-    if config.gemm_inputs == "int8":
-        _check_int8_gemm(quantization)
-    return quantization, cache_dtype_name(dtype, quantization)
-
-
-def _check_int8_gemm(quantization: str) -> None:
-    """``--gemm-inputs int8`` where no engine could serve it is a flag error here, not a
-    worker that fails at load (engine/weights/int4_tiles.py ``gemm_inputs``)."""
-    if quantization == "none":
-        raise ConfigError(
-            "--gemm-inputs int8 multiplies packed int4/int8 weights: serve them with "
-            "--quantization auto (a GGUF's Q4/Q8 blocks), int4 or int8"
-        )
-    try:
-        flags = next(
-            set(line.split(":", 1)[1].split())
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        flags = set()
-    missing = sorted({"avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl"} - flags)
-    if missing:
-        raise ConfigError(
-            f"--gemm-inputs int8 needs AVX-512 VNNI and BF16; this CPU lacks {', '.join(missing)}"
-        )
 
 
 def _build_topology(
@@ -247,12 +202,12 @@ def _build_topology(
         topo.add_lora_table(config.max_loras)
     if config.enable_prefix_caching:
         # A GPU pool is sized by its worker, after the launcher is done: plan for many.
-        assert config.kv_cache_tokens is not None, "sized by _size_kv"
+        assert config.kv_cache_tokens is not None, "sized by size_kv"
         on_cpu = gpus is not None and gpus.on_cpu
         blocks = -(-config.kv_cache_tokens // config.block_size) if on_cpu else None
         topo.add_prefix_summaries(summary_counters(blocks))
     if config.workers:  # --workers: any worker may hand KV to another, from its shared pool
-        layout = _kv_layout(config, model, gpus)
+        layout = kv_layout(config, model, gpus)
         for c in range(config.workers):
             topo.add_kv_pool(c, layout, Role.COLOCATED)
         return topo
@@ -262,81 +217,10 @@ def _build_topology(
         return topo
     # shm: per prefill worker, the segment decode workers copy from: its pool on CPU, the
     # pinned staging mirror of its GPU pool (same layout, same block ids) on GPU.
-    layout = _kv_layout(config, model, gpus)
+    layout = kv_layout(config, model, gpus)
     for i in range(config.prefill):
         topo.add_kv_pool(i, layout)
     return topo
-
-
-def _kv_layout(config: ServerConfig, model: Path, gpus: GpuAssignment | None) -> KVLayout:
-    """A host KV pool's layout (the shm pools, and what a cluster's nodes must share)."""
-    mcfg = ModelConfig.from_pretrained(model)
-    dtype = _serving(config, model, gpus)[1]
-    assert config.kv_cache_tokens is not None, "sized by _size_kv"
-    num_blocks = -(-config.kv_cache_tokens // config.block_size)
-    return pool_layout(mcfg, num_blocks, config.block_size, dtype)
-
-
-def shares_weights(config: ServerConfig, gpus: GpuAssignment) -> bool:
-    """Whether this host's CPU engine workers map one weights segment: ``--share-weights``,
-    by default when there are two or more of them. A lone worker would share with nobody,
-    so it loads privately, its GEMM weights in the fastest layout its CPU runs
-    (``engine.weights.gemm.bf16_gemm``): the kernel library's VNNI-packed one where it
-    loads, as shared workers run; elsewhere oneDNN's prepacked one, which no segment can
-    hold (against the plain shared weight: TTFT 0.91-0.95x, a 32-row decode step ~0.9x,
-    for ~80 MiB more PSS; ``benchmarks/results/lone_worker_weights.md``). A restart then
-    reads the checkpoint again."""
-    if not gpus.on_cpu:
-        return False
-    if config.share_weights is not None:
-        return config.share_weights
-    return (config.colocated or config.prefill + config.decode) >= 2
-
-
-def _size_kv(
-    config: ServerConfig, model: Path, gpus: GpuAssignment, backend: KVBackend
-) -> ServerConfig:
-    """``config`` with ``kv_cache_tokens`` set from the host-memory budget (or checked)."""
-    mcfg = ModelConfig.from_pretrained(model)
-    quantization, dtype = _serving(config, model, gpus)
-    workers = config.colocated or config.prefill + config.decode
-    if gpus.on_cpu:
-        engines = pools = workers
-    else:  # weights live on the GPUs; host pools are the shm staging mirrors, if any
-        engines, pools = 0, (config.prefill if backend is KVBackend.SHM else 0)
-    if pools == 0:
-        return replace(config, kv_cache_tokens=config.kv_cache_tokens or DEFAULT_GPU_KV_TOKENS)
-    engine = EngineConfig(model=str(model), max_model_len=config.max_model_len)
-    try:
-        # Packed weights take about a byte a parameter (int8: 1.06 with its scales, int4:
-        # about 0.6), and their bfloat16 GEMM copies two more (engine/weights/gemm.py).
-        weights = weight_bytes(model, dtype if quantization == "none" else "int8")
-        if quantization != "none":
-            weights += weight_bytes(model, "bfloat16")
-            if mcfg.tie_word_embeddings:
-                # The checkpoint holds one matrix for embedding and head; served packed,
-                # the head has its own int8 planes (1.25 bytes a weight with scales and
-                # zeros) and GEMM copy (2) beside the embedding's rows.
-                weights += mcfg.vocab_size * mcfg.hidden_size * 13 // 4
-        # Shared (engine/checkpoint/shared_weights.py): one copy for every CPU worker.
-        shared = weights if shares_weights(config, gpus) else 0
-        demand = Demand(
-            engines=engines,
-            others=config.api_workers + config.detokenizers,
-            pools=pools,
-            chunk=config.chunked_prefill_size,
-            max_model_len=engine.resolve_max_model_len(mcfg),
-            offload=kv_tiers.offload_bytes(config),
-            shared_weights=shared,
-        )
-        per_replica = weights - shared
-        plan = plan_kv(
-            mcfg, per_replica, dtype, demand, config.kv_cache_memory, config.kv_cache_tokens
-        )
-    except (MemoryBudgetError, ValueError) as e:
-        raise ConfigError(str(e)) from e
-    logger.info("%s", plan.describe(pools))
-    return replace(config, kv_cache_tokens=plan.tokens_per_pool)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -383,11 +267,11 @@ def serve(config: ServerConfig) -> int:
     if not gpus.on_cpu:
         logger.info("on GPUs: %s; KV transfer: %s", describe(places), backend.value)
     model = _model_path(config)
-    config = _size_kv(config, model, gpus, backend)
+    config = size_kv(config, model, gpus, backend)
     topo = _build_topology(config, model, backend, gpus)
     if shares_weights(config, gpus):
         topo.add_weights()
-    tiers = kv_tiers.create(config, _kv_layout(config, model, gpus))
+    tiers = kv_tiers.create(config, kv_layout(config, model, gpus))
     if tiers is not None:
         topo.add_kv_tier(tiers.segment, tiers.engine_fields(), tiers.frontend_fields())
     board = topo.board()
@@ -446,8 +330,8 @@ def serve_member(config: ServerConfig) -> int:
         logger.info("removed %d shared-memory leftovers of dead servers", len(swept))
     gpus = assign_gpus(config)
     model = _model_path(config)
-    config = _size_kv(config, model, gpus, KVBackend.SHM)
-    layout = _kv_layout(config, model, gpus)
+    config = size_kv(config, model, gpus, KVBackend.SHM)
+    layout = kv_layout(config, model, gpus)
     base, shape = cluster.join(config, layout, _model_name(config, model))
     mine = range(base, base + config.decode)
     topo = Topology(

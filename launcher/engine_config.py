@@ -36,7 +36,7 @@ def engine_config(
 ) -> EngineConfig:
     """The engine settings of the worker at ``place``; ``given``: fields the caller sets
     (the KV tiers', the weights segment's), which win over everything else."""
-    assert config.kv_cache_tokens is not None, "sized by the memory plan (_size_kv)"
+    assert config.kv_cache_tokens is not None, "sized by the memory plan (size_kv)"
     same = {
         f.name: getattr(config, f.name)
         for f in fields(EngineConfig)

@@ -101,7 +101,7 @@ class ServerConfig:
     gemm_min_rows: int = _ENGINE.gemm_min_rows  # 0: measured at load (engine/weights/gemm.py)
     gemm_inputs: str = _ENGINE.gemm_inputs  # bfloat16 | int8 (engine/weights/int4_tiles.py)
     # CPU workers map one copy of the weights per host (engine/checkpoint/shared_weights.py);
-    # None: when the host runs two or more CPU engine workers (``shares_weights``)
+    # None: when the host runs two or more CPU engine workers (``launcher.engine_plan.shares_weights``)
     share_weights: bool | None = None
     max_model_len: int | None = _ENGINE.max_model_len
     max_num_seqs: int = _ENGINE.max_num_seqs

@@ -7,7 +7,7 @@ import shlex
 import pytest
 
 from launcher.args import parse_args
-from launcher.cli import shares_weights
+from launcher.engine_plan import shares_weights
 from launcher.gpus import (
     GpuAssignmentError,
     GpuInfo,

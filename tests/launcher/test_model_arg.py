@@ -10,7 +10,8 @@ import pytest
 
 from frontend.settings import FrontendLaunch
 from launcher.args import parse_args
-from launcher.cli import _build_topology, _children, _model_path, _size_kv
+from launcher.cli import _build_topology, _children, _model_path
+from launcher.engine_plan import size_kv
 from launcher.gpus import assign_gpus
 from launcher.settings import ConfigError, KVBackend
 
@@ -42,7 +43,7 @@ def test_the_frontend_accepts_the_model_path_as_a_name(default_model_path: Path)
     # Shell completion leaves a trailing slash on a directory; requests may name it so.
     cfg = parse_args(["--device", "cpu", "--model", f"{default_model_path}/"])
     gpus = assign_gpus(cfg, [])
-    cfg = _size_kv(cfg, default_model_path, gpus, KVBackend.SHM)
+    cfg = size_kv(cfg, default_model_path, gpus, KVBackend.SHM)
     topo = _build_topology(cfg, default_model_path, KVBackend.SHM)
     kids = _children(cfg, topo, gpus, default_model_path, KVBackend.SHM)
     frontend = FrontendLaunch.from_json(
@@ -58,20 +59,20 @@ def test_int8_gemm_inputs_are_refused_for_dense_weights_and_reach_the_workers(
     """``--gemm-inputs int8`` multiplies packed weights: with ``--quantization none`` it is
     a flag error before any worker starts; with packed weights every engine worker's
     settings carry it (on a CPU with AVX-512 VNNI and BF16; elsewhere a flag error too)."""
-    from launcher.cli import _serving
+    from launcher.engine_plan import serving_dtypes
 
     dense = parse_args(["--device", "cpu", "--quantization", "none", "--gemm-inputs", "int8"])
     with pytest.raises(ConfigError, match="--gemm-inputs int8 multiplies packed"):
-        _serving(dense, default_model_path, None)
+        serving_dtypes(dense, default_model_path, None)
     cfg = parse_args(["--device", "cpu", "--quantization", "int4", "--gemm-inputs", "int8"])
     flags = Path("/proc/cpuinfo").read_text()
     if not all(f in flags.split() for f in ("avx512_vnni", "avx512_bf16")):
         with pytest.raises(ConfigError, match="needs AVX-512 VNNI and BF16"):
-            _serving(cfg, default_model_path, None)
+            serving_dtypes(cfg, default_model_path, None)
         return
-    assert _serving(cfg, default_model_path, None)[0] == "int4"
+    assert serving_dtypes(cfg, default_model_path, None)[0] == "int4"
     gpus = assign_gpus(cfg, [])
-    cfg = _size_kv(cfg, default_model_path, gpus, KVBackend.SHM)
+    cfg = size_kv(cfg, default_model_path, gpus, KVBackend.SHM)
     topo = _build_topology(cfg, default_model_path, KVBackend.SHM)
     kids = _children(cfg, topo, gpus, default_model_path, KVBackend.SHM)
     engines = [c.spec.settings for c in kids if c.spec.role in ("prefill", "decode")]

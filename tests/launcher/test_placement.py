@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from launcher.args import parse_args
-from launcher.cli import _build_topology, _children, _size_kv
+from launcher.cli import _build_topology, _children
+from launcher.engine_plan import size_kv
 from launcher.gpus import GpuInfo, assign_gpus
 from launcher.placement import kv_transfer_backend, placements
 from launcher.settings import ConfigError, KVBackend
@@ -85,7 +86,7 @@ def test_children_with_shm_on_gpus_get_a_staging_mirror(default_model_path: Path
 def test_children_on_cpu_are_told_what_they_always_were(default_model_path: Path) -> None:
     cfg = parse_args(["--device", "cpu", "--model", str(default_model_path)])
     gpus = assign_gpus(cfg, GPUS)
-    cfg = _size_kv(cfg, default_model_path, gpus, KVBackend.SHM)  # from available memory
+    cfg = size_kv(cfg, default_model_path, gpus, KVBackend.SHM)  # from available memory
     assert cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens > 0
     kids = _children(
         cfg,
