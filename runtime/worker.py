@@ -31,7 +31,12 @@ from transport.core_lease import CoreLease, host_cores
 from transport.load_table import WorkerState
 from transport.prefix_summary import PrefixSummary
 from transport.ring import Ring
-from transport.worker_load import SPEC_FIELDS, SPEC_POSITIONS, SPEC_SKIP_REASONS, WorkerLoad
+from transport.worker_load import (
+    SPECULATION_FIELDS,
+    SPECULATION_POSITIONS,
+    SPECULATION_SKIP_REASONS,
+    WorkerLoad,
+)
 from wire.records import AbortRequest, Finish, GenerateRequest, ResetPrefixCache, UnloadLora
 from wire.ring_names import Peer, RingKind
 from wire.roles import Role
@@ -199,7 +204,7 @@ class Worker(abc.ABC):
 
 def speculation_counters(stats: SpeculationStats) -> dict[str, int]:
     """``stats`` as ``WorkerLoad``'s ``spec_*`` fields."""
-    per_pos = (stats.accepted_per_pos + [0] * SPEC_POSITIONS)[:SPEC_POSITIONS]
-    skipped = [stats.skipped[r] for r in SPEC_SKIP_REASONS]
+    per_pos = (stats.accepted_per_pos + [0] * SPECULATION_POSITIONS)[:SPECULATION_POSITIONS]
+    skipped = [stats.skipped[r] for r in SPECULATION_SKIP_REASONS]
     totals = [stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens]
-    return dict(zip(SPEC_FIELDS, [*totals, *per_pos, *skipped], strict=True))
+    return dict(zip(SPECULATION_FIELDS, [*totals, *per_pos, *skipped], strict=True))

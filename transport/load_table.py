@@ -38,7 +38,6 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import platform
 import signal
 import struct
 import time
@@ -48,21 +47,11 @@ from typing import Any
 import numpy as np
 
 from transport.core_lease import CoreLease, lease_nbytes
-from transport.worker_load import LOAD_FIELDS, SPEC_FIELDS, WorkerLoad
+from transport.seqlock import fence, load_acquire, store_release
+from transport.worker_load import LOAD_FIELDS, SPECULATION_FIELDS, WorkerLoad
 from wire.roles import Role
 
 logger = logging.getLogger(__name__)
-
-try:
-    from transport import _atomics
-except ImportError:  # pragma: no cover - depends on whether the C helper was built
-    _atomics = None  # type: ignore[assignment]
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        logger.warning(
-            "transport._atomics is not built: load-table reads are unfenced on %s and may "
-            "be torn; build it (pip install -e .) for correct ordering",
-            platform.machine(),
-        )
 
 
 class WorkerState(enum.IntEnum):
@@ -123,7 +112,7 @@ _VERSION = 8  # 8: rows of 384 bytes, + LoRA counters and the prefix-cache reset
 _HEADER = struct.Struct("<QII")  # magic, version, num_workers
 # Row payload after the 8-byte seq, packed in one call by the writer. The numpy dtype below
 # names the same bytes for the reader; test_load_table pins that the two agree.
-_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiixxxxqqqqq" + "q" * len(SPEC_FIELDS) + "q")
+_PAYLOAD = struct.Struct("<qqqqIiiiiiiiBBxxiixxxxqqqqq" + "q" * len(SPECULATION_FIELDS) + "q")
 _PAYLOAD_FIELDS = (
     "heartbeat_ns",
     "queued_prefill_tokens",
@@ -146,7 +135,7 @@ _PAYLOAD_FIELDS = (
     "computed_prefill_tokens",
     "lora_adapters",
     "lora_loads",
-    *SPEC_FIELDS,
+    *SPECULATION_FIELDS,
     "prefix_reset_epoch",
 )
 # The node name follows the integers; the writer packs both in one call (``_ROW``).
@@ -154,10 +143,10 @@ _NODE_OFFSET = 8 + _PAYLOAD.size
 _ROW = struct.Struct(f"{_PAYLOAD.format}{NODE_NBYTES}s")
 _FORMATS = ["<u8", *["<i8"] * 4, "<u4", *["<i4"] * 7, "u1", "u1", "<i4", "<i4", *["<i8"] * 5]
 _OFFSETS = [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 73, 76, 80, 88, 96, 104, 112, 120]
-_FORMATS += ["<i8"] * len(SPEC_FIELDS)
-_OFFSETS += range(128, 128 + 8 * len(SPEC_FIELDS), 8)
+_FORMATS += ["<i8"] * len(SPECULATION_FIELDS)
+_OFFSETS += range(128, 128 + 8 * len(SPECULATION_FIELDS), 8)
 _FORMATS.append("<i8")
-_OFFSETS.append(128 + 8 * len(SPEC_FIELDS))
+_OFFSETS.append(128 + 8 * len(SPECULATION_FIELDS))
 ROW_DTYPE = np.dtype(
     {
         "names": ["seq", *_PAYLOAD_FIELDS, "node"],
@@ -287,12 +276,12 @@ class LoadTable:
 
     def _read_pass(self, slots: list[int], out: list[LoadRow | None]) -> list[int]:
         """Read ``slots`` under their seqlocks; fill ``out``; return the slots to retry."""
-        before = [_load_acquire(self._seq_addrs[s], self._rows, s) for s in slots]
+        before = [load_acquire(self._seq_addrs[s], self._rows, s) for s in slots]
         rows = self._rows.copy().tolist()  # one memcpy of the table, then plain tuples
-        _fence()
+        fence()
         retry = []
         for s, s1 in zip(slots, before, strict=True):
-            if s1 & 1 or _load_acquire(self._seq_addrs[s], self._rows, s) != s1:
+            if s1 & 1 or load_acquire(self._seq_addrs[s], self._rows, s) != s1:
                 retry.append(s)
             else:
                 out[s] = self._last[s] = _to_load(s, rows[s])
@@ -388,9 +377,9 @@ class RowWriter:
         # Odd (even -> odd, or a dead writer's odd -> next odd): readers back off.
         seq = (int(self._seq_view[0]) + 1) | 1
         self._seq_view[0] = seq
-        _fence()
+        fence()
         _ROW.pack_into(self._view, self._offset + 8, *self._values.values(), self._node)
-        _store_release(self._seq_addr, self._seq_view, seq + 1)
+        store_release(self._seq_addr, self._seq_view, seq + 1)
 
 
 _STATES = {int(st): st for st in WorkerState}
@@ -455,21 +444,3 @@ def _unreadable(slot: int) -> LoadRow:
     zeros = dict.fromkeys(_PAYLOAD_FIELDS, 0)
     del zeros["role"], zeros["state"]
     return LoadRow(slot=slot, role=None, state=WorkerState.DEAD, node="", **zeros)
-
-
-def _fence() -> None:
-    if _atomics is not None:
-        _atomics.fence()
-
-
-def _load_acquire(addr: int, rows: np.ndarray, slot: int) -> int:
-    if _atomics is not None:
-        return _atomics.load_acquire(addr)
-    return int(rows["seq"][slot])
-
-
-def _store_release(addr: int, seq_view: np.ndarray, value: int) -> None:
-    if _atomics is not None:
-        _atomics.store_release(addr, value)
-    else:
-        seq_view[0] = value

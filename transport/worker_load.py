@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-SPEC_POSITIONS = 8  # draft positions whose accepted tokens a row counts
-SPEC_SKIP_REASONS = ("batch_size", "low_acceptance", "no_draft", "length", "no_kv_blocks")
-SPEC_FIELDS = (
+SPECULATION_POSITIONS = 8  # draft positions whose accepted tokens a row counts
+SPECULATION_SKIP_REASONS = ("batch_size", "low_acceptance", "no_draft", "length", "no_kv_blocks")
+SPECULATION_FIELDS = (
     "speculation_drafts",
     "speculation_draft_tokens",
     "speculation_accepted_tokens",
-    *(f"spec_accepted_pos_{i}" for i in range(SPEC_POSITIONS)),
-    *(f"spec_skipped_{r}" for r in SPEC_SKIP_REASONS),
+    *(f"spec_accepted_pos_{i}" for i in range(SPECULATION_POSITIONS)),
+    *(f"spec_skipped_{r}" for r in SPECULATION_SKIP_REASONS),
 )
 
 
@@ -51,7 +51,7 @@ class WorkerLoad:
     prefix_reset_epoch: int = 0
     # Speculative decoding (decode and co-located workers): request-steps that verified
     # drafts, draft tokens, accepted ones, accepted ones by draft position (the first
-    # SPEC_POSITIONS), request-steps that did not speculate by reason (SPEC_SKIP_REASONS).
+    # SPECULATION_POSITIONS), request-steps that did not speculate by reason (SPECULATION_SKIP_REASONS).
     speculation_drafts: int = 0
     speculation_draft_tokens: int = 0
     speculation_accepted_tokens: int = 0
@@ -82,9 +82,9 @@ class WorkerLoad:
 
     @property
     def speculation(self) -> tuple[int, ...]:
-        """The ``SPEC_FIELDS`` counters, in order."""
-        return tuple(getattr(self, name) for name in SPEC_FIELDS)
+        """The ``SPECULATION_FIELDS`` counters, in order."""
+        return tuple(getattr(self, name) for name in SPECULATION_FIELDS)
 
 
 LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerLoad))
-assert LOAD_FIELDS[-len(SPEC_FIELDS) :] == SPEC_FIELDS
+assert LOAD_FIELDS[-len(SPECULATION_FIELDS) :] == SPECULATION_FIELDS

@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from frontend.engine_link.engine_client import EngineClient, WorkerReport
-from transport.worker_load import SPEC_POSITIONS, SPEC_SKIP_REASONS
+from transport.worker_load import SPECULATION_POSITIONS, SPECULATION_SKIP_REASONS
 from wire.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -194,11 +194,11 @@ def speculation_metrics(loads: list[WorkerReport], labels: list[str]) -> Iterato
         key = [w.role, str(w.index), w.node]
         for family, value in zip(totals, w.speculation[:3], strict=True):
             family.add_metric(key, value)
-        pos = w.speculation[3 : 3 + SPEC_POSITIONS]
+        pos = w.speculation[3 : 3 + SPECULATION_POSITIONS]
         for i, value in enumerate(pos):
             per_pos.add_metric([*key, str(i)], value)
         for reason, value in zip(
-            SPEC_SKIP_REASONS, w.speculation[3 + SPEC_POSITIONS :], strict=True
+            SPECULATION_SKIP_REASONS, w.speculation[3 + SPECULATION_POSITIONS :], strict=True
         ):
             skipped.add_metric([*key, reason], value)
     yield from (*totals, per_pos, skipped)

@@ -9,7 +9,7 @@ import pytest
 
 from frontend.engine_link.worker_status import worker_metrics
 from transport.load_table import LoadRow, LoadTable
-from transport.worker_load import LOAD_FIELDS, SPEC_FIELDS, WorkerLoad
+from transport.worker_load import LOAD_FIELDS, SPECULATION_FIELDS, WorkerLoad
 from wire.roles import Role
 
 
@@ -24,7 +24,7 @@ def test_a_published_load_reads_back_whole_in_the_row_and_the_report() -> None:
     assert {n: getattr(row, n) for n in LOAD_FIELDS} == dataclasses.asdict(sent)
     (report,) = worker_metrics(table, {(Role.DECODE, 3): (2, 20)}, node="n")
     assert {n: getattr(report.load, n) for n in LOAD_FIELDS} == dataclasses.asdict(sent)
-    assert report.speculation == tuple(getattr(sent, n) for n in SPEC_FIELDS)
+    assert report.speculation == tuple(getattr(sent, n) for n in SPECULATION_FIELDS)
 
 
 def test_a_partial_publish_keeps_the_other_fields_and_refuses_unknown_names() -> None:
