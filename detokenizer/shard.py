@@ -34,6 +34,7 @@ import numpy as np
 from detokenizer.incremental import Detokenizer, TokenTable
 from detokenizer.reasoning import ReasoningSplitter
 from detokenizer.stop_strings import StopMatcher
+from wire.error_causes import error_message
 from wire.params import ReasoningMode
 from wire.records import (
     AbortRequest,
@@ -43,7 +44,6 @@ from wire.records import (
     TextDelta,
     TokenBatch,
     TokenLogprob,
-    error_message,
 )
 from wire.rids import owner_of
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from engine.kv.sequence import Sequence
 from engine.sampling.sampler import SampleOutput
-from wire.records import ErrorCause, Finish, TokenBatch
+from wire.error_causes import ErrorCause
+from wire.records import Finish, TokenBatch
 
 logger = logging.getLogger(__name__)
 

@@ -50,21 +50,6 @@ class Finish(enum.IntEnum):
     LOST = 5
 
 
-class ErrorCause(enum.IntEnum):
-    """Why the engine failed a request: the token id of its ERROR row (a row that
-    carries no token, so its id is free to say why)."""
-
-    ENGINE = -1  # a grammar that did not compile, a request that can never fit, ...
-    NO_ALLOWED_TOKEN = -2  # the output grammar allowed no next token
-
-
-def error_message(token_id: int) -> str:
-    """What a client is told of an ERROR row whose token id is ``token_id``."""
-    if token_id == ErrorCause.NO_ALLOWED_TOKEN:
-        return "the output constraint allowed no next token, so the request was ended"
-    return "the engine failed this request"
-
-
 class _Msg(msgspec.Struct, array_like=True, tag_field="k", frozen=True):
     pass
 

@@ -223,7 +223,8 @@ def test_engine_error_row_ends_the_request_without_a_token(qwen_tokenizer) -> No
 def test_an_error_rows_cause_is_the_clients_message(qwen_tokenizer: Any) -> None:
     """A grammar that allowed no token ends its request saying so; an unknown cause
     gets the generic message."""
-    from wire.records import DetokRegister, ErrorCause
+    from wire.error_causes import ErrorCause
+    from wire.records import DetokRegister
 
     shard = DetokShard(qwen_tokenizer)
     for rid in (1, 2):

@@ -7,7 +7,8 @@ import math
 
 from engine.kv.sequence import Sequence
 from runtime.step_output import TokenBatcher
-from wire.records import ErrorCause, Finish
+from wire.error_causes import ErrorCause
+from wire.records import Finish
 
 
 class _Grammar:
