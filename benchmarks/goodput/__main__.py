@@ -200,6 +200,7 @@ def rejudge(args: argparse.Namespace, command: str) -> int:
         f"judged at the SLOs above by `{command}` from the requests this run recorded "
         f"({portable(str(args.from_json))}); the run itself was measured by the command above"
     )
+    run.notes += args.note
     write(run, args.out, ended=False)
     return 0
 

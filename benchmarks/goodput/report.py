@@ -213,11 +213,18 @@ def plot(run: Run, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(run.traces), figsize=(5 * len(run.traces), 4), squeeze=False)
     for ax, trace in zip(axes[0], run.traces):
-        for config in run.configs:
+        for i, config in enumerate(run.configs):
             pts = [p for p in run.sweep(config, trace) if p.sent]
             if pts:
                 ys = [100 * p.attainment(run.slo_for(trace)) for p in pts]
-                ax.plot([p.rate for p in pts], ys, marker="o", label=config)
+                # Lines often coincide (few requests a point): each its own marker, dash
+                # and size, the first drawn largest, so every one stays visible.
+                style = {
+                    "marker": "osD^vP*X"[i % 8],
+                    "linestyle": ("-", "--", "-.", ":")[i % 4],
+                    "markersize": max(3, 11 - 1.5 * i),
+                }
+                ax.plot([p.rate for p in pts], ys, label=config, **style)
         ax.axhline(100 * TARGET, color="grey", linestyle="--", linewidth=1)
         slo = run.slo_for(trace)
         title = f"{trace}: TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms"
