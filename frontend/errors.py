@@ -87,7 +87,7 @@ class InvalidRequest(APIError):
 
 
 # The limits a request may go over, as /metrics labels its refusals; each is a ``launch``
-# flag (dashes for underscores; README, "Reliability").
+# flag (dashes for underscores; docs/reliability.md).
 LIMITS = ("max_json_depth", "max_tools_bytes", "max_schema_bytes", "grammar_compile_timeout")
 
 

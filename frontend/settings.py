@@ -47,7 +47,7 @@ class FrontendSettings:
     control tokens (the old behaviour; a user can then forge a system turn).
     ``eos_token_ids`` are the model's (its grammars end on them, as in the workers).
 
-    What one request may cost (``frontend/api/common/limits.py``; README, "Reliability"): JSON
+    What one request may cost (``frontend/api/common/limits.py``; docs/reliability.md): JSON
     nested at most ``max_json_depth`` levels anywhere in it (the body, tool call
     arguments, schemas: real schemas nest a dozen levels, and 64 leaves room for the body
     around them); ``tools`` of at most ``max_tools_bytes`` as compact JSON (256 KiB: a

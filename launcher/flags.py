@@ -241,8 +241,8 @@ def _engine(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.deterministic,
         help="batch-invariant serving: a request's tokens and logprobs do not depend on "
-        "what else runs (kernels chosen per row, not per batch size; CPU only; README, "
-        "'Determinism'); default: off, or on where VLLM_BATCH_INVARIANT=1 is set",
+        "what else runs (kernels chosen per row, not per batch size; CPU only; docs/determinism.md"
+        "); default: off, or on where VLLM_BATCH_INVARIANT=1 is set",
     )
     add(
         "--enable-prefix-caching",
@@ -285,7 +285,7 @@ def _decoding(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         default=d.attention_backend,
         help="GPU attention: auto and triton use the Triton kernels over the paged KV cache, "
         "torch uses PyTorch SDPA over gathered blocks; on CPU auto runs the fused CPU ops "
-        "where their library loads (README, 'Fused CPU ops'), torch the torch ops",
+        "where their library loads (docs/gpu.md), torch the torch ops",
     )
     add(
         "--enforce-eager",

@@ -1,4 +1,4 @@
-"""The flags of what one request may cost (README, "Reliability"; ``frontend/api/common/limits.py``),
+"""The flags of what one request may cost (docs/reliability.md; ``frontend/api/common/limits.py``),
 kept apart from ``launcher/args.py``'s long table: their defaults are
 ``FrontendSettings``', and ``validate_request_limits`` says which flag to change."""
 

@@ -1,4 +1,4 @@
-"""The LoRA flags (README, "LoRA adapters"), kept apart from ``launcher/args.py``'s long
+"""The LoRA flags (docs/lora.md), kept apart from ``launcher/args.py``'s long
 table: ``--enable-lora``, ``--lora-modules name=path ...``, ``--max-loras`` (adapters
 registered, and resident per worker) and ``--max-lora-rank``."""
 

@@ -1,4 +1,4 @@
-"""The flags of roles the server chooses (README, "Roles"), kept apart from
+"""The flags of roles the server chooses (docs/roles.md), kept apart from
 ``launcher/flags.py``'s long table: ``--workers N``, ``--slo-ttft-ms``, ``--slo-tpot-ms``
 and ``--allow-role-override`` (tests and experiments only).
 

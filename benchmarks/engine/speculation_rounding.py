@@ -1,5 +1,5 @@
 """How far a speculative verification's logits sit from a decode step's, next to how far
-batching alone moves a decode step's: the measure behind what the README promises of
+batching alone moves a decode step's: the measure behind what docs/speculative.md promises of
 speculation's outputs per device and dtype.
 
 A verification runs a sequence's newest token and its drafts as k + 1 rows; its row 0

@@ -293,7 +293,7 @@ class _SharedCollector(Collector):
         yield requests
         by_limit = CounterMetricFamily(
             "pdserve_requests_refused_by_limit",
-            "Requests answered 400 for going over a limit (README, 'Reliability')",
+            "Requests answered 400 for going over a limit (docs/reliability.md)",
             labels=["limit"],
         )
         for i, name in enumerate(LIMITS):

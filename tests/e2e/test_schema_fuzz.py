@@ -7,7 +7,7 @@ No body may get a 5xx; every 4xx must be in its API's own error shape; no stream
 carry a server error; afterwards every worker is the same process and a greedy request
 is answered as before. Bounded: ``EXAMPLES`` bodies per endpoint with a 4-token output
 budget, a few seconds per endpoint on the tiny model. The long run is
-``python -m benchmarks.serving.api_fuzz`` (README, "Reliability").
+``python -m benchmarks.serving.api_fuzz`` (docs/reliability.md).
 """
 
 from __future__ import annotations

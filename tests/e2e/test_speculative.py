@@ -48,7 +48,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[LaunchedServer, LaunchedServer]]:
-    # Dense float32 weights and KV cache: see the README on bfloat16 KV and logprobs.
+    # Dense float32 weights and KV cache: see docs/speculative.md on bfloat16 KV and logprobs.
     common = shlex.split(
         "--device cpu --kv-cache-tokens 16384 --max-model-len 2048 --quantization none"
     )

@@ -2,8 +2,8 @@
 
 Packed layers run torch's int4 kernel for a decode step of few rows and their bfloat16 GEMM
 for many (``engine/weights/gemm.py``). The two round differently, so a request decoded alone
-and the same request decoded beside others may part; the README states how: only after a
-near tie. Checked on the default model (SmolLM2, its Q4_1 blocks packed) with the README's
+and the same request decoded beside others may part; docs/weights_and_kernels.md states how: only after a
+near tie. Checked on the default model (SmolLM2, its Q4_1 blocks packed) with the documented
 questions: each greedy continuation alone (one row: packed) against all of them in one
 batch (every row on the GEMM, ``gemm_min_rows=2``), 24 tokens.
 """

@@ -5,7 +5,7 @@ token for token, whatever the drafts, and logprobs within 1e-4.
 bfloat16 is not here: there a verification's logits sit a few roundings from the decode
 step's (up to 0.012 on an H200 with this model, ``python -m benchmarks.engine.speculation_rounding
 --device cuda``), so a near-tie can break the other way: speculation keeps the
-distribution, not the bits (README, speculative decoding)."""
+distribution, not the bits (docs/speculative.md)."""
 
 from __future__ import annotations
 

@@ -121,7 +121,7 @@ class CountTokensRequest(Body):
     tools: list[ToolEntry] | None = None
     tool_choice: ToolChoiceParam | None = None
     # Accepted: whether a model reasons is its chat template's choice; with
-    # --reasoning-parser its reasoning comes back as thinking blocks (README, "Agents").
+    # --reasoning-parser its reasoning comes back as thinking blocks (docs/api.md).
     thinking: dict[str, Any] | None = None
 
 

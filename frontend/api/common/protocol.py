@@ -58,7 +58,7 @@ class SamplingFields(Body):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Opt-in: usage.completion_tokens_details gets accepted_prediction_tokens and
-    # rejected_prediction_tokens, speculation's drafts (README, "Speculative decoding").
+    # rejected_prediction_tokens, speculation's drafts (docs/speculative.md).
     return_prediction_tokens_details: bool = False
 
     def stop_strings(self) -> tuple[str, ...]:
