@@ -69,7 +69,7 @@ pytest: setup-test
 
 test: lint typecheck pytest
 
-# The long schema-driven fuzz of every endpoint (README, "Reliability"); `make test` runs a
+# The long schema-driven fuzz of every endpoint (docs/reliability.md); `make test` runs a
 # bounded one.
 fuzz-long: setup-test
 	$(PY) -m benchmarks.serving.api_fuzz --bodies 5000 --out benchmarks/results/api_fuzz
