@@ -1,7 +1,7 @@
 """The FastAPI app: routing, body limits, JSON parsing and error shaping.
 
-Handlers live in ``frontend/api/``; this module only gets a request to them and turns
-every failure into an OpenAI-shaped error. No input reaches a handler unparsed, and no
+Handlers live in ``frontend/api/`` and every route in ``frontend/http/routes.py``; this
+module only gets a request to them and turns every failure into an OpenAI-shaped error. No input reaches a handler unparsed, and no
 exception escapes as anything but a JSON error (500 for our bugs, logged with traceback).
 Who may call at all (Host, API key, Content-Type) is decided before, by
 ``frontend.http.guard.Guard``.
@@ -16,44 +16,25 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend.api.anthropic.messages import count_tokens, create_message
-from frontend.api.anthropic.messages_request import CountTokensRequest, MessagesRequest
 from frontend.api.common.call import ClientGone
 from frontend.api.common.context import ServingContext
 from frontend.api.common.limits import check_depth, too_deep
 from frontend.api.common.lora_registry import LoraRegistry
 from frontend.api.common.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    NativeGenerateRequest,
-    TokenizeRequest,
     parse_body,
 )
-from frontend.api.native.generate import generate
-from frontend.api.native.lora import (
-    LoadLoraAdapterRequest,
-    UnloadLoraAdapterRequest,
-    load_lora_adapter,
-    unload_lora_adapter,
-)
-from frontend.api.native.tokenize import detokenize, tokenize, version_response
-from frontend.api.openai.chat_completions import create_chat_completion
-from frontend.api.openai.completions import create_completion
-from frontend.api.openai.responses import create_response
-from frontend.api.openai.responses_request import ResponsesRequest
-from frontend.engine_link.engine_client import EngineClient, Overloaded, WorkerHealth
+from frontend.engine_link.engine_client import EngineClient, Overloaded
 from frontend.engine_link.grammar_pool import GrammarPool
 from frontend.engine_link.grammar_worker import WorkerConfig
 from frontend.errors import (
@@ -65,27 +46,15 @@ from frontend.errors import (
     ServiceUnavailable,
 )
 from frontend.http.guard import JSON_PATHS, Guard
+from frontend.http.health import health_response
 from frontend.http.log_bounds import bounded_traceback, clip, ignored_fields
 from frontend.http.openapi import with_request_bodies
-from frontend.http.reset_route import add_reset_route
-from frontend.http.roles_route import add_roles_route
+from frontend.http.routes import BARE_ROUTES, ROUTES, B, BareHandler, Handler
 from frontend.settings import FrontendSettings
 from frontend.telemetry.metrics import FrontendMetrics
 from frontend.telemetry.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
-B = TypeVar(
-    "B",
-    CompletionRequest,
-    ChatCompletionRequest,
-    NativeGenerateRequest,
-    TokenizeRequest,
-    DetokenizeRequest,
-    MessagesRequest,
-    CountTokensRequest,
-    ResponsesRequest,
-)
-Handler = Callable[[ServingContext, Request, B, float], Awaitable[Response]]
 
 
 async def read_json(request: Request, limit: int, max_depth: int = 64) -> object:
@@ -179,6 +148,15 @@ async def _serve(
         return response
 
 
+def _bare_endpoint(
+    ctx: ServingContext, handler: BareHandler
+) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await handler(ctx, request)
+
+    return endpoint
+
+
 def _endpoint(
     ctx: ServingContext, model: type[B], handler: Handler[B]
 ) -> Callable[[Request], Awaitable[Response]]:
@@ -186,67 +164,6 @@ def _endpoint(
         return await _serve(ctx, request, model, handler)
 
     return endpoint
-
-
-# Every POST endpoint: its body's model (also its schema in /openapi.json) and handler.
-ROUTES: dict[str, tuple[type[Any], Handler[Any]]] = {
-    "/v1/completions": (CompletionRequest, create_completion),
-    "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion),
-    "/v1/messages": (MessagesRequest, create_message),
-    "/v1/messages/count_tokens": (CountTokensRequest, count_tokens),
-    "/v1/responses": (ResponsesRequest, create_response),
-    "/generate": (NativeGenerateRequest, generate),
-    "/tokenize": (TokenizeRequest, tokenize),
-    "/detokenize": (DetokenizeRequest, detokenize),
-    "/v1/load_lora_adapter": (LoadLoraAdapterRequest, load_lora_adapter),
-    "/v1/unload_lora_adapter": (UnloadLoraAdapterRequest, unload_lora_adapter),
-}
-
-
-def node_summary(workers: list[WorkerHealth]) -> dict[str, dict[str, int]]:
-    """/health's ``"nodes"``: per node name (sorted), how many of the processes /health
-    lists run there and how many of those are alive."""
-    out: dict[str, dict[str, int]] = {}
-    for w in sorted(workers, key=lambda w: w.node):
-        counts = out.setdefault(w.node, {"workers": 0, "alive": 0})
-        counts["workers"] += 1
-        counts["alive"] += w.alive
-    return out
-
-
-def health_report(client: EngineClient, deterministic: bool = False) -> tuple[int, bytes]:
-    """(status, JSON body) of /health.
-
-    200 while every role has a live worker: ``"ok"`` when all are alive, ``"degraded"``
-    when some are not (each worker's state and, for a dead one, how it died, say which).
-    503 ``"unavailable"`` when some role has no live worker: nothing can be served.
-    Each worker names its node; ``"nodes"`` counts the workers and live ones per node.
-    ``"deterministic"``: whether the workers serve batch-invariant
-    (``engine/model/batch_invariance.py``).
-    """
-    try:
-        workers = client.health()
-    except Exception:
-        logger.exception("engine health check failed")
-        err = InternalError("engine health check failed")
-        return err.status, msgspec.json.encode(err.body())
-    roles: dict[str, bool] = {}
-    for w in workers:
-        roles[w.role] = roles.get(w.role, False) or w.alive
-    serving = all(roles.values())
-    status = ("ok" if all(w.alive for w in workers) else "degraded") if serving else "unavailable"
-    body = {
-        "status": status,
-        "workers": [asdict(w) for w in workers],
-        "nodes": node_summary(workers),
-        "deterministic": deterministic,
-    }
-    return 200 if serving else 503, msgspec.json.encode(body)
-
-
-def health_response(client: EngineClient, deterministic: bool = False) -> Response:
-    status, body = health_report(client, deterministic)
-    return Response(body, status_code=status, media_type="application/json")
 
 
 GENERATE_PATHS = JSON_PATHS
@@ -381,33 +298,6 @@ def build_app(client: EngineClient, tokenizer: Any, settings: FrontendSettings) 
         app, {path: model for path, (model, _) in ROUTES.items()}
     )
 
-    add_reset_route(app, client)
-    add_roles_route(app, client)
-
-    @app.get("/version")
-    async def server_version() -> Response:
-        return version_response()
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        card = {
-            "id": settings.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "pdserve",
-            "max_model_len": settings.max_model_len,
-            "deterministic": settings.deterministic,  # batch-invariant serving
-        }
-        adapters = ctx.loras.cards() if ctx.loras is not None else []
-        return JSONResponse({"object": "list", "data": [card, *adapters]})
-
-    @app.get("/health")
-    async def health() -> Response:  # reached only when the fast path is bypassed
-        return health_response(client, settings.deterministic)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        payload, content_type = ctx.metrics.render()
-        return Response(payload, media_type=content_type)
-
+    for (method, path), bare in BARE_ROUTES.items():
+        app.add_api_route(path, _bare_endpoint(ctx, bare), methods=[method])
     return app

@@ -11,35 +11,34 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.engine_link.engine_client import EngineClient, EngineUnavailable
+from frontend.api.common.context import ServingContext
+from frontend.engine_link.engine_client import EngineUnavailable
 from frontend.engine_link.prefix_reset import ResetDone, ResetTimeout
 from frontend.errors import APIError
 
 logger = logging.getLogger(__name__)
 
-PATH = "/reset_prefix_cache"
 
-
-def add_reset_route(app: FastAPI, client: EngineClient) -> None:
-    @app.post(PATH)
-    async def reset_prefix_cache() -> Response:
-        try:
-            done = await client.reset_prefix_cache()
-        except NotImplementedError as e:
-            return APIError(str(e), status=501).response()
-        except (ResetTimeout, EngineUnavailable) as e:
-            logger.warning("prefix cache reset incomplete: %s", e)
-            return APIError(f"prefix cache reset incomplete: {e}", status=503).response()
-        assert isinstance(done, ResetDone)
-        logger.info("prefix caches reset: %s", done)
-        return JSONResponse(
-            {
-                "reset": True,
-                "workers": done.workers,
-                "host_blocks_dropped": done.host_blocks,
-                "disk_cleared": done.disk_cleared,
-            }
-        )
+async def reset_prefix_cache(ctx: ServingContext, request: Request) -> Response:
+    """``POST /reset_prefix_cache``; no body."""
+    client = ctx.client
+    try:
+        done = await client.reset_prefix_cache()
+    except NotImplementedError as e:
+        return APIError(str(e), status=501).response()
+    except (ResetTimeout, EngineUnavailable) as e:
+        logger.warning("prefix cache reset incomplete: %s", e)
+        return APIError(f"prefix cache reset incomplete: {e}", status=503).response()
+    assert isinstance(done, ResetDone)
+    logger.info("prefix caches reset: %s", done)
+    return JSONResponse(
+        {
+            "reset": True,
+            "workers": done.workers,
+            "host_blocks_dropped": done.host_blocks,
+            "disk_cleared": done.disk_cleared,
+        }
+    )

@@ -9,31 +9,28 @@ of the server. Behind the API key like every path but /health (``guard.py``).
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.engine_link.engine_client import EngineClient
+from frontend.api.common.context import ServingContext
 from frontend.engine_link.roles import RoleError
 from frontend.errors import APIError
 
-PATH = "/roles"
 
-
-def add_roles_route(app: FastAPI, client: EngineClient) -> None:
-    @app.post(PATH)
-    async def set_roles(request: Request) -> Response:
-        control = client.role_control
-        if control is None or not control.allow_override:
-            return APIError("Not Found", status=404).response()
-        try:
-            body = await request.json()
-        except ValueError:
-            return APIError('the body must be JSON: {"roles": [...]}', status=400).response()
-        names = body.get("roles") if isinstance(body, dict) else None
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            return APIError('give "roles": a list of role names', status=400).response()
-        try:
-            roles = control.set_by_hand(names)
-        except RoleError as e:
-            return APIError(str(e), status=400).response()
-        return JSONResponse({"roles": [r.value for r in roles]})
+async def set_roles(ctx: ServingContext, request: Request) -> Response:
+    """``POST /roles``: the body names one role a worker."""
+    control = ctx.client.role_control
+    if control is None or not control.allow_override:
+        return APIError("Not Found", status=404).response()
+    try:
+        body = await request.json()
+    except ValueError:
+        return APIError('the body must be JSON: {"roles": [...]}', status=400).response()
+    names = body.get("roles") if isinstance(body, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return APIError('give "roles": a list of role names', status=400).response()
+    try:
+        roles = control.set_by_hand(names)
+    except RoleError as e:
+        return APIError(str(e), status=400).response()
+    return JSONResponse({"roles": [r.value for r in roles]})

@@ -19,7 +19,7 @@ from engine.tokenizer.hf_tokenizer import load_tokenizer
 from frontend.engine_link.client_rings import RingEngineClient
 from frontend.engine_link.engine_client import EngineClient
 from frontend.http.acceptor import HealthAcceptor
-from frontend.http.app import build_app, health_report
+from frontend.http.app import build_app
 from frontend.http.connections import (
     ConnectionLimiter,
     TimedHttpProtocol,
@@ -27,6 +27,7 @@ from frontend.http.connections import (
     fds_open,
     raise_fd_limit,
 )
+from frontend.http.health import health_report
 from frontend.settings import ConnectionLimits, FrontendLaunch
 from frontend.telemetry.metrics import FrontendMetrics
 from router.router import RouterConfig

@@ -12,7 +12,7 @@ import msgspec
 from frontend.engine_link.board import FrontendBoard
 from frontend.engine_link.engine_client import WorkerHealth
 from frontend.engine_link.worker_status import frontend_health, worker_health, worker_metrics
-from frontend.http.app import health_report
+from frontend.http.health import health_report
 from transport.load_table import LoadTable, WorkerState
 from transport.ring import Ring
 from wire.roles import Role
