@@ -72,12 +72,12 @@ def test_every_cited_document_exists() -> None:
 
 # The house's sizes (docs/design.md §0): a file or function past these is doing several
 # jobs; the formatter is followed, a per-line skip kept only for a table.
-MAX_FILE_LINES = 500
-MAX_FUNCTION_LINES = 120
+MAX_FILE_LINES = 450
+MAX_FUNCTION_LINES = 100
 MAX_FMT_SKIPS = 50
 # C and C++ (the kernels included): the same rule, at the sizes the Python ones are headed for.
-MAX_C_FILE_LINES = 450
-MAX_C_FUNCTION_LINES = 100
+MAX_C_FILE_LINES = MAX_FILE_LINES
+MAX_C_FUNCTION_LINES = MAX_FUNCTION_LINES
 _C_SOURCES = ("*.c", "*.cpp", "*.cc", "*.h", "*.hpp")
 
 

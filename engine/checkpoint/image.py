@@ -35,10 +35,10 @@ from engine.weights.linear import (
     Linear,
     LinearKernel,
     QuantizationUnsupported,
-    RefinedHead,
     tiles_gemm,
 )
 from engine.weights.quant import Int4Rows, Int8Rows, QuantRows
+from engine.weights.refined_head import RefinedHead
 
 LAYOUT_VERSION = 3
 Meta = dict[str, Any]

@@ -37,12 +37,12 @@ from engine.weights.linear import (
     Linear,
     LinearKernel,
     QuantizationUnsupported,
-    RefinedHead,
     packed_kernel,
     tiles_gemm,
 )
 from engine.weights.plan import gguf_source, kernel_dtype
 from engine.weights.quant import QuantRows, concat_rows, quantize_int4, quantize_int8
+from engine.weights.refined_head import RefinedHead
 
 logger = logging.getLogger(__name__)
 

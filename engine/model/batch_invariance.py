@@ -42,7 +42,8 @@ from torch import nn
 
 from engine.model.attention import AttentionMetadata
 from engine.weights.gemm import NEVER
-from engine.weights.linear import DenseKernel, Int4Kernel, Int8Kernel, Linear, RefinedHead
+from engine.weights.linear import DenseKernel, Int4Kernel, Int8Kernel, Linear
+from engine.weights.refined_head import RefinedHead
 from engine.weights.row_tiles import ROW_TILE
 
 

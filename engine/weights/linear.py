@@ -48,6 +48,7 @@ from engine.direct_attrs import DirectAttrs
 from engine.weights import int4_tiles
 from engine.weights.lora import AdapterBank
 from engine.weights.quant import GROUP, Int4Rows, Int8Rows, QuantRows
+from engine.weights.refined_head import RefinedHead
 from engine.weights.row_tiles import tiled_linear
 
 # torch's CPU int4 packing wants output rows in multiples of 16.
@@ -309,63 +310,6 @@ class Int8Kernel(_PackedKernel):
     ) -> torch.Tensor:
         xc = x.to(self.input_dtype)  # before the repeat: half the bytes cast
         return self.planes.packed_forward(torch.cat((xc, xc), dim=1), bias, out_dtype or x.dtype)
-
-
-class RefinedHead(DirectAttrs):
-    """An LM head on a packed kernel whose leading logits are recomputed in float32.
-
-    The packed kernel returns bfloat16 logits: near 25, one step of bfloat16 is 0.125,
-    more than the margin between SmolLM2's two best first tokens on a plain question, so
-    greedy decoding would follow rounding, not the model. Every logit within
-    ``_MARGIN_STEPS`` bfloat16 steps of its row's maximum (at most ``_MAX_REFINED``) is
-    recomputed exactly: float32 activations times the exact de-quantized rows. The rest
-    keep their bfloat16 values, which only sampling at a temperature sees.
-    """
-
-    _MARGIN_STEPS = 4
-    _MAX_REFINED = 64
-
-    compute_dtype = torch.float32
-
-    def __init__(self, packed: nn.Module, rows: QuantRows) -> None:
-        super().__init__()
-        self.packed, self.rows = packed, rows
-        # Near logits as products summed per logit (``engine/model/batch_invariance.py``): the
-        # batched product's sums run in an order that moves with the batch's shape.
-        self.row_invariant = False
-
-    def native(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward(x, None)
-
-    def input_dtype_for(self, x: torch.Tensor) -> torch.dtype:
-        return x.dtype  # the refined logits read x as it is
-
-    def forward(
-        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        """x (T, K) -> float32 logits (T, vocab), whatever ``out_dtype``."""
-        out = self.packed.forward(x, bias, torch.float32)  # (T, vocab)
-        if x.dtype != torch.float32:
-            return out
-        k = min(self._MAX_REFINED, out.shape[1])
-        top, idx = out.topk(k, dim=1)  # (T, k)
-        # One bfloat16 step at the row maximum: 2^(exponent - 7).
-        step = torch.exp2(torch.floor(torch.log2(top[:, :1].abs().clamp_min(1e-30))) - 7)
-        near = top >= top[:, :1] - self._MARGIN_STEPS * step  # (T, k), sorted: a prefix
-        n = int(near.sum(dim=1).max())
-        idx = idx[:, :n]
-        w = self.rows.rows(idx.flatten()).dequantize().view(*idx.shape, -1)  # (T, n, K)
-        if self.row_invariant:
-            exact = (x.unsqueeze(1) * w).sum(dim=2)  # (T, n): a sum over K per logit
-        else:
-            exact = torch.einsum("tk,tnk->tn", x, w)
-        if bias is not None:
-            exact += bias[idx]
-        # Only a row's own near logits: ``n`` is the batch's widest, and a row's logits
-        # must not depend on the rows beside it (a speculative verification's rows get
-        # the bits their decode steps would, one row each).
-        exact = torch.where(near[:, :n], exact, top[:, :n])
-        return out.scatter_(1, idx, exact)
 
 
 # What a ``Linear`` holds: each has ``forward(x, bias, out_dtype)``, ``native(x)`` and

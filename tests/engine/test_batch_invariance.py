@@ -13,8 +13,9 @@ import torch
 from colocated.llm import LLM, GenerationResult
 from engine.config import EngineConfig
 from engine.model.batch_invariance import make_batch_invariant
-from engine.weights.linear import RefinedHead, packed_kernel
+from engine.weights.linear import packed_kernel
 from engine.weights.quant import quantize_int8
+from engine.weights.refined_head import RefinedHead
 from engine.weights.row_tiles import ROW_TILE, tiled_linear
 from wire.params import SamplingParams
 

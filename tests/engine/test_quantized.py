@@ -28,7 +28,6 @@ from engine.weights.linear import (
     Int4Kernel,
     Int8Kernel,
     Linear,
-    RefinedHead,
     decode_rows,
     packed_kernel,
     prefill_phase,
@@ -42,6 +41,7 @@ from engine.weights.quant import (
     quantize_int4,
     quantize_int8,
 )
+from engine.weights.refined_head import RefinedHead
 from tests.engine.gguf_files import Q, write_gguf
 from wire.params import SamplingParams
 
