@@ -61,7 +61,9 @@ def _drive(url: str, model: str, streams: int, args: argparse.Namespace, seed: i
             *("--random-input-len", str(args.input_len), "--random-range-ratio", "0"),
             *("--random-output-len", str(args.output_len)),
         ]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=3600)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if run.returncode != 0:
+            raise RuntimeError(f"{streams} streams: the client failed: {run.stderr[-2000:]}")
         data = json.loads(result.read_text())
     if data.get("failed"):
         raise RuntimeError(f"{streams} streams: {data['failed']} requests failed")
