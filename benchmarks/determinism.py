@@ -23,18 +23,15 @@ server and stream count, and on / off side by side. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 from benchmarks.harness.machine import load_average
 from benchmarks.harness.servers import launch
 from benchmarks.serving.launch_ab import write_page
+from benchmarks.serving.load_ab import run_client
 from bundled_models.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
 RESULTS = Path(__file__).parent / "results" / "determinism.md"
@@ -48,25 +45,15 @@ METRICS = {
 
 def _drive(url: str, model: str, streams: int, args: argparse.Namespace, seed: int) -> dict:
     """One load of ``streams`` requests in flight against ``url``: the client's metrics."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "benchmarks.serving",
-            *("--base-url", url, "--model", DEFAULT_MODEL_NAME, "--tokenizer", model),
-            *("--dataset", "random", "--ignore-eos", "--seed", str(seed)),
-            *("--metric-percentiles", "50,99", "--disable-tqdm", "--result-file", str(result)),
-            *("--max-concurrency", str(streams), "--num-prompts", str(max(8, 2 * streams))),
-            *("--random-input-len", str(args.input_len), "--random-range-ratio", "0"),
-            *("--random-output-len", str(args.output_len)),
-        ]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-        if run.returncode != 0:
-            raise RuntimeError(f"{streams} streams: the client failed: {run.stderr[-2000:]}")
-        data = json.loads(result.read_text())
-    if data.get("failed"):
-        raise RuntimeError(f"{streams} streams: {data['failed']} requests failed")
+    load = [
+        *("--max-concurrency", str(streams), "--num-prompts", str(max(8, 2 * streams))),
+        *("--random-input-len", str(args.input_len), "--random-range-ratio", "0"),
+        *("--random-output-len", str(args.output_len)),
+    ]
+    try:
+        data = run_client(url, model, seed, load)
+    except RuntimeError as e:
+        raise RuntimeError(f"{streams} streams: {e}") from e
     return {key: float(data[key]) for key in METRICS}
 
 

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from benchmarks.harness.machine import load_average
 from benchmarks.harness.servers import launch
@@ -58,6 +59,30 @@ def _load_flags(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def run_client(url: str, model: str, seed: int, load: list[str]) -> dict[str, Any]:
+    """``python -m benchmarks.serving`` against ``url`` with the random dataset, ``load``'s
+    arguments on top: its result JSON. ``RuntimeError`` naming the client's own error if it
+    fails, or how many requests did."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.serving",
+            *("--base-url", url, "--model", DEFAULT_MODEL_NAME, "--tokenizer", model),
+            *("--dataset", "random", "--ignore-eos", "--seed", str(seed)),
+            *("--metric-percentiles", "50,99", "--disable-tqdm", "--result-file", str(result)),
+            *load,
+        ]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if run.returncode != 0:
+            raise RuntimeError(f"the client failed: {run.stderr[-2000:]}")
+        data: dict[str, Any] = json.loads(result.read_text())
+    if data.get("failed"):
+        raise RuntimeError(f"{data['failed']} requests failed")
+    return data
+
+
 def _one(
     flags: str, load: list[str], model: str, seed: int, tree: Path | None = None
 ) -> dict[str, float]:
@@ -67,37 +92,12 @@ def _one(
         ["--model", model, "--served-model-name", DEFAULT_MODEL_NAME, *shlex.split(flags)], tree
     )
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            result = Path(tmp) / "result.json"
-            cmd = [
-                sys.executable,
-                "-m",
-                "benchmarks.serving",
-                "--base-url",
-                url,
-                "--model",
-                DEFAULT_MODEL_NAME,
-                "--tokenizer",
-                model,
-                "--dataset",
-                "random",
-                "--ignore-eos",
-                "--seed",
-                str(seed),
-                "--metric-percentiles",
-                "50,99",
-                "--disable-tqdm",
-                "--result-file",
-                str(result),
-                *load,
-            ]
-            subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
-            data = json.loads(result.read_text())
+        data = run_client(url, model, seed, load)
+    except RuntimeError as e:
+        raise RuntimeError(f"{flags}: {e}") from e
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
-    if data.get("failed"):
-        raise RuntimeError(f"{flags}: {data['failed']} requests failed")
     return {key: float(data[key]) for key in METRICS}
 
 
