@@ -20,13 +20,15 @@ import httpx2
 import pytest
 
 from bundled_models import tiny
+from tests.conftest import LaunchedServer
 
 BODY_TIMEOUT_S = 3
 MAX_LOG_BYTES = 8 << 10  # what one flooding request may add to the log
 
 
-class LoggedServer:
-    """``launch`` with its whole log (every process's) written to a file."""
+class LoggedServer(LaunchedServer):
+    """``launch`` with its whole log (every process's) written to a file; stopped as any
+    ``LaunchedServer`` is."""
 
     def __init__(self, log_path: Path, args: list[str]) -> None:
         with socket.socket() as s:
@@ -48,16 +50,6 @@ class LoggedServer:
 
     def log_size(self) -> int:
         return self.log_path.stat().st_size
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
