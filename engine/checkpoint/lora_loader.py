@@ -93,13 +93,7 @@ class LoraAdapters:
         self._retired.discard(ref.fingerprint)
         if ref.fingerprint in self._checked or ref.fingerprint in self._by_fp:
             return
-        spec = read_lora(ref.path)
-        if spec.fingerprint != ref.fingerprint:
-            raise LoraError(
-                f"adapter {ref.name!r}: the files at {ref.path} changed since it "
-                "was registered; load it again"
-            )
-        spec.check_fits(self.base, self.max_rank)
+        self._read_fitting(ref)
         self._checked.add(ref.fingerprint)
 
     def groups(self, refs: list[LoraRef | None]) -> list[list[int]]:
@@ -171,7 +165,9 @@ class LoraAdapters:
             out += [(attn.qkv, 3), (attn.o, 1), (mlp.gate_up, 2), (mlp.down, 1)]
         return out
 
-    def _load(self, slot: int, ref: LoraRef) -> None:
+    def _read_fitting(self, ref: LoraRef) -> LoraSpec:
+        """``ref``'s adapter read from disk; ``LoraError`` unless it is the one registered
+        (same fingerprint) and fits this base and rank."""
         spec = read_lora(ref.path)
         if spec.fingerprint != ref.fingerprint:
             raise LoraError(
@@ -179,6 +175,10 @@ class LoraAdapters:
                 "was registered; load it again"
             )
         spec.check_fits(self.base, self.max_rank)
+        return spec
+
+    def _load(self, slot: int, ref: LoraRef) -> None:
+        spec = self._read_fitting(ref)
         parts = self._read(spec)
         for layer_idx, by_target in parts.items():
             layer = self.model.layer(layer_idx)
