@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,6 +262,16 @@ class FrontendMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+def _by_label(
+    name: str, doc: str, label: str, samples: Iterable[tuple[str, float]]
+) -> CounterMetricFamily:
+    """A counter family with one sample per ``(label value, count)``."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value, count in samples:
+        family.add_metric([value], float(count))
+    return family
+
+
 class _SharedCollector(Collector):
     """The frontends' rows, summed: one server."""
 
@@ -284,30 +294,26 @@ class _SharedCollector(Collector):
             )
         for f in m._counters:
             yield CounterMetricFamily(f.name, f.doc, value=float(total[f.first]))
-        requests = CounterMetricFamily(
-            "pdserve_requests", "Finished requests", labels=["finish_reason"]
+        finished = total[m._requests : m._requests + len(FINISH_REASONS)]
+        yield _by_label(
+            "pdserve_requests",
+            "Finished requests",
+            "finish_reason",
+            ((reason, n) for reason, n in zip(FINISH_REASONS, finished, strict=True) if n),
         )
-        for i, reason in enumerate(FINISH_REASONS):
-            if total[m._requests + i]:
-                requests.add_metric([reason], float(total[m._requests + i]))
-        yield requests
-        by_limit = CounterMetricFamily(
+        yield _by_label(
             "pdserve_requests_refused_by_limit",
             "Requests answered 400 for going over a limit (docs/reliability.md)",
-            labels=["limit"],
-        )
-        for i, name in enumerate(LIMITS):
-            by_limit.add_metric([name], float(total[m._by_limit + i]))
-        yield by_limit
-        per_frontend = CounterMetricFamily(
-            "pdserve_frontend_requests",
-            "Finished requests, by the frontend that served them",
-            labels=["frontend"],
+            "limit",
+            zip(LIMITS, total[m._by_limit : m._by_limit + len(LIMITS)], strict=True),
         )
         done = rows[:, m._requests : m._requests + len(FINISH_REASONS)].sum(axis=1)
-        for n, count in enumerate(done):
-            per_frontend.add_metric([str(n)], float(count))
-        yield per_frontend
+        yield _by_label(
+            "pdserve_frontend_requests",
+            "Finished requests, by the frontend that served them",
+            "frontend",
+            ((str(n), count) for n, count in enumerate(done)),
+        )
         live = [r.state == WorkerState.READY or r.index == m.board.me for r in m.board.frontends()]
         yield GaugeMetricFamily(
             "pdserve_http_connections_open",
