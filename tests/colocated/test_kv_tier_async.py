@@ -73,6 +73,18 @@ def _parked(llm: LLM, rid: int) -> bool:
     )
 
 
+def _streams_beside_parked(
+    llm: LLM, out: dict[int, list[int]], streaming: int, parked: int, steps: int = 5
+) -> None:
+    """For ``steps`` steps ``streaming`` decodes a token every step while ``parked`` waits
+    for its tier loads, with no output."""
+    for _ in range(steps):
+        n = len(out[streaming])
+        _step(llm, out)
+        assert len(out[streaming]) == n + 1
+        assert _parked(llm, parked) and parked not in out
+
+
 def test_a_request_streams_on_while_another_waits_for_its_disk_blocks(
     restarted: tuple[LLM, threading.Event], cold: list[int]
 ) -> None:
@@ -82,11 +94,7 @@ def test_a_request_streams_on_while_another_waits_for_its_disk_blocks(
     while not out.get(1):
         _step(llm, out)
     _add(llm, 2, PROMPT, PARAMS)
-    for _ in range(5):
-        before = len(out[1])
-        _step(llm, out)
-        assert len(out[1]) == before + 1  # request 1 decodes a token every step
-        assert _parked(llm, 2) and 2 not in out
+    _streams_beside_parked(llm, out, streaming=1, parked=2)
     assert llm.scheduler.prefill.waiting[0].seq.num_cached_tokens == 0  # nothing counted yet
     gate.set()
     while llm.scheduler.has_work:

@@ -24,7 +24,13 @@ from colocated.llm import LLM
 from engine.config import EngineConfig
 from engine.kv.block_allocator import block_hashes
 from engine.kv.tiers.async_tiers import AsyncTieredKV
-from tests.colocated.test_kv_tier_async import STREAM, _add, _parked, _step
+from tests.colocated.test_kv_tier_async import (
+    STREAM,
+    _add,
+    _parked,
+    _step,
+    _streams_beside_parked,
+)
 from tests.colocated.test_kv_tiers import BS, OTHERS, PARAMS, PROMPT, _host, _keys, _llm
 
 N_PROMPT_BLOCKS = len(PROMPT) // BS  # 6
@@ -132,11 +138,7 @@ def test_a_request_streams_on_while_another_is_copied_back_from_tier_2(
         _step(llm, out)
     copier.gate.clear()
     _add(llm, 2, PROMPT, PARAMS)
-    for _ in range(5):
-        n = len(out[1])
-        _step(llm, out)
-        assert len(out[1]) == n + 1  # request 1 decodes a token every step
-        assert _parked(llm, 2) and 2 not in out
+    _streams_beside_parked(llm, out, streaming=1, parked=2)
     assert tiers.host.counters()["host_hit_blocks"] == before["host_hit_blocks"]  # not yet
     copier.gate.set()
     while llm.scheduler.has_work:

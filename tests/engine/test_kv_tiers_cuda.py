@@ -23,10 +23,10 @@ from engine.kv.tiers.async_tiers import AsyncTieredKV
 from engine.kv.tiers.cuda_copy import CudaCopier
 from tests.colocated.test_kv_tiers import (
     BS,
-    OTHERS,
     PARAMS,
     PROMPT,
     Host,
+    _evict_then_rerun,
     _host,
     _keys,
     _persist,
@@ -70,14 +70,6 @@ def _copier(llm: LLM) -> CudaCopier:
 @pytest.fixture(scope="module")
 def cold(default_model_path: Path) -> list[int]:
     return _llm(default_model_path, None).generate([PROMPT], PARAMS)[0].output_ids
-
-
-def _evict_then_rerun(llm: LLM) -> list[int]:
-    llm.generate([PROMPT], PARAMS)
-    for p in OTHERS:
-        llm.generate([p], PARAMS)
-    assert llm.runner.kv.allocator.lookup(block_hashes(PROMPT, BS)) == 0, "still in the pool"
-    return llm.generate([PROMPT], PARAMS)[0].output_ids
 
 
 def test_tier_2_is_page_locked(default_model_path: Path) -> None:
