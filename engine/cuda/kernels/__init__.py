@@ -39,6 +39,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for operands of ``dtype``: exact for float32 (the
+    tests compare against the torch reference), TF32 tensor cores otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def use_kernels(backend: str, device_type: str) -> bool:
     """Whether a runner on ``device_type`` takes the kernel path for ``backend``.
 

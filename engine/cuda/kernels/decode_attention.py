@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.cuda.kernels import next_power_of_2
+from engine.cuda.kernels import dot_precision, next_power_of_2
 
 MAX_SPLITS = 16
 MIN_TOKENS_PER_SPLIT = 256  # below this a split costs more in the reduce than it saves
@@ -183,11 +183,7 @@ def decode_attention(
         math.log2(math.e) / math.sqrt(d),
         q.stride(0),
         q.stride(1),
-        pool.stride(0),
-        pool.stride(1),
-        pool.stride(2),
-        pool.stride(3),
-        pool.stride(4),
+        *pool.stride()[:5],  # axis 5 (head_dim) is contiguous
         block_tables.stride(0),
         GROUP=group,
         HEAD_DIM=d,
@@ -196,7 +192,7 @@ def decode_attention(
         BLOCK_H=max(16, next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=64,  # a tile may span pages: each key looks its block up
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION=dot_precision(q.dtype),
     )
     _decode_reduce_kernel[(b, heads)](
         part_out,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.cuda.kernels import next_power_of_2
+from engine.cuda.kernels import dot_precision, next_power_of_2
 
 
 @triton.jit
@@ -147,11 +147,7 @@ def extend_attention(
         q.stride(1),
         out.stride(0),
         out.stride(1),
-        pool.stride(0),
-        pool.stride(1),
-        pool.stride(2),
-        pool.stride(3),
-        pool.stride(4),
+        *pool.stride()[:5],  # axis 5 (head_dim) is contiguous
         block_tables.stride(0),
         GROUP=group,
         TOKENS=tokens,
@@ -160,6 +156,6 @@ def extend_attention(
         ROWS=rows,
         BLOCK_D=max(16, next_power_of_2(d)),
         BLOCK_N=64,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION=dot_precision(q.dtype),
     )
     return out

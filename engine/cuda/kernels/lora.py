@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.cuda.kernels import next_power_of_2
+from engine.cuda.kernels import dot_precision, next_power_of_2
 from engine.cuda.lora_tiles import TILE_ROWS
 
 
@@ -142,7 +142,7 @@ def lora_update(
     assert tiles.shape[0] == 3 and tiles.is_contiguous() and order.shape[0] >= t
     m = tiles.shape[1]
     v = torch.empty(t, r, dtype=torch.float32, device=x.device)
-    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    precision = dot_precision(a.dtype)
     block_r = max(16, next_power_of_2(r))  # tl.dot needs 16 at least
     _shrink_kernel[(m,)](
         x,

@@ -122,11 +122,7 @@ def rope_and_store(
         v.stride(0),
         v.stride(1),
         cos.stride(0),
-        pool.stride(0),
-        pool.stride(1),
-        pool.stride(2),
-        pool.stride(3),
-        pool.stride(4),
+        *pool.stride()[:5],  # axis 5 (head_dim) is contiguous
         HEADS=heads,
         KV_HEADS=kv_heads,
         HALF=d // 2,
