@@ -21,6 +21,8 @@ SDPA is PyTorch's fused kernel on every device (flash / memory-efficient on CUDA
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +52,10 @@ class AttentionMetadata:
     # decode step's bits, at a higher cost (those that asked for logprobs). Also in a CPU
     # decode batch (``dense_kv``): rows whose context is shorter than the batch's widest.
     exact_rows: frozenset[int] = frozenset()
+    # ... at one thread (batch-invariant serving): the CPU SDPA kernel's reduction order
+    # for a one-row call moves with the thread count, which a CPU worker's core lease
+    # changes from step to step (``_one_thread``).
+    exact_one_thread: bool = False
     gather_rows: tuple[torch.Tensor, ...] = ()  # decode only: L x (2 * B * max_blocks,)
     attn_bias: torch.Tensor | None = None  # decode only: (B, 1, 1, S) 0 or -inf, model dtype
     # CPU decode and verification: the batch's K/V kept dense between steps (see
@@ -120,7 +126,8 @@ def _prefill_attention(
                 ki, vi = _gather_context(pool, layer, meta.block_tables[i], meta.ctx_lens[i])
             if meta.rows_as_decode:
                 exact = i in meta.exact_rows
-                outputs.append(_decode_rows_attention(q[start : start + n], ki, vi, exact))
+                qi = q[start : start + n]
+                outputs.append(_decode_rows_attention(qi, ki, vi, exact, meta.exact_one_thread))
             else:
                 ki, vi = ki.to(q.dtype), vi.to(q.dtype)
                 outputs.append(_causal_sdpa(q[start : start + n], ki, vi))
@@ -197,7 +204,7 @@ def grouped_causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
 
 
 def _decode_rows_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exact: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exact: bool, one_thread: bool = False
 ) -> torch.Tensor:
     """q: (n, H, D), the last n positions of a context k, v: (c, KVH, D) in the cache's
     dtype -> (n, H, D) in q's dtype, computed as ``_decode_attention`` computes a decode
@@ -205,7 +212,7 @@ def _decode_rows_attention(
 
     ``exact``: one SDPA call per row over exactly the context that row sees, so each row
     gets the bits a one-request decode step would give it (logprobs equal to speculation
-    off). Otherwise one call for all n rows: the CPU kernel's reduction order depends on
+    off); ``one_thread``: those calls at one thread (``AttentionMetadata.exact_one_thread``). Otherwise one call for all n rows: the CPU kernel's reduction order depends on
     the key width, so the masked slots past a row's context move its logits by a few
     bfloat16 roundings (~4e-4 in logprob, as decoding beside a longer request does),
     for less than n calls cost over a long context.
@@ -218,10 +225,11 @@ def _decode_rows_attention(
     kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))  # (1, KVH, c, D)
     if exact:
         out = torch.empty(n, heads, d, dtype=k.dtype, device=q.device)
-        for j in range(n):
-            s = c - n + j + 1  # query j sits at position s - 1
-            bias = torch.zeros(1, 1, 1, s, dtype=k.dtype, device=q.device)
-            out[j] = grouped_decode_sdpa(qc[j : j + 1], kh[:, :, :s], vh[:, :, :s], bias)[0]
+        with _one_thread(one_thread):
+            for j in range(n):
+                s = c - n + j + 1  # query j sits at position s - 1
+                bias = torch.zeros(1, 1, 1, s, dtype=k.dtype, device=q.device)
+                out[j] = grouped_decode_sdpa(qc[j : j + 1], kh[:, :, :s], vh[:, :, :s], bias)[0]
         return out.to(q.dtype)
     g = heads // kv_heads
     # Row j * g + i of KV head h is query token j of head h * g + i (as grouped_causal_sdpa).
@@ -248,17 +256,40 @@ def _decode_attention(
     keys, values = kv.transpose(2, 3)  # each (B, KVH, S, D), strided views
     # Grouped on every device: on CUDA it keeps the fused kernels; on CPU the fused kernel
     # with equal head counts is ~25 % faster than enable_gqa's (measured at B 1-8).
-    out = grouped_decode_sdpa(q, keys, values, meta.attn_bias)
     bias = meta.attn_bias
-    for i in meta.exact_rows:
-        # NOTE: the CPU kernel's reduction order depends on the key width S, so a row
-        # padded to a longer neighbour's context gets other bits than it would alone
-        # (a few bfloat16 roundings). Alone, a CPU decode step's S is its context: the
-        # row is recomputed over exactly that, for a request that reports logprobs.
-        s = meta.ctx_lens[i]
-        ks, vs = keys[i : i + 1, :, :s], values[i : i + 1, :, :s]
-        out[i] = grouped_decode_sdpa(q[i : i + 1], ks, vs, bias[i : i + 1, ..., :s])[0]
+    if len(meta.exact_rows) < b:
+        out = grouped_decode_sdpa(q, keys, values, bias)
+    else:  # every row is recomputed below (batch-invariant serving)
+        out = torch.empty_like(q)
+    with _one_thread(meta.exact_one_thread):
+        for i in meta.exact_rows:
+            # NOTE: the CPU kernel's reduction order depends on the key width S, so a row
+            # padded to a longer neighbour's context gets other bits than it would alone
+            # (a few bfloat16 roundings). Alone, a CPU decode step's S is its context: the
+            # row is recomputed over exactly that, for a request that reports logprobs.
+            s = meta.ctx_lens[i]
+            ks, vs = keys[i : i + 1, :, :s], values[i : i + 1, :, :s]
+            out[i] = grouped_decode_sdpa(q[i : i + 1], ks, vs, bias[i : i + 1, ..., :s])[0]
     return out
+
+
+@contextmanager
+def _one_thread(on: bool) -> Iterator[None]:
+    """With ``on``, the block runs at one thread, then at the thread count it found.
+
+    NOTE: the CPU SDPA kernel splits a one-row call's work by the thread count, so its
+    sums run in another order at one thread than at two (seen at most context lengths);
+    a CPU worker's core lease (transport/core_lease.py) grants 1 or 2 threads a step by
+    what the other workers do. One thread is also the faster for a one-row call.
+    """
+    threads = torch.get_num_threads() if on else 1
+    if threads != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
 
 
 def grouped_decode_sdpa(

@@ -14,9 +14,11 @@ computed by arithmetic chosen per row, never by the shape of the step it shares:
   near count;
 * dense layers: GEMM calls of ``ROW_TILE`` rows (``engine/weights/row_tiles.py``);
 * attention on the torch reference backend: every row attends over exactly its own
-  context, one SDPA call per row in the cache's dtype, a prefill row as a decode row
-  would (``invariant_meta``), so a prompt's KV does not depend on its batch, its chunking
-  or a prefix-cache hit, and equals what decode steps would have written;
+  context, one SDPA call per row in the cache's dtype at one thread (the kernel's sums
+  move with the thread count, which the core lease changes per step), a prefill row as a
+  decode row would (``invariant_meta``), so a prompt's KV does not depend on its batch,
+  its chunking, a prefix-cache hit or the threads, and equals what decode steps would
+  have written;
 * pdserve's fused CPU attentions already give a row its own bits (both kernels); where
   they do not take a pool (float32 KV, another head size) the torch reference runs;
 * co-located workers never mix prompt chunks and decode rows in one forward.
@@ -112,6 +114,8 @@ def fused_attention_invariant(
 def invariant_meta(meta: AttentionMetadata) -> AttentionMetadata:
     """The torch reference backend's metadata with every row attending alone over its own
     context: decode rows each in an SDPA call of their own width, prefill rows as decode
-    rows (``_decode_rows_attention``), whatever else the step holds."""
+    rows (``_decode_rows_attention``), whatever else the step holds; those calls at one
+    thread, whatever the worker's core lease granted the step."""
     every = frozenset(range(len(meta.q_lens)))
-    return replace(meta, exact_rows=every, rows_as_decode=not meta.is_decode or meta.rows_as_decode)
+    as_decode = not meta.is_decode or meta.rows_as_decode
+    return replace(meta, exact_rows=every, rows_as_decode=as_decode, exact_one_thread=True)

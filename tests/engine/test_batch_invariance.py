@@ -125,3 +125,17 @@ def test_switch_reaches_every_linear_layer(default_model_path: Path, invariant: 
     assert invariant.runner.mixes_batches is False
     # The torch reference: prefill rows run as decode rows, so decode's blocks may be cached.
     assert invariant.runner.decode_publishes is True
+
+
+def test_same_bits_at_one_thread_and_two(invariant: LLM, one_thread_after: object) -> None:
+    """A CPU worker's core lease grants a step 1 or 2 threads by what the other workers
+    do (transport/core_lease.py): a request's bits do not follow (the CPU SDPA kernel's
+    sums for a one-row call did, at most context lengths)."""
+    prompts = _prompts(5, 3)
+    params = [GREEDY, GREEDY, *SAMPLED]
+    torch.set_num_threads(1)
+    one = [_bits(invariant.generate([p], [sp])[0]) for p, sp in zip(prompts, params)]
+    torch.set_num_threads(2)
+    two = [_bits(invariant.generate([p], [sp])[0]) for p, sp in zip(prompts, params)]
+    assert two == one
+    assert torch.get_num_threads() == 2  # the attention's one-thread calls restore it
