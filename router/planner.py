@@ -1,12 +1,15 @@
 """The planner: sets the roles of ``launch --workers N`` against TTFT and TPOT targets.
 
 It runs in frontend 0, beside its router, once every ``interval_s``. The roles it sets
-form a ladder of N levels, each one worker apart:
-    level 0       every worker COLOCATED (prefills and decodes its own requests)
+form a ladder of N levels:
+    level 0       worker 0 COLOCATED, the others DECODE (idle: no PREFILL worker hands
+                  them anything; the start, ``transport/role_table.start_roles``)
     level L >= 1  workers 0 .. N-L-1 PREFILL, workers N-L .. N-1 DECODE
-Co-located serving gets the most out of a host (every worker prefills, no copy), but
-each prefill chunk stalls the decode rows beside it; a split keeps decode steps free of
-prefill (TPOT) at the cost of prefill capacity (TTFT). So:
+On a CPU host the workers lease the same cores, so level 0 is one co-located worker with
+every core: it batches every decode row in one step and prefills each prompt on every
+core, the most a host gets out of them (docs/roles.md). But each of its prefill chunks
+stalls the decode rows beside it; a split keeps decode steps free of prefill (TPOT) at
+the cost of prefill speed (TTFT: a prompt gets the cores the decoders leave). So:
     TPOT over its target (and further over than TTFT)   -> one level up (decode isolated)
     TTFT over its target (and further over than TPOT)   -> one level down (more prefill)
 judged on the ``quantile`` of the requests that arrived since the last change (at least
@@ -28,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from transport.load_table import LoadRow, WorkerState
-from transport.role_table import RoleTable
+from transport.role_table import RoleTable, start_roles
 from wire.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -62,7 +65,7 @@ def level_roles(level: int, n: int) -> list[Role]:
     """The roles of ladder ``level`` for ``n`` workers (see the module docstring)."""
     assert 0 <= level < max(n, 1), (level, n)
     if level == 0:
-        return [Role.COLOCATED] * n
+        return start_roles(n)
     return [Role.PREFILL] * (n - level) + [Role.DECODE] * level
 
 

@@ -297,6 +297,12 @@ class Router:
         assert self.roles is not None
         roles = self.roles.roles()
         takers = [i for i, r in enumerate(roles) if r is not Role.DECODE]
+        if not any(r.index in takers and self._routable(r, now_ns) for r in rows):
+            # Every worker taking new requests is down (at the start roles: worker 0):
+            # the decoders take requests whole until it is back.
+            decoders = [i for i, r in enumerate(roles) if r is Role.DECODE]
+            d_row = self._choose(rows, Role.COLOCATED, req, now_ns, only=only, among=decoders)
+            return d_row, d_row, "local"
         p_row = self._choose(rows, Role.COLOCATED, req, now_ns, only=only, among=takers)
         if roles[p_row.index] is Role.COLOCATED:
             return p_row, p_row, "colocated"

@@ -3,7 +3,7 @@
 A ``--workers`` worker is one process kind (``colocated.worker``) that can prefill and
 hand its KV off, adopt another's handoff and decode, or do both for its own requests.
 Which of those the router sends it is its role, kept here in shared memory:
-    ``Role.COLOCATED``  takes new requests and serves them end to end (the start role)
+    ``Role.COLOCATED``  takes new requests and serves them end to end
     ``Role.PREFILL``    takes new requests, prefills them, hands the KV to a decoder
     ``Role.DECODE``     takes handoffs (and the requests placed whole on it, see
                         ``router/roles.py``); no other new prefills
@@ -11,9 +11,15 @@ A role steers placement only: a worker whose role changes keeps running what it 
 (its decode rows finish where they are), so a change restarts nothing, reloads nothing
 and loses nothing.
 
+The start (``start_roles``): worker 0 COLOCATED, every other DECODE. On a CPU host the
+workers lease the same cores (``transport/core_lease.py``), so one co-located worker that
+batches every request and prefills on every core out-serves several that split the
+cores between their own small batches (measured: docs/roles.md); the others wait for
+the planner to split roles, their cores lent to worker 0 meanwhile.
+
 Who does what:
-    launcher    creates the segment (``layout_nbytes``), ``format``s it: every worker
-                COLOCATED; hands it to every frontend (``segments["roles"]``)
+    launcher    creates the segment (``layout_nbytes``), ``format``s it with the start
+                roles; hands it to every frontend (``segments["roles"]``)
     frontend 0  its planner (``router/planner.py``) or the test route sets roles (``set``)
     frontends   read the roles before each placement (``roles``), count their placements
                 by kind in their own row (``count``), and show both in /health, /metrics
@@ -50,6 +56,11 @@ SERVING_ROLES = tuple(_TIME_AT)
 PLACEMENT_KINDS = ("handoff", "local", "colocated")
 
 
+def start_roles(num_workers: int) -> list[Role]:
+    """The roles workers start in: worker 0 co-located, the others decoders."""
+    return [Role.COLOCATED] + [Role.DECODE] * (num_workers - 1)
+
+
 class RoleTableError(ValueError):
     """The buffer does not hold a role table of the expected shape."""
 
@@ -73,15 +84,15 @@ class RoleTable:
 
     @classmethod
     def format(cls, buf: Any, num_workers: int, num_frontends: int) -> RoleTable:
-        """Write the header and start every worker as ``Role.COLOCATED`` (the launcher)."""
+        """Write the header and give the workers their ``start_roles`` (the launcher)."""
         words = np.frombuffer(buf, np.int64)
         words[:] = 0
         words[:3] = (_MAGIC, num_workers, num_frontends)
         table = cls(buf)
         now = time.monotonic_ns()
-        for i in range(num_workers):
+        for i, role in enumerate(start_roles(num_workers)):
             row = table._row(i)
-            row[_ROLE], row[_SINCE] = Role.COLOCATED.table_code, now
+            row[_ROLE], row[_SINCE] = role.table_code, now
         return table
 
     def __init__(self, buf: Any) -> None:
