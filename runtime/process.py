@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from transport.doorbell import Doorbell
@@ -22,6 +22,7 @@ from transport.load_table import LoadTable
 from transport.prefix_summary import PrefixSummary
 from transport.ring import Ring, RingSpec
 from transport.segment import Segment, SegmentSpec
+from wire.json_spec import JsonSpec
 from wire.ring_names import RingKind, RingName
 from wire.roles import Role
 
@@ -49,7 +50,7 @@ def set_title(name: str) -> None:
 
 
 @dataclass(frozen=True)
-class ProcessSpec:
+class ProcessSpec(JsonSpec):
     """What one child needs, as JSON. Every fd named here is inherited from the launcher."""
 
     role: Role
@@ -65,9 +66,6 @@ class ProcessSpec:
     prefix_summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Other shared segments by tag -> fd, nbytes (the frontends' board, to frontends).
     segments: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> ProcessSpec:

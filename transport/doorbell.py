@@ -17,15 +17,15 @@ the rings, and ``arm(rings)`` before returning; if ``arm`` reports data, drain a
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Protocol
 
 from transport import _atomics
+from wire.json_spec import JsonSpec
 
 # Poll slice while blocked: bounds how late a restarted peer's new pid is noticed.
 _SLICE_S = 0.5
@@ -33,15 +33,8 @@ SPIN_S = 50e-6
 
 
 @dataclass(frozen=True, slots=True)
-class DoorbellSpec:
+class DoorbellSpec(JsonSpec):
     fd: int
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> DoorbellSpec:
-        return cls(**json.loads(text))
 
 
 def new_eventfd() -> int:

@@ -34,11 +34,10 @@ which follows exactly this protocol; Python keeps sizing, waiting and liveness.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import struct
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 from transport import _atomics
@@ -46,6 +45,7 @@ from transport.doorbell import Doorbell, block_on, drain_eventfd, new_eventfd
 from transport.errors import PeerDead, RecordTooLarge, RingFull
 from transport.liveness import PeerWatch
 from transport.segment import Segment
+from wire.json_spec import JsonSpec
 
 RingEnd = Literal["producer", "consumer"]  # which side of a ring a process holds
 
@@ -59,7 +59,7 @@ _SLICE_S = 0.5  # longest kernel sleep between liveness checks of a full ring
 
 
 @dataclass(frozen=True, slots=True)
-class RingSpec:
+class RingSpec(JsonSpec):
     """Everything a child needs to attach: inherited fds (segment, doorbell, space) + size."""
 
     tag: str
@@ -67,13 +67,6 @@ class RingSpec:
     capacity: int
     doorbell_fd: int
     space_fd: int
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> RingSpec:
-        return cls(**json.loads(text))
 
 
 def footprint(nbytes: int) -> int:

@@ -14,17 +14,17 @@ creator; ``sweep_stale`` removes what a creator killed inside that window left b
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import mmap
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import posix_ipc
 
 from transport.errors import ShmTooSmall
+from wire.json_spec import JsonSpec
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +35,12 @@ _TAG = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 
 
 @dataclass(frozen=True, slots=True)
-class SegmentSpec:
+class SegmentSpec(JsonSpec):
     """How a child finds a segment: the inherited fd number and the mapped size."""
 
     tag: str
     fd: int
     nbytes: int
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> SegmentSpec:
-        return cls(**json.loads(text))
 
 
 def shm_free_bytes() -> int:

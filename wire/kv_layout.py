@@ -9,9 +9,10 @@ consecutive block ids is one contiguous range too.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from wire.json_spec import JsonSpec
 
 if TYPE_CHECKING:
     import torch
@@ -21,7 +22,7 @@ KV_ORDERS = ("tokens", "vec16")
 
 
 @dataclass(frozen=True, slots=True)
-class KVLayout:
+class KVLayout(JsonSpec):
     num_blocks: int
     num_layers: int
     block_size: int
@@ -64,10 +65,3 @@ class KVLayout:
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.block_nbytes
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> KVLayout:
-        return cls(**json.loads(text))
