@@ -13,9 +13,10 @@ the cost of prefill speed (TTFT: a prompt gets the cores the decoders leave). So
     TPOT over its target (and further over than TTFT)   -> one level up (decode isolated)
     TTFT over its target (and further over than TPOT)   -> one level down (more prefill)
 judged on the ``quantile`` of the requests that arrived since the last change (at least
-``min_samples`` of them, none older than ``window_s``), and TTFT also on what the load
-table shows: the prompt tokens queued on the workers that take new requests, over
-their measured prefill rate, is a lower bound of the next request's TTFT.
+``min_samples`` of them, none older than ``window_s`` unless fewer arrived in it: long
+requests at a low rate), and TTFT also on what the load table shows: the prompt tokens
+queued on the workers that take new requests, over their measured prefill rate, is a
+lower bound of the next request's TTFT.
 
 No flapping: a level holds at least ``dwell_s``, and only samples of requests that
 arrived under it judge it. A role change restarts nothing (``transport/role_table.py``):
@@ -47,7 +48,7 @@ class PlannerConfig:
     slo_tpot_s: float
     interval_s: float = 1.0
     dwell_s: float = 10.0  # a level holds at least this long
-    window_s: float = 30.0  # samples older than this no longer count
+    window_s: float = 30.0  # samples older than this count only to make up min_samples
     min_samples: int = 8
     quantile: float = 0.9
 
@@ -141,9 +142,8 @@ class Planner:
         level = level_of(roles)
         if level is None:
             return False
-        since = max(self.changed_at, now - self.config.window_s)
-        fresh = [s for s in self.samples if s.arrived >= since]
-        if len(fresh) < self.config.min_samples:
+        fresh = self._judges(now)
+        if not fresh:
             return False
         q = self.config.quantile
         ttft = max(quantile([s.ttft for s in fresh], q), queue_ttft(rows, roles, self._rate.rate))
@@ -155,6 +155,16 @@ class Planner:
         self.apply(level_roles(new, len(roles)), why)
         self.changed_at = now
         return True
+
+    def _judges(self, now: float) -> list[Sample]:
+        """The samples that judge the current level: those that arrived under it within
+        ``window_s``, or, where fewer than ``min_samples`` did (a low rate of long
+        requests), the latest ``min_samples`` that arrived under it; none if too few."""
+        under = [s for s in self.samples if s.arrived >= self.changed_at]
+        recent = [s for s in under if s.arrived >= now - self.config.window_s]
+        if len(recent) >= self.config.min_samples:
+            return recent
+        return under[-self.config.min_samples :] if len(under) >= self.config.min_samples else []
 
     def apply(self, roles: Sequence[Role], why: str) -> None:
         """Set ``roles`` (by worker index), one log line per worker whose role changes."""

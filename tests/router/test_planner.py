@@ -93,6 +93,18 @@ def test_a_missed_ttft_after_the_split_goes_back_to_colocated() -> None:
     assert report[0].changes == 2 and report[1].changes == 0
 
 
+def test_at_a_low_rate_the_latest_samples_judge_however_old() -> None:
+    """Document-like requests at 0.1 req/s: fewer than ``min_samples`` arrive in a
+    window, so the latest that arrived under the level judge it."""
+    table = _table(2)
+    planner = Planner(table, CONFIG)
+    t0 = planner.changed_at
+    for i in range(4):
+        planner.observe(Sample(t0 + 10 * i, 0.5, 0.3))
+    assert planner.step([], now=t0 + 60)  # one of them within the 30 s window
+    assert table.roles() == [P, D]
+
+
 def test_too_few_samples_or_roles_set_by_hand_change_nothing() -> None:
     table = _table(2)
     planner = Planner(table, CONFIG)
