@@ -11,6 +11,7 @@ read-only; one holding another image is refused and the runner loads a private c
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,6 +69,14 @@ def _none_mapped(runner: ModelRunner) -> bool:
     return not any(lo <= t.data_ptr() < hi for t in held for lo, hi in ranges)
 
 
+@pytest.fixture
+def segment() -> Iterator[int]:
+    """A fresh weights segment's fd, closed after the test."""
+    fd = create_segment()
+    yield fd
+    os.close(fd)
+
+
 @pytest.fixture(scope="module")
 def gguf_q4_1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("q4_1")
@@ -78,7 +87,7 @@ def gguf_q4_1(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4", "gguf", "gguf+a8"])
 def test_a_mapped_runner_computes_what_the_builder_and_a_private_one_do(
-    quantization: str, gguf_q4_1: Path, caplog: pytest.LogCaptureFixture
+    quantization: str, gguf_q4_1: Path, segment: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``gguf+a8``: the GEMM is ``A8Gemm`` on the packed tiles (``--gemm-inputs int8``),
     which an image holds nothing more for."""
@@ -86,90 +95,78 @@ def test_a_mapped_runner_computes_what_the_builder_and_a_private_one_do(
     if a8 and not int4_tiles.a8_supported():
         pytest.skip("the int8-input GEMM does not run here")
     model = gguf_q4_1 if quantization == "gguf" else tiny.tiny_model_dir(tiny.DEFAULT_ARCH)
-    fd = create_segment()
-    try:
-        config = EngineConfig(
-            model=str(model),
-            num_kv_blocks=16,
-            quantization="auto" if quantization == "gguf" else quantization,
-            large_batch_gemm=True,
-            gemm_min_rows=4,  # the prefill's rows take the GEMM, the decode's two stay packed
-            gemm_inputs="int8" if a8 else "bfloat16",
-            weights_fd=fd,
-        )
-        with caplog.at_level("INFO"):
-            builder = build_engine(config).runner
-            mapped = build_engine(config).runner
-        assert sum("weights written to" in r.message for r in caplog.records) == 1
-        assert sum("weights mapped from" in r.message for r in caplog.records) == 1
-        assert builder.quantization == quantization
-        assert _in_mapping(builder) and _in_mapping(mapped)
-        if a8:  # every layer's GEMM, not the LM head's (bfloat16: see the loader)
-            gemms = {
-                name: getattr(m.kernel, "many_rows", None)
-                for name, m in mapped.model.named_modules()
-                if isinstance(m, Linear) and name != "lm_head"
-            }
-            assert gemms and all(
-                r is not None and isinstance(r.gemm, int4_tiles.A8Gemm) for r in gemms.values()
-            ), gemms
-        private = build_engine(replace(config, weights_fd=None)).runner
-        assert _none_mapped(private)
-        got, built, want = _steps(mapped), _steps(builder), _steps(private)
-        for g, b, w in zip(got, built, want, strict=True):
-            assert torch.equal(g, b)
-            # The private runner's GEMM may be oneDNN's prepacked one: same math, and on
-            # the CPUs measured the same bits; allow bfloat16 accumulation order elsewhere.
-            torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)
-    finally:
-        os.close(fd)
+    config = EngineConfig(
+        model=str(model),
+        num_kv_blocks=16,
+        quantization="auto" if quantization == "gguf" else quantization,
+        large_batch_gemm=True,
+        gemm_min_rows=4,  # the prefill's rows take the GEMM, the decode's two stay packed
+        gemm_inputs="int8" if a8 else "bfloat16",
+        weights_fd=segment,
+    )
+    with caplog.at_level("INFO"):
+        builder = build_engine(config).runner
+        mapped = build_engine(config).runner
+    assert sum("weights written to" in r.message for r in caplog.records) == 1
+    assert sum("weights mapped from" in r.message for r in caplog.records) == 1
+    assert builder.quantization == quantization
+    assert _in_mapping(builder) and _in_mapping(mapped)
+    if a8:  # every layer's GEMM, not the LM head's (bfloat16: see the loader)
+        gemms = {
+            name: getattr(m.kernel, "many_rows", None)
+            for name, m in mapped.model.named_modules()
+            if isinstance(m, Linear) and name != "lm_head"
+        }
+        assert gemms and all(
+            r is not None and isinstance(r.gemm, int4_tiles.A8Gemm) for r in gemms.values()
+        ), gemms
+    private = build_engine(replace(config, weights_fd=None)).runner
+    assert _none_mapped(private)
+    got, built, want = _steps(mapped), _steps(builder), _steps(private)
+    for g, b, w in zip(got, built, want, strict=True):
+        assert torch.equal(g, b)
+        # The private runner's GEMM may be oneDNN's prepacked one: same math, and on
+        # the CPUs measured the same bits; allow bfloat16 accumulation order elsewhere.
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)
 
 
 def test_an_unsealed_segment_is_built_again_and_a_sealed_one_is_read_only(
-    caplog: pytest.LogCaptureFixture,
+    segment: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fd = create_segment()
-    try:
-        os.write(fd, b"what a builder killed half-way leaves" * 1000)
-        config = EngineConfig(
-            model=str(tiny.tiny_model_dir(tiny.DEFAULT_ARCH)), num_kv_blocks=16, weights_fd=fd
-        )
-        with caplog.at_level("INFO"):
-            runner = build_engine(config).runner
-        assert any("weights written to" in r.message for r in caplog.records)
-        assert _in_mapping(runner)
-        with pytest.raises(PermissionError):
-            os.pwrite(fd, b"x", 0)
-        with pytest.raises(PermissionError):
-            os.ftruncate(fd, 1)
-    finally:
-        os.close(fd)
+    os.write(segment, b"what a builder killed half-way leaves" * 1000)
+    config = EngineConfig(
+        model=str(tiny.tiny_model_dir(tiny.DEFAULT_ARCH)), num_kv_blocks=16, weights_fd=segment
+    )
+    with caplog.at_level("INFO"):
+        runner = build_engine(config).runner
+    assert any("weights written to" in r.message for r in caplog.records)
+    assert _in_mapping(runner)
+    with pytest.raises(PermissionError):
+        os.pwrite(segment, b"x", 0)
+    with pytest.raises(PermissionError):
+        os.ftruncate(segment, 1)
 
 
 def test_a_segment_holding_another_image_is_refused_and_the_runner_loads_privately(
-    caplog: pytest.LogCaptureFixture,
+    segment: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fd = create_segment()
-    try:
-        model = str(tiny.tiny_model_dir(tiny.DEFAULT_ARCH))
-        build_engine(
-            EngineConfig(model=model, num_kv_blocks=16, quantization="int8", weights_fd=fd)
-        )
-        config = EngineConfig(model=model, num_kv_blocks=16, quantization="int4", weights_fd=fd)
-        with caplog.at_level("ERROR"):
-            other = build_engine(config).runner
-        assert any("weights not shared" in r.message for r in caplog.records)
-        assert _none_mapped(other)
-        private = build_engine(replace(config, weights_fd=None)).runner
-        for g, w in zip(_steps(other), _steps(private), strict=True):
-            assert torch.equal(g, w)
-    finally:
-        os.close(fd)
+    model = str(tiny.tiny_model_dir(tiny.DEFAULT_ARCH))
+    build_engine(
+        EngineConfig(model=model, num_kv_blocks=16, quantization="int8", weights_fd=segment)
+    )
+    config = EngineConfig(model=model, num_kv_blocks=16, quantization="int4", weights_fd=segment)
+    with caplog.at_level("ERROR"):
+        other = build_engine(config).runner
+    assert any("weights not shared" in r.message for r in caplog.records)
+    assert _none_mapped(other)
+    private = build_engine(replace(config, weights_fd=None)).runner
+    for g, w in zip(_steps(other), _steps(private), strict=True):
+        assert torch.equal(g, w)
 
 
 @pytest.mark.parametrize("layout", ["tiles", "vnni", "torch-only"])
 def test_the_many_rows_gemm_is_shared_in_the_layout_this_cpu_runs(
-    layout: str, gguf_q4_1: Path, monkeypatch: pytest.MonkeyPatch
+    layout: str, gguf_q4_1: Path, segment: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On the AMX int4 kernel the many-rows GEMM reads the packed layers' own tiles (no
     copy); on torch's int4 kernel, where the kernel library's bfloat16 GEMM loads, the
@@ -184,26 +181,22 @@ def test_the_many_rows_gemm_is_shared_in_the_layout_this_cpu_runs(
     if layout == "torch-only":
         monkeypatch.setattr(gemm, "vnni_supported", lambda: False)
         monkeypatch.setattr(image, "vnni_supported", lambda: False)
-    fd = create_segment()
-    try:
-        config = EngineConfig(
-            model=str(gguf_q4_1),
-            num_kv_blocks=16,
-            large_batch_gemm=True,
-            gemm_min_rows=4,
-            weights_fd=fd,
-        )
-        builder, mapped = build_engine(config).runner, build_engine(config).runner
-        assert _in_mapping(mapped)
-        want = {"tiles": TilesGemm, "vnni": gemm.VnniGemm, "torch-only": gemm.PlainGemm}[layout]
-        kernels = [m.kernel for m in mapped.model.modules() if isinstance(m, Linear)]
-        held = [k.many_rows.gemm for k in kernels if getattr(k, "many_rows", None)]
-        assert held and all(isinstance(g, want) for g in held)
-        if layout == "tiles":  # the very bytes the packed kernel reads
-            for k in kernels:
-                if isinstance(k, Int4Kernel) and k.many_rows is not None:
-                    assert k.many_rows.gemm.tiles.data_ptr() == k.tiles.data_ptr()
-        for g, b in zip(_steps(mapped), _steps(builder), strict=True):
-            assert torch.equal(g, b)
-    finally:
-        os.close(fd)
+    config = EngineConfig(
+        model=str(gguf_q4_1),
+        num_kv_blocks=16,
+        large_batch_gemm=True,
+        gemm_min_rows=4,
+        weights_fd=segment,
+    )
+    builder, mapped = build_engine(config).runner, build_engine(config).runner
+    assert _in_mapping(mapped)
+    want = {"tiles": TilesGemm, "vnni": gemm.VnniGemm, "torch-only": gemm.PlainGemm}[layout]
+    kernels = [m.kernel for m in mapped.model.modules() if isinstance(m, Linear)]
+    held = [k.many_rows.gemm for k in kernels if getattr(k, "many_rows", None)]
+    assert held and all(isinstance(g, want) for g in held)
+    if layout == "tiles":  # the very bytes the packed kernel reads
+        for k in kernels:
+            if isinstance(k, Int4Kernel) and k.many_rows is not None:
+                assert k.many_rows.gemm.tiles.data_ptr() == k.tiles.data_ptr()
+    for g, b in zip(_steps(mapped), _steps(builder), strict=True):
+        assert torch.equal(g, b)
