@@ -1,0 +1,113 @@
+"""Batch-invariant serving (``--enable-deterministic-inference``) across topologies.
+
+The checked set of ``test_determinism.py`` (16 greedy prompts and 8 seeded sampled ones
+at temperature 0.8, logprobs 5) on the tiny model (the torch reference path) gives, as
+floats, the tokens and logprobs of a co-located server taking them one at a time:
+
+* served ``--prefill 1 --decode 1`` and ``--prefill 2 --decode 2``, one at a time and
+  among 24 concurrent requests of random lengths (the prefill worker's steps then run
+  at 1 or 2 threads as the decode worker is busy or not: the core lease);
+* streamed while a decode worker is SIGKILLed: the requests it held resume elsewhere,
+  re-prefilled with the tokens they had, and go on with the same bits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import LaunchedServer
+from tests.e2e.helpers import pid_of, wait_all_alive
+from tests.e2e.test_determinism import (
+    CHECKED,
+    OTHERS,
+    TINY,
+    all_at_once,
+    one_at_a_time,
+    serving_tiny,
+)
+from tests.e2e.test_determinism import _tiny as tiny_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # servers on a shared machine
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[Any]:
+    """Co-located, one request at a time, each prompt cold (its first time)."""
+    with serving_tiny("--colocated 1") as server:  # stopped before the others start
+        return one_at_a_time(server, TINY, CHECKED)
+
+
+@pytest.fixture(scope="module")
+def two_by_two() -> Iterator[LaunchedServer]:
+    for server in tiny_server("--prefill 2 --decode 2"):
+        wait_all_alive(server)  # serving is printed before every worker has loaded
+        yield server
+
+
+def test_one_prefill_one_decode_equals_colocated(reference: list[Any]) -> None:
+    with serving_tiny("--prefill 1 --decode 1") as server:
+        wait_all_alive(server)
+        assert server.health()["deterministic"] is True
+        assert one_at_a_time(server, TINY, CHECKED) == reference
+        assert all_at_once(server, TINY, CHECKED, OTHERS) == reference
+
+
+def test_two_prefill_two_decode_equals_colocated(
+    two_by_two: LaunchedServer, reference: list[Any]
+) -> None:
+    assert all_at_once(two_by_two, TINY, CHECKED, OTHERS) == reference
+    # The prompts' prefixes are now cached on some worker of each pool.
+    assert one_at_a_time(two_by_two, TINY, CHECKED) == reference
+
+
+async def _stream(
+    client: httpx.AsyncClient, body: dict[str, Any], started: asyncio.Event
+) -> tuple[Any, ...]:
+    """One streamed completion, its chunks joined into ``_send``'s (text, tokens,
+    token_logprobs, top_logprobs); ``started`` is set once 3 tokens have come."""
+    text, tokens, logprobs, top = "", [], [], []
+    stream = {"model": TINY, "ignore_eos": True, "stream": True, **body}
+    async with client.stream("POST", "/v1/completions", json=stream) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice["text"]
+            lp = choice["logprobs"] or {}
+            tokens += lp.get("tokens", [])
+            logprobs += lp.get("token_logprobs", [])
+            top += lp.get("top_logprobs", [])
+            if len(tokens) >= 3:
+                started.set()
+    return text, tokens, logprobs, top
+
+
+def test_decode_worker_killed_mid_stream_answers_go_on_exactly(
+    two_by_two: LaunchedServer, reference: list[Any]
+) -> None:
+    """Every checked request streamed at once; decode-0 is SIGKILLed once tokens flow:
+    its requests resume on the other decode worker (or the restarted one) and every
+    answer, its logprobs included, is the co-located one."""
+
+    async def main() -> list[tuple[Any, ...]]:
+        async with httpx.AsyncClient(base_url=two_by_two.url, timeout=300) as client:
+            started = asyncio.Event()
+            tasks = [asyncio.create_task(_stream(client, b, started)) for b in CHECKED]
+            await asyncio.wait_for(started.wait(), 120)
+            os.kill(pid_of(two_by_two, "pdserve:decode-0"), signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 300)
+
+    got = asyncio.run(main())
+    resumed = [line for line in two_by_two.log if "resumed" in line]
+    assert resumed, two_by_two.log[-20:]  # the kill did catch requests mid-stream
+    assert [list(g) for g in got] == [list(r) for r in reference]
+    wait_all_alive(two_by_two)
