@@ -88,12 +88,17 @@ def _tree_flags(a: Path | None, b: Path | None) -> str:
     return "".join(f" --{n}-tree DIR" for n, t in (("a", a), ("b", b)) if t is not None)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serving.launch_ab", description=__doc__)
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """The two servers compared: each one's launch flags and the checkout it serves from."""
     p.add_argument("--a", required=True, help="launch flags of server A")
     p.add_argument("--b", required=True, help="launch flags of server B")
     p.add_argument("--a-tree", type=Path, default=None, help="checkout serving A (default: this)")
     p.add_argument("--b-tree", type=Path, default=None, help="checkout serving B (default: this)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving.launch_ab", description=__doc__)
+    add_server_flags(p)
     p.add_argument("--requests", type=int, default=16, help="per server")
     p.add_argument("--prompt-words", type=int, default=250)
     p.add_argument("--tokens", type=int, default=64)

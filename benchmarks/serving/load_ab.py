@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks.harness.machine import load_average
 from benchmarks.harness.servers import launch
-from benchmarks.serving.launch_ab import write_page
+from benchmarks.serving.launch_ab import add_server_flags, write_page
 from bundled_models.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
 METRICS = {  # result JSON key -> column
@@ -103,10 +103,7 @@ def _one(
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving.load_ab", description=__doc__)
-    p.add_argument("--a", required=True, help="launch flags of server A")
-    p.add_argument("--b", required=True, help="launch flags of server B")
-    p.add_argument("--a-tree", type=Path, default=None, help="serve A from this checkout")
-    p.add_argument("--b-tree", type=Path, default=None, help="serve B from this checkout")
+    add_server_flags(p)
     p.add_argument("--rate", type=float, default=5.0, help="req/s, Poisson arrivals")
     p.add_argument("--concurrency", type=int, default=0, help="instead of --rate: in flight")
     p.add_argument("--prompts", type=int, default=48)
