@@ -8,7 +8,9 @@ floats, the tokens and logprobs of a co-located server taking them one at a time
   among 24 concurrent requests of random lengths (the prefill worker's steps then run
   at 1 or 2 threads as the decode worker is busy or not: the core lease);
 * streamed while a decode worker is SIGKILLed: the requests it held resume elsewhere,
-  re-prefilled with the tokens they had, and go on with the same bits.
+  re-prefilled with the tokens they had, and go on with the same bits;
+* co-located on a small pool, after the prompts' prefixes were evicted to tier 2 (host
+  RAM), and after a restart that leaves them in tier 3 (disk) alone.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,10 +31,12 @@ from tests.conftest import LaunchedServer
 from tests.e2e.helpers import pid_of, wait_all_alive
 from tests.e2e.test_determinism import (
     CHECKED,
+    DET,
     OTHERS,
     TINY,
     all_at_once,
     one_at_a_time,
+    serving,
     serving_tiny,
 )
 from tests.e2e.test_determinism import _tiny as tiny_server
@@ -111,3 +117,29 @@ def test_decode_worker_killed_mid_stream_answers_go_on_exactly(
     assert resumed, two_by_two.log[-20:]  # the kill did catch requests mid-stream
     assert [list(g) for g in got] == [list(r) for r in reference]
     wait_all_alive(two_by_two)
+
+
+def _tier_hits(server: LaunchedServer, tier: str) -> float:
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    m = re.search(rf'^pdserve_kv_tier_hit_blocks_total\{{tier="{tier}"\}} (\S+)$', metrics, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_prefixes_back_from_host_ram_and_disk_equal_cold(
+    tmp_path: Path, reference: list[Any]
+) -> None:
+    """A 64-block pool: the 24 others push the checked prompts' blocks out to tier 2 (and
+    through it to tier 3); the checked set sent again takes its prefixes from there, and
+    after a restart from the disk alone, with the bits of the cold co-located run."""
+    flags = (
+        f"--colocated 1 --device cpu --kv-cache-tokens 1024 --max-model-len 512 {DET}"
+        f" --served-model-name {TINY} --kv-offload-dir {tmp_path}"
+    )
+    with serving(flags) as server:
+        assert one_at_a_time(server, TINY, CHECKED) == reference
+        all_at_once(server, TINY, [], OTHERS)  # evicts the checked prompts' blocks
+        assert one_at_a_time(server, TINY, CHECKED) == reference
+        assert _tier_hits(server, "host") > 0
+    with serving(flags) as server:  # stopped with SIGTERM: tier 3 was flushed
+        assert one_at_a_time(server, TINY, CHECKED) == reference
+        assert _tier_hits(server, "disk") > 0
