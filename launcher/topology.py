@@ -120,6 +120,12 @@ class Topology:
         bell = self.doorbells[self.GATEWAY if dst in self.remote else dst]
         self.rings[name] = Ring.create(str(name), capacity, bell)
 
+    def _add_streams(self, worker: Peer, shards: list[Peer]) -> None:
+        """A decoding worker's token rings: TOK to each detokenizer shard, STOP back."""
+        for k in shards:
+            self._add(RingKind.TOK, worker, k)
+            self._add(RingKind.STOP, k, worker)
+
     def local(self, peer: Peer) -> bool:
         return peer not in self.remote
 
@@ -140,16 +146,12 @@ class Topology:
             d = Peer(Role.DECODE, j)
             for f in self.frontends:
                 self._add(RingKind.CTL, f, d)
-            for k in shards:
-                self._add(RingKind.TOK, d, k)
-                self._add(RingKind.STOP, k, d)
+            self._add_streams(d, shards)
         for c in range(self.c):
             w = Peer(Role.COLOCATED, c)
             for f in self.frontends:
                 self._add(RingKind.REQ, f, w)
-            for k in shards:
-                self._add(RingKind.TOK, w, k)
-                self._add(RingKind.STOP, k, w)
+            self._add_streams(w, shards)
             for other in range(self.c) if self.handoff else ():
                 if other != c:  # c prefills, other decodes (transport/role_table.py)
                     self._add(RingKind.KV, w, Peer(Role.COLOCATED, other))
