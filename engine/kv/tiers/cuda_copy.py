@@ -85,25 +85,26 @@ class CudaCopier:
         ev.record(self.stream)
         return self._waiter.submit(ev.synchronize)
 
-    def to_host(self, pairs: list[tuple[int, int]]) -> Future[None]:
-        """Copy pool block -> tier-2 slot for each ``(block, slot)``, after the compute
-        stream's work so far; the future resolves once the bytes are in host memory."""
+    def _copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Future[None]:
+        """``dst.copy_(src)`` for each ``(dst, src)`` on the side stream, after the compute
+        stream's work so far; the future resolves once every copy is done."""
         self.order_after_compute()
-        n = self.block_nbytes
         with torch.cuda.stream(self.stream):
-            for block, slot in pairs:
-                self.slot_rows[slot, :n].copy_(self.pool_rows[block], non_blocking=True)
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
         return self._done()
 
-    def to_pool(self, pairs: list[tuple[int, int]]) -> Future[None]:
-        """Copy tier-2 slot -> pool block for each ``(slot, block)``, after the compute
-        stream's work so far; the future resolves once the bytes are on the device."""
-        self.order_after_compute()
+    def to_host(self, pairs: list[tuple[int, int]]) -> Future[None]:
+        """Copy pool block -> tier-2 slot for each ``(block, slot)``; the future resolves
+        once the bytes are in host memory."""
         n = self.block_nbytes
-        with torch.cuda.stream(self.stream):
-            for slot, block in pairs:
-                self.pool_rows[block].copy_(self.slot_rows[slot, :n], non_blocking=True)
-        return self._done()
+        return self._copy([(self.slot_rows[s, :n], self.pool_rows[b]) for b, s in pairs])
+
+    def to_pool(self, pairs: list[tuple[int, int]]) -> Future[None]:
+        """Copy tier-2 slot -> pool block for each ``(slot, block)``; the future resolves
+        once the bytes are on the device."""
+        n = self.block_nbytes
+        return self._copy([(self.pool_rows[b], self.slot_rows[s, :n]) for s, b in pairs])
 
     def drain(self) -> None:
         """Return once every copy given so far is done and its callbacks have run."""
