@@ -24,15 +24,13 @@ from pathlib import Path
 from typing import Any, cast
 
 from engine.config import EngineConfig, ModelConfig
-from frontend.settings import FrontendLaunch, FrontendSettings
 from launcher import cluster, kv_tiers
 from launcher.args import parse_args
 from launcher.engine_config import engine_config
 from launcher.engine_plan import kv_layout, shares_weights, size_kv
+from launcher.frontend_config import frontend_launch
 from launcher.gpus import GpuAssignment, assign_gpus, cuda_env
-from launcher.lora_args import lora_modules
 from launcher.placement import WorkerPlace, describe, kv_transfer_backend, placements
-from launcher.role_args import slo_targets
 from launcher.settings import ConfigError, KVBackend, ServerConfig
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
@@ -59,15 +57,6 @@ def _model_path(config: ServerConfig) -> Path:
         return resolve_model(config.model)
     except (UnsupportedModelError, DefaultModelMissing) as e:
         raise ConfigError(f"--model: {e}") from e
-
-
-def _aliases(model: Path | None) -> tuple[str, ...]:
-    """Names besides the served one that requests may use: the ``--model`` path as
-    ``Path`` normalises it, and a directory's also with a trailing slash (which shell
-    completion leaves and ``Path`` drops)."""
-    if model is None:
-        return ()
-    return (str(model), f"{model}/") if model.is_dir() else (str(model),)
 
 
 def _engine_spec(
@@ -130,48 +119,8 @@ def _children(
     cpu_only = {"OMP_NUM_THREADS": "1", **cuda_env(None)}  # frontend and shards: no GPU
     for k in range(config.detokenizers):
         out.append(Child(topo.spec(Role.DETOK, k, common), dict(cpu_only)))
-    http = FrontendSettings(
-        model_name=config.served_model_name or model.name,
-        model_aliases=_aliases(config.model),
-        max_model_len=engine.resolve_max_model_len(mcfg),
-        vocab_size=mcfg.vocab_size,
-        api_key=config.api_key,
-        metrics_no_auth=config.metrics_no_auth,
-        allowed_hosts=tuple(config.allowed_hosts),
-        allow_special_tokens_in_content=config.allow_special_tokens_in_content,
-        chat_template=config.chat_template,
-        host=config.host,
-        port=config.port,
-        eos_token_ids=mcfg.eos_token_ids,
-        tool_call_parser=config.tool_call_parser,
-        reasoning_parser=config.reasoning_parser,
-        deterministic=config.deterministic,
-        max_json_depth=config.max_json_depth,
-        max_tools_bytes=config.max_tools_bytes,
-        max_schema_bytes=config.max_schema_bytes,
-        grammar_compile_timeout_s=config.grammar_compile_timeout,
-        grammar_workers=config.grammar_workers,
-        max_loras=config.max_loras if config.enable_lora else 0,
-        max_lora_rank=config.max_lora_rank,
-        lora_modules=lora_modules(config),
-        base_model_dir=str(model),
-    )
-    frontend = FrontendLaunch(
-        model=str(model),
-        log_level=config.log_level.value,
-        http=http,
-        connections=config.connection_limits,
-        router_policy=config.resolved_router_policy,
-        max_waiting_requests=config.max_waiting_requests,
-        max_queued_prefill_tokens=config.max_queued_prefill_tokens,
-        stall_timeout_s=config.stall_timeout,
-        max_request_retries=config.max_request_retries,
-        api_workers=config.api_workers,
-        node=cluster.node_name(config),
-        remote_decode=tuple(cluster.remote_decode(config)),
-        slo_ms=slo_targets(config, "cpu" if gpus.on_cpu else "cuda") if config.workers else None,
-        allow_role_override=config.allow_role_override,
-    ).to_json()
+    max_model_len = engine.resolve_max_model_len(mcfg)
+    frontend = frontend_launch(config, model, mcfg, max_model_len, gpus.on_cpu).to_json()
     frontends = [
         Child(topo.spec(Role.FRONTEND, n, frontend), dict(cpu_only))
         for n in range(config.api_workers)
