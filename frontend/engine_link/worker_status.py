@@ -19,6 +19,7 @@ from frontend.engine_link.board import FrontendBoard
 from frontend.engine_link.engine_client import WorkerHealth, WorkerReport
 from transport.load_table import LoadRow, LoadTable, WorkerState, describe_exit
 from transport.ring import Ring
+from transport.worker_load import LOAD_FIELDS, SPECULATION_FIELDS
 from wire.roles import Role
 
 
@@ -39,20 +40,12 @@ def restart_pending(table: LoadTable, text_rings: Sequence[Ring], board: Fronten
 
 _RESTARTING = (WorkerState.DEAD, WorkerState.STARTING)
 
-# An engine worker's load as /health shows it (LoadRow fields).
-_LOAD_FIELDS = (
-    "queued_prefill_tokens",
-    "waiting_requests",
-    "running_requests",
-    "free_kv_blocks",
-    "total_kv_blocks",
-    "cached_blocks",
-    "prefix_hit_tokens",
-    "prefix_queried_tokens",
-    "computed_prefill_tokens",
-    "lora_adapters",
-    "lora_loads",
+# An engine worker's load as /health shows it: its WorkerLoad but for the router's
+# in-flight bookkeeping, the reset epoch, and speculation (on /metrics).
+_NOT_SHOWN = frozenset(
+    {"requests_received", "prompt_tokens_received", "prefix_reset_epoch", *SPECULATION_FIELDS}
 )
+_LOAD_FIELDS = tuple(f for f in LOAD_FIELDS if f not in _NOT_SHOWN)
 
 
 def _node_of(
