@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from frontend.api.chat.prompt import (
+    ChatPrompt,
     control_tokens,
     encode_chat,
     encode_rendered,
@@ -35,15 +36,16 @@ def template(tok: Any) -> str:
 
 def test_a_forged_system_turn_in_content_stays_text(tok: Any) -> None:
     conversation = [{"role": "user", "content": FORGED}]
-    ids = encode_chat(tok, template(tok), conversation, add_generation_prompt=True)
+    prompt = ChatPrompt(template(tok), conversation, add_generation_prompt=True)
+    ids = encode_chat(tok, prompt)
     start = tok.convert_tokens_to_ids(IM_START)
     assert ids.count(start) == 2  # the user turn and the generation prompt: the template's own
     assert ids.count(tok.convert_tokens_to_ids(IM_END)) == 1
     # Nothing is lost or added: the ids spell the rendered prompt exactly.
-    rendered = render(tok, template(tok), conversation, add_generation_prompt=True)
+    rendered = render(tok, prompt)
     assert tok.decode(ids) == rendered
     # The old path made the forged text real tokens: a third <|im_start|>, a system turn.
-    old = encode_rendered(tok, template(tok), conversation, add_generation_prompt=True)
+    old = encode_rendered(tok, prompt)
     assert old.count(start) == 3
 
 
@@ -52,14 +54,13 @@ def test_content_without_control_tokens_is_tokenized_as_before(tok: Any) -> None
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "<|not a token|> \n\n héllo  "},
     ]
-    assert encode_chat(tok, template(tok), conversation, True) == encode_rendered(
-        tok, template(tok), conversation, True
-    )
+    prompt = ChatPrompt(template(tok), conversation, add_generation_prompt=True)
+    assert encode_chat(tok, prompt) == encode_rendered(tok, prompt)
 
 
 def test_a_template_that_cuts_content_apart_leaves_no_marker_behind(tok: Any) -> None:
     conversation = [{"role": "assistant", "content": f"a{IM_START}x{IM_END}c"}]
-    ids = encode_chat(tok, SPLITTING, conversation, add_generation_prompt=False)
+    ids = encode_chat(tok, ChatPrompt(SPLITTING, conversation, add_generation_prompt=False))
     text = tok.decode(ids)
     assert text == f"{IM_START}assistant\n|>c{IM_END}\n"
     assert ids.count(tok.convert_tokens_to_ids(IM_START)) == 1
@@ -76,12 +77,10 @@ def test_control_tokens_are_the_specials_and_added_tokens_the_template_writes(
     specials = {IM_START, IM_END, "<|endoftext|>"}
     assert set(control_tokens(tok, "no tokens here")) == specials
     assert set(control_tokens(tok, "{{ '<think>' }}")) == specials | {"<think>"}
-    ids = encode_chat(
-        tok,
-        "{{ '<think>' + messages[0]['content'] }}",
-        [{"role": "user", "content": "<think>"}],
-        False,
+    prompt = ChatPrompt(
+        "{{ '<think>' + messages[0]['content'] }}", [{"role": "user", "content": "<think>"}], False
     )
+    ids = encode_chat(tok, prompt)
     think = tok.convert_tokens_to_ids("<think>")
     assert isinstance(think, int) and ids.count(think) == 1
 
@@ -89,7 +88,7 @@ def test_control_tokens_are_the_specials_and_added_tokens_the_template_writes(
 def test_plain_text_tokenization_leaves_the_shared_tokenizer_alone(tok: Any) -> None:
     # encode(split_special_tokens=True) flips a flag on the shared Rust tokenizer; a prompt
     # tokenized on another thread meanwhile would lose its special tokens.
-    encode_chat(tok, template(tok), [{"role": "user", "content": FORGED}], True)
+    encode_chat(tok, ChatPrompt(template(tok), [{"role": "user", "content": FORGED}], True))
     assert tok.backend_tokenizer.encode_special_tokens is False
     ids = tok.encode(IM_START, add_special_tokens=False)
     assert ids == [tok.convert_tokens_to_ids(IM_START)]

@@ -23,9 +23,25 @@ from __future__ import annotations
 import functools
 import re
 import secrets
+from dataclasses import dataclass, replace
 from typing import Any
 
 Conversation = list[dict[str, Any]]  # role, content, and for tool turns their fields
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation and how its chat template renders it.
+
+    ``continue_final_message``: the last (assistant) message is left open, so that the
+    reply continues it.
+    """
+
+    template: str
+    conversation: Conversation
+    add_generation_prompt: bool
+    tools: list[dict[str, Any]] | None = None
+    continue_final_message: bool = False
 
 
 def control_tokens(tokenizer: Any, template: str) -> tuple[str, ...]:
@@ -42,45 +58,21 @@ def _pattern(tokens: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile("|".join(map(re.escape, tokens)) or "(?!)")  # (?!) matches nothing
 
 
-def encode_chat(
-    tokenizer: Any,
-    template: str,
-    conversation: Conversation,
-    add_generation_prompt: bool,
-    tools: list[dict[str, Any]] | None = None,
-    *,
-    continue_final_message: bool = False,
-) -> list[int]:
-    """Render ``conversation`` with ``template`` and tokenize it, content as text.
+def encode_chat(tokenizer: Any, prompt: ChatPrompt) -> list[int]:
+    """Render ``prompt`` with its template and tokenize it, content as text.
 
-    ``continue_final_message``: the last (assistant) message is left open, so that the
-    reply continues it. Raises what the template raises (``raise_exception`` in Jinja:
-    roles must alternate).
+    Raises what the template raises (``raise_exception`` in Jinja: roles must alternate).
     """
-    pattern = _pattern(control_tokens(tokenizer, template))
-    if not any(pattern.search(m["content"]) for m in conversation):
-        return encode_rendered(
-            tokenizer,
-            template,
-            conversation,
-            add_generation_prompt,
-            tools,
-            continue_final_message=continue_final_message,
-        )
+    pattern = _pattern(control_tokens(tokenizer, prompt.template))
+    if not any(pattern.search(m["content"]) for m in prompt.conversation):
+        return encode_rendered(tokenizer, prompt)
     nonce = secrets.token_hex(8)
     start, end = f"\ue000{nonce}", f"\ue001{nonce}"  # private-use characters: no token's text
     marked = [
         {**m, "content": pattern.sub(lambda t: start + t.group(0) + end, m["content"])}
-        for m in conversation
+        for m in prompt.conversation
     ]
-    text = render(
-        tokenizer,
-        template,
-        marked,
-        add_generation_prompt,
-        tools,
-        continue_final_message=continue_final_message,
-    )
+    text = render(tokenizer, replace(prompt, conversation=marked))
     s, e = re.escape(start), re.escape(end)
     # [text, wrapped token, text, wrapped token, ..., text]; None for a lone marker.
     pieces = re.split(f"{s}({pattern.pattern}){e}|{s}|{e}", text)
@@ -91,46 +83,23 @@ def encode_chat(
     return ids
 
 
-def render(
-    tokenizer: Any,
-    template: str,
-    conversation: Conversation,
-    add_generation_prompt: bool,
-    tools: list[dict[str, Any]] | None = None,
-    *,
-    continue_final_message: bool = False,
-) -> str:
+def render(tokenizer: Any, prompt: ChatPrompt) -> str:
     text = tokenizer.apply_chat_template(
-        conversation,
-        tools=tools,
-        chat_template=template,
+        prompt.conversation,
+        tools=prompt.tools,
+        chat_template=prompt.template,
         tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
+        add_generation_prompt=prompt.add_generation_prompt,
+        continue_final_message=prompt.continue_final_message,
     )
     assert isinstance(text, str)
     return text
 
 
-def encode_rendered(
-    tokenizer: Any,
-    template: str,
-    conversation: Conversation,
-    add_generation_prompt: bool,
-    tools: list[dict[str, Any]] | None = None,
-    *,
-    continue_final_message: bool = False,
-) -> list[int]:
+def encode_rendered(tokenizer: Any, prompt: ChatPrompt) -> list[int]:
     """The rendered prompt tokenized whole: control-token text in content becomes tokens
     (``--allow-special-tokens-in-content``, and the path for content with none)."""
-    text = render(
-        tokenizer,
-        template,
-        conversation,
-        add_generation_prompt,
-        tools,
-        continue_final_message=continue_final_message,
-    )
+    text = render(tokenizer, prompt)
     # The template writes BOS and role markers itself: no special tokens added again.
     return list(tokenizer.encode(text, add_special_tokens=False))
 

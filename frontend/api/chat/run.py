@@ -20,7 +20,7 @@ from msgspec.structs import replace
 from starlette.requests import Request
 
 from detokenizer.reasoning import CLOSE, OPEN
-from frontend.api.chat.prompt import encode_chat, encode_rendered
+from frontend.api.chat.prompt import ChatPrompt, encode_chat, encode_rendered
 from frontend.api.chat.tools import ToolPlan, plan_tools
 from frontend.api.common.call import EngineCall
 from frontend.api.common.choices import start_choices
@@ -77,11 +77,13 @@ def chat_prompt_ids(
     try:
         return encode(
             ctx.tokenizer,
-            template,
-            conversation,
-            body.add_generation_prompt,
-            tools,
-            continue_final_message=body.continue_final_message,
+            ChatPrompt(
+                template,
+                conversation,
+                body.add_generation_prompt,
+                tools,
+                continue_final_message=body.continue_final_message,
+            ),
         )
     except Exception as e:  # jinja's raise_exception: e.g. roles must alternate
         raise InvalidRequest(
