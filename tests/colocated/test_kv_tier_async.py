@@ -73,6 +73,12 @@ def _parked(llm: LLM, rid: int) -> bool:
     )
 
 
+def _finish(llm: LLM, out: dict[int, list[int]]) -> None:
+    """Step until the scheduler has no work left."""
+    while llm.scheduler.has_work:
+        _step(llm, out)
+
+
 def _streams_beside_parked(
     llm: LLM, out: dict[int, list[int]], streaming: int, parked: int, steps: int = 5
 ) -> None:
@@ -97,8 +103,7 @@ def test_a_request_streams_on_while_another_waits_for_its_disk_blocks(
     _streams_beside_parked(llm, out, streaming=1, parked=2)
     assert llm.scheduler.prefill.waiting[0].seq.num_cached_tokens == 0  # nothing counted yet
     gate.set()
-    while llm.scheduler.has_work:
-        _step(llm, out)
+    _finish(llm, out)
     assert out[2] == cold
     tiers = llm.runner.kv.tiers
     assert tiers is not None

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from colocated.llm import LLM
-from engine.config import EngineConfig
 from engine.kv.block_allocator import block_hashes
 from engine.kv.tiers.async_tiers import AsyncTieredKV
 from tests.colocated.test_kv_tier_async import (
     STREAM,
     _add,
+    _finish,
     _parked,
     _step,
     _streams_beside_parked,
@@ -75,8 +75,8 @@ class GatedCopier:
         self._thread.submit(lambda: None).result(60)
 
 
-def _async_llm(model: Path) -> tuple[LLM, AsyncTieredKV, GatedCopier]:
-    llm = _llm(model, _host(model))
+def _async_llm(model: Path, blocks: int = 16) -> tuple[LLM, AsyncTieredKV, GatedCopier]:
+    llm = _llm(model, _host(model), blocks=blocks)
     kv = llm.runner.kv
     assert kv.tiers is not None
     copier = GatedCopier(kv.tensor, kv.tiers.host.payload)
@@ -84,13 +84,17 @@ def _async_llm(model: Path) -> tuple[LLM, AsyncTieredKV, GatedCopier]:
     return llm, kv.tiers, copier
 
 
-def _evicted(llm: LLM, copier: GatedCopier) -> None:
-    """PROMPT run, stored in tier 2, and pushed out of the pool by other prompts."""
+@pytest.fixture
+def evicted(default_model_path: Path) -> tuple[LLM, AsyncTieredKV, GatedCopier]:
+    """An engine on async tiers that ran PROMPT, stored it in tier 2, and had it pushed out
+    of the pool by other prompts."""
+    llm, tiers, copier = _async_llm(default_model_path)
     llm.generate([PROMPT], PARAMS)
     for p in OTHERS:
         llm.generate([p], PARAMS)
     copier.drain()
     assert llm.runner.kv.allocator.lookup(block_hashes(PROMPT, BS)) == 0
+    return llm, tiers, copier
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +131,9 @@ def test_a_stored_block_stays_held_and_unseen_until_its_copy_is_done(
 
 
 def test_a_request_streams_on_while_another_is_copied_back_from_tier_2(
-    default_model_path: Path, cold: list[int]
+    evicted: tuple[LLM, AsyncTieredKV, GatedCopier], cold: list[int]
 ) -> None:
-    llm, tiers, copier = _async_llm(default_model_path)
-    _evicted(llm, copier)
+    llm, tiers, copier = evicted
     before = tiers.host.counters()
     out: dict[int, list[int]] = {}
     _add(llm, 1, list(range(300, 320)), STREAM)
@@ -141,8 +144,7 @@ def test_a_request_streams_on_while_another_is_copied_back_from_tier_2(
     _streams_beside_parked(llm, out, streaming=1, parked=2)
     assert tiers.host.counters()["host_hit_blocks"] == before["host_hit_blocks"]  # not yet
     copier.gate.set()
-    while llm.scheduler.has_work:
-        _step(llm, out)
+    _finish(llm, out)
     assert out[2] == cold
     c = tiers.host.counters()
     assert c["host_hit_blocks"] - before["host_hit_blocks"] == N_PROMPT_BLOCKS
@@ -150,10 +152,9 @@ def test_a_request_streams_on_while_another_is_copied_back_from_tier_2(
 
 
 def test_a_slot_reused_while_it_is_copied_back_is_a_miss_and_output_stays_cold(
-    default_model_path: Path, cold: list[int]
+    evicted: tuple[LLM, AsyncTieredKV, GatedCopier], cold: list[int]
 ) -> None:
-    llm, tiers, copier = _async_llm(default_model_path)
-    _evicted(llm, copier)
+    llm, tiers, copier = evicted
     before = tiers.host.counters()
     hit_tokens = llm.runner.kv.allocator.stats.hit_tokens
     out: dict[int, list[int]] = {}
@@ -163,8 +164,7 @@ def test_a_slot_reused_while_it_is_copied_back_is_a_miss_and_output_stays_cold(
     assert _parked(llm, 2)
     tiers.host.clear()  # every slot's version moves while the copy is (still) running
     copier.gate.set()
-    while llm.scheduler.has_work:
-        _step(llm, out)
+    _finish(llm, out)
     assert out[2] == cold
     c = tiers.host.counters()
     assert c["host_hit_blocks"] == before["host_hit_blocks"]  # a failure is never a hit
@@ -173,10 +173,9 @@ def test_a_slot_reused_while_it_is_copied_back_is_a_miss_and_output_stays_cold(
 
 
 def test_a_request_aborted_while_copied_back_gives_back_its_blocks_after_the_copy(
-    default_model_path: Path,
+    evicted: tuple[LLM, AsyncTieredKV, GatedCopier],
 ) -> None:
-    llm, _tiers, copier = _async_llm(default_model_path)
-    _evicted(llm, copier)
+    llm, _tiers, copier = evicted
     kv = llm.runner.kv
     free_before = kv.num_free_blocks
     copier.gate.clear()
@@ -209,20 +208,7 @@ def test_eight_prompts_through_a_pool_that_holds_two_finish_with_cold_outputs(
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 1000, (40 + 9 * i,), generator=g).tolist() for i in range(8)]
     want = [o.output_ids for o in _llm(default_model_path, None).generate(prompts, PARAMS)]
-    host = _host(default_model_path)
-    config = EngineConfig(
-        model=str(default_model_path),
-        dtype="float32",
-        num_kv_blocks=12,
-        block_size=BS,
-        kv_offload_fd=host.fd,
-        kv_offload_nbytes=host.nbytes,
-    )
-    llm = LLM(config)
-    kv = llm.runner.kv
-    assert kv.tiers is not None
-    copier = GatedCopier(kv.tensor, kv.tiers.host.payload)
-    kv.tiers = AsyncTieredKV(kv.tiers.host, None, kv.tiers.namespace, kv.tensor, copier)
+    llm, tiers, _copier = _async_llm(default_model_path, blocks=12)
     for _ in range(3):  # the first round stores; the next two load back under pressure
         assert [o.output_ids for o in llm.generate(prompts, PARAMS)] == want
-    assert kv.tiers.host.counters()["host_hit_blocks"] > 0
+    assert tiers.host.counters()["host_hit_blocks"] > 0

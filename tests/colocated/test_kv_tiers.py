@@ -50,13 +50,18 @@ def _host(
 
 
 def _llm(
-    model: Path, host: Host | None, disk: Path | None = None, dtype: str = "float32", bs: int = BS
+    model: Path,
+    host: Host | None,
+    disk: Path | None = None,
+    dtype: str = "float32",
+    bs: int = BS,
+    blocks: int = 16,
 ) -> LLM:
     return LLM(
         EngineConfig(
             model=str(model),
             dtype=dtype,
-            num_kv_blocks=16,
+            num_kv_blocks=blocks,
             block_size=bs,
             kv_offload_fd=None if host is None else host.fd,
             kv_offload_nbytes=0 if host is None else host.nbytes,
