@@ -35,16 +35,29 @@ def _fn(schema: Any) -> dict[str, Any]:
     return {"type": "function", "function": {"name": "f", "parameters": schema}}
 
 
+Spelling = Callable[[Any], tuple[str, dict[str, Any]]]  # schema -> (path, request body)
+# The schema fields chat and completions take alike, each wrapping the schema its way.
+OPENAI_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "response_format": lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}},
+    "guided_json": lambda s: s,
+}
+OPENAI_ENDPOINTS = {
+    "chat": ("/v1/chat/completions", CHAT),
+    "completions": ("/v1/completions", PROMPT),
+}
+
+
+def _openai_field(path: str, base: dict[str, Any], field: str) -> Spelling:
+    return lambda s: (path, {**base, field: OPENAI_FIELDS[field](s)})
+
+
 # endpoint spelling -> (path, body with the schema in its place)
-SPELLINGS: dict[str, Callable[[Any], tuple[str, dict[str, Any]]]] = {
-    "chat.response_format": lambda s: (
-        "/v1/chat/completions",
-        {
-            **CHAT,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}},
-        },
-    ),
-    "chat.guided_json": lambda s: ("/v1/chat/completions", {**CHAT, "guided_json": s}),
+SPELLINGS: dict[str, Spelling] = {
+    **{
+        f"{api}.{field}": _openai_field(path, base, field)
+        for api, (path, base) in OPENAI_ENDPOINTS.items()
+        for field in OPENAI_FIELDS
+    },
     "chat.structured_outputs": lambda s: (
         "/v1/chat/completions",
         {**CHAT, "structured_outputs": {"json": s}},
@@ -57,14 +70,6 @@ SPELLINGS: dict[str, Callable[[Any], tuple[str, dict[str, Any]]]] = {
         "/v1/chat/completions",
         {**CHAT, "tools": [_fn(s)], "tool_choice": "required"},
     ),
-    "completions.response_format": lambda s: (
-        "/v1/completions",
-        {
-            **PROMPT,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}},
-        },
-    ),
-    "completions.guided_json": lambda s: ("/v1/completions", {**PROMPT, "guided_json": s}),
     "messages.output_config": lambda s: (
         "/v1/messages",
         {**CHAT, "output_config": {"format": {"type": "json_schema", "schema": s}}},
