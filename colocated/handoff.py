@@ -109,5 +109,5 @@ class Handoff:
             if w not in self.kv_out or not send(self.kv_out[w], transfer):
                 logger.error("rid %d: no way to hand its KV to worker %d", transfer.rid, w)
                 sched.prefill.release(transfer.rid)
-                position = len(transfer.output_ids)
-                fail_request(tok_out, transfer.rid, transfer.detok_shard, position)
+                position = len(transfer.output_ids)  # resumed elsewhere by the frontend
+                fail_request(tok_out, transfer.rid, transfer.detok_shard, position, lost=True)

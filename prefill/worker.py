@@ -151,10 +151,10 @@ class PrefillWorker(Worker):
             send(self.tok_out[shard], batch)
         for j, transfer in out.transfers:
             (self.nixl if j in self.remote else self.exporter).export(transfer.src_blocks)
-            if not send(self.kv_out[j], transfer):
+            if not send(self.kv_out[j], transfer):  # decode j died: resume it elsewhere
                 self.sched.release(transfer.rid)
                 position = len(transfer.output_ids)  # the first token has gone out
-                fail_request(self.tok_out, transfer.rid, transfer.detok_shard, position)
+                fail_request(self.tok_out, transfer.rid, transfer.detok_shard, position, lost=True)
 
     def load(self) -> WorkerLoad:
         return self.sched.load()

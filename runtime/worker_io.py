@@ -44,10 +44,16 @@ def send(ring: Ring, msg: Control | TokenBatch) -> bool:
         raise
 
 
-def fail_request(tok_rings: Mapping[int, Ring], rid: int, shard: int, position: int) -> None:
-    """Tell the request's detokenizer shard (hence the client) that it ends in an error.
+def fail_request(
+    tok_rings: Mapping[int, Ring], rid: int, shard: int, position: int, lost: bool = False
+) -> None:
+    """Tell the request's detokenizer shard (hence the client) that it ends in an error,
+    or with ``lost`` that this engine lost it (its KV could not reach its decoder, which
+    died): a LOST row, on which the frontend resumes it elsewhere
+    (``frontend/engine_link/recovery.py``), as it would once it noticed the death.
 
     ``position`` is the output position the request would have produced next.
     """
-    row = TokenBatch.build([rid], [position], [-1], finish=[Finish.ERROR])
+    finish = Finish.LOST if lost else Finish.ERROR
+    row = TokenBatch.build([rid], [position], [-1], finish=[finish])
     send(tok_rings[shard], row)

@@ -112,11 +112,15 @@ def test_decode_worker_killed_mid_stream_answers_go_on_exactly(
             os.kill(pid_of(two_by_two, "pdserve:decode-0"), signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*tasks), 300)
 
-    got = asyncio.run(main())
-    resumed = [line for line in two_by_two.log if "resumed" in line]
-    assert resumed, two_by_two.log[-20:]  # the kill did catch requests mid-stream
-    assert [list(g) for g in got] == [list(r) for r in reference]
-    wait_all_alive(two_by_two)
+    # A kill may land when decode-0 holds none of the requests (they are short): then
+    # the answers must still be exact, and the round is run again, at most three times.
+    for _ in range(3):
+        got = asyncio.run(main())
+        assert [list(g) for g in got] == [list(r) for r in reference]
+        wait_all_alive(two_by_two)
+        if any("resumed" in line for line in two_by_two.log):
+            break
+    assert any("resumed" in line for line in two_by_two.log), two_by_two.log[-20:]
 
 
 def _tier_hits(server: LaunchedServer, tier: str) -> float:
