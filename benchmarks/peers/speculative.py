@@ -49,8 +49,8 @@ PDSERVE = ("off", "on")
 LLAMA = ("llama.cpp off", "llama.cpp on")
 # llama.cpp's prompt-lookup kind, as its speculative-decoding guide shows it for the
 # server: the tokens that followed the last occurrence of the current 12-gram (defaults).
-LLAMA_SPEC = tuple(shlex.split("--spec-type ngram-simple --spec-draft-n-max 64"))
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+LLAMA_NGRAM = tuple(shlex.split("--spec-type ngram-simple --spec-draft-n-max 64"))
+NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 ARTICLE_FILE = Path(__file__).parents[1] / "data" / "perplexity.txt"
 CODE_FILE = Path(__file__).parents[2] / "engine" / "kv" / "sequence.py"
 CHAT = [
@@ -220,7 +220,10 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def report(
-    command: str, off: dict[str, object], on: dict[str, object], speculative_config: str = SPEC
+    command: str,
+    off: dict[str, object],
+    on: dict[str, object],
+    speculative_config: str = NGRAM_CONFIG,
 ) -> str:
     lines = report_head("Speculative decoding (n-gram) on CPU", command)
     cores = sorted(os.sched_getaffinity(0))
@@ -270,7 +273,7 @@ def llama_report(
     """llama.cpp's gain from its n-gram speculation beside pdserve's, workload by workload."""
     lines = [
         f"llama.cpp's server ({describe}) on the same GGUF, one slot, one thread, without "
-        f"and with `{' '.join(LLAMA_SPEC)}`, in the same run (its workloads interleaved "
+        f"and with `{' '.join(LLAMA_NGRAM)}`, in the same run (its workloads interleaved "
         "with pdserve's). Single streams, TPOT ms; gain = TPOT off / on:",
         "",
         "| workload | llama.cpp off | llama.cpp on | llama.cpp gain | its acceptance "
@@ -301,7 +304,7 @@ def llama_specs(served: str, log_dir: Path) -> tuple[list[ServerSpec], str]:
     argv = llama_cpp.server_argv(
         build, bundled_gguf(), threads=1, parallel=1, max_model_len=4096, alias=served
     )
-    specs = [ServerSpec(LLAMA[0], argv), ServerSpec(LLAMA[1], [*argv, *LLAMA_SPEC])]
+    specs = [ServerSpec(LLAMA[0], argv), ServerSpec(LLAMA[1], [*argv, *LLAMA_NGRAM])]
     return specs, f"{build.describe()}, {llama_cpp.version(build)}"
 
 
@@ -311,7 +314,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="greedy workloads: the best of N")
     ap.add_argument("--seeds", type=int, default=1, help="sampled workloads: N seeds, pooled")
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
-    ap.add_argument("--speculative-config", default=SPEC, help="pdserve's, for the 'on' server")
+    ap.add_argument(
+        "--speculative-config", default=NGRAM_CONFIG, help="pdserve's, for the 'on' server"
+    )
     a = ap.parse_args()
     model = a.model or default_model_dir()
     base = [
@@ -341,7 +346,7 @@ def main() -> None:
                 proc.wait(60)
     off, on = figures["off"], figures["on"]
     flags = " --no-llama-cpp" if a.no_llama_cpp else ""
-    if a.speculative_config != SPEC:
+    if a.speculative_config != NGRAM_CONFIG:
         flags += f" --speculative-config '{a.speculative_config}'"
     cores = sorted(os.sched_getaffinity(0))
     pin = f"taskset -c {','.join(map(str, cores))} " if len(cores) < (os.cpu_count() or 0) else ""

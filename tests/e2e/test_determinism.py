@@ -26,7 +26,7 @@ from tests.e2e.helpers import wait_all_alive
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # servers on a shared machine
 DET = "--enable-deterministic-inference"
 COMMON = "--device cpu --kv-cache-tokens 16384 --max-model-len 1024"
-SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
 MAX_TOKENS = 12
 
 
@@ -125,7 +125,7 @@ def test_concurrent_and_cached_equal_one_at_a_time(
 
 
 def test_ngram_speculation_equals_plain_decoding(reference: list[Any]) -> None:
-    with serving_tiny(f"--colocated 1 --speculative-config {shlex.quote(SPEC)}") as server:
+    with serving_tiny(f"--colocated 1 --speculative-config {shlex.quote(NGRAM_CONFIG)}") as server:
         assert all_at_once(server, TINY, CHECKED, OTHERS) == reference
         assert one_at_a_time(server, TINY, CHECKED[:6]) == reference[:6]
 

@@ -23,7 +23,7 @@ from tests.conftest import LaunchedServer
 from tests.e2e.helpers import run_with_kill, wait_all_alive
 
 pytestmark = pytest.mark.slow
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 ARTICLE = (
     "The lighthouse at Point Arena stands 115 feet tall. It was rebuilt in 1908 after the "
     "earthquake of 1906 destroyed the original tower. The new tower was the first in the "
@@ -52,22 +52,22 @@ def servers() -> Iterator[tuple[LaunchedServer, LaunchedServer]]:
     common = shlex.split(
         "--device cpu --kv-cache-tokens 16384 --max-model-len 2048 --quantization none"
     )
-    spec = LaunchedServer(
+    speculating = LaunchedServer(
         [
             *shlex.split("--prefill 2 --decode 2 --detokenizers 2"),
             *common,
             "--speculative-config",
-            SPEC,
+            NGRAM_CONFIG,
         ],
         tiny_model=False,
     )
     plain = LaunchedServer([*shlex.split("--prefill 1 --decode 1"), *common], tiny_model=False)
     try:
-        spec.wait_ready()
+        speculating.wait_ready()
         plain.wait_ready()
-        yield spec, plain
+        yield speculating, plain
     finally:
-        spec.stop()
+        speculating.stop()
         plain.stop()
 
 
@@ -155,10 +155,10 @@ def _bodies() -> list[dict[str, Any]]:
 def test_outputs_with_speculation_equal_outputs_without(
     servers: tuple[LaunchedServer, LaunchedServer],
 ) -> None:
-    spec, plain = servers
+    speculating, plain = servers
     for body in _bodies():
         want = _chat(plain.url, body)
-        _same(_chat(spec.url, body), want)
+        _same(_chat(speculating.url, body), want)
         if "response_format" in body:
             json.loads(want["text"])
     # Stop strings cut inside accepted runs: a word from the middle of the repeated text.
@@ -170,8 +170,8 @@ def test_outputs_with_speculation_equal_outputs_without(
         body = {**base, "stop": [word]}
         want = _chat(plain.url, body)
         assert want["finish"] == "stop" and word not in want["text"]
-        _same(_chat(spec.url, body), want)
-    metrics = httpx.get(spec.url + "/metrics", timeout=10).text
+        _same(_chat(speculating.url, body), want)
+    metrics = httpx.get(speculating.url + "/metrics", timeout=10).text
     accepted = re.findall(
         r'pdserve_spec_decode_num_accepted_tokens_total\{[^}]*role="decode"[^}]*\} (\S+)', metrics
     )
@@ -185,7 +185,7 @@ def test_concurrent_streams_equal_with_and_without_speculation(
 ) -> None:
     """Four streams at once on each server (greedy and seeded, with logprobs): the same
     tokens, logprobs within 1e-4, whatever batches each server's steps made of them."""
-    spec, plain = servers
+    speculating, plain = servers
     greedy = {"temperature": 0, "logprobs": True, "top_logprobs": 2, "max_tokens": 20}
     seeded = {"temperature": 0.7, "seed": 9, "logprobs": True, "max_tokens": 20}
     bodies = [
@@ -197,7 +197,7 @@ def test_concurrent_streams_equal_with_and_without_speculation(
         with ThreadPoolExecutor(len(bodies)) as pool:
             return list(pool.map(lambda b: _chat(url, b), bodies))
 
-    for got, want in zip(at_once(spec.url), at_once(plain.url), strict=True):
+    for got, want in zip(at_once(speculating.url), at_once(plain.url), strict=True):
         # Streams racing for the prefix cache: what each found cached is not compared.
         for out in (got, want):
             out["usage"].pop("prompt_tokens_details", None)
@@ -208,15 +208,15 @@ def test_concurrent_streams_equal_with_and_without_speculation(
 def test_a_killed_decode_worker_leaves_speculating_streams_exact(
     servers: tuple[LaunchedServer, LaunchedServer],
 ) -> None:
-    spec, plain = servers
-    wait_all_alive(spec)
+    speculating, plain = servers
+    wait_all_alive(speculating)
     tok = httpx.post(
         plain.url + "/tokenize", json={"prompt": ARTICLE + "\n\n" + ARTICLE}, timeout=30
     ).json()["tokens"]
     prompts = [tok[i * 7 :] for i in range(2)]  # input-grounded: drafts are accepted
     want = run_with_kill(plain, prompts)
-    got = run_with_kill(spec, prompts, "pdserve:decode-0")
+    got = run_with_kill(speculating, prompts, "pdserve:decode-0")
     for g, w in zip(got, want, strict=True):
         assert g["error"] is None and g["finish"] == "length"
         assert (g["ids"], g["text"]) == (w["ids"], w["text"])
-    wait_all_alive(spec)
+    wait_all_alive(speculating)

@@ -139,13 +139,13 @@ def test_speculative_config_reaches_decode_workers_only() -> None:
     )
     assert parse_args([]).speculative_config is None
     config = replace(config, kv_cache_tokens=4096)
-    for role, spec in (
+    for role, speculative in (
         (Role.PREFILL, None),
         (Role.DECODE, config.speculative_config),
         (Role.COLOCATED, config.speculative_config),
     ):
         place = WorkerPlace(role, 0, None, None)
-        assert _engine_spec(config, Path("m"), place, "shm", {}).engine.speculative == spec
+        assert _engine_spec(config, Path("m"), place, "shm", {}).engine.speculative == speculative
 
 
 def test_a_bad_speculative_config_is_refused_by_the_parser(

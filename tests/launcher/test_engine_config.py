@@ -46,8 +46,8 @@ def test_every_setting_of_the_same_name_reaches_the_engine(tmp_path: Path) -> No
 
 def test_the_fields_set_here_come_from_the_place_and_the_role(tmp_path: Path) -> None:
     assert set(SET_HERE) <= {f.name for f in fields(EngineConfig)}  # no stale exception
-    spec = SpeculativeConfig(num_speculative_tokens=3)
-    config = _server(dtype=DType.FLOAT32, max_loras=4, speculative_config=spec)
+    speculative = SpeculativeConfig(num_speculative_tokens=3)
+    config = _server(dtype=DType.FLOAT32, max_loras=4, speculative_config=speculative)
     prefill = engine_config(config, tmp_path / "m", CPU, {})
     assert (prefill.model, prefill.dtype, prefill.device) == (str(tmp_path / "m"), "float32", "cpu")
     assert prefill.large_batch_gemm and prefill.gpu_memory_share is None
@@ -56,7 +56,7 @@ def test_the_fields_set_here_come_from_the_place_and_the_role(tmp_path: Path) ->
     gpu = WorkerPlace(Role.DECODE, 1, 0, 0.4)
     decode = engine_config(replace(config, enable_lora=True), tmp_path, gpu, {})
     assert (decode.device, decode.gpu_memory_share) == ("cuda", 0.4)
-    assert decode.max_loras == 4 and decode.speculative == spec
+    assert decode.max_loras == 4 and decode.speculative == speculative
 
 
 def test_the_callers_fields_win(tmp_path: Path) -> None:

@@ -82,10 +82,12 @@ def test_a_worker_refuses_a_bad_spec_at_startup_and_is_not_restarted(
 
 
 def test_an_optional_record_in_the_spec_is_checked_strictly_when_present() -> None:
-    for spec in (None, SpeculativeConfig(num_speculative_tokens=3)):
-        s = EngineWorkerSpec("INFO", EngineConfig(model="m", speculative=spec), "shm")
+    for speculative in (None, SpeculativeConfig(num_speculative_tokens=3)):
+        s = EngineWorkerSpec("INFO", EngineConfig(model="m", speculative=speculative), "shm")
         assert decode_spec(encode_spec(s), EngineWorkerSpec) == s
-    raw = encode_spec(EngineWorkerSpec("INFO", EngineConfig(model="m", speculative=spec), "shm"))
+    raw = encode_spec(
+        EngineWorkerSpec("INFO", EngineConfig(model="m", speculative=speculative), "shm")
+    )
     raw["engine"]["speculative"]["k"] = 4
     with pytest.raises(SpecError, match=r"unknown field `k` at `settings\.engine\.speculative\.k`"):
         decode_spec(raw, EngineWorkerSpec)
