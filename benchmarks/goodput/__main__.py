@@ -31,7 +31,7 @@ from benchmarks.goodput.configs import (
     launch_has_workers,
     parse_config,
 )
-from benchmarks.goodput.drive import Prompts, Target, run_point, wait_quiet, warm
+from benchmarks.goodput.drive import Prompts, Target, roles_seen, run_point, wait_quiet, warm
 from benchmarks.goodput.report import Point, Run, plot, read_json, render, write_json
 from benchmarks.goodput.slo import Slo
 from benchmarks.goodput.traces import TRACES, request_count, schedule
@@ -112,7 +112,10 @@ def sweep(run: Run, target: Target, config: str, tokenizer: Any, args: argparse.
             arrivals = schedule(phases, rate, count, args.phase_s, seed)
             start = time.perf_counter()
             sent = asyncio.run(run_point(target, arrivals, Prompts(tokenizer, seed), args.drain_s))
-            point = Point(config, trace, rate, tuple(sent), time.perf_counter() - start)
+            roles = roles_seen(target.base_url)  # "" but for --workers
+            point = Point(
+                config, trace, rate, tuple(sent), time.perf_counter() - start, roles=roles
+            )
             run.points.append(point)
             s = point.summary(run.slo_for(trace))
             logger.info(

@@ -10,6 +10,7 @@ bounded time.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -139,3 +140,30 @@ def wait_quiet(base_url: str, timeout_s: float) -> bool | None:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.25)
+
+
+def roles_seen(base_url: str) -> str:
+    """What a ``--workers`` server's planner had done by now (``describe_roles``); "" for
+    a server that reports no roles."""
+    try:
+        health = httpx.get(base_url.rstrip("/") + "/health", timeout=10).json()
+        metrics = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
+    except (httpx.HTTPError, ValueError):
+        return ""
+    return describe_roles(health, metrics) if isinstance(health, dict) else ""
+
+
+def describe_roles(health: dict[str, Any], metrics: str) -> str:
+    """Each worker's role now, the role changes and the placements by kind since the
+    server started, in words, from its ``/health`` and ``/metrics``; "" without roles."""
+    workers = sorted(health.get("workers", []), key=lambda w: w.get("index", 0))
+    roles = [str(w["serving_role"]) for w in workers if w.get("serving_role")]
+    if not roles:
+        return ""
+    changes = re.findall(r"^pdserve_worker_role_changes_total\{[^}]*\} (\S+)$", metrics, re.M)
+    placed = re.findall(r'^pdserve_placements_total\{kind="(\w+)"\} (\S+)$', metrics, re.M)
+    kinds = ", ".join(f"{kind} {float(n):.0f}" for kind, n in placed)
+    return (
+        f"roles {' / '.join(roles)}; {sum(float(c) for c in changes):.0f} role changes; "
+        f"placed {kinds}"
+    )

@@ -31,6 +31,7 @@ class Point:
     sent: tuple[Sent, ...] = ()
     seconds: float = 0.0
     skipped: str = ""
+    roles: str = ""  # --workers: what its planner had done by the point's end (drive.roles_seen)
 
     def attainment(self, slo: Slo) -> float:
         return attainment([s.outcome for s in self.sent], slo)
@@ -131,6 +132,10 @@ def _sweep_table(run: Run, trace: str) -> list[str]:
                 f"| {_ms(s['ttft_p50_ms'])} / {_ms(s['ttft_p90_ms'])} "
                 f"| {_ms(s['tpot_p50_ms'])} / {_ms(s['tpot_p90_ms'])} |"
             )
+    planned = [p for c in run.configs for p in run.sweep(c, trace) if p.roles]
+    if planned:
+        lines += ["", "After each point (since the server started):", ""]
+        lines += [f"- `{p.config}` at {p.rate:g} req/s: {p.roles}" for p in planned]
     return lines
 
 

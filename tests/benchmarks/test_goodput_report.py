@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from benchmarks.goodput.__main__ import main
-from benchmarks.goodput.drive import UNFINISHED, Sent, busy
+from benchmarks.goodput.drive import UNFINISHED, Sent, busy, describe_roles
 from benchmarks.goodput.drive import _sent as _cut
 from benchmarks.goodput.report import Point, Run, plot, read_json, render, write_json
 from benchmarks.goodput.slo import Outcome, Slo
@@ -108,3 +108,34 @@ def test_busy_counts_engine_and_frontend_requests_in_flight() -> None:
     }
     assert busy(health) == 4
     assert busy({"workers": [{"role": "decode", "load": {"running_requests": 0.0}}]}) == 0
+
+
+def test_a_workers_server_s_roles_are_described_and_listed_under_its_sweep(
+    tmp_path: Path,
+) -> None:
+    health = {
+        "workers": [
+            {"index": 1, "role": "colocated", "serving_role": "decode"},
+            {"index": 0, "role": "colocated", "serving_role": "prefill"},
+            {"index": 0, "role": "detokenizer"},
+        ]
+    }
+    metrics = "\n".join(
+        [
+            'pdserve_worker_role_changes_total{index="0"} 1',
+            'pdserve_worker_role_changes_total{index="1"} 0',
+            'pdserve_placements_total{kind="handoff"} 40',
+            'pdserve_placements_total{kind="local"} 2',
+            'pdserve_placements_total{kind="colocated"} 9',
+        ]
+    )
+    said = describe_roles(health, metrics)
+    assert said == "roles prefill / decode; 1 role changes; placed handoff 40, local 2, colocated 9"
+    assert describe_roles({"workers": [{"index": 0, "role": "prefill"}]}, "") == ""
+    run = _run()
+    run.configs.append("workers2")
+    run.points.append(Point("workers2", "chat", 1.0, (_sent(0.1, 0.02),) * 4, 12.0, roles=said))
+    page = render(run, None, [])
+    assert f"- `workers2` at 1 req/s: {said}" in page
+    write_json(run, tmp_path / "run.json")
+    assert read_json(tmp_path / "run.json").points[-1].roles == said
