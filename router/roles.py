@@ -10,10 +10,13 @@ worker (no handoff: it prefills there and decodes there) when that finishes it s
     a short prompt to compute there: at most ``LOCAL_PROMPT_TOKENS`` once the prefix the
         decoder probably holds is reused (a short prompt, or a conversation's next turn
         on the worker that holds its history)
-    or prefill queues longer than the handoff saves: the PREFILL worker's queued prompt
-        tokens exceed the decoder's by more than the prompt itself plus
-        ``LOCAL_QUEUE_MARGIN`` tokens (a burst of long prompts behind which a short
-        one would wait)
+    or prefill queues longer than the handoff saves, while the decoder runs no request:
+        the PREFILL worker's queued prompt tokens exceed the decoder's by more than the
+        prompt itself plus ``LOCAL_QUEUE_MARGIN`` tokens (a burst of long prompts behind
+        which a short one would wait). Not beside running requests: the prompt would
+        stall each of their decode steps for its whole length, the TPOT the split is
+        there to protect (chat at 2 req/s: ``--workers 2`` split this way showed TPOT
+        p50 63 ms against the fixed 1P1D's 35 ms, benchmarks/results/goodput.md)
 Either way the tokens are the same (a request's tokens do not depend on where its
 prefill ran); the choice is counted per request in /metrics (``pdserve_placements``).
 """
@@ -28,9 +31,14 @@ LOCAL_PROMPT_TOKENS = 32
 LOCAL_QUEUE_MARGIN = 1024
 
 
-def local_is_sooner(compute_tokens: int, queued_prefill: int, queued_decoder: int) -> bool:
+def local_is_sooner(
+    compute_tokens: int, queued_prefill: int, queued_decoder: int, decoder_running: int
+) -> bool:
     """Should a request whose prompt costs ``compute_tokens`` on the decoder be prefilled
-    there, given the prompt tokens queued on the prefill worker and on the decoder?"""
+    there, given the prompt tokens queued on the prefill worker and on the decoder and
+    the requests the decoder runs?"""
     if compute_tokens <= LOCAL_PROMPT_TOKENS:
         return True
+    if decoder_running > 0:
+        return False
     return queued_prefill - queued_decoder > compute_tokens + LOCAL_QUEUE_MARGIN

@@ -42,6 +42,7 @@ import itertools
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from engine.kv.block_allocator import block_hashes
 from router.ledger import Ledger, PeerBooks, WorkerKey
@@ -272,7 +273,8 @@ class Router:
         ]
         if not live:
             raise NoCapacity(self._config.retry_after_dead_s, f"no live {role} worker")
-        admitted = sorted((r for r in live if self._admits(r, req.prompt_len)), key=_index)
+        admitted = [r for r in live if self._admits(r, req.prompt_len)]
+        admitted.sort(key=attrgetter("index"))
         if not admitted:
             raise NoCapacity(self._config.retry_after_s, f"every {role} worker is full")
         assigned = self.ledger.assigned
@@ -310,8 +312,10 @@ class Router:
             d_row = self._choose(rows, Role.COLOCATED, req, now_ns, among=decoders, decode=True)
         except NoCapacity:  # no decoder can take it now: its prefill worker decodes it too
             return p_row, p_row, "colocated"
+        running = d_row.running_requests + d_row.waiting_requests
+        running += self.ledger.of(d_row).unreported_requests(d_row)
         if only is None and local_is_sooner(
-            self._compute_tokens(d_row, req), self._queued(p_row), self._queued(d_row)
+            self._compute_tokens(d_row, req), self._queued(p_row), self._queued(d_row), running
         ):
             return d_row, d_row, "local"
         return p_row, d_row, "handoff"
@@ -444,7 +448,3 @@ def _roles(rows: list[LoadRow]) -> tuple[Role, Role]:
     if any(r.role is Role.COLOCATED for r in rows):
         return Role.COLOCATED, Role.COLOCATED
     return Role.PREFILL, Role.DECODE
-
-
-def _index(r: LoadRow) -> int:
-    return r.index

@@ -80,8 +80,11 @@ def test_a_long_prefill_queue_sends_the_request_to_its_decoder_whole() -> None:
     roles.set(1, D)
     p = router.place(200, 16)
     assert (p.prefill, p.decode) == (1, 1)
-    assert local_is_sooner(200, 200 + LOCAL_QUEUE_MARGIN + 1, 0)
-    assert not local_is_sooner(200, 200 + LOCAL_QUEUE_MARGIN, 0)
+    assert local_is_sooner(200, 200 + LOCAL_QUEUE_MARGIN + 1, 0, 0)
+    assert not local_is_sooner(200, 200 + LOCAL_QUEUE_MARGIN, 0, 0)
+    # Not beside running requests (it would stall their decode steps); a short one may.
+    assert not local_is_sooner(200, 200 + LOCAL_QUEUE_MARGIN + 1, 0, 1)
+    assert local_is_sooner(LOCAL_PROMPT_TOKENS, 0, 0, 8)
 
 
 def test_decode_workers_take_no_new_prefill_and_a_dead_decoder_falls_back() -> None:
