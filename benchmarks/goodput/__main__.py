@@ -32,7 +32,15 @@ from benchmarks.goodput.configs import (
     parse_config,
 )
 from benchmarks.goodput.drive import Prompts, Target, roles_seen, run_point, wait_quiet, warm
-from benchmarks.goodput.report import Point, Run, plot, read_json, render, write_json
+from benchmarks.goodput.report import (
+    Point,
+    Run,
+    merge_runs,
+    plot,
+    read_json,
+    render,
+    write_json,
+)
 from benchmarks.goodput.slo import Slo
 from benchmarks.goodput.traces import TRACES, request_count, schedule
 from benchmarks.harness.machine import describe, load_average, portable
@@ -51,7 +59,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--slo-ttft-ms", type=float, help="default 2000 (--from-json: the recorded one)")
     a("--slo-tpot-ms", type=float, help="default 100 (--from-json: the recorded one)")
     a("--trace-slo", action="append", default=[], metavar="TRACE=TTFT_MS:TPOT_MS")
-    a("--from-json", type=Path, help="judge a recorded run's requests at these SLOs")
+    a(
+        "--from-json",
+        type=Path,
+        action="append",
+        help="judge a recorded run's requests at these SLOs (repeatable: runs merged, a "
+        "later run's point replacing an earlier one's at the same rate)",
+    )
     a("--duration-s", type=float, default=60.0, help="steady traces: seconds of arrivals")
     a("--phase-s", type=float, default=180.0, help="phased trace: seconds a phase")
     a("--min-requests", type=int, default=8, help="least requests a point sends")
@@ -193,15 +207,17 @@ def trace_slos(specs: list[str]) -> dict[str, Slo]:
 
 def rejudge(args: argparse.Namespace, command: str) -> int:
     """``--from-json``: the recorded requests judged at the given SLOs, written to --out."""
-    run = read_json(args.from_json)
+    runs = [read_json(path) for path in args.from_json]
+    run = merge_runs(runs)
     run.slo = Slo(args.slo_ttft_ms or run.slo.ttft_ms, args.slo_tpot_ms or run.slo.tpot_ms)
     run.trace_slos = trace_slos(args.trace_slo)
-    page = args.from_json.with_suffix(".md")
+    page = args.from_json[0].with_suffix(".md")
     if not run.machine and page.exists():  # recorded before the JSON kept the machine
         run.machine = page.read_text().split("Machine:\n\n```\n", 1)[-1].split("\n```", 1)[0]
+    recorded = ", ".join(portable(str(path)) for path in args.from_json)
     run.notes.append(
-        f"judged at the SLOs above by `{command}` from the requests this run recorded "
-        f"({portable(str(args.from_json))}); the run itself was measured by the command above"
+        f"judged at the SLOs above by `{command}` from the requests recorded ({recorded}); "
+        "the runs themselves were measured by the command(s) above"
     )
     run.notes += args.note
     write(run, args.out, ended=False)

@@ -208,6 +208,40 @@ def read_json(path: Path) -> Run:
     return Run(**doc, points=points)
 
 
+def merge_runs(runs: list[Run]) -> Run:
+    """Several runs as one (the first's SLOs and settings): configurations and traces in
+    the order first seen, a later run's point replacing an earlier one's of the same
+    configuration, trace and rate; each run's command, notes and loads kept."""
+    first = runs[0]
+    merged = Run(
+        " ; then ".join(r.command for r in runs),
+        first.slo,
+        list(dict.fromkeys(t for r in runs for t in r.traces)),
+        list(dict.fromkeys(c for r in runs for c in r.configs)),
+        dict(first.settings),
+        trace_slos=dict(first.trace_slos),
+        machine=runs[-1].machine,
+        load_before=first.load_before,
+        load_after=runs[-1].load_after,
+    )
+    points: dict[tuple[str, str, float], Point] = {}
+    for i, r in enumerate(runs):
+        merged.notes += [f"run {i + 1}: {n}" for n in r.notes]
+        if i:
+            merged.notes += [f"run {i + 1}: {k}: {v}" for k, v in r.settings.items()]
+        for p in r.points:
+            key = (p.config, p.trace, p.rate)
+            if key in points:
+                merged.notes.append(
+                    f"`{p.config}` {p.trace} at {p.rate:g} req/s was measured again in run "
+                    f"{i + 1}: that point replaces the earlier one here"
+                )
+            points[key] = p
+        merged.loads.update(r.loads)
+    merged.points = list(points.values())
+    return merged
+
+
 def plot(run: Run, path: Path) -> None:
     """Attainment (%) against rate, one panel a trace, one line a configuration, with the
     90 % target dashed (the figure DistServe draws)."""

@@ -8,7 +8,15 @@ from pathlib import Path
 from benchmarks.goodput.__main__ import main
 from benchmarks.goodput.drive import UNFINISHED, Sent, busy, describe_roles
 from benchmarks.goodput.drive import _sent as _cut
-from benchmarks.goodput.report import Point, Run, plot, read_json, render, write_json
+from benchmarks.goodput.report import (
+    Point,
+    Run,
+    merge_runs,
+    plot,
+    read_json,
+    render,
+    write_json,
+)
 from benchmarks.goodput.slo import Outcome, Slo
 from benchmarks.goodput.traces import Arrival
 from benchmarks.serving.metrics import RequestRecord
@@ -139,3 +147,21 @@ def test_a_workers_server_s_roles_are_described_and_listed_under_its_sweep(
     assert f"- `workers2` at 1 req/s: {said}" in page
     write_json(run, tmp_path / "run.json")
     assert read_json(tmp_path / "run.json").points[-1].roles == said
+
+
+def test_runs_merge_with_a_later_point_replacing_an_earlier_one(tmp_path: Path) -> None:
+    first, second = _run(), _run()
+    second.configs = ["workers2", "1p1d"]
+    later = Point("1p1d", "chat", 3.0, (_sent(0.1, 0.02),) * 10, 12.0)
+    second.points = [later, Point("workers2", "chat", 1.0, (_sent(0.1, 0.02),) * 10, 12.0)]
+    merged = merge_runs([first, second])
+    assert merged.configs == ["1p1d", "colocated1", "workers2"]
+    assert [p.rate for p in merged.sweep("1p1d", "chat")] == [1.0, 2.0, 3.0]
+    assert merged.sweep("1p1d", "chat")[-1] is later
+    assert any("1p1d` chat at 3 req/s was measured again in run 2" in n for n in merged.notes)
+    for i, run in enumerate((first, second)):
+        write_json(run, tmp_path / f"{i}.json")
+    out = tmp_path / "merged"
+    argv = ["--from-json", str(tmp_path / "0.json"), "--from-json", str(tmp_path / "1.json")]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert "`workers2`" in out.with_suffix(".md").read_text()
