@@ -1,15 +1,14 @@
 """The planner: sets the roles of ``launch --workers N`` against TTFT and TPOT targets.
 
 It runs in frontend 0, beside its router, once every ``interval_s``. The roles it sets
-form a ladder of N levels:
-    level 0       worker 0 COLOCATED, the others DECODE (idle: no PREFILL worker hands
-                  them anything; the start, ``transport/role_table.start_roles``)
+form a ladder of N levels, each one worker apart:
+    level 0       every worker COLOCATED (prefills and decodes its own requests; the
+                  start, ``transport/role_table.start_roles``)
     level L >= 1  workers 0 .. N-L-1 PREFILL, workers N-L .. N-1 DECODE
-On a CPU host the workers lease the same cores, so level 0 is one co-located worker with
-every core: it batches every decode row in one step and prefills each prompt on every
-core, the most a host gets out of them (docs/roles.md). But each of its prefill chunks
-stalls the decode rows beside it; a split keeps decode steps free of prefill (TPOT) at
-the cost of prefill speed (TTFT: a prompt gets the cores the decoders leave). So:
+Co-located serving gets the most out of a host (every worker prefills, no copy), but
+each prefill chunk stalls the decode rows beside it; a split keeps decode steps free of
+prefill (TPOT) at the cost of prefill capacity (TTFT: on a CPU host a prompt gets the
+cores the decoders leave, ``transport/core_lease.py``). So:
     TPOT over its target (and further over than TTFT)   -> one level up (decode isolated)
     TTFT over its target (and further over than TPOT)   -> one level down (more prefill)
 judged on the ``quantile`` of the requests that arrived since the last change (at least

@@ -300,7 +300,7 @@ class Router:
         roles = self.roles.roles()
         takers = [i for i, r in enumerate(roles) if r is not Role.DECODE]
         if not any(r.index in takers and self._routable(r, now_ns) for r in rows):
-            # Every taker is down (at the start roles, worker 0): decoders take it whole.
+            # Every worker taking new requests is down: the decoders take it whole.
             decoders = [i for i, r in enumerate(roles) if r is Role.DECODE]
             d_row = self._choose(rows, Role.COLOCATED, req, now_ns, only=only, among=decoders)
             return d_row, d_row, "local"

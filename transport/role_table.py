@@ -11,11 +11,10 @@ A role steers placement only: a worker whose role changes keeps running what it 
 (its decode rows finish where they are), so a change restarts nothing, reloads nothing
 and loses nothing.
 
-The start (``start_roles``): worker 0 COLOCATED, every other DECODE. On a CPU host the
-workers lease the same cores (``transport/core_lease.py``), so one co-located worker that
-batches every request and prefills on every core out-serves several that split the
-cores between their own small batches (measured: docs/roles.md); the others wait for
-the planner to split roles, their cores lent to worker 0 meanwhile.
+The start (``start_roles``): every worker COLOCATED, the planner's level 0. (Starting
+with one co-located worker and the others idle was measured and lost: with chat at 1
+req/s and a 50 ms TPOT target one co-located worker met it for 82 % of requests, two for
+100 %, benchmarks/results/goodput.md.)
 
 Who does what:
     launcher    creates the segment (``layout_nbytes``), ``format``s it with the start
@@ -57,8 +56,8 @@ PLACEMENT_KINDS = ("handoff", "local", "colocated")
 
 
 def start_roles(num_workers: int) -> list[Role]:
-    """The roles workers start in: worker 0 co-located, the others decoders."""
-    return [Role.COLOCATED] + [Role.DECODE] * (num_workers - 1)
+    """The roles workers start in: every one co-located."""
+    return [Role.COLOCATED] * num_workers
 
 
 class RoleTableError(ValueError):

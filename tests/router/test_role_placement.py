@@ -30,16 +30,16 @@ def _server(n: int, queued: list[int] | None = None) -> tuple[LoadTable, RoleTab
 
 def test_colocated_workers_take_requests_whole() -> None:
     _, roles, router = _server(2)
-    roles.set(1, C)
     for _ in range(4):
         p = router.place(200, 16)
         assert p.colocated and p.prefill == p.decode
     assert roles.placements() == {"handoff": 0, "local": 0, "colocated": 4}
 
 
-def test_at_the_start_roles_worker_0_takes_everything_until_it_dies() -> None:
+def test_with_one_colocated_worker_it_takes_everything_until_it_dies() -> None:
     table, roles, router = _server(3)
-    assert roles.roles() == [C, D, D]
+    roles.set(1, D)
+    roles.set(2, D)
     for _ in range(4):
         p = router.place(200, 16)
         assert (p.prefill, p.decode) == (0, 0) and p.colocated
