@@ -16,7 +16,7 @@ worker (no handoff: it prefills there and decodes there) when that finishes it s
         which a short one would wait). Not beside running requests: the prompt would
         stall each of their decode steps for its whole length, the TPOT the split is
         there to protect (chat at 2 req/s: ``--workers 2`` split this way showed TPOT
-        p50 63 ms against the fixed 1P1D's 35 ms, benchmarks/results/goodput.md)
+        p50 63 ms against the fixed 1P1D's 35 ms, benchmarks/results/goodput_run1.md)
 Either way the tokens are the same (a request's tokens do not depend on where its
 prefill ran); the choice is counted per request in /metrics (``pdserve_placements``).
 """
