@@ -212,8 +212,9 @@ def _decode_rows_attention(
 
     ``exact``: one SDPA call per row over exactly the context that row sees, so each row
     gets the bits a one-request decode step would give it (logprobs equal to speculation
-    off); ``one_thread``: those calls at one thread (``AttentionMetadata.exact_one_thread``). Otherwise one call for all n rows: the CPU kernel's reduction order depends on
-    the key width, so the masked slots past a row's context move its logits by a few
+    off); ``one_thread``: those calls at one thread (``AttentionMetadata.exact_one_thread``).
+    Otherwise one call for all n rows: the CPU kernel's reduction order depends on the key
+    width, so the masked slots past a row's context move its logits by a few
     bfloat16 roundings (~4e-4 in logprob, as decoding beside a longer request does),
     for less than n calls cost over a long context.
     NOTE: the causal-prefill path (``_causal_sdpa``) computes in the activations' dtype
