@@ -1,5 +1,5 @@
 // pdserve's CPU kernels (torch.ops.pdserve): one library, its files by family.
-// * int4_mm.cpp: int4_mm, amx = false: a few rows, AVX-512 BF16 pair-dots;
+// * int4_mm.cpp: int4_mm, amx = false: any rows, AVX-512 BF16 pair-dots;
 // * int4_amx.cpp: int4_mm, amx = true: a few rows on the AMX tile unit, the same sums;
 //   int4_gemm: many rows on AMX, on weights de-quantized to bfloat16 once per call;
 // * int4_a8.cpp: int4_gemm_a8: many rows on AVX-512 VNNI, inputs quantized to int8 (an

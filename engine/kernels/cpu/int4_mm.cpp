@@ -1,5 +1,5 @@
-// int4_mm, amx = false: a few rows (a decode step, a verification) on AVX-512 BF16
-// pair-dots; its AMX path, the same sums on tiles, is in int4_amx.cpp.
+// int4_mm, amx = false: any rows (a decode step, a verification, a batch-invariant prefill)
+// on AVX-512 BF16 pair-dots; its AMX path, the same sums on tiles, is in int4_amx.cpp.
 //
 // int4_mm: y = x W^T with W[n, k] = c[n, k] * s[n, g] + m[n, g], c in [0, 15], groups g of 32 inputs.
 // Each group's product is taken on the codes, and scaled once:
@@ -90,6 +90,92 @@ constexpr BlockFn kBlocks[kMaxRows + 1] = {nullptr,        rows_block<1>, rows_b
                                             rows_block<3>, rows_block<4>, rows_block<5>,
                                             rows_block<6>, rows_block<7>, rows_block<8>};
 
+// Many rows: a thread decodes kPanelTiles tiles of codes once into a panel of bfloat16
+// operands (L2-resident: 1 kB a tile and group), then every block of rows multiplies them.
+// The weights come from memory once a call and are decoded once, where the blocks above
+// stream and decode them again for every 8 rows. A row's operations and their order are
+// those of tiles_kernel (the same operands, pair-dots, lo/hi split and scaling), so a row
+// gets the same bits on either path: the row count only picks the path.
+constexpr int64_t kPanelTiles = 4;
+constexpr int kPanelRows = 8;  // rows a pass over the panel, as kMaxRows
+
+// panel[(t * groups + g) * 8 + q]: 64 bfloat16, chunk q's low-nibble operand then its
+// high-nibble one, for tiles [tile0, tile0 + nt).
+PDSERVE_TARGET void decode_panel(const uint8_t* w, int64_t groups, int64_t tile0, int64_t nt,
+                                 uint16_t* panel) {
+  const __m512i lut = _mm512_load_si512(kCodeValues);
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  for (int64_t t = 0; t < nt; ++t) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* codes = w + ((tile0 + t) * groups + g) * kGroupBytes;
+      uint16_t* out = panel + (t * groups + g) * 8 * 64;
+      for (int q = 0; q < 8; ++q) {
+        const __m512i wide = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + q * 32)));
+        _mm512_storeu_si512(out + q * 64, _mm512_permutexvar_epi16(_mm512_and_si512(wide, low4), lut));
+        _mm512_storeu_si512(out + q * 64 + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), lut));
+      }
+    }
+  }
+}
+
+// tiles_kernel on a decoded panel: RB rows x NT of its tiles, from panel tile p0.
+template <int RB, int NT>
+PDSERVE_TARGET void panel_kernel(const uint16_t* x, int64_t ldx, const float* xsum,
+                                 const uint16_t* panel, int64_t p0, const uint8_t* w,
+                                 int64_t groups, int64_t tile0, float* y, int64_t ldy, int64_t n) {
+  __m512 acc[RB][NT];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 lo[RB][NT], hi[RB][NT];
+    for (int r = 0; r < RB; ++r)
+      for (int t = 0; t < NT; ++t) lo[r][t] = hi[r][t] = _mm512_setzero_ps();
+    for (int q = 0; q < 8; ++q) {
+      __m512i w_lo[NT], w_hi[NT];
+      for (int t = 0; t < NT; ++t) {
+        const uint16_t* at = panel + ((p0 + t) * groups + g) * 8 * 64 + q * 64;
+        w_lo[t] = _mm512_loadu_si512(at);
+        w_hi[t] = _mm512_loadu_si512(at + 32);
+      }
+      for (int r = 0; r < RB; ++r) {
+        uint32_t pair_lo, pair_hi;
+        std::memcpy(&pair_lo, x + r * ldx + g * kGroup + 2 * q, 4);
+        std::memcpy(&pair_hi, x + r * ldx + g * kGroup + 16 + 2 * q, 4);
+        const __m512bh b_lo = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_lo));
+        const __m512bh b_hi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_hi));
+        for (int t = 0; t < NT; ++t) {
+          lo[r][t] = _mm512_dpbf16_ps(lo[r][t], (__m512bh)w_lo[t], b_lo);
+          hi[r][t] = _mm512_dpbf16_ps(hi[r][t], (__m512bh)w_hi[t], b_hi);
+        }
+      }
+    }
+    __m512 dot[RB][NT];
+    for (int r = 0; r < RB; ++r)
+      for (int t = 0; t < NT; ++t) dot[r][t] = _mm512_add_ps(lo[r][t], hi[r][t]);
+    scale_group<RB, NT>(acc, dot, w, tile0 + p0, g, groups, xsum);
+  }
+  store_rows<RB, NT>(acc, tile0 + p0, y, ldy, n);
+}
+
+// Rows [0, rb) over the panel's nt tiles, two at a time.
+template <int RB>
+PDSERVE_TARGET void panel_rows(const uint16_t* x, int64_t ldx, const float* xsum,
+                               const uint16_t* panel, int64_t nt, const uint8_t* w,
+                               int64_t groups, int64_t tile0, float* y, int64_t ldy, int64_t n) {
+  constexpr int NT = RB <= 4 ? 2 : 1;
+  int64_t p = 0;
+  for (; p + NT <= nt; p += NT)
+    panel_kernel<RB, NT>(x, ldx, xsum, panel, p, w, groups, tile0, y, ldy, n);
+  for (; p < nt; ++p) panel_kernel<RB, 1>(x, ldx, xsum, panel, p, w, groups, tile0, y, ldy, n);
+}
+
+using PanelFn = void (*)(const uint16_t*, int64_t, const float*, const uint16_t*, int64_t,
+                         const uint8_t*, int64_t, int64_t, float*, int64_t, int64_t);
+constexpr PanelFn kPanelBlocks[kPanelRows + 1] = {nullptr,       panel_rows<1>, panel_rows<2>,
+                                                  panel_rows<3>, panel_rows<4>, panel_rows<5>,
+                                                  panel_rows<6>, panel_rows<7>, panel_rows<8>};
+
 // x's M rows rounded to bfloat16 into xb (M, K) and X[r, g] into xsum (M, G): the float32
 // sum of each group's 32 bfloat16 values, in one fixed order (so independent of M). One pass
 // here, because at 1-8 rows the ATen cast, widening and sum it replaces (four dispatches,
@@ -154,6 +240,22 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, bool use
   TORCH_CHECK(!use_amx || amx_enabled(), "int4_mm: AMX asked for, and this process cannot use it");
   const bool amx = use_amx;
   const int64_t block = amx ? kAmxRows : kMaxRows;
+  if (!amx && m_rows > 2 * kMaxRows) {  // where it measured faster: 32 rows and more
+    at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+      thread_local std::vector<uint16_t> panel;
+      panel.resize(size_t(kPanelTiles * groups * 8 * 64));
+      for (int64_t tile0 = t0; tile0 < t1; tile0 += kPanelTiles) {
+        const int64_t nt = std::min<int64_t>(kPanelTiles, t1 - tile0);
+        decode_panel(wp, groups, tile0, nt, panel.data());
+        for (int64_t r0 = 0; r0 < m_rows; r0 += kPanelRows) {
+          const int64_t rb = std::min<int64_t>(kPanelRows, m_rows - r0);
+          kPanelBlocks[rb](xp + r0 * k, k, sp + r0 * groups, panel.data(), nt, wp, groups, tile0,
+                           yp + r0 * n, n, n);
+        }
+      }
+    });
+    return y;
+  }
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t r0 = 0; r0 < m_rows; r0 += block) {
       const int64_t rb = std::min<int64_t>(block, m_rows - r0);
