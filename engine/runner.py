@@ -28,7 +28,7 @@ from engine.checkpoint.lora_loader import LoraAdapters, in_batch_order, lora_slo
 from engine.config import EngineConfig, ModelConfig
 from engine.kv.pool import KVPool
 from engine.kv.sequence import Sequence
-from engine.model.batch_invariance import decode_kv_equals_prefill, invariant_meta
+from engine.model.batch_invariance import invariant_meta
 from engine.model.causal_lm import CausalLM
 from engine.model.torch_backend import StepBatch, TorchBackend
 from engine.sampling.grammar import GrammarCache
@@ -86,12 +86,6 @@ class ModelRunner:
         # Prefill takes decode rows (not graphed; nor batch-invariant: a decode row in a
         # prefill forward runs prefill's kernels).
         self.mixes_batches = kernels is None and not config.deterministic
-        # Batch-invariant, where prefill and decode run other arithmetic (packed layers, the
-        # fused attentions): blocks decode fills are not published, so cached KV is always
-        # what a prefill of those tokens writes.
-        self.decode_publishes = not config.deterministic or decode_kv_equals_prefill(
-            self.model, backend
-        )
         self.loras = loras
         self.grammars = grammars  # the sampler masks constrained rows with them
         self.generator = torch.Generator(device=self.device)
@@ -172,7 +166,7 @@ class ModelRunner:
         spans = [(seq, seq.num_computed_tokens, 1) for seq in seqs]
         newest = [seq.newest_token for seq in seqs]
         logits = self._forward(spans, newest, True, pool)
-        self._advance(spans, publish=pool is None and self.decode_publishes)
+        self._advance(spans, publish=pool is None)
         return logits
 
     def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
@@ -209,7 +203,7 @@ class ModelRunner:
         # Blocks past what the next step needs held only rejected drafts.
         self.kv.truncate(seq, -(-(seq.num_computed_tokens + 1) // self.block_size))
         filled = seq.num_computed_tokens // self.block_size > start // self.block_size
-        if filled and self.decode_publishes:
+        if filled:
             self.kv.cache_full_blocks(seq, start)
 
     def _ensure_blocks(self, seq: Sequence, n: int, pool: torch.Tensor | None) -> None:
@@ -247,9 +241,12 @@ class ModelRunner:
         if slots is not None:  # the torch path groups token rows
             per_token = [s for s, (_, _, n) in zip(slots, spans) for _ in range(n)]
             adapters = group_rows(per_token, self.device)
-        # Speculative verification (``decode_weights``): rows attend as decode rows do.
-        meta = self.backend.prepare_metadata(StepBatch(spans, kv_pool, is_decode, decode_weights))
-        if self.config.deterministic and not self.backend.paged_in_place:
+        # Speculative verification (``decode_weights``): rows attend as decode rows do; and
+        # batch-invariant, a prompt's rows too (engine/model/batch_invariance.py).
+        deterministic = self.config.deterministic
+        as_decode = decode_weights or (deterministic and self.backend.paged_in_place)
+        meta = self.backend.prepare_metadata(StepBatch(spans, kv_pool, is_decode, as_decode))
+        if deterministic and not self.backend.paged_in_place:
             meta = invariant_meta(meta)  # the torch reference: every row alone
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         last = None

@@ -4,35 +4,33 @@ With ``EngineConfig.deterministic`` (``launch --enable-deterministic-inference``
 ``VLLM_BATCH_INVARIANT=1`` in the launcher's environment: ``launcher/args.py``) every row of a forward is
 computed by arithmetic chosen per row, never by the shape of the step it shares:
 
-* packed layers (``Int4Kernel``, ``Int8Kernel``): decode steps and speculative
-  verifications run the packed kernel at every row count (by default the bfloat16 GEMM
-  from a row count measured at load); prefill forwards run the GEMM at every row count,
-  as by default (by phase). The LM head, which by default went by rows in prefill too,
-  runs the packed kernel always;
+* packed layers (``Int4Kernel``, ``Int8Kernel``) and the LM head: the packed kernel at
+  every row count, in every phase (by default the bfloat16 GEMM takes prefills and decode
+  steps from a row count measured at load). The kernel gives a row the same bits in any
+  batch, so a prompt's rows and a decode step's run the same arithmetic;
 * the LM head's refined logits (``RefinedHead``): each near logit a product summed on
   its own, not one batched product whose sums move with the batch's rows and its widest
   near count;
 * dense layers: GEMM calls of ``ROW_TILE`` rows (``engine/weights/row_tiles.py``);
-* attention on the torch reference backend: every row attends over exactly its own
-  context, one SDPA call per row in the cache's dtype at one thread (the kernel's sums
-  move with the thread count, which the core lease changes per step), a prefill row as a
-  decode row would (``invariant_meta``), so a prompt's KV does not depend on its batch,
-  its chunking, a prefix-cache hit or the threads, and equals what decode steps would
-  have written;
-* pdserve's fused CPU attentions already give a row its own bits (both kernels); where
-  they do not take a pool (float32 KV, another head size) the torch reference runs;
+* attention: every row attends over exactly its own context as a decode row of that
+  length would, a prompt's rows too. On pdserve's fused CPU attentions that is the decode
+  kernel for every row (``rows_as_decode``: a sequence's rows in turn on one core); on the
+  torch reference backend one SDPA call per row in the cache's dtype at one thread (the
+  kernel's sums move with the thread count, which the core lease changes per step:
+  ``invariant_meta``). Where the fused attentions do not take a pool (float32 KV,
+  another head size) the torch reference runs;
 * co-located workers never mix prompt chunks and decode rows in one forward.
 
-Already per row and left as they are: the packed kernel, each GEMM taken alone, norms,
-rotary, SiLU * up, sampling (a seeded request's token at output position ``p`` depends
-only on (seed, p, logits)).
+So a token's KV is the same bits whether a prefill or a decode step wrote it, whatever
+the batch, its chunking, a prefix-cache hit or the threads: blocks decode steps fill are
+published to the prefix cache, and KV recomputed for generated tokens (a request resumed
+on another worker, or preempted for KV space) is what decode wrote.
 
-Not covered: CUDA (refused: ``DeterminismUnsupported``), LoRA adapters. On packed
-weights (and the fused attentions) a prompt's rows and generated rows keep different
-arithmetic (``decode_kv_equals_prefill``): there blocks that decode steps fill are not
-published to the prefix cache (a later prompt holding those tokens gets a prefill's KV,
-cached or not), and KV recomputed for generated tokens (a request resumed on another
-worker, or preempted for KV space) is not bitwise what decode wrote.
+Already per row and left as they are: each GEMM taken alone, norms, rotary, SiLU * up,
+sampling (a seeded request's token at output position ``p`` depends only on (seed, p,
+logits)).
+
+Not covered: CUDA (refused: ``DeterminismUnsupported``), LoRA adapters.
 """
 
 from __future__ import annotations
@@ -43,7 +41,6 @@ import torch
 from torch import nn
 
 from engine.model.attention import AttentionMetadata
-from engine.weights.gemm import NEVER
 from engine.weights.linear import DenseKernel, Int4Kernel, Int8Kernel, Linear
 from engine.weights.refined_head import RefinedHead
 from engine.weights.row_tiles import ROW_TILE
@@ -73,10 +70,7 @@ def make_batch_invariant(model: nn.Module) -> dict[str, int]:
             changed["head"] += 1
             kernel = kernel.packed
         if isinstance(kernel, Int4Kernel | Int8Kernel):
-            if kernel.many_rows is not None:
-                # Prefill forwards keep the GEMM (``by_phase``); every other call of any
-                # row count runs the packed kernel.
-                kernel.many_rows.min_rows = NEVER
+            kernel.many_rows = None  # every call, of any phase and rows: the packed kernel
             changed["packed"] += 1
         elif isinstance(kernel, DenseKernel):
             kernel.row_tile = ROW_TILE
@@ -84,31 +78,18 @@ def make_batch_invariant(model: nn.Module) -> dict[str, int]:
     return changed
 
 
-def decode_kv_equals_prefill(model: nn.Module, backend: object) -> bool:
-    """Whether a batch-invariant ``model`` writes the same KV for a token in a decode step
-    as in a prefill: not where packed layers hold a GEMM for prefill, nor on the fused
-    attentions (one kernel each, per row but not the same arithmetic)."""
-    if getattr(backend, "paged_in_place", False):
-        return False
-    for module in model.modules():
-        kernel = module.kernel if isinstance(module, Linear) else None
-        if isinstance(kernel, Int4Kernel | Int8Kernel) and kernel.many_rows is not None:
-            return False
-    return True
-
-
 def fused_attention_invariant(
     backend: object, kv_dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int
 ) -> bool:
     """Whether ``backend`` attends with per-row kernels at every step: the torch reference
-    (made so by ``invariant_meta``), or the fused CPU backend where pdserve's decode and
-    prefill attentions both take the pool (not the library's, whose work split follows
-    the batch)."""
+    (made so by ``invariant_meta``), or the fused CPU backend where pdserve's decode
+    attention takes the pool (every row then runs it; not the library's kernel, whose work
+    split follows the batch)."""
     takes = getattr(backend, "_takes", None)
     if takes is None:
         return True
     pool = torch.empty(0, 0, 0, 0, kv_heads, head_dim, dtype=kv_dtype)  # shape and dtype only
-    return bool(takes("decode", pool, num_heads) and takes("prefill", pool, num_heads))
+    return bool(takes("decode", pool, num_heads))
 
 
 def invariant_meta(meta: AttentionMetadata) -> AttentionMetadata:

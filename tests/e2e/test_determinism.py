@@ -4,8 +4,8 @@ The same 16 greedy prompts and 8 seeded sampled ones (temperature 0.8, logprobs 
 the same tokens and the same logprobs, compared as floats, on a co-located server: sent
 one at a time, among 24 concurrent requests of random lengths, after their prefixes were
 cached, and with n-gram speculation on. The tiny model runs the torch reference path;
-SmolLM2 (the packed default, its fused kernels) is served 1P1D, for the greedy set alone
-and among others.
+SmolLM2 (the packed default, its fused kernels) is checked across topologies, a decode
+worker's death and the KV tiers in ``test_determinism_topologies.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import httpx
 import pytest
 
 from tests.conftest import LaunchedServer
-from tests.e2e.helpers import wait_all_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # servers on a shared machine
 DET = "--enable-deterministic-inference"
@@ -30,7 +29,7 @@ NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_
 MAX_TOKENS = 12
 
 
-def _checked(n: int, seed: int, vocab: int) -> list[dict[str, Any]]:
+def checked_bodies(n: int, seed: int, vocab: int) -> list[dict[str, Any]]:
     """16 greedy bodies, then 8 seeded sampled ones, prompts of random ids and lengths."""
     rng = random.Random(seed)
     bodies = []
@@ -41,7 +40,7 @@ def _checked(n: int, seed: int, vocab: int) -> list[dict[str, Any]]:
     return bodies
 
 
-def _background(n: int, seed: int, vocab: int) -> list[dict[str, Any]]:
+def background_bodies(n: int, seed: int, vocab: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     return [
         {
@@ -85,8 +84,8 @@ def all_at_once(
 
 TINY = "tiny"
 TINY_VOCAB = 150_000
-CHECKED = _checked(24, 0, TINY_VOCAB)
-OTHERS = _background(24, 1, TINY_VOCAB)
+CHECKED = checked_bodies(24, 0, TINY_VOCAB)
+OTHERS = background_bodies(24, 1, TINY_VOCAB)
 
 
 def _tiny(flags: str) -> Iterator[LaunchedServer]:
@@ -128,17 +127,3 @@ def test_ngram_speculation_equals_plain_decoding(reference: list[Any]) -> None:
     with serving_tiny(f"--colocated 1 --speculative-config {shlex.quote(NGRAM_CONFIG)}") as server:
         assert all_at_once(server, TINY, CHECKED, OTHERS) == reference
         assert one_at_a_time(server, TINY, CHECKED[:6]) == reference[:6]
-
-
-def test_packed_default_greedy_alone_equals_among_others() -> None:
-    """SmolLM2 served packed (GGUF Q4_1, the fused CPU kernels), 1P1D: the greedy set's
-    answers and logprobs alone equal those among 24 others, whose decode batches pass the
-    row counts where a default server switches its decode GEMM."""
-    name, vocab = "smol", 49_000
-    greedy = _checked(16, 2, vocab)
-    others = _background(24, 3, vocab)
-    flags = f"--prefill 1 --decode 1 --device cpu --served-model-name {name} {DET}"
-    with serving(flags, tiny_model=False) as server:
-        wait_all_alive(server)  # serving is printed before the decode worker has loaded
-        alone = one_at_a_time(server, name, greedy)
-        assert all_at_once(server, name, greedy, others) == alone

@@ -35,6 +35,8 @@ from tests.e2e.test_determinism import (
     OTHERS,
     TINY,
     all_at_once,
+    background_bodies,
+    checked_bodies,
     one_at_a_time,
     serving,
     serving_tiny,
@@ -75,12 +77,12 @@ def test_two_prefill_two_decode_equals_colocated(
 
 
 async def _stream(
-    client: httpx.AsyncClient, body: dict[str, Any], started: asyncio.Event
+    client: httpx.AsyncClient, body: dict[str, Any], started: asyncio.Event, name: str = TINY
 ) -> tuple[Any, ...]:
     """One streamed completion, its chunks joined into ``_send``'s (text, tokens,
     token_logprobs, top_logprobs); ``started`` is set once 3 tokens have come."""
     text, tokens, logprobs, top = "", [], [], []
-    stream = {"model": TINY, "ignore_eos": True, "stream": True, **body}
+    stream = {"model": name, "ignore_eos": True, "stream": True, **body}
     async with client.stream("POST", "/v1/completions", json=stream) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
@@ -103,13 +105,21 @@ def test_decode_worker_killed_mid_stream_answers_go_on_exactly(
     """Every checked request streamed at once; decode-0 is SIGKILLed once tokens flow:
     its requests resume on the other decode worker (or the restarted one) and every
     answer, its logprobs included, is the co-located one."""
+    killed_mid_stream(two_by_two, TINY, CHECKED, reference)
+
+
+def killed_mid_stream(
+    server: LaunchedServer, name: str, bodies: list[dict[str, Any]], reference: list[Any]
+) -> None:
+    """``bodies`` streamed at once with decode-0 SIGKILLed once tokens flow, answering
+    ``reference``."""
 
     async def main() -> list[tuple[Any, ...]]:
-        async with httpx.AsyncClient(base_url=two_by_two.url, timeout=300) as client:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
             started = asyncio.Event()
-            tasks = [asyncio.create_task(_stream(client, b, started)) for b in CHECKED]
+            tasks = [asyncio.create_task(_stream(client, b, started, name)) for b in bodies]
             await asyncio.wait_for(started.wait(), 120)
-            os.kill(pid_of(two_by_two, "pdserve:decode-0"), signal.SIGKILL)
+            os.kill(pid_of(server, "pdserve:decode-0"), signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*tasks), 300)
 
     # A kill may land when decode-0 holds none of the requests (they are short): then
@@ -117,10 +127,10 @@ def test_decode_worker_killed_mid_stream_answers_go_on_exactly(
     for _ in range(3):
         got = asyncio.run(main())
         assert [list(g) for g in got] == [list(r) for r in reference]
-        wait_all_alive(two_by_two)
-        if any("resumed" in line for line in two_by_two.log):
+        wait_all_alive(server)
+        if any("resumed" in line for line in server.log):
             break
-    assert any("resumed" in line for line in two_by_two.log), two_by_two.log[-20:]
+    assert any("resumed" in line for line in server.log), server.log[-20:]
 
 
 def _tier_hits(server: LaunchedServer, tier: str) -> float:
@@ -147,3 +157,32 @@ def test_prefixes_back_from_host_ram_and_disk_equal_cold(
     with serving(flags) as server:  # stopped with SIGTERM: tier 3 was flushed
         assert one_at_a_time(server, TINY, CHECKED) == reference
         assert _tier_hits(server, "disk") > 0
+
+
+def test_packed_default_across_topologies_death_and_tiers(tmp_path: Path) -> None:
+    """SmolLM2 served packed (GGUF Q4_1, pdserve's fused CPU kernels): the greedy set one
+    at a time on a co-located server with a 64-block pool is the reference; the same
+    server gives it again after the 24 others pushed its prefixes out to tier 2, and
+    after a restart from tier 3; ``--prefill 1 --decode 2`` gives it one at a time, among
+    the 24 others, and while decode-0 is SIGKILLed mid-stream."""
+    name, vocab = "smol", 49_000
+    greedy = checked_bodies(16, 2, vocab)
+    others = background_bodies(24, 3, vocab)
+    colocated = (
+        f"--colocated 1 --device cpu --kv-cache-tokens 1024 --max-model-len 512 {DET}"
+        f" --served-model-name {name} --kv-offload-dir {tmp_path}"
+    )
+    with serving(colocated, tiny_model=False) as server:
+        reference = one_at_a_time(server, name, greedy)
+        all_at_once(server, name, [], others)  # evicts the greedy prompts' blocks
+        assert one_at_a_time(server, name, greedy) == reference
+        assert _tier_hits(server, "host") > 0
+    with serving(colocated, tiny_model=False) as server:  # stopped with SIGTERM: tier 3 kept
+        assert one_at_a_time(server, name, greedy) == reference
+        assert _tier_hits(server, "disk") > 0
+    split = f"--prefill 1 --decode 2 --device cpu --served-model-name {name} {DET}"
+    with serving(split, tiny_model=False) as server:
+        wait_all_alive(server)  # serving is printed before the decode workers have loaded
+        assert one_at_a_time(server, name, greedy) == reference
+        assert all_at_once(server, name, greedy, others) == reference
+        killed_mid_stream(server, name, greedy, reference)

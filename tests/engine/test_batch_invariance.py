@@ -12,6 +12,7 @@ import torch
 
 from colocated.llm import LLM, GenerationResult
 from engine.config import EngineConfig
+from engine.kernels.cpu.ops import decode_attention_op
 from engine.model.batch_invariance import make_batch_invariant
 from engine.weights.linear import packed_kernel
 from engine.weights.quant import quantize_int8
@@ -123,8 +124,6 @@ def test_switch_reaches_every_linear_layer(default_model_path: Path, invariant: 
     tiles = {m.kernel.row_tile for m in model.modules() if hasattr(m, "kernel")}
     assert tiles == {ROW_TILE}
     assert invariant.runner.mixes_batches is False
-    # The torch reference: prefill rows run as decode rows, so decode's blocks may be cached.
-    assert invariant.runner.decode_publishes is True
 
 
 def test_same_bits_at_one_thread_and_two(invariant: LLM, one_thread_after: object) -> None:
@@ -139,3 +138,47 @@ def test_same_bits_at_one_thread_and_two(invariant: LLM, one_thread_after: objec
     two = [_bits(invariant.generate([p], [sp])[0]) for p, sp in zip(prompts, params)]
     assert two == one
     assert torch.get_num_threads() == 2  # the attention's one-thread calls restore it
+
+
+@pytest.fixture(scope="module")
+def packed_invariant() -> LLM:
+    """SmolLM2 as served by default (GGUF Q4_1 packed, pdserve's fused CPU kernels)."""
+    from bundled_models.default_model import default_model_dir
+
+    if decode_attention_op() is None:
+        pytest.skip("pdserve's CPU kernels do not run here: SmolLM2 would take the torch path")
+    config = EngineConfig(
+        model=str(default_model_dir()), kv_cache_tokens=8192, max_model_len=1024, deterministic=True
+    )
+    return LLM(config)
+
+
+def test_packed_default_one_arithmetic_for_prompt_and_generated_rows(
+    packed_invariant: LLM,
+) -> None:
+    """On the packed default a prompt's rows run the decode step's arithmetic (the packed
+    kernel, the decode attention): the same bits alone, among others, cached, at one
+    thread, and for a prompt holding a greedy answer's first tokens (a request resumed on
+    another worker) the logprobs its decode step gave."""
+    llm = packed_invariant
+    assert type(llm.runner.backend).__name__ == "FusedCpuBackend"
+    prompts = _prompts(4, 5)
+    params = [GREEDY, GREEDY, GREEDY, SAMPLED[0]]
+    alone = [_bits(llm.generate([p], [sp])[0]) for p, sp in zip(prompts, params)]
+    others = _prompts(12, 6)
+    background = [SamplingParams(temperature=1.0, seed=i, max_tokens=20) for i in range(12)]
+    batched = llm.generate(prompts + others, params + background)[: len(prompts)]
+    assert [_bits(r) for r in batched] == alone  # decode steps of up to 16 rows
+    assert [_bits(llm.generate([p], [sp])[0]) for p, sp in zip(prompts, params)] == alone
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert _bits(llm.generate([prompts[0]], [GREEDY])[0]) == alone[0]
+    finally:
+        torch.set_num_threads(threads)
+    for prompt, (tokens, logprobs, top) in zip(prompts[:3], alone):
+        for cut in (1, 6):
+            resumed = llm.generate([prompt + tokens[:cut]], GREEDY)[0]
+            assert resumed.output_ids[0] == tokens[cut]
+            assert resumed.logprobs is not None and resumed.top_logprobs is not None
+            assert (resumed.logprobs[0], resumed.top_logprobs[0]) == (logprobs[cut], top[cut])
