@@ -38,8 +38,8 @@ from engine.kv.sequence import Sequence
 from engine.tokenizer.hf_tokenizer import load_tokenizer
 from wire.params import SamplingParams
 
-TEXT = Path(__file__).parent / "data" / "perplexity.txt"
-RESULTS = Path(__file__).parent / "results" / "perplexity.md"
+TEXT = Path(__file__).parents[1] / "data" / "perplexity.txt"
+RESULTS = Path(__file__).parents[1] / "results" / "perplexity.md"
 STORAGES = (
     "none",
     "auto",
