@@ -164,7 +164,8 @@ def test_packed_default_one_arithmetic_for_prompt_and_generated_rows(
     assert type(llm.runner.backend).__name__ == "FusedCpuBackend"
     prompts = _prompts(4, 5)
     params = [GREEDY, GREEDY, GREEDY, SAMPLED[0]]
-    alone = [_bits(llm.generate([p], [sp])[0]) for p, sp in zip(prompts, params)]
+    results = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    alone = [_bits(r) for r in results]
     others = _prompts(12, 6)
     background = [SamplingParams(temperature=1.0, seed=i, max_tokens=20) for i in range(12)]
     batched = llm.generate(prompts + others, params + background)[: len(prompts)]
@@ -176,9 +177,11 @@ def test_packed_default_one_arithmetic_for_prompt_and_generated_rows(
         assert _bits(llm.generate([prompts[0]], [GREEDY])[0]) == alone[0]
     finally:
         torch.set_num_threads(threads)
-    for prompt, (tokens, logprobs, top) in zip(prompts[:3], alone):
+    for prompt, first in zip(prompts[:3], results):
+        assert first.logprobs is not None and first.top_logprobs is not None
         for cut in (1, 6):
-            resumed = llm.generate([prompt + tokens[:cut]], GREEDY)[0]
-            assert resumed.output_ids[0] == tokens[cut]
+            resumed = llm.generate([prompt + first.output_ids[:cut]], GREEDY)[0]
+            assert resumed.output_ids[0] == first.output_ids[cut]
             assert resumed.logprobs is not None and resumed.top_logprobs is not None
-            assert (resumed.logprobs[0], resumed.top_logprobs[0]) == (logprobs[cut], top[cut])
+            assert resumed.logprobs[0] == first.logprobs[cut]
+            assert resumed.top_logprobs[0] == first.top_logprobs[cut]
