@@ -3,19 +3,20 @@ row count from which that GEMM beats the packed kernel, measured on this machine
 
 torch's int4 CPU kernel de-quantizes per block of rows, so its cost grows with every row;
 a bfloat16 GEMM is bound by reading its weights until far more rows. SmolLM2's linear
-layers of one step (30 layers, 2 threads, a 2-core AMD EPYC with AVX-512 BF16, no AMX;
-``python -m benchmarks.engine.linear_kernels``, ``benchmarks/results/linear_kernels.md``), ms:
+layers of one step (30 layers, 2 threads, a 2-core AMD EPYC Zen 4 with AVX-512 BF16, no
+AMX; ``python -m benchmarks.engine.linear_kernels``, ``benchmarks/results/linear_kernels.md``),
+ms:
 
     rows                              1      8     32     64    256
-    packed int4                     3.3    6.8   21.4   40.8  157.6
-    bf16, plain F.linear           10.3   11.5   17.1   25.3   64.1
-    bf16, prepacked for oneDNN      7.4    8.7   13.8   21.8   60.8
-    bf16, VNNI-packed (library)     5.9    7.1   12.2   19.6   62.4
+    packed int4                     4.2    6.9   24.6   45.1  177.7
+    bf16, plain F.linear           20.7   21.9   32.8   51.6  149.3
+    bf16, prepacked for oneDNN     15.7   15.0   25.6   42.6  136.9
+    bf16, VNNI-packed (library)     9.8   10.5   22.0   37.7  133.5
 
 So the packed kernel serves a few rows and the GEMM the rest; where they cross depends on
 the CPU (AMX moves it down, AVX2 up), the shape and the threads, so ``min_gemm_rows``
-measures it per weight shape at load (once per machine: the first worker measures, the
-others read its answer) and caches it.
+measures it per weight shape at load, each pass from memory as in a step (``_cache_flush``),
+once per machine (the first worker measures, the others read its answer), and caches it.
 
 Where the packed layers run the AMX int4 kernel, their many-rows GEMM is none of these but
 ``TilesGemm`` (``engine/weights/int4_tiles.py``), which de-quantizes their own int4 tiles to
@@ -68,7 +69,7 @@ _CANDIDATES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 NEVER = 1 << 30  # the packed kernel serves every batch
 _REPEATS = 7
 # Bump when the measurement changes, so cached crossovers are measured again.
-_VERSION = 2
+_VERSION = 3
 
 
 def prepacked_supported() -> bool:
@@ -218,10 +219,11 @@ def _measure(
     # Measured on every core this process may use, whatever its share of them now: the
     # answer is the machine's, shared by all its workers (the cache key has no threads).
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    flush = _cache_flush()
     try:
         for i, m in enumerate(_CANDIDATES):
             x = torch.randn(m, in_features, generator=gen).to(torch.bfloat16)
-            wins[i] = _best(gemm, x) < _best(packed, x)
+            wins[i] = _best(gemm, x, flush) < _best(packed, x, flush)
             if i and wins[i] and wins[i - 1]:
                 return _CANDIDATES[i - 1]
         return NEVER
@@ -229,14 +231,35 @@ def _measure(
         torch.set_num_threads(threads)
 
 
-def _best(fn: Callable[[torch.Tensor], object], x: torch.Tensor) -> float:
+def _best(fn: Callable[[torch.Tensor], object], x: torch.Tensor, flush: torch.Tensor) -> float:
     fn(x)  # warm: first calls allocate
     best = float("inf")
     for _ in range(_REPEATS):
+        flush.view(torch.int64).sum()  # untimed: the weights leave the caches
         t0 = time.perf_counter()
         fn(x)
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _cache_flush() -> torch.Tensor:
+    """A buffer twice the last-level cache, read before each timed pass.
+
+    NOTE: a step reads the whole model's weights between two calls of one layer, so each
+    call finds its weights in memory, not cache. Timed back to back, one shape's layers
+    stay in a large L3 (30 of SmolLM2's o projections in bfloat16 are 20 MB), which
+    favours the GEMM, whose weights are 4x the packed bytes: on a Zen 4 with 32 MB of L3,
+    the o projection's GEMM won from 2 rows here, and lost to the packed kernel up to 16
+    rows in a step (``benchmarks/results/linear_kernels.md``).
+    """
+    size = 64 << 20
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        if text.endswith("K"):
+            size = min(max(2 * (int(text[:-1]) << 10), 8 << 20), 512 << 20)
+    except (OSError, ValueError):
+        pass
+    return torch.ones(size, dtype=torch.uint8)  # written: zero pages would share one frame
 
 
 def _cache_key(tag: str, shape: tuple[int, int]) -> str:
