@@ -19,16 +19,23 @@ req/s and a 50 ms TPOT target one co-located worker met it for 82 % of requests,
 Who does what:
     launcher    creates the segment (``layout_nbytes``), ``format``s it with the start
                 roles; hands it to every frontend (``segments["roles"]``)
-    frontend 0  its planner (``router/planner.py``) or the test route sets roles (``set``)
+    frontend 0  its planner (``router/planner.py``) or the test route sets roles (``set``);
+                the planner reads every frontend's finished requests (``samples_since``)
     frontends   read the roles before each placement (``roles``), count their placements
-                by kind in their own row (``count``), and show both in /health, /metrics
+                by kind in their own row (``count``), and show both in /health, /metrics;
+                each writes its finished requests' TTFT and TPOT to its own ring
+                (``add_sample``), so the planner judges all the traffic, not frontend 0's
 
 Layout: a 64-byte header (magic, num_workers, num_frontends, set by hand), then per worker 8 int64
 words (role code, changes, monotonic ns of the last change, ns spent as prefill /
-decode / co-located before it), then per frontend 8 int64 words (placements by kind).
+decode / co-located before it), then per frontend 8 int64 words (placements by kind), then per frontend a sample ring:
+one int64 count of samples written, then ``SAMPLES`` x 3 float64 (arrival on the host's
+monotonic clock, TTFT, TPOT or NaN; seconds).
 NOTE: every word has one writer and is an aligned 8-byte store, never torn; a reader
 may see one word of a row newer than another, which only the /metrics figures can show,
-for one scrape. Placement reads the role word alone.
+for one scrape. Placement reads the role word alone. A ring's writer stores a sample,
+then its count; its reader reads the count, the samples, then the count again, and keeps
+only samples the writer cannot have lapped meanwhile.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ SERVING_ROLES = tuple(_TIME_AT)
 #   local      placed whole on a DECODE worker (per-request placement: no handoff)
 #   colocated  placed whole on a COLOCATED worker
 PLACEMENT_KINDS = ("handoff", "local", "colocated")
+SAMPLES = 256  # per frontend: more finished requests than a planner step (1 s) sees
+_RING_WORDS = 1 + 3 * SAMPLES
 
 
 def start_roles(num_workers: int) -> list[Role]:
@@ -79,7 +88,8 @@ class RoleTable:
 
     @staticmethod
     def layout_nbytes(num_workers: int, num_frontends: int) -> int:
-        return 8 * (_HEADER_WORDS + _ROW_WORDS * (num_workers + num_frontends))
+        rows = _ROW_WORDS * (num_workers + num_frontends)
+        return 8 * (_HEADER_WORDS + rows + _RING_WORDS * num_frontends)
 
     @classmethod
     def format(cls, buf: Any, num_workers: int, num_frontends: int) -> RoleTable:
@@ -103,6 +113,7 @@ class RoleTable:
         if len(words) < need:
             raise RoleTableError(f"role table of {len(words)} words, {need} needed")
         self._words = words
+        self._floats = np.frombuffer(buf, np.float64)  # the sample rings' view
 
     @property
     def by_hand(self) -> bool:
@@ -165,3 +176,43 @@ class RoleTable:
         """Placements by kind, every frontend's summed."""
         rows = [self._row(self.num_workers + f) for f in range(self.num_frontends)]
         return {k: sum(int(r[i]) for r in rows) for i, k in enumerate(PLACEMENT_KINDS)}
+
+    def _ring_at(self, frontend: int) -> int:
+        return (
+            _HEADER_WORDS
+            + _ROW_WORDS * (self.num_workers + self.num_frontends)
+            + (_RING_WORDS * frontend)
+        )
+
+    def sample_count(self, frontend: int) -> int:
+        """How many samples ``frontend`` has written."""
+        return int(self._words[self._ring_at(frontend)])
+
+    def add_sample(self, frontend: int, arrived: float, ttft: float, tpot: float | None) -> None:
+        """A request ``frontend`` saw finish (its single writer)."""
+        at = self._ring_at(frontend)
+        written = int(self._words[at])
+        row = at + 1 + 3 * (written % SAMPLES)
+        self._floats[row : row + 3] = (arrived, ttft, np.nan if tpot is None else tpot)
+        self._words[at] = written + 1  # last: the reader takes samples below the count
+
+    def samples_since(
+        self, frontend: int, seen: int
+    ) -> tuple[list[tuple[float, float, float | None]], int]:
+        """``frontend``'s samples after the first ``seen`` it wrote, oldest first (those
+        it wrote over are gone), and the count to pass next time."""
+        at = self._ring_at(frontend)
+        written = int(self._words[at])
+        first = max(seen, written - SAMPLES)
+        rows = [
+            self._floats[at + 1 + 3 * (i % SAMPLES) :][:3].copy() for i in range(first, written)
+        ]
+        # The writer may have gone on meanwhile: the slot of a sample it is storing now
+        # (its count not yet raised) is lost too.
+        lapped = int(self._words[at]) - SAMPLES + 1
+        out = [
+            (float(a), float(t), None if np.isnan(p) else float(p))
+            for i, (a, t, p) in zip(range(first, written), rows, strict=True)
+            if i >= lapped
+        ]
+        return out, written

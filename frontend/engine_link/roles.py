@@ -1,9 +1,10 @@
 """A frontend's part in ``launch --workers``: the role table, the planner, the samples.
 
 Every frontend reads the roles (its router places by them) and shows them in /health
-and /metrics. Frontend 0 also runs the planner (``router/planner.py``): it feeds it
-each finished request's TTFT and TPOT (``observe``) and steps it every
-``PlannerConfig.interval_s`` over the load table (``run``). POST /roles
+and /metrics, and writes each finished request's TTFT and TPOT to its own ring of the
+role table (``observe``). Frontend 0 also runs the planner (``router/planner.py``):
+every ``PlannerConfig.interval_s`` it feeds it what every frontend's ring gained and
+steps it over the load table (``run``). POST /roles
 (``frontend/http/roles_route.py``), when the launch allows it, sets roles by hand and
 stops the planner for good: a test's or an experiment's roles stay as set.
 """
@@ -35,9 +36,13 @@ class RoleControl:
         slo_ms: tuple[float, float] | None,
         allow_override: bool,
     ) -> None:
-        self.table = table
+        self.table, self.owner = table, owner
         self.allow_override = allow_override
+        self.sampling = slo_ms is not None  # a planner runs (in frontend 0)
         self.planner: Planner | None = None
+        # Samples taken from each frontend's ring: from now (a restarted frontend 0's
+        # planner starts afresh, as its first did).
+        self._seen = [table.sample_count(f) for f in range(table.num_frontends)]
         if owner == 0 and slo_ms is not None:
             ttft, tpot = slo_ms
             self.planner = Planner(table, PlannerConfig(ttft / 1e3, tpot / 1e3))
@@ -46,11 +51,22 @@ class RoleControl:
     def observe(self, arrived: float, first_at: float | None, tokens: int) -> None:
         """A request that arrived at ``arrived`` (monotonic s) finished now with ``tokens``
         output tokens, the first at ``first_at``."""
-        if self.planner is None or first_at is None:
+        if not self.sampling or first_at is None:
             return
         now = time.monotonic()
         tpot = (now - first_at) / (tokens - 1) if tokens > 1 else None
-        self.planner.observe(Sample(arrived, first_at - arrived, tpot))
+        self.table.add_sample(self.owner, arrived, first_at - arrived, tpot)
+
+    def take_samples(self) -> int:
+        """Feed the planner what every frontend finished since the last call; how many."""
+        assert self.planner is not None
+        taken = 0
+        for f in range(self.table.num_frontends):
+            samples, self._seen[f] = self.table.samples_since(f, self._seen[f])
+            for arrived, ttft, tpot in samples:
+                self.planner.observe(Sample(arrived, ttft, tpot))
+            taken += len(samples)
+        return taken
 
     async def run(self, load: LoadTable) -> None:
         """Step the planner until cancelled (frontend 0 only)."""
@@ -58,6 +74,7 @@ class RoleControl:
         while True:
             await asyncio.sleep(self.planner.config.interval_s)
             try:
+                self.take_samples()
                 self.planner.step(load.snapshot())
             except Exception:  # the planner must outlive any one bad step
                 logger.exception("planner step failed")

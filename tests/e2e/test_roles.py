@@ -140,9 +140,11 @@ def test_a_decoder_killed_during_a_role_change_is_recovered(
 @pytest.fixture(scope="module")
 def planned_server() -> Iterator[LaunchedServer]:
     """The planner alone sets roles: a TPOT target no CPU step meets, a TTFT target
-    every request meets, so its one move is to split the two workers."""
+    every request meets, so its one move is to split the two workers. Two frontends
+    share the port: the planner (in frontend 0) judges the requests both finish (8 in
+    all, its fewest to judge)."""
     yield from LaunchedServer.serving(
-        "--workers 2 --detokenizers 1 --device cpu --kv-cache-tokens 8192 "
+        "--workers 2 --api-workers 2 --detokenizers 1 --device cpu --kv-cache-tokens 8192 "
         "--max-model-len 1024 --slo-tpot-ms 1 --slo-ttft-ms 600000"
     )
 

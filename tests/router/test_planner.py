@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from frontend.engine_link.roles import RoleControl
 from router.planner import (
     Planner,
     PlannerConfig,
@@ -14,7 +17,7 @@ from router.planner import (
     queue_ttft,
 )
 from transport.load_table import LoadTable, WorkerState
-from transport.role_table import RoleTable, RoleTableError
+from transport.role_table import SAMPLES, RoleTable, RoleTableError
 from wire.roles import Role
 
 C, P, D = Role.COLOCATED, Role.PREFILL, Role.DECODE
@@ -164,3 +167,38 @@ def test_the_role_table_keeps_time_in_each_role_and_placements_by_kind() -> None
         RoleTable(bytearray(64))
     again = RoleTable(table._words.data)  # another process's view of the same bytes
     assert again.roles() == [C, D]
+
+
+def test_each_frontend_rings_its_samples_and_a_lapped_reader_loses_only_the_oldest() -> None:
+    table = RoleTable.format(bytearray(RoleTable.layout_nbytes(2, 2)), 2, 2)
+    table.add_sample(1, 10.0, 0.5, 0.02)
+    table.add_sample(1, 11.0, 0.6, None)  # one output token: no TPOT
+    got, seen = table.samples_since(1, 0)
+    assert got == [(10.0, 0.5, 0.02), (11.0, 0.6, None)] and seen == 2
+    assert table.samples_since(0, 0) == ([], 0)  # frontend 0's ring is apart
+    assert table.samples_since(1, seen) == ([], 2)
+    for i in range(SAMPLES + 5):  # the reader lags past the ring
+        table.add_sample(1, 100.0 + i, 1.0, 0.01)
+    got, seen = table.samples_since(1, seen)
+    # The oldest slot may be being written over as it is read: it is left out too.
+    assert seen == SAMPLES + 7 and len(got) == SAMPLES - 1
+    assert got[0][0] == 100.0 + 6 and got[-1][0] == 100.0 + SAMPLES + 4
+    again = RoleTable(table._words.data)  # another process's view of the same bytes
+    assert again.sample_count(1) == SAMPLES + 7
+
+
+def test_the_planner_in_frontend_0_judges_every_frontends_requests() -> None:
+    """Requests that finish in frontend 1 alone move frontend 0's planner."""
+    table = RoleTable.format(bytearray(RoleTable.layout_nbytes(4, 2)), 4, 2)
+    slo_ms = (2000.0, 100.0)
+    owner = RoleControl(table, 0, slo_ms, allow_override=False)
+    other = RoleControl(table, 1, slo_ms, allow_override=False)
+    assert owner.planner is not None and other.planner is None
+    owner.planner.changed_at -= 20.0  # the start roles have held past the dwell time
+    now = time.monotonic()
+    for _ in range(8):  # TTFT 1 s, TPOT 0.5 s: five times its target
+        other.observe(now - 6.0, now - 5.0, 11)
+    assert owner.take_samples() == 8
+    assert owner.take_samples() == 0
+    assert owner.planner.step([])
+    assert table.roles() == [P, P, P, D]  # one level up: decode isolated
