@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ from tests.e2e.helpers import pid_of, wait_all_alive
 from tests.e2e.test_determinism import (
     CHECKED,
     DET,
+    NGRAM_CONFIG,
     OTHERS,
     TINY,
     all_at_once,
@@ -161,19 +163,26 @@ def test_prefixes_back_from_host_ram_and_disk_equal_cold(
 
 def test_packed_default_across_topologies_death_and_tiers(tmp_path: Path) -> None:
     """SmolLM2 served packed (GGUF Q4_1, pdserve's fused CPU kernels): the greedy set one
-    at a time on a co-located server with a 64-block pool is the reference; the same
-    server gives it again after the 24 others pushed its prefixes out to tier 2, and
-    after a restart from tier 3; ``--prefill 1 --decode 2`` gives it one at a time, among
-    the 24 others, and while decode-0 is SIGKILLed mid-stream."""
+    at a time on a co-located server with a 64-block pool and n-gram speculation is the
+    reference; the same server gives it again after the 24 others pushed its prefixes
+    out to tier 2, and after a restart from tier 3; ``--prefill 1 --decode 2`` without
+    speculation gives it one at a time, among the 24 others, and while decode-0 is
+    SIGKILLed mid-stream."""
     name, vocab = "smol", 49_000
     greedy = checked_bodies(16, 2, vocab)
     others = background_bodies(24, 3, vocab)
     colocated = (
         f"--colocated 1 --device cpu --kv-cache-tokens 1024 --max-model-len 512 {DET}"
         f" --served-model-name {name} --kv-offload-dir {tmp_path}"
+        f" --speculative-config {shlex.quote(NGRAM_CONFIG)}"
     )
     with serving(colocated, tiny_model=False) as server:
         reference = one_at_a_time(server, name, greedy)
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        accepted = re.findall(
+            r"pdserve_spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)", metrics
+        )
+        assert sum(float(v) for v in accepted) > 0, metrics[-2000:]  # drafts were taken
         all_at_once(server, name, [], others)  # evicts the greedy prompts' blocks
         assert one_at_a_time(server, name, greedy) == reference
         assert _tier_hits(server, "host") > 0
