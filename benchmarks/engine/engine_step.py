@@ -47,7 +47,15 @@ from engine.kv.sequence import Sequence
 from engine.model.attention import grouped_decode_sdpa
 from engine.model.causal_lm import DecoderLayer
 from engine.runner import ModelRunner
-from engine.weights.linear import Linear, ManyRows, prefill_phase
+from engine.weights.linear import (
+    DenseKernel,
+    Int4Kernel,
+    Int8Kernel,
+    Linear,
+    ManyRows,
+    prefill_phase,
+)
+from engine.weights.refined_head import RefinedHead
 from wire.params import SamplingParams
 
 RESULTS = Path(__file__).parents[1] / "results" / "engine_step.md"
@@ -107,6 +115,39 @@ def _linears(
     layer.attn.o(attn_out, x.dtype)
     layer.mlp.gate_up.native(x) if native else layer.mlp.gate_up(x)
     layer.mlp.down(inter, x.dtype)
+
+
+def copy_rate(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes a second one plain copy of ``nbytes`` moves here, read and written counted (as
+    STREAM's copy counts them), best of ``repeats``: the rate a step streaming its weights
+    could reach at best."""
+    src = torch.ones(nbytes // 8, dtype=torch.int64)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def step_bytes(runner: ModelRunner, b: int, context: int) -> int:
+    """Bytes a decode step of ``b`` rows reads at least: every linear layer's weights as its
+    few-rows kernel holds them (packed tiles, or the dense weight) and each row's KV."""
+    total = 0
+    for module in runner.model.modules():
+        kernel: object = module.kernel if isinstance(module, Linear) else None
+        if isinstance(kernel, RefinedHead):
+            kernel = kernel.packed
+        if isinstance(kernel, Int8Kernel):
+            kernel = kernel.planes
+        if isinstance(kernel, Int4Kernel):
+            total += sum(t.nbytes for t in kernel.layout().values())
+        elif isinstance(kernel, DenseKernel):
+            total += kernel.weight.nbytes
+    m = runner.model_config
+    per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * runner.kv_dtype.itemsize
+    return total + b * context * per_token
 
 
 def measure_prefill(
@@ -262,6 +303,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
+    rate = copy_rate()
     rows: list[Row] = []
     for variant in args.variants.split(","):
         runners = {b: _runner(model, variant, b, args.context) for b in args.backends.split(",")}
@@ -273,8 +315,10 @@ def main() -> None:
         kinds = "/".join(kind_names) + _gemm_label(runner, variant)
         for b in (int(x) for x in args.batches.split(",")):
             steps, bare = measure(runners, b, args.context, args.rounds)
+            roof = step_bytes(runner, b, args.context) / rate * 1e3
             rows += [
-                Row(variant, n, kinds, f"decode, batch {b}", t, bare) for n, t in steps.items()
+                Row(variant, n, kinds, f"decode, batch {b}", t, bare, roof)
+                for n, t in steps.items()
             ]
         steps, bare = measure_prefill(runners, args.prefill, args.rounds)
         what = f"prefill, {args.prefill} tokens"
@@ -283,7 +327,7 @@ def main() -> None:
             print(row.line())
     given = [a if not a.startswith("/") else Path(a).name for a in sys.argv[1:]]
     cmd = " ".join(["python -m benchmarks.engine.engine_step", *given])
-    args.out.write_text("\n".join(_page(rows, model.name, cmd, args)))
+    args.out.write_text("\n".join(_page(rows, model.name, cmd, args, rate)))
     print(f"wrote {args.out}")
 
 
@@ -295,15 +339,23 @@ class Row:
     what: str
     step: float
     bare: float
+    roofline: float | None = None  # ms: the step's bytes over the copy rate (decode rows)
 
     def line(self) -> str:
+        roof = (
+            "| |"
+            if self.roofline is None
+            else (f"| {self.roofline:.2f} | {self.step / self.roofline:.2f}x |")
+        )
         return (
             f"| {self.variant} | {self.backend} | {self.kinds} | {self.what} | {self.step:.2f} "
-            f"| {self.bare:.2f} | {self.step / self.bare:.2f}x |"
+            f"| {self.bare:.2f} | {self.step / self.bare:.2f}x {roof}"
         )
 
 
-def _page(rows: list[Row], model: str, cmd: str, args: argparse.Namespace) -> list[str]:
+def _page(
+    rows: list[Row], model: str, cmd: str, args: argparse.Namespace, rate: float
+) -> list[str]:
     lines = [
         "# Decode and prefill steps vs the bare math of their layers",
         "",
@@ -316,10 +368,14 @@ def _page(rows: list[Row], model: str, cmd: str, args: argparse.Namespace) -> li
         "first backend's step does, casts included (the fused one takes q, k, v and gate, up "
         "in the kernels' bfloat16). Backends (engine/model/backend.py): "
         "`fused`, the fused CPU ops (engine/model/fused_cpu.py), and `torch`, the reference; "
-        "each round runs both backends' steps and the bare math once.",
+        "each round runs both backends' steps and the bare math once. Roofline (decode): the "
+        "bytes a step reads at least (every linear layer's weights as its few-rows kernel "
+        f"holds them, and the rows' KV) over the copy rate measured in the same run, "
+        f"{rate / 1e9:.1f} GB/s (a 256 MB copy, read and written bytes counted, best of 5).",
         "",
-        "| variant | backend | linear kinds | step | step ms | bare math ms | step / bare |",
-        "|---|---|---|---|---:|---:|---:|",
+        "| variant | backend | linear kinds | step | step ms | bare math ms | step / bare "
+        "| roofline ms | step / roofline |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
         *(row.line() for row in rows),
     ]
     fused = {(r.variant, r.what): r.step for r in rows if r.backend == "fused"}
