@@ -204,15 +204,10 @@ class RoleTable:
         at = self._ring_at(frontend)
         written = int(self._words[at])
         first = max(seen, written - SAMPLES)
-        rows = [
-            self._floats[at + 1 + 3 * (i % SAMPLES) :][:3].copy() for i in range(first, written)
-        ]
+        ring = self._floats[at + 1 : at + 1 + 3 * SAMPLES].reshape(SAMPLES, 3)
+        rows = ring[np.arange(first, written) % SAMPLES]  # (n, 3), a copy
         # The writer may have gone on meanwhile: the slot of a sample it is storing now
         # (its count not yet raised) is lost too.
-        lapped = int(self._words[at]) - SAMPLES + 1
-        out = [
-            (float(a), float(t), None if np.isnan(p) else float(p))
-            for i, (a, t, p) in zip(range(first, written), rows, strict=True)
-            if i >= lapped
-        ]
+        kept = rows[max(0, int(self._words[at]) - SAMPLES + 1 - first) :]
+        out = [(a, t, None if np.isnan(p) else p) for a, t, p in kept.tolist()]
         return out, written
