@@ -22,9 +22,10 @@ constexpr int64_t kCodeBytes = kGroup * kTile / 2;      // 256
 constexpr int64_t kGroupBytes = kCodeBytes + 4 * kTile;  // + s and m, float16: 320
 constexpr int kAmxRows = 16;  // rows per pass over a tile on AMX (int4_amx.cpp)
 
-// Groups read ahead of the one decoded: a tile's groups are contiguous, but a step streams
-// 120 layers' weights once each, and at one row the hardware prefetcher alone leaves the
-// kernel waiting on memory (one A/B here: 7.3 against 5.9 ms for a one-row step).
+// Groups read ahead of the one decoded, on the AMX paths (int4_amx.cpp), which read two
+// tiles at once. The vector path (int4_mm.cpp) reads one tile at a time and prefetches
+// nothing: a thread's tiles are then one sequential stream, which the hardware prefetcher
+// follows at the copy rate (see rows_block there).
 constexpr int64_t kAhead = 4;
 
 // The product of one block of rows over a range of tiles: int4_mm's vector and AMX paths.
