@@ -47,6 +47,7 @@ from benchmarks.peers.contenders import (
     vllm_server,
 )
 from benchmarks.peers.report import Point, Report, render
+from benchmarks.peers.shapes import SHAPES, ensure_shape
 from benchmarks.peers.workloads import WORKLOADS, measure, warm_up
 
 logger = logging.getLogger("benchmarks.peers")
@@ -73,6 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="HF checkpoint dir (default: pdserve's cached default model, where that exists)",
+    )
+    a(
+        "--shape",
+        default=None,
+        help="random weights of a larger model's shapes, made from --model's config and "
+        f"tokenizer (benchmarks/peers/shapes.py): one of {', '.join(SHAPES)}",
     )
     a("--dtype", default="float32", help="for every server")
     a("--concurrency", default="1,4,8", help="comma-separated levels")
@@ -183,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.peers " + shlex.join(sys.argv[1:] if argv is None else argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     workloads = _names(args.workloads, list(WORKLOADS), "--workloads")
+    model = resolve_model(args.model)
+    if args.shape is not None:
+        model = ensure_shape(args.llama_dir, args.shape, model)
     settings = Settings(
-        resolve_model(args.model),
+        model,
         args.dtype,
         args.kv_cache_gib,
         args.max_model_len,
@@ -207,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         f"pdserve at {pdserve_commit()}",
         *(f"{s.name}: `{s.describe()}`" for g in groups for s in g.specs),
     ]
+    setup += roofline(groups)
     machine, notes = describe_machine(), []
     if "vector flags" not in machine:  # benchmarks.harness.machine names them itself on newer trees
         machine += f"\n{vector_line()}"
@@ -239,6 +250,30 @@ def main(argv: list[str] | None = None) -> int:
             )
             write(args.out, report, points)
     return 0 if not failures and all(p.failed == 0 for p in points) else 1
+
+
+def roofline(groups: list[Group]) -> list[str]:
+    """A line per group served from a GGUF: its bytes over the copy rate measured now, the
+    least time a one-stream decode step can take (every weight is read once a token; a tied
+    head reads the whole embedding), to set the single-stream ITL against."""
+    from benchmarks.engine.engine_step import copy_rate
+
+    files = {
+        g.precision: Path(arg)
+        for g in groups
+        for s in g.specs
+        for arg in s.argv
+        if arg.endswith(".gguf")
+    }
+    if not files:
+        return []
+    rate = copy_rate()
+    return [
+        f"roofline, {p}: `{f.name}` {f.stat().st_size / 1e6:.0f} MB / a copy rate of "
+        f"{rate / 1e9:.1f} GB/s (read and written, measured at the start of the run) = "
+        f"{f.stat().st_size / rate * 1e3:.2f} ms a token at one stream"
+        for p, f in files.items()
+    ]
 
 
 def skipped(args: argparse.Namespace) -> set[str]:
