@@ -17,7 +17,7 @@
 namespace pdserve {
 namespace {
 
-constexpr int64_t kAttnAhead = 1;  // blocks read ahead
+constexpr int64_t kAttnAhead = 2;  // blocks read ahead (one A/B: a one-row step at 1000 tokens 7.5-8.5 ms, against 8.6-8.8 at 1)
 constexpr int64_t kSplitTokens = 512;
 
 // One block's K and V chunks of one head (``bytes`` each, from ``at`` past each base).
@@ -113,8 +113,11 @@ PDSERVE_VL_TARGET PDSERVE_EXACT_FP void decode_attention_part(
     const int64_t block = table[t0 / bs], off = t0 % bs;
     const char* kb = k_head0 + (block * block_stride) * esize;
     const char* vb = v_head0 + (block * block_stride) * esize;
-    if ((off == 0 || t0 == t_begin) && t0 / bs + kAttnAhead <= last_block)
-      prefetch_kv(k_head0, v_head0, table[t0 / bs + kAttnAhead] * block_stride * esize, chunk_bytes);
+    if (off == 0 || t0 == t_begin) {  // a block's first chunk: the blocks kAttnAhead on
+      for (int64_t a = t0 == t_begin ? 1 : kAttnAhead; a <= kAttnAhead; ++a)
+        if (t0 / bs + a <= last_block)
+          prefetch_kv(k_head0, v_head0, table[t0 / bs + a] * block_stride * esize, chunk_bytes);
+    }
     attend_chunk<G, DV, BF16>(q, kb, vb, bs, off, std::min<int64_t>(16, t_end - t0), st);
   }
   for (int h = 0; h < G; ++h) {
