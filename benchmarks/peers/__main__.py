@@ -294,8 +294,12 @@ def plan(args: argparse.Namespace, s: Settings) -> tuple[list[Group], dict[str, 
     failures: dict[str, str] = {}
     setup: list[str] = []
     by_precision = {p: Group(s.unquantized if p == "F32" else p) for p in precisions}
-    # vLLM: the unquantized group only (its CPU build has no kernels for these GGUF blocks)
-    if args.no_vllm or "F32" not in by_precision:
+    # vLLM: the unquantized group (its CPU build has no kernels for these GGUF blocks), and
+    # on a CPU with native bfloat16 the Q4_1 group in bfloat16: the faster vLLM there
+    # (weights half the bytes), the peer the packed 4-bit rows must beat too.
+    native_bf16 = {"avx512_bf16", "amx_bf16"} & set(vector_flags())
+    in_bf16 = bool(native_bf16) and not args.no_vllm_bf16 and "Q4_1" in by_precision
+    if args.no_vllm or not ("F32" in by_precision or in_bf16):
         setup.append("vLLM: not run" + (" (--no-vllm)" if args.no_vllm else ""))
     else:
         try:
@@ -305,11 +309,9 @@ def plan(args: argparse.Namespace, s: Settings) -> tuple[list[Group], dict[str, 
                 setup.append(
                     f"vLLM {vllm_version(python)} ({args.vllm_spec}, in {args.venv.name}/)"
                 )
-            by_precision["F32"].peers.append(vllm_server(python, s, args.vllm_bind))
-            # On a CPU with native bfloat16, vLLM in bfloat16 is the faster vLLM (weights
-            # half the bytes): it is the peer the packed 4-bit rows must beat too.
-            native_bf16 = {"avx512_bf16", "amx_bf16"} & set(vector_flags())
-            if native_bf16 and not args.no_vllm_bf16 and "Q4_1" in by_precision:
+            if "F32" in by_precision:
+                by_precision["F32"].peers.append(vllm_server(python, s, args.vllm_bind))
+            if in_bf16:
                 bf16 = dataclasses.replace(s, dtype="bfloat16")
                 by_precision["Q4_1"].peers.append(vllm_server(python, bf16, args.vllm_bind))
         except ServerFailed as e:

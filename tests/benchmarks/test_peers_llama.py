@@ -238,3 +238,14 @@ def test_grouped_report_has_a_section_per_precision_and_says_which_peer_failed()
     # a results JSON round-trips: groups come back as lists and render the same
     again = Report(**json.loads(json.dumps(report.__dict__, default=list)))
     assert render(again, points) == text
+
+
+def test_the_4_bit_group_alone_still_has_vllm_in_bfloat16_where_the_cpu_has_it(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli, "vector_flags", lambda: ["avx2", "avx512_bf16"])
+    (group,) = dry_plan(model, "--precisions", "Q4_1", "--pdserve-quant", "gguf-q4_1")
+    assert [s.name for s in group.peers] == ["vLLM BF16", "llama.cpp Q4_1"]
+    monkeypatch.setattr(cli, "vector_flags", lambda: ["avx2"])
+    (group,) = dry_plan(model, "--precisions", "Q4_1", "--pdserve-quant", "gguf-q4_1")
+    assert [s.name for s in group.peers] == ["llama.cpp Q4_1"]
