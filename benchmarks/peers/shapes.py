@@ -8,7 +8,7 @@ depend on; the tokens it writes are noise, so the sweep forces lengths (``ignore
 
 The checkpoint takes the default model's tokenizer and config, with the shape's fields
 replaced: every server then reads the same dir, and llama.cpp's converter and quantizer
-make the one GGUF that llama.cpp and pdserve both serve (``__main__.gguf_files``).
+make the one GGUF that llama.cpp and pdserve both serve (``files.gguf_files``).
 """
 
 from __future__ import annotations

@@ -249,3 +249,15 @@ def test_the_4_bit_group_alone_still_has_vllm_in_bfloat16_where_the_cpu_has_it(
     monkeypatch.setattr(cli, "vector_flags", lambda: ["avx2"])
     (group,) = dry_plan(model, "--precisions", "Q4_1", "--pdserve-quant", "gguf-q4_1")
     assert [s.name for s in group.peers] == ["llama.cpp Q4_1"]
+
+
+def test_each_gguf_a_server_names_gets_one_roofline_line(tmp_path: Path) -> None:
+    from benchmarks.peers.files import roofline
+
+    f = tmp_path / "m.Q4_1.gguf"
+    f.write_bytes(b"\0" * 4_000_000)
+    lines = roofline(["llama-server", "-m", str(f), "--model", str(f), "-t", "2"])
+    assert len(lines) == 1 and "`m.Q4_1.gguf` 4 MB" in lines[0]
+    ms = float(lines[0].split(" = ")[1].split(" ms")[0])
+    assert ms > 0
+    assert roofline(["--model", str(tmp_path)]) == []  # a checkpoint dir: no line
