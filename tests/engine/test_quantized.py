@@ -145,6 +145,29 @@ def test_the_head_recomputes_its_leading_logits_in_float32() -> None:
     torch.testing.assert_close(got[rows_, top], exact[rows_, top], rtol=1e-6, atol=1e-5)
 
 
+def test_the_heads_near_logits_by_threshold_are_those_of_its_top_k() -> None:
+    """The threshold path refines each row's near logits, the set the top-k path takes,
+    with the same per-logit sums (bit for bit, as batch-invariant serving computes them);
+    a row with more than ``_MAX_REFINED`` near logits sends the batch to the top-k path,
+    which refines its largest ones only."""
+    torch.manual_seed(1)
+    rows = quantize_int8(torch.randn(512, 64) * 0.05)
+    head = RefinedHead(packed_kernel(rows, torch.bfloat16, CPU), rows)
+    head.row_invariant = True
+    x = torch.randn(4, 64) * 20
+    packed = head.packed.forward(x, None, torch.float32)
+    want = head._refine_top(packed.clone(), x, None)
+    got = head(x, None)
+    assert torch.equal(got, want)
+    refined = (got != packed).sum(dim=1)
+    assert (refined >= 1).all() and (refined <= head._MAX_REFINED).all()
+    # A flat row: every logit is near its maximum, more than the cap.
+    flat = torch.zeros(1, 64)
+    flat_packed = head.packed.forward(flat, None, torch.float32)
+    assert int((flat_packed >= flat_packed.max() - 1e-3).sum()) > head._MAX_REFINED
+    assert torch.equal(head(flat, None), head._refine_top(flat_packed.clone(), flat, None))
+
+
 @pytest.mark.usefixtures("int4_kernel")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantizing_at_load_stays_on_its_grid(bits: int) -> None:
