@@ -22,7 +22,7 @@ are captured in CUDA graphs).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -63,6 +63,20 @@ class AttentionBackend(ABC, Generic[Meta]):
         """Once per step, before the layers: ``meta`` with whatever this backend derives
         from it for every layer (nothing, unless a backend says so)."""
         return meta
+
+    def decode_layers(
+        self,
+        model: Any,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        pool: torch.Tensor,
+        meta: Meta,
+    ) -> torch.Tensor | None:
+        """Every decoder layer of ``model`` in one call where this backend has one for the
+        step (``FusedCpuBackend``): ``h`` the first layer's normed input, ``residual`` the
+        stream (updated in place) -> the final norm's output, as the layer loop of
+        ``CausalLM.hidden`` gives it. None: run that loop."""
+        return None
 
     @abstractmethod
     def attend(

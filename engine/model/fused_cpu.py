@@ -61,6 +61,7 @@ import torch
 from engine.kernels.cpu.ops import (
     ATTENTION_HEAD_SIZES,
     decode_attention_op,
+    decode_layers_op,
     prefill_attention_op,
     rope_store_op,
     silu_mul_op,
@@ -68,6 +69,7 @@ from engine.kernels.cpu.ops import (
 from engine.kernels.vllm_cpu import CpuKernels, available
 from engine.model.attention import AttentionMetadata
 from engine.model.backend import AttentionLayer
+from engine.model.fused_layers import LayerStack, layer_stack
 from engine.model.layers import RMSNorm
 from engine.model.torch_backend import PagedSequence, TorchBackend, TorchGeometry
 
@@ -125,6 +127,8 @@ class FusedCpuBackend(TorchBackend):
         self._caches: dict[
             tuple[int, tuple[int, ...]], list[tuple[torch.Tensor, torch.Tensor]]
         ] = {}
+        self._decode_layers = decode_layers_op()
+        self._stack: tuple[int, LayerStack | None] | None = None  # (id of the model, its stack)
 
     def _placement(
         self, positions: list[int], pos: torch.Tensor, slot_blocks: list[int]
@@ -279,6 +283,53 @@ class FusedCpuBackend(TorchBackend):
             None,
         )
         return out.view(t, attn.q_size)  # in the cache's dtype: the output projection casts
+
+    def decode_layers(
+        self,
+        model: Any,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        pool: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """A step whose rows attend as decode rows, on pdserve's rotary + store and decode
+        attention, of a model all on the int4 kernel: its layers in one call
+        (``engine/model/fused_layers.py``)."""
+        paged = meta.paged
+        if (
+            self._decode_layers is None
+            or self._rope_store is None
+            or not isinstance(paged, PagedBatch)
+            or paged.kernel != "decode"
+            or h.dtype != torch.float32
+            or pool.dtype not in _KERNEL_DTYPES
+        ):
+            return None
+        if self._stack is None or self._stack[0] != id(model):
+            self._stack = (id(model), layer_stack(model))
+        stack = self._stack[1]
+        if stack is None or not stack.packed_at(h):
+            return None
+        caches = [view for pair in self._layer_caches(pool) for view in pair]
+        return self._decode_layers(
+            h,
+            residual,
+            stack.tiles,
+            stack.outs,
+            stack.norms,
+            stack.eps,
+            meta.positions,
+            self.cos_sin,
+            caches,
+            paged.slots,
+            paged.block_tables,
+            paged.seq_lens,
+            paged.q_starts,
+            stack.num_heads,
+            stack.num_kv_heads,
+            stack.head_dim**-0.5,
+            stack.amx,
+        )
 
     def _rope_then_store(
         self,

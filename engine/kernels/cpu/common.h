@@ -7,6 +7,7 @@
 // * elementwise.cpp: silu_mul, the MLP's SiLU(gate) * up in one pass; rope_store, rotary +
 //   K/V store;
 // * decode_attention.cpp, prefill_attention.cpp: attention over the paged KV pool in place;
+// * decode_layers.cpp: decode_layers, a decode step's decoder layers in one call;
 // * register.cpp: the ops' schemas (TORCH_LIBRARY).
 // engine/kernels/cpu/ops.py loads the library; engine/weights/int4_tiles.py and
 // engine/model/fused_cpu.py choose among its ops.
@@ -59,6 +60,13 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& q_starts,
                              const at::Tensor& seq_lens, const at::Tensor& block_tables,
                              double scale);
+at::Tensor decode_layers(const at::Tensor& h, at::Tensor residual, at::TensorList tiles,
+                         at::IntArrayRef outs, at::TensorList norms, double eps,
+                         const at::Tensor& positions, const at::Tensor& cos_sin,
+                         at::TensorList caches, const at::Tensor& slots,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& q_starts, int64_t num_heads, int64_t num_kv_heads,
+                         double scale, bool amx);
 
 // Argument checks the two attentions share. key_cache / value_cache: one layer's
 // (num_blocks, KVH, block_size, D) views of the pool, a block's head chunk contiguous.

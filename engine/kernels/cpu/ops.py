@@ -92,3 +92,13 @@ def prefill_attention_op() -> Callable[..., torch.Tensor] | None:
     context. Head sizes ``ATTENTION_HEAD_SIZES``, up to 8 query heads a KV head. None where
     not built or without AVX-512 BF16."""
     return op("prefill_attention")
+
+
+def decode_layers_op() -> Callable[..., torch.Tensor] | None:
+    """A decode step's decoder layers in one call (``decode_layers.cpp``; its arguments are
+    described there, and ``engine/model/fused_layers.py`` gathers them), or None where not
+    built, or built before the op was (a stale build runs the layers one by one)."""
+    try:
+        return op("decode_layers")
+    except (AttributeError, RuntimeError):
+        return None

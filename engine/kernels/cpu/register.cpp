@@ -16,6 +16,11 @@ TORCH_LIBRARY(pdserve, m) {
   m.def(
       "prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor q_starts, "
       "Tensor seq_lens, Tensor block_tables, float scale) -> Tensor");
+  m.def(
+      "decode_layers(Tensor h, Tensor(a!) residual, Tensor[] tiles, int[] outs, Tensor[] norms, "
+      "float eps, Tensor positions, Tensor cos_sin, Tensor(b!)[] caches, Tensor slots, "
+      "Tensor block_tables, Tensor seq_lens, Tensor q_starts, int num_heads, "
+      "int num_kv_heads, float scale, bool amx) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("int4_mm", &pdserve::int4_mm);
@@ -25,4 +30,5 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("rope_store", &pdserve::rope_store);
   m.impl("decode_attention", &pdserve::decode_attention);
   m.impl("prefill_attention", &pdserve::prefill_attention);
+  m.impl("decode_layers", &pdserve::decode_layers);
 }
