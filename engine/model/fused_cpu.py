@@ -329,6 +329,7 @@ class FusedCpuBackend(TorchBackend):
             stack.num_kv_heads,
             stack.head_dim**-0.5,
             stack.amx,
+            stack.planes,
         )
 
     def _rope_then_store(

@@ -82,10 +82,12 @@ def _verify(runner: ModelRunner, seqs: list[Sequence]) -> torch.Tensor:
     return runner.verify(seqs[1:], [[11, 12, 13], [21, 22]])
 
 
-def test_one_call_gives_the_layer_loops_bits(smollm2: Path) -> None:
+@pytest.mark.parametrize("quantization", ["auto", "int8"])
+def test_one_call_gives_the_layer_loops_bits(smollm2: Path, quantization: str) -> None:
     """Decode steps of 3 and 2 rows and a speculative verification (k + 1 rows a
-    sequence): every logit equal, the one call taken for each of them and for no prefill."""
-    one_call, loop = _runner(smollm2), _runner(smollm2)
+    sequence): every logit equal, the one call taken for each of them and for no prefill;
+    on the default's int4 layers and on int8 ones (two nibble planes each)."""
+    one_call, loop = _runner(smollm2, quantization), _runner(smollm2, quantization)
     calls = _counted(one_call.backend)  # type: ignore[arg-type]
     assert isinstance(loop.backend, FusedCpuBackend)
     loop.backend._decode_layers = None

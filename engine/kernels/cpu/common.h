@@ -66,7 +66,7 @@ at::Tensor decode_layers(const at::Tensor& h, at::Tensor residual, at::TensorLis
                          at::TensorList caches, const at::Tensor& slots,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& q_starts, int64_t num_heads, int64_t num_kv_heads,
-                         double scale, bool amx);
+                         double scale, bool amx, at::IntArrayRef planes);
 
 // Argument checks the two attentions share. key_cache / value_cache: one layer's
 // (num_blocks, KVH, block_size, D) views of the pool, a block's head chunk contiguous.

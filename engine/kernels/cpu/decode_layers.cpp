@@ -1,12 +1,13 @@
 // decode_layers: a decode step's decoder layers in one call, for a float32 model whose linear
-// layers are all on pdserve's int4 kernel and whose attention is pdserve's (the fused CPU
-// backend's decode path, engine/model/fused_cpu.py ``FusedCpuBackend.fused_layers``).
+// layers are all on pdserve's int4 kernel (int4 weights, or int8 as two nibble planes) and
+// whose attention is pdserve's (the fused CPU
+// backend's decode path, engine/model/fused_cpu.py ``FusedCpuBackend.decode_layers``).
 //
-// At one to a few rows a layer's arithmetic takes ~150 us, and the Python around its nine
-// kernels (the modules' forwards, the kernel choice per call, the dispatcher) took ~20 us
-// more a layer: ~0.6 ms of a ~7 ms step on the default model. Here the same kernels run in
-// the same order on the same inputs, so a row gets the bits the Python loop gives it
-// (tests/engine/test_decode_layers.py compares them): per layer
+// At one to a few rows a layer's arithmetic takes ~130 us, and the Python around its nine
+// kernels (the modules' forwards, the kernel choice per call, the dispatcher) ~55 us more:
+// ~1.7 ms of a ~7.7 ms one-row step on the default model (0.77x with this op). Here the same
+// kernels run in the same order on the same inputs, so a row gets the bits the Python loop
+// gives it (tests/engine/test_decode_layers.py compares them): per layer
 //     qkv = int4_mm(h); q = rope_store(qkv, ...) (K and V into their slots);
 //     a = decode_attention(q, ...); o = int4_mm(a); add + RMSNorm(o, residual);
 //     gu = int4_mm(h); d = int4_mm(silu_mul(gu)); add + RMSNorm(d, residual)
@@ -33,7 +34,8 @@ const c10::TypedOperatorHandle<AddNorm>& add_norm_op() {
 
 // h: (T, hidden) float32, the first layer's normed input; residual: (T, hidden) float32, the
 // residual stream, updated in place. Per layer l: tiles[4l .. 4l + 3] the packed qkv, o,
-// gate_up and down weights (outs: their output widths), norms[2l] its post-attention norm's
+// gate_up and down weights (outs: their output widths; planes: 1 where that kind is int8,
+// held as two nibble planes, else 0), norms[2l] its post-attention norm's
 // weight and norms[2l + 1] the next layer's input norm's (the last: the final norm's);
 // caches[2l], caches[2l + 1] its K and V views (rope_store's). positions, cos_sin, slots:
 // rope_store's; block_tables, seq_lens, q_starts: decode_attention's (one row a sequence).
@@ -44,34 +46,43 @@ at::Tensor decode_layers(const at::Tensor& h, at::Tensor residual, at::TensorLis
                          at::TensorList caches, const at::Tensor& slots,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& q_starts, int64_t num_heads, int64_t num_kv_heads,
-                         double scale, bool amx) {
+                         double scale, bool amx, at::IntArrayRef planes) {
   const int64_t layers = int64_t(tiles.size()) / 4;
   TORCH_CHECK(layers >= 1 && int64_t(tiles.size()) == 4 * layers,
               "decode_layers: four packed weights a layer");
   TORCH_CHECK(int64_t(norms.size()) == 2 * layers && int64_t(caches.size()) == 2 * layers,
               "decode_layers: two norms and two cache views a layer");
-  TORCH_CHECK(outs.size() == 4, "decode_layers: the output widths of qkv, o, gate_up, down");
+  TORCH_CHECK(outs.size() == 4 && planes.size() == 4,
+              "decode_layers: the output widths of qkv, o, gate_up, down, and their layouts");
   TORCH_CHECK(h.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat &&
                   h.dim() == 2 && h.sizes() == residual.sizes(),
               "decode_layers: h and residual must be float32 (T, hidden)");
   const int64_t rows = h.size(0), d = caches[0].size(3);
   const auto& add_norm = add_norm_op();
+  // Layer l's product of kind k (0 qkv, 1 o, 2 gate_up, 3 down) with x, as its Python kernel
+  // computes it: an int8 weight's two nibble planes take the input rounded to bfloat16 twice
+  // over (``Int8Kernel``).
+  const auto product = [&](const at::Tensor& in, int64_t l, size_t k) {
+    const at::Tensor& w = tiles[size_t(4 * l) + k];
+    if (planes[k] == 0) return int4_mm(in, w, outs[k], amx);
+    const at::Tensor xb = in.to(at::kBFloat16);
+    return int4_mm(at::cat({xb, xb}, 1), w, outs[k], amx);
+  };
   at::Tensor x = h;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor& kc = caches[size_t(2 * l)];
     const at::Tensor& vc = caches[size_t(2 * l + 1)];
-    const at::Tensor qkv = int4_mm(x, tiles[size_t(4 * l)], outs[0], amx);
+    const at::Tensor qkv = product(x, l, 0);
     const at::Tensor q =
         rope_store(qkv, positions, cos_sin, kc, vc, slots, num_heads, num_kv_heads)
             .to(kc.scalar_type())
             .contiguous();
     const at::Tensor a =
         decode_attention(q, kc, vc, block_tables, seq_lens, scale, q_starts);
-    at::Tensor o = int4_mm(a.view({rows, num_heads * d}), tiles[size_t(4 * l + 1)], outs[1], amx);
+    at::Tensor o = product(a.view({rows, num_heads * d}), l, 1);
     add_norm.call(o, residual, norms[size_t(2 * l)], eps);
-    const at::Tensor gate_up = int4_mm(o, tiles[size_t(4 * l + 2)], outs[2], amx);
-    at::Tensor down =
-        int4_mm(silu_mul(gate_up, at::kBFloat16), tiles[size_t(4 * l + 3)], outs[3], amx);
+    const at::Tensor gate_up = product(o, l, 2);
+    at::Tensor down = product(silu_mul(gate_up, at::kBFloat16), l, 3);
     add_norm.call(down, residual, norms[size_t(2 * l + 1)], eps);
     x = down;
   }
