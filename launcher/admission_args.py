@@ -29,7 +29,8 @@ def add_admission_flags(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         type=float,
         default=d.stall_timeout,
         help="seconds a READY worker may go without a heartbeat before its requests are "
-        "resumed on other workers (it is reported stalled in /health after a quarter of it)",
+        "resumed on other workers (it is reported stalled in /health after a quarter of it); "
+        "a worker inside one step keeps its heartbeat for up to 60 s of it",
     )
     add(
         "--max-request-retries",

@@ -72,7 +72,7 @@ class RouterConfig:
 
     # A row whose heartbeat is older than this is not routable. Workers publish once per step,
     # and one CPU step of a larger model (a long prefill chunk, a loaded machine) can take
-    # over a second: a tight bound turned such workers away as if dead (503s). The launcher
+    # seconds: a second thread beats while a step runs (runtime/step_beat.py). The launcher
     # sets it to the bound after which /health reports the worker stalled.
     stale_after_s: float = 5.0
     max_waiting_requests: int | None = 1024

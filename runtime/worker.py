@@ -24,6 +24,7 @@ from engine.build import Engine
 from engine.speculative.speculator import SpeculationStats, Speculator
 from runtime.faults import crash_if_poisoned, crash_token
 from runtime.process import attach_rings, bootstrap, load_table, prefix_summaries
+from runtime.step_beat import StepBeat
 from runtime.strict_spec import exit_on_bad_spec
 from runtime.worker_io import IDLE_WAIT_S, drain, fail_request
 from runtime.worker_spec import EngineWorkerSpec
@@ -157,11 +158,15 @@ class Worker(abc.ABC):
         logger.info("ready")
         inbound = list(self.rings.inbound.values())
         self.engine.kv.defer_tier_stores = True  # stored below, once the step's tokens are out
+        # A step longer than the router's staleness bound must not read as a death.
+        beat = StepBeat(self.row, IDLE_WAIT_S)
         while not self.stopping:
+            beat.start()
             self.take_inputs()
             busy = self._leased_step() if self.cores is not None else self.step()
             self.engine.kv.store_offered()
             self._publish()
+            beat.end()
             if not busy:
                 self.rings.doorbell.wait(inbound, IDLE_WAIT_S)
         self.row.set_state(WorkerState.DRAINING)

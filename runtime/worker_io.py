@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 MAX_RECORDS_PER_DRAIN = 256
 PUT_TIMEOUT_S = 5.0  # a consumer that has not made room in this long is stuck or dead
-IDLE_WAIT_S = 0.4  # idle workers still publish a heartbeat this often (router: stale > 1 s)
+IDLE_WAIT_S = 0.4  # idle workers still publish a heartbeat this often (busy ones: step_beat)
 
 
 def drain(ring: Ring) -> Iterator[Control | TokenBatch]:

@@ -4,8 +4,8 @@ Who does what:
     launcher   creates the segment and constructs ``LoadTable(buf, n)`` first (that
                writes the header); may mark a slot DEAD after it has reaped the worker.
     worker     ``w = table.writer(slot)``; ``w.claim(role, index, node=...)`` once at start
-               (bumps the slot's generation); then ``w.publish(...)`` every engine step and at least
-               every ~250 ms while idle, and ``w.set_state(...)`` on transitions.
+               (new generation); ``w.publish(...)`` every step, ~400 ms idle and ~400 ms in
+               a long step (``runtime/step_beat.py``), ``w.set_state(...)`` on transitions.
     frontend   ``table.snapshot()`` before each placement (router) and for /health.
 
 Liveness is the launcher's word, never a reader's guess: a row that stays mid-write past
@@ -16,9 +16,9 @@ launcher marks a reaped worker DEAD, and that write makes the row readable again
 Layout: a 64-byte header, then ``num_workers`` rows of 192 bytes (three cache lines, so a
 worker's stores never share a line with its neighbours'), then the engine workers' core
 lease (``transport/core_lease.py``). A row is the seq word, the integer payload, then the
-name of the node the worker runs on (``NODE_NBYTES`` of UTF-8, NUL-padded). Every row is guarded by its own
-seqlock: the writer makes ``seq`` odd, writes the payload, makes ``seq`` even; a reader
-accepts a copy only if ``seq`` was even and unchanged around it, so it never sees a torn row.
+worker's node name (``NODE_NBYTES`` of UTF-8, NUL-padded), under its own seqlock: the
+writer makes ``seq`` odd, writes the payload, makes ``seq`` even; a reader accepts a copy
+only if ``seq`` was even and unchanged around it, so it never sees a torn row.
 
 Memory ordering. A seqlock needs the writer's stores ordered (seq-odd before payload before
 seq-even) and the reader's loads ordered (seq before payload before seq). x86-64 is TSO:
@@ -29,8 +29,8 @@ barriers, taken from ``transport._atomics`` (C ``__atomic`` builtins): the write
 store(seq odd); fence; payload; store_release(seq even), the reader load_acquire(seq);
 payload; fence; load_acquire(seq). When that extension is not built, the table falls back
 to plain accesses and logs a warning on non-x86 machines: rows are then advisory, and a
-reordered read could be torn. The helper is used on x86-64 too when present (it costs two
-C calls per publish), so both architectures run the same code path.
+reordered read could be torn. The helper runs on x86-64 too when present (two C calls
+a publish): both architectures run the same code.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import logging
 import os
 import signal
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -289,9 +290,11 @@ class LoadTable:
 
 
 class RowWriter:
-    """The only writer of one row. Keeps the row's values locally and republishes them whole."""
+    """The only writer of one row (one write at a time: a second thread may ``publish``).
+    Keeps the row's values locally and republishes them whole."""
 
     def __init__(self, view: memoryview, offset: int, seq_addr: int) -> None:
+        self._lock = threading.Lock()
         self._view = view
         self._offset = offset
         self._seq_addr = seq_addr
@@ -373,19 +376,20 @@ class RowWriter:
         self.set_state(state)
 
     def _write(self, heartbeat_ns: int | None = None) -> None:
-        self._values["heartbeat_ns"] = time.monotonic_ns() if heartbeat_ns is None else heartbeat_ns
-        # Odd (even -> odd, or a dead writer's odd -> next odd): readers back off.
-        seq = (int(self._seq_view[0]) + 1) | 1
-        self._seq_view[0] = seq
-        fence()
-        _ROW.pack_into(self._view, self._offset + 8, *self._values.values(), self._node)
-        store_release(self._seq_addr, self._seq_view, seq + 1)
+        now = time.monotonic_ns() if heartbeat_ns is None else heartbeat_ns
+        with self._lock:
+            self._values["heartbeat_ns"] = now
+            # Odd (even -> odd, or a dead writer's odd -> next odd): readers back off.
+            seq = (int(self._seq_view[0]) + 1) | 1
+            self._seq_view[0] = seq
+            fence()
+            _ROW.pack_into(self._view, self._offset + 8, *self._values.values(), self._node)
+            store_release(self._seq_addr, self._seq_view, seq + 1)
 
 
 _STATES = {int(st): st for st in WorkerState}
 _LOAD_FIELD_SET = frozenset(LOAD_FIELDS)  # publish checks named fields against it, each step
-# Positions in a row tuple (seq first, then the payload, then the node) of LoadRow's
-# fields, in order.
+# Positions of LoadRow's fields, in order, in a row tuple (seq, payload, then the node).
 _LOAD_NAMES = [name for name in LoadRow.__dataclass_fields__ if name != "slot"]
 _LOAD_COLUMNS = [1 + [*_PAYLOAD_FIELDS, "node"].index(f) for f in _LOAD_NAMES]
 _ROLE_AT, _STATE_AT = _LOAD_NAMES.index("role"), _LOAD_NAMES.index("state")
