@@ -46,6 +46,7 @@ from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.model.attention import grouped_decode_sdpa
 from engine.model.causal_lm import DecoderLayer
+from engine.model.fused_cpu import FusedCpuBackend
 from engine.runner import ModelRunner
 from engine.weights.linear import (
     DenseKernel,
@@ -60,8 +61,9 @@ from wire.params import SamplingParams
 
 RESULTS = Path(__file__).parents[1] / "results" / "engine_step.md"
 # --backends names -> EngineConfig.attention_backend (on CPU, auto is the fused backend
-# where its kernel library loads).
-BACKENDS = {"fused": "auto", "torch": "torch"}
+# where its kernel library loads). ``fused-loop``: the fused backend with its decode steps'
+# layers one by one from Python, not in one call (``FusedCpuBackend.decode_layers``).
+BACKENDS = {"fused": "auto", "fused-loop": "auto", "torch": "torch"}
 
 
 def _bare(runner: ModelRunner, b: int, context: int) -> object:
@@ -224,7 +226,7 @@ def _runner(model: Path, variant: str, backend: str, context: int) -> ModelRunne
 def _build(
     model: Path, variant: str, dtype: str, quantization: str, backend: str, context: int
 ) -> ModelRunner:
-    return build_engine(
+    runner = build_engine(
         EngineConfig(
             model=str(model),
             dtype=dtype or "auto",
@@ -236,6 +238,9 @@ def _build(
             attention_backend=BACKENDS[backend],
         )
     ).runner
+    if backend == "fused-loop" and isinstance(runner.backend, FusedCpuBackend):
+        runner.backend._decode_layers = None
+    return runner
 
 
 def timed_decode(runner: ModelRunner, seqs: list[Sequence]) -> float:
@@ -307,8 +312,8 @@ def main() -> None:
     rows: list[Row] = []
     for variant in args.variants.split(","):
         runners = {b: _runner(model, variant, b, args.context) for b in args.backends.split(",")}
-        names = {type(r.backend).__name__ for r in runners.values()}
-        if "fused" in runners and len(names) < len(runners):
+        fused = [r for b, r in runners.items() if b.startswith("fused")]
+        if not all(isinstance(r.backend, FusedCpuBackend) for r in fused):
             raise SystemExit("the fused backend did not load here (see the log): nothing to set")
         runner = next(iter(runners.values()))
         kind_names = sorted({m.kind for m in runner.model.modules() if isinstance(m, Linear)})
@@ -367,8 +372,10 @@ def _page(
         "against its linear layers alone (the GEMMs). The bare math calls each linear as the "
         "first backend's step does, casts included (the fused one takes q, k, v and gate, up "
         "in the kernels' bfloat16). Backends (engine/model/backend.py): "
-        "`fused`, the fused CPU ops (engine/model/fused_cpu.py), and `torch`, the reference; "
-        "each round runs both backends' steps and the bare math once. Roofline (decode): the "
+        "`fused`, the fused CPU ops (engine/model/fused_cpu.py), `fused-loop`, the same with "
+        "a decode step's layers called one by one (not in one `decode_layers` call), and "
+        "`torch`, the reference; each round runs every backend's step and the bare math once. "
+        "Roofline (decode): the "
         "bytes a step reads at least (every linear layer's weights as its few-rows kernel "
         f"holds them, and the rows' KV) over the copy rate measured in the same run, "
         f"{rate / 1e9:.1f} GB/s (a 256 MB copy, read and written bytes counted, best of 5).",
@@ -383,6 +390,10 @@ def _page(
     if fused and by_torch:
         lines += ["", "Torch / fused step time, same run (above 1: fused is faster):", ""]
         lines += [f"- {v}, {w}: {by_torch[v, w] / t:.2f}x" for (v, w), t in fused.items()]
+    loop = {(r.variant, r.what): r.step for r in rows if r.backend == "fused-loop"}
+    if fused and loop:
+        lines += ["", "Layer loop / one call step time, same run (above 1: one call is faster):"]
+        lines += [""] + [f"- {v}, {w}: {loop[v, w] / t:.2f}x" for (v, w), t in fused.items()]
     packed = {
         r.what: r.step for r in rows if r.variant == "packed" and r.backend == rows[0].backend
     }
