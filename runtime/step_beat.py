@@ -28,9 +28,9 @@ class Publishes(Protocol):
 
 
 class StepBeat:
-    """``start``/``end`` around each step on the worker's thread; a daemon thread beats
-    every ``interval_s`` while a step has run longer than that (and under ``limit_s``),
-    and sleeps in the kernel while no step runs."""
+    """``start``/``end`` around each step on the worker's thread; a daemon thread
+    publishes the row every ``interval_s`` while steps run (none past ``limit_s`` into one
+    step), and sleeps on an event while none runs."""
 
     def __init__(self, row: Publishes, interval_s: float, limit_s: float = STEP_BEAT_S) -> None:
         self._row, self._interval_s, self._limit_s = row, interval_s, limit_s
