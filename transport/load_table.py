@@ -376,8 +376,8 @@ class RowWriter:
         self.set_state(state)
 
     def _write(self, heartbeat_ns: int | None = None) -> None:
-        now = time.monotonic_ns() if heartbeat_ns is None else heartbeat_ns
-        with self._lock:
+        with self._lock:  # the time taken inside: heartbeats never go back
+            now = time.monotonic_ns() if heartbeat_ns is None else heartbeat_ns
             self._values["heartbeat_ns"] = now
             # Odd (even -> odd, or a dead writer's odd -> next odd): readers back off.
             seq = (int(self._seq_view[0]) + 1) | 1
