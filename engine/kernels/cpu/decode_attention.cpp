@@ -6,10 +6,10 @@
 // pool moves ~20 GB/s each way (``benchmarks/results/fused_ops.md``).
 //
 // A task is (query row, KV head, part of the row's context): its G = H / KVH query heads
-// share every K and V load. Per 16 tokens: the scores of a head are one vector (K's columns
+// share every K and V load, and so do the rows of one sequence grouped on one core. Per 16 tokens: the scores of a head are one vector (K's columns
 // are tokens), then an online softmax (running max and sum per head) and V's rows
-// accumulated in float32. Blocks are prefetched one ahead (a table's blocks are anywhere in
-// the pool). A row's result does not depend on the rows beside it or on the threads: each
+// accumulated in float32. Blocks are prefetched two ahead into L2 (a table's blocks are anywhere
+// in the pool). A row's result does not depend on the rows beside it or on the threads: each
 // row runs the same instructions in the same order whatever the batch.
 
 #include "common.h"
@@ -17,15 +17,19 @@
 namespace pdserve {
 namespace {
 
-// Blocks read ahead (one A/B: a one-row step at 1000 tokens 7.5-8.5 ms, against 8.6-8.8 at 1).
+// Blocks read ahead (one A/B: a one-row step at 1000 tokens 7.5-8.5 ms, against 8.6-8.8 at 1;
+// 4 measured slower than 2 with the L2 hint below).
 constexpr int64_t kAttnAhead = 2;
 constexpr int64_t kSplitTokens = 512;
 
-// One block's K and V chunks of one head (``bytes`` each, from ``at`` past each base).
+// One block's K and V chunks of one head (``bytes`` each, from ``at`` past each base), into L2:
+// a core has few L1 miss buffers, and two blocks' lines asked into L1 at once wait on them
+// (a step's attention at 2,500 tokens, one row, one thread: 4.5 ms with T1 against 8.0 ms
+// with T0 in alternating runs on the 2-core Zen 4; the context is read at ~13 GB/s).
 inline void prefetch_kv(const char* k, const char* v, int64_t at, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) {
-    _mm_prefetch(k + at + line, _MM_HINT_T0);
-    _mm_prefetch(v + at + line, _MM_HINT_T0);
+    _mm_prefetch(k + at + line, _MM_HINT_T1);
+    _mm_prefetch(v + at + line, _MM_HINT_T1);
   }
 }
 
@@ -64,6 +68,11 @@ PDSERVE_VL_TARGET PDSERVE_EXACT_FP inline void attend_chunk(
     }
   }
   alignas(64) float p[G][16];
+  // The running sums are held in registers over the chunk and stored once at its end: kept in
+  // ``st``, each V load (through a char pointer, which may alias them) made the compiler
+  // store all G x DV of them first, every token (a 5-row verification's attention at 2,500
+  // tokens: 1.27x faster without, one thread).
+  __m512 acc[G][DV];
   for (int h = 0; h < G; ++h) {
     const __m512 s = _mm512_add_ps(_mm512_add_ps(part[h][0], part[h][1]),
                                    _mm512_add_ps(part[h][2], part[h][3]));
@@ -73,7 +82,7 @@ PDSERVE_VL_TARGET PDSERVE_EXACT_FP inline void attend_chunk(
     const float corr = st.m[h] == -INFINITY ? 0.0f : std::exp(st.m[h] - m_new);
     st.l[h] = st.l[h] * corr + _mm512_reduce_add_ps(e);
     st.m[h] = m_new;
-    for (int v = 0; v < DV; ++v) st.acc[h][v] = _mm512_mul_ps(st.acc[h][v], _mm512_set1_ps(corr));
+    for (int v = 0; v < DV; ++v) acc[h][v] = _mm512_mul_ps(st.acc[h][v], _mm512_set1_ps(corr));
     _mm512_store_ps(p[h], e);
   }
   for (int64_t t = 0; t < valid; ++t) {
@@ -81,33 +90,53 @@ PDSERVE_VL_TARGET PDSERVE_EXACT_FP inline void attend_chunk(
     for (int v = 0; v < DV; ++v) vv[v] = load_ps(vb + ((off + t) * D + v * 16) * esize, BF16, 0xFFFF);
     for (int h = 0; h < G; ++h) {
       const __m512 w = _mm512_set1_ps(p[h][t]);
-      for (int v = 0; v < DV; ++v) st.acc[h][v] = _mm512_fmadd_ps(w, vv[v], st.acc[h][v]);
+      for (int v = 0; v < DV; ++v) acc[h][v] = _mm512_fmadd_ps(w, vv[v], acc[h][v]);
     }
   }
+  for (int h = 0; h < G; ++h)
+    for (int v = 0; v < DV; ++v) st.acc[h][v] = acc[h][v];
 }
 
-// G heads over tokens [t_begin, t_end) of one sequence. With ``out`` (the whole context):
-// their attention, normalized, in the cache's dtype. Else the softmax state into ``state``
-// (G, 2 + D): per head its running max, its sum of exponentials and its weighted sum of V
-// rows, float32 (an empty range: max -inf, sum 0).
+// One query row of a group: its G heads' q (in the cache's dtype), its tokens [begin, end) of
+// the sequence's context, and where its result goes. With ``out`` (the whole context): the
+// G heads' attention, normalized, in the cache's dtype. Else the softmax state into
+// ``state`` (G, 2 + D): per head its running max, its sum of exponentials and its weighted
+// sum of V rows, float32 (an empty range: max -inf, sum 0).
+struct GroupRow {
+  const void* q_row;
+  int64_t begin, end;  // on 16-token boundaries, but for ``end`` at the context's end
+  float* state;
+  void* out;
+};
+
+constexpr int kGroupRows = 8;  // rows of one sequence and KV head that share each chunk's loads
+
+// Up to kGroupRows rows of one sequence (a verification's, or a split row's halves) over
+// one KV head's G heads. Each 16-token chunk of the rows' ranges is read once and attended
+// by every row whose range holds it, one row after the other: the first from memory, the
+// rest from L1. Each row runs attend_chunk on the same chunks in the same order as it does
+// alone (a decode step, one row), so its bits do not depend on the rows grouped with it.
 template <int G, int DV, bool BF16>
-PDSERVE_VL_TARGET PDSERVE_EXACT_FP void decode_attention_part(
-    const void* q_row, const char* k_head0, const char* v_head0, int64_t block_stride,
-    const int32_t* table, int64_t bs, int64_t t_begin, int64_t t_end, float scale,
-    float* state, void* out) {
+PDSERVE_VL_TARGET PDSERVE_EXACT_FP void decode_attention_rows(
+    const GroupRow* rows, int n_rows, const char* k_head0, const char* v_head0,
+    int64_t block_stride, const int32_t* table, int64_t bs, float scale) {
   constexpr int64_t D = DV * 16, esize = BF16 ? 2 : 4;
-  float q[G][D];
-  RowState<G, DV> st;
-  for (int h = 0; h < G; ++h) {
-    for (int v = 0; v < DV; ++v) {
-      _mm512_storeu_ps(&q[h][v * 16],
-                       _mm512_mul_ps(load_ps(static_cast<const char*>(q_row) + (h * D + v * 16) * esize,
-                                             BF16, 0xFFFF),
-                                     _mm512_set1_ps(scale)));
-      st.acc[h][v] = _mm512_setzero_ps();
+  float q[kGroupRows][G][D];
+  RowState<G, DV> st[kGroupRows];
+  int64_t t_begin = rows[0].begin, t_end = rows[0].end;
+  for (int r = 0; r < n_rows; ++r) {
+    t_begin = std::min(t_begin, rows[r].begin);
+    t_end = std::max(t_end, rows[r].end);
+    for (int h = 0; h < G; ++h) {
+      for (int v = 0; v < DV; ++v) {
+        const char* src = static_cast<const char*>(rows[r].q_row) + (h * D + v * 16) * esize;
+        _mm512_storeu_ps(&q[r][h][v * 16],
+                         _mm512_mul_ps(load_ps(src, BF16, 0xFFFF), _mm512_set1_ps(scale)));
+        st[r].acc[h][v] = _mm512_setzero_ps();
+      }
+      st[r].m[h] = -INFINITY;
+      st[r].l[h] = 0.0f;
     }
-    st.m[h] = -INFINITY;
-    st.l[h] = 0.0f;
   }
   const int64_t chunk_bytes = bs * D * esize, last_block = (t_end - 1) / bs;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
@@ -119,33 +148,39 @@ PDSERVE_VL_TARGET PDSERVE_EXACT_FP void decode_attention_part(
         if (t0 / bs + a <= last_block)
           prefetch_kv(k_head0, v_head0, table[t0 / bs + a] * block_stride * esize, chunk_bytes);
     }
-    attend_chunk<G, DV, BF16>(q, kb, vb, bs, off, std::min<int64_t>(16, t_end - t0), st);
-  }
-  for (int h = 0; h < G; ++h) {
-    if (out != nullptr) {
-      const __m512 inv = _mm512_set1_ps(1.0f / st.l[h]);
-      for (int v = 0; v < DV; ++v)
-        store_ps(static_cast<char*>(out) + (h * D + v * 16) * esize, BF16,
-                 _mm512_mul_ps(st.acc[h][v], inv));
-      continue;
+    for (int r = 0; r < n_rows; ++r) {
+      if (t0 < rows[r].begin || t0 >= rows[r].end) continue;
+      attend_chunk<G, DV, BF16>(q[r], kb, vb, bs, off, std::min<int64_t>(16, rows[r].end - t0),
+                                st[r]);
     }
-    float* dst = state + h * (2 + D);
-    dst[0] = st.m[h];
-    dst[1] = st.l[h];
-    for (int v = 0; v < DV; ++v) _mm512_storeu_ps(dst + 2 + v * 16, st.acc[h][v]);
+  }
+  for (int r = 0; r < n_rows; ++r) {
+    for (int h = 0; h < G; ++h) {
+      if (rows[r].out != nullptr) {
+        const __m512 inv = _mm512_set1_ps(1.0f / st[r].l[h]);
+        for (int v = 0; v < DV; ++v)
+          store_ps(static_cast<char*>(rows[r].out) + (h * D + v * 16) * esize, BF16,
+                   _mm512_mul_ps(st[r].acc[h][v], inv));
+        continue;
+      }
+      float* dst = rows[r].state + h * (2 + D);
+      dst[0] = st[r].m[h];
+      dst[1] = st[r].l[h];
+      for (int v = 0; v < DV; ++v) _mm512_storeu_ps(dst + 2 + v * 16, st[r].acc[h][v]);
+    }
   }
 }
 
-using DecodePart = void (*)(const void*, const char*, const char*, int64_t, const int32_t*,
-                            int64_t, int64_t, int64_t, float, float*, void*);
+using DecodeRows = void (*)(const GroupRow*, int, const char*, const char*, int64_t,
+                            const int32_t*, int64_t, float);
 
 template <int G, int DV>
-DecodePart decode_part(bool bf16) {
-  return bf16 ? &decode_attention_part<G, DV, true> : &decode_attention_part<G, DV, false>;
+DecodeRows decode_part(bool bf16) {
+  return bf16 ? &decode_attention_rows<G, DV, true> : &decode_attention_rows<G, DV, false>;
 }
 
 template <int DV>
-DecodePart decode_part_for(int64_t g, bool bf16) {
+DecodeRows decode_part_for(int64_t g, bool bf16) {
   switch (g) {
     case 1: return decode_part<1, DV>(bf16);
     case 2: return decode_part<2, DV>(bf16);
@@ -310,15 +345,15 @@ void merge_splits(const DecodePlan& plan, int64_t kvh, int64_t h, int64_t g, int
 //
 // A decode step has one row a sequence; a speculative verification has k + 1, each a query
 // over its own length of the same context, each row's result bit for bit what a decode step
-// of that length gives (the same decode_attention_part on the same range). A row longer than
+// of that length gives (the same attend_chunk calls on the same chunks). A row longer than
 // kSplitTokens is split in two halves (by 16-token chunks), their states merged after, so
 // that a few long sequences still fill the cores. Whether and where a row is split depends
 // on its length alone, never on the batch, the rows beside it or the threads.
 //
 // The (row, KV head, part) items are ordered sequence by sequence, KV head by KV head, and
-// within that row by row, so that a verification's rows read one head's context one after
-// the other on one core: the first from memory, the next from L2. Each worker takes one
-// contiguous run of items, the runs cut where their tokens balance.
+// within that row by row. Each worker takes one contiguous run of items, the runs cut where
+// their tokens balance, and runs each stretch of it that shares a sequence and KV head (up
+// to kGroupRows items: a verification's rows) as one group, each chunk read once for all.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale,
@@ -341,7 +376,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t seqs = int64_t(starts.size()) - 1;
   check_block_tables("decode_attention", block_tables, seqs);
   const int64_t g = h / kvh, width = block_tables.size(1);
-  const DecodePart run = d == 64 ? decode_part_for<4>(g, bf16)
+  const DecodeRows run = d == 64 ? decode_part_for<4>(g, bf16)
                          : d == 128 ? decode_part_for<8>(g, bf16) : nullptr;
   TORCH_CHECK(run != nullptr, "decode_attention: head size ", d, " with ", g,
               " heads a KV head is not built");
@@ -361,13 +396,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
   char* op = static_cast<char*>(out.data_ptr());
   const int64_t block_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
-    for (int64_t i = cuts[size_t(w0)]; i < cuts[size_t(w1)]; ++i) {
-      const DecodeItem& it = items[size_t(i)];
-      const int64_t head0 = int64_t(it.row) * h + int64_t(it.kh) * g;
-      run(qp + head0 * d * esize, kbase + it.kh * head_stride * esize,
-          vbase + it.kh * head_stride * esize, block_stride, tables + int64_t(it.seq) * width,
-          bs, it.begin, it.end, float(scale), it.state,
-          it.state == nullptr ? op + head0 * d * esize : nullptr);
+    GroupRow group[kGroupRows];
+    for (int64_t i = cuts[size_t(w0)]; i < cuts[size_t(w1)];) {
+      const DecodeItem& first = items[size_t(i)];
+      int n = 0;
+      for (; i < cuts[size_t(w1)] && n < kGroupRows; ++i, ++n) {
+        const DecodeItem& it = items[size_t(i)];
+        if (it.seq != first.seq || it.kh != first.kh) break;
+        const int64_t head0 = int64_t(it.row) * h + int64_t(it.kh) * g;
+        group[n] = {qp + head0 * d * esize, it.begin, it.end, it.state,
+                    it.state == nullptr ? op + head0 * d * esize : nullptr};
+      }
+      run(group, n, kbase + first.kh * head_stride * esize, vbase + first.kh * head_stride * esize,
+          block_stride, tables + int64_t(first.seq) * width, bs, float(scale));
     }
   });
   if (!plan.split_rows.empty()) merge_splits(plan, kvh, h, g, d, bf16, op);

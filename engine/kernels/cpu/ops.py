@@ -78,8 +78,8 @@ def decode_attention_op() -> Callable[..., torch.Tensor] | None:
     int32 query starts (S + 1,): sequence s's rows are ``[q_starts[s], q_starts[s + 1])``
     (by default one row a sequence) -> (B, H, D) in the cache's dtype. Each row attends over
     its own length as a decode step of that length would, to the same bits; a sequence's
-    rows (a speculative verification's k + 1) run one after another on one core, so the
-    context comes from memory once, then from L2. Head sizes ``ATTENTION_HEAD_SIZES``, up to
+    rows (a speculative verification's k + 1) run together on one core, each chunk of the
+    context read once for all of them. Head sizes ``ATTENTION_HEAD_SIZES``, up to
     8 query heads a KV head. None where not built or without AVX-512 BF16."""
     return op("decode_attention")
 
