@@ -239,7 +239,7 @@ def _build(
         )
     ).runner
     if backend == "fused-loop" and isinstance(runner.backend, FusedCpuBackend):
-        runner.backend._decode_layers = None
+        runner.backend.decode_layers_op = None
     return runner
 
 

@@ -57,8 +57,8 @@ def _child(lib: str, contexts: list[int], rows: list[int], threads: int) -> None
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.engine.kernel_ab", description=__doc__)
-    p.add_argument("--a", required=True, help="the baseline build (a _kernels*.so)")
-    p.add_argument("--b", required=True, help="the build measured against it")
+    p.add_argument("--a", help="the baseline build (a _kernels*.so)")
+    p.add_argument("--b", help="the build measured against it")
     p.add_argument("--contexts", default="300,1000,2500")
     p.add_argument("--rows", default="1,5", help="1: a decode row; k + 1: a verification")
     p.add_argument("--threads", default="1,2")
@@ -75,6 +75,8 @@ def main() -> None:
     from benchmarks.harness.machine import machine_block, portable
 
     for lib in (args.a, args.b):
+        if lib is None:
+            p.error("--a and --b are required")
         if not Path(lib).is_file():
             raise SystemExit(f"no such build: {lib}")
     table: dict[tuple[int, str, str], list[float]] = {}
@@ -82,8 +84,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for side, lib in (("a", args.a), ("b", args.b)):
                 cmd = [sys.executable, "-m", "benchmarks.engine.kernel_ab", "--child", lib,
-                       "--contexts", args.contexts, "--rows", args.rows, "--threads", str(threads),
-                       "--a", args.a, "--b", args.b]  # fmt: skip
+                       "--contexts", args.contexts, "--rows", args.rows,
+                       "--threads", str(threads)]  # fmt: skip
                 got = json.loads(
                     subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
                 )

@@ -127,7 +127,9 @@ class FusedCpuBackend(TorchBackend):
         self._caches: dict[
             tuple[int, tuple[int, ...]], list[tuple[torch.Tensor, torch.Tensor]]
         ] = {}
-        self._decode_layers = decode_layers_op()
+        # A decode step's layers in one call; None runs them one by one (a build without the
+        # op; benchmarks and tests set it to set the loop against the call).
+        self.decode_layers_op = decode_layers_op()
         self._stack: tuple[int, LayerStack | None] | None = None  # (id of the model, its stack)
 
     def _placement(
@@ -297,7 +299,7 @@ class FusedCpuBackend(TorchBackend):
         (``engine/model/fused_layers.py``)."""
         paged = meta.paged
         if (
-            self._decode_layers is None
+            self.decode_layers_op is None
             or self._rope_store is None
             or not isinstance(paged, PagedBatch)
             or paged.kernel != "decode"
@@ -311,7 +313,7 @@ class FusedCpuBackend(TorchBackend):
         if stack is None or not stack.packed_at(h):
             return None
         caches = [view for pair in self._layer_caches(pool) for view in pair]
-        return self._decode_layers(
+        return self.decode_layers_op(
             h,
             residual,
             stack.tiles,

@@ -44,14 +44,14 @@ def _runner(path: Path, quantization: str = "auto", **kw: Any) -> ModelRunner:
 def _counted(backend: FusedCpuBackend) -> list[int]:
     """Counts the op's calls on ``backend``: [calls]."""
     calls = [0]
-    op = backend._decode_layers
+    op = backend.decode_layers_op
     assert op is not None
 
     def counting(*args: Any) -> torch.Tensor:
         calls[0] += 1
         return op(*args)
 
-    backend._decode_layers = counting
+    backend.decode_layers_op = counting
     return calls
 
 
@@ -90,7 +90,7 @@ def test_one_call_gives_the_layer_loops_bits(smollm2: Path, quantization: str) -
     one_call, loop = _runner(smollm2, quantization), _runner(smollm2, quantization)
     calls = _counted(one_call.backend)  # type: ignore[arg-type]
     assert isinstance(loop.backend, FusedCpuBackend)
-    loop.backend._decode_layers = None
+    loop.backend.decode_layers_op = None
     got, want = _steps(one_call, _verify), _steps(loop, _verify)
     assert calls[0] == 7  # the 6 decode steps and the verification
     for a, b in zip(got, want, strict=True):
@@ -104,7 +104,7 @@ def test_batch_invariant_serving_takes_it_for_prompts_too(smollm2: Path) -> None
     loop = _runner(smollm2, deterministic=True)
     calls = _counted(one_call.backend)  # type: ignore[arg-type]
     assert isinstance(loop.backend, FusedCpuBackend)
-    loop.backend._decode_layers = None
+    loop.backend.decode_layers_op = None
     got, want = _steps(one_call, _verify), _steps(loop, _verify)
     assert calls[0] == 9
     for a, b in zip(got, want, strict=True):

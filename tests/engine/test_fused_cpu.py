@@ -481,8 +481,8 @@ def test_a_sequences_rows_together_get_each_rows_bits_alone(
     """Several query rows of one sequence (a speculative verification's k + 1, each over
     its own length of the same context) in one call, given one block table, get each row's
     bits alone, a decode step of its length: runs of 1 to 12 rows (the workers' runs cut
-    inside a sequence, and a core's groups of at most 8 rows), across the 16-token chunks and the two halves a row past 512
-    tokens is split into, on 1 and 2 threads."""
+    inside a sequence, and a core's groups of at most 8 rows), across the 16-token chunks
+    and the two halves a row past 512 tokens is split into, on 1 and 2 threads."""
     op = decode_attention_op()
     if op is None:
         pytest.skip("pdserve's CPU kernels are not built or do not run here")

@@ -6,11 +6,12 @@
 // pool moves ~20 GB/s each way (``benchmarks/results/fused_ops.md``).
 //
 // A task is (query row, KV head, part of the row's context): its G = H / KVH query heads
-// share every K and V load, and so do the rows of one sequence grouped on one core. Per 16 tokens: the scores of a head are one vector (K's columns
-// are tokens), then an online softmax (running max and sum per head) and V's rows
-// accumulated in float32. Blocks are prefetched two ahead into L2 (a table's blocks are anywhere
-// in the pool). A row's result does not depend on the rows beside it or on the threads: each
-// row runs the same instructions in the same order whatever the batch.
+// share every K and V load, and so do the rows of one sequence grouped on one core. Per 16
+// tokens: the scores of a head are one vector (K's columns are tokens), then an online
+// softmax (running max and sum per head) and V's rows accumulated in float32. Blocks are
+// prefetched two ahead into L2 (a table's blocks are anywhere in the pool). A row's result
+// does not depend on the rows beside it or on the threads: each row runs the same
+// instructions in the same order whatever the batch.
 
 #include "common.h"
 
@@ -175,21 +176,21 @@ using DecodeRows = void (*)(const GroupRow*, int, const char*, const char*, int6
                             const int32_t*, int64_t, float);
 
 template <int G, int DV>
-DecodeRows decode_part(bool bf16) {
+DecodeRows decode_rows_fn(bool bf16) {
   return bf16 ? &decode_attention_rows<G, DV, true> : &decode_attention_rows<G, DV, false>;
 }
 
 template <int DV>
-DecodeRows decode_part_for(int64_t g, bool bf16) {
+DecodeRows decode_rows_for(int64_t g, bool bf16) {
   switch (g) {
-    case 1: return decode_part<1, DV>(bf16);
-    case 2: return decode_part<2, DV>(bf16);
-    case 3: return decode_part<3, DV>(bf16);
-    case 4: return decode_part<4, DV>(bf16);
-    case 5: return decode_part<5, DV>(bf16);
-    case 6: return decode_part<6, DV>(bf16);
-    case 7: return decode_part<7, DV>(bf16);
-    case 8: return decode_part<8, DV>(bf16);
+    case 1: return decode_rows_fn<1, DV>(bf16);
+    case 2: return decode_rows_fn<2, DV>(bf16);
+    case 3: return decode_rows_fn<3, DV>(bf16);
+    case 4: return decode_rows_fn<4, DV>(bf16);
+    case 5: return decode_rows_fn<5, DV>(bf16);
+    case 6: return decode_rows_fn<6, DV>(bf16);
+    case 7: return decode_rows_fn<7, DV>(bf16);
+    case 8: return decode_rows_fn<8, DV>(bf16);
     default: return nullptr;
   }
 }
@@ -376,8 +377,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
   const int64_t seqs = int64_t(starts.size()) - 1;
   check_block_tables("decode_attention", block_tables, seqs);
   const int64_t g = h / kvh, width = block_tables.size(1);
-  const DecodeRows run = d == 64 ? decode_part_for<4>(g, bf16)
-                         : d == 128 ? decode_part_for<8>(g, bf16) : nullptr;
+  const DecodeRows run = d == 64 ? decode_rows_for<4>(g, bf16)
+                         : d == 128 ? decode_rows_for<8>(g, bf16) : nullptr;
   TORCH_CHECK(run != nullptr, "decode_attention: head size ", d, " with ", g,
               " heads a KV head is not built");
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
