@@ -29,7 +29,7 @@ from pathlib import Path
 from benchmarks.harness.machine import load_average
 from benchmarks.harness.servers import launch
 from benchmarks.serving.launch_ab import write_page
-from benchmarks.serving.load_ab import run_client
+from benchmarks.serving.load_ab import load_flags, run_client
 from bundled_models.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
 ENGINE_TITLES = ("pdserve:colocated", "pdserve:prefill", "pdserve:decode")
@@ -87,6 +87,22 @@ def _perf_lines(data: Path, sort: str, top: int) -> list[str]:
     return [f"    {r[:160]}" for r in rows[:top]]
 
 
+def _start_perf(data: Path, pid: int, seconds: float) -> subprocess.Popen[bytes]:
+    record = ["perf", "record", "-F", "499", "-o", str(data), "-p", str(pid)]
+    return subprocess.Popen(
+        [*record, "--", "sleep", f"{seconds:g}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _profile(data: Path, seconds: float) -> list[str]:
+    """The page's lines on a finished ``perf record`` of the engine."""
+    head = f"perf, the engine worker ({seconds:g} s of the load), by object:"
+    by_object, by_symbol = _perf_lines(data, "dso", 8), _perf_lines(data, "dso,sym", 15)
+    return ["", head, *by_object, "", "by symbol:", *by_symbol]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving.cpu_split", description=__doc__)
     p.add_argument("--flags", default="--colocated 1", help="launch arguments")
@@ -97,48 +113,35 @@ def main() -> None:
     p.add_argument("--perf-s", type=float, default=0.0, help="perf-sample the engine this long")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.concurrency < 1:
+        p.error("--concurrency must be at least 1")
     if args.perf_s and shutil.which("perf") is None:
         p.error("--perf-s needs perf on the PATH")
     model = str(default_model_dir())
     start_load = load_average()
+    warm = argparse.Namespace(**{**vars(args), "prompts": args.concurrency, "range_ratio": 0.0})
+    load = load_flags(argparse.Namespace(**{**vars(args), "range_ratio": 0.0}))
     proc, url = launch(
         ["--model", model, "--served-model-name", DEFAULT_MODEL_NAME, *shlex.split(args.flags)]
     )
     try:
-        lengths = ["--random-input-len", str(args.input_len), "--random-range-ratio", "0"]
-        lengths += ["--random-output-len", str(args.output_len)]
-        conc = ["--max-concurrency", str(args.concurrency)]
-        run_client(url, model, 99, [*conc, "--num-prompts", str(args.concurrency), *lengths])
+        run_client(url, model, 99, load_flags(warm))
         procs = process_tree(proc.pid, _ps())
         engine = next((pid for pid, n in procs.items() if n.startswith(ENGINE_TITLES)), None)
         before = {pid: _cpu(pid) for pid in procs}
         client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         with tempfile.TemporaryDirectory() as tmp:
             data = Path(tmp) / "perf.data"
-            perf = None
-            if args.perf_s and engine is not None:
-                record = ["perf", "record", "-F", "499", "-o", str(data), "-p", str(engine)]
-                perf = subprocess.Popen(
-                    [*record, "--", "sleep", f"{args.perf_s:g}"],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
+            perf = _start_perf(data, engine, args.perf_s) if args.perf_s and engine else None
             t0 = time.monotonic()
-            result = run_client(
-                url, model, 1, [*conc, "--num-prompts", str(args.prompts), *lengths]
-            )
+            result = run_client(url, model, 1, load)
             wall = time.monotonic() - t0
             after = {pid: _cpu(pid) for pid in procs}
             client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
             profile: list[str] = []
             if perf is not None:
                 perf.wait(timeout=args.perf_s + 60)
-                profile = [
-                    "",
-                    f"perf, the engine worker ({args.perf_s:g} s of the load), by object:",
-                ]
-                profile += _perf_lines(data, "dso", 8)
-                profile += ["", "by symbol:", *_perf_lines(data, "dso,sym", 15)]
+                profile = _profile(data, args.perf_s)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)

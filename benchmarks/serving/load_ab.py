@@ -41,7 +41,9 @@ METRICS = {  # result JSON key -> column
 }
 
 
-def _load_flags(args: argparse.Namespace) -> list[str]:
+def load_flags(args: argparse.Namespace) -> list[str]:
+    """The client's load arguments from ``args`` (``concurrency`` or ``rate``, ``prompts``,
+    ``input_len``, ``range_ratio``, ``output_len``)."""
     if args.concurrency:
         load = ["--max-concurrency", str(args.concurrency)]
     else:
@@ -114,7 +116,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     model = str(default_model_dir())
-    load = _load_flags(args)
+    load = load_flags(args)
     start_load = load_average()
     got: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
     flags = {"A": args.a, "B": args.b}
