@@ -20,6 +20,7 @@ from bundled_models import tiny
 from engine.build import build_engine
 from engine.checkpoint.gguf import GGUFCheckpoint, convert_gguf, hf_tensors
 from engine.config import EngineConfig
+from engine.kernels.cpu import ops
 from engine.kv.sequence import Sequence
 from engine.weights.gemm import PlainGemm
 from engine.weights.linear import (
@@ -154,6 +155,7 @@ def test_the_heads_near_logits_by_threshold_are_those_of_its_top_k() -> None:
     rows = quantize_int8(torch.randn(512, 64) * 0.05)
     head = RefinedHead(packed_kernel(rows, torch.bfloat16, CPU), rows)
     head.row_invariant = True
+    head.refine_op = None  # the torch path (the op's: the test below)
     x = torch.randn(4, 64) * 20
     packed = head.packed.forward(x, None, torch.float32)
     want = head._refine_top(packed.clone(), x, None)
@@ -166,6 +168,39 @@ def test_the_heads_near_logits_by_threshold_are_those_of_its_top_k() -> None:
     flat_packed = head.packed.forward(flat, None, torch.float32)
     assert int((flat_packed >= flat_packed.max() - 1e-3).sum()) > head._MAX_REFINED
     assert torch.equal(head(flat, None), head._refine_top(flat_packed.clone(), flat, None))
+
+
+def test_the_near_logits_op_refines_what_the_torch_path_does() -> None:
+    """``refine_near_logits`` (one op) against RefinedHead's torch ops: the same logits
+    refined, to float32 rounding (their sums run in different orders), with a bias; a row's
+    bits the same alone as among others; a row with more near logits than the cap gets its
+    largest ones refined, ties to the lower index."""
+    op = ops.refine_near_logits_op()
+    if op is None:
+        pytest.skip("pdserve's CPU kernels do not run here")
+    torch.manual_seed(2)
+    w = torch.randn(700, 96) * 0.05
+    w[:100] = w[0]  # 100 equal logits: the largest for x[4] below
+    rows = quantize_int8(w)
+    head = RefinedHead(packed_kernel(rows, torch.bfloat16, CPU), rows)
+    bias = torch.randn(700) * 0.01
+    bias[:100] = 0.0
+    x = torch.randn(5, 96) * 20
+    x[4] = w[0] / w[0].norm() * 20
+    packed = head.packed.forward(x, bias, torch.float32)
+    got = op(packed.clone(), x, rows.codes, rows.scale, bias, head._MARGIN_STEPS, head._MAX_REFINED)
+    head.refine_op = None
+    want = head._refine_top(packed.clone(), x, bias)
+    assert torch.equal(got[:4] != packed[:4], want[:4] != packed[:4])
+    torch.testing.assert_close(got[:4], want[:4], rtol=1e-6, atol=1e-6)
+    changed = (got[4] != packed[4]).nonzero().flatten()
+    assert torch.equal(changed, torch.arange(head._MAX_REFINED))
+    torch.testing.assert_close(got[4, :64], want[4].max().expand(64), rtol=1e-6, atol=1e-6)
+    for r in range(5):
+        alone = op(packed[r : r + 1].clone(), x[r : r + 1], rows.codes, rows.scale, bias, 4, 64)
+        assert torch.equal(alone[0], got[r])
+    with pytest.raises(RuntimeError, match="shapes do not agree"):
+        op(packed.clone(), x[:, :64].contiguous(), rows.codes, rows.scale, None, 4, 64)
 
 
 @pytest.mark.usefixtures("int4_kernel")

@@ -8,6 +8,7 @@
 //   K/V store;
 // * decode_attention.cpp, prefill_attention.cpp: attention over the paged KV pool in place;
 // * decode_layers.cpp: decode_layers, a decode step's decoder layers in one call;
+// * near_logits.cpp: refine_near_logits, the LM head's leading logits recomputed exactly;
 // * register.cpp: the ops' schemas (TORCH_LIBRARY).
 // engine/kernels/cpu/ops.py loads the library; engine/weights/int4_tiles.py and
 // engine/model/fused_cpu.py choose among its ops.
@@ -67,6 +68,9 @@ at::Tensor decode_layers(const at::Tensor& h, at::Tensor residual, at::TensorLis
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& q_starts, int64_t num_heads, int64_t num_kv_heads,
                          double scale, bool amx, at::IntArrayRef planes);
+at::Tensor refine_near_logits(at::Tensor out, const at::Tensor& x, const at::Tensor& codes,
+                              const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+                              int64_t margin_steps, int64_t max_refined);
 
 // Argument checks the two attentions share. key_cache / value_cache: one layer's
 // (num_blocks, KVH, block_size, D) views of the pool, a block's head chunk contiguous.

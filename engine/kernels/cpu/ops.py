@@ -102,3 +102,14 @@ def decode_layers_op() -> Callable[..., torch.Tensor] | None:
         return op("decode_layers")
     except (AttributeError, RuntimeError):
         return None
+
+
+def refine_near_logits_op() -> Callable[..., torch.Tensor] | None:
+    """The LM head's near logits recomputed in place (``near_logits.cpp``: out (T, V),
+    x (T, K) float32, the head's int8 codes (V, K) and scales (V, K / 32), bias or None,
+    margin in bfloat16 steps, most refined a row), or None where not built (or built
+    before the op was) or this CPU lacks AVX-512 BF16."""
+    try:
+        return op("refine_near_logits")
+    except (AttributeError, RuntimeError):
+        return None

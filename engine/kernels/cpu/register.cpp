@@ -21,6 +21,9 @@ TORCH_LIBRARY(pdserve, m) {
       "float eps, Tensor positions, Tensor cos_sin, Tensor(b!)[] caches, Tensor slots, "
       "Tensor block_tables, Tensor seq_lens, Tensor q_starts, int num_heads, "
       "int num_kv_heads, float scale, bool amx, int[] planes) -> Tensor");
+  m.def(
+      "refine_near_logits(Tensor(a!) out, Tensor x, Tensor codes, Tensor scale, Tensor? bias, "
+      "int margin_steps, int max_refined) -> Tensor(a!)");
 }
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("int4_mm", &pdserve::int4_mm);
@@ -31,4 +34,5 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("decode_attention", &pdserve::decode_attention);
   m.impl("prefill_attention", &pdserve::prefill_attention);
   m.impl("decode_layers", &pdserve::decode_layers);
+  m.impl("refine_near_logits", &pdserve::refine_near_logits);
 }
