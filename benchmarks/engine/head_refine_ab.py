@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from benchmarks.engine.step_roofline import STEPS_PER_SEQUENCE, fresh
+from benchmarks.engine.step_roofline import STEPS_PER_SEQUENCE, fresh, one_step
 from benchmarks.harness.machine import load_average, machine_block
 from bundled_models.default_model import resolve_model
 from engine.build import build_engine
@@ -51,13 +50,7 @@ def steps(
     for i in range(STEPS_PER_SEQUENCE):
         name = ("op", "torch")[(i + rid) % 2]
         head.refine_op = op if name == "op" else None
-        t0 = time.perf_counter()
-        if rows == 1:
-            runner.decode([seq])
-            seq.output_ids.append(11)
-        else:
-            runner.verify([seq], [[11 + j for j in range(rows - 1)]])
-        out[name].append(time.perf_counter() - t0)
+        out[name].append(one_step(runner, seq, rows))
     head.refine_op = op
     runner.kv.free_blocks(seq)
     return out

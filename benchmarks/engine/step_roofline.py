@@ -96,6 +96,20 @@ def fresh(runner: ModelRunner, context: int, rid: int) -> Sequence:
     return seq
 
 
+def one_step(runner: ModelRunner, seq: Sequence, rows: int) -> float:
+    """Seconds of a decode step of ``seq`` (1 row; it is then given its next token) or of a
+    verification of ``rows - 1`` drafts (the sequence stays where it is)."""
+    t0 = time.perf_counter()
+    if rows == 1:
+        runner.decode([seq])
+    else:
+        runner.verify([seq], [[11 + j for j in range(rows - 1)]])
+    took = time.perf_counter() - t0
+    if rows == 1:
+        seq.output_ids.append(11)
+    return took
+
+
 class PerfControl:
     """``perf record`` of this process, started disabled, switched on and off through its
     control FIFO (so the fresh sequences' prefills stay out of the samples)."""
@@ -139,13 +153,7 @@ def run_steps(
         if perf is not None:
             perf.switch(True)
         for _ in range(STEPS_PER_SEQUENCE):
-            t0 = time.perf_counter()
-            if rows == 1:
-                runner.decode([seq])
-                seq.output_ids.append(11)
-            else:
-                runner.verify([seq], [[11 + j for j in range(rows - 1)]])
-            times.append(time.perf_counter() - t0)
+            times.append(one_step(runner, seq, rows))
         if perf is not None:
             perf.switch(False)
         runner.kv.free_blocks(seq)

@@ -32,7 +32,10 @@ PDSERVE_VL_TARGET float row_max(const float* row, int64_t v) {
   __m512 m = _mm512_set1_ps(-INFINITY);
   int64_t i = 0;
   for (; i + 16 <= v; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + i));
-  float out = _mm512_reduce_max_ps(m);
+  alignas(64) float lanes[16];  // (not _mm512_reduce_max_ps: GCC 12 warns in its header)
+  _mm512_store_ps(lanes, m);
+  float out = lanes[0];
+  for (int j = 1; j < 16; ++j) out = std::max(out, lanes[j]);
   for (; i < v; ++i) out = std::max(out, row[i]);
   return out;
 }
