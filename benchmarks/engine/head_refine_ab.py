@@ -23,12 +23,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine.step_roofline import STEPS_PER_SEQUENCE, fresh, one_step
+from benchmarks.engine.step_roofline import STEPS_PER_SEQUENCE, fresh, one_step, served_runner
 from benchmarks.harness.machine import load_average, machine_block
-from bundled_models.default_model import resolve_model
-from engine.build import build_engine
-from engine.checkpoint.weights_segment import create_segment
-from engine.config import EngineConfig
 from engine.runner import ModelRunner
 from engine.weights.refined_head import RefinedHead
 
@@ -67,13 +63,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    config = EngineConfig(
-        model=str(resolve_model(None)),
-        kv_cache_tokens=4 * (args.context + STEPS_PER_SEQUENCE + 64),
-        large_batch_gemm=True,
-        weights_fd=create_segment(),
-    )
-    runner = build_engine(config).runner
+    runner = served_runner(None, 4 * (args.context + STEPS_PER_SEQUENCE + 64))
     head = next(m for m in runner.model.modules() if isinstance(m, RefinedHead))
     op = head.refine_op
     if op is None:

@@ -86,6 +86,18 @@ def perf_samples(data: Path) -> Counter[str]:
     return out
 
 
+def served_runner(model: Path | None, kv_tokens: int) -> ModelRunner:
+    """``model`` (None: the embedded default) as ``launch`` serves it on CPU: packed layers
+    and their GEMMs, the weights in a shared segment; a pool of ``kv_tokens``."""
+    config = EngineConfig(
+        model=str(resolve_model(model)),
+        kv_cache_tokens=kv_tokens,
+        large_batch_gemm=True,
+        weights_fd=create_segment(),
+    )
+    return build_engine(config).runner
+
+
 def fresh(runner: ModelRunner, context: int, rid: int) -> Sequence:
     span = min(1000, runner.model_config.vocab_size - 10)
     seq = Sequence(
@@ -230,14 +242,7 @@ def main() -> None:
         p.error("perf must be on the PATH")
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.context.split(",")]
-    # As launch serves on CPU: packed layers and their GEMMs, the weights in a shared segment.
-    config = EngineConfig(
-        model=str(resolve_model(args.model)),
-        kv_cache_tokens=2 * (max(contexts) + STEPS_PER_SEQUENCE + 64),
-        large_batch_gemm=True,
-        weights_fd=create_segment(),
-    )
-    runner = build_engine(config).runner
+    runner = served_runner(args.model, 2 * (max(contexts) + STEPS_PER_SEQUENCE + 64))
     rate = copy_rate()
     body: list[str] = []
     for context in contexts:

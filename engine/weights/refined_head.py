@@ -37,10 +37,9 @@ class RefinedHead(DirectAttrs):
     def __init__(self, packed: nn.Module, rows: QuantRows) -> None:
         super().__init__()
         self.packed, self.rows = packed, rows
+        on_cpu_kernels = rows.codes.device.type == "cpu" and int4_tiles.kernel_name() != "torch"
         self.refine_op = (
-            ops.refine_near_logits_op()
-            if isinstance(rows, Int8Rows) and int4_tiles.kernel_name() != "torch"
-            else None
+            ops.refine_near_logits_op() if isinstance(rows, Int8Rows) and on_cpu_kernels else None
         )
         # Near logits as products summed per logit (``engine/model/batch_invariance.py``): the
         # batched product's sums run in an order that moves with the batch's shape.
@@ -59,17 +58,10 @@ class RefinedHead(DirectAttrs):
         out = self.packed.forward(x, bias, torch.float32)  # (T, vocab)
         if x.dtype != torch.float32:
             return out
-        if self.refine_op is not None and out.device.type == "cpu":
-            assert isinstance(self.rows, Int8Rows)
-            return self.refine_op(
-                out,
-                x.contiguous(),
-                self.rows.codes,
-                self.rows.scale,
-                bias,
-                self._MARGIN_STEPS,
-                self._MAX_REFINED,
-            )
+        if self.refine_op is not None:  # int8 rows on CPU (__init__)
+            codes, scale = self.rows.codes, self.rows.scale
+            margin, most = self._MARGIN_STEPS, self._MAX_REFINED
+            return self.refine_op(out, x.contiguous(), codes, scale, bias, margin, most)
         # Every near logit by a threshold on each row's maximum: a max, a compare and a
         # nonzero over the vocabulary cost ~0.1 ms a decode step where a top-k took ~0.2 ms
         # alone. The same set as ``_refine_top``'s wherever no row has more than

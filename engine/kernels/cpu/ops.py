@@ -43,12 +43,13 @@ def load() -> None:
 
 
 def op(name: str) -> Callable[..., torch.Tensor] | None:
-    """``torch.ops.pdserve.<name>``, or None where the library is not built or cannot run."""
+    """``torch.ops.pdserve.<name>``, or None where the library is not built or cannot run,
+    or was built before the op was (a stale build: its callers take their other path)."""
     try:
         load()
-    except CpuOpsUnavailable:
+        found: Callable[..., torch.Tensor] = getattr(torch.ops.pdserve, name)
+    except (CpuOpsUnavailable, AttributeError, RuntimeError):
         return None
-    found: Callable[..., torch.Tensor] = getattr(torch.ops.pdserve, name)
     return found
 
 
@@ -98,10 +99,7 @@ def decode_layers_op() -> Callable[..., torch.Tensor] | None:
     """A decode step's decoder layers in one call (``decode_layers.cpp``; its arguments are
     described there, and ``engine/model/fused_layers.py`` gathers them), or None where not
     built, or built before the op was (a stale build runs the layers one by one)."""
-    try:
-        return op("decode_layers")
-    except (AttributeError, RuntimeError):
-        return None
+    return op("decode_layers")
 
 
 def refine_near_logits_op() -> Callable[..., torch.Tensor] | None:
@@ -109,7 +107,4 @@ def refine_near_logits_op() -> Callable[..., torch.Tensor] | None:
     x (T, K) float32, the head's int8 codes (V, K) and scales (V, K / 32), bias or None,
     margin in bfloat16 steps, most refined a row), or None where not built (or built
     before the op was) or this CPU lacks AVX-512 BF16."""
-    try:
-        return op("refine_near_logits")
-    except (AttributeError, RuntimeError):
-        return None
+    return op("refine_near_logits")
