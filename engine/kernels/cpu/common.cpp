@@ -1,7 +1,9 @@
 // The argument checks the two attentions share (decode_attention.cpp,
-// prefill_attention.cpp).
+// prefill_attention.cpp), and where decode attention's prefetches go.
 
 #include "common.h"
+
+#include <cpuid.h>
 
 namespace pdserve {
 
@@ -28,6 +30,19 @@ void check_block_tables(const char* name, const at::Tensor& block_tables, int64_
 void check_blocks(const char* what, int64_t b, const int32_t* table, int64_t used, int64_t nb) {
   for (int64_t j = 0; j < used; ++j)
     TORCH_CHECK(table[j] >= 0 && table[j] < nb, what, b, " names block ", table[j]);
+}
+
+bool kv_prefetch_l1() {
+  static const bool l1 = [] {
+    if (const char* e = std::getenv("PDSERVE_KV_PREFETCH")) return std::strcmp(e, "l1") == 0;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    __cpuid(0, a, b, c, d);
+    const bool amd = b == 0x68747541;  // "Auth" of "AuthenticAMD"
+    __cpuid(1, a, b, c, d);
+    const unsigned base = (a >> 8) & 0xF, family = base + (base == 0xF ? (a >> 20) & 0xFF : 0);
+    return amd && family >= 0x1A;
+  }();
+  return l1;
 }
 
 }  // namespace pdserve

@@ -9,28 +9,39 @@
 // share every K and V load, and so do the rows of one sequence grouped on one core. Per 16
 // tokens: the scores of a head are one vector (K's columns are tokens), then an online
 // softmax (running max and sum per head) and V's rows accumulated in float32. Blocks are
-// prefetched two ahead into L2 (a table's blocks are anywhere in the pool). A row's result
-// does not depend on the rows beside it or on the threads: each row runs the same
-// instructions in the same order whatever the batch.
+// prefetched two ahead (a table's blocks are anywhere in the pool). A row's result does not
+// depend on the rows beside it or on the threads: each row runs the same instructions in the
+// same order whatever the batch.
 
 #include "common.h"
 
 namespace pdserve {
 namespace {
 
-// Blocks read ahead (one A/B: a one-row step at 1000 tokens 7.5-8.5 ms, against 8.6-8.8 at 1;
-// 4 measured slower than 2 with the L2 hint below).
+// Blocks read ahead (a one-row step at 1000 tokens 7.5-8.5 ms, against 8.6-8.8 at 1; 4 slower).
 constexpr int64_t kAttnAhead = 2;
 constexpr int64_t kSplitTokens = 512;
 
-// One block's K and V chunks of one head (``bytes`` each, from ``at`` past each base), into L2:
-// a core has few L1 miss buffers, and two blocks' lines asked into L1 at once wait on them
-// (a step's attention at 2,500 tokens, one row, one thread: 4.5 ms with T1 against 8.0 ms
-// with T0 in alternating runs on the 2-core Zen 4; the context is read at ~13 GB/s).
-inline void prefetch_kv(const char* k, const char* v, int64_t at, int64_t bytes) {
+// One block's K and V chunks of one head (``bytes`` each, from ``at`` past each base), into
+// L1 (``l1``) or L2. Which reads the context faster depends on the core:
+// * the 2-core Zen 4 (AMD family 25): into L2. A step's attention at 2,500 tokens, one row,
+//   one thread: 4.5 ms with T1 against 8.0 ms with T0 in alternating runs (a core has few
+//   L1 miss buffers, and two blocks' lines asked into L1 at once waited on them);
+// * the 2-core Zen 5 (family 26): into L1. The attention alone over a cold context (1-8 rows,
+//   300-2,048 tokens, alternating in one process): 0.89-0.93x the time of L2; a decode
+//   step of the default model at 1-8 rows: 0.97-0.98x. ``kv_prefetch_l1`` (common.cpp) chooses.
+// NOTE: always inlined: GCC takes an out-of-line function of prefetches alone for one with no
+// effect, and deletes its calls (a build that did not inline it had no prefetch left).
+__attribute__((always_inline)) inline void prefetch_kv(const char* k, const char* v,
+                                                       int64_t at, int64_t bytes, bool l1) {
   for (int64_t line = 0; line < bytes; line += 64) {
-    _mm_prefetch(k + at + line, _MM_HINT_T1);
-    _mm_prefetch(v + at + line, _MM_HINT_T1);
+    if (l1) {
+      _mm_prefetch(k + at + line, _MM_HINT_T0);
+      _mm_prefetch(v + at + line, _MM_HINT_T0);
+    } else {
+      _mm_prefetch(k + at + line, _MM_HINT_T1);
+      _mm_prefetch(v + at + line, _MM_HINT_T1);
+    }
   }
 }
 
@@ -80,10 +91,17 @@ PDSERVE_VL_TARGET PDSERVE_EXACT_FP inline void attend_chunk(
     const __m512 sm = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), s);
     const float m_new = std::max(st.m[h], _mm512_reduce_max_ps(sm));
     const __m512 e = _mm512_maskz_mov_ps(mask, exp_ps(_mm512_sub_ps(sm, _mm512_set1_ps(m_new))));
-    const float corr = st.m[h] == -INFINITY ? 0.0f : std::exp(st.m[h] - m_new);
-    st.l[h] = st.l[h] * corr + _mm512_reduce_add_ps(e);
-    st.m[h] = m_new;
-    for (int v = 0; v < DV; ++v) acc[h][v] = _mm512_mul_ps(st.acc[h][v], _mm512_set1_ps(corr));
+    if (m_new == st.m[h]) {
+      // A rescale by exp(0) = 1 changes no bit: skipped, with its call to std::exp (before
+      // which every live vector was saved). After a row's first chunks its max seldom moves.
+      st.l[h] = st.l[h] + _mm512_reduce_add_ps(e);
+      for (int v = 0; v < DV; ++v) acc[h][v] = st.acc[h][v];
+    } else {
+      const float corr = st.m[h] == -INFINITY ? 0.0f : std::exp(st.m[h] - m_new);
+      st.l[h] = st.l[h] * corr + _mm512_reduce_add_ps(e);
+      st.m[h] = m_new;
+      for (int v = 0; v < DV; ++v) acc[h][v] = _mm512_mul_ps(st.acc[h][v], _mm512_set1_ps(corr));
+    }
     _mm512_store_ps(p[h], e);
   }
   for (int64_t t = 0; t < valid; ++t) {
@@ -120,7 +138,7 @@ constexpr int kGroupRows = 8;  // rows of one sequence and KV head that share ea
 template <int G, int DV, bool BF16>
 PDSERVE_VL_TARGET PDSERVE_EXACT_FP void decode_attention_rows(
     const GroupRow* rows, int n_rows, const char* k_head0, const char* v_head0,
-    int64_t block_stride, const int32_t* table, int64_t bs, float scale) {
+    int64_t block_stride, const int32_t* table, int64_t bs, float scale, bool l1) {
   constexpr int64_t D = DV * 16, esize = BF16 ? 2 : 4;
   float q[kGroupRows][G][D];
   RowState<G, DV> st[kGroupRows];
@@ -147,7 +165,8 @@ PDSERVE_VL_TARGET PDSERVE_EXACT_FP void decode_attention_rows(
     if (off == 0 || t0 == t_begin) {  // a block's first chunk: the blocks kAttnAhead on
       for (int64_t a = t0 == t_begin ? 1 : kAttnAhead; a <= kAttnAhead; ++a)
         if (t0 / bs + a <= last_block)
-          prefetch_kv(k_head0, v_head0, table[t0 / bs + a] * block_stride * esize, chunk_bytes);
+          prefetch_kv(k_head0, v_head0, table[t0 / bs + a] * block_stride * esize, chunk_bytes,
+                      l1);
     }
     for (int r = 0; r < n_rows; ++r) {
       if (t0 < rows[r].begin || t0 >= rows[r].end) continue;
@@ -173,7 +192,7 @@ PDSERVE_VL_TARGET PDSERVE_EXACT_FP void decode_attention_rows(
 }
 
 using DecodeRows = void (*)(const GroupRow*, int, const char*, const char*, int64_t,
-                            const int32_t*, int64_t, float);
+                            const int32_t*, int64_t, float, bool);
 
 template <int G, int DV>
 DecodeRows decode_rows_fn(bool bf16) {
@@ -396,6 +415,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
   const char* qp = static_cast<const char*>(q.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   const int64_t block_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
+  const bool l1 = kv_prefetch_l1();
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     GroupRow group[kGroupRows];
     for (int64_t i = cuts[size_t(w0)]; i < cuts[size_t(w1)];) {
@@ -409,7 +429,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
                     it.state == nullptr ? op + head0 * d * esize : nullptr};
       }
       run(group, n, kbase + first.kh * head_stride * esize, vbase + first.kh * head_stride * esize,
-          block_stride, tables + int64_t(first.seq) * width, bs, float(scale));
+          block_stride, tables + int64_t(first.seq) * width, bs, float(scale), l1);
     }
   });
   if (!plan.split_rows.empty()) merge_splits(plan, kvh, h, g, d, bf16, op);
