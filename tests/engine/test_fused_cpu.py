@@ -437,7 +437,8 @@ def test_decode_attention_equals_softmax_attention_and_a_rows_bits_stay(
     one rounding of the cache's dtype of float64 attention over the gathered context, and
     of the library's kernel; contexts of 1 to 700 tokens across scattered blocks (past 512
     a row's context is taken in two halves, then merged); each row's bits the same alone, in any batch and on 1 or 2 threads (a decode
-    step and a speculative verification of the same row agree)."""
+    step and a speculative verification of the same row agree), and with the context
+    prefetched into L1 or L2 (each CPU takes one: both run here)."""
     op = decode_attention_op()
     if op is None:
         pytest.skip("pdserve's CPU kernels are not built or do not run here")
@@ -469,8 +470,13 @@ def test_decode_attention_equals_softmax_attention_and_a_rows_bits_stay(
                 )
                 assert torch.equal(alone[0], got[i]), (threads, i)
             assert torch.equal(op(q[2:], key, value, tables[2:], seq_lens[2:], d**-0.5), got[2:])
+            for prefetch in (0, 1):
+                again = op(q, key, value, tables, seq_lens, d**-0.5, None, prefetch)
+                assert torch.equal(again, got), (threads, prefetch)
     finally:
         torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="prefetch must be -1, 0 or 1"):
+        op(q, key, value, tables, seq_lens, d**-0.5, None, 2)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])

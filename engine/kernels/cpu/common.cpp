@@ -34,7 +34,6 @@ void check_blocks(const char* what, int64_t b, const int32_t* table, int64_t use
 
 bool kv_prefetch_l1() {
   static const bool l1 = [] {
-    if (const char* e = std::getenv("PDSERVE_KV_PREFETCH")) return std::strcmp(e, "l1") == 0;
     unsigned a = 0, b = 0, c = 0, d = 0;
     __cpuid(0, a, b, c, d);
     const bool amd = b == 0x68747541;  // "Auth" of "AuthenticAMD"

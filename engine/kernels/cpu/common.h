@@ -56,7 +56,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions,
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale,
-                            const std::optional<at::Tensor>& q_starts);
+                            const std::optional<at::Tensor>& q_starts, int64_t prefetch);
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& q_starts,
                              const at::Tensor& seq_lens, const at::Tensor& block_tables,
@@ -79,9 +79,8 @@ void check_kv_views(const char* name, const at::Tensor& key_cache, const at::Ten
 void check_block_tables(const char* name, const at::Tensor& block_tables, int64_t b_rows);
 // The first ``used`` entries of one table name blocks inside the pool of ``nb``.
 void check_blocks(const char* what, int64_t b, const int32_t* table, int64_t used, int64_t nb);
-// Whether decode attention prefetches the context into L1 (else L2): on AMD family 26 (Zen 5)
-// and later, where it measured faster (decode_attention.cpp); PDSERVE_KV_PREFETCH=l1 or l2
-// sets it, to measure one against the other.
+// Whether decode attention prefetches the context into L1 (else L2) on this CPU: on AMD family
+// 26 (Zen 5) and later, where it measured faster (decode_attention.cpp).
 bool kv_prefetch_l1();
 
 // NOTE: the helpers below are local to each file that includes this header (an unnamed

@@ -28,8 +28,8 @@ constexpr int64_t kSplitTokens = 512;
 //   one thread: 4.5 ms with T1 against 8.0 ms with T0 in alternating runs (a core has few
 //   L1 miss buffers, and two blocks' lines asked into L1 at once waited on them);
 // * the 2-core Zen 5 (family 26): into L1. The attention alone over a cold context (1-8 rows,
-//   300-2,048 tokens, alternating in one process): 0.89-0.93x the time of L2; a decode
-//   step of the default model at 1-8 rows: 0.97-0.98x. ``kv_prefetch_l1`` (common.cpp) chooses.
+//   300-2,048 tokens, alternating in one process): 0.80-0.93x the time of L2; a decode
+//   step of the default model at 1-8 rows: 0.97-0.99x (benchmarks/results/kv_prefetch.md).
 // NOTE: always inlined: GCC takes an out-of-line function of prefetches alone for one with no
 // effect, and deletes its calls (a build that did not inline it had no prefetch left).
 __attribute__((always_inline)) inline void prefetch_kv(const char* k, const char* v,
@@ -361,7 +361,8 @@ void merge_splits(const DecodePlan& plan, int64_t kvh, int64_t h, int64_t g, int
 // (num_blocks, KVH, block_size, D) views (rope_store's); block_tables: int32 (S, W), one a
 // sequence; seq_lens: int32 (B,), each row's context length (>= 1); q_starts: int32
 // (S + 1,), sequence s's rows are [q_starts[s], q_starts[s + 1]) (None: one row a sequence,
-// S = B). -> (B, H, D) in the cache's dtype.
+// S = B); prefetch: where the context is prefetched, 1 L1, 0 L2, -1 this CPU's choice
+// (``kv_prefetch_l1``). -> (B, H, D) in the cache's dtype.
 //
 // A decode step has one row a sequence; a speculative verification has k + 1, each a query
 // over its own length of the same context, each row's result bit for bit what a decode step
@@ -377,7 +378,8 @@ void merge_splits(const DecodePlan& plan, int64_t kvh, int64_t h, int64_t g, int
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale,
-                            const std::optional<at::Tensor>& q_starts) {
+                            const std::optional<at::Tensor>& q_starts, int64_t prefetch) {
+  TORCH_CHECK(prefetch >= -1 && prefetch <= 1, "decode_attention: prefetch must be -1, 0 or 1");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "decode_attention: q must be contiguous (B, H, D)");
   check_kv_views("decode_attention", key_cache, value_cache, q.size(2));
   const int64_t b_rows = q.size(0), h = q.size(1), d = q.size(2);
@@ -415,7 +417,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& key_cache,
   const char* qp = static_cast<const char*>(q.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   const int64_t block_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
-  const bool l1 = kv_prefetch_l1();
+  const bool l1 = prefetch < 0 ? kv_prefetch_l1() : prefetch == 1;
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     GroupRow group[kGroupRows];
     for (int64_t i = cuts[size_t(w0)]; i < cuts[size_t(w1)];) {

@@ -78,7 +78,7 @@ at::Tensor decode_layers(const at::Tensor& h, at::Tensor residual, at::TensorLis
             .to(kc.scalar_type())
             .contiguous();
     const at::Tensor a =
-        decode_attention(q, kc, vc, block_tables, seq_lens, scale, q_starts);
+        decode_attention(q, kc, vc, block_tables, seq_lens, scale, q_starts, -1);
     at::Tensor o = product(a.view({rows, num_heads * d}), l, 1);
     add_norm.call(o, residual, norms[size_t(2 * l)], eps);
     const at::Tensor gate_up = product(o, l, 2);

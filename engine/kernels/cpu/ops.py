@@ -81,7 +81,10 @@ def decode_attention_op() -> Callable[..., torch.Tensor] | None:
     its own length as a decode step of that length would, to the same bits; a sequence's
     rows (a speculative verification's k + 1) run together on one core, each chunk of the
     context read once for all of them. Head sizes ``ATTENTION_HEAD_SIZES``, up to
-    8 query heads a KV head. None where not built or without AVX-512 BF16."""
+    8 query heads a KV head. A last ``prefetch`` argument (1: into L1, 0: into L2; default
+    -1, this CPU's choice) sets where the context is prefetched, to measure one against the
+    other (``benchmarks.engine.kv_prefetch_ab``); the bits do not depend on it. None where
+    not built or without AVX-512 BF16."""
     return op("decode_attention")
 
 

@@ -12,7 +12,7 @@ TORCH_LIBRARY(pdserve, m) {
       "Tensor(b!) value_cache, Tensor slots, int num_heads, int num_kv_heads) -> Tensor");
   m.def(
       "decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, Tensor? q_starts=None) -> Tensor");
+      "Tensor seq_lens, float scale, Tensor? q_starts=None, int prefetch=-1) -> Tensor");
   m.def(
       "prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor q_starts, "
       "Tensor seq_lens, Tensor block_tables, float scale) -> Tensor");
