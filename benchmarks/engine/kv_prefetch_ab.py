@@ -1,7 +1,7 @@
 """Decode attention with its context prefetched into L1 against into L2, in one process.
 
     python -m benchmarks.engine.kv_prefetch_ab [--rows 1,8] [--context 300,2048]
-        [--rounds 30] [--steps 240] [--threads 2] [--out FILE]
+        [--rounds 30] [--steps 240] [--threads 2] [--pool-blocks 2048] [--out FILE]
 
 ``decode_attention`` (``engine/kernels/cpu/decode_attention.cpp``) prefetches each row's
 context two blocks ahead, into L1 or L2 as the CPU's family decides; its ``prefetch``
@@ -15,7 +15,8 @@ that a machine whose speed drifts hits both alike:
   context), the prefetch alternating round by round;
 * **a decode step**: the embedded model served as ``launch`` does on CPU, its layers one by
   one from Python (so that the step's attention calls can be given the argument), the
-  prefetch alternating step by step.
+  prefetch alternating step by step; the ``--rows`` sequences start at ``--context``
+  tokens and grow by one a step.
 
 Medians of each side and of the paired ratios (L1 / L2 time). Writes
 ``benchmarks/results/kv_prefetch.md``.
