@@ -34,6 +34,7 @@ from launcher.placement import WorkerPlace, describe, kv_transfer_backend, place
 from launcher.settings import ConfigError, KVBackend, ServerConfig
 from launcher.supervisor import Child, ChildFailed, Supervisor
 from launcher.topology import Topology
+from runtime.cpu_affinity import CpuPlan, plan_cpus
 from runtime.strict_spec import DetokWorkerSpec, encode_spec
 from runtime.worker_spec import EngineWorkerSpec, KVTransferName
 from transport.errors import TransportError
@@ -88,6 +89,7 @@ def _engine_children(
     cores = os.cpu_count() or 1
     num_workers = config.colocated or config.prefill + config.decode
     threads = str(max(1, cores // max(1, num_workers)))
+    cpus = _cpu_plan(config, gpus)
     ucx = cluster.ucx_env(config) if config.clustered else {}
     out: list[Child] = []
     for place in placements(gpus, config.gpu_memory_utilization):
@@ -100,8 +102,19 @@ def _engine_children(
         spec = _engine_spec(config, model, place, handoff, fields)
         settings = encode_spec(spec)
         env = {"OMP_NUM_THREADS": threads, **ucx, **place.env()}
+        if cpus is not None:
+            env.update(cpus.home_env(len(out)))
         out.append(Child(topo.spec(place.role, place.index, settings), env))
     return out
+
+
+def _cpu_plan(config: ServerConfig, gpus: GpuAssignment) -> CpuPlan | None:
+    """Where this host's children keep to (runtime/cpu_affinity.py): only for engine
+    workers on CPU, and unless ``--cpu-affinity off``."""
+    if config.cpu_affinity == "off" or not gpus.on_cpu:
+        return None
+    engines = config.colocated or config.prefill + config.decode
+    return plan_cpus(sorted(os.sched_getaffinity(0)), engines)
 
 
 def _workers_handoff(config: ServerConfig) -> KVTransferName | None:
@@ -117,6 +130,8 @@ def _children(
     out = _engine_children(config, topo, gpus, model, backend)
     common = encode_spec(DetokWorkerSpec(config.log_level.value, str(model)))
     cpu_only = {"OMP_NUM_THREADS": "1", **cuda_env(None)}  # frontend and shards: no GPU
+    if (cpus := _cpu_plan(config, gpus)) is not None:
+        cpu_only.update(cpus.rest_env())
     for k in range(config.detokenizers):
         out.append(Child(topo.spec(Role.DETOK, k, common), dict(cpu_only)))
     max_model_len = engine.resolve_max_model_len(mcfg)

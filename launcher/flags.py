@@ -106,6 +106,15 @@ def _workers(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         "the worker code (they share those pages, about 150 MiB a process, and a "
         "restarted worker starts at once); off, each child is a fresh interpreter",
     )
+    add(
+        "--cpu-affinity",
+        choices=("auto", "off"),
+        default=d.cpu_affinity,
+        help="auto: on a CPU host with more cores than engine workers, each engine worker's "
+        "main thread keeps to a core of its own and the detokenizers and HTTP frontends to "
+        "the cores left, so that they never stall the thread that drives a step (its "
+        "OpenMP threads still use every core); off: the OS scheduler places everything",
+    )
     add("--host", default=d.host, help="address the HTTP server listens on")
     add("--port", type=int, default=d.port, help="port the HTTP server listens on")
 

@@ -86,6 +86,7 @@ class ServerConfig:
     slo_tpot_ms: float | None = ROLE_DEFAULTS["slo_tpot_ms"]
     allow_role_override: bool = ROLE_DEFAULTS["allow_role_override"]
     fork_workers: bool = True  # children forked from one interpreter that imported torch
+    cpu_affinity: str = "auto"  # auto: engine main threads and the rest on their own cores
     host: str = "127.0.0.1"
     port: int = 8000
     device: Device = Device.AUTO

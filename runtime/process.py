@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.cpu_affinity import keep_to_env_cpus
 from transport.doorbell import Doorbell
 from transport.load_table import LoadTable
 from transport.prefix_summary import PrefixSummary
@@ -96,11 +97,13 @@ class Stopping:
 
 
 def bootstrap() -> tuple[ProcessSpec, Stopping]:
-    """Parse the spec, set the process title and logging, and die with the parent."""
+    """Parse the spec, set the process title and logging, keep to the cores the launcher
+    chose (if any), and die with the parent."""
     spec = ProcessSpec.from_json(os.environ[SPEC_ENV])
     name = f"pdserve:{spec.role.worker_name(spec.index)}"
     set_title(name)
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    keep_to_env_cpus()  # before any thread starts: they inherit the mask
     # The launcher died before prctl took effect: we were re-parented (to init, or to a
     # subreaper above the launcher; the launcher says its pid, a bare test run does not).
     # A launcher that is a container's init is pid 1 itself: trust its word where it gives it.
