@@ -103,7 +103,7 @@ def _engine_children(
         settings = encode_spec(spec)
         env = {"OMP_NUM_THREADS": threads, **ucx, **place.env()}
         if cpus is not None:
-            env.update(cpus.home_env(len(out)))
+            env.update(cpus.engine_env(len(out)))
         out.append(Child(topo.spec(place.role, place.index, settings), env))
     return out
 

@@ -1,17 +1,20 @@
-"""Which cores a CPU host's children run on (``launch --cpu-affinity``, docs/colocated.md).
+"""Which cores a CPU host's children run on (``launch --cpu-affinity``).
 
 An engine worker's step is a chain of short OpenMP regions (a one-row decode step of the
 default model: ~200 of them, ~20 us each), driven by the worker's main thread, which
 also runs the Python between them. When the detokenizer or the frontend wakes (once a
 token at one stream) on the core that thread holds, the whole chain stops until it is
-done; on another core it only delays one pool thread's share. So where a host has more
-cores than CPU engine workers, the launcher gives each engine worker a home core for its
-main thread, and keeps the detokenizer shards and HTTP frontends on the cores left. The
-OpenMP pool threads keep every core: a step still runs on all of them.
+done; a pool thread that the scheduler moved onto that core halves it. So where a host
+has more cores than CPU engine workers, the launcher gives each engine worker a home
+core for its main thread, and keeps the detokenizer shards and HTTP frontends on the
+cores left. A lone engine worker's OpenMP threads are bound one to a core, from its home
+on (so the pool still runs on every core); several engine workers lease the cores
+between them per step (transport/core_lease.py), so theirs stay free.
 
-The launcher passes the choice in the environment: ``PDSERVE_HOME_CORE`` (an engine
-worker) and ``PDSERVE_CPUS`` (a detokenizer shard or frontend). A child without them
-runs where the scheduler puts it, as everywhere when ``--cpu-affinity off``.
+The launcher passes the choice in the environment: ``PDSERVE_THREAD_CORES`` (an engine
+worker: its main thread's core, then, where given, team thread 1's, 2's, ...) and
+``PDSERVE_CPUS`` (a detokenizer shard or frontend). A child without them runs where the
+scheduler puts it, as everything does with ``--cpu-affinity off``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-HOME_ENV = "PDSERVE_HOME_CORE"
+THREADS_ENV = "PDSERVE_THREAD_CORES"
 CPUS_ENV = "PDSERVE_CPUS"
 
 logger = logging.getLogger(__name__)
@@ -35,8 +38,12 @@ class CpuPlan:
     homes: tuple[int, ...]
     rest: tuple[int, ...]
 
-    def home_env(self, worker: int) -> dict[str, str]:
-        return {HOME_ENV: str(self.homes[worker % len(self.homes)])}
+    def engine_env(self, worker: int) -> dict[str, str]:
+        """Worker ``worker``'s threads: a lone worker's team over every core, its home
+        first; one of several, its main thread only."""
+        home = self.homes[worker % len(self.homes)]
+        team = (home, *self.rest) if len(self.homes) == 1 else (home,)
+        return {THREADS_ENV: ",".join(map(str, team))}
 
     def rest_env(self) -> dict[str, str]:
         return {CPUS_ENV: ",".join(map(str, self.rest))}
@@ -51,8 +58,8 @@ def plan_cpus(cores: Sequence[int], engines: int) -> CpuPlan | None:
     return CpuPlan(tuple(cores[:engines]), tuple(cores[engines:]))
 
 
-def _cores(text: str) -> set[int]:
-    return {int(part) for part in text.split(",") if part.strip()}
+def _cores(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
 
 
 def keep_to_env_cpus() -> None:
@@ -60,25 +67,37 @@ def keep_to_env_cpus() -> None:
     inherit the mask): run on ``PDSERVE_CPUS`` if the launcher set it."""
     text = os.environ.get(CPUS_ENV, "")
     if text:
-        _set_affinity(_cores(text))
+        _set_affinity(set(_cores(text)))
 
 
-def keep_main_thread_home(pool_threads: int) -> None:
-    """An engine worker, once its engine is built: start OpenMP's pool at ``pool_threads``
-    threads (new pool threads would inherit the main thread's single core, so all are
-    made first, on every core), then keep the calling (main) thread to
-    ``PDSERVE_HOME_CORE`` if the launcher set it. The thread count is left as it was."""
-    text = os.environ.get(HOME_ENV, "")
+def place_engine_threads(pool_threads: int) -> None:
+    """An engine worker, once its engine is built, from its main thread: bind team thread
+    t to the t-th core of ``PDSERVE_THREAD_CORES`` where it names several (and the
+    kernel library runs here), else keep only the main thread to the first. Either way
+    OpenMP's pool is made first, at ``pool_threads`` threads: a pool thread made later
+    would inherit the main thread's single core. The thread count is left as it was."""
+    text = os.environ.get(THREADS_ENV, "")
     if not text:
         return
     import torch
 
+    from engine.kernels.cpu.ops import bind_threads_op
+
+    team = _cores(text)
     threads = torch.get_num_threads()
-    torch.set_num_threads(pool_threads)
-    # A reduction long enough that every thread gets a share: each starts the pool.
-    torch.ones(pool_threads * (1 << 16)).sum()
-    torch.set_num_threads(threads)
-    _set_affinity(_cores(text))
+    torch.set_num_threads(max(pool_threads, len(team)))
+    try:
+        # A reduction long enough that every thread gets a share: each joins the pool.
+        torch.ones(max(pool_threads, len(team)) * (1 << 16)).sum()
+        bind = bind_threads_op() if len(team) > 1 else None
+        if bind is not None:
+            bound = bind(team)
+            if bound == len(team):
+                return
+            logger.warning("%d of %d threads took their cores %s", bound, len(team), team)
+        _set_affinity({team[0]})
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _set_affinity(cores: set[int]) -> None:

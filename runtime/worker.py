@@ -22,7 +22,7 @@ import torch
 
 from engine.build import Engine
 from engine.speculative.speculator import SpeculationStats, Speculator
-from runtime.cpu_affinity import keep_main_thread_home
+from runtime.cpu_affinity import place_engine_threads
 from runtime.faults import crash_if_poisoned, crash_token
 from runtime.process import attach_rings, bootstrap, load_table, prefix_summaries
 from runtime.step_beat import StepBeat
@@ -162,7 +162,7 @@ class Worker(abc.ABC):
         # A step longer than the router's staleness bound must not read as a death.
         beat = StepBeat(self.row, IDLE_WAIT_S)
         if self.cores is not None:  # last: threads started from here on share its core
-            keep_main_thread_home(self.cores.cores)  # runtime/cpu_affinity.py
+            place_engine_threads(self.cores.cores)  # runtime/cpu_affinity.py
         while not self.stopping:
             beat.start()
             self.take_inputs()

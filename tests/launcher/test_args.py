@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 from dataclasses import fields
 from pathlib import Path
@@ -169,3 +170,23 @@ def test_deterministic_inference_from_the_flag_or_the_environment(
     assert parse_args([]).deterministic is False
     with pytest.raises(ConfigError, match="CPU only"):
         parse_args(["--enable-deterministic-inference", "--device", "cuda"])
+
+
+def test_cpu_affinity_plans_for_cpu_engines_unless_off() -> None:
+    from launcher.cli import _cpu_plan
+    from launcher.gpus import GpuAssignment
+
+    cpu = GpuAssignment(Device.CPU, (), (), (None,))
+    gpu = GpuAssignment(Device.CUDA, (), (), (0,))
+    cores = sorted(os.sched_getaffinity(0))
+    auto = parse_args(["--colocated", "1"])
+    assert auto.cpu_affinity == "auto"
+    plan = _cpu_plan(auto, cpu)
+    if len(cores) > 1:
+        assert plan is not None and plan.homes == (cores[0],) and plan.rest == tuple(cores[1:])
+    else:
+        assert plan is None  # one core: nothing to keep apart
+    assert _cpu_plan(parse_args(["--colocated", "1", "--cpu-affinity", "off"]), cpu) is None
+    assert _cpu_plan(auto, gpu) is None  # GPU workers' host threads only feed the device
+    with pytest.raises(SystemExit):
+        parse_args(["--cpu-affinity", "sometimes"])

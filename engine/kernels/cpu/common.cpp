@@ -1,9 +1,13 @@
 // The argument checks the two attentions share (decode_attention.cpp,
-// prefill_attention.cpp), and where decode attention's prefetches go.
+// prefill_attention.cpp), where decode attention's prefetches go, and which core each
+// thread of the OpenMP team runs on.
 
 #include "common.h"
 
 #include <cpuid.h>
+#include <sched.h>
+
+#include <atomic>
 
 namespace pdserve {
 
@@ -42,6 +46,29 @@ bool kv_prefetch_l1() {
     return amd && family >= 0x1A;
   }();
   return l1;
+}
+
+// Team thread t (the caller is thread 0) onto cores[t] alone, for a team of as many
+// threads as ``cores`` has entries (torch's thread count must allow them). Later teams of
+// this size or smaller reuse these threads (libgomp keeps its pool), so each stays on its
+// core (runtime/cpu_affinity.py). -> how many threads took their core: fewer than
+// ``cores`` where the runtime gave a smaller team or the kernel refused a core.
+int64_t bind_threads(at::IntArrayRef cores) {
+  const int64_t n = int64_t(cores.size());
+  TORCH_CHECK(n >= 1 && n <= at::get_num_threads(), "bind_threads: ", n,
+              " cores for a team of at most ", at::get_num_threads(), " threads");
+  for (const int64_t c : cores)
+    TORCH_CHECK(c >= 0 && c < CPU_SETSIZE, "bind_threads: no core ", c);
+  std::atomic<int64_t> bound{0};
+  at::parallel_for(0, n, 1, [&](int64_t t0, int64_t t1) {
+    // One index a thread when the team is whole; a thread given several binds to none.
+    if (t1 - t0 != 1 || at::get_thread_num() != t0) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(int(cores[size_t(t0)]), &set);
+    if (sched_setaffinity(0, sizeof(set), &set) == 0) bound.fetch_add(1);
+  });
+  return bound.load();
 }
 
 }  // namespace pdserve

@@ -9,6 +9,7 @@
 // * decode_attention.cpp, prefill_attention.cpp: attention over the paged KV pool in place;
 // * decode_layers.cpp: decode_layers, a decode step's decoder layers in one call;
 // * near_logits.cpp: refine_near_logits, the LM head's leading logits recomputed exactly;
+// * common.cpp: the attentions' shared checks; bind_threads, a core for each OpenMP thread;
 // * register.cpp: the ops' schemas (TORCH_LIBRARY).
 // engine/kernels/cpu/ops.py loads the library; engine/weights/int4_tiles.py and
 // engine/model/fused_cpu.py choose among its ops.
@@ -82,6 +83,8 @@ void check_blocks(const char* what, int64_t b, const int32_t* table, int64_t use
 // Whether decode attention prefetches the context into L1 (else L2) on this CPU: on AMD family
 // 26 (Zen 5) and later, where it measured faster (decode_attention.cpp).
 bool kv_prefetch_l1();
+// Each thread of the OpenMP team onto its own core (common.cpp).
+int64_t bind_threads(at::IntArrayRef cores);
 
 // NOTE: the helpers below are local to each file that includes this header (an unnamed
 // namespace), as they were when the kernels were one file: each file inlines its own copy

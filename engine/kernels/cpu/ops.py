@@ -111,3 +111,10 @@ def refine_near_logits_op() -> Callable[..., torch.Tensor] | None:
     margin in bfloat16 steps, most refined a row), or None where not built (or built
     before the op was) or this CPU lacks AVX-512 BF16."""
     return op("refine_near_logits")
+
+
+def bind_threads_op() -> Callable[[list[int]], int] | None:
+    """OpenMP team thread t onto ``cores[t]`` alone (``common.cpp``; torch's thread count
+    must be at least ``len(cores)``) -> how many threads took their core; or None where
+    the library is not built or cannot run here (then only the main thread is placed)."""
+    return op("bind_threads")  # type: ignore[return-value]

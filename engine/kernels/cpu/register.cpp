@@ -24,6 +24,7 @@ TORCH_LIBRARY(pdserve, m) {
   m.def(
       "refine_near_logits(Tensor(a!) out, Tensor x, Tensor codes, Tensor scale, Tensor? bias, "
       "int margin_steps, int max_refined) -> Tensor(a!)");
+  m.def("bind_threads(int[] cores) -> int");
 }
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("int4_mm", &pdserve::int4_mm);
@@ -36,3 +37,5 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("decode_layers", &pdserve::decode_layers);
   m.impl("refine_near_logits", &pdserve::refine_near_logits);
 }
+// No tensor argument to dispatch on: the one implementation serves every key.
+TORCH_LIBRARY_IMPL(pdserve, CatchAll, m) { m.impl("bind_threads", &pdserve::bind_threads); }
