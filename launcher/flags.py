@@ -111,9 +111,11 @@ def _workers(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         choices=("auto", "off"),
         default=d.cpu_affinity,
         help="auto: on a CPU host with more cores than engine workers, each engine worker's "
-        "main thread keeps to a core of its own and the detokenizers and HTTP frontends to "
-        "the cores left, so that they never stall the thread that drives a step (its "
-        "OpenMP threads still use every core); off: the OS scheduler places everything",
+        "main thread keeps to a core of its own (a lone worker's OpenMP threads, one to "
+        "each core from there) and the detokenizers and HTTP frontends to the other cores, "
+        "off the thread that drives each step; off: the OS scheduler places everything. "
+        "Chosen within launch's own affinity: give two servers on one host their own cores "
+        "(taskset), or turn it off",
     )
     add("--host", default=d.host, help="address the HTTP server listens on")
     add("--port", type=int, default=d.port, help="port the HTTP server listens on")
