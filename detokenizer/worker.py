@@ -144,9 +144,12 @@ class DetokWorker:
                 self.gone.add(n)
 
     def run(self, should_stop: Callable[[], bool]) -> None:
+        # Straight to the bell after every step: its wait returns at once if a ring holds
+        # more (records past ``max_records``, or new ones), so a second, empty step
+        # before sleeping (a token's whole pass again, at one stream) finds nothing new.
         while not should_stop():
-            if not self.step():
-                self.bell.wait(self.inbound, self.cfg.idle_wait_s)
+            self.step()
+            self.bell.wait(self.inbound, self.cfg.idle_wait_s)
 
     def close(self) -> None:
         for ring in [*self.inbound, *self.stop_rings, *self.frontends]:

@@ -227,3 +227,35 @@ def test_doorbell_wakes_an_asyncio_consumer_of_many_rings(bell: Doorbell) -> Non
         return got
 
     assert sorted(asyncio.run(consume_all(3))) == [b"r0", b"r1", b"r2"]
+
+
+class _Counted:
+    """A watched ring that counts how often the waiter looks at it."""
+
+    def __init__(self, has_data: bool) -> None:
+        self.has_data, self.looks = has_data, 0
+
+    def announce_sleep(self) -> None:
+        pass
+
+    def readable(self) -> bool:
+        self.looks += 1
+        return self.has_data
+
+    def peer_pidfd(self) -> int | None:
+        return None
+
+    def on_peer_pidfd_ready(self) -> None:
+        pass
+
+
+def test_a_waiter_whose_last_wait_was_long_sleeps_without_spinning(bell: Doorbell) -> None:
+    quiet = _Counted(has_data=False)
+    bell.wait([quiet], timeout=0.02)  # nothing comes: it ends asleep, 20 ms on
+    quiet.looks = 0
+    bell.wait([quiet], timeout=0.02)
+    # No spin: one look as it announces sleep, one when the sleep times out.
+    assert quiet.looks == 2
+    ready = _Counted(has_data=True)
+    bell.wait([ready], timeout=5.0)  # data already there: seen at the first look
+    assert ready.looks == 1
