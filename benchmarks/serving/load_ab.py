@@ -11,7 +11,9 @@ order swapped every round, so a drifting machine hits both alike). Unlike
 ``benchmarks.serving.launch_ab`` (single streams, both servers up at once), a loaded server needs
 every core, so only one runs at a time. Round r draws its prompts and arrivals with seed
 r, the same for both. Reported per server and round: output tokens/s, TTFT p50, TPOT p50,
-ITL p50 and p99; and B / A per round, its median and range over the rounds.
+ITL p50 and p99; the CPU time a generated token cost each kind of process (the engine
+workers, the detokenizer shards, the frontends: /proc, around the client's run); and B / A
+per round, its median and range over the rounds.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.machine import load_average
-from benchmarks.harness.servers import launch
+from benchmarks.harness.servers import cpu_seconds, launch, process_tree
 from benchmarks.serving.launch_ab import add_server_flags, write_page
 from bundled_models.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
@@ -38,7 +40,11 @@ METRICS = {  # result JSON key -> column
     "p50_tpot_ms": "TPOT p50 ms",
     "p50_itl_ms": "ITL p50 ms",
     "p99_itl_ms": "ITL p99 ms",
+    "engine_cpu_us": "engine CPU us/tok",
+    "detok_cpu_us": "detok CPU us/tok",
+    "frontend_cpu_us": "frontend CPU us/tok",
 }
+ENGINE_ROLES = ("colocated", "prefill", "decode")
 
 
 def load_flags(args: argparse.Namespace) -> list[str]:
@@ -94,13 +100,33 @@ def _one(
         ["--model", model, "--served-model-name", DEFAULT_MODEL_NAME, *shlex.split(flags)], tree
     )
     try:
+        before = _role_cpu(proc.pid)
         data = run_client(url, model, seed, load)
+        spent = {role: cpu - before.get(role, 0.0) for role, cpu in _role_cpu(proc.pid).items()}
     except RuntimeError as e:
         raise RuntimeError(f"{flags}: {e}") from e
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+    tokens = max(1, int(data["total_output_tokens"]))
+    for kind, roles in (
+        ("engine", ENGINE_ROLES),
+        ("detok", ("detok",)),
+        ("frontend", ("frontend",)),
+    ):
+        data[f"{kind}_cpu_us"] = 1e6 * sum(spent.get(r, 0.0) for r in roles) / tokens
     return {key: float(data[key]) for key in METRICS}
+
+
+def _role_cpu(launcher: int) -> dict[str, float]:
+    """CPU seconds so far of the server's processes by role (``pdserve:detok-1`` counts
+    for ``detok``), each role's processes summed."""
+    out: dict[str, float] = {}
+    for title, pid in process_tree(launcher).items():
+        if title.startswith("pdserve:"):
+            role = title.removeprefix("pdserve:").rsplit("-", 1)[0]
+            out[role] = out.get(role, 0.0) + cpu_seconds(pid)
+    return out
 
 
 def main() -> None:

@@ -4,37 +4,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
+from benchmarks.harness.servers import process_tree
 from engine.kernels.cpu.ops import bind_threads_op
 from tests.conftest import LaunchedServer
 
 CORES = sorted(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to keep apart")
-
-
-def _tree(root: int) -> dict[str, int]:
-    """Every descendant of ``root``, by its title (``pdserve:detok-0``)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:  # exited meanwhile
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = {}, [root]
-    while frontier:
-        pid = frontier.pop()
-        for child, parent in parents.items():
-            if parent == pid:
-                title = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0].decode()
-                found[title] = child
-                frontier.append(child)
-    return found
 
 
 def _masks(pid: int) -> dict[int, list[int]]:
@@ -56,7 +35,7 @@ def test_the_worker_main_thread_keeps_home_and_the_rest_keep_off_it(
     pinned: LaunchedServer,
 ) -> None:
     _serve(pinned)
-    tree = _tree(pinned.proc.pid)
+    tree = process_tree(pinned.proc.pid)
     worker = _masks(tree["pdserve:colocated-0"])
     assert worker.pop(tree["pdserve:colocated-0"]) == [CORES[0]]
     if bind_threads_op() is not None:  # its OpenMP pool: one thread on each other core
@@ -69,13 +48,12 @@ def test_the_worker_main_thread_keeps_home_and_the_rest_keep_off_it(
 
 
 def test_off_leaves_every_process_to_the_scheduler() -> None:
-    gen = LaunchedServer.serving(
-        "--colocated 1 --device cpu --kv-cache-tokens 4096 --cpu-affinity off"
-    )
-    srv = next(gen)
+    args = "--colocated 1 --device cpu --kv-cache-tokens 4096 --cpu-affinity off"
+    srv = LaunchedServer(args.split())
+    srv.wait_ready()
     try:
         _serve(srv)
-        for name, pid in _tree(srv.proc.pid).items():
+        for name, pid in process_tree(srv.proc.pid).items():
             assert all(mask == CORES for mask in _masks(pid).values()), name
     finally:
-        gen.close()
+        srv.stop()
