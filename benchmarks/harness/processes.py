@@ -1,5 +1,6 @@
-"""A process tree as /proc shows it: parents, descendants, open fds, RSS and the
-shared-memory segments each process maps (what the leak and memory benchmarks read)."""
+"""A process tree as /proc shows it: parents, descendants and their titles, open fds,
+CPU time, RSS and the shared-memory segments each process maps (what the leak, memory
+and load benchmarks read)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,26 @@ def process_tree(root: int) -> list[int]:
         frontier = [pid for pid, ppid in parent.items() if ppid in frontier]
         tree += frontier
     return tree
+
+
+def titled_tree(root: int) -> dict[str, int]:
+    """``root``'s descendants by title (``pdserve:detok-0``, as ``ps`` shows it)."""
+    out: dict[str, int] = {}
+    for pid in process_tree(root)[1:]:
+        try:
+            out[Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()] = pid
+        except OSError:  # it exited meanwhile
+            continue
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far, all its threads (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def open_fds(pid: int) -> int:

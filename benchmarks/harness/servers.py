@@ -231,33 +231,3 @@ def launch(args: list[str], tree: Path | None = None) -> tuple[subprocess.Popen[
 
     threading.Thread(target=lambda: [None for _ in proc.stdout or ()], daemon=True).start()
     return proc, f"http://127.0.0.1:{port}"
-
-
-def process_tree(root: int) -> dict[str, int]:
-    """Every descendant of process ``root`` by its title (``pdserve:detok-0``), from /proc."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):  # it exited meanwhile
-                stat = (entry / "stat").read_text()
-                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found: dict[str, int] = {}
-    frontier = [root]
-    while frontier:
-        pid = frontier.pop()
-        for child, parent in parents.items():
-            if parent == pid:
-                with contextlib.suppress(OSError):
-                    cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-                    found[cmdline.split(b"\0")[0].decode(errors="replace")] = child
-                frontier.append(child)
-    return found
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process ``pid`` has used (all its threads); 0 once gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

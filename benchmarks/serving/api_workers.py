@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
 import signal
 import sys
@@ -44,7 +43,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from benchmarks.harness.machine import machine_block
-from benchmarks.harness.processes import process_tree
+from benchmarks.harness.processes import cpu_seconds, process_tree
 from benchmarks.harness.servers import launch
 from benchmarks.harness.words import PLAIN_WORDS
 
@@ -159,15 +158,6 @@ def client_process(
 
 
 # ---- the server side ----------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (0 if it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def frontend_pids(root: int) -> list[int]:

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.machine import load_average
-from benchmarks.harness.servers import cpu_seconds, launch, process_tree
+from benchmarks.harness.processes import cpu_seconds, titled_tree
+from benchmarks.harness.servers import launch
 from benchmarks.serving.launch_ab import add_server_flags, write_page
 from bundled_models.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
@@ -122,7 +123,7 @@ def _role_cpu(launcher: int) -> dict[str, float]:
     """CPU seconds so far of the server's processes by role (``pdserve:detok-1`` counts
     for ``detok``), each role's processes summed."""
     out: dict[str, float] = {}
-    for title, pid in process_tree(launcher).items():
+    for title, pid in titled_tree(launcher).items():
         if title.startswith("pdserve:"):
             role = title.removeprefix("pdserve:").rsplit("-", 1)[0]
             out[role] = out.get(role, 0.0) + cpu_seconds(pid)

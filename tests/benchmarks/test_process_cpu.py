@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from benchmarks.harness.servers import cpu_seconds, process_tree
+from benchmarks.harness.processes import cpu_seconds, titled_tree
 from benchmarks.serving.load_ab import _role_cpu
 from tests.conftest import LaunchedServer
 
@@ -13,7 +13,7 @@ def test_each_role_of_a_launched_tree_is_found_and_its_cpu_grows_with_work() -> 
     srv = LaunchedServer(["--colocated", "1", "--device", "cpu", "--kv-cache-tokens", "4096"])
     srv.wait_ready()
     try:
-        titles = set(process_tree(srv.proc.pid))
+        titles = set(titled_tree(srv.proc.pid))
         assert {"pdserve:colocated-0", "pdserve:detok-0", "pdserve:frontend-0"} <= titles
         before = _role_cpu(srv.proc.pid)
         assert {"colocated", "detok", "frontend"} <= set(before)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from benchmarks.harness.servers import process_tree
+from benchmarks.harness.processes import titled_tree
 from engine.kernels.cpu.ops import bind_threads_op
 from tests.conftest import LaunchedServer
 
@@ -35,7 +35,7 @@ def test_the_worker_main_thread_keeps_home_and_the_rest_keep_off_it(
     pinned: LaunchedServer,
 ) -> None:
     _serve(pinned)
-    tree = process_tree(pinned.proc.pid)
+    tree = titled_tree(pinned.proc.pid)
     worker = _masks(tree["pdserve:colocated-0"])
     assert worker.pop(tree["pdserve:colocated-0"]) == [CORES[0]]
     if bind_threads_op() is not None:  # its OpenMP pool: one thread on each other core
@@ -53,7 +53,7 @@ def test_off_leaves_every_process_to_the_scheduler() -> None:
     srv.wait_ready()
     try:
         _serve(srv)
-        for name, pid in process_tree(srv.proc.pid).items():
+        for name, pid in titled_tree(srv.proc.pid).items():
             assert all(mask == CORES for mask in _masks(pid).values()), name
     finally:
         srv.stop()
