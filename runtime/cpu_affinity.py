@@ -4,7 +4,7 @@ An engine worker's step is a chain of short OpenMP regions (a one-row decode ste
 default model: ~200 of them, ~20 us each), driven by the worker's main thread, which
 also runs the Python between them. When the detokenizer or the frontend wakes (once a
 token at one stream) on the core that thread holds, the whole chain stops until it is
-done; a pool thread that the scheduler moved onto that core halves it. So where a host
+done; a pool thread that the scheduler moved onto that core slows it. So where a host
 has more cores than CPU engine workers, the launcher gives each engine worker a home
 core for its main thread, and keeps the detokenizer shards and HTTP frontends on the
 cores left. A lone engine worker's OpenMP threads are bound one to a core, from its home
