@@ -42,13 +42,19 @@ def titled_tree(root: int) -> dict[str, int]:
     return out
 
 
+def stat_cpu_seconds(stat_line: str, ticks: int) -> float:
+    """User + system CPU seconds from a ``/proc/<pid>/stat`` line (the command name, in
+    parentheses, may hold spaces: fields are counted after its closing one)."""
+    fields = stat_line.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` so far, all its threads (0 once it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text(), os.sysconf("SC_CLK_TCK"))
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def open_fds(pid: int) -> int:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness.machine import load_average
+from benchmarks.harness.processes import cpu_seconds
 from benchmarks.harness.servers import launch
 from benchmarks.serving.launch_ab import write_page
 from benchmarks.serving.load_ab import load_flags, run_client
@@ -54,20 +55,6 @@ def process_tree(root: int, ps_lines: list[str]) -> dict[int, str]:
         out[pid] = names.get(pid, "")
         stack.extend(children.get(pid, ()))
     return out
-
-
-def cpu_seconds(stat_line: str, ticks: int) -> float:
-    """User + system CPU seconds from a ``/proc/<pid>/stat`` line (the command name, in
-    parentheses, may hold spaces: fields are counted after its closing one)."""
-    fields = stat_line.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / ticks
-
-
-def _cpu(pid: int) -> float:
-    try:
-        return cpu_seconds(Path(f"/proc/{pid}/stat").read_text(), os.sysconf("SC_CLK_TCK"))
-    except OSError:  # gone since the listing
-        return 0.0
 
 
 def _ps() -> list[str]:
@@ -128,7 +115,7 @@ def main() -> None:
         run_client(url, model, 99, load_flags(warm))
         procs = process_tree(proc.pid, _ps())
         engine = next((pid for pid, n in procs.items() if n.startswith(ENGINE_TITLES)), None)
-        before = {pid: _cpu(pid) for pid in procs}
+        before = {pid: cpu_seconds(pid) for pid in procs}
         client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         with tempfile.TemporaryDirectory() as tmp:
             data = Path(tmp) / "perf.data"
@@ -136,7 +123,7 @@ def main() -> None:
             t0 = time.monotonic()
             result = run_client(url, model, 1, load)
             wall = time.monotonic() - t0
-            after = {pid: _cpu(pid) for pid in procs}
+            after = {pid: cpu_seconds(pid) for pid in procs}
             client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
             profile: list[str] = []
             if perf is not None:
