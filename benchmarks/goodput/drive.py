@@ -84,23 +84,20 @@ async def run_point(
     texts = [prompts.text(a.prompt_len) for a in arrivals]  # built before the clock starts
     window = arrivals[-1].at if arrivals else 0.0
     cfg = _request_config(target, window + drain_s + 30.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
-        start = time.perf_counter()
-        tasks, records = [], [RequestRecord(a.prompt_len) for a in arrivals]
-        for a, text, record in zip(arrivals, texts, records):
-            await asyncio.sleep(max(0.0, start + a.at - time.perf_counter()))
-            req = SampleRequest(text, a.prompt_len, a.output_len)
-            sending = send_request(http, cfg, req, prompts.tokenizer, record)
-            tasks.append(asyncio.create_task(sending))
-        deadline = start + window + drain_s
-        if tasks:
-            await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
-        finished = [task.done() for task in tasks]
-        for task in tasks:
-            task.cancel()  # no-op on the finished ones
-        await asyncio.gather(*tasks, return_exceptions=True)
+    start = time.perf_counter()
+    tasks, records = [], [RequestRecord(a.prompt_len) for a in arrivals]
+    for a, text, record in zip(arrivals, texts, records):
+        await asyncio.sleep(max(0.0, start + a.at - time.perf_counter()))
+        req = SampleRequest(text, a.prompt_len, a.output_len)
+        sending = send_request(cfg, req, prompts.tokenizer, record)
+        tasks.append(asyncio.create_task(sending))
+    deadline = start + window + drain_s
+    if tasks:
+        await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
+    finished = [task.done() for task in tasks]
+    for task in tasks:
+        task.cancel()  # no-op on the finished ones
+    await asyncio.gather(*tasks, return_exceptions=True)
     return [_sent(a, r, done) for a, r, done in zip(arrivals, records, finished)]
 
 

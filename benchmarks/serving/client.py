@@ -1,4 +1,6 @@
-"""One streamed request to an OpenAI-compatible server, timed per SSE chunk."""
+"""One streamed request to an OpenAI-compatible server, timed per SSE chunk (over
+``benchmarks/harness/http_stream.py``: a lean client, since it shares the cores with the
+server it measures)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
+from benchmarks.harness.http_stream import post_lines
 from benchmarks.serving.datasets import SampleRequest
 from benchmarks.serving.metrics import RequestRecord
 
@@ -83,7 +84,6 @@ class _Timing:
 
 
 async def send_request(
-    http: httpx.AsyncClient,
     cfg: RequestConfig,
     req: SampleRequest,
     tokenizer: Any,
@@ -91,28 +91,24 @@ async def send_request(
 ) -> RequestRecord:
     """Send ``req``; never raises: failures are recorded with their error. ``record``: the
     record to fill as chunks arrive (a caller that may cancel the request reads what it
-    got so far there); default a new one."""
+    got so far there); default a new one. The caller bounds the request's time."""
     record = RequestRecord(prompt_len=req.prompt_len) if record is None else record
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     start = time.perf_counter()
     timing = _Timing(record, start)
+    url = cfg.base_url.rstrip("/") + cfg.endpoint
     try:
-        async with http.stream(
-            "POST",
-            cfg.base_url.rstrip("/") + cfg.endpoint,
-            json=build_body(cfg, req),
-            headers=headers,
-        ) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")[:200]
-                raise RuntimeError(f"HTTP {resp.status_code}: {body}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+        lines = post_lines(url, json.dumps(build_body(cfg, req)).encode(), headers)
+        try:
+            async for line in lines:
+                if not line.startswith(b"data:"):
                     continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
+                data = line[len(b"data:") :].strip()
+                if data == b"[DONE]":
                     break
                 timing.on_payload(json.loads(data))
+        finally:
+            await lines.aclose()
         if not timing.text:
             raise RuntimeError("the response carried no content")
         record.latency = time.perf_counter() - start

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import numpy as np
 from tqdm import tqdm
 
@@ -59,37 +58,30 @@ async def run_load(
     ended = [asyncio.Event() for _ in requests]
     limit = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     bar = tqdm(total=len(requests), disable=disable_tqdm, desc="requests")
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0))
 
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+    async def one(i: int, req: SampleRequest) -> RequestRecord:
+        try:
+            if req.after is not None:
+                await ended[req.after].wait()
+            if limit is None:
+                return await _bounded(cfg, req, tokenizer)
+            async with limit:
+                return await _bounded(cfg, req, tokenizer)
+        finally:
+            ended[i].set()
+            bar.update(1)
 
-        async def one(i: int, req: SampleRequest) -> RequestRecord:
-            try:
-                if req.after is not None:
-                    await ended[req.after].wait()
-                if limit is None:
-                    return await _bounded(http, cfg, req, tokenizer)
-                async with limit:
-                    return await _bounded(http, cfg, req, tokenizer)
-            finally:
-                ended[i].set()
-                bar.update(1)
-
-        start = time.perf_counter()
-        tasks = [asyncio.create_task(one(i, req)) async for i, req in arrivals(requests, load)]
-        records = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+    start = time.perf_counter()
+    tasks = [asyncio.create_task(one(i, req)) async for i, req in arrivals(requests, load)]
+    records = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
     bar.close()
     return list(records), duration
 
 
-async def _bounded(
-    http: httpx.AsyncClient, cfg: RequestConfig, req: SampleRequest, tokenizer: Any
-) -> RequestRecord:
-    # httpx's timeout bounds each read; this bounds the whole request, so a server that
-    # trickles bytes forever cannot hang the benchmark either.
+async def _bounded(cfg: RequestConfig, req: SampleRequest, tokenizer: Any) -> RequestRecord:
+    # The whole request, so a server that trickles bytes forever cannot hang the benchmark.
     try:
-        return await asyncio.wait_for(send_request(http, cfg, req, tokenizer), cfg.timeout_s)
+        return await asyncio.wait_for(send_request(cfg, req, tokenizer), cfg.timeout_s)
     except TimeoutError:
         return RequestRecord(prompt_len=req.prompt_len, error=f"timed out after {cfg.timeout_s}s")

@@ -113,7 +113,7 @@ def test_a_conversations_next_turn_is_sent_only_after_the_previous_one_ended(
 
     spans: dict[str, tuple[float, float]] = {}
 
-    async def fake_send(http: Any, cfg: Any, req: SampleRequest, tok: Any) -> RequestRecord:
+    async def fake_send(cfg: Any, req: SampleRequest, tok: Any) -> RequestRecord:
         start = time.monotonic()
         await asyncio.sleep(0.05)
         spans[req.prompt] = (start, time.monotonic())
