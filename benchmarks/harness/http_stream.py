@@ -17,7 +17,6 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from urllib.parse import urlsplit
 
 CONNECT_TIMEOUT_S = 30.0
-ERROR_BODY_BYTES = 1 << 16  # of a refusal's body, at most
 
 
 class ConnectError(ConnectionError):
@@ -25,7 +24,7 @@ class ConnectError(ConnectionError):
 
 
 class HttpError(RuntimeError):
-    """A response other than 200; ``body`` is the start of its body."""
+    """A response other than 200, with its body."""
 
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"HTTP {status}: {body[:200]}")
@@ -64,7 +63,7 @@ async def post_lines(
         length = int(fields["content-length"]) if "content-length" in fields else None
         if status != 200:
             raw = b"".join([piece async for piece in _body(reader, chunked, length)])
-            raise HttpError(status, raw[:ERROR_BODY_BYTES].decode(errors="replace"))
+            raise HttpError(status, raw.decode(errors="replace"))
         carry = b""
         async for piece in _body(reader, chunked, length):
             *done, carry = (carry + piece).split(b"\n")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import shlex
 import signal
@@ -32,8 +31,9 @@ import httpx
 
 from benchmarks.harness.machine import load_average, machine_block
 from benchmarks.harness.servers import launch
-from benchmarks.serving.client import RequestConfig, build_body, send_request
+from benchmarks.serving.client import RequestConfig, _Timing, build_body, send_request
 from benchmarks.serving.datasets import SampleRequest
+from benchmarks.serving.metrics import RequestRecord
 from bundled_models.default_model import resolve_model
 
 RESULTS = Path(__file__).parents[1] / "results" / "client_cost.md"
@@ -41,20 +41,22 @@ PROMPT = "Write a long story about a lighthouse keeper and the ships she watches
 
 
 async def httpx_itl(cfg: RequestConfig, req: SampleRequest) -> list[float]:
-    """The same request through httpx (``aiter_lines`` and ``json.loads`` a chunk, as the
-    benchmark client read before): the gaps between chunks that carried text."""
-    stamps: list[float] = []
+    """The same request through httpx, read as the benchmark client read it before
+    (``aiter_lines``, then its chunk timing, ``_Timing``): the gaps between text chunks."""
+    record = RequestRecord(prompt_len=req.prompt_len)
+    timing = _Timing(record, time.perf_counter())
     async with (
         httpx.AsyncClient(timeout=600) as http,
         http.stream("POST", cfg.base_url + cfg.endpoint, json=build_body(cfg, req)) as resp,
     ):
         async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line.endswith("[DONE]"):
+            if not line.startswith("data:"):
                 continue
-            choices = json.loads(line[5:]).get("choices") or [{}]
-            if choices[0].get("text"):
-                stamps.append(time.perf_counter())
-    return [b - a for a, b in itertools.pairwise(stamps)]
+            data = line[len("data:") :].strip()
+            if data == "[DONE]":
+                break
+            timing.on_payload(json.loads(data))
+    return record.itl
 
 
 async def lean_itl(cfg: RequestConfig, req: SampleRequest) -> list[float]:
