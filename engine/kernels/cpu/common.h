@@ -6,7 +6,8 @@
 //   opt-in: not the same numbers as the others);
 // * elementwise.cpp: silu_mul, the MLP's SiLU(gate) * up in one pass; rope_store, rotary +
 //   K/V store;
-// * decode_attention.cpp, prefill_attention.cpp: attention over the paged KV pool in place;
+// * decode_attention.cpp, prefill_attention.cpp: attention over the paged KV pool in place
+//   (decode_chunk.h: decode attention's arithmetic on one chunk of context);
 // * decode_layers.cpp: decode_layers, a decode step's decoder layers in one call;
 // * near_logits.cpp: refine_near_logits, the LM head's leading logits recomputed exactly;
 // * common.cpp: the attentions' shared checks; bind_threads, a core for each OpenMP thread;

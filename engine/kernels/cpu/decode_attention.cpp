@@ -8,12 +8,13 @@
 // A task is (query row, KV head, part of the row's context): its G = H / KVH query heads
 // share every K and V load, and so do the rows of one sequence grouped on one core. Per 16
 // tokens: the scores of a head are one vector (K's columns are tokens), then an online
-// softmax (running max and sum per head) and V's rows accumulated in float32. Blocks are
-// prefetched two ahead (a table's blocks are anywhere in the pool). A row's result does not
-// depend on the rows beside it or on the threads: each row runs the same instructions in the
-// same order whatever the batch.
+// softmax (running max and sum per head) and V's rows accumulated in float32; in a bfloat16
+// pool both products are pair-dots on the chunk re-laid once for the group's rows
+// (decode_chunk.h). Blocks are prefetched two ahead (a table's blocks are anywhere in the
+// pool). A row's result does not depend on the rows beside it or on the threads: each row
+// runs the same instructions in the same order whatever the batch.
 
-#include "common.h"
+#include "decode_chunk.h"
 
 namespace pdserve {
 namespace {
@@ -21,100 +22,6 @@ namespace {
 // Blocks read ahead (a one-row step at 1000 tokens 7.5-8.5 ms, against 8.6-8.8 at 1; 4 slower).
 constexpr int64_t kAttnAhead = 2;
 constexpr int64_t kSplitTokens = 512;
-
-// One block's K and V chunks of one head (``bytes`` each, from ``at`` past each base), into
-// L1 (``l1``) or L2. Which reads the context faster depends on the core:
-// * the 2-core Zen 4 (AMD family 25): into L2. A step's attention at 2,500 tokens, one row,
-//   one thread: 4.5 ms with T1 against 8.0 ms with T0 in alternating runs (a core has few
-//   L1 miss buffers, and two blocks' lines asked into L1 at once waited on them);
-// * the 2-core Zen 5 (family 26): into L1. The attention alone over a cold context (1-8 rows,
-//   300-2,048 tokens, alternating in one process): 0.80-0.93x the time of L2; a decode
-//   step of the default model at 1-8 rows: 0.97-0.99x (benchmarks/results/kv_prefetch.md).
-// NOTE: always inlined: GCC takes an out-of-line function of prefetches alone for one with no
-// effect, and deletes its calls (a build that did not inline it had no prefetch left).
-__attribute__((always_inline)) inline void prefetch_kv(const char* k, const char* v,
-                                                       int64_t at, int64_t bytes, bool l1) {
-  for (int64_t line = 0; line < bytes; line += 64) {
-    if (l1) {
-      _mm_prefetch(k + at + line, _MM_HINT_T0);
-      _mm_prefetch(v + at + line, _MM_HINT_T0);
-    } else {
-      _mm_prefetch(k + at + line, _MM_HINT_T1);
-      _mm_prefetch(v + at + line, _MM_HINT_T1);
-    }
-  }
-}
-
-// The running softmax of one query row's G heads over the tokens it has seen so far: per head
-// its max, its sum of exponentials and its weighted sum of V rows, float32 (none seen yet:
-// max -inf, sum 0).
-template <int G, int DV>
-struct RowState {
-  __m512 acc[G][DV];
-  float m[G], l[G];
-};
-
-// One row's G heads over one 16-token chunk of a block: ``valid`` tokens from ``off``.
-// Every caller (a decode row alone, or among a verification's rows) runs this same code
-// on the same inputs in the same order, so a row's bits never depend on the rows beside
-// it; fp-contract=off keeps the compiler from fusing the scalar steps one way here and
-// another there. Its caller carries the same attribute: GCC does not inline a function
-// whose optimize options differ from its caller's, and a call a chunk costs ~10 %.
-#define PDSERVE_EXACT_FP __attribute__((optimize("fp-contract=off")))
-template <int G, int DV, bool BF16>
-PDSERVE_VL_TARGET PDSERVE_EXACT_FP inline void attend_chunk(
-    const float (&q)[G][DV * 16], const char* kb, const char* vb, int64_t bs, int64_t off,
-    int64_t valid, RowState<G, DV>& st) {
-  constexpr int64_t D = DV * 16, esize = BF16 ? 2 : 4;
-  const __mmask16 mask = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-  // Four partial sums a head (dimensions d = j mod 4), so that no chain of D dependent
-  // multiply-adds sets the pace.
-  __m512 part[G][4];
-  for (int h = 0; h < G; ++h)
-    for (int j = 0; j < 4; ++j) part[h][j] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 4) {
-    for (int j = 0; j < 4; ++j) {
-      const __m512 k = load_ps(kb + ((d + j) * bs + off) * esize, BF16, mask);
-      for (int h = 0; h < G; ++h)
-        part[h][j] = _mm512_fmadd_ps(_mm512_set1_ps(q[h][d + j]), k, part[h][j]);
-    }
-  }
-  alignas(64) float p[G][16];
-  // The running sums are held in registers over the chunk and stored once at its end: kept in
-  // ``st``, each V load (through a char pointer, which may alias them) made the compiler
-  // store all G x DV of them first, every token (a 5-row verification's attention at 2,500
-  // tokens: 1.27x faster without, one thread).
-  __m512 acc[G][DV];
-  for (int h = 0; h < G; ++h) {
-    const __m512 s = _mm512_add_ps(_mm512_add_ps(part[h][0], part[h][1]),
-                                   _mm512_add_ps(part[h][2], part[h][3]));
-    const __m512 sm = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), s);
-    const float m_new = std::max(st.m[h], _mm512_reduce_max_ps(sm));
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp_ps(_mm512_sub_ps(sm, _mm512_set1_ps(m_new))));
-    if (m_new == st.m[h]) {
-      // A rescale by exp(0) = 1 changes no bit: skipped, with its call to std::exp (before
-      // which every live vector was saved). After a row's first chunks its max seldom moves.
-      st.l[h] = st.l[h] + _mm512_reduce_add_ps(e);
-      for (int v = 0; v < DV; ++v) acc[h][v] = st.acc[h][v];
-    } else {
-      const float corr = st.m[h] == -INFINITY ? 0.0f : std::exp(st.m[h] - m_new);
-      st.l[h] = st.l[h] * corr + _mm512_reduce_add_ps(e);
-      st.m[h] = m_new;
-      for (int v = 0; v < DV; ++v) acc[h][v] = _mm512_mul_ps(st.acc[h][v], _mm512_set1_ps(corr));
-    }
-    _mm512_store_ps(p[h], e);
-  }
-  for (int64_t t = 0; t < valid; ++t) {
-    __m512 vv[DV];
-    for (int v = 0; v < DV; ++v) vv[v] = load_ps(vb + ((off + t) * D + v * 16) * esize, BF16, 0xFFFF);
-    for (int h = 0; h < G; ++h) {
-      const __m512 w = _mm512_set1_ps(p[h][t]);
-      for (int v = 0; v < DV; ++v) acc[h][v] = _mm512_fmadd_ps(w, vv[v], acc[h][v]);
-    }
-  }
-  for (int h = 0; h < G; ++h)
-    for (int v = 0; v < DV; ++v) st.acc[h][v] = acc[h][v];
-}
 
 // One query row of a group: its G heads' q (in the cache's dtype), its tokens [begin, end) of
 // the sequence's context, and where its result goes. With ``out`` (the whole context): the
@@ -131,32 +38,41 @@ struct GroupRow {
 constexpr int kGroupRows = 8;  // rows of one sequence and KV head that share each chunk's loads
 
 // Up to kGroupRows rows of one sequence (a verification's, or a split row's halves) over
-// one KV head's G heads. Each 16-token chunk of the rows' ranges is read once and attended
-// by every row whose range holds it, one row after the other: the first from memory, the
-// rest from L1. Each row runs attend_chunk on the same chunks in the same order as it does
-// alone (a decode step, one row), so its bits do not depend on the rows grouped with it.
+// one KV head's G heads. Each 16-token chunk of the rows' ranges is read once (in a bfloat16
+// pool, made into K pairs once) and attended by every row whose range holds it, one row
+// after the other: the first from memory, the rest from L1. Each row runs the same chunk
+// code on the same chunks in the same order as it does alone (a decode step, one row), so
+// its bits do not depend on the rows grouped with it.
 template <int G, int DV, bool BF16>
 PDSERVE_VL_TARGET PDSERVE_EXACT_FP void decode_attention_rows(
     const GroupRow* rows, int n_rows, const char* k_head0, const char* v_head0,
     int64_t block_stride, const int32_t* table, int64_t bs, float scale, bool l1) {
   constexpr int64_t D = DV * 16, esize = BF16 ? 2 : 4;
-  float q[kGroupRows][G][D];
+  // q per row: a bfloat16 pool's as bfloat16 pairs (scaled after the dots), a float32
+  // pool's scaled.
+  uint32_t q_pairs[kGroupRows][G][BF16 ? DV * 8 : 1];
+  float q_f32[kGroupRows][G][BF16 ? 1 : D];
   RowState<G, DV> st[kGroupRows];
   int64_t t_begin = rows[0].begin, t_end = rows[0].end;
   for (int r = 0; r < n_rows; ++r) {
     t_begin = std::min(t_begin, rows[r].begin);
     t_end = std::max(t_end, rows[r].end);
     for (int h = 0; h < G; ++h) {
-      for (int v = 0; v < DV; ++v) {
-        const char* src = static_cast<const char*>(rows[r].q_row) + (h * D + v * 16) * esize;
-        _mm512_storeu_ps(&q[r][h][v * 16],
-                         _mm512_mul_ps(load_ps(src, BF16, 0xFFFF), _mm512_set1_ps(scale)));
-        st[r].acc[h][v] = _mm512_setzero_ps();
+      const char* src = static_cast<const char*>(rows[r].q_row) + h * D * esize;
+      if constexpr (BF16) {
+        std::memcpy(q_pairs[r][h], src, D * 2);
+      } else {
+        for (int v = 0; v < DV; ++v)
+          _mm512_storeu_ps(&q_f32[r][h][v * 16],
+                           _mm512_mul_ps(_mm512_loadu_ps(src + v * 64), _mm512_set1_ps(scale)));
       }
+      for (int v = 0; v < DV; ++v) st[r].acc[h][v] = _mm512_setzero_ps();
       st[r].m[h] = -INFINITY;
       st[r].l[h] = 0.0f;
     }
   }
+  // A bfloat16 chunk's K and V pairs, made once for the rows.
+  alignas(64) __m512i k_chunk[BF16 ? DV * 8 : 1], v_chunk[BF16 ? DV * 8 : 1];
   const int64_t chunk_bytes = bs * D * esize, last_block = (t_end - 1) / bs;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
     const int64_t block = table[t0 / bs], off = t0 % bs;
@@ -168,10 +84,22 @@ PDSERVE_VL_TARGET PDSERVE_EXACT_FP void decode_attention_rows(
           prefetch_kv(k_head0, v_head0, table[t0 / bs + a] * block_stride * esize, chunk_bytes,
                       l1);
     }
+    if constexpr (BF16) {
+      k_pairs<DV>(kb, bs, off, k_chunk);
+      v_pairs<DV>(vb, off, std::min<int64_t>(16, t_end - t0), v_chunk);
+    }
     for (int r = 0; r < n_rows; ++r) {
       if (t0 < rows[r].begin || t0 >= rows[r].end) continue;
-      attend_chunk<G, DV, BF16>(q[r], kb, vb, bs, off, std::min<int64_t>(16, rows[r].end - t0),
-                                st[r]);
+      const int64_t valid = std::min<int64_t>(16, rows[r].end - t0);
+      __m512 s[G];
+      if constexpr (BF16) {
+        scores_pairs<G, DV>(q_pairs[r], k_chunk, scale, s);
+        softmax_pairs<G, DV>(s, v_chunk, valid, st[r]);
+      } else {
+        const __mmask16 mask = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+        scores_f32<G, DV>(q_f32[r], kb, bs, off, mask, s);
+        softmax_v<G, DV>(s, vb, off, valid, st[r]);
+      }
     }
   }
   for (int r = 0; r < n_rows; ++r) {

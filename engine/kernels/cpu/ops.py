@@ -80,7 +80,9 @@ def decode_attention_op() -> Callable[..., torch.Tensor] | None:
     (by default one row a sequence) -> (B, H, D) in the cache's dtype. Each row attends over
     its own length as a decode step of that length would, to the same bits; a sequence's
     rows (a speculative verification's k + 1) run together on one core, each chunk of the
-    context read once for all of them. Head sizes ``ATTENTION_HEAD_SIZES``, up to
+    context read once for all of them. In a bfloat16 pool both products are bfloat16
+    pair-dots summed in float32, the probabilities rounded to bfloat16 (as the prefill
+    kernel's); a float32 pool's are float32. Head sizes ``ATTENTION_HEAD_SIZES``, up to
     8 query heads a KV head. A last ``prefetch`` argument (1: into L1, 0: into L2; default
     -1, this CPU's choice) sets where the context is prefetched, to measure one against the
     other (``benchmarks.engine.kv_prefetch_ab``); the bits do not depend on it. None where
