@@ -113,6 +113,23 @@ PDSERVE_VL_TARGET inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// idx[2t] = t, idx[2t + 1] = 32 + t: two vectors' first 16 values, interleaved (the
+// attentions' bfloat16 pairs: two dimensions of a token, or a dimension of two tokens).
+PDSERVE_VL_TARGET inline __m512i pair_index() {
+  alignas(64) int16_t idx[32];
+  for (int t = 0; t < 16; ++t) {
+    idx[2 * t] = int16_t(t);
+    idx[2 * t + 1] = int16_t(32 + t);
+  }
+  return _mm512_load_si512(idx);
+}
+
+PDSERVE_VL_TARGET inline __m512i interleave16(__m512i idx, const uint16_t* a, const uint16_t* b) {
+  return _mm512_permutex2var_epi16(
+      _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), idx,
+      _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))));
+}
+
 // 16 lanes (mask: the valid ones) of float32 or bfloat16 values, widened to float32.
 PDSERVE_VL_TARGET inline __m512 load_ps(const void* p, bool bf16, __mmask16 mask) {
   if (!bf16) return _mm512_maskz_loadu_ps(mask, p);

@@ -80,24 +80,16 @@ PDSERVE_VL_TARGET PDSERVE_EXACT_FP inline void scores_f32(const float (&q)[G][DV
                          _mm512_add_ps(part[h][2], part[h][3]));
 }
 
-// idx[2t] = t, idx[2t + 1] = 32 + t: two vectors' first 16 values, interleaved.
-alignas(64) constexpr uint16_t kInterleave[32] = {0, 32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                                  37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42,
-                                                  11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-
 // A bfloat16 chunk's K, 16 tokens from ``off`` of a (D, bs) block chunk, as D / 2 vectors:
 // vector i holds (K[2i][t], K[2i + 1][t]) in 32-bit lane t. All 16 tokens are read (a
 // block holds a multiple of 16): lanes past a row's end carry whatever the pool holds
 // there, and the softmax masks their scores.
 template <int DV>
 PDSERVE_VL_TARGET inline void k_pairs(const char* kb, int64_t bs, int64_t off, __m512i* out) {
-  const __m512i idx = _mm512_load_si512(kInterleave);
-  for (int64_t i = 0; i < DV * 8; ++i) {
-    const char* row = kb + (2 * i * bs + off) * 2;  // K[2i][off..], then K[2i + 1][off..]
-    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + bs * 2));
-    out[i] = _mm512_permutex2var_epi16(_mm512_castsi256_si512(lo), idx, _mm512_castsi256_si512(hi));
-  }
+  const __m512i idx = pair_index();
+  const uint16_t* k = reinterpret_cast<const uint16_t*>(kb) + off;
+  for (int64_t i = 0; i < DV * 8; ++i)
+    out[i] = interleave16(idx, k + 2 * i * bs, k + (2 * i + 1) * bs);
 }
 
 // A bfloat16 chunk's scores from its K pairs (k_pairs): q (G, D / 2) as bfloat16 pairs,
@@ -132,19 +124,14 @@ PDSERVE_VL_TARGET PDSERVE_EXACT_FP inline void scores_pairs(const uint32_t (&q)[
 template <int DV>
 PDSERVE_VL_TARGET inline void v_pairs(const char* vb, int64_t off, int64_t valid, __m512i* out) {
   constexpr int64_t D = DV * 16;
-  const __m512i idx = _mm512_load_si512(kInterleave);
+  const __m512i idx = pair_index();
+  alignas(64) static constexpr uint16_t kZero[16] = {};
+  const uint16_t* chunk = reinterpret_cast<const uint16_t*>(vb) + off * D;
   for (int64_t u = 0; u < 8; ++u) {
-    const int64_t t = 2 * u;
-    for (int v = 0; v < DV; ++v) {
-      const char* row = vb + ((off + t) * D + v * 16) * 2;
-      const __m256i lo = t < valid ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))
-                                   : _mm256_setzero_si256();
-      const __m256i hi = t + 1 < valid
-                             ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + D * 2))
-                             : _mm256_setzero_si256();
-      out[u * DV + v] =
-          _mm512_permutex2var_epi16(_mm512_castsi256_si512(lo), idx, _mm512_castsi256_si512(hi));
-    }
+    const uint16_t* t0 = 2 * u < valid ? chunk + 2 * u * D : nullptr;
+    const uint16_t* t1 = 2 * u + 1 < valid ? chunk + (2 * u + 1) * D : nullptr;
+    for (int v = 0; v < DV; ++v)
+      out[u * DV + v] = interleave16(idx, t0 ? t0 + v * 16 : kZero, t1 ? t1 + v * 16 : kZero);
   }
 }
 

@@ -33,22 +33,6 @@ struct PrefillChunk {
   __m512i vp[16][8];
 };
 
-// idx[2t] = t, idx[2t + 1] = 32 + t: two vectors' first 16 values, interleaved.
-PDSERVE_VL_TARGET inline __m512i pair_index() {
-  alignas(64) int16_t idx[32];
-  for (int t = 0; t < 16; ++t) {
-    idx[2 * t] = int16_t(t);
-    idx[2 * t + 1] = int16_t(32 + t);
-  }
-  return _mm512_load_si512(idx);
-}
-
-PDSERVE_VL_TARGET inline __m512i interleave16(__m512i idx, const uint16_t* a, const uint16_t* b) {
-  return _mm512_permutex2var_epi16(
-      _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), idx,
-      _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))));
-}
-
 // Tokens [t0, t0 + 32) of one KV head into ``c``; tokens past ``last`` (the task's last
 // position) are not read: their K is left as it was (their scores are masked) and their V
 // is zero (a masked probability is 0, and 0 times a stale value must stay 0).
