@@ -39,10 +39,13 @@ constexpr int kGroupRows = 8;  // rows of one sequence and KV head that share ea
 
 // Up to kGroupRows rows of one sequence (a verification's, or a split row's halves) over
 // one KV head's G heads. Each 16-token chunk of the rows' ranges is read once (in a bfloat16
-// pool, made into K pairs once) and attended by every row whose range holds it, one row
-// after the other: the first from memory, the rest from L1. Each row runs the same chunk
-// code on the same chunks in the same order as it does alone (a decode step, one row), so
-// its bits do not depend on the rows grouped with it.
+// pool, made into K and V pairs once) and attended by every row whose range holds it, one
+// row after the other. Each row runs the same chunk code on the same chunks in the same
+// order as it does alone (a decode step, one row), so its bits do not depend on the rows
+// grouped with it. (In a bfloat16 pool, a row whose context ends inside a chunk that a
+// longer row of the group reads further sees that row's V pairs there, times its own
+// probability 0: products of +-0, which leave every sum as it is, bar the sign of a sum
+// that is exactly 0.)
 template <int G, int DV, bool BF16>
 PDSERVE_VL_TARGET PDSERVE_EXACT_FP void decode_attention_rows(
     const GroupRow* rows, int n_rows, const char* k_head0, const char* v_head0,
