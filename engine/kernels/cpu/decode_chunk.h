@@ -7,8 +7,9 @@
 // turned into D / 2 vectors of dimension pairs, 16 tokens' (K[2i][t], K[2i + 1][t]) a
 // vector, once for every row that reads the chunk; each row's scores are then pair-dots
 // (vdpbf16ps) against q's pairs broadcast: products of two bfloat16 values are exact in
-// float32, so a score is q . k summed in float32 and then scaled. A float32 pool takes
-// q scaled and each K row widened, four partial sums a head.
+// float32, so a score is q . k summed in float32 and then scaled. P V likewise: V re-laid
+// once as token pairs, times the probabilities rounded to bfloat16. A float32 pool takes
+// q scaled, each K row and V row widened, four partial sums a head.
 //
 // Every caller (a decode row alone, or among a verification's rows) runs this same code on
 // the same inputs in the same order, so a row's bits never depend on the rows beside it.
