@@ -55,7 +55,7 @@ def _content(payload: dict[str, Any]) -> str:
     return str(choice.get("text") or "")
 
 
-class _Timing:
+class ChunkTiming:
     """Chunk arrival times of one request."""
 
     def __init__(self, record: RequestRecord, start: float) -> None:
@@ -95,7 +95,7 @@ async def send_request(
     record = RequestRecord(prompt_len=req.prompt_len) if record is None else record
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     start = time.perf_counter()
-    timing = _Timing(record, start)
+    timing = ChunkTiming(record, start)
     url = cfg.base_url.rstrip("/") + cfg.endpoint
     try:
         lines = post_lines(url, json.dumps(build_body(cfg, req)).encode(), headers)

@@ -31,7 +31,7 @@ import httpx
 
 from benchmarks.harness.machine import load_average, machine_block
 from benchmarks.harness.servers import launch
-from benchmarks.serving.client import RequestConfig, _Timing, build_body, send_request
+from benchmarks.serving.client import ChunkTiming, RequestConfig, build_body, send_request
 from benchmarks.serving.datasets import SampleRequest
 from benchmarks.serving.metrics import RequestRecord
 from bundled_models.default_model import resolve_model
@@ -42,9 +42,9 @@ PROMPT = "Write a long story about a lighthouse keeper and the ships she watches
 
 async def httpx_itl(cfg: RequestConfig, req: SampleRequest) -> list[float]:
     """The same request through httpx, read as the benchmark client read it before
-    (``aiter_lines``, then its chunk timing, ``_Timing``): the gaps between text chunks."""
+    (``aiter_lines``, then its chunk timing, ``ChunkTiming``): the gaps between text chunks."""
     record = RequestRecord(prompt_len=req.prompt_len)
-    timing = _Timing(record, time.perf_counter())
+    timing = ChunkTiming(record, time.perf_counter())
     async with (
         httpx.AsyncClient(timeout=600) as http,
         http.stream("POST", cfg.base_url + cfg.endpoint, json=build_body(cfg, req)) as resp,
