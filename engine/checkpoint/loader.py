@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.errors import UnsupportedModelError
 from engine.model.causal_lm import CausalLM
+from engine.weights import int4_tiles
 from engine.weights.gemm import NEVER, bf16_gemm, min_gemm_rows
 from engine.weights.linear import (
     DenseKernel,
@@ -221,7 +222,10 @@ class _Loader:
         rows = self._packed_rows(parts, head)
         if rows is not None:
             try:
-                packed = packed_kernel(rows, kernel_dtype(self.dtype), self.device)
+                # The LM head keeps bfloat16 inputs where the layers take int8 ones.
+                on_cpu = self.device.type == "cpu"
+                kernel_name = int4_tiles.head_kernel() if head and on_cpu else None
+                packed = packed_kernel(rows, kernel_dtype(self.dtype), self.device, kernel_name)
                 if self.gemm_rows is not None:
                     # The head too: a decode step of 32 rows costs the packed int8 head
                     # ~3x the bfloat16 GEMM's time. By rows only (see ``ManyRows``).

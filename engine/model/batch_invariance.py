@@ -70,7 +70,7 @@ def make_batch_invariant(model: nn.Module) -> dict[str, int]:
             changed["head"] += 1
             kernel = kernel.packed
         if isinstance(kernel, Int4Kernel | Int8Kernel):
-            kernel.many_rows = None  # every call, of any phase and rows: the packed kernel
+            kernel.per_row()  # every call, of any phase and rows: the packed kernel
             changed["packed"] += 1
         elif isinstance(kernel, DenseKernel):
             kernel.row_tile = ROW_TILE

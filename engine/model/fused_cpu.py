@@ -332,6 +332,7 @@ class FusedCpuBackend(TorchBackend):
             stack.head_dim**-0.5,
             stack.amx,
             stack.planes,
+            stack.a8,
         )
 
     def _rope_then_store(

@@ -37,6 +37,7 @@ class LayerStack:
     norms: list[torch.Tensor]
     eps: float
     amx: bool  # the int4 kernel's AMX variant (int4_tiles.kernel_name)
+    a8: bool  # its ``avx512_vnni`` variant: int8 inputs (int4_tiles.kernel_name)
     planes: list[int]  # per kind: 1 where int8 (two nibble planes, the input twice), else 0
     num_heads: int
     num_kv_heads: int
@@ -47,8 +48,11 @@ class LayerStack:
 
     def packed_at(self, h: torch.Tensor) -> bool:
         """Whether every linear layer takes its packed kernel for ``h``'s rows (not its
-        many-rows GEMM: a prefill's, or a large decode batch's)."""
-        return all(k.many_rows is None or not k.many_rows.serves(h) for k in self.first)
+        many-rows GEMM: a prefill's, or a large decode batch's; nor its prompt kernel)."""
+        return all(
+            (k.many_rows is None or not k.many_rows.serves(h)) and k.call_kernel() == k.kernel
+            for k in self.first
+        )
 
 
 def layer_stack(model: CausalLM) -> LayerStack | None:
@@ -89,6 +93,7 @@ def layer_stack(model: CausalLM) -> LayerStack | None:
         norms=[n.weight for n in norms],
         eps=norms[0].eps,
         amx=packed[0].kernel == "amx",
+        a8=packed[0].kernel == "avx512_vnni",
         planes=[int(isinstance(k, Int8Kernel)) for k in packed],
         num_heads=attn.num_heads,
         num_kv_heads=attn.num_kv_heads,

@@ -144,6 +144,11 @@ class _PackedKernel(DirectAttrs):
     input_dtype: torch.dtype  # what the packed kernel rounds its input to
     compute_dtype: torch.dtype
 
+    def per_row(self) -> None:
+        """Every call, of any phase and rows, on the packed kernel: the arithmetic a row
+        gets then does not depend on its step (``engine/model/batch_invariance.py``)."""
+        self.many_rows = None
+
     def with_gemm(self, gemm: nn.Module, min_rows: int, by_phase: bool = True) -> None:
         """Run ``gemm`` (the same weights in bfloat16, (N, K)) for calls of ``min_rows`` rows
         or more: torch's int4 kernel de-quantizes per row block, so its cost grows with every
@@ -186,14 +191,18 @@ class Int4Kernel(_PackedKernel):
     pdserve's tiles (``engine/weights/int4_tiles.py``: ``tiles``, float32 out) or torch's
     int4 packing (``packed`` and ``scales_zeros``, out in their dtype)."""
 
-    def __init__(self, rows: Int4Rows, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, rows: Int4Rows, dtype: torch.dtype, device: torch.device, kernel: str | None = None
+    ) -> None:
+        """``kernel``: one of ``int4_tiles.available_kernels()`` on the tiles (the LM head's
+        ``int4_tiles.head_kernel()``); None: this process's ``int4_tiles.kernel_name()``."""
         super().__init__()
         if device.type != "cpu":
             raise QuantizationUnsupported(f"packed int4 weights run on CPU only, not {device}")
         n, k = rows.codes.shape
         if k % GROUP:
             raise QuantizationUnsupported(f"input width {k} is not a multiple of {GROUP}")
-        kernel = int4_tiles.kernel_name()
+        kernel = kernel or int4_tiles.kernel_name()
         if kernel != "torch":
             self._hold(kernel, (n, k), tiles=int4_tiles.pack(rows))
             return
@@ -213,7 +222,8 @@ class Int4Kernel(_PackedKernel):
     ) -> Int4Kernel:
         """A kernel over tensors already in ``kernel``'s layout (``engine/checkpoint/image.py``):
         the same as the one that packed them, with no packing and no copy."""
-        if kernel != int4_tiles.kernel_name():
+        # The LM head's kernel may be another on the same tiles (``int4_tiles.head_kernel``).
+        if kernel not in (int4_tiles.kernel_name(), int4_tiles.head_kernel()):
             raise QuantizationUnsupported(
                 f"weights packed for the {kernel} int4 kernel; this process runs "
                 f"{int4_tiles.kernel_name()}"
@@ -238,6 +248,22 @@ class Int4Kernel(_PackedKernel):
         else:
             self.input_dtype, self.compute_dtype = torch.bfloat16, torch.float32
         self.many_rows: ManyRows | None = None  # see with_gemm
+        # The kernel a prefill forward's calls take here, on the same tiles, where no GEMM
+        # does: bfloat16 pair-dots where this one quantizes its inputs to int8 (a prompt's
+        # rows then get the bits the GEMM's bfloat16 arithmetic would give them, near
+        # enough: its first token's near ties fall as on the bfloat16 kernels); None: this
+        # kernel. ``per_row`` drops it.
+        self.prompt_kernel = "avx512_bf16" if kernel == "avx512_vnni" else None
+
+    def per_row(self) -> None:
+        super().per_row()
+        self.prompt_kernel = None
+
+    def call_kernel(self) -> str:
+        """The int4 kernel a call made now takes (``prompt_kernel`` in a prefill forward)."""
+        if self.prompt_kernel is not None and _PREFILL.get():
+            return self.prompt_kernel
+        return self.kernel
 
     @staticmethod
     def roles(kernel: str) -> tuple[str, ...]:
@@ -255,7 +281,7 @@ class Int4Kernel(_PackedKernel):
         if self.kernel != "torch":
             # The kernel rounds float32 input to bfloat16 itself (as ``x.to`` would), in the
             # same pass as its group sums: one dispatch fewer a call.
-            out = int4_tiles.mm(x, self.tiles, self.out_features, self.kernel)
+            out = int4_tiles.mm(x, self.tiles, self.out_features, self.call_kernel())
         else:
             # torch's kernel computes in its scales' dtype (bfloat16 when serving: it is
             # 10-50x slower fed float32); the residual stream keeps its own dtype around it.
@@ -284,10 +310,12 @@ def nibble_planes(rows: Int8Rows) -> Int4Rows:
 class Int8Kernel(_PackedKernel):
     """Group-wise int8 (``W = q * scale``) as two int4 nibble planes; x: (T, K) -> (T, N)."""
 
-    def __init__(self, rows: Int8Rows, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, rows: Int8Rows, dtype: torch.dtype, device: torch.device, kernel: str | None = None
+    ) -> None:
         super().__init__()
         planes = nibble_planes(rows)
-        self._hold(Int4Kernel(planes, dtype, device), tuple(rows.codes.shape))
+        self._hold(Int4Kernel(planes, dtype, device, kernel), tuple(rows.codes.shape))
 
     @classmethod
     def from_planes(cls, planes: Int4Kernel, shape: tuple[int, int]) -> Int8Kernel:
@@ -305,6 +333,13 @@ class Int8Kernel(_PackedKernel):
         self.shape = (self.out_features, self.in_features)
         self.many_rows: ManyRows | None = None
 
+    def per_row(self) -> None:
+        super().per_row()
+        self.planes.per_row()
+
+    def call_kernel(self) -> str:
+        return self.planes.call_kernel()
+
     def packed_forward(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
@@ -318,11 +353,11 @@ LinearKernel = DenseKernel | Int4Kernel | Int8Kernel | RefinedHead
 
 
 def packed_kernel(
-    rows: QuantRows, dtype: torch.dtype, device: torch.device
+    rows: QuantRows, dtype: torch.dtype, device: torch.device, kernel: str | None = None
 ) -> Int4Kernel | Int8Kernel:
     if isinstance(rows, Int4Rows):
-        return Int4Kernel(rows, dtype, device)
-    return Int8Kernel(rows, dtype, device)
+        return Int4Kernel(rows, dtype, device, kernel)
+    return Int8Kernel(rows, dtype, device, kernel)
 
 
 def tiles_gemm(kernel: Int4Kernel | Int8Kernel, inputs: str = "bfloat16") -> nn.Module:

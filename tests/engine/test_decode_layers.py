@@ -23,6 +23,7 @@ from engine.kv.sequence import Sequence
 from engine.model.fused_cpu import FusedCpuBackend
 from engine.model.fused_layers import layer_stack
 from engine.runner import ModelRunner
+from engine.weights import int4_tiles
 from wire.params import SamplingParams
 
 
@@ -82,12 +83,21 @@ def _verify(runner: ModelRunner, seqs: list[Sequence]) -> torch.Tensor:
     return runner.verify(seqs[1:], [[11, 12, 13], [21, 22]])
 
 
+@pytest.mark.parametrize("kernel", ["avx512_bf16", "avx512_vnni"])
 @pytest.mark.parametrize("quantization", ["auto", "int8"])
-def test_one_call_gives_the_layer_loops_bits(smollm2: Path, quantization: str) -> None:
+def test_one_call_gives_the_layer_loops_bits(
+    smollm2: Path, quantization: str, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Decode steps of 3 and 2 rows and a speculative verification (k + 1 rows a
     sequence): every logit equal, the one call taken for each of them and for no prefill;
-    on the default's int4 layers and on int8 ones (two nibble planes each)."""
+    on int4 layers and on int8 ones (two nibble planes each), on bfloat16 inputs and on
+    int8 ones (``avx512_vnni``)."""
+    if kernel not in int4_tiles.available_kernels():
+        pytest.skip(f"the {kernel} int4 kernel does not run here")
+    monkeypatch.setenv("PDSERVE_INT4_KERNEL", kernel)
     one_call, loop = _runner(smollm2, quantization), _runner(smollm2, quantization)
+    stack = layer_stack(one_call.model)
+    assert stack is not None and stack.a8 == (kernel == "avx512_vnni")
     calls = _counted(one_call.backend)  # type: ignore[arg-type]
     assert isinstance(loop.backend, FusedCpuBackend)
     loop.backend.decode_layers_op = None

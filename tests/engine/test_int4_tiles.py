@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from engine.weights import int4_tiles
-from engine.weights.linear import Int4Kernel, Int8Kernel, nibble_planes, tiles_gemm
+from engine.weights.linear import (
+    Int4Kernel,
+    Int8Kernel,
+    nibble_planes,
+    prefill_phase,
+    tiles_gemm,
+)
 from engine.weights.quant import Int4Rows, Int8Rows, quantize_int4, quantize_int8
 
 CPU = torch.device("cpu")
@@ -33,6 +39,8 @@ def test_each_kernel_equals_the_float32_product_of_its_rounded_inputs(
     got = kernel(x, None)
     assert got.shape == (21, n) and got.dtype == torch.float32
     # float32 sums (pdserve's kernels) or a bfloat16 product (torch's)
+    if int4_kernel == "avx512_vnni":  # int8 inputs: the product of the quantized rows
+        want = _int8_input_product(x, rows).float()
     tol = 2e-2 if int4_kernel == "torch" else 1e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
@@ -106,7 +114,7 @@ def test_a_kernel_that_cannot_run_is_refused_by_name(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("PDSERVE_INT4_KERNEL", "torch")
     assert int4_tiles.kernel_name() == "torch"
     assert "torch" in int4_tiles.available_kernels()
-    for name in ("amx", "avx512_bf16"):
+    for name in ("amx", "avx512_vnni", "avx512_bf16"):
         if name not in int4_tiles.available_kernels():
             monkeypatch.setenv("PDSERVE_INT4_KERNEL", name)
             with pytest.raises(int4_tiles.Int4KernelUnavailable, match=name):
@@ -201,6 +209,9 @@ def test_the_int8_input_gemm_is_the_exact_sum_of_its_quantized_inputs(
     assert isinstance(gemm, int4_tiles.A8Gemm)
     x = torch.randn(40, 96, generator=gen) * torch.rand(40, 1, generator=gen)
     x[3, :32] = 0.0  # a group of zeros: d = 0
+    monkeypatch.setenv("PDSERVE_INT4_KERNEL", "avx512_vnni")
+    vnni = _packed_layer(bits, torch.Generator().manual_seed(bits))[1]
+    assert vnni.kernel == "avx512_vnni"
     got = gemm(x, torch.float32)
     planes = nibble_planes(rows) if isinstance(rows, Int8Rows) else rows
     want = _int8_input_product(x if bits == 4 else torch.cat((x, x), 1), planes)
@@ -211,8 +222,10 @@ def test_the_int8_input_gemm_is_the_exact_sum_of_its_quantized_inputs(
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for m in (1, 3, 4, 5, 17):
+            for m in (1, 3, 4, 5, 8, 9, 17):  # up to 8 rows: the tiles read straight
                 assert torch.equal(gemm(x[:m], torch.float32), got[:m]), (threads, m)
+                # The avx512_vnni kernel runs the same op at any rows, fed float32.
+                assert torch.equal(vnni(x[:m], None, torch.float32), got[:m]), (threads, m)
     finally:
         torch.set_num_threads(before)
 
@@ -224,3 +237,28 @@ def test_int8_inputs_are_refused_where_they_cannot_run(monkeypatch: pytest.Monke
     monkeypatch.setenv("PDSERVE_INT4_KERNEL", "torch")
     with pytest.raises(int4_tiles.Int4KernelUnavailable, match="torch int4 kernel"):
         int4_tiles.gemm_inputs("int8")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_input_layers_take_bfloat16_pair_dots_in_a_prefill_forward(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``avx512_vnni``: outside a prefill forward, int8 inputs at any rows; inside one
+    (no GEMM held), the ``avx512_bf16`` kernel on the same tiles; after ``per_row``
+    (batch-invariant serving), int8 inputs in both."""
+    available = int4_tiles.available_kernels()
+    if "avx512_vnni" not in available or "avx512_bf16" not in available:
+        pytest.skip("the avx512_vnni int4 kernel does not run here")
+    gen = torch.Generator().manual_seed(bits)
+    monkeypatch.setenv("PDSERVE_INT4_KERNEL", "avx512_bf16")
+    _, pairs = _packed_layer(bits, gen)
+    monkeypatch.setenv("PDSERVE_INT4_KERNEL", "avx512_vnni")
+    _, vnni = _packed_layer(bits, torch.Generator().manual_seed(bits))
+    x = torch.randn(6, 96, generator=gen)
+    a8 = vnni(x, None)
+    assert not torch.equal(a8, pairs(x, None))
+    with prefill_phase():
+        assert torch.equal(vnni(x, None), pairs(x, None))
+    vnni.per_row()
+    with prefill_phase():
+        assert torch.equal(vnni(x, None), a8)

@@ -2,8 +2,8 @@
 // * int4_mm.cpp: int4_mm, amx = false: any rows, AVX-512 BF16 pair-dots;
 // * int4_amx.cpp: int4_mm, amx = true: a few rows on the AMX tile unit, the same sums;
 //   int4_gemm: many rows on AMX, on weights de-quantized to bfloat16 once per call;
-// * int4_a8.cpp: int4_gemm_a8: many rows on AVX-512 VNNI, inputs quantized to int8 (an
-//   opt-in: not the same numbers as the others);
+// * int4_a8.cpp: int4_gemm_a8: any rows on AVX-512 VNNI, inputs quantized to int8 (not the
+//   same numbers as the others: engine/weights/int4_tiles.py ``gemm_inputs``);
 // * elementwise.cpp: silu_mul, the MLP's SiLU(gate) * up in one pass; rope_store, rotary +
 //   K/V store;
 // * decode_attention.cpp, prefill_attention.cpp: attention over the paged KV pool in place
@@ -69,7 +69,7 @@ at::Tensor decode_layers(const at::Tensor& h, at::Tensor residual, at::TensorLis
                          at::TensorList caches, const at::Tensor& slots,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& q_starts, int64_t num_heads, int64_t num_kv_heads,
-                         double scale, bool amx, at::IntArrayRef planes);
+                         double scale, bool amx, at::IntArrayRef planes, bool a8);
 at::Tensor refine_near_logits(at::Tensor out, const at::Tensor& x, const at::Tensor& codes,
                               const at::Tensor& scale, const std::optional<at::Tensor>& bias,
                               int64_t margin_steps, int64_t max_refined);

@@ -37,7 +37,8 @@ const c10::TypedOperatorHandle<AddNorm>& add_norm_op() {
 // gate_up and down weights (outs: their output widths; planes: 1 where that kind is int8,
 // held as two nibble planes, else 0), norms[2l] its post-attention norm's
 // weight and norms[2l + 1] the next layer's input norm's (the last: the final norm's);
-// caches[2l], caches[2l + 1] its K and V views (rope_store's). positions, cos_sin, slots:
+// caches[2l], caches[2l + 1] its K and V views (rope_store's). a8: the products take int8
+// inputs (int4_gemm_a8: the avx512_vnni kernel), else int4_mm. positions, cos_sin, slots:
 // rope_store's; block_tables, seq_lens, q_starts: decode_attention's (one row a sequence).
 // -> (T, hidden) float32: the final norm of the last layer's output (the head's input).
 at::Tensor decode_layers(const at::Tensor& h, at::Tensor residual, at::TensorList tiles,
@@ -46,7 +47,7 @@ at::Tensor decode_layers(const at::Tensor& h, at::Tensor residual, at::TensorLis
                          at::TensorList caches, const at::Tensor& slots,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& q_starts, int64_t num_heads, int64_t num_kv_heads,
-                         double scale, bool amx, at::IntArrayRef planes) {
+                         double scale, bool amx, at::IntArrayRef planes, bool a8) {
   const int64_t layers = int64_t(tiles.size()) / 4;
   TORCH_CHECK(layers >= 1 && int64_t(tiles.size()) == 4 * layers,
               "decode_layers: four packed weights a layer");
@@ -64,9 +65,12 @@ at::Tensor decode_layers(const at::Tensor& h, at::Tensor residual, at::TensorLis
   // over (``Int8Kernel``).
   const auto product = [&](const at::Tensor& in, int64_t l, size_t k) {
     const at::Tensor& w = tiles[size_t(4 * l) + k];
-    if (planes[k] == 0) return int4_mm(in, w, outs[k], amx);
-    const at::Tensor xb = in.to(at::kBFloat16);
-    return int4_mm(at::cat({xb, xb}, 1), w, outs[k], amx);
+    at::Tensor x = in;
+    if (planes[k] != 0) {
+      const at::Tensor xb = in.to(at::kBFloat16);
+      x = at::cat({xb, xb}, 1);
+    }
+    return a8 ? int4_gemm_a8(x, w, outs[k]) : int4_mm(x, w, outs[k], amx);
   };
   at::Tensor x = h;
   for (int64_t l = 0; l < layers; ++l) {

@@ -1,17 +1,20 @@
-// int4_gemm_a8, the int8-input GEMM: many rows on AVX-512 VNNI, int8 inputs times the int4
-// codes. For prefills and large decode batches on CPUs without AMX. Each row's inputs are
-// quantized per group of 32, as llama.cpp quantizes activations for its Q4 dot products (Q8_1):
-// d = max |x| / 127, q = round(x / d) in [-127, 127]. Then
+// int4_gemm_a8, the int8-input product: any rows on AVX-512 VNNI, int8 inputs times the int4
+// codes. Each row's inputs are rounded to bfloat16 (as the bfloat16 paths read them) and
+// quantized per group of 32, as llama.cpp quantizes activations for its Q4 dot products
+// (Q8_1): d = max |x| / 127, q = round(x / d) in [-127, 127]. Then
 //     y[r, n] = sum_g  s[n, g] d[r, g] (sum_{k in g} q[r, k] c[n, k])  +  m[n, g] X[r, g]
 // with X[r, g] = d[r, g] * sum_{k in g} q[r, k], the sum of the quantized inputs (see
 // quantize_rows for why not the exact sum). The code products are exact int32 sums
 // (vpdpbusd: 4 unsigned codes x 4 signed inputs a lane), 64 products an instruction where
 // vdpbf16ps takes 32.
 //
-// Each thread de-quantizes nothing: it widens the codes of its two tiles once per call into
+// Up to kA8StreamRows rows (decode steps, verifications) read the tiles straight from
+// memory, widening each chunk of codes in registers (a8_stream_tile). More rows (prefills,
+// large decode batches): each thread widens the codes of its two tiles once per call into
 // a scratch of whole bytes (the layout vpdpbusd reads) and multiplies every row block by
-// them. A row's quantization and sums do not depend on the rows beside it or the threads,
-// so a row's bits do not depend on its batch.
+// them. A row's quantization and sums do not depend on the rows beside it, the path or the
+// threads (integer sums are exact in any order; the float scaling is the same operations
+// in the same order on both paths), so a row's bits do not depend on its batch.
 
 #define PDSERVE_VNNI_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,f16c,fma")))
@@ -35,17 +38,14 @@ PDSERVE_VNNI_TARGET void quantize_rows(const at::Tensor& x, int64_t groups, int8
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = r * ldx + g * kGroup;
-      __m512 lo, hi;  // inputs 0..15 and 16..31
-      if (wide) {
-        lo = _mm512_loadu_ps(xf + at);
-        hi = _mm512_loadu_ps(xf + at + 16);
-      } else {
-        const __m512i v = _mm512_loadu_si512(xh + at);
-        lo = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 0)), 16));
-        hi = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-      }
+      // The group's 32 bfloat16 values: float32 rounded to nearest even, as torch's cast.
+      const __m512i v = wide ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xf + at + 16),
+                                                           _mm512_loadu_ps(xf + at))
+                             : _mm512_loadu_si512(xh + at);
+      const __m512 lo = _mm512_castsi512_ps(  // inputs 0..15 and 16..31
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 0)), 16));
+      const __m512 hi = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const float d = amax / 127.0f;
       const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
@@ -129,6 +129,55 @@ PDSERVE_VNNI_TARGET void a8_kernel(const int8_t* xq, const float* xd, const floa
   }
 }
 
+// a8_kernel's rows, straight from one packed tile: its codes widened in registers, its s and
+// m converted where they are read; no scratch. For a few rows (a decode step, a
+// verification), where widening a tile into memory costs more than its products: the tiles
+// then stream from memory once, one after another (see int4_mm.cpp ``rows_block``). The
+// scaling takes the values and the order of a8_kernel's, and the code sums are exact
+// integers, so a row gets the same bits on either path.
+template <int RB>
+PDSERVE_VNNI_TARGET void a8_stream_tile(const int8_t* xq, const float* xd, const float* xs,
+                                        int64_t groups, const uint8_t* wt, float* y,
+                                        int64_t ldy, int64_t col, int64_t n) {
+  const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* src = wt + g * kGroupBytes;
+    __m512i dot[RB];
+    for (int r = 0; r < RB; ++r) dot[r] = _mm512_setzero_si512();
+    for (int q = 0; q < 8; ++q) {
+      const __m512i v = _mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + q * 32)));
+      const __m512i w = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nibbles, 0xA8);
+      for (int r = 0; r < RB; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + (r * groups + g) * kGroup + q * 4, 4);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(four));
+      }
+    }
+    const __m512 s16 =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + kCodeBytes)));
+    const __m512 m16 = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + kCodeBytes + 32)));
+    for (int r = 0; r < RB; ++r) {
+      const __m512 s = _mm512_mul_ps(s16, _mm512_set1_ps(xd[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m16, _mm512_set1_ps(xs[r * groups + g]), acc[r]);
+    }
+  }
+  const int64_t left = std::min<int64_t>(kTile, n - col);
+  const __mmask16 mask = left >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy + col, mask, acc[r]);
+}
+
+using StreamFn = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*,
+                          float*, int64_t, int64_t, int64_t);
+constexpr int kA8StreamRows = 8;  // at most this many rows take a8_stream_tile
+constexpr StreamFn kStream[kA8StreamRows + 1] = {
+    nullptr,           a8_stream_tile<1>, a8_stream_tile<2>, a8_stream_tile<3>, a8_stream_tile<4>,
+    a8_stream_tile<5>, a8_stream_tile<6>, a8_stream_tile<7>, a8_stream_tile<8>};
+
 template <int NT>
 PDSERVE_VNNI_TARGET void a8_rows(const int8_t* xq, const float* xd, const float* xs,
                                  int64_t m_rows, int64_t groups, const uint8_t* const (&codes)[NT],
@@ -156,7 +205,8 @@ bool vnni_supported() {
 
 }  // namespace
 
-// x: (M, K) float32 or bfloat16; w: uint8 (T, G, 320); n <= 16 T outputs. -> (M, n) float32.
+// x: (M, K) float32 (rounded to bfloat16 first) or bfloat16; w: uint8 (T, G, 320); n <= 16 T
+// outputs. -> (M, n) float32.
 at::Tensor int4_gemm_a8(const at::Tensor& x_in, const at::Tensor& w, int64_t n) {
   check_gemm("int4_gemm_a8", x_in, w, n);
   const int64_t m_rows = x_in.size(0), k = x_in.size(1), tiles = w.size(0), groups = w.size(1);
@@ -166,14 +216,31 @@ at::Tensor int4_gemm_a8(const at::Tensor& x_in, const at::Tensor& w, int64_t n) 
   const bool direct = (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) &&
                       x_in.stride(1) == 1;
   const at::Tensor x = direct ? x_in : x_in.to(at::kFloat).contiguous();
-  std::vector<int8_t> xq(size_t(m_rows * k));
-  std::vector<float> xd(size_t(m_rows * groups)), xs(size_t(m_rows * groups));
-  at::parallel_for(0, m_rows, 16, [&](int64_t r0, int64_t r1) {
-    quantize_rows(x, groups, xq.data(), xd.data(), xs.data(), r0, r1);
-  });
+  // Per calling thread, kept between calls: no allocation on the decode path.
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd, xs;
+  xq.resize(size_t(m_rows * k));
+  xd.resize(size_t(m_rows * groups));
+  xs.resize(size_t(m_rows * groups));
+  // Pointers, not the vectors, into the lambdas: a thread_local named there would be the
+  // worker thread's own.
+  int8_t* qp = xq.data();
+  float* dp = xd.data();
+  float* sp = xs.data();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = groups * kGroupBytes;
+  if (m_rows <= kA8StreamRows) {
+    quantize_rows(x, groups, qp, dp, sp, 0, m_rows);
+    // Threads split the tiles; a grain keeps each thread's slice long enough to stream.
+    at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        kStream[m_rows](qp, dp, sp, groups, wp + t * tile_bytes, yp, n, t * kTile, n);
+    });
+    return y;
+  }
+  at::parallel_for(0, m_rows, 16,
+                   [&](int64_t r0, int64_t r1) { quantize_rows(x, groups, qp, dp, sp, r0, r1); });
   const int64_t blocks = (tiles + kA8Tiles - 1) / kA8Tiles;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     const size_t code_bytes = size_t(groups) * 8 * 64, sm_floats = size_t(groups) * 32;
@@ -186,11 +253,11 @@ at::Tensor int4_gemm_a8(const at::Tensor& x_in, const at::Tensor& w, int64_t n) 
       if (nt == 2) {
         const uint8_t* const c[2] = {codes, codes + code_bytes};
         const float* const s[2] = {sm, sm + sm_floats};
-        a8_rows<2>(xq.data(), xd.data(), xs.data(), m_rows, groups, c, s, yp, n, t * kTile, n);
+        a8_rows<2>(qp, dp, sp, m_rows, groups, c, s, yp, n, t * kTile, n);
       } else {
         const uint8_t* const c[1] = {codes};
         const float* const s[1] = {sm};
-        a8_rows<1>(xq.data(), xd.data(), xs.data(), m_rows, groups, c, s, yp, n, t * kTile, n);
+        a8_rows<1>(qp, dp, sp, m_rows, groups, c, s, yp, n, t * kTile, n);
       }
     }
     std::free(codes);

@@ -20,7 +20,7 @@ TORCH_LIBRARY(pdserve, m) {
       "decode_layers(Tensor h, Tensor(a!) residual, Tensor[] tiles, int[] outs, Tensor[] norms, "
       "float eps, Tensor positions, Tensor cos_sin, Tensor(b!)[] caches, Tensor slots, "
       "Tensor block_tables, Tensor seq_lens, Tensor q_starts, int num_heads, "
-      "int num_kv_heads, float scale, bool amx, int[] planes) -> Tensor");
+      "int num_kv_heads, float scale, bool amx, int[] planes, bool a8=False) -> Tensor");
   m.def(
       "refine_near_logits(Tensor(a!) out, Tensor x, Tensor codes, Tensor scale, Tensor? bias, "
       "int margin_steps, int max_refined) -> Tensor(a!)");
