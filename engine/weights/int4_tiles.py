@@ -18,9 +18,10 @@ them that runs here):
   (``int4_gemm_a8``: AVX-512 VNNI, 64 products an instruction where pair-dots take 32),
   on CPUs with AVX-512 BF16 and VNNI (Zen 4/5). Not the same numbers as the others: each
   input carries up to half a step of its group's int8 scale. On a 2-core Zen 5 a step's
-  layers take 0.93x ``avx512_bf16``'s time at 1 row, 0.86x at 5 and 0.80x at 8; the LM
+  layers take 0.94x ``avx512_bf16``'s time at 1 row, 0.84x at 5 and 0.79x at 8; the LM
   head stays on ``avx512_bf16`` (``head_kernel``), so logits and logprobs see bfloat16
-  inputs; quality: ``benchmarks/results/perplexity.md``;
+  inputs, and so do prefill forwards (``Int4Kernel.prompt_kernel``); measured:
+  ``benchmarks/results/decode_int8_inputs.md``;
 * ``avx512_bf16``: vector pair-dots (AVX-512 BF16: Zen 4/5, Cooper Lake). On a 2-core
   AMD EPYC (Zen 5) one step's layers cost 0.88x torch's kernel at 1 row, 0.58x at 5,
   0.70x at 8 and 0.57x at 32; on the Xeon above it only matches torch's (one pair-dot a
