@@ -51,8 +51,11 @@ CPU = torch.device("cpu")
 
 
 def _times_identity(kernel: torch.nn.Module, k: int) -> torch.Tensor:
-    """The (N, K) weight a kernel multiplies by, read back through the kernel itself."""
-    return kernel(torch.eye(k), None).T
+    """The (N, K) weight a kernel multiplies by, read back through the kernel itself: in
+    a prefill forward, so ``avx512_vnni`` reads its tiles with bfloat16 pair-dots (its
+    prompt kernel), since an identity row's int8 scale (1 / 127) is not exact."""
+    with prefill_phase():
+        return kernel(torch.eye(k), None).T
 
 
 @pytest.mark.usefixtures("int4_kernel")

@@ -8,7 +8,7 @@
 // (vpdpbusd: 4 unsigned codes x 4 signed inputs a lane), 64 products an instruction where
 // vdpbf16ps takes 32.
 //
-// Up to kA8StreamRows rows (decode steps, verifications) read the tiles straight from
+// Up to kA8StreamMaxRows rows (decode steps, verifications) read the tiles straight from
 // memory, widening each chunk of codes in registers (a8_stream_tile). More rows (prefills,
 // large decode batches): each thread widens the codes of its two tiles once per call into
 // a scratch of whole bytes (the layout vpdpbusd reads) and multiplies every row block by
@@ -173,7 +173,8 @@ PDSERVE_VNNI_TARGET void a8_stream_tile(const int8_t* xq, const float* xd, const
 
 using StreamFn = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*,
                           float*, int64_t, int64_t, int64_t);
-constexpr int kA8StreamRows = 8;  // at most this many rows take a8_stream_tile
+constexpr int kA8StreamRows = 8;       // rows a pass of a8_stream_tile
+constexpr int kA8StreamMaxRows = 16;   // calls of at most this many rows stream the tiles
 constexpr StreamFn kStream[kA8StreamRows + 1] = {
     nullptr,           a8_stream_tile<1>, a8_stream_tile<2>, a8_stream_tile<3>, a8_stream_tile<4>,
     a8_stream_tile<5>, a8_stream_tile<6>, a8_stream_tile<7>, a8_stream_tile<8>};
@@ -230,12 +231,19 @@ at::Tensor int4_gemm_a8(const at::Tensor& x_in, const at::Tensor& w, int64_t n) 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t tile_bytes = groups * kGroupBytes;
-  if (m_rows <= kA8StreamRows) {
+  if (m_rows <= kA8StreamMaxRows) {
     quantize_rows(x, groups, qp, dp, sp, 0, m_rows);
     // Threads split the tiles; a grain keeps each thread's slice long enough to stream.
+    // Past 8 rows a tile is read again for each block of 8 while it sits in L1 (at most
+    // 48 groups x 320 bytes), so memory still sees it once.
     at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        kStream[m_rows](qp, dp, sp, groups, wp + t * tile_bytes, yp, n, t * kTile, n);
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t r0 = 0; r0 < m_rows; r0 += kA8StreamRows) {
+          const int64_t rb = std::min<int64_t>(kA8StreamRows, m_rows - r0);
+          kStream[rb](qp + r0 * k, dp + r0 * groups, sp + r0 * groups, groups,
+                      wp + t * tile_bytes, yp + r0 * n, n, t * kTile, n);
+        }
+      }
     });
     return y;
   }
