@@ -248,11 +248,10 @@ class Int4Kernel(_PackedKernel):
         else:
             self.input_dtype, self.compute_dtype = torch.bfloat16, torch.float32
         self.many_rows: ManyRows | None = None  # see with_gemm
-        # The kernel a prefill forward's calls take here, on the same tiles, where no GEMM
-        # does: bfloat16 pair-dots where this one quantizes its inputs to int8 (a prompt's
-        # rows then get the bits the GEMM's bfloat16 arithmetic would give them, near
-        # enough: its first token's near ties fall as on the bfloat16 kernels); None: this
-        # kernel. ``per_row`` drops it.
+        # The kernel a prefill forward's calls take, on the same tiles, where no GEMM takes
+        # them: bfloat16 pair-dots where this one quantizes its inputs to int8, so a prompt
+        # (which picks the first token, where near ties show most) is computed in bfloat16
+        # as the GEMM would; None: this kernel. ``per_row`` drops it.
         self.prompt_kernel = "avx512_bf16" if kernel == "avx512_vnni" else None
 
     def per_row(self) -> None:

@@ -3,7 +3,7 @@
 // * int4_amx.cpp: int4_mm, amx = true: a few rows on the AMX tile unit, the same sums;
 //   int4_gemm: many rows on AMX, on weights de-quantized to bfloat16 once per call;
 // * int4_a8.cpp: int4_gemm_a8: any rows on AVX-512 VNNI, inputs quantized to int8 (not the
-//   same numbers as the others: engine/weights/int4_tiles.py ``gemm_inputs``);
+//   same numbers as the others: the ``avx512_vnni`` kernel of engine/weights/int4_tiles.py);
 // * elementwise.cpp: silu_mul, the MLP's SiLU(gate) * up in one pass; rope_store, rotary +
 //   K/V store;
 // * decode_attention.cpp, prefill_attention.cpp: attention over the paged KV pool in place
