@@ -5,8 +5,9 @@
 Per step: 30 layers of qkv (576 -> 960), o (576 -> 576), gate_up (576 -> 3072) and down
 (1536 -> 576), random weights quantized to int4 in groups of 32 (as Q4_1); every kernel
 holds the same de-quantized weights. Kernels: the packed int4 kernel (``Int4Kernel``) on
-each int4 kernel this CPU runs (``engine/weights/int4_tiles.py``: pdserve's on AMX tiles or
-AVX-512 BF16 pair-dots, torch's ``_weight_int4pack_mm_for_cpu``), the bfloat16 GEMM on a plain weight (``PlainGemm``, the torch-only path), prepacked for oneDNN
+each int4 kernel this CPU runs (``engine/weights/int4_tiles.py``: pdserve's on AMX tiles,
+on AVX-512 VNNI with int8 inputs or on AVX-512 BF16 pair-dots, torch's
+``_weight_int4pack_mm_for_cpu``), the bfloat16 GEMM on a plain weight (``PlainGemm``, the torch-only path), prepacked for oneDNN
 (``PrepackedGemm``, where this CPU's oneDNN computes bfloat16), VNNI-packed for the kernel
 library's GEMM (``VnniGemm``, where its AVX-512 BF16 build loads), and on AMX the GEMM that
 de-quantizes the int4 tiles once per call (``TilesGemm``), all fed bfloat16 rows; and where
