@@ -64,12 +64,16 @@ def kernel_name() -> str:
     return _resolve(os.environ.get("PDSERVE_INT4_KERNEL", "auto").lower())
 
 
-def head_kernel() -> str:
-    """The int4 kernel of an LM head: this process's, but bfloat16 inputs where it takes
-    int8 ones (the same tiles), so the logits carry no rounding of their inputs beyond
-    bfloat16."""
-    name = kernel_name()
+def bfloat16_inputs(name: str) -> str:
+    """The kernel on the same tiles as ``name`` that takes bfloat16 inputs: ``name`` itself
+    but for ``avx512_vnni`` (int8 inputs), whose is ``avx512_bf16``."""
     return "avx512_bf16" if name == "avx512_vnni" else name
+
+
+def head_kernel() -> str:
+    """The int4 kernel of an LM head: this process's with bfloat16 inputs, so the logits
+    carry no rounding of their inputs beyond bfloat16."""
+    return bfloat16_inputs(kernel_name())
 
 
 def available_kernels() -> list[str]:

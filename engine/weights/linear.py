@@ -252,7 +252,8 @@ class Int4Kernel(_PackedKernel):
         # them: bfloat16 pair-dots where this one quantizes its inputs to int8, so a prompt
         # (which picks the first token, where near ties show most) is computed in bfloat16
         # as the GEMM would; None: this kernel. ``per_row`` drops it.
-        self.prompt_kernel = "avx512_bf16" if kernel == "avx512_vnni" else None
+        prompt = int4_tiles.bfloat16_inputs(kernel)
+        self.prompt_kernel = prompt if prompt != kernel else None
 
     def per_row(self) -> None:
         super().per_row()
