@@ -51,9 +51,21 @@ from wire.params import SamplingParams
 RESULTS = Path(__file__).parents[1] / "results" / "step_roofline.md"
 HZ = 1999
 STEPS_PER_SEQUENCE = 64
+# The packed GEMV's symbols: pair-dots (rows_block, panel_), AMX (tiles_kernel) and int8
+# inputs (a8_*, widen_tile, quantize_rows: the avx512_vnni kernel, its rows quantized per call).
+GEMV = (
+    "rows_block",
+    "tiles_kernel",
+    "panel_",
+    "int4_mm",
+    "int4_gemm",
+    "a8_",
+    "widen_tile",
+    "quantize_rows",
+)
 # (kernel, does it match a perf line's object and symbol); the first match wins.
 KERNELS: list[tuple[str, tuple[str, ...]]] = [
-    ("packed GEMV (layers and head)", ("rows_block", "tiles_kernel", "panel_", "int4_mm")),
+    ("packed GEMV (layers and head)", GEMV),
     ("decode attention", ("decode_attention",)),
     ("other pdserve kernels", ("_kernels.cpython", "_C.abi3")),
     ("OpenMP waits", ("libgomp",)),

@@ -18,6 +18,10 @@ def test_perf_lines_go_to_their_kernels() -> None:
     assert kernel_of(f"{so} [.] pdserve::(anonymous namespace)::rows_block<1>") == (
         "packed GEMV (layers and head)"
     )
+    for a8 in ("a8_stream_tile<1>", "a8_kernel<4, 2>", "quantize_rows", "widen_tile"):
+        # the avx512_vnni kernel's parts: int8 inputs times the int4 tiles
+        got = kernel_of(f"{so} [.] pdserve::(anonymous namespace)::{a8}(signed char const*)")
+        assert got == "packed GEMV (layers and head)", a8
     assert kernel_of(f"{so} [.] pdserve::decode_attention_rows<3, 4, true>") == "decode attention"
     assert kernel_of(f"{so} [.] pdserve::silu_mul_rows") == "other pdserve kernels"
     assert kernel_of("libgomp.so.1 [.] 0x000000000001de62") == "OpenMP waits"
