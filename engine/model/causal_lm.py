@@ -108,11 +108,11 @@ class CausalLM(DirectAttrs):
         graphs, whose outputs stay allocated per batch-size bucket.
         """
         residual = self.embed(input_ids)  # (T, hidden)
-        layers = [self.layer(i) for i in range(len(self.layers))]
-        h = backend.rmsnorm(residual, layers[0].input_norm)
+        h = backend.rmsnorm(residual, self.layer(0).input_norm)
         fused = backend.decode_layers(self, h, residual, pool, meta)
         if fused is not None:  # the same kernels in one call (engine/model/fused_layers.py)
             return fused if rows is None else fused[rows]
+        layers = [self.layer(i) for i in range(len(self.layers))]
         for i, layer in enumerate(layers):
             # NOTE: forward, not __call__ (no hooks here): a module call costs ~0.6 us.
             out = layer.attn.forward(h, pool, meta, backend)
