@@ -35,6 +35,7 @@ from bundled_models.default_model import resolve_model
 from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
+from engine.runner import ModelRunner
 from engine.tokenizer.hf_tokenizer import load_tokenizer
 from wire.params import SamplingParams
 
@@ -88,7 +89,14 @@ def score(
         gemm_inputs="int8" if suffix == "a8" else "bfloat16",
         deterministic=suffix == "det",
     )
-    runner = build_engine(config).runner
+    return score_runner(build_engine(config).runner, ids, window, by_decode)
+
+
+def score_runner(
+    runner: ModelRunner, ids: list[int], window: int, by_decode: bool
+) -> tuple[float, list[int]]:
+    """``score`` on an engine already built (``benchmarks/engine/int8_schemes.py`` swaps its
+    layers' GEMMs first)."""
     rows: list[torch.Tensor] = []
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window + 1]  # the extra token is the last target
