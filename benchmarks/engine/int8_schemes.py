@@ -14,7 +14,12 @@ Schemes, each on every decoder layer's linear calls (the LM head stays as served
 * ``w8a8``: int8 inputs per token times int8 weights per output channel, made from the
   bfloat16 weights: the kernel library's ``int8_scaled_mm_with_quant``;
 * ``w8`` and ``a8-token``: the two halves of ``w8a8`` apart, each emulated in float32 on the
-  bfloat16 weights (no kernel; quality only), to tell which half costs what.
+  bfloat16 weights (no kernel; quality only), to tell which half costs what;
+* ``w8a8-smooth``: ``w8a8`` after moving part of each input channel's range into the
+  weights (SmoothQuant's migration, alpha 0.5: x_j / s_j times W_j s_j, s_j =
+  sqrt(max |x_j| / max |W_j|)), the maxima from a calibration text
+  (``benchmarks/data/calibration.txt``, a frozen copy of ``docs/roles.md``, not the scored
+  text); emulated in float32 (quality only).
 
 Speed: each scheme's GEMMs of one forward's layers at ``--rows`` rows of random inputs,
 the schemes taking turns, median of ``--iters``, as a ratio to ``bf16``. Quality:
@@ -41,14 +46,17 @@ from bundled_models.default_model import resolve_model
 from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kernels import vllm_cpu
+from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
 from engine.tokenizer.hf_tokenizer import load_tokenizer
 from engine.weights import int4_tiles
 from engine.weights.linear import Int4Kernel, Int8Kernel, Linear
+from wire.params import SamplingParams
 
 RESULTS = Path(__file__).parents[1] / "results" / "int8_schemes.md"
-SCHEMES = ("bf16", "a8", "w8a8", "w8", "a8-token")
-EMULATED = ("w8", "a8-token")
+CALIBRATION = Path(__file__).parents[1] / "data" / "calibration.txt"
+SCHEMES = ("bf16", "a8", "w8a8", "w8", "a8-token", "w8a8-smooth")
+EMULATED = ("w8", "a8-token", "w8a8-smooth")
 
 
 def per_row_int8(t: torch.Tensor) -> torch.Tensor:
@@ -84,17 +92,61 @@ class EmulatedGemm(nn.Module):
 
     compute_dtype = torch.float32
 
-    def __init__(self, weight: torch.Tensor, scheme: str) -> None:
+    def __init__(
+        self, weight: torch.Tensor, scheme: str, x_max: torch.Tensor | None = None
+    ) -> None:
+        """``x_max`` (K,): each input channel's largest magnitude on the calibration text,
+        for ``w8a8-smooth``."""
         super().__init__()
         w = weight.float()
-        self.weight = per_row_int8(w) if scheme == "w8" else w
-        self.inputs_per_row = scheme == "a8-token"
+        self.smooth: torch.Tensor | None = None
+        if scheme == "w8a8-smooth":
+            assert x_max is not None
+            self.smooth = (x_max.clamp_min(1e-5) / w.abs().amax(0).clamp_min(1e-5)).sqrt()
+            w = w * self.smooth  # (N, K): channel j scaled by s_j, its inputs divided by it
+        self.weight = per_row_int8(w) if scheme in ("w8", "w8a8-smooth") else w
+        self.inputs_per_row = scheme in ("a8-token", "w8a8-smooth")
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         xf = x.to(torch.bfloat16).float()  # the inputs every GEMM here takes
+        if self.smooth is not None:
+            xf = xf / self.smooth
         if self.inputs_per_row:
             xf = per_row_int8(xf)
         return (xf @ self.weight.T).to(out_dtype or x.dtype)
+
+
+class InputMaxima(nn.Module):
+    """A layer's GEMM that also keeps each input channel's largest magnitude seen."""
+
+    def __init__(self, gemm: nn.Module, in_features: int) -> None:
+        super().__init__()
+        self.gemm, self.compute_dtype = gemm, gemm.compute_dtype
+        self.x_max = torch.zeros(in_features)
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        torch.maximum(self.x_max, x.float().abs().amax(0), out=self.x_max)
+        return self.gemm.forward(x, out_dtype)
+
+
+def calibrate(runner: ModelRunner, ids: list[int], window: int) -> list[torch.Tensor]:
+    """Per layer kernel (``layer_kernels``' order), its input channels' maxima over ``ids``,
+    one prefill a window, as a prompt's forward sees them."""
+    kernels = layer_kernels(runner)
+    probes: list[InputMaxima] = []
+    for kernel in kernels:
+        assert kernel.many_rows is not None
+        probes.append(InputMaxima(kernel.many_rows.gemm, kernel.in_features))
+        kernel.many_rows.gemm = probes[-1]
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window]
+        seq = Sequence(10**9 + start, chunk, sampling=SamplingParams())
+        runner.prefill([(seq, len(chunk))])
+        runner.kv.free_blocks(seq)
+    for kernel, probe in zip(kernels, probes, strict=True):
+        assert kernel.many_rows is not None
+        kernel.many_rows.gemm = probe.gemm
+    return [probe.x_max for probe in probes]
 
 
 def layer_kernels(runner: ModelRunner) -> list[Int4Kernel | Int8Kernel]:
@@ -147,10 +199,15 @@ def build(model: Path, scheme: str, window: int, quantization: str = "auto") -> 
     runner = build_engine(config).runner
     if scheme in ("bf16", "a8"):
         return runner
-    for kernel in layer_kernels(runner):
+    kernels = layer_kernels(runner)
+    maxima: list[torch.Tensor | None] = [None] * len(kernels)
+    if scheme == "w8a8-smooth":
+        text = load_tokenizer(str(model))(CALIBRATION.read_text()).input_ids
+        maxima = list(calibrate(runner, text, window))
+    for kernel, x_max in zip(kernels, maxima, strict=True):
         assert kernel.many_rows is not None
         weight = bf16_weight(kernel)
-        gemm = W8A8Gemm(weight) if scheme == "w8a8" else EmulatedGemm(weight, scheme)
+        gemm = W8A8Gemm(weight) if scheme == "w8a8" else EmulatedGemm(weight, scheme, x_max)
         kernel.many_rows.gemm = gemm
     return runner
 

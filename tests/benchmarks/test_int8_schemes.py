@@ -12,6 +12,7 @@ from benchmarks.engine.int8_schemes import (
     available,
     bf16_weight,
     build,
+    calibrate,
     layer_kernels,
     per_row_int8,
 )
@@ -54,3 +55,22 @@ def test_w8a8_gemm_is_int8_rows_times_int8_channels() -> None:
     want = per_row_int8(x.to(torch.bfloat16).float()) @ per_row_int8(w).T
     rel = float((got - want).norm() / want.norm())
     assert rel < 0.01, rel  # the library rounds its output to bfloat16
+
+
+def test_calibration_keeps_each_layers_input_maxima_and_smoothing_keeps_the_product() -> None:
+    runner = build(tiny_model_dir(), "bf16", 64, quantization="int4")
+    kernels = layer_kernels(runner)
+    before = [k.many_rows.gemm for k in kernels if k.many_rows is not None]
+    maxima = calibrate(runner, list(range(3, 90)), 32)
+    assert [k.many_rows.gemm for k in kernels if k.many_rows is not None] == before  # put back
+    assert len(maxima) == len(kernels)
+    for kernel, x_max in zip(kernels, maxima, strict=True):
+        assert x_max.shape == (kernel.in_features,)
+        assert bool((x_max > 0).all())
+    kernel, x_max = kernels[0], maxima[0]
+    w = bf16_weight(kernel)
+    x = torch.randn(6, kernel.in_features) * x_max  # inputs as large as the text's
+    exact = x.to(torch.bfloat16).float() @ w.T
+    smooth = EmulatedGemm(w, "w8a8-smooth", x_max).forward(x, torch.float32)
+    assert not torch.equal(smooth, exact)
+    assert float((smooth - exact).norm() / exact.norm()) < 0.05
