@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from benchmarks.engine.linear_kernels import Calls, interleaved_ms
 from benchmarks.engine.perplexity import TEXT, score_runner
 from benchmarks.harness.machine import load_average, machine_block
 from bundled_models.default_model import resolve_model
@@ -214,7 +212,7 @@ def build(model: Path, scheme: str, window: int, quantization: str = "auto") -> 
 
 def time_schemes(runners: dict[str, ModelRunner], rows: int, iters: int) -> dict[str, float]:
     """ms for each scheme's layer GEMMs of one forward at ``rows`` rows, taking turns."""
-    calls: dict[str, list[tuple[int, Callable[..., torch.Tensor]]]] = {}
+    calls: dict[str, Calls] = {}
     for scheme, runner in runners.items():
         calls[scheme] = []
         for kernel in layer_kernels(runner):
@@ -222,16 +220,7 @@ def time_schemes(runners: dict[str, ModelRunner], rows: int, iters: int) -> dict
             calls[scheme].append((kernel.in_features, kernel.many_rows.gemm.forward))
     widths = {k for scheme_calls in calls.values() for k, _ in scheme_calls}
     xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in widths}
-    samples: dict[str, list[float]] = {scheme: [] for scheme in calls}
-    with torch.inference_mode():
-        for it in range(iters + 1):
-            for scheme, scheme_calls in calls.items():
-                t0 = time.perf_counter()
-                for k, fn in scheme_calls:
-                    fn(xs[k])
-                if it:  # the first round warms up
-                    samples[scheme].append(time.perf_counter() - t0)
-    return {scheme: statistics.median(s) * 1e3 for scheme, s in samples.items()}
+    return interleaved_ms(calls, xs, iters)
 
 
 def main() -> None:

@@ -45,15 +45,14 @@ from engine.weights.quant import quantize_int4
 RESULTS = Path(__file__).parents[1] / "results" / "linear_kernels.md"
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) per layer
 LAYERS = 30
+Calls = list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]]  # (in_features, kernel)
 
 
-def _kernels() -> dict[str, list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]]]:
+def _kernels() -> dict[str, Calls]:
     """name -> the step's 120 (in_features, kernel) calls."""
     gen = torch.Generator().manual_seed(0)
     int4 = int4_tiles.available_kernels()
-    out: dict[str, list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]]] = {
-        f"packed int4 ({name})": [] for name in int4
-    }
+    out: dict[str, Calls] = {f"packed int4 ({name})": [] for name in int4}
     out["bf16 GEMM, plain weight"] = []
     if prepacked_supported():
         out["bf16 GEMM, prepacked (oneDNN)"] = []
@@ -110,6 +109,24 @@ def _packed(kernel: Int4Kernel) -> Callable[[torch.Tensor], torch.Tensor]:
     return run
 
 
+def interleaved_ms(
+    kernels: dict[str, Calls], xs: dict[int, torch.Tensor], iters: int
+) -> dict[str, float]:
+    """Each kernel's calls in turn, round by round (the first round warms up), on ``xs``'s
+    input of each width -> name: the median of its rounds in ms. Taking turns within a round
+    lets the machine's drift hit every kernel alike."""
+    samples: dict[str, list[float]] = {name: [] for name in kernels}
+    with torch.inference_mode():
+        for it in range(iters + 1):
+            for name, calls in kernels.items():
+                t0 = time.perf_counter()
+                for k, fn in calls:
+                    fn(xs[k])
+                if it:
+                    samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.engine.linear_kernels", description=__doc__
@@ -123,20 +140,11 @@ def main() -> None:
     kernels = _kernels()
     rows = [int(r) for r in args.rows.split(",")]
     times: dict[str, dict[int, float]] = {name: {} for name in kernels}
-    with torch.inference_mode():
-        for m in rows:
-            xs = {k: torch.randn(m, k).to(torch.bfloat16) for k, _ in SHAPES}
-            samples: dict[str, list[float]] = {name: [] for name in kernels}
-            for it in range(args.iters + 1):
-                for name, calls in kernels.items():
-                    t0 = time.perf_counter()
-                    for k, fn in calls:
-                        fn(xs[k])
-                    if it:  # the first round warms up
-                        samples[name].append(time.perf_counter() - t0)
-            for name in kernels:
-                times[name][m] = statistics.median(samples[name]) * 1e3
-                print(f"{name} rows {m}: {times[name][m]:.2f} ms", flush=True)
+    for m in rows:
+        xs = {k: torch.randn(m, k).to(torch.bfloat16) for k, _ in SHAPES}
+        for name, ms in interleaved_ms(kernels, xs, args.iters).items():
+            times[name][m] = ms
+            print(f"{name} rows {m}: {ms:.2f} ms", flush=True)
     load = load_average()
     lines = [
         "# The linear layers of one SmolLM2-135M step, by kernel and rows",
