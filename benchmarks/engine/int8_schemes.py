@@ -38,11 +38,10 @@ import torch
 from torch import nn
 
 from benchmarks.engine.linear_kernels import Calls, interleaved_ms
-from benchmarks.engine.perplexity import TEXT, score_runner
+from benchmarks.engine.perplexity import TEXT, engine_config, score, score_runner
 from benchmarks.harness.machine import load_average, machine_block
 from bundled_models.default_model import resolve_model
 from engine.build import build_engine
-from engine.config import EngineConfig
 from engine.kernels import vllm_cpu
 from engine.kv.sequence import Sequence
 from engine.runner import ModelRunner
@@ -57,10 +56,17 @@ SCHEMES = ("bf16", "a8", "w8a8", "w8", "a8-token", "w8a8-smooth")
 EMULATED = ("w8", "a8-token", "w8a8-smooth")
 
 
-def per_row_int8(t: torch.Tensor) -> torch.Tensor:
-    """t (R, C) float32 rounded to int8 steps of max |row| / 127, one step a row."""
+def int8_codes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (R, C) float32 -> its int8 codes (R, C) as float32 and each row's step (R, 1),
+    max |row| / 127."""
     step = t.abs().amax(1, keepdim=True).clamp_min(1e-30) / 127
-    return torch.round(t / step).clamp(-127, 127) * step
+    return torch.round(t / step).clamp(-127, 127), step
+
+
+def per_row_int8(t: torch.Tensor) -> torch.Tensor:
+    """t (R, C) float32 rounded to int8 steps, one step a row (``int8_codes``)."""
+    codes, step = int8_codes(t)
+    return codes * step
 
 
 class W8A8Gemm(nn.Module):
@@ -71,10 +77,9 @@ class W8A8Gemm(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        w = weight.float()
-        self.scale = w.abs().amax(1).clamp_min(1e-30) / 127  # (N,)
-        codes = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.codes = torch.ops._C.convert_weight_packed(codes.contiguous())
+        codes, step = int8_codes(weight.float())
+        self.scale = step.view(-1)  # (N,)
+        self.codes = torch.ops._C.convert_weight_packed(codes.to(torch.int8).contiguous())
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         xb = x.to(torch.bfloat16).contiguous()
@@ -85,8 +90,9 @@ class W8A8Gemm(nn.Module):
 
 
 class EmulatedGemm(nn.Module):
-    """One half of W8A8 in float32: ``w8`` rounds the weights per output channel, ``a8-token``
-    each call's rows per row. x: (T, K) -> (T, N)."""
+    """W8A8's parts in float32: ``w8`` rounds the weights per output channel, ``a8-token``
+    each call's rows per row, ``w8a8-smooth`` both after moving part of each input
+    channel's range into the weights. x: (T, K) -> (T, N)."""
 
     compute_dtype = torch.float32
 
@@ -186,15 +192,8 @@ def available(scheme: str) -> bool:
 def build(model: Path, scheme: str, window: int, quantization: str = "auto") -> ModelRunner:
     """The model as served (``quantization``: its weights' storage), every layer call on
     ``scheme``'s GEMM (from one row on)."""
-    config = EngineConfig(
-        model=str(model),
-        quantization=quantization,
-        kv_cache_tokens=window + 64,
-        large_batch_gemm=True,
-        gemm_min_rows=1,
-        gemm_inputs="int8" if scheme == "a8" else "bfloat16",
-    )
-    runner = build_engine(config).runner
+    on = "a8" if scheme == "a8" else "gemm"  # perplexity's suffixes: every call on the GEMM
+    runner = build_engine(engine_config(model, f"{quantization}+{on}", window)).runner
     if scheme in ("bf16", "a8"):
         return runner
     kernels = layer_kernels(runner)
@@ -238,10 +237,7 @@ def main() -> None:
     model = resolve_model(args.model)
     schemes = [s for s in SCHEMES if available(s)]
     ids = load_tokenizer(str(model))(TEXT.read_text()).input_ids
-    ref_config = EngineConfig(
-        model=str(model), quantization="none", kv_cache_tokens=args.window + 64
-    )
-    ref_nll, ref_argmax = score_runner(build_engine(ref_config).runner, ids, args.window, False)
+    ref_nll, ref_argmax = score(model, "none", ids, args.window, False)
     quality: dict[str, tuple[float, float]] = {}
     runners: dict[str, ModelRunner] = {}
     for scheme in schemes:

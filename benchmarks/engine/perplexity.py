@@ -74,12 +74,20 @@ def score(
     from decode attention over the KV cache as serving reads it (bfloat16 for packed
     weights); otherwise a window is one prefill, which attends over fresh K and V.
     """
+    return score_runner(
+        build_engine(engine_config(model, quantization, window)).runner, ids, window, by_decode
+    )
+
+
+def engine_config(model: Path, quantization: str, window: int) -> EngineConfig:
+    """The engine ``score`` builds for a storage name (``auto+gemm``, ``int4+a8@bfloat16``:
+    see the module's docstring), its KV pool a window long."""
     quantization, _, dtype = quantization.partition("@")  # "auto@bfloat16": activations too
     storage, _, suffix = quantization.partition("+")
     # "gemm": every call on the GEMM, from one row on, fed bfloat16; "a8": fed int8;
     # "det": batch-invariant (a prefill's layers on the GEMM, the LM head packed)
     gemm = suffix in ("gemm", "a8", "det")
-    config = EngineConfig(
+    return EngineConfig(
         model=str(model),
         dtype=dtype or "auto",
         quantization=storage,
@@ -89,7 +97,6 @@ def score(
         gemm_inputs="int8" if suffix == "a8" else "bfloat16",
         deterministic=suffix == "det",
     )
-    return score_runner(build_engine(config).runner, ids, window, by_decode)
 
 
 def score_runner(
