@@ -10,8 +10,8 @@ copy and no release.
 
 Each ``step()`` is a mixed schedule, as a co-located engine runs it:
     admit queued requests while running + prefilling < max_num_seqs
-    -> plan the prefill chunks (the chunk budget, a quarter of it on CPU while
-       ``BUSY_ROWS`` requests are in; their blocks reserved) and run them
+    -> plan the prefill chunks (the chunk budget; on CPU at most ``SHARED_CHUNK``
+       while other requests are in; their blocks reserved) and run them
     -> first tokens of finished prefills, which join the running batch
     -> one decode row per running request (those that just joined included)
 With ``EngineConfig.mixed_batches`` (``--mixed-batches``) the chunks and the decode rows
@@ -50,17 +50,17 @@ from wire.records import Finish, GenerateRequest, KVTransfer, TokenBatch
 
 logger = logging.getLogger(__name__)
 
-# On CPU, while this many requests are in the worker (decoding, prefilling or queued), a
-# step's prompt chunks get a quarter of the chunk budget (at least SMALL_CHUNK tokens):
-# each prefill step stalls every running request, so under a full batch short chunks keep
-# them moving and start newcomers sooner. Measured on a 2-core Zen 5, 256-token prompts,
-# closed loop (benchmarks/results/chunk_budget.md), against the whole budget always: at 24
-# and 32 streams TTFT p50 0.26-0.28x, ITL p99 0.31x, throughput 0.99-1.07x, TPOT p50
-# 1.25-1.30x; at 16 streams (with 16 here) TTFT 0.45x but ITL p99 1.49x, and at 8 a fixed
-# 512 cost throughput (0.92x), so below this the whole budget stays. A GPU's prefill wants
-# its long chunks: not there. The in-process ``LLM`` follows the same rule.
-BUSY_ROWS = 24
-SMALL_CHUNK = 512
+# On CPU, while more than one request is in the worker (decoding, prefilling or queued), a
+# step takes at most SHARED_CHUNK prompt tokens; a request alone takes the whole budget.
+# Each prefill step stalls every running request, so short chunks keep them moving and start
+# newcomers sooner; and prompts that arrive together, prefilled in one step, would decode in
+# lockstep, end together and (under a closed loop) come back together, each wave's first
+# tokens waiting for all its prompts. A step a prompt (at 256 tokens) staggers them. On a
+# 2-core Zen 5, 256-token prompts, closed loop (benchmarks/results/chunk_budget.md), against
+# the whole budget below 24 requests and 512 from there: at 8 streams TTFT p50 0.25x and
+# throughput 1.18x, for TPOT p50 1.49x. A GPU's prefill wants its long chunks: not there.
+# The in-process ``LLM`` follows the same rule.
+SHARED_CHUNK = 256
 
 
 class NoKVTransfers(KVReceiver):
@@ -100,10 +100,8 @@ class ColocatedScheduler:
         self.max_num_seqs = max_num_seqs
         self.prefill = PrefillScheduler(engine, worker_index, chunk_budget, keep_kv=True)
         self.chunk_budget = chunk_budget
-        self.busy_budget = (
-            min(chunk_budget, max(SMALL_CHUNK, chunk_budget // 4))
-            if runner.device.type == "cpu"
-            else chunk_budget
+        self.shared_budget = (
+            min(chunk_budget, SHARED_CHUNK) if runner.device.type == "cpu" else chunk_budget
         )
         self.decode = DecodeScheduler(engine, receiver or NoKVTransfers(), max_num_seqs)
         self.prefill.exports = receiver is not None
@@ -155,9 +153,8 @@ class ColocatedScheduler:
         the decode's."""
         self._feed_prefill()
         out = ColocatedStep()
-        # Queued past max_num_seqs does not count: that many at most decode at once.
-        busy = min(self.num_running + self.num_waiting, self.max_num_seqs) >= BUSY_ROWS
-        self.prefill.chunk_budget = self.busy_budget if busy else self.chunk_budget
+        shared = self.num_running + self.num_waiting > 1
+        self.prefill.chunk_budget = self.shared_budget if shared else self.chunk_budget
         chunks = self.prefill.plan()
         spans = [(p.seq, n) for p, n in chunks]
         dec, pre = None, None

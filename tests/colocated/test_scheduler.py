@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from colocated.scheduler import BUSY_ROWS, SMALL_CHUNK, ColocatedScheduler, NoKVTransfers
+from colocated.scheduler import SHARED_CHUNK, ColocatedScheduler, NoKVTransfers
 from decode.scheduler import DecodeScheduler, DecodeStep
 from engine.build import build_engine
 from engine.config import EngineConfig
@@ -258,41 +258,39 @@ def test_mixed_batches_run_chunks_and_decode_rows_in_one_forward(default_model_p
     assert mixed == separate and all(len(v) == 8 for v in mixed.values())
 
 
-@pytest.mark.parametrize("running", [BUSY_ROWS - 2, BUSY_ROWS - 1])
-def test_a_busy_cpu_worker_prefills_in_shorter_chunks(
-    default_model_path: Path, running: int
+@pytest.mark.parametrize("others", [0, 1])
+def test_a_cpu_worker_shared_by_requests_prefills_in_shorter_chunks(
+    default_model_path: Path, others: int
 ) -> None:
-    """With BUSY_ROWS requests in the worker, the newcomer counted, its prompt goes in
-    chunks of a quarter of the budget (at least SMALL_CHUNK); with one fewer, in one
-    chunk of the whole budget."""
+    """A prompt alone in the worker goes in one chunk of the whole budget; with another
+    request in (decoding, or queued beside it), in chunks of SHARED_CHUNK."""
     engine = build_engine(EngineConfig(model=str(default_model_path), num_kv_blocks=512))
     sched = ColocatedScheduler(engine, worker_index=0, chunk_budget=2048, max_num_seqs=64)
-    assert sched.busy_budget == SMALL_CHUNK
+    assert sched.shared_budget == SHARED_CHUNK
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    for rid in range(running):
+    for rid in range(others):
         sched.add(_req(rid, [5 + rid] * 4, params))
-    while sched.num_running < running:
+    while sched.num_running < others:
         sched.step()
     sched.add(_req(99, [7] * 1200, params))
     ran = sched.step().ran_prefill_tokens
-    assert ran == (SMALL_CHUNK if running + 1 >= BUSY_ROWS else 1200)
+    assert ran == (SHARED_CHUNK if others else 1200)
     while sched.prefill.waiting:  # the rest of the prompt in the chunks left, to its end
         sched.step()
     assert 99 in sched.decode.running
 
 
-def test_a_budget_below_the_small_chunk_or_a_short_batch_keeps_the_whole_budget(
+def test_prompts_that_arrive_together_are_prefilled_a_chunk_a_step(
     default_model_path: Path,
 ) -> None:
+    """Two prompts queued at once, nothing decoding: the first step takes SHARED_CHUNK of
+    them, not both; a budget below SHARED_CHUNK stays as it is."""
     engine = build_engine(EngineConfig(model=str(default_model_path), num_kv_blocks=256))
     small = ColocatedScheduler(engine, worker_index=0, chunk_budget=48, max_num_seqs=64)
-    assert small.busy_budget == 48
-    # At most max_num_seqs decode at once: a longer queue does not make the worker busy.
-    few = ColocatedScheduler(engine, worker_index=0, chunk_budget=2048, max_num_seqs=8)
+    assert small.shared_budget == 48
+    sched = ColocatedScheduler(engine, worker_index=0, chunk_budget=2048, max_num_seqs=8)
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    for rid in range(BUSY_ROWS):
-        few.add(_req(rid, [5 + rid] * 4, params))
-    few.add(_req(99, [7] * 1200, params))
-    while few.num_running < 8:
-        few.step()
-    assert few.prefill.chunk_budget == 2048
+    sched.add(_req(0, [5] * SHARED_CHUNK, params))
+    sched.add(_req(1, [6] * SHARED_CHUNK, params))
+    assert sched.step().ran_prefill_tokens == SHARED_CHUNK
+    assert sched.num_running == 1 and sched.prefill.num_waiting == 1
