@@ -57,8 +57,9 @@ logger = logging.getLogger(__name__)
 # lockstep, end together and (under a closed loop) come back together, each wave's first
 # tokens waiting for all its prompts. A step a prompt (at 256 tokens) staggers them. On a
 # 2-core Zen 5, 256-token prompts, closed loop (benchmarks/results/chunk_budget.md), against
-# the whole budget below 24 requests and 512 from there: at 8 streams TTFT p50 0.25x and
-# throughput 1.18x, for TPOT p50 1.49x. A GPU's prefill wants its long chunks: not there.
+# the whole budget below 24 requests and 512 from there: TTFT p50 0.27x / 0.23x / 0.55x at
+# 8 / 16 / 32 streams, throughput 1.00-1.08x, TPOT p50 1.67x / 1.37x / 1.05x. A GPU's
+# prefill wants its long chunks: not there.
 # The in-process ``LLM`` follows the same rule.
 SHARED_CHUNK = 256
 
