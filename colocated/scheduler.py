@@ -42,7 +42,7 @@ from decode.scheduler import DecodeScheduler
 from engine.build import Engine
 from engine.kv.sequence import Sequence
 from prefill.forks import PrefillRequest
-from prefill.scheduler import Intake, PrefillScheduler, PrefillStep
+from prefill.scheduler import SHARED_CHUNK, Intake, PrefillScheduler, PrefillStep
 from transport.errors import KVTransferError
 from transport.kv import KVReceiver
 from transport.worker_load import WorkerLoad
@@ -51,17 +51,16 @@ from wire.records import Finish, GenerateRequest, KVTransfer, TokenBatch
 logger = logging.getLogger(__name__)
 
 # On CPU, while more than one request is in the worker (decoding, prefilling or queued), a
-# step takes at most SHARED_CHUNK prompt tokens; a request alone takes the whole budget.
-# Each prefill step stalls every running request, so short chunks keep them moving and start
-# newcomers sooner; and prompts that arrive together, prefilled in one step, would decode in
-# lockstep, end together and (under a closed loop) come back together, each wave's first
-# tokens waiting for all its prompts. A step a prompt (at 256 tokens) staggers them. On a
-# 2-core Zen 5, 256-token prompts, closed loop (benchmarks/results/chunk_budget.md), against
-# the whole budget below 24 requests and 512 from there: TTFT p50 0.27x / 0.23x / 0.55x at
-# 8 / 16 / 32 streams, throughput 1.00-1.08x, TPOT p50 1.67x / 1.37x / 1.05x. A GPU's
-# prefill wants its long chunks: not there.
-# The in-process ``LLM`` follows the same rule.
-SHARED_CHUNK = 256
+# step takes at most SHARED_CHUNK prompt tokens (prefill/scheduler.py); a request alone
+# takes the whole budget. Each prefill step stalls every running request, so short chunks
+# keep them moving and start newcomers sooner; and prompts that arrive together, prefilled
+# in one step, would decode in lockstep, end together and (under a closed loop) come back
+# together, each wave's first tokens waiting for all its prompts. A step a prompt (at 256
+# tokens) staggers them. On a 2-core Zen 5, 256-token prompts, closed loop
+# (benchmarks/results/chunk_budget.md), against the whole budget below 24 requests and 512
+# from there: TTFT p50 0.27x / 0.23x / 0.55x at 8 / 16 / 32 streams, throughput
+# 1.00-1.08x, TPOT p50 1.67x / 1.37x / 1.05x. A GPU's prefill wants its long chunks: not
+# there. The in-process ``LLM`` follows the same rule.
 
 
 class NoKVTransfers(KVReceiver):
@@ -155,8 +154,7 @@ class ColocatedScheduler:
         self._feed_prefill()
         out = ColocatedStep()
         shared = self.num_running + self.num_waiting > 1
-        self.prefill.chunk_budget = self.shared_budget if shared else self.chunk_budget
-        chunks = self.prefill.plan()
+        chunks = self.prefill.plan(self.shared_budget if shared else self.chunk_budget)
         spans = [(p.seq, n) for p, n in chunks]
         dec, pre = None, None
         if chunks and self.mixed:

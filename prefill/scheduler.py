@@ -42,6 +42,12 @@ from wire.records import Finish, GenerateRequest, KVTransfer, TokenBatch
 
 logger = logging.getLogger(__name__)
 
+# On CPU, while more than one request waits, a prefill step takes at most this many prompt
+# tokens: prompts that arrive together then leave one a step, each first token (and KV
+# handoff) not waiting for one forward over the whole burst; at 256 rows a forward's GEMMs
+# run at the arithmetic rate of longer ones. Co-located workers apply it to every request
+# in (their decode rows wait for each prefill step): measurements in colocated/scheduler.py.
+SHARED_CHUNK = 256
 LOAD_POLL_S = 0.005  # with nothing to run, how long a step waits on a parked tier-3 load
 
 
@@ -174,16 +180,19 @@ class PrefillScheduler:
     # ---- one step ----------------------------------------------------------------------
 
     def step(self) -> PrefillStep:
-        """Run one batched prefill over as many waiting chunks as the budget and KV allow."""
-        chunks = self.plan()
+        """Run one batched prefill over as many waiting chunks as the budget and KV allow
+        (on CPU at most ``SHARED_CHUNK`` tokens while more than one request waits)."""
+        shared = len(self.waiting) > 1 and self.runner.device.type == "cpu"
+        chunks = self.plan(min(self.chunk_budget, SHARED_CHUNK) if shared else None)
         logits = self.runner.prefill([(p.seq, n) for p, n in chunks]) if chunks else None
         return self.finish(chunks, logits)
 
-    def plan(self) -> list[tuple[PrefillRequest, int]]:
-        """``step``'s first half: this step's chunks, their KV blocks reserved. The caller
-        runs them (``runner.prefill``, or one forward with other rows: the co-located
-        scheduler's decode batch) and hands their logits to ``finish``."""
-        return self._plan()
+    def plan(self, budget: int | None = None) -> list[tuple[PrefillRequest, int]]:
+        """``step``'s first half: this step's chunks, at most ``budget`` tokens (None: the
+        chunk budget), their KV blocks reserved. The caller runs them (``runner.prefill``, or
+        one forward with other rows: the co-located scheduler's decode batch) and hands
+        their logits to ``finish``."""
+        return self._plan(self.chunk_budget if budget is None else budget)
 
     def finish(
         self, chunks: list[tuple[PrefillRequest, int]], logits: torch.Tensor | None
@@ -267,7 +276,7 @@ class PrefillScheduler:
                 out.append((row, f))
         return out
 
-    def _plan(self) -> list[tuple[PrefillRequest, int]]:
+    def _plan(self, budget: int) -> list[tuple[PrefillRequest, int]]:
         """FCFS chunks within the token budget. Past the first request KV cannot hold, no
         new request starts; those already holding blocks may still take a chunk (finishing
         them frees blocks), and parked requests whose reads are done are settled.
@@ -277,7 +286,7 @@ class PrefillScheduler:
         finish and a parked request past it never settle: ``loading`` would stay true and
         the co-located scheduler would wait on reads that are done instead of preempting.
         """
-        budget, chunks, full = self.chunk_budget, [], False
+        chunks, full = [], False
         for p in list(self.waiting):
             if budget <= 0:
                 break

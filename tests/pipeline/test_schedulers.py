@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from decode.scheduler import DecodeScheduler
-from prefill.scheduler import PrefillScheduler
+from prefill.scheduler import SHARED_CHUNK, PrefillScheduler
 from tests.pipeline.drive import pair, run
 from wire.params import SamplingParams
 from wire.records import Finish, GenerateRequest
@@ -96,3 +96,34 @@ def test_abort_frees_blocks_everywhere(default_model_path: Path) -> None:
     assert prefill.waiting == deque()
     assert decode.running == {} and decode.runner.kv.allocator.num_used == 0
     assert prefill.runner.kv.allocator.num_pinned == 0 and prefill.runner.kv.allocator.num_used == 0
+
+
+def test_a_cpu_prefill_step_takes_one_chunk_of_a_burst(default_model_path: Path) -> None:
+    """With more than one prompt waiting, a CPU prefill step takes SHARED_CHUNK tokens, so
+    the first prompt's token and KV handoff leave before the others are computed; a prompt
+    alone takes the whole budget. First tokens are those of any other budget."""
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = {0: [5] * SHARED_CHUNK, 1: [6] * SHARED_CHUNK, 2: [7] * 600}
+
+    def go(budget: int) -> tuple[list[int], dict[int, int]]:
+        prefill, _ = pair(default_model_path, chunk_budget=budget)
+        ran, first = [], {}
+        for rid in (0, 1):
+            prefill.add(GenerateRequest(rid, prompts[rid], params, 0, 0))
+        for step in range(12):
+            if step == 2:  # prompt 1 is alone by now, or not, by the budget
+                prefill.add(GenerateRequest(2, prompts[2], params, 0, 0))
+            out = prefill.step()
+            ran.append(out.ran_tokens)
+            for batch in out.tokens.values():
+                first.update(zip(batch.rids.tolist(), batch.token_ids.tolist()))
+            if step >= 2 and not prefill.waiting:
+                break
+        return ran, first
+
+    ran, first = go(2048)
+    # Two waiting: one chunk of SHARED_CHUNK; then each alone: its whole prompt.
+    assert ran == [SHARED_CHUNK, SHARED_CHUNK, 600]
+    small_ran, small_first = go(SHARED_CHUNK // 2)  # a budget below it stays as it is
+    assert max(small_ran) == SHARED_CHUNK // 2 and sum(small_ran) == 2 * SHARED_CHUNK + 600
+    assert first == small_first and set(first) == {0, 1, 2}
