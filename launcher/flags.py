@@ -234,7 +234,7 @@ def _engine(g: argparse._ActionsContainer, d: ServerConfig) -> None:
         type=int,
         default=d.chunked_prefill_size,
         help="most prompt tokens a prefill step processes; longer prompts are split (a "
-        "co-located CPU worker takes at most 256 a step while more than one request is in)",
+        "CPU worker takes at most 256 a step while more than one request is in it)",
     )
     add(
         "--mixed-batches",

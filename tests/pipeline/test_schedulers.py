@@ -107,7 +107,8 @@ def test_a_cpu_prefill_step_takes_one_chunk_of_a_burst(default_model_path: Path)
 
     def go(budget: int) -> tuple[list[int], dict[int, int]]:
         prefill, _ = pair(default_model_path, chunk_budget=budget)
-        ran, first = [], {}
+        ran: list[int] = []
+        first: dict[int, int] = {}
         for rid in (0, 1):
             prefill.add(GenerateRequest(rid, prompts[rid], params, 0, 0))
         for step in range(12):
