@@ -42,7 +42,7 @@ from decode.scheduler import DecodeScheduler
 from engine.build import Engine
 from engine.kv.sequence import Sequence
 from prefill.forks import PrefillRequest
-from prefill.scheduler import SHARED_CHUNK, Intake, PrefillScheduler, PrefillStep
+from prefill.scheduler import Intake, PrefillScheduler, PrefillStep
 from transport.errors import KVTransferError
 from transport.kv import KVReceiver
 from transport.worker_load import WorkerLoad
@@ -99,10 +99,6 @@ class ColocatedScheduler:
         self.runner = runner = engine.runner
         self.max_num_seqs = max_num_seqs
         self.prefill = PrefillScheduler(engine, worker_index, chunk_budget, keep_kv=True)
-        self.chunk_budget = chunk_budget
-        self.shared_budget = (
-            min(chunk_budget, SHARED_CHUNK) if runner.device.type == "cpu" else chunk_budget
-        )
         self.decode = DecodeScheduler(engine, receiver or NoKVTransfers(), max_num_seqs)
         self.prefill.exports = receiver is not None
         self.releases: Releases = []  # owed to other workers' prefill (aborted handoffs)
@@ -153,8 +149,7 @@ class ColocatedScheduler:
         the decode's."""
         self._feed_prefill()
         out = ColocatedStep()
-        shared = self.num_running + self.num_waiting > 1
-        chunks = self.prefill.plan(self.shared_budget if shared else self.chunk_budget)
+        chunks = self.prefill.plan(shared=self.num_running + self.num_waiting > 1)
         spans = [(p.seq, n) for p, n in chunks]
         dec, pre = None, None
         if chunks and self.mixed:
@@ -232,6 +227,11 @@ class ColocatedScheduler:
     def queued_tokens(self) -> int:
         queued = sum(len(r.prompt_ids) + len(r.output_ids) for r in self.queued)
         return queued + self.prefill.queued_tokens
+
+    @property
+    def shared_budget(self) -> int:
+        """A step's prompt tokens while more than one request is in (``SHARED_CHUNK``)."""
+        return self.prefill.shared_budget
 
     @property
     def num_running(self) -> int:

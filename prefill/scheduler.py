@@ -120,6 +120,9 @@ class PrefillScheduler:
         self.exports = False
         self.index = worker_index
         self.chunk_budget = chunk_budget
+        # A step's budget while others share the worker (``plan(shared=True)``).
+        cpu = engine.runner.device.type == "cpu"
+        self.shared_budget = min(chunk_budget, SHARED_CHUNK) if cpu else chunk_budget
         self.waiting: deque[PrefillRequest] = deque()
         self.pinned = PinnedBlocks()
         self._failed: list[PrefillRequest] = []  # dropped this step: their grammar failed
@@ -182,17 +185,16 @@ class PrefillScheduler:
     def step(self) -> PrefillStep:
         """Run one batched prefill over as many waiting chunks as the budget and KV allow
         (on CPU at most ``SHARED_CHUNK`` tokens while more than one request waits)."""
-        shared = len(self.waiting) > 1 and self.runner.device.type == "cpu"
-        chunks = self.plan(min(self.chunk_budget, SHARED_CHUNK) if shared else None)
+        chunks = self.plan(shared=len(self.waiting) > 1)
         logits = self.runner.prefill([(p.seq, n) for p, n in chunks]) if chunks else None
         return self.finish(chunks, logits)
 
-    def plan(self, budget: int | None = None) -> list[tuple[PrefillRequest, int]]:
-        """``step``'s first half: this step's chunks, at most ``budget`` tokens (None: the
-        chunk budget), their KV blocks reserved. The caller runs them (``runner.prefill``, or
-        one forward with other rows: the co-located scheduler's decode batch) and hands
-        their logits to ``finish``."""
-        return self._plan(self.chunk_budget if budget is None else budget)
+    def plan(self, shared: bool = False) -> list[tuple[PrefillRequest, int]]:
+        """``step``'s first half: this step's chunks, their KV blocks reserved, within the
+        chunk budget (``shared``, other requests in the worker: ``shared_budget``). The
+        caller runs them (``runner.prefill``, or one forward with other rows: the co-located
+        scheduler's decode batch) and hands their logits to ``finish``."""
+        return self._plan(self.shared_budget if shared else self.chunk_budget)
 
     def finish(
         self, chunks: list[tuple[PrefillRequest, int]], logits: torch.Tensor | None

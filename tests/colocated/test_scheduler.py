@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from colocated.scheduler import SHARED_CHUNK, ColocatedScheduler, NoKVTransfers
+from colocated.scheduler import ColocatedScheduler, NoKVTransfers
 from decode.scheduler import DecodeScheduler, DecodeStep
 from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.kv.sequence import Sequence
 from engine.sampling.sampler import SampleOutput
-from prefill.scheduler import PrefillScheduler
+from prefill.scheduler import SHARED_CHUNK, PrefillScheduler
 from transport.errors import KVTransferError
 from wire.params import SamplingParams
 from wire.records import Finish, GenerateRequest, TokenBatch
